@@ -1,0 +1,313 @@
+//! What the planner knows about a model: its family, dimensions and trainable tensors.
+
+use serde::Serialize;
+
+/// Architecture family, inferred from tensor names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    /// GPT-2: learned positions, LayerNorm, GELU MLP, Conv1D weights (`in x out`).
+    Gpt2,
+    /// Llama-style: RoPE, RMSNorm, SwiGLU, grouped-query attention (Llama 2/3, Mistral, Qwen2, …).
+    Llama,
+    /// BERT encoder with a masked-LM head.
+    Bert,
+    /// Unknown architecture: only the tensors are known; estimates are generic.
+    Generic,
+}
+
+impl Family {
+    /// Lower-case name (`gpt2`, `llama`, `bert`, `generic`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "gpt2",
+            Family::Llama => "llama",
+            Family::Bert => "bert",
+            Family::Generic => "generic",
+        }
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Shape hyper-parameters of a transformer, enough to rebuild its tensors and
+/// its op sequence.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelConfig {
+    /// Architecture family.
+    pub family: Family,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Hidden size (`d_model`).
+    pub hidden: usize,
+    /// Attention (query) heads.
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention); equals `heads` for multi-head attention.
+    pub kv_heads: usize,
+    /// MLP inner size.
+    pub intermediate: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Learned position embeddings (GPT-2, BERT); RoPE models keep this as a limit only.
+    pub max_positions: usize,
+    /// Output head shares the token embedding.
+    pub tied_embeddings: bool,
+    /// Llama-style models with biases on the q/k/v projections (Qwen2).
+    pub qkv_bias: bool,
+}
+
+impl ModelConfig {
+    /// GPT-2 small (124M): the built-in default model.
+    pub fn gpt2_small() -> Self {
+        Self::gpt2(12, 768, 12)
+    }
+    /// GPT-2 medium (355M).
+    pub fn gpt2_medium() -> Self {
+        Self::gpt2(24, 1024, 16)
+    }
+    /// A GPT-2-shaped model (vocab 50257, 1024 positions, MLP 4x).
+    pub fn gpt2(layers: usize, hidden: usize, heads: usize) -> Self {
+        ModelConfig {
+            family: Family::Gpt2,
+            layers,
+            hidden,
+            heads,
+            kv_heads: heads,
+            intermediate: 4 * hidden,
+            vocab: 50257,
+            max_positions: 1024,
+            tied_embeddings: true,
+            qkv_bias: false,
+        }
+    }
+    /// Llama-2-7B.
+    pub fn llama2_7b() -> Self {
+        Self::llama(32, 4096, 32, 32, 11008, 32000, false)
+    }
+    /// TinyLlama-1.1B (grouped-query attention, 4 KV heads).
+    pub fn tinyllama_1_1b() -> Self {
+        Self::llama(22, 2048, 32, 4, 5632, 32000, false)
+    }
+    /// A Llama-style model.
+    pub fn llama(
+        layers: usize,
+        hidden: usize,
+        heads: usize,
+        kv_heads: usize,
+        intermediate: usize,
+        vocab: usize,
+        tied_embeddings: bool,
+    ) -> Self {
+        ModelConfig {
+            family: Family::Llama,
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            intermediate,
+            vocab,
+            max_positions: 4096,
+            tied_embeddings,
+            qkv_bias: false,
+        }
+    }
+    /// BERT-base (uncased vocabulary).
+    pub fn bert_base() -> Self {
+        Self::bert(12, 768, 12, 30522)
+    }
+    /// A BERT-shaped encoder (MLP 4x, 512 positions, 2 token types).
+    pub fn bert(layers: usize, hidden: usize, heads: usize, vocab: usize) -> Self {
+        ModelConfig {
+            family: Family::Bert,
+            layers,
+            hidden,
+            heads,
+            kv_heads: heads,
+            intermediate: 4 * hidden,
+            vocab,
+            max_positions: 512,
+            tied_embeddings: true,
+            qkv_bias: true,
+        }
+    }
+
+    /// Size of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.heads.max(1)
+    }
+
+    /// The trainable tensors with their Hub names and shapes, in the order the
+    /// model uses them (tied weights listed once).
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, i, v) = (self.hidden, self.intermediate, self.vocab);
+        let kv = self.kv_heads * self.head_dim();
+        let mut t: Vec<(String, Vec<usize>)> = Vec::new();
+        let mut add = |name: String, shape: &[usize]| t.push((name, shape.to_vec()));
+        match self.family {
+            Family::Gpt2 => {
+                add("wte.weight".into(), &[v, h]);
+                add("wpe.weight".into(), &[self.max_positions, h]);
+                for l in 0..self.layers {
+                    let p = format!("h.{l}.");
+                    add(format!("{p}ln_1.weight"), &[h]);
+                    add(format!("{p}ln_1.bias"), &[h]);
+                    add(format!("{p}attn.c_attn.weight"), &[h, 3 * h]);
+                    add(format!("{p}attn.c_attn.bias"), &[3 * h]);
+                    add(format!("{p}attn.c_proj.weight"), &[h, h]);
+                    add(format!("{p}attn.c_proj.bias"), &[h]);
+                    add(format!("{p}ln_2.weight"), &[h]);
+                    add(format!("{p}ln_2.bias"), &[h]);
+                    add(format!("{p}mlp.c_fc.weight"), &[h, i]);
+                    add(format!("{p}mlp.c_fc.bias"), &[i]);
+                    add(format!("{p}mlp.c_proj.weight"), &[i, h]);
+                    add(format!("{p}mlp.c_proj.bias"), &[h]);
+                }
+                add("ln_f.weight".into(), &[h]);
+                add("ln_f.bias".into(), &[h]);
+            }
+            Family::Llama => {
+                add("model.embed_tokens.weight".into(), &[v, h]);
+                for l in 0..self.layers {
+                    let p = format!("model.layers.{l}.");
+                    add(format!("{p}input_layernorm.weight"), &[h]);
+                    add(format!("{p}self_attn.q_proj.weight"), &[h, h]);
+                    add(format!("{p}self_attn.k_proj.weight"), &[kv, h]);
+                    add(format!("{p}self_attn.v_proj.weight"), &[kv, h]);
+                    if self.qkv_bias {
+                        add(format!("{p}self_attn.q_proj.bias"), &[h]);
+                        add(format!("{p}self_attn.k_proj.bias"), &[kv]);
+                        add(format!("{p}self_attn.v_proj.bias"), &[kv]);
+                    }
+                    add(format!("{p}self_attn.o_proj.weight"), &[h, h]);
+                    add(format!("{p}post_attention_layernorm.weight"), &[h]);
+                    add(format!("{p}mlp.gate_proj.weight"), &[i, h]);
+                    add(format!("{p}mlp.up_proj.weight"), &[i, h]);
+                    add(format!("{p}mlp.down_proj.weight"), &[h, i]);
+                }
+                add("model.norm.weight".into(), &[h]);
+                if !self.tied_embeddings {
+                    add("lm_head.weight".into(), &[v, h]);
+                }
+            }
+            Family::Bert => {
+                let e = "bert.embeddings.";
+                add(format!("{e}word_embeddings.weight"), &[v, h]);
+                add(format!("{e}position_embeddings.weight"), &[self.max_positions, h]);
+                add(format!("{e}token_type_embeddings.weight"), &[2, h]);
+                add(format!("{e}LayerNorm.weight"), &[h]);
+                add(format!("{e}LayerNorm.bias"), &[h]);
+                for l in 0..self.layers {
+                    let p = format!("bert.encoder.layer.{l}.");
+                    for m in ["query", "key", "value"] {
+                        add(format!("{p}attention.self.{m}.weight"), &[h, h]);
+                        add(format!("{p}attention.self.{m}.bias"), &[h]);
+                    }
+                    add(format!("{p}attention.output.dense.weight"), &[h, h]);
+                    add(format!("{p}attention.output.dense.bias"), &[h]);
+                    add(format!("{p}attention.output.LayerNorm.weight"), &[h]);
+                    add(format!("{p}attention.output.LayerNorm.bias"), &[h]);
+                    add(format!("{p}intermediate.dense.weight"), &[i, h]);
+                    add(format!("{p}intermediate.dense.bias"), &[i]);
+                    add(format!("{p}output.dense.weight"), &[h, i]);
+                    add(format!("{p}output.dense.bias"), &[h]);
+                    add(format!("{p}output.LayerNorm.weight"), &[h]);
+                    add(format!("{p}output.LayerNorm.bias"), &[h]);
+                }
+                let c = "cls.predictions.";
+                add(format!("{c}transform.dense.weight"), &[h, h]);
+                add(format!("{c}transform.dense.bias"), &[h]);
+                add(format!("{c}transform.LayerNorm.weight"), &[h]);
+                add(format!("{c}transform.LayerNorm.bias"), &[h]);
+                add(format!("{c}bias"), &[v]);
+            }
+            Family::Generic => {}
+        }
+        t
+    }
+
+    /// Trainable parameter count implied by the shapes (tied weights once).
+    pub fn parameter_count(&self) -> u64 {
+        self.tensors().iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
+    }
+}
+
+/// One trainable tensor as the file describes it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TensorInfo {
+    /// Name in the file.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Stored dtype as safetensors spells it (`F32`, `BF16`, …).
+    pub dtype: String,
+}
+
+impl TensorInfo {
+    /// Number of elements.
+    pub fn elements(&self) -> u64 {
+        self.shape.iter().map(|&d| d as u64).product()
+    }
+}
+
+/// A model as the planner sees it: where it came from, its shape, and its
+/// trainable tensors.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelSpec {
+    /// Path of the weights, or a name for a built-in model.
+    pub source: String,
+    /// Inferred shape. For [`Family::Generic`] only `family` is meaningful.
+    pub config: ModelConfig,
+    /// Trainable tensors (buffers such as GPT-2's `attn.bias` excluded, tied weights once).
+    pub tensors: Vec<TensorInfo>,
+    /// The most common stored dtype.
+    pub dtype: String,
+    /// Bytes of tensor data in the file(s).
+    pub file_bytes: u64,
+    /// What was assumed because neither shapes nor `config.json` said it.
+    pub assumptions: Vec<String>,
+}
+
+impl ModelSpec {
+    /// A model built from a config alone (no file), with fp32 weights.
+    pub fn from_config(source: impl Into<String>, config: ModelConfig) -> Self {
+        let tensors: Vec<TensorInfo> = config
+            .tensors()
+            .into_iter()
+            .map(|(name, shape)| TensorInfo { name, shape, dtype: "F32".into() })
+            .collect();
+        let file_bytes = tensors.iter().map(|t| t.elements() * 4).sum();
+        ModelSpec { source: source.into(), config, tensors, dtype: "F32".into(), file_bytes, assumptions: vec![] }
+    }
+
+    /// The built-in default model: GPT-2 small shape (124,439,808 parameters).
+    pub fn default_model() -> Self {
+        Self::from_config("built-in gpt2 (124M, GPT-2 small shape)", ModelConfig::gpt2_small())
+    }
+
+    /// Trainable parameters (tied weights counted once).
+    pub fn parameters(&self) -> u64 {
+        self.tensors.iter().map(TensorInfo::elements).sum()
+    }
+
+    /// Elements of the largest trainable tensor.
+    pub fn largest_tensor(&self) -> u64 {
+        self.tensors.iter().map(TensorInfo::elements).max().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn published_parameter_counts() {
+        assert_eq!(ModelConfig::gpt2_small().parameter_count(), 124_439_808);
+        assert_eq!(ModelConfig::gpt2_medium().parameter_count(), 354_823_168);
+        assert_eq!(ModelConfig::llama2_7b().parameter_count(), 6_738_415_616);
+        assert_eq!(ModelConfig::tinyllama_1_1b().parameter_count(), 1_100_048_384);
+    }
+}

@@ -1,0 +1,37 @@
+//! Smaller micro-batches with gradient accumulation, global batch held constant.
+
+use crate::{Plan, SearchContext, Strategy};
+
+/// Planner half: step the micro-batch down through the divisors of the per-rank
+/// batch, raising the accumulation count so the global batch stays the same.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Accumulate;
+
+/// Sequences each rank processes per optimizer step.
+pub fn per_rank_batch(plan: &Plan) -> usize {
+    plan.micro_batch * plan.grad_accum
+}
+
+/// Divisors of `n` in ascending order.
+pub fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+fn with_micro_batch(plan: &Plan, micro: usize) -> Plan {
+    let per_rank = per_rank_batch(plan);
+    Plan { micro_batch: micro, grad_accum: per_rank / micro, ..*plan }
+}
+
+impl Strategy for Accumulate {
+    fn name(&self) -> &'static str {
+        "accumulate"
+    }
+    fn tighten(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
+        let next = divisors(per_rank_batch(plan)).into_iter().rev().find(|&d| d < plan.micro_batch)?;
+        Some(with_micro_batch(plan, next))
+    }
+    fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
+        let next = divisors(per_rank_batch(plan)).into_iter().find(|&d| d > plan.micro_batch)?;
+        Some(with_micro_batch(plan, next))
+    }
+}

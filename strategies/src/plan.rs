@@ -1,0 +1,181 @@
+//! The training configuration that the strategies rewrite.
+
+use std::fmt;
+
+/// Numeric precision of the forward and backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Everything in fp32.
+    F32,
+    /// bf16 compute weights and activations, fp32 master weights and optimizer state.
+    Bf16,
+    /// f16 compute, fp32 master weights and optimizer state, dynamic loss scaling.
+    F16,
+}
+
+impl Precision {
+    /// Bytes per value of the compute dtype.
+    pub fn compute_bytes(self) -> u64 {
+        match self {
+            Precision::F32 => 4,
+            Precision::Bf16 | Precision::F16 => 2,
+        }
+    }
+    /// Whether fp32 master weights are kept beside 16-bit compute weights.
+    pub fn is_mixed(self) -> bool {
+        self != Precision::F32
+    }
+    /// Lower-case name (`fp32`, `bf16`, `fp16`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Precision::F32 => "fp32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "fp16",
+        }
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "fp32" | "f32" | "float32" => Ok(Precision::F32),
+            "bf16" | "bfloat16" => Ok(Precision::Bf16),
+            "fp16" | "f16" | "float16" | "half" => Ok(Precision::F16),
+            _ => Err(format!("unknown precision `{s}` (expected fp32, bf16 or fp16)")),
+        }
+    }
+}
+
+/// Which blocks keep only their input for backward and recompute the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Checkpointing {
+    /// Plain autograd: every intermediate is kept until backward.
+    None,
+    /// Every `k`-th block is checkpointed (`Every(1)`: all blocks).
+    Every(usize),
+}
+
+impl Checkpointing {
+    /// Whether block `i` (0-based) of the model is checkpointed.
+    pub fn is_checkpointed(self, i: usize) -> bool {
+        match self {
+            Checkpointing::None => false,
+            Checkpointing::Every(k) => k > 0 && i % k == 0,
+        }
+    }
+    /// How many of `layers` blocks are checkpointed.
+    pub fn checkpointed_blocks(self, layers: usize) -> usize {
+        (0..layers).filter(|&i| self.is_checkpointed(i)).count()
+    }
+}
+
+impl fmt::Display for Checkpointing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Checkpointing::None => f.write_str("none"),
+            Checkpointing::Every(1) => f.write_str("every block"),
+            Checkpointing::Every(k) => write!(f, "every {k} blocks"),
+        }
+    }
+}
+
+/// Which AdamW implementation runs the optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OptimizerImpl {
+    /// `candle_nn::AdamW`: state in the parameter dtype, several temporaries per tensor.
+    CandleAdamW,
+    /// [`adamw::FusedAdamW`](crate::adamw::FusedAdamW): fp32 state, updated in place.
+    FusedAdamW,
+}
+
+impl OptimizerImpl {
+    /// Name used in output (`adamw`, `fused-adamw`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptimizerImpl::CandleAdamW => "adamw",
+            OptimizerImpl::FusedAdamW => "fused-adamw",
+        }
+    }
+}
+
+impl fmt::Display for OptimizerImpl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// ZeRO-style sharding of training state across data-parallel ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Sharding {
+    /// Number of ranks (1: no sharding).
+    pub world_size: usize,
+    /// 0: replicated; 1: optimizer state sharded; 2: also gradients; 3: also parameters.
+    pub stage: u8,
+}
+
+impl Sharding {
+    /// One device, nothing sharded.
+    pub const NONE: Sharding = Sharding { world_size: 1, stage: 0 };
+}
+
+/// A complete training configuration: everything the memory model and the
+/// trainer need to know about how a step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Plan {
+    /// Sequences per forward/backward pass on one rank.
+    pub micro_batch: usize,
+    /// Micro-batches accumulated per optimizer step.
+    pub grad_accum: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Compute precision.
+    pub precision: Precision,
+    /// Activation checkpointing policy.
+    pub checkpoint: Checkpointing,
+    /// Optimizer implementation.
+    pub optimizer: OptimizerImpl,
+    /// Sharding across ranks.
+    pub shard: Sharding,
+}
+
+impl Plan {
+    /// The plan with no fix applied: the whole global batch in one fp32 pass,
+    /// plain autograd, `candle_nn::AdamW`, one device.
+    pub fn baseline(global_batch: usize, seq_len: usize) -> Plan {
+        Plan {
+            micro_batch: global_batch.max(1),
+            grad_accum: 1,
+            seq_len,
+            precision: Precision::F32,
+            checkpoint: Checkpointing::None,
+            optimizer: OptimizerImpl::CandleAdamW,
+            shard: Sharding::NONE,
+        }
+    }
+
+    /// Sequences per optimizer step over all ranks.
+    pub fn global_batch(&self) -> usize {
+        self.micro_batch * self.grad_accum * self.shard.world_size
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "micro-batch {} x{} accum, seq {}, {}, checkpoint {}, {}",
+            self.micro_batch, self.grad_accum, self.seq_len, self.precision, self.checkpoint, self.optimizer
+        )?;
+        if self.shard.world_size > 1 {
+            write!(f, ", ZeRO-{} over {}", self.shard.stage, self.shard.world_size)?;
+        }
+        Ok(())
+    }
+}
