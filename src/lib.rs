@@ -2,6 +2,7 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod memory;
 pub mod spec;
 
 pub use error::{Error, Result};

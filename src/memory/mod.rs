@@ -1,0 +1,200 @@
+//! The memory model: `(ModelSpec, Plan, Target) -> Breakdown`.
+//!
+//! Every term is a named function of the model's shape and the plan, derived
+//! from what the trainer in [`crate::train`] actually allocates in candle. The
+//! model is per device: under sharding it describes one rank.
+//!
+//! A training step has three moments that can hold the peak:
+//!
+//! * **backward**: candle keeps every forward intermediate on the path to a
+//!   parameter alive until the loss is dropped, so the end of backward holds all
+//!   activations, the full set of fresh gradients and the backward's own working
+//!   tensors at once;
+//! * **optimizer step**: gradients plus the optimizer's temporaries;
+//! * everything else is dominated by one of those two.
+
+mod activations;
+mod runtime;
+
+pub use activations::{activation_bytes, block_values, head_values, stem_values, Activations, BlockTerms};
+pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES};
+
+use crate::spec::ModelSpec;
+use oomfix_strategies::{OptimizerImpl, Plan};
+use serde::Serialize;
+
+/// The moment of the step at which the peak occurs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// End of backward (activations and fresh gradients both alive).
+    Backward,
+    /// Inside the optimizer step.
+    OptimizerStep,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Backward => "end of backward",
+            Phase::OptimizerStep => "optimizer step",
+        })
+    }
+}
+
+/// Estimated bytes per component on one device, and the peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Breakdown {
+    /// Compute weights (fp32, or the 16-bit copy under mixed precision).
+    pub weights: u64,
+    /// fp32 master weights kept beside 16-bit compute weights.
+    pub master_weights: u64,
+    /// Gradients as the backward produces them (compute dtype).
+    pub gradients: u64,
+    /// The accumulated gradient set carried between micro-batches.
+    pub accumulated_gradients: u64,
+    /// AdamW first and second moments.
+    pub optimizer_state: u64,
+    /// Forward intermediates alive at the end of the forward.
+    pub activations: u64,
+    /// Tensors the backward allocates on top of activations and parameter gradients.
+    pub backward_transient: u64,
+    /// The optimizer step's temporaries.
+    pub optimizer_transient: u64,
+    /// Device runtime outside the tensors (CUDA context, cuBLAS workspace).
+    pub runtime: u64,
+    /// Peak live bytes over the step.
+    pub peak: u64,
+    /// When the peak occurs.
+    pub peak_phase: Phase,
+}
+
+impl Default for Phase {
+    fn default() -> Self {
+        Phase::Backward
+    }
+}
+
+impl Breakdown {
+    /// The components as `(name, bytes)`, in display order.
+    pub fn components(&self) -> [(&'static str, u64); 9] {
+        [
+            ("weights", self.weights),
+            ("master_weights", self.master_weights),
+            ("gradients", self.gradients),
+            ("accumulated_gradients", self.accumulated_gradients),
+            ("optimizer_state", self.optimizer_state),
+            ("activations", self.activations),
+            ("backward_transient", self.backward_transient),
+            ("optimizer_transient", self.optimizer_transient),
+            ("runtime", self.runtime),
+        ]
+    }
+
+    /// The components that make up the peak, largest first.
+    pub fn peak_components(&self) -> Vec<(&'static str, u64)> {
+        let mut parts: Vec<_> = self
+            .components()
+            .into_iter()
+            .filter(|(name, bytes)| *bytes > 0 && self.in_peak(name))
+            .collect();
+        parts.sort_by(|a, b| b.1.cmp(&a.1));
+        parts
+    }
+
+    fn in_peak(&self, component: &str) -> bool {
+        match self.peak_phase {
+            Phase::Backward => component != "optimizer_transient",
+            Phase::OptimizerStep => !matches!(component, "activations" | "backward_transient"),
+        }
+    }
+}
+
+/// Anything that predicts a plan's memory.
+pub trait Estimator: Send + Sync {
+    /// Bytes per component and the peak, on one device.
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown;
+}
+
+/// The analytic model documented in this module.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryModel;
+
+/// How many times the largest parameter tensor `candle_nn::AdamW` holds in
+/// temporaries during its per-tensor update: each of its ~13 elementwise ops
+/// allocates a full-size output, and since the moments are `Var`s the outputs
+/// stay referenced by the graph until the tensor's update ends.
+pub const CANDLE_ADAMW_TEMPORARIES: u64 = 13;
+
+impl Estimator for MemoryModel {
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
+        let p = spec.parameters();
+        let n = plan.shard.world_size.max(1) as u64;
+        let stage = if n > 1 { plan.shard.stage } else { 0 };
+        let cb = plan.precision.compute_bytes();
+        let shard = |bytes: u64, from_stage: u8| if stage >= from_stage { bytes.div_ceil(n) } else { bytes };
+
+        // Weights: during forward and backward every rank holds all compute weights
+        // (stage 3 gathers them all before the forward); between steps and in the
+        // optimizer step only its shard.
+        let weights = p * cb;
+        let master_weights = if plan.precision.is_mixed() { shard(4 * p, 1) } else { 0 };
+        let gradients = p * cb;
+        let accumulated_gradients = if plan.grad_accum > 1 { shard(p * cb, 2) } else { 0 };
+        let optimizer_state = shard(8 * p, 1);
+        let act = activation_bytes(spec, plan);
+        let optimizer_transient = optimizer_transient(spec, plan);
+        let runtime = target.runtime_bytes();
+
+        let backward = weights
+            + master_weights
+            + optimizer_state
+            + accumulated_gradients
+            + gradients
+            + act.kept
+            + act.backward_transient
+            + runtime;
+        let step_weights = shard(weights, 3);
+        let step = step_weights
+            + master_weights
+            + optimizer_state
+            + shard(gradients, 2)
+            + optimizer_transient
+            + runtime;
+        let (peak, peak_phase) =
+            if step > backward { (step, Phase::OptimizerStep) } else { (backward, Phase::Backward) };
+        Breakdown {
+            weights,
+            master_weights,
+            gradients,
+            accumulated_gradients,
+            optimizer_state,
+            activations: act.kept,
+            backward_transient: act.backward_transient,
+            optimizer_transient,
+            runtime,
+            peak: target.round_up(peak),
+            peak_phase,
+        }
+    }
+}
+
+/// Temporaries of the optimizer step on one rank.
+///
+/// * `candle_nn::AdamW`: [`CANDLE_ADAMW_TEMPORARIES`] copies of the largest
+///   tensor (its per-tensor update allocates that many full-size outputs), plus,
+///   under mixed precision, the fp32 copy of the one 16-bit gradient being
+///   stepped (the trainer steps one tensor at a time and upcasts just its grad).
+/// * fused AdamW: updates in place and reads 16-bit gradients directly: nothing.
+pub fn optimizer_transient(spec: &ModelSpec, plan: &Plan) -> u64 {
+    match plan.optimizer {
+        OptimizerImpl::FusedAdamW => 0,
+        OptimizerImpl::CandleAdamW => {
+            let upcast = if plan.precision.is_mixed() { 4 * spec.largest_tensor() } else { 0 };
+            CANDLE_ADAMW_TEMPORARIES * 4 * spec.largest_tensor() + upcast
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

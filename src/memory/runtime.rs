@@ -1,0 +1,71 @@
+//! What a device costs besides tensors, and how its allocator rounds.
+
+use serde::Serialize;
+
+/// Device memory the CUDA context itself takes (module images, per-thread
+/// stacks, the driver's own heap), measured as `cuMemGetInfo` before and after
+/// context creation on Hopper with CUDA 12–13: 500–600 MiB.
+pub const CUDA_CONTEXT_BYTES: u64 = 576 << 20;
+
+/// cuBLAS workspace per handle on Hopper (documented default: 32 MiB).
+pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
+
+/// Granularity of CUDA's stream-ordered pool reservations (2 MiB pages).
+pub const CUDA_POOL_GRANULARITY: u64 = 2 << 20;
+
+/// Where the plan runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", content = "ordinal", rename_all = "lowercase")]
+pub enum Target {
+    /// Host memory (peak = heap high-water mark).
+    Cpu,
+    /// A CUDA device (`cuda:N`).
+    Cuda(usize),
+}
+
+impl Target {
+    /// Bytes the runtime needs outside of tensors.
+    pub fn runtime_bytes(&self) -> u64 {
+        match self {
+            Target::Cpu => 0,
+            Target::Cuda(_) => CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES,
+        }
+    }
+
+    /// Rounds a peak up to what the allocator reserves for it.
+    pub fn round_up(&self, bytes: u64) -> u64 {
+        match self {
+            Target::Cpu => bytes,
+            Target::Cuda(_) => bytes.div_ceil(CUDA_POOL_GRANULARITY) * CUDA_POOL_GRANULARITY,
+        }
+    }
+
+    /// Whether the device computes in bf16 (CPU via f32 widening; CUDA on sm_80+).
+    pub fn supports_bf16(&self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Cpu => f.write_str("cpu"),
+            Target::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Target {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Target::Cpu),
+            "cuda" => Ok(Target::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Target::Cuda)
+                .ok_or_else(|| format!("unknown device `{s}` (expected cpu, cuda or cuda:N)")),
+        }
+    }
+}

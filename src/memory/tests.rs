@@ -1,0 +1,110 @@
+use super::*;
+use crate::spec::{ModelConfig, ModelSpec};
+use oomfix_strategies::{Checkpointing, Pipeline, Plan, Precision, SearchContext, Sharding};
+use proptest::prelude::*;
+
+fn spec_for(i: usize) -> ModelSpec {
+    let cfg = match i % 3 {
+        0 => ModelConfig::gpt2_small(),
+        1 => ModelConfig::tinyllama_1_1b(),
+        _ => ModelConfig::bert_base(),
+    };
+    ModelSpec::from_config("test", cfg)
+}
+
+fn arb_plan() -> impl Strategy<Value = Plan> {
+    (1usize..16, 1usize..8, 1usize..9, 0usize..3, 0usize..4, any::<bool>(), 1usize..5, 0u8..4).prop_map(
+        |(mb, acc, s, prec, ck, fused, world, stage)| Plan {
+            micro_batch: mb,
+            grad_accum: acc,
+            seq_len: 64 * s,
+            precision: [Precision::F32, Precision::Bf16, Precision::F16][prec],
+            checkpoint: [Checkpointing::None, Checkpointing::Every(4), Checkpointing::Every(2), Checkpointing::Every(1)][ck],
+            optimizer: if fused { OptimizerImpl::FusedAdamW } else { OptimizerImpl::CandleAdamW },
+            shard: Sharding { world_size: world, stage: if world > 1 { stage } else { 0 } },
+        },
+    )
+}
+
+proptest! {
+    /// Every strategy's tighten step never raises the estimate by more than the
+    /// fix's own documented fixed cost, which can outweigh what it saves when
+    /// activations are tiny:
+    /// * accumulate, going from one to several micro-batches: the accumulated
+    ///   gradient set carried between micro-batches;
+    /// * precision under the unfused candle AdamW: an fp32 copy of the gradient
+    ///   being stepped (4 bytes x the largest tensor).
+    /// Every other step must not raise it at all.
+    #[test]
+    fn tightening_never_raises_the_estimate(plan in arb_plan(), i in 0usize..3, target in prop_oneof![Just(Target::Cpu), Just(Target::Cuda(0))]) {
+        let spec = spec_for(i);
+        let ctx = SearchContext { global_batch: plan.global_batch(), gpus: 4, supports_bf16: true, layers: spec.config.layers };
+        let before = MemoryModel.estimate(&spec, &plan, &target).peak;
+        for s in Pipeline::default().strategies() {
+            if let Some(next) = s.tighten(&plan, &ctx) {
+                let after = MemoryModel.estimate(&spec, &next, &target).peak;
+                let allowance = match s.name() {
+                    "precision" if plan.optimizer == OptimizerImpl::CandleAdamW => 4 * spec.largest_tensor(),
+                    "accumulate" if plan.grad_accum == 1 => MemoryModel.estimate(&spec, &next, &target).accumulated_gradients,
+                    _ => 0,
+                };
+                // a fixed cost may cross one more allocator page
+                let allowance = if allowance > 0 { target.round_up(allowance) + target.round_up(1) } else { 0 };
+                prop_assert!(after <= before + allowance, "{} raised {} -> {} ({plan} -> {next})", s.name(), before, after);
+            }
+        }
+    }
+
+    /// A larger micro-batch never lowers the estimate.
+    #[test]
+    fn more_micro_batch_never_lowers_it(plan in arb_plan(), i in 0usize..3, extra in 1usize..8) {
+        let spec = spec_for(i);
+        let bigger = Plan { micro_batch: plan.micro_batch + extra, ..plan };
+        let a = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
+        let b = MemoryModel.estimate(&spec, &bigger, &Target::Cpu);
+        prop_assert!(b.peak >= a.peak);
+        prop_assert!(b.activations >= a.activations);
+    }
+
+    /// Sharding over N divides exactly the components of its stage.
+    #[test]
+    fn sharding_divides_what_it_should(plan in arb_plan(), i in 0usize..3, n in 2usize..9) {
+        let spec = spec_for(i);
+        let one = Plan { shard: Sharding::NONE, grad_accum: 2, ..plan };
+        let one_b = MemoryModel.estimate(&spec, &one, &Target::Cpu);
+        for stage in 1..=3u8 {
+            let sharded = Plan { shard: Sharding { world_size: n, stage }, ..one };
+            let b = MemoryModel.estimate(&spec, &sharded, &Target::Cpu);
+            let n = n as u64;
+            prop_assert_eq!(b.optimizer_state, one_b.optimizer_state.div_ceil(n));
+            prop_assert_eq!(b.master_weights, one_b.master_weights.div_ceil(n));
+            let acc = if stage >= 2 { one_b.accumulated_gradients.div_ceil(n) } else { one_b.accumulated_gradients };
+            prop_assert_eq!(b.accumulated_gradients, acc);
+            prop_assert_eq!(b.activations, one_b.activations);
+            prop_assert!(b.peak <= one_b.peak);
+        }
+    }
+}
+
+#[test]
+fn mixed_precision_model_state_is_16_bytes_per_parameter_with_fused_adamw() {
+    let spec = spec_for(0);
+    let p = spec.parameters();
+    let plan = Plan { precision: Precision::Bf16, optimizer: OptimizerImpl::FusedAdamW, ..Plan::baseline(1, 128) };
+    let b = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
+    assert_eq!(b.weights + b.master_weights + b.gradients + b.optimizer_state, 16 * p);
+    assert_eq!(b.optimizer_transient, 0);
+}
+
+#[test]
+fn checkpointing_keeps_only_segment_inputs() {
+    let spec = spec_for(0);
+    let plain = Plan::baseline(4, 512);
+    let ck = Plan { checkpoint: Checkpointing::Every(1), ..plain };
+    let a = activation_bytes(&spec, &plain);
+    let b = activation_bytes(&spec, &ck);
+    let bsh = 4 * 512 * 768 * 4;
+    assert_eq!(b.kept, stem_values(&spec, &plain) * 4 + 12 * bsh);
+    assert!(a.kept > 10 * b.kept);
+}
+
