@@ -28,6 +28,13 @@ impl Family {
     }
 }
 
+impl Family {
+    /// Whether the family has a learned position table that bounds the sequence length.
+    pub fn has_learned_positions(self) -> bool {
+        matches!(self, Family::Gpt2 | Family::Bert)
+    }
+}
+
 impl std::fmt::Display for Family {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())

@@ -1,0 +1,129 @@
+//! Command-line arguments (clap derive).
+
+use crate::memory::Target;
+use crate::units::parse_bytes;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+/// Find a training configuration that fits in memory.
+///
+/// With no subcommand, `oomfix [OPTIONS] [MODEL]` plans (same as `oomfix plan`).
+#[derive(Debug, Parser)]
+#[command(name = "oomfix", version, about, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// What to do (default: plan).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Planning options when no subcommand is given.
+    #[command(flatten)]
+    pub plan: PlanArgs,
+    /// Logging options.
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Find a plan that fits the budget (the default).
+    Plan(PlanArgs),
+    /// Show what a weights file's header says: family, dimensions, parameters.
+    Inspect(InspectArgs),
+}
+
+/// Which attempts `--verify` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VerifyArg {
+    /// Every attempt whose estimate fits.
+    Fitting,
+    /// Every attempt.
+    All,
+}
+
+/// 16-bit type used by the precision fix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum HalfArg {
+    /// bf16 where the device supports it, else fp16.
+    Auto,
+    /// bf16.
+    Bf16,
+    /// fp16 with dynamic loss scaling.
+    Fp16,
+}
+
+/// Options of `oomfix plan`.
+#[derive(Debug, Clone, Args)]
+pub struct PlanArgs {
+    /// A .safetensors file, a directory of them, or a model.safetensors.index.json
+    /// (default: the built-in GPT-2 small shape).
+    pub model: Option<PathBuf>,
+    /// Memory per device: 8GiB, 7.5GB, 8192MiB, bytes (required).
+    #[arg(short, long, value_parser = parse_bytes, value_name = "SIZE")]
+    pub budget: Option<u64>,
+    /// Tokens per sequence [default: the model's maximum, at most 1024].
+    #[arg(long, value_name = "N")]
+    pub seq_len: Option<usize>,
+    /// Sequences per optimizer step, held constant by every fix.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub global_batch: usize,
+    /// Device to plan for: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cuda:0", value_parser = clap::builder::ValueParser::new(parse_target))]
+    pub device: Target,
+    /// GPUs available to the sharding fix.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub gpus: usize,
+    /// Fixes to apply, in order (subset and order of the default).
+    #[arg(long, value_delimiter = ',', value_name = "LIST",
+          default_value = "accumulate,precision,checkpoint,fused-adamw,shard")]
+    pub strategies: Vec<String>,
+    /// 16-bit type used by the precision fix.
+    #[arg(long, value_enum, default_value_t = HalfArg::Auto)]
+    pub precision: HalfArg,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Measure plans with real training steps: `fitting` (the default when the
+    /// flag is given) measures each attempt whose estimate fits, `all` every attempt.
+    #[arg(long, value_enum, num_args = 0..=1, require_equals = true, default_missing_value = "fitting")]
+    pub verify: Option<VerifyArg>,
+}
+
+/// Options of `oomfix inspect`.
+#[derive(Debug, Clone, Args)]
+pub struct InspectArgs {
+    /// A .safetensors file, a directory of them, or a model.safetensors.index.json.
+    pub model: PathBuf,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Pretty,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Logging options (global).
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Log format on stderr (or in --log-file).
+    #[arg(long, value_enum, default_value_t = LogFormat::Pretty, global = true)]
+    pub log_format: LogFormat,
+    /// Write logs to this file instead of stderr.
+    #[arg(long, value_name = "PATH", global = true)]
+    pub log_file: Option<PathBuf>,
+    /// More logs (-v: every attempt, -vv: debug). RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    /// Fewer logs (errors only).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true, conflicts_with = "verbose")]
+    pub quiet: u8,
+}
+
+fn parse_target(s: &str) -> Result<Target, String> {
+    s.parse()
+}

@@ -1,0 +1,96 @@
+//! The `--json` output. The schema is documented in the README.
+
+use crate::memory::Breakdown;
+use crate::search::{Attempt, SearchResult};
+use crate::spec::ModelSpec;
+use oomfix_strategies::{Checkpointing, Plan};
+use serde_json::{json, Value};
+
+fn checkpoint(c: Checkpointing) -> Value {
+    match c {
+        Checkpointing::None => json!("none"),
+        Checkpointing::Every(k) => json!(format!("every-{k}")),
+    }
+}
+
+fn plan(p: &Plan) -> Value {
+    json!({
+        "micro_batch": p.micro_batch,
+        "grad_accum": p.grad_accum,
+        "seq_len": p.seq_len,
+        "precision": p.precision.as_str(),
+        "checkpoint": checkpoint(p.checkpoint),
+        "optimizer": p.optimizer.as_str(),
+        "world_size": p.shard.world_size,
+        "shard_stage": p.shard.stage,
+    })
+}
+
+fn estimate(b: &Breakdown) -> Value {
+    let mut v = serde_json::Map::new();
+    for (name, bytes) in b.components() {
+        v.insert(format!("{name}_bytes"), json!(bytes));
+    }
+    v.insert("peak_bytes".into(), json!(b.peak));
+    v.insert("peak_phase".into(), json!(b.peak_phase));
+    Value::Object(v)
+}
+
+fn attempt(a: &Attempt) -> Value {
+    let mut v = plan(&a.plan);
+    let o = v.as_object_mut().expect("plan is an object");
+    o.insert("strategy".into(), json!(a.strategy));
+    o.insert("estimated_bytes".into(), json!(a.estimate.peak));
+    o.insert("measured_bytes".into(), json!(a.measured.map(|m| m.peak_bytes)));
+    o.insert("measured_reserved_bytes".into(), json!(a.measured.map(|m| m.reserved_bytes)));
+    o.insert("out_of_memory".into(), json!(a.measured.map(|m| m.out_of_memory)));
+    o.insert("fits".into(), json!(a.fits));
+    v
+}
+
+/// The model as the JSON output describes it.
+pub fn model_json(spec: &ModelSpec) -> Value {
+    let c = &spec.config;
+    json!({
+        "path": spec.source,
+        "family": c.family,
+        "parameters": spec.parameters(),
+        "layers": c.layers,
+        "hidden": c.hidden,
+        "heads": c.heads,
+        "kv_heads": c.kv_heads,
+        "intermediate": c.intermediate,
+        "vocab": c.vocab,
+        "max_positions": c.max_positions,
+        "tied_embeddings": c.tied_embeddings,
+        "dtype": spec.dtype,
+        "file_bytes": spec.file_bytes,
+        "assumptions": spec.assumptions,
+    })
+}
+
+/// The whole search as one JSON object.
+pub fn search_json(spec: &ModelSpec, result: &SearchResult) -> Value {
+    let shown = result.chosen().unwrap_or_else(|| result.closest());
+    json!({
+        "fits": result.fits(),
+        "budget_bytes": result.budget_bytes,
+        "device": result.target.to_string(),
+        "model": model_json(spec),
+        "plan": result.chosen().map(|a| plan(&a.plan)),
+        "estimate": estimate(&shown.estimate),
+        "closest": (!result.fits()).then(|| attempt(shown)),
+        "advice": result.advice,
+        "attempts": result.attempts.iter().map(attempt).collect::<Vec<_>>(),
+    })
+}
+
+/// `oomfix inspect --json`.
+pub fn inspect_json(spec: &ModelSpec) -> Value {
+    let mut v = model_json(spec);
+    v.as_object_mut().expect("object").insert(
+        "tensors".into(),
+        json!(spec.tensors.len()),
+    );
+    v
+}

@@ -1,0 +1,129 @@
+//! The human-readable output.
+
+use crate::search::{Attempt, SearchResult};
+use crate::spec::ModelSpec;
+use crate::units::{format_bytes, group_digits};
+use std::fmt::Write;
+
+fn model_line(spec: &ModelSpec) -> String {
+    let c = &spec.config;
+    let mut s = format!("{}, {} parameters ({})", c.family, group_digits(spec.parameters()), spec.dtype);
+    if c.layers > 0 {
+        let _ = write!(s, ", {} layers, hidden {}, {} heads", c.layers, c.hidden, c.heads);
+        if c.kv_heads != c.heads {
+            let _ = write!(s, " ({} kv)", c.kv_heads);
+        }
+        let _ = write!(s, ", vocab {}", group_digits(c.vocab as u64));
+    }
+    s
+}
+
+fn row(i: usize, a: &Attempt) -> String {
+    let p = &a.plan;
+    let shard = if p.shard.world_size > 1 {
+        format!("ZeRO-{}/{}", p.shard.stage, p.shard.world_size)
+    } else {
+        "-".into()
+    };
+    let measured = match a.measured {
+        Some(m) if m.out_of_memory => "OOM".to_string(),
+        Some(m) => format_bytes(m.peak_bytes),
+        None => "-".into(),
+    };
+    format!(
+        "{i:>3}  {:<20} {:>5}x{:<4} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  {}\n",
+        a.strategy,
+        p.micro_batch,
+        p.grad_accum,
+        p.precision.as_str(),
+        p.checkpoint.to_string(),
+        p.optimizer.as_str(),
+        shard,
+        format_bytes(a.estimate.peak),
+        measured,
+        if a.fits { "yes" } else { "no" },
+    )
+}
+
+fn breakdown(out: &mut String, a: &Attempt) {
+    let _ = writeln!(out, "peak {} at the {}, made of:", format_bytes(a.estimate.peak), a.estimate.peak_phase);
+    for (name, bytes) in a.estimate.peak_components() {
+        let share = 100.0 * bytes as f64 / a.estimate.peak.max(1) as f64;
+        let _ = writeln!(out, "  {:<24} {:>11}  {share:>5.1}%", name.replace('_', " "), format_bytes(bytes));
+    }
+}
+
+/// The attempts table, the chosen plan (or the closest attempt) and its breakdown.
+pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
+    let mut out = String::new();
+    let first = &result.attempts[0].plan;
+    let _ = writeln!(out, "model   {}", spec.source);
+    let _ = writeln!(out, "        {}", model_line(spec));
+    for a in &spec.assumptions {
+        let _ = writeln!(out, "        assumed: {a}");
+    }
+    let _ = writeln!(
+        out,
+        "budget  {} per device on {}; global batch {}, sequence length {}\n",
+        format_bytes(result.budget_bytes),
+        result.target,
+        first.global_batch(),
+        first.seq_len
+    );
+    let _ = writeln!(
+        out,
+        "  #  {:<20} {:>10} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits",
+        "strategy", "micro×acc", "precision", "checkpoint", "optimizer", "shard", "estimated", "measured"
+    );
+    for (i, a) in result.attempts.iter().enumerate() {
+        out.push_str(&row(i, a));
+    }
+    out.push('\n');
+    match result.chosen() {
+        Some(a) => {
+            let _ = writeln!(out, "plan    {}", a.plan);
+            let pct = 100.0 * a.peak() as f64 / result.budget_bytes.max(1) as f64;
+            let _ = writeln!(out, "        fits: {} of {} ({pct:.0}%)", format_bytes(a.peak()), format_bytes(result.budget_bytes));
+            breakdown(&mut out, a);
+        }
+        None => {
+            let a = result.closest();
+            let miss = a.peak().saturating_sub(result.budget_bytes);
+            let _ = writeln!(out, "nothing fits. closest: {}", a.plan);
+            let _ = writeln!(out, "        {} over the budget ({} needed)", format_bytes(miss), format_bytes(a.peak()));
+            if let Some((name, _)) = a.estimate.peak_components().first() {
+                let _ = writeln!(out, "        dominated by {}", name.replace('_', " "));
+            }
+            breakdown(&mut out, a);
+            for advice in &result.advice {
+                let _ = writeln!(out, "hint: {advice}");
+            }
+        }
+    }
+    out
+}
+
+/// `oomfix inspect` output.
+pub fn inspect_text(spec: &ModelSpec) -> String {
+    let c = &spec.config;
+    let mut out = String::new();
+    let _ = writeln!(out, "model          {}", spec.source);
+    let _ = writeln!(out, "family         {}", c.family);
+    let _ = writeln!(out, "parameters     {}", group_digits(spec.parameters()));
+    let _ = writeln!(out, "tensors        {}", spec.tensors.len());
+    let _ = writeln!(out, "dtype          {}", spec.dtype);
+    let _ = writeln!(out, "data           {}", format_bytes(spec.file_bytes));
+    if c.layers > 0 {
+        let _ = writeln!(out, "layers         {}", c.layers);
+        let _ = writeln!(out, "hidden         {}", c.hidden);
+        let _ = writeln!(out, "heads          {} (kv {})", c.heads, c.kv_heads);
+        let _ = writeln!(out, "intermediate   {}", c.intermediate);
+        let _ = writeln!(out, "vocab          {}", c.vocab);
+        let _ = writeln!(out, "max positions  {}", c.max_positions);
+        let _ = writeln!(out, "tied embedding {}", if c.tied_embeddings { "yes" } else { "no" });
+    }
+    for a in &spec.assumptions {
+        let _ = writeln!(out, "assumed        {a}");
+    }
+    out
+}
