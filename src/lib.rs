@@ -2,8 +2,10 @@
 #![warn(missing_docs)]
 
 mod error;
+pub mod inspect;
 pub mod spec;
 
 pub use error::{Error, Result};
+pub use inspect::inspect;
 pub use oomfix_strategies as strategies;
 pub use spec::{Family, ModelConfig, ModelSpec, TensorInfo};
