@@ -22,13 +22,18 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod cli;
 mod error;
+pub mod inspect;
+pub mod measure;
 pub mod memory;
+pub mod report;
 pub mod search;
 pub mod spec;
 pub mod units;
 
 pub use error::{Error, Result};
+pub use inspect::inspect;
 pub use memory::{Breakdown, Estimator, MemoryModel, Target};
 pub use oomfix_strategies as strategies;
 pub use oomfix_strategies::{Pipeline, Plan};

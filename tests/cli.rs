@@ -83,9 +83,9 @@ fn nothing_fits_exits_1_with_the_closest_attempt() {
 
 #[test]
 fn sharding_over_gpus_makes_a_small_budget_fit() {
-    let (code, _) = json_of(&["--budget", "1500MiB"]);
+    let (code, _) = json_of(&["--budget", "3GiB"]);
     assert_eq!(code, 1);
-    let (code, v) = json_of(&["--budget", "1500MiB", "--gpus", "8"]);
+    let (code, v) = json_of(&["--budget", "3GiB", "--gpus", "8"]);
     assert_eq!(code, 0, "{v:#}");
     assert_eq!(v["plan"]["world_size"], 8);
     assert!(v["plan"]["shard_stage"].as_u64().unwrap() >= 1);
@@ -132,7 +132,8 @@ fn json_logs_are_one_object_per_line_with_attempt_fields() {
                 "estimated_bytes", "budget_bytes", "activations_bytes", "optimizer_state_bytes"] {
         assert!(!span[key].is_null(), "span.{key} in {span}");
     }
-    assert_eq!(attempts.last().unwrap()["fields"]["fits"], true);
+    assert!(attempts.iter().any(|a| a["fields"]["fits"] == true));
+    assert!(attempts.iter().all(|a| a["span"]["fits"].is_boolean()));
 }
 
 #[test]

@@ -1,0 +1,104 @@
+//! The fields of a Hugging Face `config.json` that inference uses.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use super::{header::kind, read_small_text};
+use crate::{Error, Result};
+
+/// What `config.json` says, each field absent when the file does not say it.
+/// GPT-2's names (`n_head`, `n_positions`, …) are accepted as aliases.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct HfConfig {
+    /// Where it was read from, for messages.
+    pub path: PathBuf,
+    pub heads: Option<usize>,
+    pub kv_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub max_positions: Option<usize>,
+    pub vocab: Option<usize>,
+    pub intermediate: Option<usize>,
+    pub hidden: Option<usize>,
+    pub layers: Option<usize>,
+    pub tie_word_embeddings: Option<bool>,
+}
+
+impl HfConfig {
+    /// An input error about this config file.
+    pub fn error(&self, msg: impl Into<String>) -> Error {
+        Error::input(&self.path, msg)
+    }
+}
+
+/// Reads `dir/config.json` when it exists; a malformed one is an input error naming it.
+pub(crate) fn read(dir: &Path) -> Result<Option<HfConfig>> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = read_small_text(&path)?;
+    let value: Value = serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not valid JSON: {e}")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| Error::input(&path, format!("top level is {}, not an object", kind(&value))))?;
+    let count = |keys: &[&str]| count_field(obj, keys).map_err(|msg| Error::input(&path, msg));
+    let heads = count(&["num_attention_heads", "n_head"])?;
+    if heads == Some(0) {
+        return Err(Error::input(&path, "num_attention_heads is 0"));
+    }
+    let tie_word_embeddings = match obj.get("tie_word_embeddings") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(other) => {
+            return Err(Error::input(
+                &path,
+                format!("\"tie_word_embeddings\" is {}, not a boolean", kind(other)),
+            ))
+        }
+    };
+    Ok(Some(HfConfig {
+        heads,
+        kv_heads: count(&["num_key_value_heads"])?,
+        head_dim: count(&["head_dim"])?,
+        max_positions: count(&["max_position_embeddings", "n_positions"])?,
+        vocab: count(&["vocab_size"])?,
+        intermediate: count(&["intermediate_size", "n_inner"])?,
+        hidden: count(&["hidden_size", "n_embd"])?,
+        layers: count(&["num_hidden_layers", "n_layer"])?,
+        tie_word_embeddings,
+        path,
+    }))
+}
+
+/// The first of `keys` present and not null, as a non-negative integer.
+fn count_field(obj: &Map<String, Value>, keys: &[&str]) -> std::result::Result<Option<usize>, String> {
+    let Some((key, value)) = keys
+        .iter()
+        .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).map(|v| (k, v)))
+    else {
+        return Ok(None);
+    };
+    value
+        .as_u64()
+        .and_then(|n| usize::try_from(n).ok())
+        .map(Some)
+        .ok_or_else(|| format!("\"{key}\" is {value}, not a non-negative integer"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aliases_and_nulls() {
+        let obj: Map<String, Value> =
+            serde_json::from_str(r#"{"n_head":12,"num_attention_heads":null,"n_inner":null}"#).unwrap();
+        assert_eq!(count_field(&obj, &["num_attention_heads", "n_head"]), Ok(Some(12)));
+        assert_eq!(count_field(&obj, &["intermediate_size", "n_inner"]), Ok(None));
+        let bad: Map<String, Value> = serde_json::from_str(r#"{"vocab_size":-3}"#).unwrap();
+        assert!(count_field(&bad, &["vocab_size"])
+            .unwrap_err()
+            .contains("\"vocab_size\" is -3"));
+    }
+}

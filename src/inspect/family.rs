@@ -1,0 +1,451 @@
+//! Architecture inference: family, dimensions and trainable tensors from
+//! tensor names and shapes, with `config.json` filling in what shapes cannot say.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::config::HfConfig;
+use super::header::is_float;
+use crate::{Family, ModelConfig, Result, TensorInfo};
+
+/// What inference found.
+#[derive(Debug)]
+pub(crate) struct Inferred {
+    /// The model's shape.
+    pub config: ModelConfig,
+    /// Trainable tensors: buffers and non-float tensors left out, tied weights once.
+    pub tensors: Vec<TensorInfo>,
+    /// What was assumed because neither shapes nor `config.json` said it.
+    pub assumptions: Vec<String>,
+}
+
+/// Infers the model from all tensors in the file(s) and an optional `config.json`.
+pub(crate) fn infer(all: Vec<TensorInfo>, hf: Option<&HfConfig>) -> Result<Inferred> {
+    let t = Tensors::new(&all);
+    let draft = if let Some(p) = t.gpt2_prefix() {
+        gpt2(&t, p, hf)?
+    } else if t.is_llama() {
+        llama(&t, hf)?
+    } else if let Some(p) = t.bert_prefix() {
+        bert(&t, p, hf)?
+    } else {
+        generic(&t, hf)
+    };
+    let family = draft.config.family;
+    let tensors = all
+        .into_iter()
+        .filter(|x| is_float(&x.dtype) && !is_buffer(family, &x.name) && !draft.tied_copies.contains(&x.name))
+        .collect();
+    Ok(Inferred {
+        config: draft.config,
+        tensors,
+        assumptions: draft.assumptions,
+    })
+}
+
+/// A family's result before the trainable tensors are picked.
+struct Draft {
+    config: ModelConfig,
+    /// Names of tensors that repeat a tied parameter (counted once).
+    tied_copies: Vec<String>,
+    assumptions: Vec<String>,
+}
+
+/// Tensors that are saved state, not parameters.
+fn is_buffer(family: Family, name: &str) -> bool {
+    let gpt2_mask = family == Family::Gpt2 && (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias"));
+    gpt2_mask || name.ends_with("rotary_emb.inv_freq") || name.ends_with("embeddings.position_ids")
+}
+
+/// Name lookups over the file's tensors.
+struct Tensors<'a> {
+    by_name: HashMap<&'a str, &'a [usize]>,
+}
+
+impl<'a> Tensors<'a> {
+    fn new(all: &'a [TensorInfo]) -> Self {
+        Tensors {
+            by_name: all.iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect(),
+        }
+    }
+
+    fn shape(&self, name: &str) -> Option<&'a [usize]> {
+        self.by_name.get(name).copied()
+    }
+
+    /// Rows and columns of a 2-D tensor.
+    fn matrix(&self, name: &str) -> Option<(usize, usize)> {
+        match self.shape(name)? {
+            &[r, c] => Some((r, c)),
+            _ => None,
+        }
+    }
+
+    /// Distinct `N` over names `{prefix}N.{suffix}`.
+    fn layer_ids(&self, prefix: &str, suffix: &str) -> BTreeSet<usize> {
+        self.by_name
+            .keys()
+            .filter_map(|n| layer_of(n, prefix, suffix))
+            .collect()
+    }
+
+    /// Distinct `N` over names `{prefix}N.…`.
+    fn layers(&self, prefix: &str) -> usize {
+        self.layer_ids(prefix, "").len()
+    }
+
+    /// Shape of the lowest-numbered layer's `{prefix}N.{suffix}` tensor.
+    fn layer_shape(&self, prefix: &str, suffix: &str) -> Option<&'a [usize]> {
+        let first = self.layer_ids(prefix, suffix).into_iter().next()?;
+        self.shape(&format!("{prefix}{first}.{suffix}"))
+    }
+
+    /// `""` or `"transformer."` when the names are GPT-2's.
+    fn gpt2_prefix(&self) -> Option<&'static str> {
+        ["transformer.", ""].into_iter().find(|p| {
+            self.matrix(&format!("{p}wte.weight")).is_some()
+                && !self.layer_ids(&format!("{p}h."), "attn.c_attn.weight").is_empty()
+        })
+    }
+
+    fn is_llama(&self) -> bool {
+        self.matrix("model.embed_tokens.weight").is_some()
+            && !self.layer_ids("model.layers.", "self_attn.q_proj.weight").is_empty()
+    }
+
+    /// `"bert."` or `""` when the names are BERT's.
+    fn bert_prefix(&self) -> Option<&'static str> {
+        ["bert.", ""].into_iter().find(|p| {
+            self.matrix(&format!("{p}embeddings.word_embeddings.weight")).is_some()
+                && !self
+                    .layer_ids(&format!("{p}encoder.layer."), "attention.self.query.weight")
+                    .is_empty()
+        })
+    }
+}
+
+/// `N` when `name` is `{prefix}N.{suffix}` (any rest when `suffix` is empty).
+fn layer_of(name: &str, prefix: &str, suffix: &str) -> Option<usize> {
+    let (n, rest) = name.strip_prefix(prefix)?.split_once('.')?;
+    let digits = !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
+    if !digits || !(suffix.is_empty() || rest == suffix) {
+        return None;
+    }
+    n.parse().ok()
+}
+
+fn gpt2(t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
+    let mut assumptions = Vec::new();
+    let embed = format!("{p}wte.weight");
+    let (vocab, hidden) = t.matrix(&embed).unwrap_or_default();
+    let blocks = format!("{p}h.");
+    // Conv1D weights are [in, out].
+    let intermediate = t
+        .layer_shape(&blocks, "mlp.c_fc.weight")
+        .and_then(|s| s.get(1).copied());
+    let heads = heads_or_assume(hf, hidden, &mut assumptions)?;
+    let (tied, tied_copies) = tie(t, &embed, "lm_head.weight", hf, true);
+    let config = ModelConfig {
+        family: Family::Gpt2,
+        layers: t.layers(&blocks),
+        hidden,
+        heads,
+        kv_heads: heads,
+        intermediate: intermediate.unwrap_or_else(|| assume_4x(hidden, &mut assumptions)),
+        vocab,
+        max_positions: t.matrix(&format!("{p}wpe.weight")).map_or(0, |(rows, _)| rows),
+        tied_embeddings: tied,
+        qkv_bias: false,
+    };
+    Ok(Draft {
+        config,
+        tied_copies,
+        assumptions,
+    })
+}
+
+fn llama(t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
+    let mut assumptions = Vec::new();
+    let embed = "model.embed_tokens.weight";
+    let (vocab, hidden) = t.matrix(embed).unwrap_or_default();
+    let blocks = "model.layers.";
+    let kv_rows = t
+        .layer_shape(blocks, "self_attn.k_proj.weight")
+        .and_then(|s| s.first().copied())
+        .unwrap_or(hidden);
+    let (heads, kv_heads) = llama_heads(hf, hidden, kv_rows, &mut assumptions)?;
+    let max_positions = hf.and_then(|c| c.max_positions).unwrap_or_else(|| {
+        assumptions.push(format!(
+            "context limit 4096 assumed: {}",
+            not_said(hf, "max_position_embeddings")
+        ));
+        4096
+    });
+    let intermediate = t
+        .layer_shape(blocks, "mlp.gate_proj.weight")
+        .and_then(|s| s.first().copied());
+    let (tied, tied_copies) = tie(t, embed, "lm_head.weight", hf, false);
+    let config = ModelConfig {
+        family: Family::Llama,
+        layers: t.layers(blocks),
+        hidden,
+        heads,
+        kv_heads,
+        intermediate: intermediate.unwrap_or_else(|| assume_4x(hidden, &mut assumptions)),
+        vocab,
+        max_positions,
+        tied_embeddings: tied,
+        qkv_bias: !t.layer_ids(blocks, "self_attn.q_proj.bias").is_empty(),
+    };
+    Ok(Draft {
+        config,
+        tied_copies,
+        assumptions,
+    })
+}
+
+/// Query and key/value heads of a Llama-style model: from `config.json`, else
+/// from the k_proj rows with an assumed head size.
+fn llama_heads(
+    hf: Option<&HfConfig>,
+    hidden: usize,
+    kv_rows: usize,
+    assumptions: &mut Vec<String>,
+) -> Result<(usize, usize)> {
+    let Some((cfg, heads)) = hf.and_then(|c| Some((c, c.heads?))) else {
+        let head_dim = if hidden >= 2048 && hidden % 128 == 0 { 128 } else { 64 };
+        let (heads, kv_heads) = ((hidden / head_dim).max(1), (kv_rows / head_dim).max(1));
+        assumptions.push(format!(
+            "head size {head_dim} assumed ({heads} heads, {kv_heads} key/value heads): {}",
+            not_said(hf, "num_attention_heads")
+        ));
+        return Ok((heads, kv_heads));
+    };
+    let head_dim = match cfg.head_dim {
+        Some(d) if d > 0 => d,
+        _ if hidden % heads == 0 => hidden / heads,
+        _ => {
+            return Err(cfg.error(format!(
+                "num_attention_heads {heads} does not divide the weights' hidden size {hidden}"
+            )))
+        }
+    };
+    let kv_heads = cfg.kv_heads.unwrap_or(kv_rows / head_dim);
+    if kv_heads * head_dim != kv_rows {
+        return Err(cfg.error(format!(
+            "{kv_heads} key/value heads of size {head_dim} do not match k_proj's {kv_rows} rows in the weights"
+        )));
+    }
+    if head_dim * heads != hidden {
+        assumptions.push(format!(
+            "head size {head_dim} × {heads} heads differs from the hidden size {hidden}; the planner assumes hidden / heads"
+        ));
+    }
+    Ok((heads, kv_heads))
+}
+
+fn bert(t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
+    let mut assumptions = Vec::new();
+    let embed = format!("{p}embeddings.word_embeddings.weight");
+    let (vocab, hidden) = t.matrix(&embed).unwrap_or_default();
+    let blocks = format!("{p}encoder.layer.");
+    let intermediate = t
+        .layer_shape(&blocks, "intermediate.dense.weight")
+        .and_then(|s| s.first().copied());
+    let heads = heads_or_assume(hf, hidden, &mut assumptions)?;
+    let (tied, mut tied_copies) = tie(t, &embed, "cls.predictions.decoder.weight", hf, true);
+    // The MLM decoder's bias is the same parameter as `cls.predictions.bias`.
+    if t.shape("cls.predictions.bias").is_some() && t.shape("cls.predictions.decoder.bias").is_some() {
+        tied_copies.push("cls.predictions.decoder.bias".into());
+    }
+    let config = ModelConfig {
+        family: Family::Bert,
+        layers: t.layers(&blocks),
+        hidden,
+        heads,
+        kv_heads: heads,
+        intermediate: intermediate.unwrap_or_else(|| assume_4x(hidden, &mut assumptions)),
+        vocab,
+        max_positions: t
+            .matrix(&format!("{p}embeddings.position_embeddings.weight"))
+            .map_or(0, |(rows, _)| rows),
+        tied_embeddings: tied,
+        qkv_bias: true,
+    };
+    Ok(Draft {
+        config,
+        tied_copies,
+        assumptions,
+    })
+}
+
+/// An unknown architecture: `config.json`'s numbers where it has them, the
+/// layer count from numbered names, zero elsewhere.
+fn generic(t: &Tensors, hf: Option<&HfConfig>) -> Draft {
+    let c = hf.cloned().unwrap_or_default();
+    let heads = c.heads.unwrap_or(0);
+    let config = ModelConfig {
+        family: Family::Generic,
+        layers: c.layers.unwrap_or_else(|| numbered_layers(t.by_name.keys().copied())),
+        hidden: c.hidden.unwrap_or(0),
+        heads,
+        kv_heads: c.kv_heads.unwrap_or(heads),
+        intermediate: c.intermediate.unwrap_or(0),
+        vocab: c.vocab.unwrap_or(0),
+        max_positions: c.max_positions.unwrap_or(0),
+        tied_embeddings: c.tie_word_embeddings.unwrap_or(false),
+        qkv_bias: false,
+    };
+    let assumptions = vec![
+        "unknown architecture (not GPT-2, Llama-style or BERT): only the tensors are known, estimates are generic"
+            .to_string(),
+    ];
+    Draft {
+        config,
+        tied_copies: Vec::new(),
+        assumptions,
+    }
+}
+
+/// The most distinct numbers found at one numbered position of the names
+/// (`blocks.N.…`, `encoder.layers.N.…`), or 0.
+fn numbered_layers<'a>(names: impl Iterator<Item = &'a str>) -> usize {
+    let mut ids: BTreeMap<&str, BTreeSet<usize>> = BTreeMap::new();
+    for name in names {
+        let mut start = 0;
+        for segment in name.split('.') {
+            if let Ok(n) = segment.parse::<usize>() {
+                ids.entry(&name[..start]).or_default().insert(n);
+                break;
+            }
+            start += segment.len() + 1;
+        }
+    }
+    ids.values().map(BTreeSet::len).max().unwrap_or(0)
+}
+
+/// Attention heads from `config.json`, else `hidden / 64` recorded as assumed.
+fn heads_or_assume(hf: Option<&HfConfig>, hidden: usize, assumptions: &mut Vec<String>) -> Result<usize> {
+    match hf.and_then(|c| Some((c, c.heads?))) {
+        Some((_, heads)) if hidden % heads == 0 => Ok(heads),
+        Some((cfg, heads)) => Err(cfg.error(format!(
+            "num_attention_heads {heads} does not divide the weights' hidden size {hidden}"
+        ))),
+        None => {
+            let heads = (hidden / 64).max(1);
+            assumptions.push(format!(
+                "{heads} attention heads assumed (size 64): {}",
+                not_said(hf, "num_attention_heads")
+            ));
+            Ok(heads)
+        }
+    }
+}
+
+fn assume_4x(hidden: usize, assumptions: &mut Vec<String>) -> usize {
+    assumptions.push(format!(
+        "MLP size {} (4 × hidden) assumed: no MLP weight found",
+        4 * hidden
+    ));
+    4 * hidden
+}
+
+/// Whether the output head shares the embedding, and the head's name when the
+/// file stores it as a copy to count once. A head of another shape is its own
+/// parameter; one of the same shape is tied when `config.json` says so, else
+/// when the family ties by default.
+fn tie(t: &Tensors, embed: &str, head: &str, hf: Option<&HfConfig>, family_ties: bool) -> (bool, Vec<String>) {
+    match t.shape(head) {
+        None => (true, Vec::new()),
+        Some(s) if Some(s) == t.shape(embed) && hf.and_then(|c| c.tie_word_embeddings).unwrap_or(family_ties) => {
+            (true, vec![head.to_string()])
+        }
+        Some(_) => (false, Vec::new()),
+    }
+}
+
+/// Why a `config.json` field is unknown, for assumption lines.
+fn not_said(hf: Option<&HfConfig>, field: &str) -> String {
+    match hf {
+        Some(c) => format!("{} has no {field}", c.path.display()),
+        None => "no config.json next to the weights".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(name: &str, shape: &[usize]) -> TensorInfo {
+        TensorInfo {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype: "F32".into(),
+        }
+    }
+
+    fn from_config(c: &ModelConfig) -> Vec<TensorInfo> {
+        c.tensors().iter().map(|(n, s)| info(n, s)).collect()
+    }
+
+    #[test]
+    fn layer_names() {
+        assert_eq!(
+            layer_of("model.layers.12.mlp.up_proj.weight", "model.layers.", ""),
+            Some(12)
+        );
+        assert_eq!(layer_of("h.3.attn.c_attn.weight", "h.", "attn.c_attn.weight"), Some(3));
+        assert_eq!(layer_of("h.3.attn.c_proj.weight", "h.", "attn.c_attn.weight"), None);
+        assert_eq!(layer_of("h.x.attn", "h.", ""), None);
+        assert_eq!(layer_of("h..attn", "h.", ""), None);
+        assert_eq!(
+            numbered_layers(["a.blocks.0.w", "a.blocks.1.w", "a.blocks.1.b", "b.0"].into_iter()),
+            2
+        );
+    }
+
+    #[test]
+    fn recovers_the_shapes_it_was_built_from() {
+        for c in [ModelConfig::gpt2_small(), ModelConfig::bert_base()] {
+            let got = infer(from_config(&c), None).unwrap();
+            assert_eq!(got.config, c);
+            assert_eq!(got.tensors.len(), c.tensors().len());
+        }
+        // TinyLlama's GQA is visible with head size 64 (hidden 2048 would assume 128).
+        let c = ModelConfig::tinyllama_1_1b();
+        let hf = HfConfig {
+            heads: Some(32),
+            max_positions: Some(4096),
+            ..Default::default()
+        };
+        assert_eq!(infer(from_config(&c), Some(&hf)).unwrap().config, c);
+    }
+
+    #[test]
+    fn config_that_contradicts_the_shapes_is_an_error() {
+        let c = ModelConfig::tinyllama_1_1b();
+        let hf = HfConfig {
+            heads: Some(32),
+            kv_heads: Some(8),
+            ..Default::default()
+        };
+        let err = infer(from_config(&c), Some(&hf)).unwrap_err().to_string();
+        assert!(
+            err.contains("8 key/value heads of size 64 do not match k_proj's 256 rows"),
+            "{err}"
+        );
+        let hf = HfConfig {
+            heads: Some(7),
+            ..Default::default()
+        };
+        assert!(infer(from_config(&ModelConfig::gpt2_small()), Some(&hf)).is_err());
+    }
+
+    #[test]
+    fn untied_head_of_another_shape_counts() {
+        let mut t = from_config(&ModelConfig::gpt2(2, 64, 1));
+        t.push(info("lm_head.weight", &[100, 64]));
+        let got = infer(t, None).unwrap();
+        assert!(!got.config.tied_embeddings);
+        assert!(got.tensors.iter().any(|t| t.name == "lm_head.weight"));
+    }
+}

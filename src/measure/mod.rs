@@ -1,0 +1,5 @@
+//! Peak-memory measurement of real training steps.
+
+pub mod alloc;
+
+pub use alloc::CountingAlloc;

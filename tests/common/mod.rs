@@ -1,0 +1,98 @@
+//! Helpers shared by the integration tests: safetensors files of any size
+//! (written sparse, so a multi-GB model costs a few kilobytes of disk), raw
+//! malformed files, and the JSON side files of a Hub checkout.
+#![allow(dead_code)] // each test crate uses a subset
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::Path;
+
+use serde_json::{json, Map, Value};
+
+/// Bytes per element of a safetensors dtype the helpers write.
+pub fn dtype_size(dtype: &str) -> u64 {
+    match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" => 1,
+        "I16" | "U16" | "F16" | "BF16" => 2,
+        "I32" | "U32" | "F32" => 4,
+        "I64" | "U64" | "F64" => 8,
+        other => panic!("test helper: no size for dtype {other}"),
+    }
+}
+
+/// The header JSON (padded with spaces to a multiple of 8 bytes, as writers do)
+/// for `tensors` laid out contiguously in the given order, and the data length.
+pub fn header_json<N: AsRef<str>, S: AsRef<[usize]>>(tensors: &[(N, &str, S)]) -> (String, u64) {
+    let mut map = Map::new();
+    let mut offset = 0u64;
+    for (name, dtype, shape) in tensors {
+        let shape = shape.as_ref();
+        let bytes = shape.iter().map(|&d| d as u64).product::<u64>() * dtype_size(dtype);
+        map.insert(
+            name.as_ref().to_string(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes]}),
+        );
+        offset += bytes;
+    }
+    map.insert("__metadata__".into(), json!({"format": "pt"}));
+    let mut header = Value::Object(map).to_string();
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    (header, offset)
+}
+
+/// Writes a valid safetensors file holding `(name, dtype, shape)` tensors; the
+/// data region is a hole (`File::set_len`), so the file's size costs nothing.
+pub fn write_safetensors<N: AsRef<str>, S: AsRef<[usize]>>(path: &Path, tensors: &[(N, &str, S)]) {
+    let (header, data_len) = header_json(tensors);
+    write_raw(path, header.len() as u64, header.as_bytes(), data_len);
+}
+
+/// Writes `header_len_field` (little-endian), then `header_bytes`, then a sparse
+/// data region of `data_len` bytes; the length field need not match the bytes.
+pub fn write_raw(path: &Path, header_len_field: u64, header_bytes: &[u8], data_len: u64) {
+    let mut f = File::create(path).unwrap();
+    f.write_all(&header_len_field.to_le_bytes()).unwrap();
+    f.write_all(header_bytes).unwrap();
+    f.set_len(8 + header_bytes.len() as u64 + data_len).unwrap();
+}
+
+/// Writes a file with a correct length field for `header` and `data_len` bytes of data.
+pub fn write_header(path: &Path, header: &str, data_len: u64) {
+    write_raw(path, header.len() as u64, header.as_bytes(), data_len);
+}
+
+/// Writes `value` as a JSON file (a `config.json` or an index).
+pub fn write_json(path: &Path, value: &Value) {
+    fs::write(path, value.to_string()).unwrap();
+}
+
+/// Writes a sharded index mapping each tensor name to its shard file.
+pub fn write_index<N: AsRef<str>, S: AsRef<str>>(path: &Path, weight_map: &[(N, S)]) {
+    let map: Map<String, Value> = weight_map
+        .iter()
+        .map(|(n, s)| (n.as_ref().to_string(), json!(s.as_ref())))
+        .collect();
+    write_json(path, &json!({"metadata": {"total_size": 0}, "weight_map": map}));
+}
+
+/// `(name, shape)` pairs (as [`oomfix::ModelConfig::tensors`] gives them) with one dtype.
+pub fn with_dtype(tensors: Vec<(String, Vec<usize>)>, dtype: &'static str) -> Vec<(String, &'static str, Vec<usize>)> {
+    tensors.into_iter().map(|(n, s)| (n, dtype, s)).collect()
+}
+
+/// GPT-2 tensors as the Hub's `model.safetensors` stores them: F32, with each
+/// block's causal-mask buffer `h.N.attn.bias`, and every name under `prefix`
+/// (`""` or `"transformer."`).
+pub fn gpt2_hub_tensors(config: &oomfix::ModelConfig, prefix: &str) -> Vec<(String, &'static str, Vec<usize>)> {
+    let mut tensors = Vec::new();
+    for (name, shape) in config.tensors() {
+        tensors.push((format!("{prefix}{name}"), "F32", shape));
+    }
+    for l in 0..config.layers {
+        let p = config.max_positions;
+        tensors.push((format!("{prefix}h.{l}.attn.bias"), "F32", vec![1, 1, p, p]));
+    }
+    tensors
+}
