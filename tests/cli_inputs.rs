@@ -1,0 +1,102 @@
+//! Every class of malformed input, through the real binary: exit code 2, one
+//! line on stderr naming the file and the problem, nothing on stdout, no panic.
+
+mod common;
+
+use assert_cmd::Command;
+use common::*;
+use std::path::{Path, PathBuf};
+
+fn rejects(path: &Path, phrase: &str) {
+    for args in [vec!["inspect"], vec!["--budget", "8GiB"]] {
+        let out = Command::cargo_bin("oomfix").unwrap().args(&args).arg(path).env("RUST_BACKTRACE", "1").output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?} {}: {stderr}", path.display());
+        assert!(out.stdout.is_empty(), "stdout must be empty: {}", String::from_utf8_lossy(&out.stdout));
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "one line: {stderr}");
+        assert!(lines[0].starts_with("oomfix: "), "{stderr}");
+        assert!(lines[0].contains(&path.display().to_string()), "names the file: {stderr}");
+        assert!(lines[0].to_lowercase().contains(phrase), "says `{phrase}`: {stderr}");
+        assert!(!stderr.contains("panicked") && !stderr.contains("backtrace"), "{stderr}");
+    }
+}
+
+fn file(dir: &tempfile::TempDir, name: &str) -> PathBuf {
+    dir.path().join(name)
+}
+
+fn header(dir: &tempfile::TempDir, header: &str, data_len: u64) -> PathBuf {
+    let p = file(dir, "m.safetensors");
+    write_header(&p, header, data_len);
+    p
+}
+
+const W: &str = r#""w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#;
+
+#[test]
+fn truncated_files() {
+    let d = tempfile::tempdir().unwrap();
+    let p = file(&d, "empty.safetensors");
+    std::fs::write(&p, b"").unwrap();
+    rejects(&p, "empty");
+    std::fs::write(&p, b"abc").unwrap();
+    rejects(&p, "8");
+}
+
+#[test]
+fn lying_header_lengths() {
+    let d = tempfile::tempdir().unwrap();
+    let p = file(&d, "m.safetensors");
+    write_raw(&p, 1000, b"{}", 0);
+    rejects(&p, "header");
+    write_raw(&p, u64::MAX, b"{}", 0);
+    rejects(&p, "header");
+}
+
+#[test]
+fn headers_that_are_not_json_objects() {
+    let d = tempfile::tempdir().unwrap();
+    let p = file(&d, "m.safetensors");
+    write_raw(&p, 4, &[0xff, 0xfe, 0x7b, 0x7d], 0);
+    rejects(&p, "utf-8");
+    rejects(&header(&d, "{not json", 0), "json");
+    rejects(&header(&d, "[1,2]", 0), "object");
+}
+
+#[test]
+fn bad_tensor_entries() {
+    let d = tempfile::tempdir().unwrap();
+    rejects(&header(&d, r#"{"w":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}}"#, 8), "dtype");
+    rejects(&header(&d, r#"{"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#, 8), "shape");
+    rejects(&header(&d, r#"{"w":{"dtype":"F32","shape":[1.5],"data_offsets":[0,8]}}"#, 8), "shape");
+    rejects(&header(&d, r#"{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, 8), "bytes");
+    rejects(&header(&d, r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#, 8), "data");
+    rejects(&header(&d, r#"{"w":{"dtype":"F32","shape":[2]}}"#, 8), "data_offsets");
+}
+
+#[test]
+fn overlapping_unordered_and_duplicate_ranges() {
+    let d = tempfile::tempdir().unwrap();
+    let overlap = format!(r#"{{{W},"v":{{"dtype":"F32","shape":[2,2],"data_offsets":[8,24]}}}}"#);
+    rejects(&header(&d, &overlap, 24), "overlap");
+    let dup = format!(r#"{{{W},{W}}}"#);
+    rejects(&header(&d, &dup, 16), "duplicate");
+}
+
+#[test]
+fn directories_and_indexes() {
+    let d = tempfile::tempdir().unwrap();
+    rejects(d.path(), "no");
+    let index = file(&d, "model.safetensors.index.json");
+    write_index(&index, &[("w", "missing-00001.safetensors")]);
+    rejects(&index, "missing-00001.safetensors");
+    std::fs::write(&index, b"{\"weight_map\": 3}").unwrap();
+    rejects(&index, "weight_map");
+}
+
+#[test]
+fn missing_path() {
+    let d = tempfile::tempdir().unwrap();
+    rejects(&file(&d, "nope.safetensors"), "no such file");
+}
