@@ -1,0 +1,147 @@
+//! Training data: token windows from a token file, a text file, or random tokens.
+//!
+//! * `.bin`: little-endian token ids as nanoGPT's `prepare.py` writes them
+//!   (u16 by default, u32 when the vocabulary needs it or when asked);
+//! * any other file: its bytes, one token per byte (a byte-level fallback that
+//!   needs a vocabulary of at least 256);
+//! * no file: uniformly random tokens from a seeded generator.
+//!
+//! Windows of `seq_len + 1` tokens are read in order and wrap around; the
+//! trainer turns each into inputs and next-token targets.
+
+use crate::{Error, Result};
+use std::path::{Path, PathBuf};
+
+/// Width of the ids in a `.bin` token file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenWidth {
+    /// 2 bytes per id (nanoGPT's default).
+    U16,
+    /// 4 bytes per id.
+    U32,
+}
+
+/// Where tokens come from.
+#[derive(Debug, Clone)]
+pub enum DataSource {
+    /// Random ids in `0..vocab` from a seeded xorshift generator.
+    Synthetic {
+        /// Generator state.
+        state: u64,
+    },
+    /// Tokens loaded from a file, read in order with wrap-around.
+    Tokens {
+        /// The file they came from.
+        path: PathBuf,
+        /// All ids.
+        ids: Vec<u32>,
+        /// Next read position.
+        pos: usize,
+    },
+}
+
+impl DataSource {
+    /// Random tokens, reproducible from `seed`.
+    pub fn synthetic(seed: u64) -> Self {
+        DataSource::Synthetic { state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1 }
+    }
+
+    /// Loads a token file (`.bin`) or a text file (bytes as tokens), checking
+    /// every id against `vocab`.
+    pub fn from_file(path: &Path, width: TokenWidth, vocab: usize) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|e| Error::input(path, format!("cannot read data: {e}")))?;
+        let is_bin = path.extension().is_some_and(|e| e == "bin");
+        let ids: Vec<u32> = if is_bin {
+            let w = match width {
+                TokenWidth::U16 => 2,
+                TokenWidth::U32 => 4,
+            };
+            if bytes.len() % w != 0 {
+                return Err(Error::input(path, format!("length {} is not a multiple of {w}-byte token ids", bytes.len())));
+            }
+            bytes
+                .chunks_exact(w)
+                .map(|c| match width {
+                    TokenWidth::U16 => u16::from_le_bytes([c[0], c[1]]) as u32,
+                    TokenWidth::U32 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                })
+                .collect()
+        } else {
+            if vocab < 256 {
+                return Err(Error::input(path, format!("byte-level text needs a vocabulary of at least 256, the model has {vocab}")));
+            }
+            bytes.into_iter().map(u32::from).collect()
+        };
+        if ids.len() < 2 {
+            return Err(Error::input(path, "holds fewer than 2 tokens"));
+        }
+        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(Error::input(path, format!("token {i} is id {id}, outside the model's vocabulary of {vocab}")));
+        }
+        Ok(DataSource::Tokens { path: path.to_path_buf(), ids, pos: 0 })
+    }
+
+    /// The next `batch` windows of `seq_len + 1` tokens, row after row.
+    pub fn next_windows(&mut self, batch: usize, seq_len: usize, vocab: usize) -> Vec<u32> {
+        let n = batch * (seq_len + 1);
+        match self {
+            DataSource::Synthetic { state } => (0..n)
+                .map(|_| {
+                    *state ^= *state << 13;
+                    *state ^= *state >> 7;
+                    *state ^= *state << 17;
+                    (*state % vocab as u64) as u32
+                })
+                .collect(),
+            DataSource::Tokens { ids, pos, .. } => {
+                let mut out = Vec::with_capacity(n);
+                for _ in 0..batch {
+                    for k in 0..=seq_len {
+                        out.push(ids[(*pos + k) % ids.len()]);
+                    }
+                    *pos = (*pos + seq_len) % ids.len();
+                }
+                out
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_file_windows_overlap_by_one_and_wrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.bin");
+        let ids: Vec<u8> = (0u16..10).flat_map(|i| i.to_le_bytes()).collect();
+        std::fs::write(&p, ids).unwrap();
+        let mut d = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
+        assert_eq!(d.next_windows(2, 3, 16), [0, 1, 2, 3, 3, 4, 5, 6]);
+        assert_eq!(d.next_windows(1, 4, 16), [6, 7, 8, 9, 0]);
+    }
+
+    #[test]
+    fn bad_data_is_an_input_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.bin");
+        std::fs::write(&p, [1u8, 0, 99, 0, 7]).unwrap();
+        let e = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap_err().to_string();
+        assert!(e.contains("multiple of 2"), "{e}");
+        std::fs::write(&p, [1u8, 0, 99, 0]).unwrap();
+        let e = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap_err().to_string();
+        assert!(e.contains("id 99"), "{e}");
+        let t = dir.path().join("t.txt");
+        std::fs::write(&t, "hello").unwrap();
+        assert!(DataSource::from_file(&t, TokenWidth::U16, 64).is_err());
+        assert_eq!(DataSource::from_file(&t, TokenWidth::U16, 256).unwrap().next_windows(1, 2, 256), [104, 101, 108]);
+    }
+
+    #[test]
+    fn synthetic_is_reproducible_and_in_range() {
+        let a = DataSource::synthetic(7).next_windows(2, 5, 11);
+        assert_eq!(a, DataSource::synthetic(7).next_windows(2, 5, 11));
+        assert!(a.iter().all(|&t| t < 11));
+    }
+}
