@@ -1,6 +1,9 @@
 //! Smaller micro-batches with gradient accumulation, global batch held constant.
 
-use crate::{Plan, SearchContext, Strategy};
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+
+use crate::{Error, Plan, Result, SearchContext, Strategy};
 
 /// Planner half: step the micro-batch down through the divisors of the per-rank
 /// batch, raising the accumulation count so the global batch stays the same.
@@ -34,4 +37,22 @@ impl Strategy for Accumulate {
         let next = divisors(per_rank_batch(plan)).into_iter().find(|&d| d > plan.micro_batch)?;
         Some(with_micro_batch(plan, next))
     }
+}
+
+// ---------------------------------------------------------------------------
+// Mechanism: gradient accumulation.
+
+/// The gradients of `vars` from a [`GradStore`], detached (so they do not pin
+/// the forward graph once the store and the loss are dropped), in the order of
+/// `vars`. A var without a gradient is an error naming its position.
+pub fn collect_grads(store: &GradStore, vars: &[Var]) -> Result<Vec<Tensor>> {
+    vars.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            store
+                .get(v.as_tensor())
+                .map(Tensor::detach)
+                .ok_or_else(|| Error::Config(format!("var {i} (shape {:?}) received no gradient", v.shape())))
+        })
+        .collect()
 }

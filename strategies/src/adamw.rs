@@ -285,10 +285,11 @@ struct Slot {
 /// use oomfix_strategies::adamw::{FusedAdamW, ParamsAdamW};
 ///
 /// let w = Var::new(&[1f32, -2.0], &Device::Cpu)?;
-/// let mut opt = FusedAdamW::new(vec![w.clone()], ParamsAdamW { lr: 0.1, ..Default::default() })?;
+/// let params = ParamsAdamW { lr: 0.1, weight_decay: 0.0, ..Default::default() };
+/// let mut opt = FusedAdamW::new(vec![w.clone()], params)?;
 /// let loss = w.as_tensor().sqr()?.sum_all()?;
 /// opt.step_grad_store(&loss.backward()?)?;
-/// // the first AdamW step moves each element by about lr against its gradient's sign
+/// // the first AdamW step moves each element by lr against its gradient's sign
 /// let w = w.as_tensor().to_vec1::<f32>()?;
 /// assert!((w[0] - 0.9).abs() < 1e-3 && (w[1] + 1.9).abs() < 1e-3);
 /// # Ok::<(), oomfix_strategies::Error>(())
