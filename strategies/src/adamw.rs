@@ -35,7 +35,7 @@ impl Strategy for FusedAdamWStrategy {
 // Mechanism: the fused step.
 
 /// Elements per work item when one tensor's update is split across threads.
-const CHUNK: usize = 1 << 15;
+pub(crate) const CHUNK: usize = 1 << 15;
 
 /// Key of the step count in [`FusedAdamW::state_tensors`].
 pub const STEP_KEY: &str = "step";
