@@ -128,8 +128,8 @@ impl GradAccumulator {
                 .unzip();
         } else {
             self.check(&grads)?;
-            for i in 0..grads.len() {
-                self.add_one(i, &grads[i])?;
+            for (i, g) in grads.iter().enumerate() {
+                self.add_one(i, g)?;
             }
         }
         self.micro_batches += 1;

@@ -159,7 +159,7 @@ fn transposed_grad_gives_the_same_step() {
     let mut ob = FusedAdamW::new(vec![b.clone()], params()).unwrap();
     let g = det((4, 3), 2).t().unwrap(); // a (3, 4) view with transposed strides
     assert!(!g.is_contiguous());
-    oa.step(&[g.clone()]).unwrap();
+    oa.step(std::slice::from_ref(&g)).unwrap();
     ob.step(&[g.contiguous().unwrap()]).unwrap();
     assert_eq!(values(a.as_tensor()).unwrap(), values(b.as_tensor()).unwrap());
 }
