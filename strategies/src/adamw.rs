@@ -276,6 +276,10 @@ struct Slot {
 ///   gradient at a time;
 /// * parameters must be contiguous (checked at construction).
 ///
+/// In place means every tensor sharing a parameter's storage sees the update,
+/// including a `var.as_detached_tensor()` taken earlier (copy it to keep the
+/// old values).
+///
 /// The state is allocated at construction (8 bytes per parameter element).
 /// The kernel runs on the CPU; on other devices [`step`](Self::step) returns
 /// [`Error::Unsupported`].
@@ -357,7 +361,9 @@ impl FusedAdamW {
     }
 
     /// One step with `grads[i]` the gradient of the `i`-th var (same order as at
-    /// construction; one gradient per var).
+    /// construction; one gradient per var). All gradients are checked (shape,
+    /// dtype, device) before anything is updated: on error, parameters, state
+    /// and step count are unchanged.
     pub fn step(&mut self, grads: &[Tensor]) -> Result<()> {
         if grads.len() != self.slots.len() {
             return Err(Error::Config(format!(
@@ -427,9 +433,8 @@ impl FusedAdamW {
     /// Every key must be present with the right shape; on error nothing changes.
     pub fn load_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
         let get = |key: String, shape: &candle_core::Shape| -> Result<&Tensor> {
-            let t = state
-                .get(&key)
-                .ok_or_else(|| Error::Config(format!("optimizer state has no `{key}`")))?;
+            let t =
+                state.get(&key).ok_or_else(|| Error::Config(format!("optimizer state has no `{key}`")))?;
             if t.shape() != shape {
                 return Err(Error::Config(format!(
                     "optimizer state `{key}` has shape {:?}, expected {shape:?}",

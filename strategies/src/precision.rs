@@ -64,7 +64,12 @@ pub struct LossScalerConfig {
 
 impl Default for LossScalerConfig {
     fn default() -> Self {
-        LossScalerConfig { init_scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 }
+        LossScalerConfig {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
     }
 }
 
@@ -280,10 +285,8 @@ impl MasterWeights {
 /// afterwards (`VarBuilder::from_varmap`) use the converted vars; models built
 /// before keep the old ones.
 pub fn cast_var_map(varmap: &VarMap, dtype: DType) -> Result<()> {
-    let mut vars = varmap
-        .data()
-        .lock()
-        .map_err(|_| Error::Config("the var map's lock is poisoned".into()))?;
+    let mut vars =
+        varmap.data().lock().map_err(|_| Error::Config("the var map's lock is poisoned".into()))?;
     for var in vars.values_mut() {
         if var.dtype().is_float() && var.dtype() != dtype {
             *var = Var::from_tensor(&var.to_dtype(dtype)?)?;

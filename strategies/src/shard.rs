@@ -118,7 +118,8 @@ struct Shared {
 impl ThreadComm {
     /// A group of `n` ranks: move element `r` to the thread that plays rank `r`.
     pub fn group(n: usize) -> Vec<ThreadComm> {
-        let shared = Arc::new(Shared { world: n, barrier: Barrier::new(n), slots: Mutex::new(vec![None; n]) });
+        let shared =
+            Arc::new(Shared { world: n, barrier: Barrier::new(n), slots: Mutex::new(vec![None; n]) });
         (0..n).map(|rank| ThreadComm { rank, shared: shared.clone() }).collect()
     }
 
@@ -130,7 +131,11 @@ impl ThreadComm {
         lock()?[self.rank] = Some(t.detach());
         self.shared.barrier.wait();
         let all = lock().and_then(|slots| {
-            slots.iter().cloned().collect::<Option<Vec<_>>>().ok_or_else(|| Error::Comm("a slot is empty".into()))
+            slots
+                .iter()
+                .cloned()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Error::Comm("a slot is empty".into()))
         });
         let result = all.and_then(f);
         self.shared.barrier.wait();
@@ -314,8 +319,11 @@ impl<C: Comm> ShardedOptimizer<C> {
         }
         check_same_vars(&comm, &vars)?;
         let owners = partition(&vars.iter().map(|v| v.elem_count()).collect::<Vec<_>>(), world)?;
-        let owned =
-            vars.iter().enumerate().filter(|&(i, _)| owners[i] == rank).map(|(i, v)| (i.to_string(), v.clone()));
+        let owned = vars
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| owners[i] == rank)
+            .map(|(i, v)| (i.to_string(), v.clone()));
         let opt = FusedAdamW::new_named(owned.collect(), params)?;
         let mut s = ShardedOptimizer { comm, stage, vars, owners, opt, released: false };
         s.broadcast_params()?;
@@ -327,7 +335,11 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// collective). Stage 3 leaves non-owned parameters freed.
     pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
         if grads.len() != self.vars.len() {
-            return Err(Error::Config(format!("{} gradients for {} parameters", grads.len(), self.vars.len())));
+            return Err(Error::Config(format!(
+                "{} gradients for {} parameters",
+                grads.len(),
+                self.vars.len()
+            )));
         }
         let rank = self.comm.rank();
         let inv_world = 1.0 / self.comm.world_size() as f64;

@@ -36,14 +36,21 @@ fn micro_batches_average_to_the_full_batch() {
 
         // and the same AdamW update from identical parameters
         let step = |grads: &[Tensor]| -> Vec<Vec<f32>> {
-            let vars = [Var::from_tensor(&w.as_detached_tensor()).unwrap(), Var::from_tensor(&b.as_detached_tensor()).unwrap()];
-            let mut opt = FusedAdamW::new(vars.to_vec(), ParamsAdamW { lr: 0.1, ..Default::default() }).unwrap();
+            let vars = [
+                Var::from_tensor(&w.as_detached_tensor()).unwrap(),
+                Var::from_tensor(&b.as_detached_tensor()).unwrap(),
+            ];
+            let mut opt =
+                FusedAdamW::new(vars.to_vec(), ParamsAdamW { lr: 0.1, ..Default::default() }).unwrap();
             opt.step(grads).unwrap();
             vars.iter().map(|v| values(v.as_tensor()).unwrap()).collect()
         };
         let (pa, pf) = (step(&avg), step(&full));
         for (a, f) in pa.iter().zip(&pf) {
-            let (a, f) = (Tensor::new(a.as_slice(), &Device::Cpu).unwrap(), Tensor::new(f.as_slice(), &Device::Cpu).unwrap());
+            let (a, f) = (
+                Tensor::new(a.as_slice(), &Device::Cpu).unwrap(),
+                Tensor::new(f.as_slice(), &Device::Cpu).unwrap(),
+            );
             assert_close(&a, &f, 1e-5, &format!("AdamW after k = {k}"));
         }
     }

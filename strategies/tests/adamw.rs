@@ -58,7 +58,8 @@ fn against_reference(dtype: DType, grad_dtype: DType, tol: f64) {
         .enumerate()
         .map(|(i, s)| Var::from_tensor(&det(*s, 7 + i as u64).to_dtype(dtype).unwrap()).unwrap())
         .collect();
-    let mut refs: Vec<Reference> = vars.iter().map(|v| Reference::new(&v.as_detached_tensor().copy().unwrap(), params())).collect();
+    let mut refs: Vec<Reference> =
+        vars.iter().map(|v| Reference::new(&v.as_detached_tensor().copy().unwrap(), params())).collect();
     let mut opt = FusedAdamW::new(vars.clone(), params()).unwrap();
     for step in 0..100 {
         let grads: Vec<Tensor> = vars
@@ -169,7 +170,8 @@ fn state_round_trip_continues_identically() {
     let init = [det((5, 2), 3), det(9, 4)];
     let run = |vars: &[Var], opt: &mut FusedAdamW, steps: std::ops::Range<u64>| {
         for s in steps {
-            let grads: Vec<Tensor> = vars.iter().enumerate().map(|(i, v)| grad(v.as_tensor(), s, i as u64)).collect();
+            let grads: Vec<Tensor> =
+                vars.iter().enumerate().map(|(i, v)| grad(v.as_tensor(), s, i as u64)).collect();
             opt.step(&grads).unwrap();
         }
     };

@@ -56,14 +56,20 @@ fn unscale_divides_and_detects_inf_and_nan() {
     assert_close(&grads[2], &third, 1e-7, "transposed grad");
 
     for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
-        let mut grads = vec![Tensor::new(&[1f32, 2.0], &dev).unwrap(), Tensor::new(&[0f32, bad, 1.0], &dev).unwrap()];
+        let mut grads =
+            vec![Tensor::new(&[1f32, 2.0], &dev).unwrap(), Tensor::new(&[0f32, bad, 1.0], &dev).unwrap()];
         assert!(!s.unscale_and_check(&mut grads).unwrap(), "{bad} not detected");
         // also when the bad value is in a 16-bit tensor
         let mut grads = vec![grads[1].to_dtype(DType::BF16).unwrap()];
         assert!(!s.unscale_and_check(&mut grads).unwrap(), "{bad} not detected in bf16");
     }
     // f16 overflow: 60000 * 1024 does not fit, but the scaled grad already holds inf
-    let mut grads = vec![Tensor::new(&[60000f32], &dev).unwrap().affine(1024.0, 0.0).unwrap().to_dtype(DType::F16).unwrap()];
+    let mut grads = vec![Tensor::new(&[60000f32], &dev)
+        .unwrap()
+        .affine(1024.0, 0.0)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap()];
     assert!(!s.unscale_and_check(&mut grads).unwrap());
     // large finite f16 values whose sum would overflow f16 are still finite
     let one = LossScaler::new(LossScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();

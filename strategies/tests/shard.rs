@@ -23,7 +23,13 @@ fn init_params() -> Vec<Var> {
 
 /// Mean-squared error of the MLP on (x, y), mean over the rows given.
 fn loss(p: &[Var], x: &Tensor, y: &Tensor) -> Tensor {
-    let h = x.matmul(&p[0].as_tensor().t().unwrap()).unwrap().broadcast_add(p[1].as_tensor()).unwrap().tanh().unwrap();
+    let h = x
+        .matmul(&p[0].as_tensor().t().unwrap())
+        .unwrap()
+        .broadcast_add(p[1].as_tensor())
+        .unwrap()
+        .tanh()
+        .unwrap();
     let out = h.matmul(&p[2].as_tensor().t().unwrap()).unwrap().broadcast_add(p[3].as_tensor()).unwrap();
     (out - y).unwrap().sqr().unwrap().mean_all().unwrap()
 }
@@ -52,7 +58,10 @@ fn train(world: usize, stage: ZeroStage) -> Vec<(Vec<Tensor>, HashMap<String, Te
                     for step in 0..STEPS {
                         opt.gather_params().unwrap();
                         let (x, y) = batch(step);
-                        let (x, y) = (x.narrow(0, rank * rows, rows).unwrap(), y.narrow(0, rank * rows, rows).unwrap());
+                        let (x, y) = (
+                            x.narrow(0, rank * rows, rows).unwrap(),
+                            y.narrow(0, rank * rows, rows).unwrap(),
+                        );
                         let store = loss(&params, &x, &y).backward().unwrap();
                         let grads = collect_grads(&store, &params).unwrap();
                         drop(store);
@@ -129,11 +138,13 @@ fn stage3_frees_non_owned_parameters_between_steps() {
                 s.spawn(move || {
                     let rank = comm.rank();
                     let params = init_params();
-                    let opt = ShardedOptimizer::new(comm, params.clone(), adamw(), ZeroStage::Parameters).unwrap();
+                    let opt =
+                        ShardedOptimizer::new(comm, params.clone(), adamw(), ZeroStage::Parameters).unwrap();
                     assert!(opt.is_released());
                     let x = Tensor::ones((1, 6), candle_core::DType::F32, &Device::Cpu).unwrap();
                     for (p, &owner) in params.iter().zip(opt.owners()) {
-                        let used = p.as_tensor().broadcast_mul(&x.narrow(1, 0, p.dims()[p.rank() - 1]).unwrap());
+                        let used =
+                            p.as_tensor().broadcast_mul(&x.narrow(1, 0, p.dims()[p.rank() - 1]).unwrap());
                         // an owned parameter is usable; a freed one gives an error, not a value
                         assert_eq!(used.is_ok(), owner == rank, "rank {rank}, owner {owner}");
                     }
@@ -162,9 +173,13 @@ fn thread_comm_collectives() {
                     let all = values(&c.all_reduce_sum(&t).unwrap()).unwrap();
                     let reduced = c.reduce_sum(&t, 1).unwrap().map(|t| values(&t).unwrap());
                     let bcast = values(&c.broadcast(&t, 2).unwrap()).unwrap();
-                    let gathered: Vec<_> = c.all_gather(&t).unwrap().iter().map(|t| values(t).unwrap()).collect();
+                    let gathered: Vec<_> =
+                        c.all_gather(&t).unwrap().iter().map(|t| values(t).unwrap()).collect();
                     let bad_root = c.broadcast(&t, 3).is_err();
-                    let bad_shape = c.broadcast(&Tensor::zeros(c.rank() + 1, candle_core::DType::F32, &Device::Cpu).unwrap(), 0);
+                    let bad_shape = c.broadcast(
+                        &Tensor::zeros(c.rank() + 1, candle_core::DType::F32, &Device::Cpu).unwrap(),
+                        0,
+                    );
                     (all, reduced, bcast, gathered, bad_root, bad_shape.is_err())
                 })
             })
