@@ -1,6 +1,16 @@
 //! Smaller micro-batches with gradient accumulation, global batch held constant.
+//!
+//! The planner half is [`Accumulate`]; the mechanism is [`GradAccumulator`]
+//! (with [`collect_grads`] to take detached gradients out of a `GradStore`).
 
-use crate::{Plan, SearchContext, Strategy};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use rayon::prelude::*;
+
+use crate::adamw::{
+    contiguous_range, is_kernel_dtype, with_cpu_mut, with_cpu_mut_src, with_float_vec, Float, CHUNK,
+};
+use crate::{Error, Plan, Result, SearchContext, Strategy};
 
 /// Planner half: step the micro-batch down through the divisors of the per-rank
 /// batch, raising the accumulation count so the global batch stays the same.
@@ -33,5 +43,203 @@ impl Strategy for Accumulate {
     fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
         let next = divisors(per_rank_batch(plan)).into_iter().find(|&d| d > plan.micro_batch)?;
         Some(with_micro_batch(plan, next))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Mechanism: gradient accumulation.
+
+/// The gradients of `vars` from a [`GradStore`], detached (so they do not pin
+/// the forward graph once the store and the loss are dropped), in the order of
+/// `vars`. A var without a gradient is an error naming its position.
+pub fn collect_grads(store: &GradStore, vars: &[Var]) -> Result<Vec<Tensor>> {
+    vars.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            store
+                .get(v.as_tensor())
+                .map(Tensor::detach)
+                .ok_or_else(|| Error::Config(format!("var {i} (shape {:?}) received no gradient", v.shape())))
+        })
+        .collect()
+}
+
+/// Sums the gradients of several micro-batches, keeping one gradient set resident.
+///
+/// The first [`add`](Self::add) keeps the given tensors (no copy); the second
+/// replaces each by the sum `acc + g`, a tensor the accumulator owns alone; from
+/// then on, CPU tensors of dtype f32/bf16/f16 are summed in place (the incoming
+/// gradient converted while reading), other devices allocate `acc + g` and drop
+/// the old sum. [`finish`](Self::finish) scales the sum (in place where it can)
+/// and hands it out.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use oomfix_strategies::accumulate::GradAccumulator;
+///
+/// let mut acc = GradAccumulator::new();
+/// for k in 1..=4 {
+///     acc.add(vec![Tensor::new(&[k as f32, 2.0 * k as f32], &Device::Cpu)?])?;
+/// }
+/// let mean = acc.finish(1.0 / 4.0)?; // average over the 4 micro-batches
+/// assert_eq!(mean[0].to_vec1::<f32>()?, [2.5, 5.0]);
+/// # Ok::<(), oomfix_strategies::Error>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct GradAccumulator {
+    /// The running sums.
+    acc: Vec<Tensor>,
+    /// Whether `acc[i]`'s storage belongs to the accumulator alone (then it may
+    /// be changed in place).
+    owned: Vec<bool>,
+    /// Dtype to accumulate in; `None` keeps each gradient's dtype.
+    dtype: Option<DType>,
+    micro_batches: usize,
+}
+
+impl GradAccumulator {
+    /// Accumulates each gradient in its own dtype.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Accumulates in `dtype`, e.g. f32 sums of bf16 gradients (the first
+    /// micro-batch's gradients are converted, 4 bytes per element for f32).
+    pub fn with_dtype(dtype: DType) -> Self {
+        GradAccumulator { dtype: Some(dtype), ..Self::default() }
+    }
+
+    /// Micro-batches added so far.
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
+    }
+
+    /// Adds one micro-batch's gradients (detached here; same count and shapes
+    /// every time, else an error and nothing changes). Drop the `GradStore` they
+    /// came from before the next forward, or it keeps the graph alive.
+    pub fn add(&mut self, grads: Vec<Tensor>) -> Result<()> {
+        if self.micro_batches == 0 {
+            let dtype = self.dtype;
+            (self.acc, self.owned) = grads
+                .into_iter()
+                .map(|g| take_first(g, dtype))
+                .collect::<Result<Vec<_>>>()?
+                .into_iter()
+                .unzip();
+        } else {
+            self.check(&grads)?;
+            for (i, g) in grads.iter().enumerate() {
+                self.add_one(i, g)?;
+            }
+        }
+        self.micro_batches += 1;
+        Ok(())
+    }
+
+    fn check(&self, grads: &[Tensor]) -> Result<()> {
+        if grads.len() != self.acc.len() {
+            return Err(Error::Config(format!(
+                "{} gradients added to an accumulator of {}",
+                grads.len(),
+                self.acc.len()
+            )));
+        }
+        for (i, (a, g)) in self.acc.iter().zip(grads).enumerate() {
+            if a.shape() != g.shape() {
+                return Err(Error::Config(format!(
+                    "gradient {i} has shape {:?}, earlier micro-batches {:?}",
+                    g.shape(),
+                    a.shape()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn add_one(&mut self, i: usize, g: &Tensor) -> Result<()> {
+        let acc = &self.acc[i];
+        if self.owned[i] && in_place_ok(acc) && in_place_ok(g) {
+            let g = g.contiguous()?;
+            with_cpu_mut_src(acc, &g, |a, al, g, gl| {
+                let (ar, gr) = (contiguous_range(al)?, contiguous_range(gl)?);
+                with_float_vec!(a, a => with_float_vec!(g, g => {
+                    zip_in_place(&mut a[ar.clone()], &g[gr.clone()], |a, g| a + g);
+                    Ok(())
+                }))
+            })?;
+        } else {
+            self.acc[i] = (acc + g.detach().to_dtype(acc.dtype())?)?;
+            self.owned[i] = true;
+        }
+        Ok(())
+    }
+
+    /// The sums times `scale` (`1 / micro_batches` gives the mean), in the order
+    /// added. An error if nothing was added.
+    pub fn finish(self, scale: f64) -> Result<Vec<Tensor>> {
+        if self.micro_batches == 0 {
+            return Err(Error::Config("no gradients were accumulated".into()));
+        }
+        if scale == 1.0 {
+            return Ok(self.acc);
+        }
+        let s = scale as f32;
+        self.acc
+            .into_iter()
+            .zip(self.owned)
+            .map(|(a, owned)| {
+                if owned && in_place_ok(&a) {
+                    with_cpu_mut(&a, |st, l| {
+                        let r = contiguous_range(l)?;
+                        with_float_vec!(st, v => {
+                            map_in_place(&mut v[r], |x| x * s);
+                            Ok(())
+                        })
+                    })?;
+                    Ok(a)
+                } else {
+                    Ok(a.affine(scale, 0.0)?)
+                }
+            })
+            .collect()
+    }
+}
+
+/// Whether the CPU in-place kernels can take `t`.
+fn in_place_ok(t: &Tensor) -> bool {
+    t.device().is_cpu() && is_kernel_dtype(t.dtype())
+}
+
+/// The first micro-batch's gradient, detached and converted to `dtype` if one is
+/// given; `true` when that made a new tensor (owned by the accumulator).
+fn take_first(g: Tensor, dtype: Option<DType>) -> Result<(Tensor, bool)> {
+    let g = g.detach();
+    match dtype {
+        Some(d) if d != g.dtype() => Ok((g.to_dtype(d)?, true)),
+        _ => Ok((g, false)),
+    }
+}
+
+/// `a[i] = f(a[i], b[i])` computed in f32, chunked across rayon for large slices.
+fn zip_in_place<A: Float, B: Float>(a: &mut [A], b: &[B], f: impl Fn(f32, f32) -> f32 + Sync) {
+    let serial = |a: &mut [A], b: &[B]| {
+        for (a, b) in a.iter_mut().zip(b) {
+            *a = A::from_f32(f(a.to_f32(), b.to_f32()));
+        }
+    };
+    if a.len() <= CHUNK {
+        serial(a, b);
+    } else {
+        a.par_chunks_mut(CHUNK).zip(b.par_chunks(CHUNK)).for_each(|(a, b)| serial(a, b));
+    }
+}
+
+/// `a[i] = f(a[i])` computed in f32, chunked across rayon for large slices.
+fn map_in_place<A: Float>(a: &mut [A], f: impl Fn(f32) -> f32 + Sync) {
+    let serial = |a: &mut [A]| a.iter_mut().for_each(|x| *x = A::from_f32(f(x.to_f32())));
+    if a.len() <= CHUNK {
+        serial(a);
+    } else {
+        a.par_chunks_mut(CHUNK).for_each(serial);
     }
 }

@@ -7,6 +7,9 @@ pub enum Error {
     /// An invalid configuration (unknown strategy name, bad hyper-parameter, …).
     #[error("{0}")]
     Config(String),
+    /// The operation is not implemented for this device, dtype or layout.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
     /// A collective operation between ranks failed.
     #[error("communication failed: {0}")]
     Comm(String),

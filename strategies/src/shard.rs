@@ -1,7 +1,19 @@
 //! ZeRO-style naive sharding of optimizer state, gradients and parameters.
+//!
+//! The planner half is [`Shard`]. The mechanism: a [`Comm`] trait for the
+//! collectives (with [`ThreadComm`], an in-process backend), [`partition`] to
+//! assign whole parameters to ranks, and [`ShardedOptimizer`], which runs
+//! [`FusedAdamW`] on each rank's share.
+
+use std::sync::{Arc, Barrier, Mutex};
+
+use candle_core::backend::BackendDevice;
+use candle_core::cpu_backend::CpuDevice;
+use candle_core::{CpuStorage, Device, Tensor, Var};
 
 use crate::accumulate::divisors;
-use crate::{Plan, SearchContext, Sharding, Strategy};
+use crate::adamw::{with_cpu_mut, FusedAdamW, ParamsAdamW};
+use crate::{Error, Plan, Result, SearchContext, Sharding, Strategy};
 
 /// Planner half: spread training over `gpus` ranks, sharding optimizer state
 /// (stage 1), then gradients (stage 2), then parameters (stage 3).
@@ -40,4 +52,415 @@ impl Strategy for Shard {
         }
         with_stage(plan, plan.shard.world_size, plan.shard.stage - 1)
     }
+}
+
+// ---------------------------------------------------------------------------
+// Mechanism: collectives and the sharded optimizer.
+
+/// Collective operations between the ranks of a data-parallel group.
+///
+/// Every rank calls the same operations in the same order (they block until all
+/// ranks arrive). Results are new tensors: no rank's result shares storage with
+/// another rank's tensors, and inputs are not modified.
+pub trait Comm: Send + Sync {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// The element-wise sum of `t` over all ranks, on every rank.
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
+    /// The element-wise sum of `t` over all ranks, on `root` (`None` elsewhere).
+    fn reduce_sum(&self, t: &Tensor, root: usize) -> Result<Option<Tensor>>;
+    /// `root`'s `t` on every rank. On other ranks `t` only gives the expected
+    /// shape and dtype (its elements are not read).
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
+    /// Every rank's `t`, in rank order, on every rank.
+    fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>>;
+}
+
+/// An in-process [`Comm`]: one value per thread, meeting at barriers and
+/// exchanging tensors through shared slots. For tests and CPU runs of the
+/// sharding logic.
+///
+/// A rank that stops calling collectives (an error or panic on one thread)
+/// leaves the others waiting at the next barrier.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use oomfix_strategies::shard::{Comm, ThreadComm};
+///
+/// let sums = std::thread::scope(|s| {
+///     let handles: Vec<_> = ThreadComm::group(3)
+///         .into_iter()
+///         .map(|c| s.spawn(move || {
+///             let t = Tensor::new(&[c.rank() as f32], &Device::Cpu)?;
+///             c.all_reduce_sum(&t)?.to_vec1::<f32>().map_err(oomfix_strategies::Error::from)
+///         }))
+///         .collect();
+///     handles.into_iter().map(|h| h.join().unwrap()).collect::<Result<Vec<_>, _>>()
+/// })?;
+/// assert_eq!(sums, [[3.0], [3.0], [3.0]]);
+/// # Ok::<(), oomfix_strategies::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct ThreadComm {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    world: usize,
+    barrier: Barrier,
+    slots: Mutex<Vec<Option<Tensor>>>,
+}
+
+impl ThreadComm {
+    /// A group of `n` ranks: move element `r` to the thread that plays rank `r`.
+    pub fn group(n: usize) -> Vec<ThreadComm> {
+        let shared =
+            Arc::new(Shared { world: n, barrier: Barrier::new(n), slots: Mutex::new(vec![None; n]) });
+        (0..n).map(|rank| ThreadComm { rank, shared: shared.clone() }).collect()
+    }
+
+    /// Publishes `t` (detached), waits for every rank, runs `f` on all ranks'
+    /// tensors in rank order, and waits again: every rank has finished reading
+    /// the others' tensors before any rank goes on.
+    fn exchange<R>(&self, t: &Tensor, f: impl FnOnce(Vec<Tensor>) -> Result<R>) -> Result<R> {
+        let lock = || self.shared.slots.lock().map_err(|_| Error::Comm("a rank panicked".into()));
+        lock()?[self.rank] = Some(t.detach());
+        self.shared.barrier.wait();
+        let all = lock().and_then(|slots| {
+            slots
+                .iter()
+                .cloned()
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Error::Comm("a slot is empty".into()))
+        });
+        let result = all.and_then(f);
+        self.shared.barrier.wait();
+        lock()?[self.rank] = None;
+        result
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root < self.world_size() {
+            Ok(())
+        } else {
+            Err(Error::Comm(format!("root {root} is not a rank of a group of {}", self.world_size())))
+        }
+    }
+}
+
+/// The sum of `ts` in order, as a new tensor.
+fn sum(ts: &[Tensor]) -> Result<Tensor> {
+    let mut acc = ts[0].zeros_like()?;
+    for t in ts {
+        acc = (acc + t)?;
+    }
+    Ok(acc)
+}
+
+impl Comm for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        self.exchange(t, |all| sum(&all))
+    }
+    fn reduce_sum(&self, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
+        self.check_root(root)?;
+        self.exchange(t, |all| (self.rank == root).then(|| sum(&all)).transpose())
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        self.check_root(root)?;
+        self.exchange(t, |mut all| {
+            let src = all.swap_remove(root);
+            if self.rank == root {
+                return Ok(src);
+            }
+            if src.shape() != t.shape() || src.dtype() != t.dtype() {
+                return Err(Error::Comm(format!(
+                    "broadcast of {:?} {:?} into {:?} {:?}",
+                    src.dtype(),
+                    src.shape(),
+                    t.dtype(),
+                    t.shape()
+                )));
+            }
+            Ok(src.force_contiguous()?)
+        })
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        self.exchange(t, |all| {
+            all.into_iter()
+                .enumerate()
+                .map(|(r, x)| if r == self.rank { Ok(x) } else { Ok(x.force_contiguous()?) })
+                .collect()
+        })
+    }
+}
+
+/// Owner rank of each parameter, given the parameters' element counts: largest
+/// first, each to the rank with the fewest elements so far (ties: lowest rank,
+/// then earlier parameter), as PyTorch's `ZeroRedundancyOptimizer` assigns them.
+pub fn partition(sizes: &[usize], world_size: usize) -> Result<Vec<usize>> {
+    if world_size == 0 {
+        return Err(Error::Config("world size must be at least 1".into()));
+    }
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let mut load = vec![0usize; world_size];
+    let mut owners = vec![0; sizes.len()];
+    for i in order {
+        let rank = (0..world_size).min_by_key(|&r| load[r]).unwrap_or(0);
+        owners[i] = rank;
+        load[rank] += sizes[i];
+    }
+    Ok(owners)
+}
+
+/// What a ZeRO stage shards across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ZeroStage {
+    /// Stage 1: optimizer state. Gradients are all-reduced to every rank.
+    OptimizerState,
+    /// Stage 2: optimizer state and gradients. Each gradient is reduced to its
+    /// owner only.
+    Gradients,
+    /// Stage 3: optimizer state, gradients and parameters. Non-owned parameters
+    /// are freed between steps and gathered before the forward.
+    Parameters,
+}
+
+impl TryFrom<u8> for ZeroStage {
+    type Error = Error;
+    fn try_from(stage: u8) -> Result<Self> {
+        match stage {
+            1 => Ok(ZeroStage::OptimizerState),
+            2 => Ok(ZeroStage::Gradients),
+            3 => Ok(ZeroStage::Parameters),
+            _ => Err(Error::Config(format!("ZeRO stage must be 1, 2 or 3, not {stage}"))),
+        }
+    }
+}
+
+/// ZeRO-style sharded AdamW over whole parameters (naive partitioning).
+///
+/// Each parameter is owned by one rank ([`partition`]); each rank keeps
+/// [`FusedAdamW`] state for the parameters it owns only. A step, given this
+/// rank's gradients of its slice of the global batch (mean-reduced loss, equal
+/// slices):
+///
+/// * stage 1: every gradient is all-reduced and averaged; the owner steps its
+///   parameters, then each owner broadcasts its updated parameters;
+/// * stage 2: each gradient is reduced to its owner only and every rank drops
+///   its local copy as soon as it is sent; then as stage 1;
+/// * stage 3: as stage 2, but parameters are not broadcast after the step:
+///   non-owned parameters are freed ([`release_params`](Self::release_params))
+///   and must be gathered ([`gather_params`](Self::gather_params)) before the
+///   next forward.
+///
+/// How naive it is:
+/// * whole parameters are the unit: no flattening, no bucketing, no overlap of
+///   communication with backward; the balance is as good as the greedy
+///   partition of parameter sizes;
+/// * gradients are reduced after the whole backward, so the full local
+///   gradient set exists once per rank (drop the `GradStore` and pass the
+///   gradients by value so that non-owned ones are freed as they are reduced);
+/// * stage 3 gathers every parameter at once before the forward and frees them
+///   after the step, so the forward and backward peak still holds all
+///   parameters: it saves parameter memory between steps and during the
+///   optimizer step only. Freeing is CPU-only here: a freed parameter's storage
+///   is swapped for an empty one while the var (and every model tensor sharing
+///   it) stays in place; reading a freed parameter is a bug (most ops report a
+///   dtype mismatch, some may panic on an out-of-range index).
+///
+/// Every rank must construct it with the same vars (same order and shapes).
+/// Construction is collective: each owner broadcasts its initial parameters so
+/// all ranks start equal.
+///
+/// A training step on each rank:
+///
+/// ```text
+/// opt.gather_params()?;                  // stage 3: materialise all parameters
+/// let store = loss_on_my_slice(&model)?.backward()?;
+/// let grads = collect_grads(&store, &vars)?;
+/// drop(store);
+/// opt.release_params()?;                 // stage 3, optional: free early
+/// opt.step(grads)?;
+/// ```
+#[derive(Debug)]
+pub struct ShardedOptimizer<C: Comm> {
+    comm: C,
+    stage: ZeroStage,
+    vars: Vec<Var>,
+    owners: Vec<usize>,
+    opt: FusedAdamW,
+    /// Whether the non-owned parameters are freed (stage 3 only).
+    released: bool,
+}
+
+impl<C: Comm> ShardedOptimizer<C> {
+    /// Partitions `vars` over the ranks of `comm`, creates AdamW state for this
+    /// rank's share (named by global index, as [`FusedAdamW::new`] would), and
+    /// synchronises the parameters from their owners. Stage 3 then frees the
+    /// non-owned parameters and needs CPU vars.
+    pub fn new(comm: C, vars: Vec<Var>, params: ParamsAdamW, stage: ZeroStage) -> Result<Self> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        if rank >= world {
+            return Err(Error::Comm(format!("rank {rank} in a group of {world}")));
+        }
+        if stage == ZeroStage::Parameters && !vars.iter().all(|v| v.device().is_cpu()) {
+            return Err(Error::Unsupported("ZeRO stage 3 frees parameters on the CPU only".into()));
+        }
+        check_same_vars(&comm, &vars)?;
+        let owners = partition(&vars.iter().map(|v| v.elem_count()).collect::<Vec<_>>(), world)?;
+        let owned = vars
+            .iter()
+            .enumerate()
+            .filter(|&(i, _)| owners[i] == rank)
+            .map(|(i, v)| (i.to_string(), v.clone()));
+        let opt = FusedAdamW::new_named(owned.collect(), params)?;
+        let mut s = ShardedOptimizer { comm, stage, vars, owners, opt, released: false };
+        s.broadcast_params()?;
+        s.release_params()?;
+        Ok(s)
+    }
+
+    /// One optimizer step from this rank's gradients (one per var, in order;
+    /// collective). Stage 3 leaves non-owned parameters freed.
+    pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+        if grads.len() != self.vars.len() {
+            return Err(Error::Config(format!(
+                "{} gradients for {} parameters",
+                grads.len(),
+                self.vars.len()
+            )));
+        }
+        let rank = self.comm.rank();
+        let inv_world = 1.0 / self.comm.world_size() as f64;
+        let mut mine = Vec::new();
+        for (g, &owner) in grads.into_iter().zip(&self.owners) {
+            let reduced = match self.stage {
+                ZeroStage::OptimizerState => Some(self.comm.all_reduce_sum(&g)?).filter(|_| owner == rank),
+                ZeroStage::Gradients | ZeroStage::Parameters => self.comm.reduce_sum(&g, owner)?,
+            };
+            drop(g);
+            if let Some(sum) = reduced {
+                mine.push(sum.affine(inv_world, 0.0)?);
+            }
+        }
+        self.opt.step(&mine)?;
+        drop(mine);
+        match self.stage {
+            ZeroStage::Parameters => self.release_params(),
+            _ => self.broadcast_params(),
+        }
+    }
+
+    /// Stage 3: materialises every parameter on every rank (collective; call
+    /// before the forward). A no-op when nothing is freed, and always in stages 1 and 2.
+    pub fn gather_params(&mut self) -> Result<()> {
+        if self.released {
+            self.broadcast_params()?;
+            self.released = false;
+        }
+        Ok(())
+    }
+
+    /// Stage 3: frees this rank's non-owned parameters (local; e.g. right after
+    /// backward, before [`step`](Self::step)). A no-op when already freed, and
+    /// always in stages 1 and 2.
+    pub fn release_params(&mut self) -> Result<()> {
+        if self.stage != ZeroStage::Parameters || self.released {
+            return Ok(());
+        }
+        for var in self.non_owned() {
+            with_cpu_mut(var.as_tensor(), |s, _| {
+                *s = CpuStorage::U8(Vec::new());
+                Ok(())
+            })?;
+        }
+        self.released = true;
+        Ok(())
+    }
+
+    /// Every owner sends its parameters to the other ranks, which copy them into
+    /// their vars (re-allocating a freed var's storage first).
+    fn broadcast_params(&self) -> Result<()> {
+        let rank = self.comm.rank();
+        for (var, &owner) in self.vars.iter().zip(&self.owners) {
+            let t = self.comm.broadcast(var.as_tensor(), owner)?;
+            if owner != rank {
+                if self.released {
+                    let storage = CpuDevice.zeros_impl(var.shape(), var.dtype())?;
+                    with_cpu_mut(var.as_tensor(), |s, _| {
+                        *s = storage;
+                        Ok(())
+                    })?;
+                }
+                var.set(&t)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn non_owned(&self) -> impl Iterator<Item = &Var> {
+        let rank = self.comm.rank();
+        self.vars.iter().zip(&self.owners).filter(move |&(_, &o)| o != rank).map(|(v, _)| v)
+    }
+
+    /// Owner rank of each var, in order.
+    pub fn owners(&self) -> &[usize] {
+        &self.owners
+    }
+
+    /// The ZeRO stage.
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// Whether the non-owned parameters are currently freed (stage 3; also
+    /// `true` on a rank that owns every parameter, where there is nothing to free).
+    pub fn is_released(&self) -> bool {
+        self.released
+    }
+
+    /// The AdamW over this rank's parameters: its state is this rank's shard
+    /// (for checkpoints, keyed by global var index).
+    pub fn optimizer(&self) -> &FusedAdamW {
+        &self.opt
+    }
+
+    /// Sets the learning rate.
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.opt.set_learning_rate(lr);
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &C {
+        &self.comm
+    }
+}
+
+/// Fails on every rank unless all ranks hold the same number of vars with the
+/// same total element count (a mismatch would otherwise hang a collective).
+fn check_same_vars<C: Comm>(comm: &C, vars: &[Var]) -> Result<()> {
+    let total: usize = vars.iter().map(|v| v.elem_count()).sum();
+    let mine = [vars.len() as i64, total as i64];
+    let all = comm.all_gather(&Tensor::new(&mine, &Device::Cpu)?)?;
+    for (r, t) in all.iter().enumerate() {
+        let theirs = t.to_vec1::<i64>()?;
+        if theirs != mine {
+            return Err(Error::Config(format!(
+                "rank {r} has other parameters than rank {} (count, elements): {theirs:?} vs {mine:?}",
+                comm.rank()
+            )));
+        }
+    }
+    Ok(())
 }

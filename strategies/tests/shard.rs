@@ -1,0 +1,219 @@
+//! ZeRO stages 1-3 over in-process ranks give the same training as one rank.
+
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor, Var};
+use common::{assert_close, det, values};
+use oomfix_strategies::accumulate::collect_grads;
+use oomfix_strategies::adamw::{ParamsAdamW, STEP_KEY};
+use oomfix_strategies::shard::{partition, Comm, ShardedOptimizer, ThreadComm, ZeroStage};
+
+const GLOBAL_BATCH: usize = 8;
+const STEPS: u64 = 5;
+
+/// Parameters of a 4 -> 6 -> 2 MLP: w1, b1, w2, b2 (sizes 24, 6, 12, 2).
+fn init_params() -> Vec<Var> {
+    [det((6, 4), 1), (det(6, 2) * 0.1).unwrap(), det((2, 6), 3), (det(2, 4) * 0.1).unwrap()]
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect()
+}
+
+/// Mean-squared error of the MLP on (x, y), mean over the rows given.
+fn loss(p: &[Var], x: &Tensor, y: &Tensor) -> Tensor {
+    let h = x
+        .matmul(&p[0].as_tensor().t().unwrap())
+        .unwrap()
+        .broadcast_add(p[1].as_tensor())
+        .unwrap()
+        .tanh()
+        .unwrap();
+    let out = h.matmul(&p[2].as_tensor().t().unwrap()).unwrap().broadcast_add(p[3].as_tensor()).unwrap();
+    (out - y).unwrap().sqr().unwrap().mean_all().unwrap()
+}
+
+fn batch(step: u64) -> (Tensor, Tensor) {
+    (det((GLOBAL_BATCH, 4), 100 + step), det((GLOBAL_BATCH, 2), 200 + step))
+}
+
+fn adamw() -> ParamsAdamW {
+    ParamsAdamW { lr: 0.05, weight_decay: 0.01, ..Default::default() }
+}
+
+/// Trains on `world` threads at `stage`; every rank sees its slice of each global
+/// batch. Returns each rank's final parameters (gathered for stage 3) and its
+/// optimizer state shard.
+fn train(world: usize, stage: ZeroStage) -> Vec<(Vec<Tensor>, HashMap<String, Tensor>)> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(world)
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let params = init_params();
+                    let mut opt = ShardedOptimizer::new(comm, params.clone(), adamw(), stage).unwrap();
+                    let rows = GLOBAL_BATCH / world;
+                    for step in 0..STEPS {
+                        opt.gather_params().unwrap();
+                        let (x, y) = batch(step);
+                        let (x, y) = (
+                            x.narrow(0, rank * rows, rows).unwrap(),
+                            y.narrow(0, rank * rows, rows).unwrap(),
+                        );
+                        let store = loss(&params, &x, &y).backward().unwrap();
+                        let grads = collect_grads(&store, &params).unwrap();
+                        drop(store);
+                        opt.release_params().unwrap();
+                        opt.step(grads).unwrap();
+                        assert_eq!(opt.is_released(), stage == ZeroStage::Parameters);
+                    }
+                    opt.gather_params().unwrap();
+                    let state = opt.optimizer().state_tensors().unwrap();
+                    (params.iter().map(|p| p.as_detached_tensor()).collect::<Vec<_>>(), state)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The same training with one rank, no sharding machinery: plain FusedAdamW on
+/// the whole batch. Returns the parameters and the optimizer state.
+fn reference() -> (Vec<Tensor>, HashMap<String, Tensor>) {
+    let params = init_params();
+    let mut opt = oomfix_strategies::adamw::FusedAdamW::new(params.clone(), adamw()).unwrap();
+    for step in 0..STEPS {
+        let (x, y) = batch(step);
+        opt.step(&collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap()).unwrap();
+    }
+    (params.iter().map(|p| p.as_detached_tensor()).collect(), opt.state_tensors().unwrap())
+}
+
+#[test]
+fn every_stage_and_world_size_matches_one_rank() {
+    let (want, want_state) = reference();
+    // training moved the parameters, so equality below is not trivial
+    assert!(values(&want[0]).unwrap() != values(&init_params()[0].as_detached_tensor()).unwrap());
+    for stage in [ZeroStage::OptimizerState, ZeroStage::Gradients, ZeroStage::Parameters] {
+        for world in [1, 2, 4] {
+            let mut state_keys = 0;
+            for (rank, (got, state)) in train(world, stage).iter().enumerate() {
+                let what = format!("{stage:?}, world {world}, rank {rank}");
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_close(g, w, 1e-5, &format!("{what}, param {i}"));
+                }
+                // the moments scale with the gradient (AdamW's step nearly does not):
+                // they check that gradients are averaged, not summed
+                for (key, t) in state.iter().filter(|(k, _)| k.as_str() != STEP_KEY) {
+                    assert_close(t, &want_state[key], 1e-5, &format!("{what}, {key}"));
+                    state_keys += 1;
+                }
+            }
+            // each parameter's state lives on exactly one rank
+            assert_eq!(state_keys, 2 * want.len(), "{stage:?}, world {world}");
+        }
+    }
+}
+
+#[test]
+fn greedy_partition_largest_first() {
+    // sizes of w1, b1, w2, b2
+    assert_eq!(partition(&[24, 6, 12, 2], 1).unwrap(), [0, 0, 0, 0]);
+    // 24 -> r0; 12 -> r1; 6 -> r1 (12 < 24); 2 -> r1 (18 < 24)
+    assert_eq!(partition(&[24, 6, 12, 2], 2).unwrap(), [0, 1, 1, 1]);
+    assert_eq!(partition(&[24, 6, 12, 2], 4).unwrap(), [0, 2, 1, 3]);
+    // more ranks than parameters: the extra ranks own nothing
+    assert_eq!(partition(&[5, 5], 3).unwrap(), [0, 1]);
+    assert!(partition(&[1], 0).is_err());
+}
+
+#[test]
+fn stage3_frees_non_owned_parameters_between_steps() {
+    let finals = std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(2)
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let params = init_params();
+                    let opt =
+                        ShardedOptimizer::new(comm, params.clone(), adamw(), ZeroStage::Parameters).unwrap();
+                    assert!(opt.is_released());
+                    let x = Tensor::ones((1, 6), candle_core::DType::F32, &Device::Cpu).unwrap();
+                    for (p, &owner) in params.iter().zip(opt.owners()) {
+                        let used =
+                            p.as_tensor().broadcast_mul(&x.narrow(1, 0, p.dims()[p.rank() - 1]).unwrap());
+                        // an owned parameter is usable; a freed one gives an error, not a value
+                        assert_eq!(used.is_ok(), owner == rank, "rank {rank}, owner {owner}");
+                    }
+                    let mut opt = opt;
+                    opt.gather_params().unwrap();
+                    params.iter().map(|p| values(p.as_tensor()).unwrap()).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    // gathered parameters are the initial ones on both ranks
+    let init: Vec<_> = init_params().iter().map(|p| values(p.as_tensor()).unwrap()).collect();
+    assert_eq!(finals, [init.clone(), init]);
+}
+
+#[test]
+fn thread_comm_collectives() {
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(3)
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let r = c.rank() as f32;
+                    let t = Tensor::new(&[r, 10.0 * r], &Device::Cpu).unwrap();
+                    let all = values(&c.all_reduce_sum(&t).unwrap()).unwrap();
+                    let reduced = c.reduce_sum(&t, 1).unwrap().map(|t| values(&t).unwrap());
+                    let bcast = values(&c.broadcast(&t, 2).unwrap()).unwrap();
+                    let gathered: Vec<_> =
+                        c.all_gather(&t).unwrap().iter().map(|t| values(t).unwrap()).collect();
+                    let bad_root = c.broadcast(&t, 3).is_err();
+                    let bad_shape = c.broadcast(
+                        &Tensor::zeros(c.rank() + 1, candle_core::DType::F32, &Device::Cpu).unwrap(),
+                        0,
+                    );
+                    (all, reduced, bcast, gathered, bad_root, bad_shape.is_err())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    for (rank, (all, reduced, bcast, gathered, bad_root, bad_shape)) in results.into_iter().enumerate() {
+        assert_eq!(all, [3.0, 30.0]);
+        assert_eq!(reduced, (rank == 1).then(|| vec![3.0, 30.0]));
+        assert_eq!(bcast, [2.0, 20.0]);
+        assert_eq!(gathered, [vec![0.0, 0.0], vec![1.0, 10.0], vec![2.0, 20.0]]);
+        assert!(bad_root);
+        assert_eq!(bad_shape, rank != 0, "only receivers of another shape fail");
+    }
+}
+
+#[test]
+fn mismatched_ranks_fail_on_every_rank() {
+    let outcomes = std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(2)
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let mut params = init_params();
+                    if comm.rank() == 1 {
+                        params.pop();
+                    }
+                    ShardedOptimizer::new(comm, params, adamw(), ZeroStage::Gradients).is_err()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    assert_eq!(outcomes, [true, true]);
+    assert!(ZeroStage::try_from(4).is_err());
+    assert_eq!(ZeroStage::try_from(2).unwrap(), ZeroStage::Gradients);
+}
