@@ -31,7 +31,7 @@ fn row(i: usize, a: &Attempt) -> String {
         None => "-".into(),
     };
     format!(
-        "{i:>3}  {:<20} {:>5}x{:<4} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  {}\n",
+        "{i:>3}  {:<18} {:>5}x{:<4} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  {}\n",
         a.strategy,
         p.micro_batch,
         p.grad_accum,
@@ -72,8 +72,8 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
     );
     let _ = writeln!(
         out,
-        "  #  {:<20} {:>10} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits",
-        "strategy", "micro×acc", "precision", "checkpoint", "optimizer", "shard", "estimated", "measured"
+        "  #  {:<18} {:>10} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits",
+        "strategy", "batch x acc", "precision", "checkpoint", "optimizer", "shard", "estimated", "measured"
     );
     for (i, a) in result.attempts.iter().enumerate() {
         out.push_str(&row(i, a));

@@ -170,7 +170,7 @@ impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "micro-batch {} x{} accum, seq {}, {}, checkpoint {}, {}",
+            "micro-batch {} x {} accumulation, seq {}, {}, checkpoint {}, {}",
             self.micro_batch, self.grad_accum, self.seq_len, self.precision, self.checkpoint, self.optimizer
         )?;
         if self.shard.world_size > 1 {
