@@ -3,6 +3,7 @@
 
 mod error;
 pub mod spec;
+pub mod train;
 
 pub use error::{Error, Result};
 pub use oomfix_strategies as strategies;
