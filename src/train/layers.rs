@@ -68,7 +68,7 @@ impl LayerNorm {
     /// Allocates, for `x` of `n` elements over rows of `h`: (16-bit input only) the f32
     /// copy `n`·f32; the centred values, their squares and the normalised values,
     /// `3·n`·f32; (16-bit only) the cast back `n`·c; the scaled and the shifted output
-    /// `2·n`·c; plus four row statistics of `n/h` f32 each.
+    /// `2·n`·c; plus six row statistics of `n/h` f32 each.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
@@ -94,7 +94,7 @@ impl RmsNorm {
 
     /// Allocates, for `x` of `n` elements over rows of `h`: (16-bit only) the f32 copy
     /// `n`·f32; the squares and the normalised values `2·n`·f32; (16-bit only) the cast
-    /// back `n`·c; the scaled output `n`·c; plus three row statistics of `n/h` f32.
+    /// back `n`·c; the scaled output `n`·c; plus four row statistics of `n/h` f32.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;

@@ -30,14 +30,16 @@
 //!
 //! Layer norm (LN, used by GPT-2 and BERT) on `[n, h]` input: *16-bit*: input cast
 //! `[n,h]` f32; centred `[n,h]` f32; squares `[n,h]` f32; normalised `[n,h]` f32;
-//! *16-bit*: cast back `[n,h]` c; × weight `[n,h]` c; + bias `[n,h]` c; four `[n,1]`
-//! f32 (mean sum, mean, variance sum, variance; plus `var+ε`, `sqrt`: six in all).
+//! *16-bit*: cast back `[n,h]` c; × weight `[n,h]` c; + bias `[n,h]` c; six `[n,1]`
+//! f32 (sum and mean, sum and mean of squares, `+ε`, `sqrt`). In f32: `5·n·h + 6·n`
+//! values; 16-bit: `4·n·h + 6·n` f32 and `3·n·h` c.
 //!
 //! RMS norm (RMS, Llama) on `[n, h]`: *16-bit*: input cast `[n,h]` f32; squares
 //! `[n,h]` f32; normalised `[n,h]` f32; *16-bit*: cast back `[n,h]` c; × weight
-//! `[n,h]` c; four `[n,1]` f32 (sum, mean, `+ε`, `sqrt`).
+//! `[n,h]` c; four `[n,1]` f32 (sum, mean, `+ε`, `sqrt`). In f32: `3·n·h + 4·n`;
+//! 16-bit: `3·n·h + 4·n` f32 and `2·n·h` c.
 //!
-//! Softmax over `[.., s]` rows of `m` elements in all: shifted `m` c; exp `m` c;
+//! Softmax over rows of `s` (`m` elements in all): shifted `m` c; exp `m` c;
 //! output `m` c; detached row max and row sum (`m/s` each, c).
 //!
 //! ## GPT-2 (per block)
@@ -126,18 +128,30 @@
 //! | BERT | + `cls.predictions.bias` | `[n,V]` | c |
 //! | all | *16-bit*: logits cast | `[n,V]` | f32 |
 //! | all | shifted logits, exp | `[n,V]` ×2 | f32 |
-//! | all | row max (detached), sum, log-sum-exp, picked logit, nll | `[n,1]` ×5 | f32 |
-//! | masked loss (BERT, or a `loss_mask`) | nll × mask | `[n]` | f32 |
+//! | all | row max (detached), sum of exp, log-sum-exp, picked logit, nll | `[n,1]` ×5 | f32 |
+//! | with a `loss_mask` (always for BERT) | nll × mask | `[n]` | f32 |
+//! | all | sum, mean | scalar ×2 | f32 |
+//!
+//! Summed, per block in f32 (elements; the row max of each softmax included):
+//! GPT-2 `27·n·h + 12·n + 3·n·I + 5·b·H·s² + 2·b·H·s`; Llama `17·n·h + 8·n +
+//! 7·n·KV·d + 4·n·I + 5·b·H·s² + 2·b·H·s` (`+ n·h + 2·n·KV·d` with `qkv_bias`);
+//! BERT `27·n·h + 12·n + 3·n·I + 4·b·H·s² + 2·b·H·s` (`+ b·H·s²` with a padding
+//! mask). These tables were checked against the graph candle builds: on small shapes
+//! the distinct non-parameter storages reachable from the loss add up to exactly
+//! these counts for all three families, in f32 and bf16 (plus the detached softmax
+//! maxima, which the graph holds off the parameter path; the once-per-forward masks
+//! and RoPE tables come on top).
 //!
 //! ## Checkpointing
 //!
 //! With [`Checkpointing::Every`]`(k)` the blocks' tables above exist for one segment
 //! of `k` blocks at a time, during that segment's forward and again during its
 //! recompute in backward. What stays from the forward is the stem (its tables
-//! above), one `[n,h]` c tensor per segment after the first (a fresh `Var` holding
-//! the previous segment's output), and the last segment's output `[n,h]` c (the
-//! head's input). The head's tables live only during the head's backward, before
-//! any segment is recomputed.
+//! above) and, for `m` segments, `m` tensors `[n,h]` c: a fresh `Var` holding each
+//! segment's output (the next segment's input, or the head's input for the last).
+//! The head's tables live only during the head's backward, before any segment is
+//! recomputed. While a segment is differentiated, the upstream gradient `[n,h]` c
+//! and the surrogate's product `y·grad_y` `[n,h]` c are alive besides its tables.
 
 mod bert;
 mod gpt2;
@@ -156,7 +170,7 @@ use rand_distr::{Distribution, Normal};
 use crate::{Error, Family, ModelConfig, Result};
 use layers::{LayerNorm, Linear, RmsNorm, WeightLayout};
 
-/// The [MASK] token id BERT's uncased vocabulary uses.
+/// The `[MASK]` token id BERT's uncased vocabulary uses.
 const BERT_MASK_ID: u32 = 103;
 /// Standard deviation of the random initialisation of matrices.
 const INIT_STD: f32 = 0.02;
@@ -184,7 +198,7 @@ impl Batch {
     ///
     /// Causal families get `seq + 1` random tokens per sequence: inputs are the first
     /// `seq`, targets the last `seq`. BERT gets `seq` random tokens; about 15% of the
-    /// positions (at least one per sequence) are replaced by the [MASK] id (103, or
+    /// positions (at least one per sequence) are replaced by the `[MASK]` id (103, or
     /// `vocab − 1` for vocabularies of 103 tokens or fewer), targeted with the original
     /// token and selected by `loss_mask`.
     pub fn synthetic(family: Family, vocab: usize, batch: usize, seq: usize, seed: u64, device: &Device) -> Result<Batch> {
