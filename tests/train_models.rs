@@ -215,7 +215,10 @@ fn save_then_load_gives_identical_tensors_and_loss() {
             let loaded = build_model(&config, Some(&[path]), dtype, &Device::Cpu, 99).unwrap();
             assert_same_params(original.as_ref(), loaded.as_ref());
             let batch = batch(&config);
-            let (a, b) = (step(original.as_ref(), &batch, Checkpointing::None), step(loaded.as_ref(), &batch, Checkpointing::None));
+            let (a, b) = (
+                step(original.as_ref(), &batch, Checkpointing::None),
+                step(loaded.as_ref(), &batch, Checkpointing::None),
+            );
             assert_eq!(a.loss, b.loss, "{}", label(&config));
         }
     }
@@ -351,7 +354,8 @@ fn synthetic_batches_follow_the_family() {
     assert!(causal.loss_mask.is_none());
 
     let bert = Batch::synthetic(Family::Bert, 200, BATCH, 32, 5, &Device::Cpu).unwrap();
-    let (ids, targets, mask) = (values(&bert.input_ids), values(&bert.targets), values(bert.loss_mask.as_ref().unwrap()));
+    let (ids, targets, mask) =
+        (values(&bert.input_ids), values(&bert.targets), values(bert.loss_mask.as_ref().unwrap()));
     for i in 0..BATCH * 32 {
         if mask[i] == 1.0 {
             assert_eq!(ids[i], 103.0);
@@ -407,7 +411,8 @@ fn losses_and_gradients_match_hugging_face_transformers() {
     for (name, config) in reference_models() {
         let weights = [dir.join(format!("{name}.safetensors"))];
         let model = build_model(&config, Some(&weights), DType::F32, &Device::Cpu, 0).unwrap();
-        let reference = candle_core::safetensors::load(dir.join(format!("{name}.ref.safetensors")), &Device::Cpu).unwrap();
+        let reference =
+            candle_core::safetensors::load(dir.join(format!("{name}.ref.safetensors")), &Device::Cpu).unwrap();
         let batch = Batch {
             input_ids: ids(&reference["input_ids"]),
             targets: ids(&reference["targets"]),
@@ -427,4 +432,18 @@ fn losses_and_gradients_match_hugging_face_transformers() {
             }
         }
     }
+}
+
+#[test]
+fn out_of_vocabulary_ids_are_errors_not_panics() {
+    let config = tiny(Family::Gpt2);
+    let model = model(&config, DType::F32);
+    let too_big = Tensor::full(VOCAB as u32, (BATCH, SEQ), &Device::Cpu).unwrap();
+    let mut batch = batch(&config);
+    batch.input_ids = too_big.clone();
+    let err = model.forward_backward(&batch, Checkpointing::None, 1.0).err().unwrap();
+    assert!(err.to_string().contains("index"), "{err}");
+    let mut batch = self::batch(&config);
+    batch.targets = too_big;
+    assert!(model.forward_backward(&batch, Checkpointing::None, 1.0).is_err());
 }

@@ -158,8 +158,7 @@ fn masked_score(dtype: DType) -> f64 {
 /// and heads.
 pub(crate) fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let neg = masked_score(dtype) as f32;
-    let values: Vec<f32> =
-        (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { neg })).collect();
+    let values: Vec<f32> = (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { neg })).collect();
     Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)
 }
 
@@ -183,7 +182,14 @@ impl Rope {
     /// Tables for positions `0..s` and heads of `head_dim`, with frequencies
     /// `theta^(-2i/head_dim)`, all multiplied by `scale` (the attention scale is
     /// folded into the query's table, so scaling the queries costs no tensor).
-    pub(crate) fn new(s: usize, head_dim: usize, theta: f64, scale: f64, dtype: DType, device: &Device) -> Result<Self> {
+    pub(crate) fn new(
+        s: usize,
+        head_dim: usize,
+        theta: f64,
+        scale: f64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(s * head_dim);
         let mut sin = Vec::with_capacity(s * head_dim);
@@ -282,10 +288,11 @@ mod tests {
         let mask = Tensor::new(&[0f32, 1., 0., 1.], &Device::Cpu).unwrap();
         let masked = cross_entropy(&logits, &targets, Some(&mask)).unwrap().to_scalar::<f32>().unwrap();
         let rows = Tensor::new(&[1u32, 3], &Device::Cpu).unwrap();
-        let expected = cross_entropy(&logits.index_select(&rows, 0).unwrap(), &targets.index_select(&rows, 0).unwrap(), None)
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let expected =
+            cross_entropy(&logits.index_select(&rows, 0).unwrap(), &targets.index_select(&rows, 0).unwrap(), None)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
         assert!((masked - expected).abs() < 1e-6);
         let none = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
         assert!(cross_entropy(&logits, &targets, Some(&none)).is_err());
@@ -298,11 +305,11 @@ mod tests {
         let rope = Rope::new(s, d, 10000.0, 0.5, DType::F32, &Device::Cpu).unwrap();
         let ours = rope.apply(&x).unwrap();
         // Reference: candle's rope_slow takes [b, h, s, d] and half-size tables.
-        let half: Vec<f32> =
-            (0..s).flat_map(|p| (0..d / 2).map(move |i| p as f32 * 10000f32.powf(-2.0 * i as f32 / d as f32))).collect();
+        let half: Vec<f32> = (0..s)
+            .flat_map(|p| (0..d / 2).map(move |i| p as f32 * 10000f32.powf(-2.0 * i as f32 / d as f32)))
+            .collect();
         let angles = Tensor::from_vec(half, (s, d / 2), &Device::Cpu).unwrap();
-        let reference =
-            candle_nn::rotary_emb::rope_slow(&x, &angles.cos().unwrap(), &angles.sin().unwrap()).unwrap();
+        let reference = candle_nn::rotary_emb::rope_slow(&x, &angles.cos().unwrap(), &angles.sin().unwrap()).unwrap();
         assert!(max_diff(&ours, &(reference * 0.5).unwrap()) < 1e-5);
     }
 
@@ -321,8 +328,7 @@ mod tests {
         };
         let scores = q.matmul(&repeat(&k).t().unwrap()).unwrap().broadcast_add(&mask).unwrap();
         let probs = candle_nn::ops::softmax(&scores, D::Minus1).unwrap();
-        let reference =
-            probs.matmul(&repeat(&v)).unwrap().transpose(1, 2).unwrap().reshape((b, s, h * d)).unwrap();
+        let reference = probs.matmul(&repeat(&v)).unwrap().transpose(1, 2).unwrap().reshape((b, s, h * d)).unwrap();
         assert!(max_diff(&ours, &reference) < 1e-5);
     }
 }

@@ -185,7 +185,7 @@ pub struct Batch {
     /// position (only masked positions count).
     pub targets: Tensor,
     /// Positions that count in the loss, `[b, s]` of 0/1 in any dtype; `None`: all
-    /// positions. BERT batches need one (the masked positions).
+    /// positions. BERT batches normally carry one: the masked positions.
     pub loss_mask: Option<Tensor>,
     /// Real tokens (nonzero) versus padding (0), `[b, s]` of any dtype. Used by BERT's
     /// bidirectional attention; causal models ignore it (right padding cannot be
@@ -201,7 +201,14 @@ impl Batch {
     /// positions (at least one per sequence) are replaced by the `[MASK]` id (103, or
     /// `vocab − 1` for vocabularies of 103 tokens or fewer), targeted with the original
     /// token and selected by `loss_mask`.
-    pub fn synthetic(family: Family, vocab: usize, batch: usize, seq: usize, seed: u64, device: &Device) -> Result<Batch> {
+    pub fn synthetic(
+        family: Family,
+        vocab: usize,
+        batch: usize,
+        seq: usize,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Batch> {
         if vocab < 2 || batch == 0 || seq == 0 || vocab > u32::MAX as usize {
             return Err(Error::Usage(format!(
                 "a synthetic batch needs vocab >= 2, batch >= 1 and seq >= 1 (got {vocab}, {batch}, {seq})"
@@ -215,7 +222,12 @@ impl Batch {
             let rows = || tokens.chunks(seq + 1);
             let inputs = rows().flat_map(|r| r[..seq].to_vec()).collect();
             let targets = rows().flat_map(|r| r[1..].to_vec()).collect();
-            return Ok(Batch { input_ids: ids(inputs)?, targets: ids(targets)?, loss_mask: None, attention_mask: None });
+            return Ok(Batch {
+                input_ids: ids(inputs)?,
+                targets: ids(targets)?,
+                loss_mask: None,
+                attention_mask: None,
+            });
         }
         let targets: Vec<u32> = (0..batch * seq).map(|_| token()).collect();
         let mut masked: Vec<bool> = (0..batch * seq).map(|_| rng.random_bool(0.15)).collect();

@@ -217,8 +217,6 @@ fn accumulate(grads: &mut [Option<Tensor>], store: &mut GradStore, vars: &[Var])
 fn input_grad(store: &mut GradStore, input: &Tensor) -> Result<Tensor> {
     match store.remove(input) {
         Some(g) => Ok(g.detach()),
-        None => Err(Error::Config(
-            "checkpointing: the loss does not depend on the blocks' output".into(),
-        )),
+        None => Err(Error::Config("checkpointing: the loss does not depend on the blocks' output".into())),
     }
 }
