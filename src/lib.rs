@@ -31,6 +31,7 @@ pub mod report;
 pub mod search;
 pub mod spec;
 pub mod units;
+pub mod train;
 
 pub use error::{Error, Result};
 pub use inspect::inspect;

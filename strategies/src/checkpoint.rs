@@ -1,6 +1,59 @@
-//! Activation checkpointing: keep segment inputs, recompute segments in backward.
+//! Activation checkpointing: keep segment inputs, recompute the segments in backward.
+//!
+//! Two halves:
+//!
+//! * [`Checkpoint`], the planner half, tightens [`Checkpointing`] from none to
+//!   every block (segments of one block).
+//! * [`backward`], the mechanism, computes a model's loss and parameter gradients
+//!   under any [`Checkpointing`] policy. It works with any candle model that can be
+//!   written as *stem → blocks → head*: the stem (embeddings) is a tensor already
+//!   computed from the parameters, each block maps hidden states to hidden states
+//!   ([`Block`]), and the head maps the last hidden states to a scalar loss.
+//!
+//! candle has no checkpointing of its own, and its graph keeps every op's inputs
+//! alive until the loss is dropped. The mechanism therefore works in user space:
+//!
+//! 1. The forward runs each segment on its input and keeps only the segment's
+//!    output, detached from the graph and made a fresh [`Var`] (the next segment's
+//!    input). The segment's graph is freed as soon as its output is detached.
+//! 2. The head computes the loss on a `Var` made from the last segment's output;
+//!    `backward` gives the head's parameter gradients and the gradient of the last
+//!    hidden states. The head's graph and gradient store are then dropped.
+//! 3. From the last segment to the first, the segment is recomputed from its kept
+//!    input and the surrogate `(y * grad_y).sum_all()` is differentiated: its
+//!    gradient with respect to the segment's parameters and input is exactly the
+//!    chain rule with upstream gradient `grad_y` (whatever loss scale `grad_y`
+//!    carries, the surrogate carries too). The input's gradient becomes the next
+//!    `grad_y`; parameter gradients are detached and summed across segments; each
+//!    gradient store is dropped before the next segment is recomputed.
+//! 4. The first segment's input is the stem tensor itself, still attached to the
+//!    stem's graph, so its surrogate backward also reaches the embeddings.
+//!
+//! With [`Checkpointing::None`] the mechanism is the plain backward over one graph.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor, Var};
+//! use oomfix_strategies::{checkpoint, Checkpointing};
+//!
+//! let dev = Device::Cpu;
+//! let w = Var::randn(0f32, 0.5, (4, 4), &dev)?;
+//! let x = Var::randn(0f32, 1.0, (2, 4), &dev)?;
+//! let block = |h: &Tensor| h.matmul(w.as_tensor())?.tanh();
+//! let blocks = [block, block, block];
+//! let vars = [w.clone(), x.clone()];
+//! let run = |policy| {
+//!     checkpoint::backward(x.as_tensor(), &blocks, |h: &Tensor| h.sqr()?.mean_all(), &vars, policy, 1.0)
+//! };
+//! let plain = run(Checkpointing::None)?;
+//! let recomputed = run(Checkpointing::Every(1))?;
+//! let diff = (plain.grads[0].as_ref().unwrap() - recomputed.grads[0].as_ref().unwrap())?;
+//! assert!(diff.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
-use crate::{Checkpointing, Plan, SearchContext, Strategy};
+use candle_core::{backprop::GradStore, Tensor, Var};
+
+use crate::{Checkpointing, Error, Plan, Result, SearchContext, Strategy};
 
 /// Planner half: checkpoint every block (keep only each block's input).
 ///
@@ -22,5 +75,139 @@ impl Strategy for Checkpoint {
     }
     fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
         (plan.checkpoint != Checkpointing::None).then_some(Plan { checkpoint: Checkpointing::None, ..*plan })
+    }
+}
+
+/// One block of a model as checkpointing sees it: hidden states in, hidden states
+/// out, built from differentiable candle ops on the block's parameters.
+///
+/// Recomputation calls `forward` a second time on the same input and must get the
+/// same result, so a block must be deterministic (no dropout with a fresh mask).
+/// Anything else the block needs (an attention mask, rotary tables) is captured by
+/// the implementor; closures `Fn(&Tensor) -> candle_core::Result<Tensor>` are blocks.
+pub trait Block {
+    /// Applies the block to hidden states `x`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+impl<F: Fn(&Tensor) -> candle_core::Result<Tensor>> Block for F {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self(x)
+    }
+}
+
+/// The result of [`backward`]: nothing in it refers to a computation graph.
+#[derive(Debug)]
+pub struct Gradients {
+    /// The loss as the head returned it (not multiplied by the loss scale), detached.
+    pub loss: Tensor,
+    /// Gradient of `loss × loss_scale` for each of the `vars` passed in, in the same
+    /// order and dtype; `None` for a variable the loss does not depend on. Detached.
+    pub grads: Vec<Option<Tensor>>,
+}
+
+/// Computes the loss and the gradients of `vars` for the model `head(blocks(stem))`,
+/// recomputing blocks in backward as `policy` says.
+///
+/// * `stem`: the input of the first block, still attached to the graph that made it
+///   (e.g. token plus position embeddings); gradients flow into that graph.
+/// * `blocks`: applied in order; `policy` groups them into segments
+///   ([`Checkpointing::segments`]).
+/// * `head`: maps the last block's output to a scalar loss.
+/// * `vars`: the parameters whose gradients are returned (stem, block and head
+///   parameters alike; a parameter used in several places gets the sum).
+/// * `loss_scale`: the backward differentiates `loss × loss_scale` (mixed-precision
+///   loss scaling); `1.0` differentiates the loss itself.
+///
+/// Gradients are the same as the plain backward's up to floating-point summation
+/// order. Before returning, every gradient store and graph built here is dropped
+/// and the gradients are detached, so the caller holds no graph beyond `stem`'s.
+pub fn backward<B: Block>(
+    stem: &Tensor,
+    blocks: &[B],
+    head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    vars: &[Var],
+    policy: Checkpointing,
+    loss_scale: f64,
+) -> Result<Gradients> {
+    let segments = policy.segments(blocks.len());
+    if segments.is_empty() {
+        return plain(stem, blocks, head, vars, loss_scale);
+    }
+    // Forward: keep only each segment's input (segment 0: the attached stem).
+    let mut inputs = Vec::with_capacity(segments.len());
+    let mut x = stem.clone();
+    for segment in &segments {
+        let y = run(&blocks[segment.clone()], &x)?.detach();
+        inputs.push(x);
+        x = Var::from_tensor(&y)?.into_inner();
+    }
+    // Head: its parameter gradients and the gradient of the last hidden states.
+    let (loss, mut grads, mut grad_y) = {
+        let loss = head(&x)?;
+        let mut store = scaled(&loss, loss_scale)?.backward()?;
+        let mut grads = vec![None; vars.len()];
+        accumulate(&mut grads, &mut store, vars)?;
+        (loss.detach(), grads, input_grad(&mut store, &x)?)
+    };
+    drop(x);
+    // Segments, last to first, each recomputed from its input.
+    for (i, (segment, input)) in segments.iter().zip(inputs).enumerate().rev() {
+        let y = run(&blocks[segment.clone()], &input)?;
+        let mut store = y.mul(&grad_y)?.sum_all()?.backward()?;
+        accumulate(&mut grads, &mut store, vars)?;
+        if i > 0 {
+            grad_y = input_grad(&mut store, &input)?;
+        }
+    }
+    Ok(Gradients { loss, grads })
+}
+
+/// The plain backward: one graph from the stem to the loss.
+fn plain<B: Block>(
+    stem: &Tensor,
+    blocks: &[B],
+    head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    vars: &[Var],
+    loss_scale: f64,
+) -> Result<Gradients> {
+    let loss = head(&run(blocks, stem)?)?;
+    let mut store = scaled(&loss, loss_scale)?.backward()?;
+    let mut grads = vec![None; vars.len()];
+    accumulate(&mut grads, &mut store, vars)?;
+    Ok(Gradients { loss: loss.detach(), grads })
+}
+
+fn run<B: Block>(blocks: &[B], x: &Tensor) -> candle_core::Result<Tensor> {
+    blocks.iter().try_fold(x.clone(), |x, block| block.forward(&x))
+}
+
+fn scaled(loss: &Tensor, loss_scale: f64) -> candle_core::Result<Tensor> {
+    if loss_scale == 1.0 {
+        Ok(loss.clone())
+    } else {
+        loss.affine(loss_scale, 0.0)
+    }
+}
+
+/// Moves the gradients of `vars` out of `store` (detached) and adds them to `grads`.
+fn accumulate(grads: &mut [Option<Tensor>], store: &mut GradStore, vars: &[Var]) -> Result<()> {
+    for (acc, var) in grads.iter_mut().zip(vars) {
+        if let Some(g) = store.remove(var.as_tensor()) {
+            let g = g.detach();
+            *acc = Some(match acc.take() {
+                Some(sum) => sum.add(&g)?,
+                None => g,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The detached gradient of a segment input (or of the head's input).
+fn input_grad(store: &mut GradStore, input: &Tensor) -> Result<Tensor> {
+    match store.remove(input) {
+        Some(g) => Ok(g.detach()),
+        None => Err(Error::Config("checkpointing: the loss does not depend on the blocks' output".into())),
     }
 }

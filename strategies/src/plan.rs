@@ -1,6 +1,7 @@
 //! The training configuration that the strategies rewrite.
 
 use std::fmt;
+use std::ops::Range;
 
 /// Numeric precision of the forward and backward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -53,35 +54,49 @@ impl std::str::FromStr for Precision {
     }
 }
 
-/// Which blocks keep only their input for backward and recompute the rest.
+/// Activation checkpointing policy (Chen et al. 2016, "Training Deep Nets with
+/// Sublinear Memory Cost").
+///
+/// `Every(k)` groups the blocks into segments of `k` consecutive blocks (the last
+/// segment may be shorter). The forward keeps only each segment's input; in
+/// backward each segment is recomputed from its input, one segment at a time.
+/// `Every(1)` recomputes every block on its own; `Every(k)` with `k >= layers`
+/// keeps only the input of the first block and recomputes the whole stack at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Checkpointing {
     /// Plain autograd: every intermediate is kept until backward.
     None,
-    /// Every `k`-th block is checkpointed (`Every(1)`: all blocks).
+    /// Segments of `k` consecutive blocks, each recomputed in backward from its
+    /// input. `Every(0)` is treated as [`Checkpointing::None`].
     Every(usize),
 }
 
 impl Checkpointing {
-    /// Whether block `i` (0-based) of the model is checkpointed.
-    pub fn is_checkpointed(self, i: usize) -> bool {
+    /// The recomputed segments of a stack of `layers` blocks, as block index
+    /// ranges in order; empty when nothing is recomputed (`None`, `Every(0)`).
+    ///
+    /// ```
+    /// use oomfix_strategies::Checkpointing;
+    /// assert_eq!(Checkpointing::Every(2).segments(5), vec![0..2, 2..4, 4..5]);
+    /// assert_eq!(Checkpointing::Every(8).segments(5), vec![0..5]);
+    /// assert!(Checkpointing::None.segments(5).is_empty());
+    /// ```
+    pub fn segments(self, layers: usize) -> Vec<Range<usize>> {
         match self {
-            Checkpointing::None => false,
-            Checkpointing::Every(k) => k > 0 && i % k == 0,
+            Checkpointing::Every(k) if k > 0 => {
+                (0..layers).step_by(k).map(|start| start..(start + k).min(layers)).collect()
+            }
+            _ => Vec::new(),
         }
-    }
-    /// How many of `layers` blocks are checkpointed.
-    pub fn checkpointed_blocks(self, layers: usize) -> usize {
-        (0..layers).filter(|&i| self.is_checkpointed(i)).count()
     }
 }
 
 impl fmt::Display for Checkpointing {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Checkpointing::None => f.write_str("none"),
+            Checkpointing::None | Checkpointing::Every(0) => f.write_str("none"),
             Checkpointing::Every(1) => f.write_str("every block"),
-            Checkpointing::Every(k) => write!(f, "every {k} blocks"),
+            Checkpointing::Every(k) => write!(f, "segments of {k} blocks"),
         }
     }
 }

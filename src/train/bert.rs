@@ -1,0 +1,115 @@
+//! BERT: post-LN encoder with learned positions and token types, masked-LM head.
+
+use candle_core::{Tensor, Var};
+use oomfix_strategies::Checkpointing;
+
+use super::layers::{attention, padding_mask, split_heads, LayerNorm, Linear, WeightLayout};
+use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use crate::{ModelConfig, Result};
+
+const EPS: f64 = 1e-12;
+
+struct Block {
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attn_out: Linear,
+    attn_norm: LayerNorm,
+    intermediate: Linear,
+    output: Linear,
+    out_norm: LayerNorm,
+    heads: usize,
+}
+
+impl Block {
+    fn new(p: &Params, l: usize, heads: usize) -> Result<Self> {
+        let prefix = format!("bert.encoder.layer.{l}");
+        let dense = |name: &str| p.linear(&format!("{prefix}.{name}"), true, WeightLayout::OutIn);
+        Ok(Block {
+            query: dense("attention.self.query")?,
+            key: dense("attention.self.key")?,
+            value: dense("attention.self.value")?,
+            attn_out: dense("attention.output.dense")?,
+            attn_norm: p.layer_norm(&format!("{prefix}.attention.output.LayerNorm"), EPS)?,
+            intermediate: dense("intermediate.dense")?,
+            output: dense("output.dense")?,
+            out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), EPS)?,
+            heads,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        let d = x.dim(2)? / self.heads;
+        let heads = |proj: &Linear| split_heads(&proj.forward(x)?, self.heads);
+        let q = heads(&self.query)?.affine(1.0 / (d as f64).sqrt(), 0.0)?;
+        let (k, v) = (heads(&self.key)?.contiguous()?, heads(&self.value)?.contiguous()?);
+        let attn = self.attn_out.forward(&attention(&q, &k, &v, mask)?)?;
+        let x = self.attn_norm.forward(&x.add(&attn)?)?;
+        let mlp = self.output.forward(&self.intermediate.forward(&x)?.gelu_erf()?)?;
+        self.out_norm.forward(&x.add(&mlp)?)
+    }
+}
+
+/// A trainable BERT with its masked-LM head.
+pub(crate) struct Bert {
+    config: ModelConfig,
+    word: Tensor,
+    position: Tensor,
+    token_type: Tensor,
+    emb_norm: LayerNorm,
+    blocks: Vec<Block>,
+    transform: Linear,
+    transform_norm: LayerNorm,
+    decoder_bias: Tensor,
+    vars: Vec<(String, Var)>,
+}
+
+impl Bert {
+    pub(crate) fn new(config: &ModelConfig, p: Params) -> Result<Self> {
+        let e = "bert.embeddings";
+        let c = "cls.predictions";
+        Ok(Bert {
+            config: config.clone(),
+            word: p.get(&format!("{e}.word_embeddings.weight"))?,
+            position: p.get(&format!("{e}.position_embeddings.weight"))?,
+            token_type: p.get(&format!("{e}.token_type_embeddings.weight"))?,
+            emb_norm: p.layer_norm(&format!("{e}.LayerNorm"), EPS)?,
+            blocks: (0..config.layers).map(|l| Block::new(&p, l, config.heads)).collect::<Result<_>>()?,
+            transform: p.linear(&format!("{c}.transform.dense"), true, WeightLayout::OutIn)?,
+            transform_norm: p.layer_norm(&format!("{c}.transform.LayerNorm"), EPS)?,
+            decoder_bias: p.get(&format!("{c}.bias"))?,
+            vars: p.into_vars(),
+        })
+    }
+}
+
+impl TrainableModel for Bert {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput> {
+        let (b, s) = batch_dims(batch, &self.config, true)?;
+        let h = self.config.hidden;
+        let words = self.word.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+        // Every token is in segment A: token type 0 for all positions.
+        let position_and_type = self.position.narrow(0, 0, s)?.broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
+        let stem = self.emb_norm.forward(&words.broadcast_add(&position_and_type)?)?;
+        let mask = match &batch.attention_mask {
+            Some(keep) => Some(padding_mask(keep, self.word.dtype())?),
+            None => None,
+        };
+        let mask = mask.as_ref();
+        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, mask)).collect();
+        let head = |x: &Tensor| {
+            let x = self.transform.forward(x)?.gelu_erf()?;
+            let x = self.transform_norm.forward(&x)?.reshape((b * s, h))?;
+            lm_loss(&x.matmul(&self.word.t()?)?.broadcast_add(&self.decoder_bias)?, batch)
+        };
+        step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
+    }
+}

@@ -1,0 +1,96 @@
+//! GPT-2: learned positions, pre-LN blocks, `Conv1D` projections, tied LM head.
+
+use candle_core::{Tensor, Var};
+use oomfix_strategies::Checkpointing;
+
+use super::layers::{attention, causal_mask, LayerNorm, Linear, WeightLayout};
+use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use crate::{ModelConfig, Result};
+
+const EPS: f64 = 1e-5;
+
+struct Block {
+    ln_1: LayerNorm,
+    c_attn: Linear,
+    attn_proj: Linear,
+    ln_2: LayerNorm,
+    c_fc: Linear,
+    mlp_proj: Linear,
+    heads: usize,
+}
+
+impl Block {
+    fn new(p: &Params, l: usize, heads: usize) -> Result<Self> {
+        let conv = |name: &str| p.linear(&format!("h.{l}.{name}"), true, WeightLayout::InOut);
+        Ok(Block {
+            ln_1: p.layer_norm(&format!("h.{l}.ln_1"), EPS)?,
+            c_attn: conv("attn.c_attn")?,
+            attn_proj: conv("attn.c_proj")?,
+            ln_2: p.layer_norm(&format!("h.{l}.ln_2"), EPS)?,
+            c_fc: conv("mlp.c_fc")?,
+            mlp_proj: conv("mlp.c_proj")?,
+            heads,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, s, h) = x.dims3()?;
+        let d = h / self.heads;
+        // [b, s, 3h] viewed as [b, s, 3, H, d]; part i is [b, H, s, d] (strided).
+        let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?.reshape((b, s, 3, self.heads, d))?;
+        let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+        let q = part(0)?.affine(1.0 / (d as f64).sqrt(), 0.0)?;
+        let (k, v) = (part(1)?.contiguous()?, part(2)?.contiguous()?);
+        let x = x.add(&self.attn_proj.forward(&attention(&q, &k, &v, Some(mask))?)?)?;
+        let mlp = self.mlp_proj.forward(&self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu()?)?;
+        x.add(&mlp)
+    }
+}
+
+/// A trainable GPT-2.
+pub(crate) struct Gpt2 {
+    config: ModelConfig,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+    vars: Vec<(String, Var)>,
+}
+
+impl Gpt2 {
+    pub(crate) fn new(config: &ModelConfig, p: Params) -> Result<Self> {
+        Ok(Gpt2 {
+            config: config.clone(),
+            wte: p.get("wte.weight")?,
+            wpe: p.get("wpe.weight")?,
+            blocks: (0..config.layers).map(|l| Block::new(&p, l, config.heads)).collect::<Result<_>>()?,
+            ln_f: p.layer_norm("ln_f", EPS)?,
+            vars: p.into_vars(),
+        })
+    }
+}
+
+impl TrainableModel for Gpt2 {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput> {
+        let (b, s) = batch_dims(batch, &self.config, true)?;
+        let h = self.config.hidden;
+        let tokens = self.wte.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+        let stem = tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?;
+        let mask = causal_mask(s, self.wte.dtype(), self.wte.device())?;
+        let mask = &mask;
+        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, mask)).collect();
+        let head = |x: &Tensor| {
+            let x = self.ln_f.forward(x)?.reshape((b * s, h))?;
+            lm_loss(&x.matmul(&self.wte.t()?)?, batch)
+        };
+        step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
+    }
+}

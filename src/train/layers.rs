@@ -1,0 +1,334 @@
+//! Layers shared by the trainable families, written from differentiable candle ops.
+//!
+//! None of candle's fused fast paths appear here (they have no backward): layer
+//! norm, RMS norm, softmax and rotary embeddings are composed from elementwise
+//! ops and reductions. Every op output on the path to a parameter stays alive in
+//! candle's graph until the loss is dropped, so each function's doc lists the
+//! tensors it allocates; views (reshape of a contiguous tensor, transpose, narrow,
+//! broadcast) allocate nothing.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+
+/// How a projection's weight is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WeightLayout {
+    /// `[in, out]`: GPT-2's `Conv1D`, `y = x W + b`.
+    InOut,
+    /// `[out, in]`: `torch.nn.Linear`, `y = x Wᵀ + b`.
+    OutIn,
+}
+
+/// An affine projection of the last dimension.
+#[derive(Debug, Clone)]
+pub(crate) struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+    layout: WeightLayout,
+}
+
+impl Linear {
+    pub(crate) fn new(weight: Tensor, bias: Option<Tensor>, layout: WeightLayout) -> Self {
+        Linear { weight, bias, layout }
+    }
+
+    /// `x`: `[b, s, in]`, contiguous → `[b, s, out]`.
+    ///
+    /// Allocates the matmul output `[b·s, out]` and, with a bias, the sum `[b·s, out]`.
+    /// `x` is flattened to 2-D (a view) so the weight gradient is one `[in, out]`
+    /// matmul rather than a per-batch product summed afterwards.
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, s, d_in) = x.dims3()?;
+        let w = match self.layout {
+            WeightLayout::InOut => self.weight.clone(),
+            WeightLayout::OutIn => self.weight.t()?,
+        };
+        let y = x.reshape((b * s, d_in))?.matmul(&w)?;
+        let y = match &self.bias {
+            Some(bias) => y.broadcast_add(bias)?,
+            None => y,
+        };
+        y.reshape((b, s, ()))
+    }
+}
+
+/// Layer normalisation with scale and bias, computed in f32 (as PyTorch autocast
+/// does) and returned in the input's dtype.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    pub(crate) fn new(weight: Tensor, bias: Tensor, eps: f64) -> Self {
+        LayerNorm { weight, bias, eps }
+    }
+
+    /// Allocates, for `x` of `n` elements over rows of `h`: (16-bit input only) the f32
+    /// copy `n`·f32; the centred values, their squares and the normalised values,
+    /// `3·n`·f32; (16-bit only) the cast back `n`·c; the scaled and the shifted output
+    /// `2·n`·c; plus six row statistics of `n/h` f32 each.
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?;
+        let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
+        let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = centred.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        normed.to_dtype(dtype)?.broadcast_mul(&self.weight)?.broadcast_add(&self.bias)
+    }
+}
+
+/// RMS normalisation with a scale, computed in f32 and cast back before the scale
+/// (Hugging Face's `LlamaRMSNorm`).
+#[derive(Debug, Clone)]
+pub(crate) struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub(crate) fn new(weight: Tensor, eps: f64) -> Self {
+        RmsNorm { weight, eps }
+    }
+
+    /// Allocates, for `x` of `n` elements over rows of `h`: (16-bit only) the f32 copy
+    /// `n`·f32; the squares and the normalised values `2·n`·f32; (16-bit only) the cast
+    /// back `n`·c; the scaled output `n`·c; plus four row statistics of `n/h` f32.
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x = x.to_dtype(DType::F32)?;
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = x.broadcast_div(&(ms + self.eps)?.sqrt()?)?;
+        normed.to_dtype(dtype)?.broadcast_mul(&self.weight)
+    }
+}
+
+/// Softmax over the last dimension.
+///
+/// The row maximum is subtracted for stability and detached: softmax does not
+/// depend on the shift, so the gradient is exact and the backward skips the
+/// maximum's mask. Allocates the shifted values, their exponentials and the
+/// output (three tensors the size of `x`) plus the row sums.
+pub(crate) fn softmax(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let exp = x.broadcast_sub(&max)?.exp()?;
+    exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)
+}
+
+/// Mean cross-entropy of `logits` (`[n, V]`, any float dtype, computed in f32)
+/// against `targets` (`[n]`, u32), over the rows where `mask` (`[n]`, f32 0/1) is 1,
+/// or over all rows without a mask.
+///
+/// Computed as `logsumexp(logits) − logits[target]` with a detached row maximum.
+/// Allocates (16-bit logits only) the f32 copy `n·V`·f32, the shifted logits and
+/// their exponentials `2·n·V`·f32, and a few `[n]` vectors: one `[n, V]` f32 tensor
+/// fewer than `log_softmax` followed by `nll`.
+pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    let logits = logits.to_dtype(DType::F32)?;
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let log_sum_exp = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let picked = shifted.gather(&targets.unsqueeze(1)?, 1)?;
+    let nll = (log_sum_exp - picked)?.squeeze(1)?;
+    match mask {
+        None => nll.mean_all(),
+        Some(mask) => {
+            let count = mask.sum_all()?.to_scalar::<f32>()?;
+            if count <= 0.0 {
+                candle_core::bail!("the loss mask selects no position");
+            }
+            nll.mul(mask)?.sum_all()?.affine(1.0 / count as f64, 0.0)
+        }
+    }
+}
+
+/// A large negative score for masked attention positions in `dtype`, finite so that a
+/// fully masked row gives uniform weights rather than NaN.
+fn masked_score(dtype: DType) -> f64 {
+    if dtype == DType::F16 {
+        -65504.0
+    } else {
+        -1e9
+    }
+}
+
+/// The additive causal mask `[s, s]` in `dtype`: 0 on and below the diagonal,
+/// a large negative value above. Built once per forward and broadcast over batch
+/// and heads.
+pub(crate) fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let neg = masked_score(dtype) as f32;
+    let values: Vec<f32> = (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { neg })).collect();
+    Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)
+}
+
+/// The additive padding mask `[b, 1, 1, 1, s]` in `dtype` from `keep` (`[b, s]`,
+/// nonzero = a real token), shaped to broadcast over [`attention`]'s grouped scores.
+pub(crate) fn padding_mask(keep: &Tensor, dtype: DType) -> Result<Tensor> {
+    let (b, s) = keep.dims2()?;
+    let neg = masked_score(dtype);
+    let keep = keep.ne(0u32)?.to_dtype(DType::F32)?;
+    keep.affine(-neg, neg)?.to_dtype(dtype)?.reshape((b, 1, 1, 1, s))
+}
+
+/// Rotary position embedding tables (Hugging Face's `rotate_half` convention).
+#[derive(Debug, Clone)]
+pub(crate) struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// Tables for positions `0..s` and heads of `head_dim`, with frequencies
+    /// `theta^(-2i/head_dim)`, all multiplied by `scale` (the attention scale is
+    /// folded into the query's table, so scaling the queries costs no tensor).
+    pub(crate) fn new(
+        s: usize,
+        head_dim: usize,
+        theta: f64,
+        scale: f64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(s * head_dim);
+        let mut sin = Vec::with_capacity(s * head_dim);
+        for p in 0..s {
+            let angles: Vec<f64> =
+                (0..half).map(|i| p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
+            cos.extend(angles.iter().chain(&angles).map(|a| (a.cos() * scale) as f32));
+            // rotate_half(x) = [-x2, x1], so [x2, x1] * [-sin, sin] = rotate_half(x) * sin.
+            sin.extend(angles.iter().map(|a| (-a.sin() * scale) as f32));
+            sin.extend(angles.iter().map(|a| (a.sin() * scale) as f32));
+        }
+        let table = |v: Vec<f32>| Tensor::from_vec(v, (s, head_dim), device)?.to_dtype(dtype);
+        Ok(Rope { cos: table(cos)?, sin: table(sin)? })
+    }
+
+    /// `x`: `[b, n, s, d]` (any strides) → `x·cos + rotate_half(x)·sin`, contiguous.
+    /// Allocates the half-swapped copy, the two products and the sum: four tensors
+    /// the size of `x`.
+    pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let d = x.dim(D::Minus1)?;
+        let swapped = Tensor::cat(&[x.narrow(D::Minus1, d / 2, d / 2)?, x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)?;
+        x.broadcast_mul(&self.cos)?.add(&swapped.broadcast_mul(&self.sin)?)
+    }
+}
+
+/// `[b, s, n·d]` → `[b, n, s, d]` as a view (strided).
+pub(crate) fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
+    let (b, s, _) = x.dims3()?;
+    x.reshape((b, s, heads, ()))?.transpose(1, 2)
+}
+
+/// Scaled dot-product attention with grouped-query heads, without repeating keys
+/// and values.
+///
+/// `q`: `[b, H, s, d]` contiguous and already multiplied by the attention scale;
+/// `k`, `v`: `[b, KV, s, d]` contiguous with `H` a multiple of `KV` (query head `i`
+/// uses key/value head `i / (H/KV)`, as Hugging Face's `repeat_kv`). The queries of
+/// one key/value group are viewed as one `[g·s, d]` matrix, so the scores are
+/// `[b, KV, g·s, s]` = `[b, H, s, s]` elements with no copy of `k` or `v`.
+/// `mask` is added to the scores viewed as `[b, KV, g, s, s]` (a causal `[s, s]`
+/// or a padding `[b, 1, 1, 1, s]` mask).
+///
+/// Allocates the scores, (with a mask) the masked scores, the softmax's three
+/// tensors (all `[b, H, s, s]`), the context `[b, H, s, d]` and the merged output
+/// `[b, s, H·d]` (a copy, since the heads are transposed back).
+pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    let (b, h, s, d) = q.dims4()?;
+    let kv = k.dim(1)?;
+    let g = h / kv;
+    let scores = q.reshape((b, kv, g * s, d))?.matmul(&k.t()?)?;
+    let scores = match mask {
+        Some(mask) => scores.reshape((b, kv, g, s, s))?.broadcast_add(mask)?,
+        None => scores,
+    };
+    let probs = softmax(&scores)?.reshape((b, kv, g * s, s))?;
+    probs.matmul(v)?.reshape((b, h, s, d))?.transpose(1, 2)?.reshape((b, s, h * d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn softmax_matches_candle_in_value_and_gradient() {
+        let x = Var::randn(0f32, 3.0, (3, 5, 7), &Device::Cpu).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (3, 5, 7), &Device::Cpu).unwrap();
+        let ours = softmax(x.as_tensor()).unwrap();
+        let theirs = candle_nn::ops::softmax(x.as_tensor(), D::Minus1).unwrap();
+        assert!(max_diff(&ours, &theirs) < 1e-6);
+        let g1 = ours.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = theirs.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(max_diff(g1.get(&x).unwrap(), g2.get(&x).unwrap()) < 1e-5);
+    }
+
+    #[test]
+    fn cross_entropy_matches_candle_in_value_and_gradient() {
+        let logits = Var::randn(0f32, 2.0, (6, 11), &Device::Cpu).unwrap();
+        let targets = Tensor::new(&[0u32, 3, 10, 5, 5, 1], &Device::Cpu).unwrap();
+        let ours = cross_entropy(logits.as_tensor(), &targets, None).unwrap();
+        let theirs = candle_nn::loss::cross_entropy(logits.as_tensor(), &targets).unwrap();
+        assert!(max_diff(&ours, &theirs) < 1e-6);
+        let g1 = ours.backward().unwrap();
+        let g2 = theirs.backward().unwrap();
+        assert!(max_diff(g1.get(&logits).unwrap(), g2.get(&logits).unwrap()) < 1e-6);
+    }
+
+    #[test]
+    fn masked_cross_entropy_averages_the_selected_rows() {
+        let logits = Tensor::randn(0f32, 2.0, (4, 5), &Device::Cpu).unwrap();
+        let targets = Tensor::new(&[1u32, 2, 3, 4], &Device::Cpu).unwrap();
+        let mask = Tensor::new(&[0f32, 1., 0., 1.], &Device::Cpu).unwrap();
+        let masked = cross_entropy(&logits, &targets, Some(&mask)).unwrap().to_scalar::<f32>().unwrap();
+        let rows = Tensor::new(&[1u32, 3], &Device::Cpu).unwrap();
+        let expected =
+            cross_entropy(&logits.index_select(&rows, 0).unwrap(), &targets.index_select(&rows, 0).unwrap(), None)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+        assert!((masked - expected).abs() < 1e-6);
+        let none = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
+        assert!(cross_entropy(&logits, &targets, Some(&none)).is_err());
+    }
+
+    #[test]
+    fn rope_matches_rotate_half() {
+        let (s, d) = (5, 8);
+        let x = Tensor::randn(0f32, 1.0, (2, 3, s, d), &Device::Cpu).unwrap();
+        let rope = Rope::new(s, d, 10000.0, 0.5, DType::F32, &Device::Cpu).unwrap();
+        let ours = rope.apply(&x).unwrap();
+        // Reference: candle's rope_slow takes [b, h, s, d] and half-size tables.
+        let half: Vec<f32> = (0..s)
+            .flat_map(|p| (0..d / 2).map(move |i| p as f32 * 10000f32.powf(-2.0 * i as f32 / d as f32)))
+            .collect();
+        let angles = Tensor::from_vec(half, (s, d / 2), &Device::Cpu).unwrap();
+        let reference = candle_nn::rotary_emb::rope_slow(&x, &angles.cos().unwrap(), &angles.sin().unwrap()).unwrap();
+        assert!(max_diff(&ours, &(reference * 0.5).unwrap()) < 1e-5);
+    }
+
+    #[test]
+    fn grouped_attention_equals_repeated_kv_heads() {
+        let dev = Device::Cpu;
+        let (b, h, kv, s, d) = (2, 4, 2, 5, 3);
+        let q = Tensor::randn(0f32, 1.0, (b, h, s, d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (b, kv, s, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (b, kv, s, d), &dev).unwrap();
+        let mask = causal_mask(s, DType::F32, &dev).unwrap();
+        let ours = attention(&q, &k, &v, Some(&mask)).unwrap();
+        // Reference: repeat each kv head h/kv times, plain multi-head attention.
+        let repeat = |t: &Tensor| {
+            t.unsqueeze(2).unwrap().broadcast_as((b, kv, h / kv, s, d)).unwrap().reshape((b, h, s, d)).unwrap()
+        };
+        let scores = q.matmul(&repeat(&k).t().unwrap()).unwrap().broadcast_add(&mask).unwrap();
+        let probs = candle_nn::ops::softmax(&scores, D::Minus1).unwrap();
+        let reference = probs.matmul(&repeat(&v)).unwrap().transpose(1, 2).unwrap().reshape((b, s, h * d)).unwrap();
+        assert!(max_diff(&ours, &reference) < 1e-5);
+    }
+}

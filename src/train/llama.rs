@@ -1,0 +1,122 @@
+//! Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention
+//! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`).
+
+use candle_core::{Tensor, Var};
+use oomfix_strategies::Checkpointing;
+
+use super::layers::{attention, causal_mask, split_heads, Linear, RmsNorm, Rope, WeightLayout};
+use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use crate::{ModelConfig, Result};
+
+/// RMSNorm epsilon (Llama 2, TinyLlama, Mistral).
+const EPS: f64 = 1e-5;
+/// RoPE base frequency (Llama 2, TinyLlama).
+const ROPE_THETA: f64 = 10_000.0;
+
+struct Block {
+    input_norm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    post_norm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    heads: usize,
+    kv_heads: usize,
+}
+
+/// What every block of one forward shares.
+struct Context {
+    mask: Tensor,
+    /// Tables for the queries, scaled by `1/√d`.
+    rope_q: Rope,
+    rope_k: Rope,
+}
+
+impl Block {
+    fn new(p: &Params, l: usize, config: &ModelConfig) -> Result<Self> {
+        let prefix = format!("model.layers.{l}");
+        let proj = |name: &str, bias: bool| p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn);
+        let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), EPS);
+        Ok(Block {
+            input_norm: norm("input_layernorm")?,
+            q_proj: proj("self_attn.q_proj", config.qkv_bias)?,
+            k_proj: proj("self_attn.k_proj", config.qkv_bias)?,
+            v_proj: proj("self_attn.v_proj", config.qkv_bias)?,
+            o_proj: proj("self_attn.o_proj", false)?,
+            post_norm: norm("post_attention_layernorm")?,
+            gate_proj: proj("mlp.gate_proj", false)?,
+            up_proj: proj("mlp.up_proj", false)?,
+            down_proj: proj("mlp.down_proj", false)?,
+            heads: config.heads,
+            kv_heads: config.kv_heads,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
+        let h = self.input_norm.forward(x)?;
+        let q = ctx.rope_q.apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
+        let k = ctx.rope_k.apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
+        let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
+        let x = x.add(&self.o_proj.forward(&attention(&q, &k, &v, Some(&ctx.mask))?)?)?;
+        let h = self.post_norm.forward(&x)?;
+        let mlp = self.gate_proj.forward(&h)?.silu()?.mul(&self.up_proj.forward(&h)?)?;
+        x.add(&self.down_proj.forward(&mlp)?)
+    }
+}
+
+/// A trainable Llama-style model.
+pub(crate) struct Llama {
+    config: ModelConfig,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    /// `[V, h]`: the embedding when tied, else `lm_head.weight`.
+    lm_head: Tensor,
+    vars: Vec<(String, Var)>,
+}
+
+impl Llama {
+    pub(crate) fn new(config: &ModelConfig, p: Params) -> Result<Self> {
+        let embed = p.get("model.embed_tokens.weight")?;
+        Ok(Llama {
+            config: config.clone(),
+            lm_head: if config.tied_embeddings { embed.clone() } else { p.get("lm_head.weight")? },
+            embed,
+            blocks: (0..config.layers).map(|l| Block::new(&p, l, config)).collect::<Result<_>>()?,
+            norm: p.rms_norm("model.norm", EPS)?,
+            vars: p.into_vars(),
+        })
+    }
+}
+
+impl TrainableModel for Llama {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput> {
+        let (b, s) = batch_dims(batch, &self.config, false)?;
+        let (h, d) = (self.config.hidden, self.config.head_dim());
+        let (dtype, device) = (self.embed.dtype(), self.embed.device());
+        let ctx = Context {
+            mask: causal_mask(s, dtype, device)?,
+            rope_q: Rope::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), dtype, device)?,
+            rope_k: Rope::new(s, d, ROPE_THETA, 1.0, dtype, device)?,
+        };
+        let ctx = &ctx;
+        let stem = self.embed.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, ctx)).collect();
+        let head = |x: &Tensor| {
+            let x = self.norm.forward(x)?.reshape((b * s, h))?;
+            lm_loss(&x.matmul(&self.lm_head.t()?)?, batch)
+        };
+        step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
+    }
+}

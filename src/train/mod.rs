@@ -1,0 +1,513 @@
+//! Trainable GPT-2, Llama-style and BERT models, built from differentiable candle ops.
+//!
+//! [`build_model`] makes a [`TrainableModel`] from a [`ModelConfig`], with random
+//! weights or weights loaded by their Hub names from `.safetensors` files, in a
+//! compute dtype (f32, bf16, f16) on a device. [`TrainableModel::forward_backward`]
+//! runs one forward and backward pass on a [`Batch`] under an activation
+//! checkpointing policy ([`oomfix_strategies::checkpoint::backward`]) and returns the
+//! loss and detached gradients aligned with [`TrainableModel::vars`].
+//!
+//! The models are written for training, not inference: no KV cache, no dropout
+//! (recomputation must be deterministic), and none of candle's fused fast paths
+//! (`softmax_last_dim`, `rms_norm`, `layer_norm`, `rope`, fused attention), which
+//! have no backward. Conventions follow Hugging Face `transformers`: GPT-2 with
+//! `Conv1D` weights (`[in, out]`), tanh-approximate GELU, tied LM head; Llama with
+//! RMSNorm (ε = 1e-5), RoPE in the `rotate_half` form (θ = 10 000), SwiGLU and
+//! grouped-query attention; BERT post-LN with erf GELU and the masked-LM head
+//! (`cls.predictions`), every token of segment A (token type 0).
+//!
+//! # What stays alive until backward
+//!
+//! candle's graph holds every op's inputs, so every op output on the path from a
+//! parameter to the loss lives until the loss and the gradient store are dropped.
+//! The tables list every tensor with its own storage that one forward creates
+//! (views: reshapes of contiguous tensors, transposes, narrows, broadcasts, own no
+//! storage and are omitted). `b` batch, `s` sequence, `h` hidden, `H` heads, `KV`
+//! key/value heads, `d` head size (`h = H·d`), `I` MLP inner size, `V` vocabulary,
+//! `n = b·s`. `c` is the compute dtype (the weights' dtype), `f32` is always f32;
+//! entries marked *16-bit* exist only when `c` is bf16/f16 (with f32 compute
+//! the cast is a no-op), and `[n,1]` row statistics are listed together.
+//!
+//! Layer norm (LN, used by GPT-2 and BERT) on `[n, h]` input: *16-bit*: input cast
+//! `[n,h]` f32; centred `[n,h]` f32; squares `[n,h]` f32; normalised `[n,h]` f32;
+//! *16-bit*: cast back `[n,h]` c; × weight `[n,h]` c; + bias `[n,h]` c; six `[n,1]`
+//! f32 (sum and mean, sum and mean of squares, `+ε`, `sqrt`). In f32: `5·n·h + 6·n`
+//! values; 16-bit: `4·n·h + 6·n` f32 and `3·n·h` c.
+//!
+//! RMS norm (RMS, Llama) on `[n, h]`: *16-bit*: input cast `[n,h]` f32; squares
+//! `[n,h]` f32; normalised `[n,h]` f32; *16-bit*: cast back `[n,h]` c; × weight
+//! `[n,h]` c; four `[n,1]` f32 (sum, mean, `+ε`, `sqrt`). In f32: `3·n·h + 4·n`;
+//! 16-bit: `3·n·h + 4·n` f32 and `2·n·h` c.
+//!
+//! Softmax over rows of `s` (`m` elements in all): shifted `m` c; exp `m` c;
+//! output `m` c; detached row max and row sum (`m/s` each, c).
+//!
+//! ## GPT-2 (per block)
+//!
+//! | tensor | shape | dtype |
+//! |---|---|---|
+//! | `ln_1` | LN of `[n,h]` | as above |
+//! | `c_attn` matmul, + bias | `[n,3h]` ×2 | c |
+//! | q × `1/√d` (strided → contiguous) | `[b,H,s,d]` | c |
+//! | k, v contiguous copies | `[b,H,s,d]` ×2 | c |
+//! | scores `q kᵀ` | `[b,H,s,s]` | c |
+//! | + causal mask | `[b,H,s,s]` | c |
+//! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
+//! | context `P v` | `[b,H,s,d]` | c |
+//! | heads merged (copy) | `[n,h]` | c |
+//! | `attn.c_proj` matmul, + bias | `[n,h]` ×2 | c |
+//! | residual | `[n,h]` | c |
+//! | `ln_2` | LN of `[n,h]` | as above |
+//! | `c_fc` matmul, + bias, GELU | `[n,I]` ×3 | c |
+//! | `mlp.c_proj` matmul, + bias | `[n,h]` ×2 | c |
+//! | residual (block output) | `[n,h]` | c |
+//!
+//! Stem: `wte` rows `[n,h]` c; + `wpe` rows (a narrow, no copy) `[n,h]` c.
+//! Once per forward: causal mask `[s,s]` c (not on the parameter path, but held by
+//! every block's mask add).
+//!
+//! ## Llama (per block)
+//!
+//! | tensor | shape | dtype |
+//! |---|---|---|
+//! | `input_layernorm` | RMS of `[n,h]` | as above |
+//! | `q_proj` matmul (+ bias with `qkv_bias`) | `[n,h]` (×2) | c |
+//! | `k_proj`, `v_proj` matmul (+ bias each) | `[n,KV·d]` ×2 (×4) | c |
+//! | v contiguous copy | `[b,KV,s,d]` | c |
+//! | RoPE on q (attention scale folded in the tables): swapped halves, ×cos, ×sin, sum | `[b,H,s,d]` ×4 | c |
+//! | RoPE on k | `[b,KV,s,d]` ×4 | c |
+//! | scores (grouped: `[b,KV,(H/KV)·s,s]`) | `[b,H,s,s]` | c |
+//! | + causal mask | `[b,H,s,s]` | c |
+//! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
+//! | context | `[b,H,s,d]` | c |
+//! | heads merged (copy) | `[n,h]` | c |
+//! | `o_proj` matmul | `[n,h]` | c |
+//! | residual | `[n,h]` | c |
+//! | `post_attention_layernorm` | RMS of `[n,h]` | as above |
+//! | `gate_proj`, `up_proj` matmuls, SiLU(gate), SiLU·up | `[n,I]` ×4 | c |
+//! | `down_proj` matmul | `[n,h]` | c |
+//! | residual (block output) | `[n,h]` | c |
+//!
+//! Keys and values are never repeated for grouped-query attention: each group's
+//! queries are multiplied with the shared key/value head directly.
+//! Stem: `embed_tokens` rows `[n,h]` c. Once per forward: causal mask `[s,s]` c;
+//! RoPE tables `[s,d]` ×4 c (cos/sin, and both scaled for the queries).
+//!
+//! ## BERT (per block)
+//!
+//! | tensor | shape | dtype |
+//! |---|---|---|
+//! | `query`, `key`, `value` matmul + bias | `[n,h]` ×6 | c |
+//! | q × `1/√d`, k and v contiguous copies | `[b,H,s,d]` ×3 | c |
+//! | scores | `[b,H,s,s]` | c |
+//! | + padding mask (only when the batch has an `attention_mask`) | `[b,H,s,s]` | c |
+//! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
+//! | context | `[b,H,s,d]` | c |
+//! | heads merged (copy) | `[n,h]` | c |
+//! | `attention.output.dense` matmul + bias | `[n,h]` ×2 | c |
+//! | residual | `[n,h]` | c |
+//! | `attention.output.LayerNorm` | LN of `[n,h]` | as above |
+//! | `intermediate.dense` matmul + bias, GELU (erf) | `[n,I]` ×3 | c |
+//! | `output.dense` matmul + bias | `[n,h]` ×2 | c |
+//! | residual | `[n,h]` | c |
+//! | `output.LayerNorm` (block output) | LN of `[n,h]` | as above |
+//!
+//! Stem: word rows `[n,h]` c; position rows + token-type row (`[s,h]` c, not
+//! `[n,h]`); sum `[n,h]` c; embeddings LN of `[n,h]`. Once per forward, with an
+//! `attention_mask`: padding mask `[b,1,1,1,s]` c.
+//!
+//! ## Head and loss
+//!
+//! | family | tensor | shape | dtype |
+//! |---|---|---|---|
+//! | GPT-2 | `ln_f` | LN of `[n,h]` | as above |
+//! | Llama | `model.norm` | RMS of `[n,h]` | as above |
+//! | BERT | `transform.dense` matmul + bias, GELU (erf) | `[n,h]` ×3 | c |
+//! | BERT | `transform.LayerNorm` | LN of `[n,h]` | as above |
+//! | all | logits (matmul with the tied embedding or `lm_head`) | `[n,V]` | c |
+//! | BERT | + `cls.predictions.bias` | `[n,V]` | c |
+//! | all | *16-bit*: logits cast | `[n,V]` | f32 |
+//! | all | shifted logits, exp | `[n,V]` ×2 | f32 |
+//! | all | row max (detached), sum of exp, log-sum-exp, picked logit, nll | `[n,1]` ×5 | f32 |
+//! | with a `loss_mask` (always for BERT) | nll × mask | `[n]` | f32 |
+//! | all | sum, mean | scalar ×2 | f32 |
+//!
+//! Summed, per block in f32 (elements; the row max of each softmax included):
+//! GPT-2 `27·n·h + 12·n + 3·n·I + 5·b·H·s² + 2·b·H·s`; Llama `17·n·h + 8·n +
+//! 7·n·KV·d + 4·n·I + 5·b·H·s² + 2·b·H·s` (`+ n·h + 2·n·KV·d` with `qkv_bias`);
+//! BERT `27·n·h + 12·n + 3·n·I + 4·b·H·s² + 2·b·H·s` (`+ b·H·s²` with a padding
+//! mask). These tables were checked against the graph candle builds: on small shapes
+//! the distinct non-parameter storages reachable from the loss add up to exactly
+//! these counts for all three families, in f32 and bf16 (plus the detached softmax
+//! maxima, which the graph holds off the parameter path; the once-per-forward masks
+//! and RoPE tables come on top).
+//!
+//! ## Checkpointing
+//!
+//! With [`Checkpointing::Every`]`(k)` the blocks' tables above exist for one segment
+//! of `k` blocks at a time, during that segment's forward and again during its
+//! recompute in backward. What stays from the forward is the stem (its tables
+//! above) and, for `m` segments, `m` tensors `[n,h]` c: a fresh `Var` holding each
+//! segment's output (the next segment's input, or the head's input for the last).
+//! The head's tables live only during the head's backward, before any segment is
+//! recomputed. While a segment is differentiated, the upstream gradient `[n,h]` c
+//! and the surrogate's product `y·grad_y` `[n,h]` c are alive besides its tables.
+
+mod bert;
+pub mod data;
+mod gpt2;
+mod layers;
+mod llama;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var};
+use oomfix_strategies::checkpoint::{self, Block};
+use oomfix_strategies::Checkpointing;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+use crate::{Error, Family, ModelConfig, Result};
+use layers::{LayerNorm, Linear, RmsNorm, WeightLayout};
+
+/// The `[MASK]` token id BERT's uncased vocabulary uses.
+const BERT_MASK_ID: u32 = 103;
+/// Standard deviation of the random initialisation of matrices.
+const INIT_STD: f32 = 0.02;
+
+/// One micro-batch of training data.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    /// Token ids, u32 `[b, s]`.
+    pub input_ids: Tensor,
+    /// Target ids, u32 `[b, s]`: for causal LMs the next token of each position
+    /// (already shifted by the data source); for BERT the original token at each
+    /// position (only masked positions count).
+    pub targets: Tensor,
+    /// Positions that count in the loss, `[b, s]` of 0/1 in any dtype; `None`: all
+    /// positions. BERT batches normally carry one: the masked positions.
+    pub loss_mask: Option<Tensor>,
+    /// Real tokens (nonzero) versus padding (0), `[b, s]` of any dtype. Used by BERT's
+    /// bidirectional attention; causal models ignore it (right padding cannot be
+    /// attended to by earlier positions; keep padded positions out of `loss_mask`).
+    pub attention_mask: Option<Tensor>,
+}
+
+impl Batch {
+    /// A random batch for `family` with token ids below `vocab`, reproducible from `seed`.
+    ///
+    /// Causal families get `seq + 1` random tokens per sequence: inputs are the first
+    /// `seq`, targets the last `seq`. BERT gets `seq` random tokens; about 15% of the
+    /// positions (at least one per sequence) are replaced by the `[MASK]` id (103, or
+    /// `vocab − 1` for vocabularies of 103 tokens or fewer), targeted with the original
+    /// token and selected by `loss_mask`.
+    pub fn synthetic(
+        family: Family,
+        vocab: usize,
+        batch: usize,
+        seq: usize,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Batch> {
+        if vocab < 2 || batch == 0 || seq == 0 || vocab > u32::MAX as usize {
+            return Err(Error::Usage(format!(
+                "a synthetic batch needs vocab >= 2, batch >= 1 and seq >= 1 (got {vocab}, {batch}, {seq})"
+            )));
+        }
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut token = || rng.random_range(0..vocab as u32);
+        let ids = |v: Vec<u32>| Tensor::from_vec(v, (batch, seq), device);
+        if family != Family::Bert {
+            let tokens: Vec<u32> = (0..batch * (seq + 1)).map(|_| token()).collect();
+            let rows = || tokens.chunks(seq + 1);
+            let inputs = rows().flat_map(|r| r[..seq].to_vec()).collect();
+            let targets = rows().flat_map(|r| r[1..].to_vec()).collect();
+            return Ok(Batch {
+                input_ids: ids(inputs)?,
+                targets: ids(targets)?,
+                loss_mask: None,
+                attention_mask: None,
+            });
+        }
+        let targets: Vec<u32> = (0..batch * seq).map(|_| token()).collect();
+        let mut masked: Vec<bool> = (0..batch * seq).map(|_| rng.random_bool(0.15)).collect();
+        for row in masked.chunks_mut(seq) {
+            if !row.contains(&true) {
+                row[rng.random_range(0..seq)] = true;
+            }
+        }
+        let mask_id = if vocab > BERT_MASK_ID as usize { BERT_MASK_ID } else { vocab as u32 - 1 };
+        let inputs = targets.iter().zip(&masked).map(|(&t, &m)| if m { mask_id } else { t }).collect();
+        let loss_mask = masked.iter().map(|&m| f32::from(u8::from(m))).collect();
+        Ok(Batch {
+            input_ids: ids(inputs)?,
+            targets: ids(targets)?,
+            loss_mask: Some(Tensor::from_vec(loss_mask, (batch, seq), device)?),
+            attention_mask: None,
+        })
+    }
+
+    /// `(b, s)` of the inputs, checked against the targets and masks.
+    fn dims(&self) -> Result<(usize, usize)> {
+        let dims = self.input_ids.dims2()?;
+        let others = [Some(&self.targets), self.loss_mask.as_ref(), self.attention_mask.as_ref()];
+        if others.into_iter().flatten().any(|t| t.dims() != [dims.0, dims.1]) {
+            return Err(Error::Usage(format!(
+                "batch tensors disagree: input_ids is {:?}; targets and masks must have the same shape",
+                self.input_ids.dims()
+            )));
+        }
+        Ok(dims)
+    }
+}
+
+/// What one forward and backward pass returns.
+#[derive(Debug)]
+pub struct StepOutput {
+    /// The loss (not multiplied by the loss scale).
+    pub loss: f32,
+    /// Gradients of `loss × loss_scale`, one per [`TrainableModel::vars`] entry, in
+    /// the compute dtype, detached from any graph. A parameter the batch does not
+    /// reach gets zeros.
+    pub grads: Vec<Tensor>,
+}
+
+/// A model that can run training steps.
+pub trait TrainableModel {
+    /// The model's shape.
+    fn config(&self) -> &ModelConfig;
+    /// The trainable parameters with their Hub names, in
+    /// [`ModelConfig::tensors`] order (a tied weight appears once).
+    fn vars(&self) -> &[(String, Var)];
+    /// One forward and backward pass on `batch`: the mean cross-entropy over the
+    /// positions `loss_mask` selects (all positions without one; for BERT, the
+    /// masked positions), and the gradients of `loss × loss_scale`, with blocks
+    /// recomputed as `checkpoint` says.
+    fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput>;
+
+    /// Writes the parameters to a `.safetensors` file under their Hub names, in the
+    /// compute dtype.
+    fn save(&self, path: &Path) -> Result<()> {
+        let tensors: HashMap<&str, Tensor> =
+            self.vars().iter().map(|(name, var)| (name.as_str(), var.as_tensor().clone())).collect();
+        candle_core::safetensors::save(&tensors, path).map_err(|e| Error::Io {
+            context: format!("writing {}", path.display()),
+            source: std::io::Error::other(e.to_string()),
+        })
+    }
+}
+
+/// Builds a trainable model of `config`'s family.
+///
+/// With `weights`, every tensor of [`ModelConfig::tensors`] is read by name from the
+/// `.safetensors` file(s) (a sharded checkpoint: all shards); names may also carry
+/// GPT-2's `transformer.` prefix, lack BERT's `bert.` prefix, or use the old
+/// `gamma`/`beta` names of layer norms; other tensors in the files are ignored.
+/// Without, matrices are drawn from N(0, 0.02²), norm scales are ones and biases
+/// zeros, reproducibly from `seed`. Parameters are converted to `dtype` on `device`.
+pub fn build_model(
+    config: &ModelConfig,
+    weights: Option<&[PathBuf]>,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+) -> Result<Box<dyn TrainableModel>> {
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(Error::Usage(format!("compute dtype must be f32, bf16 or f16, not {dtype:?}")));
+    }
+    if config.family == Family::Generic {
+        return Err(untrainable());
+    }
+    check_shape(config)?;
+    let tensors = match weights {
+        Some(paths) => load_tensors(config, paths)?,
+        None => random_tensors(config, seed)?,
+    };
+    let vars = tensors
+        .into_iter()
+        .map(|(name, t)| Ok((name, Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let params = Params::new(vars);
+    Ok(match config.family {
+        Family::Gpt2 => Box::new(gpt2::Gpt2::new(config, params)?),
+        Family::Llama => Box::new(llama::Llama::new(config, params)?),
+        Family::Bert => Box::new(bert::Bert::new(config, params)?),
+        Family::Generic => return Err(untrainable()),
+    })
+}
+
+fn untrainable() -> Error {
+    Error::Usage("only GPT-2, Llama-style and BERT models can be trained".into())
+}
+
+fn check_shape(config: &ModelConfig) -> Result<()> {
+    let c = config;
+    let ok = c.layers > 0
+        && c.heads > 0
+        && c.kv_heads > 0
+        && c.hidden % c.heads == 0
+        && c.heads % c.kv_heads == 0
+        && c.head_dim() % 2 == 0
+        && c.vocab > 0
+        && c.intermediate > 0;
+    if !ok {
+        return Err(Error::Usage(format!(
+            "unusable model shape: {} layers, hidden {}, {} heads, {} kv heads, vocab {} \
+             (hidden must split into heads of even size, heads into kv groups)",
+            c.layers, c.hidden, c.heads, c.kv_heads, c.vocab
+        )));
+    }
+    Ok(())
+}
+
+/// The Hub name of a tensor named `name` in a file of `family`.
+fn hub_name(family: Family, name: &str) -> String {
+    let name = match (name.strip_suffix(".gamma"), name.strip_suffix(".beta")) {
+        (Some(stem), _) => format!("{stem}.weight"),
+        (_, Some(stem)) => format!("{stem}.bias"),
+        _ => name.to_string(),
+    };
+    match family {
+        Family::Gpt2 => name.strip_prefix("transformer.").map(str::to_string).unwrap_or(name),
+        Family::Bert if !name.starts_with("bert.") && !name.starts_with("cls.") => format!("bert.{name}"),
+        _ => name,
+    }
+}
+
+/// The tensors of `config` read from `paths` (on the CPU, in the file's dtype).
+fn load_tensors(config: &ModelConfig, paths: &[PathBuf]) -> Result<Vec<(String, Tensor)>> {
+    let first = paths.first().ok_or_else(|| Error::Usage("no weights file given".into()))?;
+    let wanted = config.tensors();
+    let mut found: HashMap<String, (Tensor, &PathBuf)> = HashMap::new();
+    for path in paths {
+        let tensors = candle_core::safetensors::load(path, &Device::Cpu)
+            .map_err(|e| Error::input(path, format!("cannot read safetensors: {e}")))?;
+        for (name, tensor) in tensors {
+            let name = hub_name(config.family, &name);
+            if wanted.iter().any(|(w, _)| *w == name) {
+                found.insert(name, (tensor, path));
+            }
+        }
+    }
+    wanted
+        .into_iter()
+        .map(|(name, shape)| {
+            let (tensor, path) = found.remove(&name).ok_or_else(|| {
+                let files = if paths.len() == 1 { String::new() } else { format!(" (in {} files)", paths.len()) };
+                Error::input(first, format!("missing tensor `{name}`{files}"))
+            })?;
+            if tensor.dims() != shape.as_slice() {
+                return Err(Error::input(
+                    path,
+                    format!("tensor `{name}` has shape {:?}, the model needs {shape:?}", tensor.dims()),
+                ));
+            }
+            Ok((name, tensor))
+        })
+        .collect()
+}
+
+/// Random f32 tensors on the CPU for every tensor of `config`.
+fn random_tensors(config: &ModelConfig, seed: u64) -> Result<Vec<(String, Tensor)>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let normal = Normal::new(0f32, INIT_STD).expect("a positive standard deviation");
+    config
+        .tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let n = shape.iter().product();
+            let values: Vec<f32> = if shape.len() >= 2 {
+                (0..n).map(|_| normal.sample(&mut rng)).collect()
+            } else if name.ends_with(".weight") {
+                vec![1.0; n] // a norm's scale
+            } else {
+                vec![0.0; n] // a bias
+            };
+            Ok((name, Tensor::from_vec(values, shape, &Device::Cpu)?))
+        })
+        .collect()
+}
+
+/// The parameters by Hub name, as the families look them up.
+pub(crate) struct Params {
+    vars: Vec<(String, Var)>,
+    index: HashMap<String, usize>,
+}
+
+impl Params {
+    fn new(vars: Vec<(String, Var)>) -> Self {
+        let index = vars.iter().enumerate().map(|(i, (name, _))| (name.clone(), i)).collect();
+        Params { vars, index }
+    }
+
+    /// The parameter `name` (a clone sharing the `Var`'s storage).
+    pub(crate) fn get(&self, name: &str) -> Result<Tensor> {
+        let i = self.index.get(name).ok_or_else(|| Error::Usage(format!("the model has no tensor `{name}`")))?;
+        Ok(self.vars[*i].1.as_tensor().clone())
+    }
+
+    /// The projection `{prefix}.weight` (+ `{prefix}.bias` if `bias`).
+    pub(crate) fn linear(&self, prefix: &str, bias: bool, layout: WeightLayout) -> Result<Linear> {
+        let b = if bias { Some(self.get(&format!("{prefix}.bias"))?) } else { None };
+        Ok(Linear::new(self.get(&format!("{prefix}.weight"))?, b, layout))
+    }
+
+    /// The layer norm `{prefix}.weight`, `{prefix}.bias`.
+    pub(crate) fn layer_norm(&self, prefix: &str, eps: f64) -> Result<LayerNorm> {
+        Ok(LayerNorm::new(self.get(&format!("{prefix}.weight"))?, self.get(&format!("{prefix}.bias"))?, eps))
+    }
+
+    /// The RMS norm `{prefix}.weight`.
+    pub(crate) fn rms_norm(&self, prefix: &str, eps: f64) -> Result<RmsNorm> {
+        Ok(RmsNorm::new(self.get(&format!("{prefix}.weight"))?, eps))
+    }
+
+    pub(crate) fn into_vars(self) -> Vec<(String, Var)> {
+        self.vars
+    }
+}
+
+/// Runs [`checkpoint::backward`] over a family's stem, blocks and head and packs the
+/// result as a [`StepOutput`].
+pub(crate) fn step<B: Block>(
+    vars: &[(String, Var)],
+    stem: &Tensor,
+    blocks: &[B],
+    head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    policy: Checkpointing,
+    loss_scale: f64,
+) -> Result<StepOutput> {
+    let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+    let out = checkpoint::backward(stem, blocks, head, &vars, policy, loss_scale)?;
+    let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    let grads = out
+        .grads
+        .into_iter()
+        .zip(&vars)
+        .map(|(g, v)| g.map_or_else(|| v.zeros_like(), Ok))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok(StepOutput { loss, grads })
+}
+
+/// The cross-entropy of `logits` (`[b·s, V]`) against the batch's targets, over
+/// the batch's `loss_mask` positions or all positions.
+pub(crate) fn lm_loss(logits: &Tensor, batch: &Batch) -> candle_core::Result<Tensor> {
+    let mask = match &batch.loss_mask {
+        Some(m) => Some(m.flatten_all()?.to_dtype(DType::F32)?),
+        None => None,
+    };
+    layers::cross_entropy(logits, &batch.targets.flatten_all()?, mask.as_ref())
+}
+
+/// `(b, s)` of `batch`, checked against the model's position limit.
+pub(crate) fn batch_dims(batch: &Batch, config: &ModelConfig, learned_positions: bool) -> Result<(usize, usize)> {
+    let (b, s) = batch.dims()?;
+    if learned_positions && s > config.max_positions {
+        return Err(Error::Usage(format!(
+            "sequence length {s} exceeds the model's {} learned positions",
+            config.max_positions
+        )));
+    }
+    Ok((b, s))
+}
