@@ -22,6 +22,14 @@ pub enum Error {
     /// A failure inside candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// Training produced a NaN or infinite loss.
+    #[error("step {step}: the loss is {loss}; training stopped")]
+    NonFinite {
+        /// The 1-based optimizer step.
+        step: u64,
+        /// The loss value.
+        loss: f32,
+    },
     /// An I/O failure not tied to an input file (writing outputs, …).
     #[error("{context}: {source}")]
     Io {

@@ -155,6 +155,8 @@
 
 mod bert;
 pub mod data;
+mod trainer;
+pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;
 mod llama;
@@ -216,21 +218,41 @@ impl Batch {
             )));
         }
         let mut rng = StdRng::seed_from_u64(seed);
-        let mut token = || rng.random_range(0..vocab as u32);
-        let ids = |v: Vec<u32>| Tensor::from_vec(v, (batch, seq), device);
-        if family != Family::Bert {
-            let tokens: Vec<u32> = (0..batch * (seq + 1)).map(|_| token()).collect();
-            let rows = || tokens.chunks(seq + 1);
-            let inputs = rows().flat_map(|r| r[..seq].to_vec()).collect();
-            let targets = rows().flat_map(|r| r[1..].to_vec()).collect();
-            return Ok(Batch {
-                input_ids: ids(inputs)?,
-                targets: ids(targets)?,
-                loss_mask: None,
-                attention_mask: None,
-            });
+        let windows: Vec<u32> = (0..batch * (seq + 1)).map(|_| rng.random_range(0..vocab as u32)).collect();
+        Batch::from_windows(family, vocab, &windows, batch, seq, seed, device)
+    }
+
+    /// A batch from `batch` windows of `seq + 1` token ids each (row after row).
+    ///
+    /// Causal families take the first `seq` ids of a window as inputs and the last
+    /// `seq` as targets. BERT takes the first `seq` ids, replaces about 15% of them
+    /// (at least one per sequence, chosen reproducibly from `seed`) by the [MASK] id
+    /// (103, or `vocab − 1` for vocabularies of 103 tokens or fewer) and targets
+    /// the originals at those positions.
+    pub fn from_windows(
+        family: Family,
+        vocab: usize,
+        windows: &[u32],
+        batch: usize,
+        seq: usize,
+        seed: u64,
+        device: &Device,
+    ) -> Result<Batch> {
+        if windows.len() != batch * (seq + 1) {
+            return Err(Error::Usage(format!(
+                "{} token ids do not make {batch} windows of {} tokens",
+                windows.len(),
+                seq + 1
+            )));
         }
-        let targets: Vec<u32> = (0..batch * seq).map(|_| token()).collect();
+        let ids = |v: Vec<u32>| Tensor::from_vec(v, (batch, seq), device);
+        let rows = || windows.chunks(seq + 1);
+        let inputs: Vec<u32> = rows().flat_map(|r| r[..seq].to_vec()).collect();
+        if family != Family::Bert {
+            let targets = rows().flat_map(|r| r[1..].to_vec()).collect();
+            return Ok(Batch { input_ids: ids(inputs)?, targets: ids(targets)?, loss_mask: None, attention_mask: None });
+        }
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x6d61_736b);
         let mut masked: Vec<bool> = (0..batch * seq).map(|_| rng.random_bool(0.15)).collect();
         for row in masked.chunks_mut(seq) {
             if !row.contains(&true) {
@@ -238,11 +260,11 @@ impl Batch {
             }
         }
         let mask_id = if vocab > BERT_MASK_ID as usize { BERT_MASK_ID } else { vocab as u32 - 1 };
-        let inputs = targets.iter().zip(&masked).map(|(&t, &m)| if m { mask_id } else { t }).collect();
+        let masked_inputs = inputs.iter().zip(&masked).map(|(&t, &m)| if m { mask_id } else { t }).collect();
         let loss_mask = masked.iter().map(|&m| f32::from(u8::from(m))).collect();
         Ok(Batch {
-            input_ids: ids(inputs)?,
-            targets: ids(targets)?,
+            input_ids: ids(masked_inputs)?,
+            targets: ids(inputs)?,
             loss_mask: Some(Tensor::from_vec(loss_mask, (batch, seq), device)?),
             attention_mask: None,
         })
