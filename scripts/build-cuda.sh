@@ -142,10 +142,11 @@ link_entries() {
     done
 }
 
-# Step 2: CUDA_HOME, rebuilt only when the pins or cudarc's bindings change.
+# Step 2: CUDA_HOME, rebuilt only when the pins, the wheels' place or cudarc's
+# bindings change.
 assemble_cuda_home() {
     local nv=$1 bindings=$2 home=$CACHE/cuda-home stamp lib base
-    stamp="${PINS[*]} $bindings"
+    stamp="${PINS[*]} $nv $bindings"
     if [[ -f $home/.oomfix-stamp && $(<"$home/.oomfix-stamp") == "$stamp" ]]; then
         say "CUDA_HOME already assembled at $home"
         return
@@ -206,8 +207,9 @@ package_binary() {
 }
 
 check_prerequisites
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
 mkdir -p "$CACHE"
+CACHE=$(cd "$CACHE" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 install_toolkit
 nv=$(wheel_root)
 bindings=$(cudarc_driver_bindings)
