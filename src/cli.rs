@@ -29,6 +29,52 @@ pub enum Command {
     Plan(PlanArgs),
     /// Show what a weights file's header says: family, dimensions, parameters.
     Inspect(InspectArgs),
+    /// Plan, then run real training steps with the chosen plan.
+    Train(TrainArgs),
+    /// Measure one plan in this process (used by --verify; prints peak bytes).
+    #[command(hide = true)]
+    MeasureStep(MeasureStepArgs),
+}
+
+/// Options of `oomfix train`.
+#[derive(Debug, Clone, Args)]
+pub struct TrainArgs {
+    /// Planning options: the plan trained is the one the search chooses.
+    #[command(flatten)]
+    pub plan: PlanArgs,
+    /// Optimizer steps to run.
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
+    /// Training data: a `.bin` of token ids (nanoGPT format) or a text file
+    /// (bytes as tokens) [default: random tokens].
+    #[arg(long, value_name = "PATH")]
+    pub data: Option<PathBuf>,
+    /// Token ids in a `.bin` file are u32 instead of u16.
+    #[arg(long)]
+    pub u32_tokens: bool,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-4)]
+    pub lr: f64,
+    /// Seed of the initialisation and of random data.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Start from the model file's weights instead of a random initialisation.
+    #[arg(long)]
+    pub pretrained: bool,
+}
+
+/// Options of the hidden `measure-step` command.
+#[derive(Debug, Clone, Args)]
+pub struct MeasureStepArgs {
+    /// The plan, as `mb,accum,seq,precision,checkpoint,optimizer`.
+    #[arg(long)]
+    pub plan: String,
+    /// The model's shape as JSON (a `ModelConfig`).
+    #[arg(long)]
+    pub config: String,
+    /// Address-space limit in bytes.
+    #[arg(long)]
+    pub address_space: Option<u64>,
 }
 
 /// Which attempts `--verify` measures.

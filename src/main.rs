@@ -3,8 +3,14 @@
 
 use anyhow::Context;
 use clap::Parser;
-use oomfix::cli::{Cli, Command, HalfArg, LogArgs, LogFormat, PlanArgs, VerifyArg};
-use oomfix::{inspect, report, ModelSpec, Pipeline, Planner, Verify};
+use oomfix::cli::{Cli, Command, HalfArg, LogArgs, LogFormat, MeasureStepArgs, PlanArgs, TrainArgs, VerifyArg};
+use oomfix::measure::{CountingAlloc, StepVerifier};
+use oomfix::train::data::{DataSource, TokenWidth};
+use oomfix::train::{TrainOptions, Trainer};
+use oomfix::{inspect, report, Error, ModelSpec, Pipeline, Planner, SearchResult, Target, Verify};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
 use std::process::ExitCode;
 use tracing_subscriber::{fmt, EnvFilter};
 
@@ -24,8 +30,10 @@ fn main() -> ExitCode {
             print!("{text}");
             true
         }),
-        Some(Command::Plan(args)) => plan(&args),
-        None => plan(&cli.plan),
+        Some(Command::Plan(args)) => plan(&args).map(|(_, result)| result.fits()),
+        Some(Command::Train(args)) => train(&args),
+        Some(Command::MeasureStep(args)) => measure_step(&args),
+        None => plan(&cli.plan).map(|(_, result)| result.fits()),
     };
     match outcome {
         Ok(true) => ExitCode::SUCCESS,
@@ -38,11 +46,9 @@ fn main() -> ExitCode {
     }
 }
 
-/// Runs the search and prints its result; `Ok(fits)`.
-fn plan(args: &PlanArgs) -> oomfix::Result<bool> {
-    let budget = args.budget.ok_or_else(|| {
-        oomfix::Error::Usage("a budget is required, e.g. --budget 8GiB (see --help)".into())
-    })?;
+/// Runs the search and prints its result.
+fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
+    let budget = args.budget.ok_or_else(|| Error::Usage("a budget is required, e.g. --budget 8GiB (see --help)".into()))?;
     let spec = match &args.model {
         Some(path) => inspect::inspect(path)?,
         None => ModelSpec::default_model(),
@@ -50,7 +56,7 @@ fn plan(args: &PlanArgs) -> oomfix::Result<bool> {
     if args.model.is_none() && !args.json {
         eprintln!("oomfix: no model given; planning for the {}", spec.source);
     }
-    let pipeline = Pipeline::from_names(&args.strategies).map_err(|e| oomfix::Error::Usage(e.to_string()))?;
+    let pipeline = Pipeline::from_names(&args.strategies).map_err(|e| Error::Usage(e.to_string()))?;
     let mut planner = Planner::new(budget)
         .global_batch(args.global_batch)
         .target(args.device)
@@ -65,8 +71,18 @@ fn plan(args: &PlanArgs) -> oomfix::Result<bool> {
         planner = planner.seq_len(n);
     }
     if let Some(mode) = args.verify {
-        let _ = (mode, Verify::All, VerifyArg::All);
-        return Err(oomfix::Error::Usage("--verify is not built yet".into()));
+        let verifier = match args.device {
+            Target::Cpu => {
+                let exe = std::env::current_exe().map_err(|e| Error::Io { context: "locating oomfix".into(), source: e })?;
+                StepVerifier::isolated(args.device, exe, budget)
+            }
+            Target::Cuda(_) => StepVerifier::in_process(args.device),
+        };
+        let mode = match mode {
+            VerifyArg::Fitting => Verify::Fitting,
+            VerifyArg::All => Verify::All,
+        };
+        planner = planner.verify_with(verifier, mode);
     }
     let result = planner.run(&spec)?;
     if args.json {
@@ -74,7 +90,88 @@ fn plan(args: &PlanArgs) -> oomfix::Result<bool> {
     } else {
         print!("{}", report::search_table(&spec, &result));
     }
-    Ok(result.fits())
+    Ok((spec, result))
+}
+
+/// Plans, then trains the chosen plan; `Ok(false)` when nothing fits.
+fn train(args: &TrainArgs) -> oomfix::Result<bool> {
+    let device = match args.plan.device {
+        Target::Cpu => candle_core::Device::Cpu,
+        Target::Cuda(i) => candle_core::Device::new_cuda(i)
+            .map_err(|e| Error::Usage(format!("cannot use cuda:{i}: {e} (this build needs --features cuda)")))?,
+    };
+    let (spec, result) = plan(&args.plan)?;
+    let Some(chosen) = result.chosen() else { return Ok(false) };
+    let weights = match (&args.pretrained, &args.plan.model) {
+        (true, Some(_)) => Some(spec.files.clone()),
+        (true, None) => return Err(Error::Usage("--pretrained needs a model file".into())),
+        (false, _) => None,
+    };
+    let options = TrainOptions {
+        adamw: candle_nn::ParamsAdamW { lr: args.lr, ..Default::default() },
+        seed: args.seed,
+        weights,
+    };
+    let mut trainer = Trainer::new(&spec.config, chosen.plan, &device, &options)?;
+    let mut data = match &args.data {
+        Some(path) => {
+            let width = if args.u32_tokens { TokenWidth::U32 } else { TokenWidth::U16 };
+            DataSource::from_file(path, width, spec.config.vocab)?
+        }
+        None => DataSource::synthetic(args.seed),
+    };
+    let bar = progress_bar(args.steps);
+    for _ in 0..args.steps {
+        let s = trainer.step(&mut data)?;
+        let msg = format!(
+            "loss {:.4}  {:.0} tok/s  peak {}{}",
+            s.loss,
+            s.tokens as f64 / s.seconds,
+            oomfix::units::format_bytes(s.peak()),
+            if s.skipped { "  (skipped: fp16 overflow)" } else { "" }
+        );
+        tracing::info!(step = trainer.steps(), loss = s.loss, tokens = s.tokens, seconds = s.seconds,
+                       forward_backward_peak_bytes = s.forward_backward_peak,
+                       optimizer_peak_bytes = s.optimizer_peak, skipped = s.skipped, "step");
+        match &bar {
+            Some(bar) => {
+                bar.set_message(msg);
+                bar.inc(1);
+            }
+            None => eprintln!("step {}/{}  {msg}", trainer.steps(), args.steps),
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish();
+    }
+    Ok(true)
+}
+
+/// A progress bar on a terminal; `None` otherwise (plain lines instead).
+fn progress_bar(steps: u64) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(steps);
+    let style = indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} {elapsed_precise}  {msg}")
+        .expect("valid template");
+    bar.set_style(style);
+    Some(bar)
+}
+
+/// The hidden `measure-step` command: measure one plan, print its peak bytes.
+fn measure_step(args: &MeasureStepArgs) -> oomfix::Result<bool> {
+    if let Some(limit) = args.address_space {
+        oomfix::measure::limit_address_space(limit)?;
+    }
+    let plan = oomfix::measure::parse_plan_arg(&args.plan)?;
+    let config: oomfix::ModelConfig =
+        serde_json::from_str(&args.config).map_err(|e| Error::Usage(format!("--config: {e}")))?;
+    let spec = ModelSpec::from_config("measured", config);
+    let m = oomfix::measure::measure_plan(&spec, &plan, Target::Cpu)?;
+    println!("{}", m.peak_bytes);
+    Ok(true)
 }
 
 /// Logs go to stderr (or `--log-file`), as text or JSON lines. The level is

@@ -1,9 +1,9 @@
 //! What the planner knows about a model: its family, dimensions and trainable tensors.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Architecture family, inferred from tensor names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Family {
     /// GPT-2: learned positions, LayerNorm, GELU MLP, Conv1D weights (`in x out`).
@@ -43,7 +43,7 @@ impl std::fmt::Display for Family {
 
 /// Shape hyper-parameters of a transformer, enough to rebuild its tensors and
 /// its op sequence.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {
     /// Architecture family.
     pub family: Family,
@@ -266,6 +266,9 @@ impl TensorInfo {
 pub struct ModelSpec {
     /// Path of the weights, or a name for a built-in model.
     pub source: String,
+    /// The `.safetensors` files holding the weights (empty for a built-in model).
+    #[serde(skip)]
+    pub files: Vec<std::path::PathBuf>,
     /// Inferred shape. For [`Family::Generic`] only `family` is meaningful.
     pub config: ModelConfig,
     /// Trainable tensors (buffers such as GPT-2's `attn.bias` excluded, tied weights once).
@@ -287,7 +290,7 @@ impl ModelSpec {
             .map(|(name, shape)| TensorInfo { name, shape, dtype: "F32".into() })
             .collect();
         let file_bytes = tensors.iter().map(|t| t.elements() * 4).sum();
-        ModelSpec { source: source.into(), config, tensors, dtype: "F32".into(), file_bytes, assumptions: vec![] }
+        ModelSpec { source: source.into(), files: Vec::new(), config, tensors, dtype: "F32".into(), file_bytes, assumptions: vec![] }
     }
 
     /// The built-in default model: GPT-2 small shape (124,439,808 parameters).

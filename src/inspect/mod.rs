@@ -31,12 +31,12 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 /// file and saying what is wrong in one line.
 pub fn inspect(path: &Path) -> Result<ModelSpec> {
     let meta = fs::metadata(path).map_err(|e| io_error(path, &e))?;
-    let (entries, dir) = if meta.is_dir() {
+    let ((entries, files), dir) = if meta.is_dir() {
         (read_dir(path)?, path.to_path_buf())
     } else if path.extension().is_some_and(|e| e == "json") {
         (read_index(path)?, parent(path))
     } else {
-        (read_header(path)?.tensors, parent(path))
+        ((read_header(path)?.tensors, vec![path.to_path_buf()]), parent(path))
     };
     let hf = config::read(&dir)?;
     let file_bytes = entries.iter().map(TensorEntry::bytes).sum();
@@ -57,6 +57,7 @@ pub fn inspect(path: &Path) -> Result<ModelSpec> {
     }
     Ok(ModelSpec {
         source: path.display().to_string(),
+        files,
         dtype: most_common_dtype(&inferred.tensors),
         config: inferred.config,
         tensors: inferred.tensors,
@@ -79,7 +80,7 @@ fn most_common_dtype(tensors: &[TensorInfo]) -> String {
 }
 
 /// A directory's weights: its index when it has one, else every `*.safetensors` file.
-fn read_dir(dir: &Path) -> Result<Vec<TensorEntry>> {
+fn read_dir(dir: &Path) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
     let index = dir.join(INDEX_FILE);
     if index.is_file() {
         return read_index(&index);
@@ -107,7 +108,7 @@ fn read_dir(dir: &Path) -> Result<Vec<TensorEntry>> {
 
 /// A sharded model: reads the header of every shard the index names and checks
 /// that each tensor is where the index says.
-fn read_index(index: &Path) -> Result<Vec<TensorEntry>> {
+fn read_index(index: &Path) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
     let text = read_small_text(index)?;
     let value: Value =
         serde_json::from_str(&text).map_err(|e| Error::input(index, format!("index is not valid JSON: {e}")))?;
@@ -164,11 +165,13 @@ fn read_index(index: &Path) -> Result<Vec<TensorEntry>> {
     merge(index, headers)
 }
 
-/// All tensors of several files; a name in two files is an error about `source`.
-fn merge(source: &Path, headers: Vec<(Header, PathBuf)>) -> Result<Vec<TensorEntry>> {
+/// All tensors of several files, and the files; a name in two files is an error about `source`.
+fn merge(source: &Path, headers: Vec<(Header, PathBuf)>) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
     let mut seen: HashMap<String, PathBuf> = HashMap::new();
     let mut all = Vec::new();
+    let mut files = Vec::new();
     for (header, file) in headers {
+        files.push(file.clone());
         for t in header.tensors {
             if let Some(first) = seen.insert(t.name.clone(), file.clone()) {
                 let msg = format!(
@@ -182,7 +185,7 @@ fn merge(source: &Path, headers: Vec<(Header, PathBuf)>) -> Result<Vec<TensorEnt
             all.push(t);
         }
     }
-    Ok(all)
+    Ok((all, files))
 }
 
 /// A JSON side file (index, config), refused when over [`MAX_HEADER_BYTES`].

@@ -1,5 +1,9 @@
 //! Peak-memory measurement of real training steps.
 
 pub mod alloc;
+mod step;
 
 pub use alloc::CountingAlloc;
+pub use step::{
+    limit_address_space, measure_plan, parse_plan_arg, plan_arg, StepVerifier, ADDRESS_SPACE_SLACK,
+};

@@ -1,0 +1,155 @@
+//! Measuring a plan by running real training steps.
+//!
+//! [`measure_plan`] builds the model with random weights (memory does not
+//! depend on the values), runs one step to allocate the optimizer state, then
+//! measures the second, steady-state step: the heap high-water mark above what
+//! the process held before the model was built.
+//!
+//! A CPU allocation failure aborts the process, so [`StepVerifier`] can run
+//! each measurement in a child process (the `oomfix` binary's hidden
+//! `measure-step` command) under an address-space limit: a plan that would
+//! exhaust host memory then kills only the child and is recorded as out of memory.
+
+use super::alloc;
+use crate::memory::Target;
+use crate::search::{Measurement, Verifier};
+use crate::spec::ModelSpec;
+use crate::train::data::DataSource;
+use crate::train::{TrainOptions, Trainer};
+use crate::{Error, Result};
+use candle_core::Device;
+use oomfix_strategies::Plan;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// Slack added to the budget for the child's address-space limit: code,
+/// thread stacks and allocator arenas are mapped but are not heap.
+pub const ADDRESS_SPACE_SLACK: u64 = 2 << 30;
+
+/// Measures one steady-state training step of `plan` in this process.
+pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Measurement> {
+    let device = match target {
+        Target::Cpu => Device::Cpu,
+        Target::Cuda(_) => return Err(Error::Usage("measuring on CUDA needs a build with --features cuda".into())),
+    };
+    if !alloc::installed() {
+        return Err(Error::Usage(
+            "CPU measurement needs oomfix::measure::CountingAlloc as the global allocator".into(),
+        ));
+    }
+    let before = alloc::current();
+    let mut trainer = Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())?;
+    let mut data = DataSource::synthetic(0);
+    trainer.step(&mut data)?;
+    let stats = trainer.step(&mut data)?;
+    let peak = stats.peak().saturating_sub(before);
+    Ok(Measurement { peak_bytes: peak, reserved_bytes: peak, out_of_memory: false })
+}
+
+/// A [`Verifier`] that runs real steps, in process or in a child process.
+#[derive(Debug, Clone)]
+pub struct StepVerifier {
+    target: Target,
+    /// The `oomfix` binary to run `measure-step` in, with the budget as its limit.
+    isolate: Option<(PathBuf, u64)>,
+}
+
+impl StepVerifier {
+    /// Measures in this process (the process needs [`alloc::CountingAlloc`] as its allocator).
+    pub fn in_process(target: Target) -> Self {
+        StepVerifier { target, isolate: None }
+    }
+
+    /// Measures each plan in a child `oomfix measure-step` process whose address
+    /// space is limited to `budget` + [`ADDRESS_SPACE_SLACK`].
+    pub fn isolated(target: Target, oomfix_binary: PathBuf, budget: u64) -> Self {
+        StepVerifier { target, isolate: Some((oomfix_binary, budget)) }
+    }
+}
+
+impl Verifier for StepVerifier {
+    fn measure(&self, spec: &ModelSpec, plan: &Plan) -> Result<Measurement> {
+        let Some((exe, budget)) = &self.isolate else {
+            return measure_plan(spec, plan, self.target);
+        };
+        let limit = budget.saturating_add(ADDRESS_SPACE_SLACK);
+        let out = Command::new(exe)
+            .arg("measure-step")
+            .arg("--plan")
+            .arg(plan_arg(plan))
+            .arg("--config")
+            .arg(serde_json::to_string(&spec.config).expect("config serialises"))
+            .arg("--address-space")
+            .arg(limit.to_string())
+            .env_remove("RUST_BACKTRACE")
+            .env("MALLOC_ARENA_MAX", "2")
+            .output()
+            .map_err(|e| Error::Io { context: format!("running {}", exe.display()), source: e })?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if out.status.success() {
+            let peak: u64 = stdout.trim().parse().map_err(|_| {
+                Error::Usage(format!("measure-step printed `{}`, not a byte count", stdout.trim()))
+            })?;
+            return Ok(Measurement { peak_bytes: peak, reserved_bytes: peak, out_of_memory: false });
+        }
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // An allocation failure aborts the child (SIGABRT) or is reported by candle.
+        if stderr.contains("memory allocation") || stderr.contains("out of memory") || out.status.code().is_none() {
+            tracing::warn!(%plan, "out of memory while measuring (limit {limit} bytes)");
+            return Ok(Measurement { peak_bytes: limit, reserved_bytes: limit, out_of_memory: true });
+        }
+        Err(Error::Usage(format!("measuring {plan} failed: {}", stderr.trim())))
+    }
+}
+
+/// A plan as `measure-step --plan` reads it: `mb,accum,seq,precision,checkpoint,optimizer`.
+pub fn plan_arg(p: &Plan) -> String {
+    let ck = match p.checkpoint {
+        oomfix_strategies::Checkpointing::None => 0,
+        oomfix_strategies::Checkpointing::Every(k) => k,
+    };
+    format!("{},{},{},{},{},{}", p.micro_batch, p.grad_accum, p.seq_len, p.precision, ck, p.optimizer)
+}
+
+/// Parses [`plan_arg`]'s format.
+pub fn parse_plan_arg(s: &str) -> Result<Plan> {
+    let bad = || Error::Usage(format!("`{s}` is not a plan (mb,accum,seq,precision,checkpoint,optimizer)"));
+    let f: Vec<&str> = s.split(',').collect();
+    if f.len() != 6 {
+        return Err(bad());
+    }
+    let num = |i: usize| f[i].parse::<usize>().map_err(|_| bad());
+    Ok(Plan {
+        micro_batch: num(0)?,
+        grad_accum: num(1)?,
+        seq_len: num(2)?,
+        precision: f[3].parse().map_err(|_| bad())?,
+        checkpoint: match num(4)? {
+            0 => oomfix_strategies::Checkpointing::None,
+            k => oomfix_strategies::Checkpointing::Every(k),
+        },
+        optimizer: match f[5] {
+            "adamw" => oomfix_strategies::OptimizerImpl::CandleAdamW,
+            "fused-adamw" => oomfix_strategies::OptimizerImpl::FusedAdamW,
+            _ => return Err(bad()),
+        },
+        shard: oomfix_strategies::Sharding::NONE,
+    })
+}
+
+/// Limits this process's address space (the `measure-step` child calls it first).
+#[cfg(unix)]
+pub fn limit_address_space(bytes: u64) -> Result<()> {
+    let lim = libc::rlimit { rlim_cur: bytes as libc::rlim_t, rlim_max: bytes as libc::rlim_t };
+    // SAFETY: setrlimit reads the struct we pass and changes only process limits.
+    if unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) } != 0 {
+        return Err(Error::Io { context: "setrlimit(RLIMIT_AS)".into(), source: std::io::Error::last_os_error() });
+    }
+    Ok(())
+}
+
+/// Address-space limits need a Unix host; elsewhere the child runs unlimited.
+#[cfg(not(unix))]
+pub fn limit_address_space(_bytes: u64) -> Result<()> {
+    Ok(())
+}
