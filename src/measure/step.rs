@@ -37,6 +37,7 @@ pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Mea
             "CPU measurement needs oomfix::measure::CountingAlloc as the global allocator".into(),
         ));
     }
+    warm_up(spec, plan, &device)?;
     let before = alloc::current();
     let mut trainer = Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())?;
     let mut data = DataSource::synthetic(0);
@@ -44,6 +45,27 @@ pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Mea
     let stats = trainer.step(&mut data)?;
     let peak = stats.peak().saturating_sub(before);
     Ok(Measurement { peak_bytes: peak, reserved_bytes: peak, out_of_memory: false })
+}
+
+/// Runs one step of a tiny model of the same family and plan, so that
+/// process-wide state allocated on first use (thread pools, kernel caches)
+/// exists before the measurement starts and is not counted in it.
+fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
+    let c = &spec.config;
+    let tiny = crate::ModelConfig {
+        layers: 1,
+        hidden: 16,
+        heads: 2,
+        kv_heads: if c.kv_heads < c.heads { 1 } else { 2 },
+        intermediate: 32,
+        vocab: 128,
+        max_positions: 16,
+        ..c.clone()
+    };
+    let tiny_plan = Plan { micro_batch: 1, grad_accum: plan.grad_accum.min(2), seq_len: 8, ..*plan };
+    let mut trainer = Trainer::new(&tiny, tiny_plan, device, &TrainOptions::default())?;
+    trainer.step(&mut DataSource::synthetic(0))?;
+    Ok(())
 }
 
 /// A [`Verifier`] that runs real steps, in process or in a child process.

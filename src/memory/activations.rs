@@ -1,153 +1,182 @@
-//! Activation terms: what the trainer's forward keeps alive for backward.
+//! Activation terms: what the trainer's forward keeps alive for backward, and
+//! what the backward adds on top.
 //!
 //! candle keeps every op output on the path from a parameter to the loss until
-//! the loss is dropped, so the terms below count op outputs of the trainable
-//! models in [`crate::train`], one by one, in units of values:
-//!
-//! * `bsh`  — a `[b, s, hidden]` tensor,
-//! * `bsi`  — a `[b, s, intermediate]` tensor,
-//! * `bss`  — a `[b, heads, s, s]` attention matrix,
-//! * `bsv`  — a `[b, s, vocab]` logits-sized tensor.
-//!
-//! Values are in the compute dtype except where noted (the loss runs in fp32).
+//! the loss is dropped. The counts below follow the op-by-op tables in
+//! [`crate::train`] (`n = b·s` tokens, `h` hidden, `I` MLP size, `H` heads,
+//! `kv = kv_heads·head_dim`, `V` vocabulary). Values are in the compute dtype
+//! `c` unless marked f32: norms and the loss run in f32, so under mixed
+//! precision they add cast copies.
 
 use crate::spec::{Family, ModelSpec};
-use oomfix_strategies::Plan;
+use oomfix_strategies::{Checkpointing, Plan};
 
-/// Activation bytes of one step on one device.
+/// Activation bytes of one micro-batch on one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Activations {
-    /// Kept from the forward until backward ends.
+    /// Kept from the forward until the backward ends.
     pub kept: u64,
-    /// Allocated by the backward on top of `kept` (the largest working set).
+    /// Allocated by the backward on top of `kept` and the parameter gradients
+    /// (its largest working set).
     pub backward_transient: u64,
 }
 
-/// Op outputs one transformer block keeps, in units of `[b,s,h]`, `[b,s,i]`,
-/// `[b,s,kv]` (kv = kv_heads × head_dim) and `[b,heads,s,s]` tensors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BlockTerms {
-    /// Outputs the size of the hidden state.
-    pub bsh: u64,
-    /// Outputs the size of the MLP's inner activation.
-    pub bsi: u64,
-    /// Outputs the size of the key/value projections.
-    pub bskv: u64,
-    /// Attention score-sized outputs (scores, scaled, masked, softmax steps).
-    pub bss: u64,
+/// Bytes as `(compute-dtype values, f32 values)` for a compute dtype of `c` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Values {
+    c: u64,
+    f32: u64,
 }
 
-/// GPT-2 block: ln_1 (5: centred, squared, normalised, scaled, shifted), c_attn
-/// (2: matmul, bias), q/k/v head split (3 contiguous copies), k transposed (1),
-/// attention output + merge (2), c_proj (2), residual (1), ln_2 (5), c_fc (2 bsi),
-/// gelu (1 bsi), mlp c_proj (2), residual (1); scores: matmul, scale, mask,
-/// max-shift, exp, normalise (6 bss).
-pub const GPT2_BLOCK: BlockTerms = BlockTerms { bsh: 3 + 2 * 3 + 3 + 1 + 2 + 2 + 1 + 5 + 2 + 1 + 2, bsi: 3, bskv: 0, bss: 6 };
+impl Values {
+    fn bytes(self, c: u64) -> u64 {
+        self.c * c + self.f32 * 4
+    }
+    fn add(self, o: Values) -> Values {
+        Values { c: self.c + o.c, f32: self.f32 + o.f32 }
+    }
+}
 
-/// Llama block: input RMSNorm (3: squared, normalised, scaled), q proj (1), k/v
-/// proj (2 bskv), RoPE on q (4) and k (4 bskv), head split copies (q 1, k/v 2 bskv),
-/// GQA repeat (k/v to full heads: 2 when kv_heads < heads), attention output +
-/// merge (2), o_proj (1), residual (1), post RMSNorm (3), gate/up (2 bsi), silu (2
-/// bsi: sigmoid and product), gate*up (1 bsi), down (1), residual (1); scores: 6 bss.
-pub const LLAMA_BLOCK: BlockTerms = BlockTerms { bsh: 3 + 1 + 4 + 1 + 2 + 1 + 1 + 3 + 1 + 1, bsi: 5, bskv: 2 + 4 + 2, bss: 6 };
+/// The sizes one micro-batch works with.
+struct Dims {
+    n: u64,
+    s: u64,
+    h: u64,
+    i: u64,
+    kv: u64,
+    heads: u64,
+    head_dim: u64,
+    v: u64,
+    mixed: bool,
+}
 
-/// BERT block (post-LN): q/k/v (2 each: matmul, bias), head split (3), output
-/// merge (2), dense (2), residual (1), LayerNorm (5), intermediate (2 bsi), gelu
-/// (1 bsi), output dense (2), residual (1), LayerNorm (5); scores: matmul, scale,
-/// padding mask, max-shift, exp, normalise (6 bss).
-pub const BERT_BLOCK: BlockTerms = BlockTerms { bsh: 6 + 3 + 2 + 2 + 1 + 5 + 2 + 1 + 5, bsi: 3, bskv: 0, bss: 6 };
+impl Dims {
+    fn new(spec: &ModelSpec, plan: &Plan) -> Dims {
+        let c = &spec.config;
+        Dims {
+            n: (plan.micro_batch * plan.seq_len) as u64,
+            s: plan.seq_len as u64,
+            h: c.hidden as u64,
+            i: c.intermediate as u64,
+            kv: (c.kv_heads * c.head_dim()) as u64,
+            heads: c.heads as u64,
+            head_dim: c.head_dim() as u64,
+            v: c.vocab as u64,
+            mixed: plan.precision.is_mixed(),
+        }
+    }
+    /// `[b, H, s, s]` elements.
+    fn scores(&self) -> u64 {
+        self.n * self.heads * self.s
+    }
+    /// Layer norm on `[n, h]`: centred, squared, normalised (f32), × weight and
+    /// + bias (c), six `[n,1]` f32 statistics; mixed adds the f32 input cast and
+    /// the cast back.
+    fn layer_norm(&self) -> Values {
+        let m = u64::from(self.mixed);
+        Values { c: (2 + m) * self.n * self.h, f32: (3 + m) * self.n * self.h + 6 * self.n }
+    }
+    /// RMS norm on `[n, h]`: squared, normalised (f32), × weight (c), four
+    /// `[n,1]` f32 statistics; mixed adds the two casts.
+    fn rms_norm(&self) -> Values {
+        let m = u64::from(self.mixed);
+        Values { c: (1 + m) * self.n * self.h, f32: (2 + m) * self.n * self.h + 4 * self.n }
+    }
+}
 
-/// Outputs of the loss per logits element, in fp32: the fp32 logits (a copy
-/// under mixed precision), the max-shifted logits, their exp, and the log-softmax.
-pub const LOSS_BSV_F32: u64 = 3;
-
-/// fp32 `[b,s,v]` tensors alive at once when the backward goes through the loss
-/// (the gradient of the log-softmax, of the shift, and of the logits).
-pub const LOSS_BACKWARD_BSV_F32: u64 = 3;
-
-/// Block-sized gradients alive at once while the backward crosses one block
-/// (the incoming gradient, the one being formed, and one op temporary).
-pub const BLOCK_BACKWARD_BSH: u64 = 3;
-
-fn block_terms(family: Family) -> BlockTerms {
+/// What one transformer block keeps.
+fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
+    let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
+    let softmax_rows = 2 * d.n * d.heads;
     match family {
-        Family::Gpt2 => GPT2_BLOCK,
-        Family::Llama => LLAMA_BLOCK,
-        Family::Bert => BERT_BLOCK,
-        // Unknown architectures: assume a GPT-2-like block.
-        Family::Generic => GPT2_BLOCK,
+        // ln_1; c_attn matmul + bias [n,3h]×2; q scaled, k, v copies; scores,
+        // mask, softmax ×3; context; merged, c_proj, bias, residual; ln_2;
+        // c_fc, bias, gelu [n,I]×3; c_proj, bias, residual.
+        Family::Gpt2 | Family::Generic => Values { c: 17 * n * h + 3 * n * i + 5 * d.scores() + softmax_rows, f32: 0 }
+            .add(d.layer_norm())
+            .add(d.layer_norm()),
+        // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; scores, mask,
+        // softmax ×3; context; merged, o_proj, residual; rms; gate, up, silu,
+        // product [n,I]×4; down, residual.
+        Family::Llama => {
+            let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
+            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + 5 * d.scores() + softmax_rows + bias, f32: 0 }
+                .add(d.rms_norm())
+                .add(d.rms_norm())
+        }
+        // q/k/v matmul + bias ×6; copies ×3; scores, softmax ×3; context; merged,
+        // dense, bias, residual; LN; intermediate, bias, gelu ×3; dense, bias,
+        // residual; LN.
+        Family::Bert => Values { c: 17 * n * h + 3 * n * i + 4 * d.scores() + softmax_rows, f32: 0 }
+            .add(d.layer_norm())
+            .add(d.layer_norm()),
     }
 }
 
-/// Values one block keeps for a micro-batch.
-pub fn block_values(spec: &ModelSpec, plan: &Plan) -> u64 {
-    let c = &spec.config;
-    let (b, s) = (plan.micro_batch as u64, plan.seq_len as u64);
-    let t = block_terms(c.family);
-    let kv = (c.kv_heads * c.head_dim()) as u64;
-    b * s * (t.bsh * c.hidden as u64 + t.bsi * c.intermediate as u64 + t.bskv * kv)
-        + t.bss * b * c.heads as u64 * s * s
-}
-
-/// Values the embedding stem keeps: token lookup, position lookup and sum
-/// (GPT-2, BERT: +token type and the embedding LayerNorm), Llama: the lookup.
-pub fn stem_values(spec: &ModelSpec, plan: &Plan) -> u64 {
-    let bsh = (plan.micro_batch * plan.seq_len * spec.config.hidden) as u64;
-    match spec.config.family {
-        Family::Gpt2 | Family::Generic => 3 * bsh,
-        Family::Llama => bsh,
-        Family::Bert => 9 * bsh,
+/// The embedding stem, plus what one forward builds once and every block holds
+/// (the causal mask, RoPE tables).
+fn stem(family: Family, d: &Dims) -> Values {
+    match family {
+        Family::Gpt2 | Family::Generic => Values { c: 2 * d.n * d.h + d.s * d.s, f32: 0 },
+        Family::Llama => Values { c: d.n * d.h + d.s * d.s + 4 * d.s * d.head_dim, f32: 0 },
+        Family::Bert => Values { c: 2 * d.n * d.h + d.s * d.h, f32: 0 }.add(d.layer_norm()),
     }
 }
 
-/// Head and loss: final norm (GPT-2 5, Llama 3, BERT MLM transform 8 bsh) and the
-/// logits in the compute dtype, plus [`LOSS_BSV_F32`] fp32 logits-sized tensors.
-/// Returns `(compute-dtype values, fp32 values)`.
-pub fn head_values(spec: &ModelSpec, plan: &Plan) -> (u64, u64) {
-    let c = &spec.config;
-    let bs = (plan.micro_batch * plan.seq_len) as u64;
-    let norm = match c.family {
-        Family::Gpt2 | Family::Generic => 5,
-        Family::Llama => 3,
-        Family::Bert => 8,
+/// The head and the loss: final norm (BERT: the MLM transform), logits in the
+/// compute dtype (BERT: + prediction bias), their f32 cast under mixed
+/// precision, the shifted logits and their exp in f32, five `[n,1]` f32 rows.
+fn head(family: Family, d: &Dims) -> Values {
+    let nv = d.n * d.v;
+    let norm = match family {
+        Family::Gpt2 | Family::Generic => d.layer_norm(),
+        Family::Llama => d.rms_norm(),
+        Family::Bert => Values { c: 3 * d.n * d.h, f32: d.n }.add(d.layer_norm()),
     };
-    let bsv = bs * c.vocab as u64;
-    (norm * bs * c.hidden as u64 + bsv, LOSS_BSV_F32 * bsv)
+    let logits = if family == Family::Bert { 2 * nv } else { nv };
+    norm.add(Values { c: logits, f32: (2 + u64::from(d.mixed)) * nv + 5 * d.n })
 }
 
-/// Activation bytes for `plan`, following its checkpointing policy.
+/// f32 logits-sized gradients alive at once while the backward crosses the
+/// loss (of the exp, of the shifted logits, of the logits).
+pub const LOSS_BACKWARD_NV_F32: u64 = 3;
+
+/// Score-sized gradients alive at once while the backward crosses one
+/// attention softmax (the incoming gradient and the quotient rule's terms).
+pub const ATTENTION_BACKWARD_SCORES: u64 = 4;
+
+/// Activation bytes of one micro-batch under `plan`'s checkpointing.
 ///
-/// Without checkpointing everything is kept; the backward's largest working
-/// set is at the loss. With checkpointing in segments of `k` blocks, only the
-/// segment inputs (one `[b,s,h]` each) are kept across the step; the backward
-/// then holds either the head (first) or one recomputed segment at a time.
+/// Without checkpointing everything is kept until the backward ends, and the
+/// backward's largest extra working set is at the loss or in a block. With
+/// segments of `k` blocks, the forward keeps the stem and one `[n,h]` tensor
+/// per segment; the backward first holds the head, then one recomputed segment
+/// at a time.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
-    let c = &spec.config;
-    if c.family == Family::Generic || c.layers == 0 {
+    let cfg = &spec.config;
+    if cfg.family == Family::Generic || cfg.layers == 0 {
         return Activations::default();
     }
-    let cb = plan.precision.compute_bytes();
-    let bsh = (plan.micro_batch * plan.seq_len * c.hidden) as u64;
-    let bsv = (plan.micro_batch * plan.seq_len * c.vocab) as u64;
-    let stem = stem_values(spec, plan) * cb;
-    let block = block_values(spec, plan) * cb;
-    let (head_c, head_f32) = head_values(spec, plan);
-    let head = head_c * cb + head_f32 * 4;
-    let head_backward = LOSS_BACKWARD_BSV_F32 * bsv * 4;
-    let block_backward = BLOCK_BACKWARD_BSH * bsh * cb;
-    let layers = c.layers as u64;
+    let c = plan.precision.compute_bytes();
+    let d = Dims::new(spec, plan);
+    let layers = cfg.layers as u64;
+    let stem = stem(cfg.family, &d).bytes(c);
+    let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
+    let head = head(cfg.family, &d).bytes(c);
+    let head_backward = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
+    let block_backward = (ATTENTION_BACKWARD_SCORES * d.scores() + 2 * d.n * d.i + 3 * d.n * d.h) * c;
     match plan.checkpoint {
-        oomfix_strategies::Checkpointing::None => Activations {
-            kept: stem + layers * block + head,
-            backward_transient: head_backward.max(block_backward),
-        },
-        oomfix_strategies::Checkpointing::Every(k) => {
-            let k = (k.max(1) as u64).min(layers);
+        Checkpointing::Every(k) if k > 0 => {
+            let k = (k as u64).min(layers);
             let segments = layers.div_ceil(k);
             Activations {
-                kept: stem + segments * bsh * cb,
+                kept: stem + segments * d.n * d.h * c,
                 backward_transient: (head + head_backward).max(k * block + block_backward),
             }
         }
+        _ => Activations {
+            kept: stem + layers * block + head,
+            backward_transient: head_backward.max(block_backward),
+        },
     }
 }
