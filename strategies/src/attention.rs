@@ -81,12 +81,8 @@ pub fn flash_attention(
         Some(mask) => Some(keep_mask(mask, dims.b, dims.s_k)?),
         None => None,
     };
-    let op = FlashAttention {
-        dims,
-        params: Params { causal: opts.causal, scale },
-        keep,
-        lse: OnceLock::new(),
-    };
+    let op =
+        FlashAttention { dims, params: Params { causal: opts.causal, scale }, keep, lse: OnceLock::new() };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
@@ -530,7 +526,14 @@ impl<'a> View<'a> {
 fn matmul(dst: &mut [f32], ld: usize, a: View, b: View, beta: f32, accumulate: bool) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert!(
-        m > 0 && n > 0 && b.rows == k && k > 0 && n <= ld && a.in_bounds() && b.in_bounds() && (m - 1) * ld + n <= dst.len(),
+        m > 0
+            && n > 0
+            && b.rows == k
+            && k > 0
+            && n <= ld
+            && a.in_bounds()
+            && b.in_bounds()
+            && (m - 1) * ld + n <= dst.len(),
         "flash_attention: block matmul out of bounds"
     );
     // SAFETY: the assertion keeps every element gemm touches inside the three

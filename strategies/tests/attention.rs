@@ -83,7 +83,8 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOptions) -> Res
         let g = heads / kv_heads;
         t.unsqueeze(2)?.broadcast_as((b, kv_heads, g, s_k, d))?.reshape((b, heads, s_k, d))
     };
-    let (q, k, v) = (q.to_dtype(DType::F32)?, repeat(&k.to_dtype(DType::F32)?)?, repeat(&v.to_dtype(DType::F32)?)?);
+    let (q, k, v) =
+        (q.to_dtype(DType::F32)?, repeat(&k.to_dtype(DType::F32)?)?, repeat(&v.to_dtype(DType::F32)?)?);
     let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt()) as f64;
     let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
 
@@ -105,7 +106,7 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOptions) -> Res
     }
     let allowed = Tensor::from_vec(allowed, (b, 1, s_q, s_k), &Device::Cpu)?;
     let row_any = allowed.max_keepdim(D::Minus1)?; // [b, 1, s_q, 1]
-    // -inf where hidden, except in rows that see nothing (kept finite, zeroed below).
+                                                   // -inf where hidden, except in rows that see nothing (kept finite, zeroed below).
     let bias = allowed.broadcast_maximum(&(1.0 - &row_any)?)?;
     let bias = bias.ne(0.0)?.where_cond(
         &Tensor::zeros(bias.shape(), DType::F32, &Device::Cpu)?,
@@ -169,8 +170,7 @@ fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
 
 /// A `[b, s_k]` mask keeping a different prefix-free pattern per batch row.
 fn padding(b: usize, s_k: usize, dtype: DType) -> Tensor {
-    let keep: Vec<f32> =
-        (0..b * s_k).map(|i| if (i * 7 + i / s_k) % 5 == 2 { 0.0 } else { 1.0 }).collect();
+    let keep: Vec<f32> = (0..b * s_k).map(|i| if (i * 7 + i / s_k) % 5 == 2 { 0.0 } else { 1.0 }).collect();
     Tensor::from_vec(keep, (b, s_k), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
 }
 
@@ -240,9 +240,12 @@ fn fully_masked_rows_give_zeros_and_finite_gradients() {
     check(case, Some(mask.clone()), DType::F32, 1e-5);
 
     let (q, k, v) = case.inputs(3);
-    let [o, dq, dk, dv] =
-        run(|q, k, v| flash_attention(q, k, v, &case.opts(Some(mask.clone()))), &(q, k, v), &Tensor::ones((2, 4, 33, 16), DType::F32, &Device::Cpu).unwrap())
-            .unwrap();
+    let [o, dq, dk, dv] = run(
+        |q, k, v| flash_attention(q, k, v, &case.opts(Some(mask.clone()))),
+        &(q, k, v),
+        &Tensor::ones((2, 4, 33, 16), DType::F32, &Device::Cpu).unwrap(),
+    )
+    .unwrap();
     for t in [&o, &dq, &dk, &dv] {
         assert!(values(t).unwrap().iter().all(|x| x.is_finite()));
     }
@@ -281,7 +284,8 @@ fn explicit_scale_and_non_contiguous_inputs() {
 fn sum_all_backward_gives_gradients_to_vars() {
     let _g = shared();
     let (q, k, v) = Case::new(2, 1, 10, true).inputs(1);
-    let (q, k, v) = (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+    let (q, k, v) =
+        (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
     let o = flash_attention(&q, &k, &v, &AttentionOptions::default()).unwrap();
     let grads = o.sum_all().unwrap().backward().unwrap();
     for (var, dims) in [(&q, [2, 2, 10, 16]), (&k, [2, 1, 10, 16]), (&v, [2, 1, 10, 16])] {
@@ -311,9 +315,13 @@ fn invalid_inputs_are_errors() {
     let k16 = k.to_dtype(DType::F16).unwrap();
     assert!(flash_attention(&q, &k16, &k16, &opts).is_err());
     let qi = q.to_dtype(DType::U32).unwrap();
-    assert!(flash_attention(&qi, &k.to_dtype(DType::U32).unwrap(), &k.to_dtype(DType::U32).unwrap(), &opts).is_err());
+    assert!(flash_attention(&qi, &k.to_dtype(DType::U32).unwrap(), &k.to_dtype(DType::U32).unwrap(), &opts)
+        .is_err());
     // mask shape, scale
-    let bad_mask = AttentionOptions { key_padding: Some(Tensor::ones((1, 9), DType::U8, &Device::Cpu).unwrap()), ..Default::default() };
+    let bad_mask = AttentionOptions {
+        key_padding: Some(Tensor::ones((1, 9), DType::U8, &Device::Cpu).unwrap()),
+        ..Default::default()
+    };
     assert!(flash_attention(&q, &k, &k, &bad_mask).is_err());
     let bad_scale = AttentionOptions { scale: Some(f32::NAN), ..Default::default() };
     assert!(flash_attention(&q, &k, &k, &bad_scale).is_err());
@@ -324,12 +332,10 @@ fn invalid_inputs_are_errors() {
 /// Live bytes the forward of `f` leaves behind (output and graph), and the
 /// transient peak above the level at entry, for `b=1, heads=2, d=16`; the median
 /// of three runs (threads of tests that just ended may still free memory).
-fn kept_after_forward(
-    s: usize,
-    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
-) -> (usize, usize) {
+fn kept_after_forward(s: usize, f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>) -> (usize, usize) {
     let (q, k, v) = Case { b: 1, heads: 2, kv_heads: 2, s_q: s, s_k: s, d: 16, causal: true }.inputs(1);
-    let (q, k, v) = (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+    let (q, k, v) =
+        (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
     let mut runs: Vec<(usize, usize)> = (0..3)
         .map(|_| {
             let base = LIVE.load(Relaxed);
@@ -356,9 +362,7 @@ fn state_kept_for_backward_grows_linearly_in_s() {
     let (f2, fp2) = kept_after_forward(2048, flash);
     let (c1, _) = kept_after_forward(1024, composed);
     let (c2, _) = kept_after_forward(2048, composed);
-    eprintln!(
-        "kept after forward: flash {f1} B -> {f2} B (peak {fp1} -> {fp2}), composed {c1} B -> {c2} B"
-    );
+    eprintln!("kept after forward: flash {f1} B -> {f2} B (peak {fp1} -> {fp2}), composed {c1} B -> {c2} B");
     // output (2 heads × s × 16 f32) + log-sum-exp (2 heads × s f32) + small fixed state
     let expected = |s: usize| 2 * s * 16 * 4 + 2 * s * 4;
     assert!(f1 >= expected(1024) && f1 < expected(1024) + 4096, "flash kept {f1} B at s=1024");
@@ -370,4 +374,18 @@ fn state_kept_for_backward_grows_linearly_in_s() {
     // the counter sees the composed graph's s×s tensors
     let ratio = c2 as f64 / c1 as f64;
     assert!(ratio > 3.5, "composed kept-bytes ratio {ratio}");
+}
+
+#[test]
+fn empty_sequences_give_empty_or_zero_results() {
+    let _g = shared();
+    let z = |shape: (usize, usize, usize, usize)| Var::zeros(shape, DType::F32, &Device::Cpu).unwrap();
+    for (s_q, s_k) in [(0, 5), (3, 0)] {
+        let (q, k, v) = (z((1, 2, s_q, 8)), z((1, 1, s_k, 8)), z((1, 1, s_k, 8)));
+        let o = flash_attention(&q, &k, &v, &AttentionOptions::default()).unwrap();
+        assert_eq!(o.dims(), [1, 2, s_q, 8]);
+        assert!(values(&o).unwrap().iter().all(|&x| x == 0.0));
+        let grads = o.sum_all().unwrap().backward().unwrap();
+        assert_eq!(grads.get(&k).unwrap().dims(), [1, 1, s_k, 8]);
+    }
 }
