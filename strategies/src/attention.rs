@@ -7,7 +7,8 @@
 //! output, one log-sum-exp per query row. The backward pass recomputes the
 //! probabilities block by block from that log-sum-exp. What the autograd graph
 //! keeps for backward is therefore the inputs, the output and
-//! `4 · batch · heads · s_q` bytes, instead of the several `batch · heads · s_q · s_k`
+//! `4 · batch · heads · s_q` bytes (plus one byte per key when a padding mask is
+//! given), instead of the several `batch · heads · s_q · s_k`
 //! tensors of the composed expression.
 //!
 //! ```
@@ -98,6 +99,7 @@ struct Dims {
 }
 
 impl Dims {
+    /// The sizes of `q`, `k`, `v`, or an error when their shapes or dtypes do not fit.
     fn of(q: &Tensor, k: &Tensor, v: &Tensor) -> candle_core::Result<Self> {
         let (b, heads, s_q, d) = q.dims4()?;
         let (bk, kv_heads, s_k, dk) = k.dims4()?;
