@@ -34,6 +34,7 @@
 
 pub mod accumulate;
 pub mod adamw;
+pub mod attention;
 pub mod checkpoint;
 mod error;
 mod plan;

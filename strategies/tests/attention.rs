@@ -1,0 +1,391 @@
+//! `flash_attention` against the composed expression (outputs and gradients),
+//! and the size of what it keeps for backward (this binary installs a counting
+//! global allocator; the memory test runs alone, the others share a lock).
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{RwLock, RwLockReadGuard};
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use common::{assert_close, det, values};
+use oomfix_strategies::attention::{flash_attention, AttentionOptions};
+
+/// Counts live bytes and their high-water mark.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
+            PEAK.fetch_max(live, Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(p, layout) };
+        LIVE.fetch_sub(layout.size(), Relaxed);
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Tests share this lock; the memory test takes it exclusively.
+static ALONE: RwLock<()> = RwLock::new(());
+
+fn shared() -> RwLockReadGuard<'static, ()> {
+    ALONE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One attention problem: shapes, options and deterministic inputs.
+#[derive(Clone, Copy)]
+struct Case {
+    b: usize,
+    heads: usize,
+    kv_heads: usize,
+    s_q: usize,
+    s_k: usize,
+    d: usize,
+    causal: bool,
+}
+
+impl Case {
+    fn new(heads: usize, kv_heads: usize, s: usize, causal: bool) -> Self {
+        Case { b: 2, heads, kv_heads, s_q: s, s_k: s, d: 16, causal }
+    }
+
+    fn inputs(&self, seed: u64) -> (Tensor, Tensor, Tensor) {
+        let q = det((self.b, self.heads, self.s_q, self.d), seed);
+        let k = det((self.b, self.kv_heads, self.s_k, self.d), seed + 1);
+        // Spread the scores so the softmax is far from uniform.
+        let k = (k * 3.0).unwrap();
+        let v = det((self.b, self.kv_heads, self.s_k, self.d), seed + 2);
+        (q, k, v)
+    }
+
+    fn opts(&self, key_padding: Option<Tensor>) -> AttentionOptions {
+        AttentionOptions { causal: self.causal, scale: None, key_padding }
+    }
+}
+
+/// The composed expression in f32: scores, -inf mask, softmax, times v.
+/// Rows that see no key are zeroed (the composed softmax would give NaN there).
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOptions) -> Result<Tensor> {
+    let (b, heads, s_q, d) = q.dims4()?;
+    let (_, kv_heads, s_k, _) = k.dims4()?;
+    let repeat = |t: &Tensor| -> Result<Tensor> {
+        let g = heads / kv_heads;
+        t.unsqueeze(2)?.broadcast_as((b, kv_heads, g, s_k, d))?.reshape((b, heads, s_k, d))
+    };
+    let (q, k, v) =
+        (q.to_dtype(DType::F32)?, repeat(&k.to_dtype(DType::F32)?)?, repeat(&v.to_dtype(DType::F32)?)?);
+    let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt()) as f64;
+    let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+
+    // allowed[b, i, j] as 0/1 f32
+    let mut allowed = vec![1f32; b * s_q * s_k];
+    let keep = match &opts.key_padding {
+        Some(m) => values(m)?,
+        None => vec![1.0; b * s_k],
+    };
+    for bi in 0..b {
+        for i in 0..s_q {
+            for j in 0..s_k {
+                let hidden = opts.causal && j + s_q > i + s_k;
+                if hidden || keep[bi * s_k + j] == 0.0 {
+                    allowed[(bi * s_q + i) * s_k + j] = 0.0;
+                }
+            }
+        }
+    }
+    let allowed = Tensor::from_vec(allowed, (b, 1, s_q, s_k), &Device::Cpu)?;
+    let row_any = allowed.max_keepdim(D::Minus1)?; // [b, 1, s_q, 1]
+                                                   // -inf where hidden, except in rows that see nothing (kept finite, zeroed below).
+    let bias = allowed.broadcast_maximum(&(1.0 - &row_any)?)?;
+    let bias = bias.ne(0.0)?.where_cond(
+        &Tensor::zeros(bias.shape(), DType::F32, &Device::Cpu)?,
+        &Tensor::full(f32::NEG_INFINITY, bias.shape(), &Device::Cpu)?,
+    )?;
+    let p = candle_nn::ops::softmax(&scores.broadcast_add(&bias)?, D::Minus1)?;
+    let p = p.broadcast_mul(&row_any)?;
+    p.matmul(&v)
+}
+
+/// Output and q/k/v gradients of `f` for the loss `sum(o * w)`.
+fn run(
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    (q, k, v): &(Tensor, Tensor, Tensor),
+    w: &Tensor,
+) -> Result<[Tensor; 4]> {
+    let (q, k, v) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
+    let o = f(&q, &k, &v)?;
+    let grads = (o.to_dtype(DType::F32)? * w)?.sum_all()?.backward()?;
+    let g = |x: &Var| grads.get(x).expect("gradient").detach();
+    Ok([o.detach(), g(&q), g(&k), g(&v)])
+}
+
+/// Checks output and gradients of `flash_attention` against `reference`.
+fn check(case: Case, key_padding: Option<Tensor>, dtype: DType, tol: f64) {
+    let opts = case.opts(key_padding);
+    let (q, k, v) = case.inputs(7);
+    let w = det((case.b, case.heads, case.s_q, case.d), 99);
+    let cast = |t: &Tensor| t.to_dtype(dtype).unwrap();
+    let inputs = (cast(&q), cast(&k), cast(&v));
+    let flash = run(|q, k, v| flash_attention(q, k, v, &opts), &inputs, &w).unwrap();
+    let composed = run(|q, k, v| reference(q, k, v, &opts), &inputs, &w).unwrap();
+    let label = format!(
+        "b{} h{} kv{} s_q{} s_k{} d{} causal={} padded={} {dtype:?}",
+        case.b,
+        case.heads,
+        case.kv_heads,
+        case.s_q,
+        case.s_k,
+        case.d,
+        case.causal,
+        opts.key_padding.is_some()
+    );
+    for (name, (a, b)) in ["output", "dq", "dk", "dv"].iter().zip(flash.iter().zip(&composed)) {
+        assert_eq!(a.dtype(), dtype, "{label}: {name} dtype");
+        assert_eq!(a.dims(), b.dims(), "{label}: {name} shape");
+        close(a, b, tol, &format!("{label}: {name}"));
+    }
+}
+
+/// `assert_close`, except that a reference that is zero up to rounding (dq
+/// with a single visible key) needs `a` to be that small too.
+fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
+    let max_abs = |t: &Tensor| values(t).unwrap().iter().fold(0f32, |m, x| m.max(x.abs()));
+    if max_abs(b) < 1e-6 {
+        assert!(max_abs(a) < 1e-5, "{what}: {} where the reference is zero", max_abs(a));
+    } else {
+        assert_close(a, b, tol, what);
+    }
+}
+
+/// A `[b, s_k]` mask keeping a different prefix-free pattern per batch row.
+fn padding(b: usize, s_k: usize, dtype: DType) -> Tensor {
+    let keep: Vec<f32> = (0..b * s_k).map(|i| if (i * 7 + i / s_k) % 5 == 2 { 0.0 } else { 1.0 }).collect();
+    Tensor::from_vec(keep, (b, s_k), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+#[test]
+fn matches_composed_attention_non_causal() {
+    let _g = shared();
+    for s in [1, 7, 33, 100] {
+        check(Case::new(4, 4, s, false), None, DType::F32, 1e-5);
+    }
+}
+
+#[test]
+fn matches_composed_attention_causal() {
+    let _g = shared();
+    for s in [1, 7, 33, 100, 200] {
+        check(Case::new(4, 4, s, true), None, DType::F32, 1e-5);
+    }
+}
+
+#[test]
+fn grouped_query_attention_sums_kv_gradients_over_the_group() {
+    let _g = shared();
+    for kv_heads in [2, 1] {
+        for causal in [false, true] {
+            for s in [7, 100] {
+                check(Case::new(4, kv_heads, s, causal), None, DType::F32, 1e-5);
+            }
+        }
+    }
+}
+
+#[test]
+fn different_query_and_key_lengths() {
+    let _g = shared();
+    // causal with s_q < s_k: queries are the last positions; s_q > s_k: the first
+    // rows see no key and must be zero
+    for (s_q, s_k) in [(33, 100), (100, 33), (1, 70), (70, 1)] {
+        for causal in [false, true] {
+            let case = Case { s_q, s_k, ..Case::new(4, 2, 0, causal) };
+            check(case, None, DType::F32, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn key_padding_masks_in_u8_u32_and_f32() {
+    let _g = shared();
+    for dtype in [DType::U8, DType::U32, DType::F32] {
+        for causal in [false, true] {
+            for s in [7, 100] {
+                let case = Case::new(4, 2, s, causal);
+                check(case, Some(padding(case.b, s, dtype)), DType::F32, 1e-5);
+            }
+        }
+    }
+}
+
+#[test]
+fn fully_masked_rows_give_zeros_and_finite_gradients() {
+    let _g = shared();
+    let case = Case::new(4, 2, 33, false);
+    // batch row 1 has no key left at all
+    let mut keep = vec![1u8; 2 * 33];
+    keep[33..].fill(0);
+    keep[3] = 0;
+    let mask = Tensor::from_vec(keep, (2, 33), &Device::Cpu).unwrap();
+    check(case, Some(mask.clone()), DType::F32, 1e-5);
+
+    let (q, k, v) = case.inputs(3);
+    let [o, dq, dk, dv] = run(
+        |q, k, v| flash_attention(q, k, v, &case.opts(Some(mask.clone()))),
+        &(q, k, v),
+        &Tensor::ones((2, 4, 33, 16), DType::F32, &Device::Cpu).unwrap(),
+    )
+    .unwrap();
+    for t in [&o, &dq, &dk, &dv] {
+        assert!(values(t).unwrap().iter().all(|x| x.is_finite()));
+    }
+    assert!(values(&o.get(1).unwrap()).unwrap().iter().all(|&x| x == 0.0));
+    assert!(values(&o.get(0).unwrap()).unwrap().iter().any(|&x| x != 0.0));
+}
+
+#[test]
+fn bf16_and_f16_within_two_percent() {
+    let _g = shared();
+    for dtype in [DType::BF16, DType::F16] {
+        check(Case::new(4, 2, 33, true), None, dtype, 2e-2);
+        check(Case::new(4, 4, 100, false), Some(padding(2, 100, DType::U8)), dtype, 2e-2);
+    }
+}
+
+#[test]
+fn explicit_scale_and_non_contiguous_inputs() {
+    let _g = shared();
+    let case = Case::new(4, 2, 33, true);
+    let (q, k, v) = case.inputs(11);
+    // [b, s, heads, d] transposed to [b, heads, s, d]: not contiguous
+    let strided = |t: &Tensor| t.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+    let inputs = (strided(&q), strided(&k), strided(&v));
+    assert!(!inputs.0.is_contiguous());
+    let opts = AttentionOptions { scale: Some(0.3), ..case.opts(None) };
+    let w = det((2, 4, 33, 16), 5);
+    let flash = run(|q, k, v| flash_attention(q, k, v, &opts), &inputs, &w).unwrap();
+    let composed = run(|q, k, v| reference(q, k, v, &opts), &inputs, &w).unwrap();
+    for (a, b) in flash.iter().zip(&composed) {
+        close(a, b, 1e-5, "scale 0.3, strided inputs");
+    }
+}
+
+#[test]
+fn sum_all_backward_gives_gradients_to_vars() {
+    let _g = shared();
+    let (q, k, v) = Case::new(2, 1, 10, true).inputs(1);
+    let (q, k, v) =
+        (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+    let o = flash_attention(&q, &k, &v, &AttentionOptions::default()).unwrap();
+    let grads = o.sum_all().unwrap().backward().unwrap();
+    for (var, dims) in [(&q, [2, 2, 10, 16]), (&k, [2, 1, 10, 16]), (&v, [2, 1, 10, 16])] {
+        let g = grads.get(var).expect("gradient");
+        assert_eq!(g.dims(), dims);
+    }
+    // d(sum o)/dv is the column sums of the probabilities, summed over the group:
+    // every visible key gets a positive share and the total is heads × s_q per batch row.
+    let dv = grads.get(&v).unwrap().sum_keepdim(3).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!((dv - 16.0 * 2.0 * 2.0 * 10.0).abs() < 1e-2, "{dv}");
+}
+
+#[test]
+fn invalid_inputs_are_errors() {
+    let _g = shared();
+    let t = |shape: (usize, usize, usize, usize)| Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap();
+    let opts = AttentionOptions::default();
+    let (q, k) = (t((1, 4, 8, 16)), t((1, 2, 8, 16)));
+    // heads not a multiple of kv heads
+    assert!(flash_attention(&q, &t((1, 3, 8, 16)), &t((1, 3, 8, 16)), &opts).is_err());
+    // head dims differ, batch differs, v unlike k
+    assert!(flash_attention(&q, &t((1, 2, 8, 8)), &t((1, 2, 8, 8)), &opts).is_err());
+    assert!(flash_attention(&q, &t((2, 2, 8, 16)), &t((2, 2, 8, 16)), &opts).is_err());
+    assert!(flash_attention(&q, &k, &t((1, 2, 9, 16)), &opts).is_err());
+    // rank, dtype
+    assert!(flash_attention(&q.squeeze(0).unwrap(), &k, &k, &opts).is_err());
+    let k16 = k.to_dtype(DType::F16).unwrap();
+    assert!(flash_attention(&q, &k16, &k16, &opts).is_err());
+    let qi = q.to_dtype(DType::U32).unwrap();
+    assert!(flash_attention(&qi, &k.to_dtype(DType::U32).unwrap(), &k.to_dtype(DType::U32).unwrap(), &opts)
+        .is_err());
+    // mask shape, scale
+    let bad_mask = AttentionOptions {
+        key_padding: Some(Tensor::ones((1, 9), DType::U8, &Device::Cpu).unwrap()),
+        ..Default::default()
+    };
+    assert!(flash_attention(&q, &k, &k, &bad_mask).is_err());
+    let bad_scale = AttentionOptions { scale: Some(f32::NAN), ..Default::default() };
+    assert!(flash_attention(&q, &k, &k, &bad_scale).is_err());
+    // the valid call works
+    assert!(flash_attention(&q, &k, &k, &opts).is_ok());
+}
+
+/// Live bytes the forward of `f` leaves behind (output and graph), and the
+/// transient peak above the level at entry, for `b=1, heads=2, d=16`; the median
+/// of three runs (threads of tests that just ended may still free memory).
+fn kept_after_forward(s: usize, f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>) -> (usize, usize) {
+    let (q, k, v) = Case { b: 1, heads: 2, kv_heads: 2, s_q: s, s_k: s, d: 16, causal: true }.inputs(1);
+    let (q, k, v) =
+        (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+    let mut runs: Vec<(usize, usize)> = (0..3)
+        .map(|_| {
+            let base = LIVE.load(Relaxed);
+            PEAK.store(base, Relaxed);
+            let o = f(&q, &k, &v).unwrap();
+            let kept = LIVE.load(Relaxed).saturating_sub(base);
+            let peak = PEAK.load(Relaxed) - base;
+            drop(o);
+            (kept, peak)
+        })
+        .collect();
+    runs.sort_unstable();
+    runs[1]
+}
+
+#[test]
+fn state_kept_for_backward_grows_linearly_in_s() {
+    let _g = ALONE.write().unwrap_or_else(|e| e.into_inner());
+    let opts = AttentionOptions { causal: true, ..Default::default() };
+    let flash = |q: &Tensor, k: &Tensor, v: &Tensor| flash_attention(q, k, v, &opts);
+    let composed = |q: &Tensor, k: &Tensor, v: &Tensor| reference(q, k, v, &opts);
+    kept_after_forward(64, flash); // warm up the thread pool
+    let (f1, fp1) = kept_after_forward(1024, flash);
+    let (f2, fp2) = kept_after_forward(2048, flash);
+    let (c1, _) = kept_after_forward(1024, composed);
+    let (c2, _) = kept_after_forward(2048, composed);
+    eprintln!("kept after forward: flash {f1} B -> {f2} B (peak {fp1} -> {fp2}), composed {c1} B -> {c2} B");
+    // output (2 heads × s × 16 f32) + log-sum-exp (2 heads × s f32) + small fixed state
+    let expected = |s: usize| 2 * s * 16 * 4 + 2 * s * 4;
+    assert!(f1 >= expected(1024) && f1 < expected(1024) + 4096, "flash kept {f1} B at s=1024");
+    assert!(f2 >= expected(2048) && f2 < expected(2048) + 4096, "flash kept {f2} B at s=2048");
+    let ratio = f2 as f64 / f1 as f64;
+    assert!((1.8..2.2).contains(&ratio), "flash kept-bytes ratio {ratio}");
+    // the transient peak is linear in s as well (per-thread block buffers, no s×s matrix)
+    assert!(fp2 < 2 * 2048 * 2048, "flash forward peak {fp2} B");
+    // the counter sees the composed graph's s×s tensors
+    let ratio = c2 as f64 / c1 as f64;
+    assert!(ratio > 3.5, "composed kept-bytes ratio {ratio}");
+}
+
+#[test]
+fn empty_sequences_give_empty_or_zero_results() {
+    let _g = shared();
+    let z = |shape: (usize, usize, usize, usize)| Var::zeros(shape, DType::F32, &Device::Cpu).unwrap();
+    for (s_q, s_k) in [(0, 5), (3, 0)] {
+        let (q, k, v) = (z((1, 2, s_q, 8)), z((1, 1, s_k, 8)), z((1, 1, s_k, 8)));
+        let o = flash_attention(&q, &k, &v, &AttentionOptions::default()).unwrap();
+        assert_eq!(o.dims(), [1, 2, s_q, 8]);
+        assert!(values(&o).unwrap().iter().all(|&x| x == 0.0));
+        let grads = o.sum_all().unwrap().backward().unwrap();
+        assert_eq!(grads.get(&k).unwrap().dims(), [1, 1, s_k, 8]);
+    }
+}
