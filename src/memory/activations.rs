@@ -141,6 +141,12 @@ fn head(family: Family, d: &Dims) -> Values {
 /// loss (of the exp, of the shifted logits, of the logits).
 pub const LOSS_BACKWARD_NV_F32: u64 = 3;
 
+/// Token-embedding-sized tensors the backward of the embedding lookup allocates
+/// at its end, when every other gradient already exists: the zeros it scatters
+/// into and the scattered result (or, for a tied embedding, the sum with the
+/// head's gradient).
+pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
+
 /// Score-sized gradients alive at once while the backward crosses one
 /// attention softmax (the incoming gradient and the quotient rule's terms).
 pub const ATTENTION_BACKWARD_SCORES: u64 = 4;
@@ -165,18 +171,19 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let head = head(cfg.family, &d).bytes(c);
     let head_backward = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
     let block_backward = (ATTENTION_BACKWARD_SCORES * d.scores() + 2 * d.n * d.i + 3 * d.n * d.h) * c;
+    let embedding_backward = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
             let segments = layers.div_ceil(k);
             Activations {
                 kept: stem + segments * d.n * d.h * c,
-                backward_transient: (head + head_backward).max(k * block + block_backward),
+                backward_transient: (head + head_backward).max(k * block + block_backward).max(embedding_backward),
             }
         }
         _ => Activations {
             kept: stem + layers * block + head,
-            backward_transient: head_backward.max(block_backward),
+            backward_transient: head_backward.max(block_backward).max(embedding_backward),
         },
     }
 }

@@ -16,7 +16,7 @@
 mod activations;
 mod runtime;
 
-pub use activations::{activation_bytes, Activations, ATTENTION_BACKWARD_SCORES, LOSS_BACKWARD_NV_F32};
+pub use activations::{activation_bytes, Activations, ATTENTION_BACKWARD_SCORES, EMBEDDING_BACKWARD_COPIES, LOSS_BACKWARD_NV_F32};
 pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES};
 
 use crate::spec::ModelSpec;
