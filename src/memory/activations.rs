@@ -88,11 +88,19 @@ impl Dims {
 fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
     let softmax_rows = 2 * d.n * d.heads;
+    // stray gradients: of the broadcast causal mask and of the broadcast row
+    // maximum (BERT without padding: the maximum only); Llama adds those of the
+    // four broadcast RoPE tables (q and k, cos and sin)
+    let stray = match family {
+        Family::Bert => d.scores(),
+        Family::Llama => 2 * d.scores() + 2 * n * h + 2 * n * kv,
+        Family::Gpt2 | Family::Generic => 2 * d.scores(),
+    };
     match family {
         // ln_1; c_attn matmul + bias [n,3h]×2; q scaled, k, v copies; scores,
         // mask, softmax ×3; context; merged, c_proj, bias, residual; ln_2;
         // c_fc, bias, gelu [n,I]×3; c_proj, bias, residual.
-        Family::Gpt2 | Family::Generic => Values { c: 17 * n * h + 3 * n * i + 5 * d.scores() + softmax_rows, f32: 0 }
+        Family::Gpt2 | Family::Generic => Values { c: 17 * n * h + 3 * n * i + 5 * d.scores() + softmax_rows + stray, f32: 0 }
             .add(d.layer_norm())
             .add(d.layer_norm()),
         // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; scores, mask,
@@ -100,14 +108,14 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
         // product [n,I]×4; down, residual.
         Family::Llama => {
             let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
-            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + 5 * d.scores() + softmax_rows + bias, f32: 0 }
+            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + 5 * d.scores() + softmax_rows + bias + stray, f32: 0 }
                 .add(d.rms_norm())
                 .add(d.rms_norm())
         }
         // q/k/v matmul + bias ×6; copies ×3; scores, softmax ×3; context; merged,
         // dense, bias, residual; LN; intermediate, bias, gelu ×3; dense, bias,
         // residual; LN.
-        Family::Bert => Values { c: 17 * n * h + 3 * n * i + 4 * d.scores() + softmax_rows, f32: 0 }
+        Family::Bert => Values { c: 17 * n * h + 3 * n * i + 4 * d.scores() + softmax_rows + stray, f32: 0 }
             .add(d.layer_norm())
             .add(d.layer_norm()),
     }
@@ -125,7 +133,8 @@ fn stem(family: Family, d: &Dims) -> Values {
 
 /// The head and the loss: final norm (BERT: the MLM transform), logits in the
 /// compute dtype (BERT: + prediction bias), their f32 cast under mixed
-/// precision, the shifted logits and their exp in f32, five `[n,1]` f32 rows.
+/// precision, the shifted logits and their exp in f32, the stray gradient of
+/// the broadcast row maximum (f32), five `[n,1]` f32 rows.
 fn head(family: Family, d: &Dims) -> Values {
     let nv = d.n * d.v;
     let norm = match family {
@@ -134,12 +143,12 @@ fn head(family: Family, d: &Dims) -> Values {
         Family::Bert => Values { c: 3 * d.n * d.h, f32: d.n }.add(d.layer_norm()),
     };
     let logits = if family == Family::Bert { 2 * nv } else { nv };
-    norm.add(Values { c: logits, f32: (2 + u64::from(d.mixed)) * nv + 5 * d.n })
+    norm.add(Values { c: logits, f32: (3 + u64::from(d.mixed)) * nv + 5 * d.n })
 }
 
-/// f32 logits-sized gradients alive at once while the backward crosses the
-/// loss (of the exp, of the shifted logits, of the logits).
-pub const LOSS_BACKWARD_NV_F32: u64 = 3;
+/// f32 logits-sized tensors alive at once while the backward crosses the loss
+/// and the logits (measured: 6–7 on top of what the head keeps).
+pub const LOSS_BACKWARD_NV_F32: u64 = 6;
 
 /// Token-embedding-sized tensors the backward of the embedding lookup allocates
 /// at its end, when every other gradient already exists: the zeros it scatters
@@ -147,9 +156,21 @@ pub const LOSS_BACKWARD_NV_F32: u64 = 3;
 /// head's gradient).
 pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
 
-/// Score-sized gradients alive at once while the backward crosses one
-/// attention softmax (the incoming gradient and the quotient rule's terms).
-pub const ATTENTION_BACKWARD_SCORES: u64 = 4;
+/// Score-sized tensors alive at once while the backward crosses one attention
+/// (the softmax's quotient rule and exp terms; measured: 10 on top of what the
+/// block keeps).
+pub const ATTENTION_BACKWARD_SCORES: u64 = 10;
+
+/// `[n, I]`-sized tensors alive at once while the backward crosses one MLP:
+/// candle's GELU (tanh form, GPT-2), SiLU-gated (Llama) and GELU (erf form,
+/// BERT) derivatives, measured on top of what the block keeps.
+pub fn mlp_backward_ni(family: Family) -> u64 {
+    match family {
+        Family::Gpt2 | Family::Generic => 20,
+        Family::Llama => 14,
+        Family::Bert => 17,
+    }
+}
 
 /// Activation bytes of one micro-batch under `plan`'s checkpointing.
 ///
@@ -170,7 +191,7 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
     let head = head(cfg.family, &d).bytes(c);
     let head_backward = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
-    let block_backward = (ATTENTION_BACKWARD_SCORES * d.scores() + 2 * d.n * d.i + 3 * d.n * d.h) * c;
+    let block_backward = (ATTENTION_BACKWARD_SCORES * d.scores()).max(mlp_backward_ni(cfg.family) * d.n * d.i) * c;
     let embedding_backward = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {

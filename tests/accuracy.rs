@@ -1,0 +1,50 @@
+//! A slice of the accuracy matrix (`examples/accuracy.rs`): the memory model's
+//! estimate against the measured heap peak of real training steps, one family
+//! and plan at a time. Fails above 15% so regressions show; the full matrix and
+//! its real figures are in `docs/accuracy.md`.
+
+use oomfix::measure::{measure_plan, CountingAlloc};
+use oomfix::strategies::{Checkpointing, OptimizerImpl, Plan, Precision};
+use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+/// Measurements share the process-wide allocator counters: one at a time.
+static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn check(name: &str, config: ModelConfig) {
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let spec = ModelSpec::from_config(name, config);
+    let plain = Plan::baseline(2, 64);
+    let frugal = Plan {
+        micro_batch: 1,
+        grad_accum: 2,
+        precision: Precision::Bf16,
+        checkpoint: Checkpointing::Every(1),
+        optimizer: OptimizerImpl::FusedAdamW,
+        ..plain
+    };
+    for plan in [plain, frugal] {
+        let estimated = MemoryModel.estimate(&spec, &plan, &Target::Cpu).peak as f64;
+        let measured = measure_plan(&spec, &plan, Target::Cpu).unwrap().peak_bytes as f64;
+        let error = estimated / measured - 1.0;
+        eprintln!("{name} {plan}: estimated {estimated} measured {measured} error {:+.1}%", 100.0 * error);
+        assert!(error.abs() <= 0.15, "{name} {plan}: estimated {estimated}, measured {measured} ({:+.1}%)", 100.0 * error);
+    }
+}
+
+#[test]
+fn gpt2_estimate_within_15_percent() {
+    check("gpt2", ModelConfig { vocab: 4096, max_positions: 256, ..ModelConfig::gpt2(4, 256, 4) });
+}
+
+#[test]
+fn llama_estimate_within_15_percent() {
+    check("llama", ModelConfig::llama(4, 256, 8, 2, 688, 4096, true));
+}
+
+#[test]
+fn bert_estimate_within_15_percent() {
+    check("bert", ModelConfig { max_positions: 256, ..ModelConfig::bert(4, 256, 4, 4096) });
+}
