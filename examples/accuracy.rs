@@ -2,8 +2,9 @@
 //!
 //! Runs real training steps (step 2, steady state) for a matrix of model
 //! families × sizes × plans and compares each measured heap peak with the
-//! estimate. Writes `accuracy.json` and `accuracy.md` into the output directory
-//! (default `docs/`) and prints the table.
+//! estimate. Writes `accuracy.json`, `accuracy.md` and `accuracy.svg` (estimated
+//! against measured, log-log) into the output directory (default `docs/`) and
+//! prints the table.
 //!
 //! ```sh
 //! cargo run --release --example accuracy -- [--quick] [--out DIR]
@@ -87,6 +88,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{summary}");
     std::fs::create_dir_all(&out_dir)?;
     std::fs::write(format!("{out_dir}/accuracy.md"), format!("{summary}\n\n{md}"))?;
+    scatter(&format!("{out_dir}/accuracy.svg"), &rows, &summary)?;
     std::fs::write(format!("{out_dir}/accuracy.json"), serde_json::to_string_pretty(&serde_json::json!({"median_abs_error": median, "max_abs_error": max, "rows": rows}))?)?;
+    Ok(())
+}
+
+/// Estimated against measured peaks, log-log, with the y = x line.
+fn scatter(path: &str, rows: &[serde_json::Value], title: &str) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    let points: Vec<(f64, f64, &str)> = rows
+        .iter()
+        .map(|r| {
+            let mib = |k: &str| r[k].as_f64().unwrap() / (1u64 << 20) as f64;
+            (mib("measured_bytes"), mib("estimated_bytes"), r["model"].as_str().unwrap())
+        })
+        .collect();
+    let hi = points.iter().map(|p| p.0.max(p.1)).fold(1.0, f64::max) * 1.3;
+    let lo = points.iter().map(|p| p.0.min(p.1)).fold(f64::MAX, f64::min) / 1.3;
+    let root = SVGBackend::new(path, (720, 640)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 16))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((lo..hi).log_scale(), (lo..hi).log_scale())?;
+    chart.configure_mesh().x_desc("measured peak (MiB)").y_desc("estimated peak (MiB)").draw()?;
+    chart.draw_series(LineSeries::new([(lo, lo), (hi, hi)], &BLACK.mix(0.4)))?;
+    for (family, color) in [("gpt2", RED), ("llama", BLUE), ("bert", GREEN)] {
+        chart
+            .draw_series(points.iter().filter(|p| p.2.starts_with(family)).map(|p| Circle::new((p.0, p.1), 3, color.filled())))?
+            .label(family)
+            .legend(move |(x, y)| Circle::new((x, y), 3, color.filled()));
+    }
+    chart.configure_series_labels().background_style(WHITE).border_style(BLACK).draw()?;
+    root.present()?;
     Ok(())
 }

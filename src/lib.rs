@@ -27,6 +27,7 @@ mod error;
 pub mod inspect;
 pub mod measure;
 pub mod memory;
+pub mod output;
 pub mod report;
 pub mod search;
 pub mod spec;

@@ -85,12 +85,47 @@ fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
         planner = planner.verify_with(verifier, mode);
     }
     let result = planner.run(&spec)?;
+    if args.snapshot.is_some() || args.plot.is_some() {
+        timeline_outputs(args, &spec, &result, budget)?;
+    }
     if args.json {
         println!("{:#}", report::search_json(&spec, &result));
     } else {
         print!("{}", report::search_table(&spec, &result));
     }
     Ok((spec, result))
+}
+
+/// Measures the chosen (or closest) plan with its allocations recorded and
+/// writes `--snapshot` and `--plot`.
+fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, budget: u64) -> oomfix::Result<()> {
+    if args.device != Target::Cpu {
+        return Err(Error::Usage("--snapshot and --plot record host allocations: use --device cpu".into()));
+    }
+    for out in [&args.snapshot, &args.plot].into_iter().flatten() {
+        if args.model.as_deref().is_some_and(|m| same_file(m, out)) {
+            return Err(Error::Usage(format!("refusing to write over the model file {}", out.display())));
+        }
+    }
+    let attempt = result.chosen().unwrap_or_else(|| result.closest());
+    let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
+    if timeline.truncated {
+        tracing::warn!("the step made more than {} allocations; the timeline is cut", oomfix::measure::MAX_EVENTS);
+    }
+    tracing::info!(measured_bytes = m.peak_bytes, events = timeline.events.len(), "recorded {}", attempt.plan);
+    if let Some(path) = &args.snapshot {
+        oomfix::output::write_atomic(path, &report::snapshot_pickle(&timeline))?;
+    }
+    if let Some(path) = &args.plot {
+        let title = format!("{}: {}", spec.source, attempt.plan);
+        let svg = report::timeline_svg(&timeline, budget, &title).map_err(Error::Usage)?;
+        oomfix::output::write_atomic(path, svg.as_bytes())?;
+    }
+    Ok(())
+}
+
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
 }
 
 /// Plans, then trains the chosen plan; `Ok(false)` when nothing fits.

@@ -219,11 +219,19 @@ impl Planner {
             chosen = Some(run.attempts.len() - 1);
             for s in strategies.iter().rev() {
                 while let Some(next) = s.relax(&plan, &ctx) {
-                    if !run.evaluate(&format!("relax {}", s.name()), next)? {
+                    // a plan already tried (the baseline's micro-batch, say) is not tried again
+                    let index = match run.attempts.iter().position(|a| a.plan == next) {
+                        Some(i) => i,
+                        None => {
+                            run.evaluate(&format!("relax {}", s.name()), next)?;
+                            run.attempts.len() - 1
+                        }
+                    };
+                    if !run.attempts[index].fits {
                         break;
                     }
                     plan = next;
-                    chosen = Some(run.attempts.len() - 1);
+                    chosen = Some(index);
                 }
             }
         }

@@ -5,5 +5,6 @@ mod step;
 
 pub use alloc::CountingAlloc;
 pub use step::{
-    limit_address_space, measure_plan, parse_plan_arg, plan_arg, StepVerifier, ADDRESS_SPACE_SLACK,
+    limit_address_space, measure_plan, parse_plan_arg, plan_arg, record_plan, StepVerifier, Timeline,
+    ADDRESS_SPACE_SLACK, MAX_EVENTS,
 };

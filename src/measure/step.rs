@@ -28,6 +28,31 @@ pub const ADDRESS_SPACE_SLACK: u64 = 2 << 30;
 
 /// Measures one steady-state training step of `plan` in this process.
 pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Measurement> {
+    measure(spec, plan, target, false).map(|(m, _)| m)
+}
+
+/// A measured step's allocation timeline.
+#[derive(Debug, Clone)]
+pub struct Timeline {
+    /// Every allocation and free of the step, in order.
+    pub events: Vec<alloc::Event>,
+    /// Live heap bytes that belong to the process, not the training (subtract from `live`).
+    pub baseline: u64,
+    /// Whether events were dropped because the buffer filled up.
+    pub truncated: bool,
+}
+
+/// Capacity of the event buffer of a recorded step.
+pub const MAX_EVENTS: usize = 4 << 20;
+
+/// Measures one steady-state step like [`measure_plan`] and records its
+/// allocation timeline (for `--snapshot` and `--plot`).
+pub fn record_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<(Measurement, Timeline)> {
+    let (m, t) = measure(spec, plan, target, true)?;
+    Ok((m, t.expect("recorded")))
+}
+
+fn measure(spec: &ModelSpec, plan: &Plan, target: Target, recorded: bool) -> Result<(Measurement, Option<Timeline>)> {
     let device = match target {
         Target::Cpu => Device::Cpu,
         Target::Cuda(_) => return Err(Error::Usage("measuring on CUDA needs a build with --features cuda".into())),
@@ -42,9 +67,16 @@ pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Mea
     let mut trainer = Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())?;
     let mut data = DataSource::synthetic(0);
     trainer.step(&mut data)?;
-    let stats = trainer.step(&mut data)?;
-    let peak = stats.peak().saturating_sub(before);
-    Ok(Measurement { peak_bytes: peak, reserved_bytes: peak, out_of_memory: false })
+    if recorded {
+        alloc::start_recording(MAX_EVENTS);
+    }
+    let stats = trainer.step(&mut data);
+    let timeline = recorded.then(|| {
+        let (events, truncated) = alloc::stop_recording();
+        Timeline { events, baseline: before, truncated }
+    });
+    let peak = stats?.peak().saturating_sub(before);
+    Ok((Measurement { peak_bytes: peak, reserved_bytes: peak, out_of_memory: false }, timeline))
 }
 
 /// Runs one step of a tiny model of the same family and plan, so that

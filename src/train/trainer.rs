@@ -143,6 +143,7 @@ impl Trainer {
     /// One optimizer step over `grad_accum` micro-batches from `data`.
     pub fn step(&mut self, data: &mut DataSource) -> Result<StepStats> {
         let start = Instant::now();
+        alloc::set_phase(alloc::Phase::ForwardBackward);
         alloc::reset_peak();
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let mut acc = GradAccumulator::new();
@@ -159,6 +160,7 @@ impl Trainer {
             return Err(Error::NonFinite { step: self.step + 1, loss });
         }
         let forward_backward_peak = alloc::peak();
+        alloc::set_phase(alloc::Phase::OptimizerStep);
         alloc::reset_peak();
         let mut skipped = false;
         if let Some(scaler) = &mut self.scaler {
@@ -170,6 +172,7 @@ impl Trainer {
             self.optimizer_step(grads)?;
         }
         let optimizer_peak = alloc::peak();
+        alloc::set_phase(alloc::Phase::Setup);
         self.step += 1;
         Ok(StepStats {
             loss,

@@ -1,0 +1,142 @@
+//! `--verify`, `--snapshot` and `--plot`: real steps measured next to estimates.
+
+mod common;
+
+use assert_cmd::Command;
+use common::*;
+use oomfix::measure::{CountingAlloc, StepVerifier};
+use oomfix::search::{Measurement, Verifier};
+use oomfix::{Breakdown, Estimator, ModelConfig, ModelSpec, Planner, Plan, Target, Verify};
+use serde_json::Value;
+use std::path::Path;
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+fn tiny_config() -> ModelConfig {
+    ModelConfig { vocab: 256, max_positions: 64, ..ModelConfig::gpt2(2, 32, 2) }
+}
+
+fn tiny_model(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("tiny.safetensors");
+    write_safetensors(&path, &with_dtype(tiny_config().tensors(), "F32"));
+    path
+}
+
+/// An estimator that claims every plan needs one byte.
+struct Optimist;
+impl Estimator for Optimist {
+    fn estimate(&self, _: &ModelSpec, _: &Plan, _: &Target) -> Breakdown {
+        Breakdown { peak: 1, ..Default::default() }
+    }
+}
+
+#[test]
+fn a_measured_peak_over_the_budget_is_not_a_fit() {
+    let spec = ModelSpec::from_config("tiny", tiny_config());
+    let budget = 64 << 10; // the estimate (1 byte) fits, no real step does
+    let result = Planner::new(budget)
+        .global_batch(2)
+        .seq_len(16)
+        .target(Target::Cpu)
+        .estimator(Optimist)
+        .verify_with(StepVerifier::in_process(Target::Cpu), Verify::Fitting)
+        .run(&spec)
+        .unwrap();
+    assert!(!result.fits());
+    let measured: Vec<u64> = result.attempts.iter().map(|a| a.measured.unwrap().peak_bytes).collect();
+    assert!(measured.iter().all(|&m| m > budget), "{measured:?}");
+    // the search went on after the baseline's measurement failed it
+    assert!(result.attempts.len() > 1);
+}
+
+#[test]
+fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
+    struct Oom;
+    impl Verifier for Oom {
+        fn measure(&self, _: &ModelSpec, _: &Plan) -> oomfix::Result<Measurement> {
+            Ok(Measurement { peak_bytes: 0, reserved_bytes: 0, out_of_memory: true })
+        }
+    }
+    let spec = ModelSpec::from_config("tiny", tiny_config());
+    let result = Planner::new(1 << 30).global_batch(2).seq_len(16).target(Target::Cpu).verify_with(Oom, Verify::All).run(&spec).unwrap();
+    assert!(!result.fits());
+    assert!(result.attempts.iter().all(|a| a.measured.unwrap().out_of_memory));
+}
+
+#[test]
+fn cli_verify_records_measured_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let out = Command::cargo_bin("oomfix").unwrap()
+        .args(["--budget", "256MiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--verify", "--json"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let chosen = v["attempts"].as_array().unwrap().iter().find(|a| a["fits"] == true).unwrap();
+    let measured = chosen["measured_bytes"].as_u64().expect("measured");
+    assert!(measured > 100_000, "a real step allocates: {measured}");
+}
+
+#[test]
+fn cli_verify_all_with_a_budget_too_small_for_any_real_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    // 300 KiB: smaller than weights + AdamW state + one step's activations
+    let out = Command::cargo_bin("oomfix").unwrap()
+        .args(["--budget", "300KiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--verify=all", "--json"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["attempts"].as_array().unwrap().iter().all(|a| !a["measured_bytes"].is_null() && a["fits"] == false));
+}
+
+#[test]
+fn snapshot_loads_with_python_pickle_and_plot_is_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let snap = dir.path().join("step.pickle");
+    let plot = dir.path().join("step.svg");
+    let out = Command::cargo_bin("oomfix").unwrap()
+        .args(["--budget", "256MiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--snapshot"])
+        .arg(&snap)
+        .arg("--plot")
+        .arg(&plot)
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let check = r#"
+import pickle, sys
+d = pickle.load(open(sys.argv[1], "rb"))
+assert set(d) >= {"segments", "device_traces"}, d.keys()
+t = d["device_traces"][0]
+assert len(t) > 10 and {"action", "addr", "size", "time_us", "frames"} <= set(t[0]), t[0]
+assert {e["action"] for e in t} <= {"alloc", "free_completed"}
+assert {f["name"] for e in t for f in e["frames"]} >= {"forward_backward", "optimizer_step"}
+print(len(t))
+"#;
+    let py = std::process::Command::new("python3").arg("-c").arg(check).arg(&snap).output().unwrap();
+    assert!(py.status.success(), "{}", String::from_utf8_lossy(&py.stderr));
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("budget"));
+}
+
+#[test]
+fn snapshot_refuses_to_overwrite_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let before = std::fs::read(&model).unwrap();
+    Command::cargo_bin("oomfix").unwrap()
+        .args(["--budget", "256MiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--plot"])
+        .arg(&model)
+        .arg(&model)
+        .assert()
+        .code(2);
+    assert_eq!(std::fs::read(&model).unwrap(), before);
+}
