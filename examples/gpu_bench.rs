@@ -200,7 +200,13 @@ fn copy_row(device: &Device, bytes: usize) -> Result<BandwidthRow> {
     let mut dst = unsafe { stream.alloc::<f32>(n) }?;
     stream.memcpy_dtod(src, &mut dst)?;
     let ms = median_ms(device, 10, || Ok(stream.memcpy_dtod(src, &mut dst)?))?;
-    Ok(BandwidthRow { what: "device-to-device copy".into(), elements: n, bytes_per_element: 8, ms, transient: None })
+    Ok(BandwidthRow {
+        what: "device-to-device copy".into(),
+        elements: n,
+        bytes_per_element: 8,
+        ms,
+        transient: None,
+    })
 }
 
 /// One optimizer over one parameter of `n` elements: its median step time and
@@ -247,7 +253,7 @@ fn bandwidth(device: &Device) -> Result<Vec<BandwidthRow>> {
     const SMALL: usize = 250_000_000;
     let cuda = device.as_cuda_device()?;
     let f32s = (DType::F32, DType::F32);
-    let runs: [(&str, usize, (DType, DType), bool, usize); 5] = [
+    let runs = [
         ("fused AdamW, fp32 p/g", BIG, f32s, true, 10),
         ("fused AdamW, bf16 p/g", BIG, (DType::BF16, DType::BF16), true, 10),
         ("fused AdamW, fp32 p, bf16 g", BIG, (DType::F32, DType::BF16), true, 10),
@@ -310,7 +316,13 @@ impl std::fmt::Display for TrainRow {
 
 fn plans() -> Vec<(String, Plan)> {
     let base = Plan::baseline(8, 1024);
-    let with = |precision, checkpoint, optimizer, micro_batch| Plan { precision, checkpoint, optimizer, micro_batch, ..base };
+    let with = |precision, checkpoint, optimizer, micro_batch| Plan {
+        precision,
+        checkpoint,
+        optimizer,
+        micro_batch,
+        ..base
+    };
     let (none, every) = (Checkpointing::None, Checkpointing::Every(1));
     let (candle, fused) = (OptimizerImpl::CandleAdamW, OptimizerImpl::FusedAdamW);
     let list = vec![
@@ -377,7 +389,11 @@ fn training(device: &Device) -> Result<Vec<TrainRow>> {
         let result = measure_plan(device, plan).map_err(|e| {
             let oom = candle_error(&e).is_some_and(is_out_of_memory);
             eprintln!("  failed: {e}");
-            if oom { "out of memory".to_string() } else { format!("error: {}", e.to_string().lines().next().unwrap_or("")) }
+            if oom {
+                "out of memory".to_string()
+            } else {
+                format!("error: {}", e.to_string().lines().next().unwrap_or(""))
+            }
         });
         rows.push(TrainRow { label, result, estimate });
     }

@@ -71,7 +71,10 @@ impl PoolStats {
 pub fn reset_peaks(device: &CudaDevice) -> candle_core::Result<()> {
     device.cuda_stream().synchronize().w()?;
     let pool = default_pool(device)?;
-    for attr in [CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH] {
+    for attr in [
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+    ] {
         let mut zero: u64 = 0;
         // SAFETY: the pool is the device's default pool; the two high-water
         // attributes take a cuuint64_t, which must be zero.
@@ -154,15 +157,23 @@ mod tests {
 
     #[test]
     fn cublas_alloc_failure_is_out_of_memory() {
-        let e = Error::Cuda(Box::new(CudaError::Cublas(CublasError(cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED))));
+        let e =
+            Error::Cuda(Box::new(CudaError::Cublas(CublasError(cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED))));
         assert!(is_out_of_memory(&e));
     }
 
     #[test]
     fn other_errors_are_not_out_of_memory() {
         let launch = Error::Cuda(Box::new(CudaError::Cuda(DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED))));
-        let cublas = Error::Cuda(Box::new(CudaError::Cublas(CublasError(cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED))));
-        for e in [launch, cublas, Error::Msg("out of memory".into()), Error::Cuda("CUDA_ERROR_OUT_OF_MEMORY".into())] {
+        let cublas = Error::Cuda(Box::new(CudaError::Cublas(CublasError(
+            cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED,
+        ))));
+        for e in [
+            launch,
+            cublas,
+            Error::Msg("out of memory".into()),
+            Error::Cuda("CUDA_ERROR_OUT_OF_MEMORY".into()),
+        ] {
             assert!(!is_out_of_memory(&e), "{e}");
         }
     }

@@ -14,11 +14,11 @@
 use std::cell::Cell;
 use std::sync::OnceLock;
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::{self, CompileError, CompileOptions};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, InplaceOp2, Layout, Tensor};
 
 use super::{contiguous_range, Coeffs};
@@ -107,7 +107,11 @@ pub(super) fn update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, c: Coeffs) 
                 let resident = func.occupancy_max_active_blocks_per_multiprocessor(BLOCK, 0, None).w()?;
                 let work = if vectorized { n / 4 } else { n }.max(1) as u64;
                 let blocks = work.div_ceil(BLOCK as u64).min(sms.max(1) as u64 * resident.max(1) as u64);
-                let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 };
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks as u32, 1, 1),
+                    block_dim: (BLOCK, 1, 1),
+                    shared_mem_bytes: 0,
+                };
                 let (n, vectorized) = (n as u64, vectorized as i32);
                 let mut m = f32_slice_mut(m)?.slice_mut(mr.clone());
                 let mut v = f32_slice_mut(v)?.slice_mut(vr.clone());
