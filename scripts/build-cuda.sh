@@ -10,14 +10,16 @@
 #      machine's library folders;
 #   4. strip the binary and write an xz-compressed copy to carry over.
 #
-# Usage: scripts/build-cuda.sh [--features LIST] [--compute-cap N] [--cache DIR]
+# Usage: scripts/build-cuda.sh [--features LIST] [--example NAME] [--compute-cap N] [--cache DIR]
 #   --features LIST    cargo features (default: cuda,nccl; e.g. `cuda`)
+#   --example NAME     build the example NAME instead of the `oomfix` binary
 #   --compute-cap N    GPU compute capability, 90 = H100/H200 (default: 90)
 #   --cache DIR        toolkit cache (default: $OOMFIX_CUDA_CACHE or
 #                      ~/.cache/oomfix-cuda)
 #
 # Outputs: target-cuda/release/oomfix, target-cuda/oomfix-cuda (stripped),
-# target-cuda/oomfix-cuda.xz (to copy; `xz -d` it on the GPU machine).
+# target-cuda/oomfix-cuda.xz (to copy; `xz -d` it on the GPU machine); for an
+# example, target-cuda/release/examples/NAME, target-cuda/NAME-cuda(.xz).
 set -euo pipefail
 
 # Toolkit pins: what PyTorch 2.11 (cu130) uses on the GPU machine. nvcc must
@@ -45,16 +47,18 @@ GLIBC_LIMIT=2.39
 STUB_ERROR=34
 
 FEATURES=cuda,nccl
+EXAMPLE=
 COMPUTE_CAP=90
 CACHE=${OOMFIX_CUDA_CACHE:-$HOME/.cache/oomfix-cuda}
 
 say() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'build-cuda.sh: error: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '/^# Usage:/,/^# target-cuda/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '/^# Usage:/,/^# example, target-cuda/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 
 while (($#)); do
     case $1 in
         --features) FEATURES=${2:?--features needs a value}; shift 2 ;;
+        --example) EXAMPLE=${2:?--example needs a value}; shift 2 ;;
         --compute-cap) COMPUTE_CAP=${2:?--compute-cap needs a value}; shift 2 ;;
         --cache) CACHE=${2:?--cache needs a value}; shift 2 ;;
         -h | --help) usage; exit 0 ;;
@@ -62,6 +66,13 @@ while (($#)); do
     esac
 done
 [[ $COMPUTE_CAP =~ ^[0-9]+$ ]] || die "--compute-cap must be a number such as 90, got '$COMPUTE_CAP'"
+[[ -z $EXAMPLE || $EXAMPLE =~ ^[A-Za-z0-9_-]+$ ]] || die "--example must be an example's name, got '$EXAMPLE'"
+# What cargo builds, where it lands, and the name of the packaged copy.
+if [[ -n $EXAMPLE ]]; then
+    TARGET_ARGS=(--example "$EXAMPLE") BUILT=target-cuda/release/examples/$EXAMPLE PACKAGED=target-cuda/$EXAMPLE-cuda
+else
+    TARGET_ARGS=(--bin oomfix) BUILT=target-cuda/release/oomfix PACKAGED=target-cuda/oomfix-cuda
+fi
 
 check_prerequisites() {
     local tool
@@ -177,15 +188,15 @@ cargo_build() {
     export CUDA_COMPUTE_CAP=$COMPUTE_CAP CUDARC_CUDA_VERSION=13000 CUDAFORGE_THREADS=2
     export RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C link-arg=-Wl,-rpath,$rpath"
     say "nvcc: $(nvcc --version | sed -n 's/^Cuda compilation tools, //p')"
-    say "cargo build --release --features $FEATURES --target-dir target-cuda --bin oomfix (CUDA_COMPUTE_CAP=$COMPUTE_CAP)"
+    say "cargo build --release --features $FEATURES --target-dir target-cuda ${TARGET_ARGS[*]} (CUDA_COMPUTE_CAP=$COMPUTE_CAP)"
     start=$SECONDS
-    cargo build --release --features "$FEATURES" --target-dir target-cuda --bin oomfix
+    cargo build --release --features "$FEATURES" --target-dir target-cuda "${TARGET_ARGS[@]}"
     say "cargo build took $((SECONDS - start)) s"
 }
 
 # Step 4: strip and compress; then check what the binary needs at run time.
 package_binary() {
-    local bin=target-cuda/release/oomfix out=target-cuda/oomfix-cuda glibc
+    local bin=$BUILT out=$PACKAGED glibc
     say "Stripping $bin to $out"
     strip -o "$out.tmp" "$bin"
     if [[ -f $out.xz ]] && cmp -s "$out.tmp" "$out"; then
@@ -216,4 +227,4 @@ bindings=$(cudarc_driver_bindings)
 assemble_cuda_home "$nv" "$bindings"
 cargo_build
 package_binary
-say "Done: copy target-cuda/oomfix-cuda.xz to the GPU machine and unpack it with xz -d"
+say "Done: copy $PACKAGED.xz to the GPU machine and unpack it with xz -d"

@@ -1,6 +1,8 @@
 //! Peak-memory measurement of real training steps.
 
 pub mod alloc;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod step;
 
 pub use alloc::CountingAlloc;

@@ -17,6 +17,9 @@ pub use candle_nn::ParamsAdamW;
 
 use crate::{Error, OptimizerImpl, Plan, Result, SearchContext, Strategy};
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// Planner half: replace `candle_nn::AdamW` with the fused in-place step.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FusedAdamWStrategy;
@@ -168,8 +171,11 @@ fn f32_vec_mut(s: &mut CpuStorage) -> candle_core::Result<&mut Vec<f32>> {
     }
 }
 
-/// Per-step scalars of the AdamW update, in f32 as the kernels use them.
+/// Per-step scalars of the AdamW update, in f32 as the kernels use them (the
+/// CUDA kernel takes this struct by value: keep its layout in step with
+/// `adamw.cu`).
 #[derive(Debug, Clone, Copy)]
+#[repr(C)]
 struct Coeffs {
     beta1: f32,
     one_minus_beta1: f32,
@@ -281,7 +287,9 @@ struct Slot {
 /// old values).
 ///
 /// The state is allocated at construction (8 bytes per parameter element).
-/// The kernel runs on the CPU; on other devices [`step`](Self::step) returns
+/// The kernel runs on the CPU and, with the `cuda` feature, on CUDA devices
+/// (one launch per parameter tensor, compiled at first use with NVRTC; the same
+/// f32 arithmetic as on the CPU). On other devices [`step`](Self::step) returns
 /// [`Error::Unsupported`].
 ///
 /// ```
@@ -498,7 +506,12 @@ impl Slot {
                 update_cpu(p, &g, self.m.as_tensor(), self.v.as_tensor(), c)?;
                 Ok(())
             }
-            // A device kernel over (param, grad, m, v) goes here.
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                let g = g.contiguous()?;
+                cuda::update(p, &g, self.m.as_tensor(), self.v.as_tensor(), c)?;
+                Ok(())
+            }
             other => Err(Error::Unsupported(format!(
                 "fused AdamW has no kernel for {:?} yet (parameter `{}`)",
                 other.location(),

@@ -1,0 +1,402 @@
+//! GPU experiments on cuda:0, printed as markdown tables:
+//!
+//! 1. numerical match of the CUDA fused AdamW step with the CPU one over ten
+//!    steps, per parameter/gradient dtype pair;
+//! 2. fused AdamW bandwidth against a device-to-device copy of the same bytes,
+//!    and `candle_nn::AdamW` on the same update;
+//! 3. GPT-2 small training steps through `Trainer`: the pool's high-water
+//!    marks against the memory model's estimate, and the step time.
+//!
+//! Build with `scripts/build-cuda.sh --features cuda --example gpu_bench`;
+//! results and the command are in docs/gpu-bench.md.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Storage, Tensor, Var};
+use oomfix::measure::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
+use oomfix::strategies::adamw::{FusedAdamW, ParamsAdamW};
+use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
+use oomfix::train::data::DataSource;
+use oomfix::train::{TrainOptions, Trainer};
+use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Plan, Target};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn main() -> Result<()> {
+    let device = Device::new_cuda(0)?;
+    let cuda = device.as_cuda_device()?.clone();
+    let ctx = cuda.cuda_stream().context().clone();
+    let name = ctx.name().unwrap_or_else(|_| "?".into());
+    let (free, total) = ctx.mem_get_info()?;
+    println!("# gpu_bench on {name}: {:.1} GiB total, {:.1} GiB free", total as f64 / GIB, free as f64 / GIB);
+    let backtrace = std::env::var_os("RUST_BACKTRACE");
+    println!("RUST_BACKTRACE: {backtrace:?} (unset it: candle captures a backtrace into every error)\n");
+
+    let numeric = numeric_match(&device)?;
+    let bandwidth = bandwidth(&device)?;
+    let training = training(&device)?;
+    let stats = PoolStats::read(&cuda)?;
+    let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
+
+    println!("\n## 1. CUDA vs CPU fused AdamW, 10 steps, 1,000,003 elements\n");
+    println!("| param | grad | grad offset | path | max rel err p | max rel err m | max rel err v | elements differing (p, m, v) |");
+    println!("|---|---|---:|---|---:|---:|---:|---|");
+    numeric.iter().for_each(|r| println!("{r}"));
+    println!("\n## 2. Bandwidth (median of timed steps after one warm-up)\n");
+    println!("| what | elements | bytes moved / element | ms | GB/s | vs copy | pool transient GiB |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let copy = bandwidth.first().map_or(f64::NAN, |r| r.gbs());
+    bandwidth.iter().for_each(|r| println!("{}", r.row(copy)));
+    println!("\n## 3. GPT-2 small (124M) training steps, seq 1024\n");
+    println!("| plan | resident GiB | used high GiB | reserved high GiB | estimate GiB | estimate - runtime GiB | est/used - 1 | step ms (median of 3, after step 1) | first step s |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    training.iter().for_each(|r| println!("{r}"));
+    println!(
+        "\nDevice memory outside the pool at the end (context, modules, library workspaces): {:.2} GiB; the model's runtime term: {:.2} GiB",
+        outside as f64 / GIB,
+        Target::Cuda(0).runtime_bytes() as f64 / GIB
+    );
+    Ok(())
+}
+
+fn sync(device: &Device) -> Result<()> {
+    Ok(device.synchronize()?)
+}
+
+/// Runs `f` `reps` times, each between device synchronisations; the median in ms.
+fn median_ms(device: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        sync(device)?;
+        let start = Instant::now();
+        f()?;
+        sync(device)?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+// ---------------------------------------------------------------------------
+// 1. Numerical match.
+
+struct MatchRow {
+    param: DType,
+    grad: DType,
+    offset: usize,
+    errs: [f64; 3],
+    differing: [usize; 3],
+}
+
+impl std::fmt::Display for MatchRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let path = if self.offset % 4 == 0 { "4-wide" } else { "scalar" };
+        let [p, m, v] = self.errs;
+        let [dp, dm, dv] = self.differing;
+        write!(
+            f,
+            "| {:?} | {:?} | {} | {path} | {p:.2e} | {m:.2e} | {v:.2e} | {dp}, {dm}, {dv} |",
+            self.param, self.grad, self.offset
+        )
+    }
+}
+
+/// Largest elementwise relative error of `a` against the reference `b`, and
+/// how many elements differ at all.
+fn compare(a: &Tensor, b: &Tensor) -> Result<(f64, usize)> {
+    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let mut worst = 0f64;
+    let mut differing = 0;
+    for (&x, &y) in a.iter().zip(&b) {
+        if x.to_bits() != y.to_bits() {
+            differing += 1;
+            let rel = if y == 0.0 { f64::INFINITY } else { ((x - y) as f64 / y as f64).abs() };
+            worst = worst.max(if rel.is_nan() { f64::INFINITY } else { rel });
+        }
+    }
+    Ok((worst, differing))
+}
+
+fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
+    const N: usize = 1_000_003;
+    let cases = [
+        (DType::F32, DType::F32, 0),
+        (DType::F32, DType::BF16, 0),
+        (DType::F32, DType::F16, 0),
+        (DType::BF16, DType::BF16, 0),
+        (DType::BF16, DType::F32, 0),
+        (DType::F16, DType::F16, 0),
+        (DType::F32, DType::F32, 1),
+        (DType::BF16, DType::BF16, 3),
+    ];
+    let params = ParamsAdamW { lr: 1e-2, weight_decay: 0.1, ..Default::default() };
+    let mut rows = Vec::new();
+    for (param, grad, offset) in cases {
+        eprintln!("numeric match: {param:?} params, {grad:?} grads, gradient offset {offset}");
+        let p0 = Tensor::randn(0f32, 1.0, N, &Device::Cpu)?.to_dtype(param)?;
+        let cpu_var = Var::from_tensor(&p0)?;
+        let gpu_var = Var::from_tensor(&p0.to_device(device)?)?;
+        let mut cpu = FusedAdamW::new(vec![cpu_var.clone()], params.clone())?;
+        let mut gpu = FusedAdamW::new(vec![gpu_var.clone()], params.clone())?;
+        for step in 0..10 {
+            // Gradients of changing scale; a leading offset makes an unaligned view.
+            let scale = 10f64.powi(step % 5 - 2);
+            let full = (Tensor::randn(0f32, 1.0, N + offset, &Device::Cpu)? * scale)?.to_dtype(grad)?;
+            let g_cpu = full.narrow(0, offset, N)?;
+            let g_gpu = full.to_device(device)?.narrow(0, offset, N)?;
+            cpu.step(&[g_cpu])?;
+            gpu.step(&[g_gpu])?;
+        }
+        let (cs, gs) = (cpu.state_tensors()?, gpu.state_tensors()?);
+        let (ep, dp) = compare(gpu_var.as_tensor(), cpu_var.as_tensor())?;
+        let (em, dm) = compare(&gs["0.m"], &cs["0.m"])?;
+        let (ev, dv) = compare(&gs["0.v"], &cs["0.v"])?;
+        rows.push(MatchRow { param, grad, offset, errs: [ep, em, ev], differing: [dp, dm, dv] });
+    }
+    Ok(rows)
+}
+
+// ---------------------------------------------------------------------------
+// 2. Bandwidth.
+
+struct BandwidthRow {
+    what: String,
+    elements: usize,
+    bytes_per_element: usize,
+    ms: f64,
+    transient: Option<u64>,
+}
+
+impl BandwidthRow {
+    fn gbs(&self) -> f64 {
+        (self.elements * self.bytes_per_element) as f64 / (self.ms * 1e-3) / 1e9
+    }
+    fn row(&self, copy_gbs: f64) -> String {
+        let transient = self.transient.map_or("-".into(), |b| format!("{:.2}", b as f64 / GIB));
+        format!(
+            "| {} | {:.2e} | {} | {:.2} | {:.0} | {:.0}% | {transient} |",
+            self.what,
+            self.elements as f64,
+            self.bytes_per_element,
+            self.ms,
+            self.gbs(),
+            100.0 * self.gbs() / copy_gbs
+        )
+    }
+}
+
+/// Device-to-device copy (`cuMemcpyDtoDAsync`) of `bytes` bytes, read plus written.
+fn copy_row(device: &Device, bytes: usize) -> Result<BandwidthRow> {
+    let cuda = device.as_cuda_device()?;
+    let stream = cuda.cuda_stream();
+    let n = bytes / 2 / 4;
+    let src = Tensor::randn(0f32, 1.0, n, device)?;
+    let (storage, _) = src.storage_and_layout();
+    let Storage::Cuda(storage) = &*storage else { bail!("source is not on the GPU") };
+    let src = storage.as_cuda_slice::<f32>()?;
+    // SAFETY: the destination is only written (by the copy), never read.
+    let mut dst = unsafe { stream.alloc::<f32>(n) }?;
+    stream.memcpy_dtod(src, &mut dst)?;
+    let ms = median_ms(device, 10, || Ok(stream.memcpy_dtod(src, &mut dst)?))?;
+    Ok(BandwidthRow {
+        what: "device-to-device copy".into(),
+        elements: n,
+        bytes_per_element: 8,
+        ms,
+        transient: None,
+    })
+}
+
+/// One optimizer over one parameter of `n` elements: its median step time and
+/// the pool's transient during a step (high-water minus resident).
+fn optimizer_row(
+    device: &Device,
+    what: &str,
+    n: usize,
+    (param, grad): (DType, DType),
+    fused: bool,
+    reps: usize,
+) -> Result<BandwidthRow> {
+    let cuda = device.as_cuda_device()?;
+    let var = Var::from_tensor(&Tensor::randn(0f32, 1.0, n, device)?.to_dtype(param)?)?;
+    let g = (Tensor::randn(0f32, 1.0, n, device)? * 1e-2)?.to_dtype(grad)?;
+    let params = ParamsAdamW::default();
+    let mut step: Box<dyn FnMut() -> Result<()>> = if fused {
+        let mut opt = FusedAdamW::new(vec![var.clone()], params)?;
+        let g = g.clone();
+        Box::new(move || Ok(opt.step(std::slice::from_ref(&g))?))
+    } else {
+        use candle_nn::Optimizer;
+        let mut opt = candle_nn::AdamW::new(vec![var.clone()], params)?;
+        let mut store = Tensor::new(0f32, device)?.backward()?;
+        store.insert(var.as_tensor(), g.clone());
+        Box::new(move || Ok(opt.step(&store)?))
+    };
+    step()?; // warm-up: kernel compilation and module load, state allocation
+    let resident = PoolStats::read(cuda)?.used;
+    reset_peaks(cuda)?;
+    step()?;
+    let transient = PoolStats::read(cuda)?.used_high.saturating_sub(resident);
+    let ms = median_ms(device, reps, &mut step)?;
+    let bytes_per_element = {
+        let (p, g) = (param.size_in_bytes(), grad.size_in_bytes());
+        // read p, g, m, v; write p, m, v (fp32 moments)
+        2 * p + g + 16
+    };
+    Ok(BandwidthRow { what: what.into(), elements: n, bytes_per_element, ms, transient: Some(transient) })
+}
+
+fn bandwidth(device: &Device) -> Result<Vec<BandwidthRow>> {
+    const BIG: usize = 1_000_000_000;
+    const SMALL: usize = 250_000_000;
+    let cuda = device.as_cuda_device()?;
+    let f32s = (DType::F32, DType::F32);
+    let runs = [
+        ("fused AdamW, fp32 p/g", BIG, f32s, true, 10),
+        ("fused AdamW, bf16 p/g", BIG, (DType::BF16, DType::BF16), true, 10),
+        ("fused AdamW, fp32 p, bf16 g", BIG, (DType::F32, DType::BF16), true, 10),
+        ("fused AdamW, fp32 p/g", SMALL, f32s, true, 10),
+        ("candle_nn::AdamW, fp32 p/g", SMALL, f32s, false, 5),
+    ];
+    eprintln!("bandwidth: device-to-device copy");
+    let mut rows = vec![copy_row(device, 28 * BIG)?];
+    for (what, n, dtypes, fused, reps) in runs {
+        trim(cuda)?;
+        eprintln!("bandwidth: {what}, {n} elements");
+        match optimizer_row(device, what, n, dtypes, fused, reps) {
+            Ok(row) => rows.push(row),
+            Err(e) => eprintln!("  failed: {e:#}"),
+        }
+    }
+    trim(cuda)?;
+    Ok(rows)
+}
+
+// ---------------------------------------------------------------------------
+// 3. GPT-2 small training steps.
+
+struct TrainRow {
+    label: String,
+    result: std::result::Result<TrainMeasure, String>,
+    estimate: u64,
+}
+
+struct TrainMeasure {
+    resident: u64,
+    used_high: u64,
+    reserved_high: u64,
+    step_ms: f64,
+    first_s: f64,
+}
+
+impl std::fmt::Display for TrainRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let est = self.estimate as f64 / GIB;
+        let est_tensors = (self.estimate - Target::Cuda(0).runtime_bytes()) as f64 / GIB;
+        match &self.result {
+            Ok(m) => {
+                let used = m.used_high as f64 / GIB;
+                write!(
+                    f,
+                    "| {} | {:.2} | {used:.2} | {:.2} | {est:.2} | {est_tensors:.2} | {:+.1}% | {:.0} | {:.1} |",
+                    self.label,
+                    m.resident as f64 / GIB,
+                    m.reserved_high as f64 / GIB,
+                    100.0 * (est_tensors / used - 1.0),
+                    m.step_ms,
+                    m.first_s
+                )
+            }
+            Err(e) => write!(f, "| {} | {e} | | | {est:.2} | {est_tensors:.2} | | | |", self.label),
+        }
+    }
+}
+
+fn plans() -> Vec<(String, Plan)> {
+    let base = Plan::baseline(8, 1024);
+    let with = |precision, checkpoint, optimizer, micro_batch| Plan {
+        precision,
+        checkpoint,
+        optimizer,
+        micro_batch,
+        ..base
+    };
+    let (none, every) = (Checkpointing::None, Checkpointing::Every(1));
+    let (candle, fused) = (OptimizerImpl::CandleAdamW, OptimizerImpl::FusedAdamW);
+    let list = vec![
+        with(Precision::F32, none, candle, 8),
+        with(Precision::F32, none, fused, 8),
+        with(Precision::Bf16, none, candle, 8),
+        with(Precision::Bf16, none, fused, 8),
+        with(Precision::Bf16, every, fused, 8),
+        with(Precision::F32, every, fused, 8),
+        with(Precision::Bf16, every, fused, 1),
+    ];
+    list.into_iter()
+        .map(|p| {
+            let ckpt = if p.checkpoint == none { "no ckpt" } else { "ckpt every block" };
+            (format!("b={} {} {} {}", p.micro_batch, p.precision, ckpt, p.optimizer), p)
+        })
+        .collect()
+}
+
+fn measure_plan(device: &Device, plan: Plan) -> oomfix::Result<TrainMeasure> {
+    let cuda = device.as_cuda_device()?;
+    let mut trainer = Trainer::new(&ModelConfig::gpt2_small(), plan, device, &TrainOptions::default())?;
+    let mut data = DataSource::synthetic(0);
+    let start = Instant::now();
+    trainer.step(&mut data)?;
+    device.synchronize()?;
+    let first_s = start.elapsed().as_secs_f64();
+    let resident = PoolStats::read(cuda)?.used;
+    reset_peaks(cuda)?;
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let start = Instant::now();
+        trainer.step(&mut data)?;
+        device.synchronize()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let stats = PoolStats::read(cuda)?;
+    Ok(TrainMeasure {
+        resident,
+        used_high: stats.used_high,
+        reserved_high: stats.reserved_high,
+        step_ms: times[1],
+        first_s,
+    })
+}
+
+/// The candle error inside a training error, if any.
+fn candle_error(e: &oomfix::Error) -> Option<&candle_core::Error> {
+    match e {
+        oomfix::Error::Candle(c) | oomfix::Error::Strategy(oomfix::strategies::Error::Candle(c)) => Some(c),
+        _ => None,
+    }
+}
+
+fn training(device: &Device) -> Result<Vec<TrainRow>> {
+    let cuda = device.as_cuda_device()?;
+    let spec = ModelSpec::default_model();
+    let mut rows = Vec::new();
+    for (label, plan) in plans() {
+        trim(cuda)?;
+        eprintln!("training: {label}");
+        let estimate = MemoryModel.estimate(&spec, &plan, &Target::Cuda(0)).peak;
+        let result = measure_plan(device, plan).map_err(|e| {
+            let oom = candle_error(&e).is_some_and(is_out_of_memory);
+            eprintln!("  failed: {e}");
+            if oom {
+                "out of memory".to_string()
+            } else {
+                format!("error: {}", e.to_string().lines().next().unwrap_or(""))
+            }
+        });
+        rows.push(TrainRow { label, result, estimate });
+    }
+    trim(cuda).context("trimming the pool")?;
+    Ok(rows)
+}

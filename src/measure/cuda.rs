@@ -1,0 +1,180 @@
+//! GPU peak memory: the counters of a CUDA device's default memory pool.
+//!
+//! candle allocates device memory with `cuMemAllocAsync` from the device's
+//! default pool, so the pool's counters are what a training step holds:
+//! *used* is live tensor bytes (PyTorch's "allocated"), *reserved* is what the
+//! pool has taken from the driver (PyTorch's "reserved"). Both have high-water
+//! marks that [`reset_peaks`] sets back to zero; [`trim`] returns the pool's
+//! unused memory to the driver (PyTorch's `empty_cache()`).
+//!
+//! Neither counter includes the CUDA context, module images or library
+//! workspaces; `cuMemGetInfo` ([`PoolStats::device_free`]) sees those.
+//!
+//! ```no_run
+//! use candle_core::Device;
+//! use oomfix::measure::cuda::{reset_peaks, PoolStats};
+//!
+//! let device = Device::new_cuda(0)?;
+//! let cuda = device.as_cuda_device()?;
+//! reset_peaks(cuda)?;
+//! // ... run a training step ...
+//! let stats = PoolStats::read(cuda)?;
+//! println!("peak allocated {} B, peak reserved {} B", stats.used_high, stats.reserved_high);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+
+use candle_core::cuda_backend::cudarc::cublas::result::CublasError;
+use candle_core::cuda_backend::cudarc::cublas::sys::cublasStatus_t;
+use candle_core::cuda_backend::cudarc::driver::result::mem_pool;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool, CUresult};
+use candle_core::cuda_backend::cudarc::driver::{result, DriverError};
+use candle_core::cuda_backend::{CudaDevice, CudaError, WrapErr};
+use serde::Serialize;
+
+/// The pool's counters and the device's free memory, read at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct PoolStats {
+    /// Bytes of live allocations from the pool.
+    pub used: u64,
+    /// Highest `used` since the last [`reset_peaks`].
+    pub used_high: u64,
+    /// Bytes the pool holds from the driver (live allocations and cached memory).
+    pub reserved: u64,
+    /// Highest `reserved` since the last [`reset_peaks`].
+    pub reserved_high: u64,
+    /// Free device memory (`cuMemGetInfo`), all processes and contexts counted.
+    pub device_free: u64,
+    /// Total device memory.
+    pub device_total: u64,
+}
+
+impl PoolStats {
+    /// Waits for the device's stream to finish its queued work, then reads the
+    /// counters of the device's default pool.
+    pub fn read(device: &CudaDevice) -> candle_core::Result<Self> {
+        device.cuda_stream().synchronize().w()?;
+        let pool = default_pool(device)?;
+        let (free, total) = device.cuda_stream().context().mem_get_info().w()?;
+        Ok(PoolStats {
+            used: get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            used_high: get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+            reserved: get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            reserved_high: get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+            device_free: free as u64,
+            device_total: total as u64,
+        })
+    }
+}
+
+/// Waits for the device's queued work, then sets the pool's high-water marks
+/// back to zero: from here on they count up from the current values.
+pub fn reset_peaks(device: &CudaDevice) -> candle_core::Result<()> {
+    device.cuda_stream().synchronize().w()?;
+    let pool = default_pool(device)?;
+    for attr in [
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+    ] {
+        let mut zero: u64 = 0;
+        // SAFETY: the pool is the device's default pool; the two high-water
+        // attributes take a cuuint64_t, which must be zero.
+        unsafe { mem_pool::set_attribute(pool, attr, (&mut zero as *mut u64).cast()) }.w()?;
+    }
+    Ok(())
+}
+
+/// Waits for the device's queued work, then returns all memory the pool holds
+/// beyond its live allocations to the driver.
+pub fn trim(device: &CudaDevice) -> candle_core::Result<()> {
+    device.cuda_stream().synchronize().w()?;
+    let pool = default_pool(device)?;
+    // SAFETY: the pool is the device's default pool.
+    unsafe { mem_pool::trim_to(pool, 0) }.w()
+}
+
+fn default_pool(device: &CudaDevice) -> candle_core::Result<CUmemoryPool> {
+    let cu_device = device.cuda_stream().context().cu_device();
+    // SAFETY: the CUdevice comes from a live context.
+    unsafe { result::device::get_default_mem_pool(cu_device) }.w()
+}
+
+fn get(pool: CUmemoryPool, attr: CUmemPool_attribute) -> candle_core::Result<u64> {
+    let mut value: u64 = 0;
+    // SAFETY: the four byte-count attributes read here are cuuint64_t.
+    unsafe { mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }.w()?;
+    Ok(value)
+}
+
+/// Whether `err` is a CUDA out-of-memory error: `CUDA_ERROR_OUT_OF_MEMORY` from
+/// the driver or cuBLAS's `CUBLAS_STATUS_ALLOC_FAILED`, also when wrapped in a
+/// backtrace, context or path. Such an error is recoverable: free or trim, and
+/// go on.
+pub fn is_out_of_memory(err: &candle_core::Error) -> bool {
+    use candle_core::Error;
+    match err {
+        Error::WithBacktrace { inner, .. } | Error::Context { inner, .. } | Error::WithPath { inner, .. } => {
+            is_out_of_memory(inner)
+        }
+        Error::Cuda(e) => match e.downcast_ref::<CudaError>() {
+            Some(CudaError::Cuda(d) | CudaError::Load { cuda: d, .. }) => driver_oom(d),
+            Some(CudaError::Cublas(CublasError(status))) => {
+                *status == cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED
+            }
+            Some(_) => false,
+            None => e.downcast_ref::<DriverError>().is_some_and(driver_oom),
+        },
+        Error::WrappedContext { wrapped, .. } => {
+            wrapped.downcast_ref::<Error>().is_some_and(is_out_of_memory)
+        }
+        _ => false,
+    }
+}
+
+fn driver_oom(e: &DriverError) -> bool {
+    e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Error;
+
+    fn oom() -> Error {
+        Error::Cuda(Box::new(CudaError::Cuda(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY))))
+    }
+
+    #[test]
+    fn driver_out_of_memory_is_recognised_through_wrappers() {
+        assert!(is_out_of_memory(&oom()));
+        let wrapped = oom().context("allocating activations").with_path("model.safetensors");
+        assert!(is_out_of_memory(&wrapped));
+        let bt = Error::WithBacktrace {
+            inner: Box::new(oom()),
+            backtrace: Box::new(std::backtrace::Backtrace::disabled()),
+        };
+        assert!(is_out_of_memory(&bt));
+    }
+
+    #[test]
+    fn cublas_alloc_failure_is_out_of_memory() {
+        let e =
+            Error::Cuda(Box::new(CudaError::Cublas(CublasError(cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED))));
+        assert!(is_out_of_memory(&e));
+    }
+
+    #[test]
+    fn other_errors_are_not_out_of_memory() {
+        let launch = Error::Cuda(Box::new(CudaError::Cuda(DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED))));
+        let cublas = Error::Cuda(Box::new(CudaError::Cublas(CublasError(
+            cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED,
+        ))));
+        for e in [
+            launch,
+            cublas,
+            Error::Msg("out of memory".into()),
+            Error::Cuda("CUDA_ERROR_OUT_OF_MEMORY".into()),
+        ] {
+            assert!(!is_out_of_memory(&e), "{e}");
+        }
+    }
+}
