@@ -55,7 +55,8 @@ pub fn record_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<(Mea
 fn measure(spec: &ModelSpec, plan: &Plan, target: Target, recorded: bool) -> Result<(Measurement, Option<Timeline>)> {
     let device = match target {
         Target::Cpu => Device::Cpu,
-        Target::Cuda(_) => return Err(Error::Usage("measuring on CUDA needs a build with --features cuda".into())),
+        Target::Cuda(i) if !recorded => return measure_cuda(spec, plan, i).map(|m| (m, None)),
+        Target::Cuda(_) => return Err(Error::Usage("recording a timeline needs --device cpu".into())),
     };
     if !alloc::installed() {
         return Err(Error::Usage(
@@ -98,6 +99,55 @@ fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
     let mut trainer = Trainer::new(&tiny, tiny_plan, device, &TrainOptions::default())?;
     trainer.step(&mut DataSource::synthetic(0))?;
     Ok(())
+}
+
+/// Measures a step on `cuda:i`: the memory pool's allocated and reserved
+/// high-water marks, reset after the first step. A CUDA out-of-memory is a
+/// measurement (`out_of_memory`), after which the pool is trimmed.
+#[cfg(feature = "cuda")]
+fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measurement> {
+    use super::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
+    let device = Device::new_cuda(ordinal)?;
+    let Device::Cuda(cuda) = &device else { unreachable!("new_cuda gives a CUDA device") };
+    let run = || -> candle_core::Result<Result<Measurement>> {
+        let mut trainer = match Trainer::new(&spec.config, *plan, &device, &TrainOptions::default()) {
+            Ok(t) => t,
+            Err(Error::Candle(e)) => return Err(e),
+            Err(e) => return Ok(Err(e)),
+        };
+        let mut data = DataSource::synthetic(0);
+        let mut step = |t: &mut Trainer| match t.step(&mut data) {
+            Ok(_) => Ok(Ok(())),
+            Err(Error::Candle(e)) => Err(e),
+            Err(e) => Ok(Err(e)),
+        };
+        if let Err(e) = step(&mut trainer)? {
+            return Ok(Err(e));
+        }
+        reset_peaks(cuda)?;
+        if let Err(e) = step(&mut trainer)? {
+            return Ok(Err(e));
+        }
+        let stats = PoolStats::read(cuda)?;
+        Ok(Ok(Measurement { peak_bytes: stats.used_high, reserved_bytes: stats.reserved_high, out_of_memory: false }))
+    };
+    let outcome = run();
+    trim(cuda)?;
+    match outcome {
+        Ok(m) => m,
+        Err(e) if is_out_of_memory(&e) => {
+            tracing::warn!(%plan, "CUDA out of memory while measuring");
+            let high = PoolStats::read(cuda)?.used_high;
+            Ok(Measurement { peak_bytes: high, reserved_bytes: high, out_of_memory: true })
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Without the `cuda` feature there is no GPU to measure on.
+#[cfg(not(feature = "cuda"))]
+fn measure_cuda(_: &ModelSpec, _: &Plan, _: usize) -> Result<Measurement> {
+    Err(Error::Usage("measuring on CUDA needs a build with --features cuda".into()))
 }
 
 /// A [`Verifier`] that runs real steps, in process or in a child process.
