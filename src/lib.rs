@@ -22,11 +22,13 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod checkpoint_file;
 pub mod cli;
 mod error;
 pub mod inspect;
 pub mod measure;
 pub mod memory;
+pub mod output;
 pub mod report;
 pub mod search;
 pub mod spec;
