@@ -42,7 +42,8 @@ pub struct TrainArgs {
     /// Planning options: the plan trained is the one the search chooses.
     #[command(flatten)]
     pub plan: PlanArgs,
-    /// Optimizer steps to run.
+    /// Optimizer steps to reach: with --resume, the checkpoint's steps count
+    /// (the same command line continues an interrupted run).
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
     /// Training data: a `.bin` of token ids (nanoGPT format) or a text file
@@ -53,7 +54,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub u32_tokens: bool,
     /// AdamW learning rate.
-    #[arg(long, default_value_t = 3e-4)]
+    #[arg(long, default_value_t = 3e-4, value_parser = parse_lr)]
     pub lr: f64,
     /// Seed of the initialisation and of random data.
     #[arg(long, default_value_t = 0)]
@@ -61,6 +62,17 @@ pub struct TrainArgs {
     /// Start from the model file's weights instead of a random initialisation.
     #[arg(long)]
     pub pretrained: bool,
+    /// Write a checkpoint (weights, optimizer state, step, data position) here
+    /// at the end, every --save-every steps, and when stopped by SIGINT or
+    /// SIGTERM. Written atomically; never over the model or data file.
+    #[arg(long, value_name = "PATH")]
+    pub save: Option<PathBuf>,
+    /// Also write the checkpoint every N steps [default: only at the end].
+    #[arg(long, value_name = "N", requires = "save", value_parser = clap::value_parser!(u64).range(1..))]
+    pub save_every: Option<u64>,
+    /// Continue from a checkpoint written by --save (same model and plan).
+    #[arg(long, value_name = "PATH")]
+    pub resume: Option<PathBuf>,
 }
 
 /// Options of the hidden `measure-step` command.
@@ -176,6 +188,13 @@ pub struct LogArgs {
     /// Fewer logs (errors only).
     #[arg(short, long, action = clap::ArgAction::Count, global = true, conflicts_with = "verbose")]
     pub quiet: u8,
+}
+
+fn parse_lr(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(lr) if lr.is_finite() && lr >= 0.0 => Ok(lr),
+        _ => Err(format!("`{s}` is not a learning rate (a finite number >= 0)")),
+    }
 }
 
 fn parse_target(s: &str) -> Result<Target, String> {

@@ -22,6 +22,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod checkpoint_file;
 pub mod cli;
 mod error;
 pub mod inspect;

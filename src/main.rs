@@ -1,18 +1,35 @@
-//! The `oomfix` command: parse arguments, call the library, map outcomes to exit codes
-//! (0: a plan fits, 1: nothing fits, 2: usage or input error).
+//! The `oomfix` command: parse arguments, call the library, map outcomes to exit codes:
+//!
+//! * 0: done (a plan fits; `train` ran all its steps);
+//! * 1: nothing fits the budget;
+//! * 2: a usage or input error (bad option, unreadable model or data file, a
+//!   corrupt checkpoint or one of another model or plan);
+//! * 3: a failure while running: training stopped on a NaN or infinite loss, a
+//!   write failed, a device error;
+//! * 130, 143: `train` stopped by SIGINT or SIGTERM at a step boundary (after
+//!   writing its checkpoint with `--save`), as shells report a death by those
+//!   signals; a second signal exits at once with the same code.
 
 use anyhow::Context;
 use clap::Parser;
 use oomfix::cli::{Cli, Command, HalfArg, LogArgs, LogFormat, MeasureStepArgs, PlanArgs, TrainArgs, VerifyArg};
 use oomfix::measure::{CountingAlloc, StepVerifier};
 use oomfix::train::data::{DataSource, TokenWidth};
-use oomfix::train::{TrainOptions, Trainer};
+use oomfix::train::{StepStats, TrainOptions, Trainer};
 use oomfix::{inspect, report, Error, ModelSpec, Pipeline, Planner, SearchResult, Target, Verify};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
+use std::path::Path;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use tracing_subscriber::{fmt, EnvFilter};
+
+/// Exit code of success: a plan fits, training ran all its steps.
+const SUCCESS: u8 = 0;
+/// Exit code when nothing fits.
+const NOTHING_FITS: u8 = 1;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -20,6 +37,7 @@ fn main() -> ExitCode {
         eprintln!("oomfix: {err:#}");
         return ExitCode::from(2);
     }
+    let fits = |fits: bool| if fits { SUCCESS } else { NOTHING_FITS };
     let outcome = match cli.command {
         Some(Command::Inspect(args)) => inspect::inspect(&args.model).map(|spec| {
             let text = if args.json {
@@ -28,20 +46,19 @@ fn main() -> ExitCode {
                 report::inspect_text(&spec)
             };
             print!("{text}");
-            true
+            SUCCESS
         }),
-        Some(Command::Plan(args)) => plan(&args).map(|(_, result)| result.fits()),
+        Some(Command::Plan(args)) => plan(&args).map(|(_, result)| fits(result.fits())),
         Some(Command::Train(args)) => train(&args),
-        Some(Command::MeasureStep(args)) => measure_step(&args),
-        None => plan(&cli.plan).map(|(_, result)| result.fits()),
+        Some(Command::MeasureStep(args)) => measure_step(&args).map(fits),
+        None => plan(&cli.plan).map(|(_, result)| fits(result.fits())),
     };
     match outcome {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
+        Ok(code) => ExitCode::from(code),
         Err(err) => {
             tracing::debug!(?err, "failed");
             eprintln!("oomfix: {err}");
-            ExitCode::from(2)
+            ExitCode::from(if err.is_input() { 2 } else { 3 })
         }
     }
 }
@@ -102,10 +119,9 @@ fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, bu
     if args.device != Target::Cpu {
         return Err(Error::Usage("--snapshot and --plot record host allocations: use --device cpu".into()));
     }
+    let inputs: Vec<&Path> = spec.files.iter().map(|f| f.as_path()).chain(args.model.as_deref()).collect();
     for out in [&args.snapshot, &args.plot].into_iter().flatten() {
-        if args.model.as_deref().is_some_and(|m| same_file(m, out)) {
-            return Err(Error::Usage(format!("refusing to write over the model file {}", out.display())));
-        }
+        oomfix::output::check_output(out, &inputs)?;
     }
     let attempt = result.chosen().unwrap_or_else(|| result.closest());
     let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
@@ -114,33 +130,44 @@ fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, bu
     }
     tracing::info!(measured_bytes = m.peak_bytes, events = timeline.events.len(), "recorded {}", attempt.plan);
     if let Some(path) = &args.snapshot {
-        oomfix::output::write_atomic(path, &report::snapshot_pickle(&timeline))?;
+        let bytes = report::snapshot_pickle(&timeline);
+        oomfix::output::write_atomic(path, |f| write_all(f, path, &bytes))?;
     }
     if let Some(path) = &args.plot {
         let title = format!("{}: {}", spec.source, attempt.plan);
         let svg = report::timeline_svg(&timeline, budget, &title).map_err(Error::Usage)?;
-        oomfix::output::write_atomic(path, svg.as_bytes())?;
+        oomfix::output::write_atomic(path, |f| write_all(f, path, svg.as_bytes()))?;
     }
     Ok(())
 }
 
-fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
-    matches!((a.canonicalize(), b.canonicalize()), (Ok(x), Ok(y)) if x == y)
+fn write_all(f: &mut std::fs::File, path: &Path, bytes: &[u8]) -> oomfix::Result<()> {
+    use std::io::Write;
+    f.write_all(bytes).map_err(|e| Error::Io { context: format!("writing {}", path.display()), source: e })
 }
 
-/// Plans, then trains the chosen plan; `Ok(false)` when nothing fits.
-fn train(args: &TrainArgs) -> oomfix::Result<bool> {
+/// Plans, then trains the chosen plan; returns the exit code (0, 1 when nothing
+/// fits, 128 + the signal when stopped by one).
+fn train(args: &TrainArgs) -> oomfix::Result<u8> {
     let device = match args.plan.device {
         Target::Cpu => candle_core::Device::Cpu,
         Target::Cuda(i) => candle_core::Device::new_cuda(i)
             .map_err(|e| Error::Usage(format!("cannot use cuda:{i}: {e} (this build needs --features cuda)")))?,
     };
     let (spec, result) = plan(&args.plan)?;
-    let Some(chosen) = result.chosen() else { return Ok(false) };
+    let Some(chosen) = result.chosen() else { return Ok(NOTHING_FITS) };
+    if let Some(save) = &args.save {
+        // The resume file is not among the inputs: replacing it is the point.
+        let mut inputs: Vec<&Path> = spec.files.iter().map(|p| p.as_path()).collect();
+        inputs.extend(args.plan.model.as_deref());
+        inputs.extend(args.data.as_deref());
+        oomfix::output::check_output(save, &inputs)?;
+    }
     let weights = match (&args.pretrained, &args.plan.model) {
-        (true, Some(_)) => Some(spec.files.clone()),
+        // A resumed run takes its weights from the checkpoint.
+        (true, Some(_)) if args.resume.is_none() => Some(spec.files.clone()),
         (true, None) => return Err(Error::Usage("--pretrained needs a model file".into())),
-        (false, _) => None,
+        _ => None,
     };
     let options = TrainOptions {
         adamw: candle_nn::ParamsAdamW { lr: args.lr, ..Default::default() },
@@ -148,47 +175,114 @@ fn train(args: &TrainArgs) -> oomfix::Result<bool> {
         weights,
     };
     let mut trainer = Trainer::new(&spec.config, chosen.plan, &device, &options)?;
-    let mut data = match &args.data {
-        Some(path) => {
-            let width = if args.u32_tokens { TokenWidth::U32 } else { TokenWidth::U16 };
-            DataSource::from_file(path, width, spec.config.vocab)?
-        }
-        None => DataSource::synthetic(args.seed),
-    };
-    let bar = progress_bar(args.steps);
-    for _ in 0..args.steps {
-        let s = trainer.step(&mut data)?;
-        let msg = format!(
-            "loss {:.4}  {:.0} tok/s  peak {}{}",
-            s.loss,
-            s.tokens as f64 / s.seconds,
-            oomfix::units::format_bytes(s.peak()),
-            if s.skipped { "  (skipped: fp16 overflow)" } else { "" }
+    let mut data = data_source(args, spec.config.vocab)?;
+    if let Some(path) = &args.resume {
+        trainer.resume(path, &mut data)?;
+        tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "resumed");
+        eprintln!("oomfix: resumed from {} at step {}", path.display(), trainer.steps());
+    }
+    if (args.save.is_some() || args.resume.is_some()) && !trainer.saves_optimizer_state() {
+        tracing::warn!(
+            "the plan uses candle_nn::AdamW, whose moments cannot be read: checkpoints hold the weights, \
+             step and data position but not the optimizer moments; a resumed run restarts them from zero"
         );
-        tracing::info!(step = trainer.steps(), loss = s.loss, tokens = s.tokens, seconds = s.seconds,
-                       forward_backward_peak_bytes = s.forward_backward_peak,
-                       optimizer_peak_bytes = s.optimizer_peak, skipped = s.skipped, "step");
-        match &bar {
-            Some(bar) => {
-                bar.set_message(msg);
-                bar.inc(1);
-            }
-            None => eprintln!("step {}/{}  {msg}", trainer.steps(), args.steps),
+    }
+    // The state on disk, as a step count: nothing to write again at that step.
+    let mut saved_at = (args.save.is_some() && args.save == args.resume).then(|| trainer.steps());
+    let save = |trainer: &Trainer, data: &DataSource, saved_at: &mut Option<u64>| -> oomfix::Result<()> {
+        let Some(path) = &args.save else { return Ok(()) };
+        if *saved_at != Some(trainer.steps()) {
+            trainer.save(path, data)?;
+            tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "saved");
+            *saved_at = Some(trainer.steps());
+        }
+        Ok(())
+    };
+    let signal = stop_signals()?;
+    let bar = progress_bar(args.steps, trainer.steps());
+    while trainer.steps() < args.steps {
+        if signal.load(Ordering::SeqCst) != 0 {
+            break;
+        }
+        let stats = trainer.step(&mut data)?;
+        report_step(&trainer, &stats, args.steps, bar.as_ref());
+        if args.save_every.is_some_and(|n| trainer.steps() % n == 0) {
+            save(&trainer, &data, &mut saved_at)?;
         }
     }
     if let Some(bar) = bar {
         bar.finish();
     }
-    Ok(true)
+    save(&trainer, &data, &mut saved_at)?;
+    let stopped_by = signal.load(Ordering::SeqCst);
+    if stopped_by == 0 || trainer.steps() >= args.steps {
+        return Ok(SUCCESS);
+    }
+    let name = if stopped_by == signal_hook::consts::SIGINT as usize { "SIGINT" } else { "SIGTERM" };
+    let saved = match &args.save {
+        Some(path) => format!("checkpoint written to {}", path.display()),
+        None => "no checkpoint written (no --save)".into(),
+    };
+    eprintln!("oomfix: stopped by {name} after step {}; {saved}", trainer.steps());
+    Ok(128 + stopped_by as u8)
 }
 
-/// A progress bar on a terminal; `None` otherwise (plain lines instead).
-fn progress_bar(steps: u64) -> Option<indicatif::ProgressBar> {
+/// The training data `args` ask for.
+fn data_source(args: &TrainArgs, vocab: usize) -> oomfix::Result<DataSource> {
+    match &args.data {
+        Some(path) => {
+            let width = if args.u32_tokens { TokenWidth::U32 } else { TokenWidth::U16 };
+            DataSource::from_file(path, width, vocab)
+        }
+        None => Ok(DataSource::synthetic(args.seed)),
+    }
+}
+
+/// Makes SIGINT and SIGTERM stop training at the next step boundary: the
+/// returned value becomes the signal's number. A second one exits at once with
+/// 128 + its number.
+fn stop_signals() -> oomfix::Result<Arc<AtomicUsize>> {
+    use signal_hook::{consts, flag};
+    let which = Arc::new(AtomicUsize::new(0));
+    let pending = Arc::new(AtomicBool::new(false));
+    let io = |e| Error::Io { context: "installing signal handlers".into(), source: e };
+    for sig in [consts::SIGINT, consts::SIGTERM] {
+        // In this order: exit if one is already pending, else record it.
+        flag::register_conditional_shutdown(sig, 128 + sig, Arc::clone(&pending)).map_err(io)?;
+        flag::register_usize(sig, Arc::clone(&which), sig as usize).map_err(io)?;
+        flag::register(sig, Arc::clone(&pending)).map_err(io)?;
+    }
+    Ok(which)
+}
+
+/// Logs a step and shows it on the progress bar (or as a line without one).
+fn report_step(trainer: &Trainer, s: &StepStats, steps: u64, bar: Option<&indicatif::ProgressBar>) {
+    let msg = format!(
+        "loss {:.4}  {:.0} tok/s  peak {}{}",
+        s.loss,
+        s.tokens as f64 / s.seconds,
+        oomfix::units::format_bytes(s.peak()),
+        if s.skipped { "  (skipped: fp16 overflow)" } else { "" }
+    );
+    tracing::info!(step = trainer.steps(), loss = s.loss, tokens = s.tokens, seconds = s.seconds,
+                   forward_backward_peak_bytes = s.forward_backward_peak,
+                   optimizer_peak_bytes = s.optimizer_peak, skipped = s.skipped, "step");
+    match bar {
+        Some(bar) => {
+            bar.set_message(msg);
+            bar.inc(1);
+        }
+        None => eprintln!("step {}/{steps}  {msg}", trainer.steps()),
+    }
+}
+
+/// A progress bar at `done` of `steps` on a terminal; `None` otherwise (plain lines instead).
+fn progress_bar(steps: u64, done: u64) -> Option<indicatif::ProgressBar> {
     use std::io::IsTerminal;
     if !std::io::stderr().is_terminal() {
         return None;
     }
-    let bar = indicatif::ProgressBar::new(steps);
+    let bar = indicatif::ProgressBar::new(steps).with_position(done);
     let style = indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} {elapsed_precise}  {msg}")
         .expect("valid template");
     bar.set_style(style);

@@ -21,6 +21,21 @@ pub enum TokenWidth {
     U32,
 }
 
+/// Where a [`DataSource`] stands in its stream: what a checkpoint saves to
+/// resume it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataPosition {
+    /// The state of the synthetic generator.
+    Synthetic(u64),
+    /// The next read position in a token stream of `len` ids.
+    Tokens {
+        /// Next read position.
+        pos: u64,
+        /// Number of ids in the stream.
+        len: u64,
+    },
+}
+
 /// Where tokens come from.
 #[derive(Debug, Clone)]
 pub enum DataSource {
@@ -81,6 +96,43 @@ impl DataSource {
         Ok(DataSource::Tokens { path: path.to_path_buf(), ids, pos: 0 })
     }
 
+    /// Where the stream stands.
+    pub fn position(&self) -> DataPosition {
+        match self {
+            DataSource::Synthetic { state } => DataPosition::Synthetic(*state),
+            DataSource::Tokens { ids, pos, .. } => DataPosition::Tokens { pos: *pos as u64, len: ids.len() as u64 },
+        }
+    }
+
+    /// Continues the stream from `position` (from [`position`](Self::position)
+    /// on a source of the same kind: synthetic, or tokens of the same length).
+    /// On error, says why in a sentence and changes nothing.
+    pub fn seek(&mut self, position: DataPosition) -> Result<(), String> {
+        match (self, position) {
+            (DataSource::Synthetic { state }, DataPosition::Synthetic(s)) if s != 0 => *state = s,
+            (DataSource::Tokens { ids, pos, .. }, DataPosition::Tokens { pos: p, len })
+                if len == ids.len() as u64 && p < len =>
+            {
+                *pos = p as usize
+            }
+            (DataSource::Tokens { ids, path, .. }, DataPosition::Tokens { len, .. }) if len != ids.len() as u64 => {
+                return Err(format!(
+                    "the data was a stream of {len} tokens; {} holds {}",
+                    path.display(),
+                    ids.len()
+                ))
+            }
+            (DataSource::Tokens { path, .. }, DataPosition::Synthetic(_)) => {
+                return Err(format!("the data was random tokens; this run reads {}", path.display()))
+            }
+            (DataSource::Synthetic { .. }, DataPosition::Tokens { len, .. }) => {
+                return Err(format!("the data was a file of {len} tokens; this run uses random tokens (give --data)"))
+            }
+            (_, p) => return Err(format!("invalid data position {p:?}")),
+        }
+        Ok(())
+    }
+
     /// The next `batch` windows of `seq_len + 1` tokens, row after row.
     pub fn next_windows(&mut self, batch: usize, seq_len: usize, vocab: usize) -> Vec<u32> {
         let n = batch * (seq_len + 1);
@@ -136,6 +188,30 @@ mod tests {
         std::fs::write(&t, "hello").unwrap();
         assert!(DataSource::from_file(&t, TokenWidth::U16, 64).is_err());
         assert_eq!(DataSource::from_file(&t, TokenWidth::U16, 256).unwrap().next_windows(1, 2, 256), [104, 101, 108]);
+    }
+
+    #[test]
+    fn seeking_to_a_position_continues_the_stream() {
+        let mut a = DataSource::synthetic(3);
+        a.next_windows(2, 4, 50);
+        let mut b = DataSource::synthetic(9);
+        b.seek(a.position()).unwrap();
+        assert_eq!(a.next_windows(1, 4, 50), b.next_windows(1, 4, 50));
+
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.bin");
+        std::fs::write(&p, (0u16..10).flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        let mut t = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
+        t.next_windows(1, 3, 16);
+        let mut u = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
+        u.seek(t.position()).unwrap();
+        assert_eq!(u.next_windows(1, 2, 16), [3, 4, 5]);
+
+        assert!(u.seek(DataPosition::Tokens { pos: 1, len: 11 }).unwrap_err().contains("11 tokens"));
+        assert!(u.seek(DataPosition::Tokens { pos: 10, len: 10 }).is_err());
+        assert!(u.seek(a.position()).unwrap_err().contains("random tokens"));
+        assert!(a.seek(t.position()).unwrap_err().contains("--data"));
+        assert!(a.seek(DataPosition::Synthetic(0)).is_err());
     }
 
     #[test]

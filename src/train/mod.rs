@@ -309,14 +309,11 @@ pub trait TrainableModel {
     fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput>;
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
-    /// compute dtype.
+    /// compute dtype, atomically ([`crate::output::write_atomic`]).
     fn save(&self, path: &Path) -> Result<()> {
-        let tensors: HashMap<&str, Tensor> =
-            self.vars().iter().map(|(name, var)| (name.as_str(), var.as_tensor().clone())).collect();
-        candle_core::safetensors::save(&tensors, path).map_err(|e| Error::Io {
-            context: format!("writing {}", path.display()),
-            source: std::io::Error::other(e.to_string()),
-        })
+        let tensors = self.vars().iter().map(|(name, var)| (name.clone(), var.as_tensor().clone())).collect();
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        crate::checkpoint_file::write_safetensors(path, tensors, metadata)
     }
 }
 

@@ -7,8 +7,13 @@
 //! dropped as soon as its tensor is updated), or [`FusedAdamW`] in place. Under
 //! mixed precision the optimizer updates fp32 master weights, copied back into
 //! the 16-bit compute weights after the step.
+//!
+//! [`Trainer::save`] writes the whole training state to a checkpoint
+//! ([`crate::checkpoint_file`]) and [`Trainer::resume`] restores it, so a resumed
+//! run takes the same steps as one that was never stopped.
 
-use super::data::DataSource;
+use super::data::{DataPosition, DataSource};
+use crate::checkpoint_file::{self, CheckpointFile};
 use super::{build_model, Batch, TrainableModel};
 use crate::measure::alloc;
 use crate::{Error, ModelConfig, Result};
@@ -18,7 +23,8 @@ use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::FusedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
 use oomfix_strategies::{OptimizerImpl, Plan, Precision};
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Settings of a training run besides the plan.
@@ -80,6 +86,11 @@ pub struct Trainer {
     step: u64,
 }
 
+/// A model shape in a few words, for messages.
+fn describe(c: &ModelConfig) -> String {
+    format!("{:?}, {} layers, hidden {}, {} heads, vocab {}", c.family, c.layers, c.hidden, c.heads, c.vocab)
+}
+
 /// The compute dtype of a precision.
 pub fn compute_dtype(p: Precision) -> DType {
     match p {
@@ -131,6 +142,137 @@ impl Trainer {
     /// Optimizer steps taken.
     pub fn steps(&self) -> u64 {
         self.step
+    }
+
+    /// Whether [`save`](Self::save) includes the optimizer's moments: with
+    /// fused AdamW it does; `candle_nn::AdamW` keeps them out of reach, so a run
+    /// resumed from its checkpoint restarts them from zero.
+    pub fn saves_optimizer_state(&self) -> bool {
+        matches!(self.optim, Optim::Fused(_))
+    }
+
+    /// Writes the training state to `path` atomically (an existing file is
+    /// replaced only once the new one is complete).
+    ///
+    /// Tensors: the parameters under their Hub names in the compute dtype; with
+    /// mixed precision the fp32 master weights as `master.<name>`; with fused
+    /// AdamW its moments as `optim.<name>.m`, `optim.<name>.v` and its step count
+    /// `optim.step`; with fp16 the loss scaler's `scaler.scale` (f64) and
+    /// `scaler.growth_tracker`; `trainer.step`; the data position as
+    /// `data.synthetic_state` (the generator state's bits) or `data.position` and
+    /// `data.tokens`. Integers are i64 scalars. Metadata: `plan` (the plan as
+    /// text) and `model` (the [`ModelConfig`] as JSON).
+    pub fn save(&self, path: &Path, data: &DataSource) -> Result<()> {
+        let vars = self.model.vars();
+        let mut tensors: Vec<(String, Tensor)> =
+            vars.iter().map(|(name, v)| (name.clone(), v.as_tensor().clone())).collect();
+        if let Some(m) = &self.master {
+            tensors.extend(vars.iter().zip(m.master_vars()).map(|((name, _), v)| (format!("master.{name}"), v.as_tensor().clone())));
+        }
+        if let Optim::Fused(opt) = &self.optim {
+            tensors.extend(opt.state_tensors()?.into_iter().map(|(k, t)| (format!("optim.{k}"), t)));
+        }
+        let cpu = &Device::Cpu;
+        if let Some(s) = &self.scaler {
+            tensors.push(("scaler.scale".into(), Tensor::new(s.scale(), cpu)?));
+            tensors.push(("scaler.growth_tracker".into(), Tensor::new(i64::from(s.growth_tracker()), cpu)?));
+        }
+        tensors.push(("trainer.step".into(), Tensor::new(self.step as i64, cpu)?));
+        match data.position() {
+            // The generator state's bits, stored as i64.
+            DataPosition::Synthetic(state) => tensors.push(("data.synthetic_state".into(), Tensor::new(state as i64, cpu)?)),
+            DataPosition::Tokens { pos, len } => {
+                tensors.push(("data.position".into(), Tensor::new(pos as i64, cpu)?));
+                tensors.push(("data.tokens".into(), Tensor::new(len as i64, cpu)?));
+            }
+        }
+        let model = serde_json::to_string(self.model.config()).map_err(|e| Error::Usage(format!("model shape: {e}")))?;
+        let metadata = HashMap::from([("plan".to_string(), self.plan.to_string()), ("model".to_string(), model)]);
+        checkpoint_file::write(path, tensors, metadata)
+    }
+
+    /// Restores the state [`save`](Self::save) wrote to `path`, and moves `data`
+    /// to where that run stood.
+    ///
+    /// The checkpoint must verify (see [`CheckpointFile::open`]) and come from
+    /// the same model shape, plan and kind of data; every failure is an input
+    /// error naming the file. The checks run before anything changes; a failure
+    /// while loading tensors after them leaves the trainer and `data` partly
+    /// restored (drop them).
+    pub fn resume(&mut self, path: &Path, data: &mut DataSource) -> Result<()> {
+        let ck = CheckpointFile::open(path)?;
+        let bad = |msg: String| Error::input(path, msg);
+        let saved: ModelConfig = ck
+            .meta("model")
+            .and_then(|m| serde_json::from_str(m).ok())
+            .ok_or_else(|| bad("checkpoint has no readable model shape".into()))?;
+        if &saved != self.model.config() {
+            return Err(bad(format!(
+                "checkpoint is of another model ({}); this run trains {}",
+                describe(&saved),
+                describe(self.model.config())
+            )));
+        }
+        let plan = self.plan.to_string();
+        match ck.meta("plan") {
+            Some(p) if p == plan => {}
+            p => {
+                return Err(bad(format!(
+                    "checkpoint was written with the plan `{}`; this run's is `{plan}` \
+                     (resume with the same budget, batch, sequence length, strategies and precision)",
+                    p.unwrap_or("?")
+                )))
+            }
+        }
+        let position = if ck.contains("data.synthetic_state") {
+            DataPosition::Synthetic(ck.scalar_i64("data.synthetic_state")? as u64)
+        } else {
+            let int = |name| ck.scalar_i64(name).and_then(|v| u64::try_from(v).map_err(|_| bad(format!("`{name}` is {v}"))));
+            DataPosition::Tokens { pos: int("data.position")?, len: int("data.tokens")? }
+        };
+        let step = u64::try_from(ck.scalar_i64("trainer.step")?).map_err(|_| bad("negative `trainer.step`".into()))?;
+        data.seek(position).map_err(|msg| bad(format!("cannot continue the data: {msg}")))?;
+        self.load_tensors(&ck)?;
+        if let Some(s) = &mut self.scaler {
+            let tracker = ck.scalar_i64("scaler.growth_tracker")?;
+            let tracker = u32::try_from(tracker).map_err(|_| bad(format!("`scaler.growth_tracker` is {tracker}")))?;
+            s.restore(ck.scalar_f64("scaler.scale")?, tracker).map_err(|e| bad(e.to_string()))?;
+        }
+        self.step = step;
+        Ok(())
+    }
+
+    /// Loads parameters, master weights and optimizer state from `ck`.
+    fn load_tensors(&mut self, ck: &CheckpointFile) -> Result<()> {
+        let set = |name: &str, var: &Var| -> Result<()> {
+            let t = ck.tensor(name)?;
+            if t.dims() != var.dims() {
+                return Err(Error::input(
+                    ck.path(),
+                    format!("tensor `{name}` has shape {:?}, the model needs {:?}", t.dims(), var.dims()),
+                ));
+            }
+            var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+            Ok(())
+        };
+        let vars = self.model.vars();
+        for (name, var) in vars {
+            set(name, var)?;
+        }
+        if let Some(m) = &self.master {
+            for ((name, _), var) in vars.iter().zip(m.master_vars()) {
+                set(&format!("master.{name}"), var)?;
+            }
+        }
+        if let Optim::Fused(opt) = &mut self.optim {
+            let keys = vars.iter().flat_map(|(n, _)| [format!("{n}.m"), format!("{n}.v")]);
+            let state = keys
+                .chain([oomfix_strategies::adamw::STEP_KEY.to_string()])
+                .map(|k| Ok((k.clone(), ck.tensor(&format!("optim.{k}"))?)))
+                .collect::<Result<HashMap<_, _>>>()?;
+            opt.load_state(&state).map_err(|e| Error::input(ck.path(), e.to_string()))?;
+        }
+        Ok(())
     }
 
     fn batch(&self, data: &mut DataSource) -> Result<Batch> {
