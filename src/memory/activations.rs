@@ -157,9 +157,9 @@ pub const LOSS_BACKWARD_NV_F32: u64 = 6;
 pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
 
 /// Score-sized tensors alive at once while the backward crosses one attention
-/// (the softmax's quotient rule and exp terms; measured: 10 on top of what the
+/// (the softmax's quotient rule and exp terms; measured: 8 on top of what the
 /// block keeps).
-pub const ATTENTION_BACKWARD_SCORES: u64 = 10;
+pub const ATTENTION_BACKWARD_SCORES: u64 = 8;
 
 /// `[n, I]`-sized tensors alive at once while the backward crosses one MLP:
 /// candle's GELU (tanh form, GPT-2), SiLU-gated (Llama) and GELU (erf form,
