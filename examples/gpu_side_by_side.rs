@@ -1,0 +1,204 @@
+//! oomfix's half of the PyTorch side-by-side on cuda:0 (scripts/side-by-side.sh
+//! runs both halves and prints the tables; results in docs/gpu-side-by-side.md).
+//!
+//! For each configuration on the command line, trains through `Trainer`: one
+//! warm-up step (module load and PTX JIT, state allocation; excluded), then the
+//! pool's high-water marks are reset and `--steps` steps are measured, each
+//! between device synchronisations. Prints one JSON line per configuration:
+//! pool used/reserved high-water marks, median step time, and the memory
+//! model's estimate with and without its runtime term (the pool holds no
+//! runtime, so `estimate_pool_bytes` is the figure to compare with `peak_alloc_bytes`).
+//! A CUDA out-of-memory is reported as `"status":"oom"`, then the pool is trimmed.
+//!
+//! Usage: `gpu_side_by_side [--steps N] CONFIG...`, CONFIG =
+//! `MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM]`, e.g. `gpt2:8:1024:bf16:1:fused`:
+//! MODEL gpt2 | gpt2-medium | tinyllama; PRECISION fp32 | bf16; CKPT 0 (none) or
+//! k (checkpoint every k blocks); OPTIMIZER fused | candle; ACCUM micro-batches
+//! per step (default 1).
+//!
+//! Build with `scripts/build-cuda.sh --example gpu_side_by_side`.
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use oomfix::measure::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
+use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
+use oomfix::train::data::DataSource;
+use oomfix::train::{TrainOptions, Trainer};
+use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Plan, Target};
+use serde_json::{json, Value};
+
+fn main() -> Result<()> {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut steps = 5;
+    if let Some(i) = args.iter().position(|a| a == "--steps") {
+        steps = args
+            .get(i + 1)
+            .context("--steps needs a number")?
+            .parse()
+            .context("--steps needs a number")?;
+        args.drain(i..i + 2);
+    }
+    if args.is_empty() || steps == 0 {
+        bail!("usage: gpu_side_by_side [--steps N>0] MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM]...");
+    }
+    let configs: Vec<(String, ModelConfig, Plan)> =
+        args.iter().map(|a| parse(a)).collect::<Result<_>>()?;
+    let device = Device::new_cuda(0)?;
+    for (model, config, plan) in configs {
+        let line = run(&device, &model, &config, plan, steps)?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// Parses `MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM]`.
+fn parse(arg: &str) -> Result<(String, ModelConfig, Plan)> {
+    let f: Vec<&str> = arg.split(':').collect();
+    let (model, batch, seq, precision, ckpt, optimizer, accum) = match f[..] {
+        [m, b, s, p, c, o] => (m, b, s, p, c, o, "1"),
+        [m, b, s, p, c, o, a] => (m, b, s, p, c, o, a),
+        _ => bail!("`{arg}` is not MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM]"),
+    };
+    let config = match model {
+        "gpt2" => ModelConfig::gpt2_small(),
+        "gpt2-medium" => ModelConfig::gpt2_medium(),
+        "tinyllama" => ModelConfig::tinyllama_1_1b(),
+        _ => bail!("unknown model `{model}` (gpt2, gpt2-medium, tinyllama)"),
+    };
+    let precision: Precision = precision.parse().map_err(anyhow::Error::msg)?;
+    let checkpoint = match ckpt
+        .parse::<usize>()
+        .with_context(|| format!("checkpoint `{ckpt}`"))?
+    {
+        0 => Checkpointing::None,
+        k => Checkpointing::Every(k),
+    };
+    let optimizer = match optimizer {
+        "fused" => OptimizerImpl::FusedAdamW,
+        "candle" => OptimizerImpl::CandleAdamW,
+        _ => bail!("unknown optimizer `{optimizer}` (fused, candle)"),
+    };
+    let plan = Plan {
+        micro_batch: batch.parse().with_context(|| format!("batch `{batch}`"))?,
+        grad_accum: accum
+            .parse()
+            .with_context(|| format!("accumulation `{accum}`"))?,
+        seq_len: seq.parse().with_context(|| format!("seq `{seq}`"))?,
+        precision,
+        checkpoint,
+        optimizer,
+        ..Plan::baseline(1, 1)
+    };
+    Ok((model.to_string(), config, plan))
+}
+
+/// Measures one configuration; the JSON line to print.
+fn run(
+    device: &Device,
+    model: &str,
+    config: &ModelConfig,
+    plan: Plan,
+    steps: usize,
+) -> Result<Value> {
+    let cuda = device.as_cuda_device()?;
+    let spec = ModelSpec::from_config(model, config.clone());
+    let estimate = MemoryModel.estimate(&spec, &plan, &Target::Cuda(0));
+    let ckpt = match plan.checkpoint {
+        Checkpointing::None => 0,
+        Checkpointing::Every(k) => k,
+    };
+    let mut line = json!({
+        "side": "oomfix",
+        "model": model,
+        "batch": plan.micro_batch,
+        "accum": plan.grad_accum,
+        "seq": plan.seq_len,
+        "precision": plan.precision.as_str(),
+        "ckpt": ckpt,
+        "optimizer": plan.optimizer.as_str(),
+        "attn": "candle",
+        "params": spec.parameters(),
+        "estimate_bytes": estimate.peak,
+        "estimate_pool_bytes": estimate.peak.saturating_sub(Target::Cuda(0).runtime_bytes()),
+        "estimate_phase": estimate.peak_phase.to_string(),
+    });
+    trim(cuda)?;
+    eprintln!("oomfix: {model} {plan}");
+    let outcome = measure(device, config, plan, steps);
+    trim(cuda)?;
+    let fields = match outcome {
+        Ok(m) => m,
+        Err(e) => {
+            let oom = candle_error(&e).is_some_and(is_out_of_memory);
+            eprintln!("  {}: {e}", if oom { "out of memory" } else { "failed" });
+            let high = PoolStats::read(cuda)?;
+            json!({
+                "status": if oom { "oom" } else { "error" },
+                "error": e.to_string().lines().next().unwrap_or("").to_string(),
+                "peak_alloc_bytes_before_failure": high.used_high,
+            })
+        }
+    };
+    let stats = PoolStats::read(cuda)?;
+    fields
+        .as_object()
+        .into_iter()
+        .flatten()
+        .for_each(|(k, v)| line[k] = v.clone());
+    line["outside_pool_bytes"] =
+        json!((stats.device_total - stats.device_free).saturating_sub(stats.reserved));
+    Ok(line)
+}
+
+/// Warm-up step, then `steps` measured steps after resetting the pool's peaks.
+fn measure(
+    device: &Device,
+    config: &ModelConfig,
+    plan: Plan,
+    steps: usize,
+) -> oomfix::Result<Value> {
+    let cuda = device.as_cuda_device()?;
+    let mut trainer = Trainer::new(config, plan, device, &TrainOptions::default())?;
+    let mut data = DataSource::synthetic(0);
+    let start = Instant::now();
+    trainer.step(&mut data)?;
+    device.synchronize()?;
+    let first_s = start.elapsed().as_secs_f64();
+    let resident = PoolStats::read(cuda)?.used;
+    reset_peaks(cuda)?;
+    let mut times = Vec::with_capacity(steps);
+    let mut loss = f32::NAN;
+    for _ in 0..steps {
+        let start = Instant::now();
+        loss = trainer.step(&mut data)?.loss;
+        device.synchronize()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    let stats = PoolStats::read(cuda)?;
+    let mut sorted = times.clone();
+    sorted.sort_by(f64::total_cmp);
+    Ok(json!({
+        "status": "ok",
+        "peak_alloc_bytes": stats.used_high,
+        "peak_reserved_bytes": stats.reserved_high,
+        "resident_bytes": resident,
+        "step_ms": sorted[sorted.len() / 2],
+        "step_ms_all": times,
+        "first_step_s": first_s,
+        "loss": loss,
+    }))
+}
+
+/// The candle error inside a training error, if any.
+fn candle_error(e: &oomfix::Error) -> Option<&candle_core::Error> {
+    match e {
+        oomfix::Error::Candle(c)
+        | oomfix::Error::Strategy(oomfix::strategies::Error::Candle(c)) => Some(c),
+        _ => None,
+    }
+}

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# oomfix vs PyTorch on one GPU, same plans, same run; then `oomfix --budget 8GiB
+# --verify` on GPT-2 medium and TinyLlama-1.1B headers. Run on the GPU machine.
+#
+# Usage: scripts/side-by-side.sh [BIN_DIR] [OUT_DIR]
+#   BIN_DIR  holds gpu_side_by_side-cuda.xz and oomfix-cuda.xz from
+#            scripts/build-cuda.sh (default: .gpu)
+#   OUT_DIR  results, written as they come (default: $OUT, else side-by-side-out):
+#            torch.jsonl, oomfix.jsonl (one JSON line per configuration),
+#            cli.txt (the two CLI runs), log.txt (progress, stderr), tables.md
+# Environment: DEADLINE (seconds from start after which no new run starts; 480),
+#   CAP (seconds one configuration may take; 100), PHASES (which runs, in this
+#   order: default "gpt2 cli medium llama eager").
+#
+# Runs in order of importance, so a cut-off loses the least: GPT-2 small both
+# sides (gpt2), the two 8 GiB CLI runs (cli), GPT-2 medium at the CLI's plan
+# (medium), TinyLlama both sides (llama), PyTorch eager rows for TinyLlama
+# (eager). The tables (scripts/side-by-side-tables.py) are printed last from
+# whatever finished.
+set -uo pipefail
+
+BIN_DIR=${1:-.gpu}
+OUT_DIR=${2:-${OUT:-side-by-side-out}}
+DEADLINE=${DEADLINE:-480}
+CAP=${CAP:-100}
+PHASES=${PHASES:-gpt2 cli medium llama eager}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+mkdir -p "$OUT_DIR"
+TORCH=$OUT_DIR/torch.jsonl OOMFIX=$OUT_DIR/oomfix.jsonl CLI=$OUT_DIR/cli.txt LOG=$OUT_DIR/log.txt
+: >"$TORCH"; : >"$OOMFIX"; : >"$CLI"; : >"$LOG"
+WORK=${TMPDIR:-/tmp}/side-by-side
+rm -rf "$WORK" && mkdir -p "$WORK"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+# Keep the driver's PTX JIT cache between processes: each oomfix process would
+# otherwise JIT candle's kernels again.
+export CUDA_CACHE_PATH=$WORK/nvcache CUDA_CACHE_MAXSIZE=4294967296
+unset RUST_BACKTRACE   # candle captures a backtrace into every error when set
+
+say() { printf '[%4ds] %s\n' "$SECONDS" "$*" | tee -a "$LOG" >&2; }
+# Seconds the next run may take: CAP, less near the deadline; 0 means skip.
+budget() {
+    local left=$((DEADLINE - SECONDS))
+    ((left < 15)) && { echo 0; return; }
+    echo $((left < ${1:-$CAP} ? left : ${1:-$CAP}))
+}
+
+for name in gpu_side_by_side oomfix; do
+    xz -dc "$BIN_DIR/$name-cuda.xz" >"$WORK/$name" && chmod +x "$WORK/$name" ||
+        { say "cannot unpack $BIN_DIR/$name-cuda.xz"; exit 1; }
+done
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
+
+# PyTorch configurations MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN, one process.
+torch_side() {
+    local t
+    t=$(budget $((CAP * $#)))
+    ((t > 0)) || { say "skipped (deadline): pytorch $*"; return; }
+    say "pytorch: $*"
+    timeout "$t" python3 "$HERE/torch_step.py" --cap "$CAP" "$@" >>"$TORCH" 2>>"$LOG" ||
+        say "torch_step.py exited with $? (timeout is 124)"
+}
+
+# oomfix configurations MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM], one process each.
+oomfix_side() {
+    local c t rc line
+    for c in "$@"; do
+        t=$(budget)
+        if ((t == 0)); then
+            say "skipped (deadline): oomfix $c"
+            continue
+        fi
+        say "oomfix: $c"
+        line=$(timeout "$t" "$WORK/gpu_side_by_side" "$c" 2>>"$LOG")
+        rc=$?
+        if [[ -n $line ]]; then
+            printf '%s\n' "$line" >>"$OOMFIX"
+        else
+            IFS=: read -r m b s p k o a <<<"$c"
+            printf '{"side":"oomfix","model":"%s","batch":%s,"seq":%s,"precision":"%s","ckpt":%s,"accum":%s,"status":"%s"}\n' \
+                "$m" "$b" "$s" "$p" "$k" "${a:-1}" "$([[ $rc == 124 ]] && echo timeout || echo "exit $rc")" >>"$OOMFIX"
+        fi
+    done
+}
+
+# `oomfix --budget 8GiB --verify --device cuda:0 [OPTION...] MODEL`, output appended to cli.txt.
+cli() {
+    local t
+    t=$(budget 150)
+    ((t > 0)) || { say "skipped (deadline): oomfix CLI $*"; return; }
+    say "oomfix CLI: $*"
+    { printf '$ oomfix --budget 8GiB --verify --device cuda:0 %s\n' "$*"
+      timeout "$t" "$WORK/oomfix" --budget 8GiB --verify --device cuda:0 "$@" 2>&1
+      printf '(exit status %s)\n\n' "$?"; } >>"$CLI"
+}
+
+# Whether PHASES names phase $1.
+want() { [[ " $PHASES " == *" $1 "* ]]; }
+
+G=gpt2:8:1024 L=tinyllama:4:2048 M=gpt2-medium
+if want gpt2; then
+    torch_side $G:fp32:0:sdpa $G:bf16:0:sdpa $G:bf16:1:sdpa $G:fp32:0:eager $G:bf16:0:eager $G:bf16:1:eager
+    oomfix_side $G:fp32:0:fused $G:bf16:0:fused $G:bf16:1:fused
+fi
+
+mkdir -p "$WORK/gpt2-medium" "$WORK/tinyllama"
+python3 "$HERE/make-sparse-gpt2.py" "$WORK/gpt2-medium/model.safetensors" 24 1024 >>"$LOG"
+python3 "$HERE/make-sparse-llama.py" "$WORK/tinyllama/model.safetensors" 22 2048 32 4 5632 32000 >>"$LOG"
+echo '{"num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}' >"$WORK/tinyllama/config.json"
+if want cli; then
+    cli "$WORK/gpt2-medium/model.safetensors"
+    cli "$WORK/tinyllama/model.safetensors"
+fi
+
+# GPT-2 medium: the CLI's closest 8 GiB plan (1 x 8 accumulation, seq 1024)
+# measured, PyTorch at the same micro-batch, b=8 side by side, and the CLI at
+# seq 512 (its hint).
+if want medium; then
+    oomfix_side $M:1:1024:bf16:1:fused:8 $M:1:1024:bf16:1:fused $M:8:1024:bf16:1:fused
+    torch_side $M:1:1024:bf16:1:sdpa $M:1:1024:bf16:1:eager $M:8:1024:bf16:1:sdpa
+    cli --seq-len 512 "$WORK/gpt2-medium/model.safetensors"
+fi
+
+if want llama; then
+    torch_side $L:bf16:1:sdpa $L:bf16:0:sdpa $L:fp32:0:sdpa
+    # Last: the CLI's closest TinyLlama plan at 8 GiB (1 x 8 accumulation, seq 1024).
+    oomfix_side $L:bf16:1:fused $L:bf16:0:fused $L:fp32:0:fused tinyllama:1:1024:bf16:1:fused:8
+fi
+want eager && torch_side $L:bf16:1:eager $L:bf16:0:eager $L:fp32:0:eager
+say "runs done"
+
+python3 "$HERE/side-by-side-tables.py" "$TORCH" "$OOMFIX" "$CLI" | tee "$OUT_DIR/tables.md"
+say "tables written"

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""PyTorch's half of the side-by-side (scripts/side-by-side.sh): HF transformers
+models built from config with random init, trained on cuda:0 with
+torch.optim.AdamW(fused=True); one JSON line per configuration.
+
+usage: torch_step.py [--steps N] [--cap SECONDS] CONFIG...
+  CONFIG = MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN
+  MODEL gpt2 (GPT2Config(), dropout off) | gpt2-medium | tinyllama (TinyLlama-1.1B shape)
+  PRECISION fp32 | bf16 (torch.autocast, fp32 weights and optimizer state)
+  CKPT 0 | 1 (model.gradient_checkpointing_enable(): every block)
+  ATTN sdpa | eager (attn_implementation)
+
+Step 1 is a warm-up (optimizer state, cuBLAS handles); the peak statistics are
+reset before step 2 and cover steps 2..N+1; step time is the median of those
+steps, each bracketed by torch.cuda.synchronize(). A configuration that runs
+out of memory or past --cap seconds is reported as such and the next one runs.
+"""
+import gc
+import json
+import signal
+import statistics
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+
+class Timeout(Exception):
+    pass
+
+
+def on_alarm(signum, frame):
+    raise Timeout()
+
+
+def build(model, attn):
+    if model in ("gpt2", "gpt2-medium"):
+        # oomfix's models have no dropout: turn it off for a like-for-like step.
+        kw = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        if model == "gpt2-medium":
+            kw.update(n_layer=24, n_embd=1024, n_head=16)
+        cfg = GPT2Config(**kw)
+    elif model == "tinyllama":
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                          num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
+    else:
+        raise SystemExit(f"unknown model {model!r}")
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    return m.to(torch.float32), cfg.vocab_size
+
+
+def run(spec, steps):
+    model_name, batch, seq, precision, ckpt, attn = spec.split(":")
+    batch, seq, ckpt = int(batch), int(seq), int(ckpt)
+    line = dict(side="pytorch", model=model_name, batch=batch, seq=seq, precision=precision,
+                ckpt=ckpt, optimizer="fused-adamw", attn=attn)
+    model = opt = None
+    try:
+        model, vocab = build(model_name, attn)
+        line["params"] = sum(p.numel() for p in model.parameters())
+        line["attn_effective"] = model.config._attn_implementation
+        line["param_device"] = str(next(model.parameters()).device)
+        model.train()
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+        def step():
+            with torch.autocast("cuda", dtype=dtype, enabled=precision == "bf16"):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        line["first_step_s"] = time.perf_counter() - t
+        line["resident_bytes"] = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            loss = step()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        line.update(status="ok", peak_alloc_bytes=torch.cuda.max_memory_allocated(),
+                    peak_reserved_bytes=torch.cuda.max_memory_reserved(),
+                    step_ms=statistics.median(times), step_ms_all=times, loss=float(loss))
+    except torch.cuda.OutOfMemoryError as e:
+        line.update(status="oom", error=str(e).splitlines()[0])
+    except Timeout:
+        line.update(status="timeout")
+    finally:
+        del model, opt
+        gc.collect()
+        torch.cuda.empty_cache()
+    return line
+
+
+def main(argv):
+    steps, cap = 5, 120
+    while argv and argv[0].startswith("--"):
+        flag, value, argv = argv[0], argv[1], argv[2:]
+        if flag == "--steps":
+            steps = int(value)
+        elif flag == "--cap":
+            cap = int(value)
+        else:
+            raise SystemExit(f"unknown flag {flag}")
+    signal.signal(signal.SIGALRM, on_alarm)
+    for spec in argv:
+        print(f"pytorch: {spec}", file=sys.stderr, flush=True)
+        signal.alarm(cap)
+        try:
+            line = run(spec, steps)
+        finally:
+            signal.alarm(0)
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
