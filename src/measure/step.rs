@@ -102,7 +102,8 @@ fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
 }
 
 /// Measures a step on `cuda:i`: the memory pool's allocated and reserved
-/// high-water marks, reset after the first step. A CUDA out-of-memory is a
+/// high-water marks, reset after the first step, plus the device memory
+/// outside the pool. A CUDA out-of-memory is a
 /// measurement (`out_of_memory`), after which the pool is trimmed.
 #[cfg(feature = "cuda")]
 fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measurement> {
@@ -128,8 +129,15 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
         if let Err(e) = step(&mut trainer)? {
             return Ok(Err(e));
         }
+        // Device memory outside the pool (CUDA context, cuBLAS workspace) counts
+        // against the budget too, as the estimate's `runtime` term does.
         let stats = PoolStats::read(cuda)?;
-        Ok(Ok(Measurement { peak_bytes: stats.used_high, reserved_bytes: stats.reserved_high, out_of_memory: false }))
+        let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
+        Ok(Ok(Measurement {
+            peak_bytes: stats.used_high + outside,
+            reserved_bytes: stats.reserved_high + outside,
+            out_of_memory: false,
+        }))
     };
     let outcome = run();
     trim(cuda)?;

@@ -27,7 +27,7 @@ fn row(i: usize, a: &Attempt) -> String {
     };
     let measured = match a.measured {
         Some(m) if m.out_of_memory => "OOM".to_string(),
-        Some(m) => format_bytes(m.peak_bytes),
+        Some(m) => format_bytes(m.peak_bytes.max(m.reserved_bytes)),
         None => "-".into(),
     };
     format!(
