@@ -253,6 +253,7 @@ impl Run<'_> {
             seq_len = plan.seq_len,
             precision = plan.precision.as_str(),
             checkpoint = %plan.checkpoint,
+            attention = plan.attention.as_str(),
             optimizer = plan.optimizer.as_str(),
             world_size = plan.shard.world_size,
             shard_stage = plan.shard.stage,
