@@ -46,7 +46,8 @@ use crate::{Attention, Plan, SearchContext, Strategy};
 ///
 /// It removes every `batch × heads × seq × seq` tensor a block keeps for backward
 /// and costs no compute (on the CPU the op is faster than the composed expression),
-/// so it is never relaxed.
+/// so it is never relaxed. The op runs on the CPU only: a plan with flash
+/// attention cannot be executed on a GPU yet.
 ///
 /// ```
 /// use oomfix_strategies::attention::FlashAttention;
