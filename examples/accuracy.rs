@@ -11,7 +11,7 @@
 //! ```
 
 use oomfix::measure::{measure_plan, CountingAlloc};
-use oomfix::strategies::{Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
+use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
 use std::fmt::Write as _;
 
@@ -43,18 +43,24 @@ fn plans(quick: bool) -> Vec<Plan> {
     let mut out = Vec::new();
     for &(mb, s) in shapes {
         let p = base(mb, s);
-        out.push(p);
-        out.push(Plan { micro_batch: (mb / 2).max(1), grad_accum: 2, ..p });
-        out.push(Plan { precision: Precision::Bf16, ..p });
-        out.push(Plan { checkpoint: Checkpointing::Every(1), ..p });
-        out.push(Plan { optimizer: OptimizerImpl::FusedAdamW, ..p });
-        out.push(Plan {
+        let bf16 = Plan { precision: Precision::Bf16, ..p };
+        let checkpointed = Plan { checkpoint: Checkpointing::Every(1), ..p };
+        let frugal = Plan {
             precision: Precision::Bf16,
             checkpoint: Checkpointing::Every(1),
             optimizer: OptimizerImpl::FusedAdamW,
             grad_accum: 2,
             ..p
-        });
+        };
+        out.extend([
+            p,
+            Plan { micro_batch: (mb / 2).max(1), grad_accum: 2, ..p },
+            bf16,
+            checkpointed,
+            Plan { optimizer: OptimizerImpl::FusedAdamW, ..p },
+            frugal,
+        ]);
+        out.extend([p, bf16, checkpointed, frugal].map(|q| Plan { attention: Attention::Flash, ..q }));
     }
     out.iter().map(|p| Plan { shard: Sharding::NONE, ..*p }).collect()
 }

@@ -329,7 +329,7 @@ fn checkpoint_comparison(name: &str, config: &ModelConfig, args: &Args, md: &mut
             eprintln!("{name} checkpointing: round {}/{} {policy}", round + 1, args.rounds);
             let before = alloc::reset_peak();
             let t = Instant::now();
-            let out = model.forward_backward(&batch, *policy, 1.0)?;
+            let out = model.forward_backward(&batch, *policy, oomfix::strategies::Attention::Composed, 1.0)?;
             let secs = t.elapsed().as_secs_f64();
             let p = (alloc::peak() - before) as f64;
             drop(out);

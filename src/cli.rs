@@ -78,7 +78,7 @@ pub struct TrainArgs {
 /// Options of the hidden `measure-step` command.
 #[derive(Debug, Clone, Args)]
 pub struct MeasureStepArgs {
-    /// The plan, as `mb,accum,seq,precision,checkpoint,optimizer`.
+    /// The plan, as `mb,accum,seq,precision,checkpoint,optimizer,attention`.
     #[arg(long)]
     pub plan: String,
     /// The model's shape as JSON (a `ModelConfig`).
@@ -132,7 +132,7 @@ pub struct PlanArgs {
     pub gpus: usize,
     /// Fixes to apply, in order (subset and order of the default).
     #[arg(long, value_delimiter = ',', value_name = "LIST",
-          default_value = "accumulate,precision,checkpoint,fused-adamw,shard")]
+          default_value = "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard")]
     pub strategies: Vec<String>,
     /// 16-bit type used by the precision fix.
     #[arg(long, value_enum, default_value_t = HalfArg::Auto)]

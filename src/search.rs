@@ -200,6 +200,7 @@ impl Planner {
                 Some(h) => h == oomfix_strategies::Precision::Bf16,
                 None => self.target.supports_bf16(),
             },
+            flash_attention: self.target.has_flash_attention(),
             layers: spec.config.layers,
         };
         let mut run = Run { planner: self, spec, attempts: Vec::new() };
@@ -261,6 +262,7 @@ impl Run<'_> {
             seq_len = plan.seq_len,
             precision = plan.precision.as_str(),
             checkpoint = %plan.checkpoint,
+            attention = plan.attention.as_str(),
             optimizer = plan.optimizer.as_str(),
             world_size = plan.shard.world_size,
             shard_stage = plan.shard.stage,

@@ -4,7 +4,7 @@
 //! its real figures are in `docs/accuracy.md`.
 
 use oomfix::measure::{measure_plan, CountingAlloc};
-use oomfix::strategies::{Checkpointing, OptimizerImpl, Plan, Precision};
+use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
 
 #[global_allocator]
@@ -25,7 +25,8 @@ fn check(name: &str, config: ModelConfig) {
         optimizer: OptimizerImpl::FusedAdamW,
         ..plain
     };
-    for plan in [plain, frugal] {
+    let flash = Plan { attention: Attention::Flash, optimizer: OptimizerImpl::FusedAdamW, ..plain };
+    for plan in [plain, frugal, flash] {
         let estimated = MemoryModel.estimate(&spec, &plan, &Target::Cpu).peak as f64;
         let measured = measure_plan(&spec, &plan, Target::Cpu).unwrap().peak_bytes as f64;
         let error = estimated / measured - 1.0;

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
-use oomfix::strategies::Checkpointing;
+use oomfix::strategies::{Attention, Checkpointing};
 use oomfix::train::{build_model, Batch, StepOutput, TrainableModel};
 use oomfix::{Error, Family, ModelConfig};
 
@@ -42,7 +42,7 @@ fn batch(config: &ModelConfig) -> Batch {
 }
 
 fn step(model: &dyn TrainableModel, batch: &Batch, policy: Checkpointing) -> StepOutput {
-    model.forward_backward(batch, policy, 1.0).unwrap()
+    model.forward_backward(batch, policy, Attention::Composed, 1.0).unwrap()
 }
 
 fn values(t: &Tensor) -> Vec<f32> {
@@ -118,13 +118,44 @@ fn checkpointed_gradients_equal_plain_gradients() {
     }
 }
 
+/// The families' batches, plus a BERT batch whose last three positions are padding.
+fn batches_with_padding() -> Vec<(ModelConfig, Batch)> {
+    let mut cases: Vec<_> = configs().into_iter().map(|c| (c.clone(), batch(&c))).collect();
+    let bert = tiny(Family::Bert);
+    let mut padded = batch(&bert);
+    let keep: Vec<u32> = (0..BATCH * SEQ).map(|i| u32::from(i % SEQ < SEQ - 3)).collect();
+    padded.attention_mask = Some(Tensor::from_vec(keep, (BATCH, SEQ), &Device::Cpu).unwrap());
+    cases.push((bert, padded));
+    cases
+}
+
+#[test]
+fn flash_attention_gives_the_composed_loss_and_gradients() {
+    for (config, batch) in batches_with_padding() {
+        let label = format!("{} (padded {})", label(&config), batch.attention_mask.is_some());
+        let model = model(&config, DType::F32);
+        let composed = step(model.as_ref(), &batch, Checkpointing::None);
+        let largest = composed.grads.iter().map(max_abs).fold(0f32, f32::max);
+        for policy in [Checkpointing::None, Checkpointing::Every(1), Checkpointing::Every(2)] {
+            let flash = model.forward_backward(&batch, policy, Attention::Flash, 1.0).unwrap();
+            let rel = (flash.loss - composed.loss).abs() / composed.loss;
+            assert!(rel < 1e-4, "{label} {policy}: loss {} vs {}", flash.loss, composed.loss);
+            for ((name, _), (f, c)) in model.vars().iter().zip(flash.grads.iter().zip(&composed.grads)) {
+                let scale = if analytically_zero(name) { largest } else { max_abs(c) };
+                let rel = max_diff(f, c) / scale;
+                assert!(rel < 1e-4, "{label} {policy}: gradient of {name} differs by {rel:e}");
+            }
+        }
+    }
+}
+
 #[test]
 fn loss_scale_multiplies_the_gradients_only() {
     let config = tiny(Family::Llama);
     let model = model(&config, DType::F32);
     let batch = batch(&config);
     let plain = step(model.as_ref(), &batch, Checkpointing::None);
-    let scaled = model.forward_backward(&batch, Checkpointing::Every(1), 256.0).unwrap();
+    let scaled = model.forward_backward(&batch, Checkpointing::Every(1), Attention::Composed, 256.0).unwrap();
     assert_eq!(scaled.loss, plain.loss);
     for (s, p) in scaled.grads.iter().zip(&plain.grads) {
         assert!(max_diff(&(s / 256.0).unwrap(), p) <= 1e-5 * max_abs(p));
@@ -337,11 +368,11 @@ fn unusable_requests_are_usage_errors() {
     let config = tiny(Family::Gpt2);
     let model = model(&config, DType::F32);
     let long = Batch::synthetic(Family::Gpt2, VOCAB, 1, 17, 0, &Device::Cpu).unwrap();
-    let err = model.forward_backward(&long, Checkpointing::None, 1.0).err().unwrap();
+    let err = model.forward_backward(&long, Checkpointing::None, Attention::Composed, 1.0).err().unwrap();
     assert!(matches!(err, Error::Usage(_)), "{err}");
     let mut mismatched = batch(&config);
     mismatched.targets = mismatched.targets.narrow(1, 0, 4).unwrap();
-    assert!(matches!(model.forward_backward(&mismatched, Checkpointing::None, 1.0), Err(Error::Usage(_))));
+    assert!(matches!(model.forward_backward(&mismatched, Checkpointing::None, Attention::Composed, 1.0), Err(Error::Usage(_))));
 }
 
 #[test]
@@ -374,10 +405,15 @@ fn sixteen_bit_losses_are_close_to_f32() {
         let reference = step(model(&config, DType::F32).as_ref(), &batch, Checkpointing::None).loss;
         for dtype in [DType::BF16, DType::F16] {
             let model = model(&config, dtype);
-            for policy in [Checkpointing::None, Checkpointing::Every(1)] {
-                let out = step(model.as_ref(), &batch, policy);
+            for (policy, attention) in [
+                (Checkpointing::None, Attention::Composed),
+                (Checkpointing::Every(1), Attention::Composed),
+                (Checkpointing::None, Attention::Flash),
+                (Checkpointing::Every(1), Attention::Flash),
+            ] {
+                let out = model.forward_backward(&batch, policy, attention, 1.0).unwrap();
                 let rel = (out.loss - reference).abs() / reference;
-                assert!(rel < 0.01, "{} {dtype:?} {policy}: {} vs {reference}", label(&config), out.loss);
+                assert!(rel < 0.01, "{} {dtype:?} {policy} {attention}: {} vs {reference}", label(&config), out.loss);
                 for grad in &out.grads {
                     assert_eq!(grad.dtype(), dtype);
                     assert!(values(grad).iter().all(|v| v.is_finite()));
@@ -441,9 +477,9 @@ fn out_of_vocabulary_ids_are_errors_not_panics() {
     let too_big = Tensor::full(VOCAB as u32, (BATCH, SEQ), &Device::Cpu).unwrap();
     let mut batch = batch(&config);
     batch.input_ids = too_big.clone();
-    let err = model.forward_backward(&batch, Checkpointing::None, 1.0).err().unwrap();
+    let err = model.forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0).err().unwrap();
     assert!(err.to_string().contains("index"), "{err}");
     let mut batch = self::batch(&config);
     batch.targets = too_big;
-    assert!(model.forward_backward(&batch, Checkpointing::None, 1.0).is_err());
+    assert!(model.forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0).is_err());
 }

@@ -214,20 +214,25 @@ impl Verifier for StepVerifier {
     }
 }
 
-/// A plan as `measure-step --plan` reads it: `mb,accum,seq,precision,checkpoint,optimizer`.
+/// A plan as `measure-step --plan` reads it:
+/// `mb,accum,seq,precision,checkpoint,optimizer,attention`.
 pub fn plan_arg(p: &Plan) -> String {
     let ck = match p.checkpoint {
         oomfix_strategies::Checkpointing::None => 0,
         oomfix_strategies::Checkpointing::Every(k) => k,
     };
-    format!("{},{},{},{},{},{}", p.micro_batch, p.grad_accum, p.seq_len, p.precision, ck, p.optimizer)
+    format!(
+        "{},{},{},{},{},{},{}",
+        p.micro_batch, p.grad_accum, p.seq_len, p.precision, ck, p.optimizer, p.attention
+    )
 }
 
 /// Parses [`plan_arg`]'s format.
 pub fn parse_plan_arg(s: &str) -> Result<Plan> {
-    let bad = || Error::Usage(format!("`{s}` is not a plan (mb,accum,seq,precision,checkpoint,optimizer)"));
+    let bad =
+        || Error::Usage(format!("`{s}` is not a plan (mb,accum,seq,precision,checkpoint,optimizer,attention)"));
     let f: Vec<&str> = s.split(',').collect();
-    if f.len() != 6 {
+    if f.len() != 7 {
         return Err(bad());
     }
     let num = |i: usize| f[i].parse::<usize>().map_err(|_| bad());
@@ -243,6 +248,11 @@ pub fn parse_plan_arg(s: &str) -> Result<Plan> {
         optimizer: match f[5] {
             "adamw" => oomfix_strategies::OptimizerImpl::CandleAdamW,
             "fused-adamw" => oomfix_strategies::OptimizerImpl::FusedAdamW,
+            _ => return Err(bad()),
+        },
+        attention: match f[6] {
+            "composed" => oomfix_strategies::Attention::Composed,
+            "flash" => oomfix_strategies::Attention::Flash,
             _ => return Err(bad()),
         },
         shard: oomfix_strategies::Sharding::NONE,

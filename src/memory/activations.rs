@@ -7,9 +7,16 @@
 //! `kv = kv_heads·head_dim`, `V` vocabulary). Values are in the compute dtype
 //! `c` unless marked f32: norms and the loss run in f32, so under mixed
 //! precision they add cast copies.
+//!
+//! The plan's [`Attention`] decides what a block's attention keeps. Composed
+//! from candle ops it keeps several `[b,H,s,s]` tensors; with
+//! [`Attention::Flash`] it keeps none: the op holds its inputs (the same q, k, v
+//! copies the composed form makes), its output (the same size as the composed
+//! context) and one f32 log-sum-exp per query row and head, and no causal mask
+//! is built.
 
 use crate::spec::{Family, ModelSpec};
-use oomfix_strategies::{Checkpointing, Plan};
+use oomfix_strategies::{Attention, Checkpointing, Plan};
 
 /// Activation bytes of one micro-batch on one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,6 +55,7 @@ struct Dims {
     head_dim: u64,
     v: u64,
     mixed: bool,
+    flash: bool,
 }
 
 impl Dims {
@@ -63,6 +71,7 @@ impl Dims {
             head_dim: c.head_dim() as u64,
             v: c.vocab as u64,
             mixed: plan.precision.is_mixed(),
+            flash: plan.attention == Attention::Flash,
         }
     }
     /// `[b, H, s, s]` elements.
@@ -84,49 +93,62 @@ impl Dims {
     }
 }
 
+/// What one block's attention keeps between its q, k, v copies and its context
+/// (or the flash op's output), both counted in [`block`].
+///
+/// Composed: the scores, the masked scores (BERT: no mask), the softmax's three
+/// tensors and its row maximum and sum, and the stray gradients of the
+/// broadcast mask and of the broadcast row maximum (BERT: the maximum only).
+/// Flash: the log-sum-exp `[b,H,s]` f32.
+fn attention_core(family: Family, d: &Dims) -> Values {
+    if d.flash {
+        return Values { c: 0, f32: d.n * d.heads };
+    }
+    let masked = u64::from(family != Family::Bert);
+    Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads + (1 + masked) * d.scores(), f32: 0 }
+}
+
 /// What one transformer block keeps.
 fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
-    let softmax_rows = 2 * d.n * d.heads;
-    // stray gradients: of the broadcast causal mask and of the broadcast row
-    // maximum (BERT without padding: the maximum only); Llama adds those of the
-    // four broadcast RoPE tables (q and k, cos and sin)
-    let stray = match family {
-        Family::Bert => d.scores(),
-        Family::Llama => 2 * d.scores() + 2 * n * h + 2 * n * kv,
-        Family::Gpt2 | Family::Generic => 2 * d.scores(),
-    };
+    let core = attention_core(family, d);
     match family {
-        // ln_1; c_attn matmul + bias [n,3h]×2; q scaled, k, v copies; scores,
-        // mask, softmax ×3; context; merged, c_proj, bias, residual; ln_2;
-        // c_fc, bias, gelu [n,I]×3; c_proj, bias, residual.
-        Family::Gpt2 | Family::Generic => Values { c: 17 * n * h + 3 * n * i + 5 * d.scores() + softmax_rows + stray, f32: 0 }
+        // ln_1; c_attn matmul + bias [n,3h]×2; q scaled (or contiguous), k, v
+        // copies; attention core; context; merged, c_proj, bias, residual;
+        // ln_2; c_fc, bias, gelu [n,I]×3; c_proj, bias, residual.
+        Family::Gpt2 | Family::Generic => Values { c: 17 * n * h + 3 * n * i, f32: 0 }
+            .add(core)
             .add(d.layer_norm())
             .add(d.layer_norm()),
-        // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; scores, mask,
-        // softmax ×3; context; merged, o_proj, residual; rms; gate, up, silu,
-        // product [n,I]×4; down, residual.
+        // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; attention
+        // core; context; merged, o_proj, residual; rms; gate, up, silu, product
+        // [n,I]×4; down, residual; the stray gradients of the four broadcast
+        // RoPE tables (q and k, cos and sin).
         Family::Llama => {
             let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
-            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + 5 * d.scores() + softmax_rows + bias + stray, f32: 0 }
+            let rope_stray = 2 * n * h + 2 * n * kv;
+            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + bias + rope_stray, f32: 0 }
+                .add(core)
                 .add(d.rms_norm())
                 .add(d.rms_norm())
         }
-        // q/k/v matmul + bias ×6; copies ×3; scores, softmax ×3; context; merged,
-        // dense, bias, residual; LN; intermediate, bias, gelu ×3; dense, bias,
-        // residual; LN.
-        Family::Bert => Values { c: 17 * n * h + 3 * n * i + 4 * d.scores() + softmax_rows + stray, f32: 0 }
+        // q/k/v matmul + bias ×6; q scaled (or contiguous), k, v copies;
+        // attention core; context; merged, dense, bias, residual; LN;
+        // intermediate, bias, gelu ×3; dense, bias, residual; LN.
+        Family::Bert => Values { c: 17 * n * h + 3 * n * i, f32: 0 }
+            .add(core)
             .add(d.layer_norm())
             .add(d.layer_norm()),
     }
 }
 
 /// The embedding stem, plus what one forward builds once and every block holds
-/// (the causal mask, RoPE tables).
+/// (the composed attention's causal mask, RoPE tables).
 fn stem(family: Family, d: &Dims) -> Values {
+    let mask = if d.flash { 0 } else { d.s * d.s };
     match family {
-        Family::Gpt2 | Family::Generic => Values { c: 2 * d.n * d.h + d.s * d.s, f32: 0 },
-        Family::Llama => Values { c: d.n * d.h + d.s * d.s + 4 * d.s * d.head_dim, f32: 0 },
+        Family::Gpt2 | Family::Generic => Values { c: 2 * d.n * d.h + mask, f32: 0 },
+        Family::Llama => Values { c: d.n * d.h + mask + 4 * d.s * d.head_dim, f32: 0 },
         Family::Bert => Values { c: 2 * d.n * d.h + d.s * d.h, f32: 0 }.add(d.layer_norm()),
     }
 }
@@ -156,10 +178,18 @@ pub const LOSS_BACKWARD_NV_F32: u64 = 6;
 /// head's gradient).
 pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
 
-/// Score-sized tensors alive at once while the backward crosses one attention
-/// (the softmax's quotient rule and exp terms; measured: 8 on top of what the
-/// block keeps).
+/// Score-sized tensors alive at once while the backward crosses one composed
+/// attention (the softmax's quotient rule and exp terms; measured: 8 on top of
+/// what the block keeps).
 pub const ATTENTION_BACKWARD_SCORES: u64 = 8;
+
+/// Bytes alive at once while the backward crosses one flash attention, on top
+/// of what the block keeps: the op's f32 copies of q, o and the output's
+/// gradient `[n,h]` ×3 and of k, v `[n,kv]` ×2, and its f32 gradients of q and,
+/// per query head, of k and v `[n,h]` ×3.
+fn flash_backward(d: &Dims) -> u64 {
+    4 * (6 * d.n * d.h + 2 * d.n * d.kv)
+}
 
 /// `[n, I]`-sized tensors alive at once while the backward crosses one MLP:
 /// candle's GELU (tanh form, GPT-2), SiLU-gated (Llama) and GELU (erf form,
@@ -191,7 +221,9 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
     let head = head(cfg.family, &d).bytes(c);
     let head_backward = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
-    let block_backward = (ATTENTION_BACKWARD_SCORES * d.scores()).max(mlp_backward_ni(cfg.family) * d.n * d.i) * c;
+    let attention_backward =
+        if d.flash { flash_backward(&d) } else { ATTENTION_BACKWARD_SCORES * d.scores() * c };
+    let block_backward = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
     let embedding_backward = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {

@@ -40,6 +40,11 @@ impl Target {
         }
     }
 
+    /// Whether the memory-efficient attention op runs on this device (CPU only so far).
+    pub fn has_flash_attention(&self) -> bool {
+        matches!(self, Target::Cpu)
+    }
+
     /// Whether the device computes in bf16 (CPU via f32 widening; CUDA on sm_80+).
     pub fn supports_bf16(&self) -> bool {
         true

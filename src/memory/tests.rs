@@ -1,6 +1,6 @@
 use super::*;
 use crate::spec::{ModelConfig, ModelSpec};
-use oomfix_strategies::{Checkpointing, Pipeline, Plan, Precision, SearchContext, Sharding};
+use oomfix_strategies::{Attention, Checkpointing, Pipeline, Plan, Precision, SearchContext, Sharding};
 use proptest::prelude::*;
 
 fn spec_for(i: usize) -> ModelSpec {
@@ -13,13 +13,14 @@ fn spec_for(i: usize) -> ModelSpec {
 }
 
 fn arb_plan() -> impl Strategy<Value = Plan> {
-    (1usize..16, 1usize..8, 1usize..9, 0usize..3, 0usize..4, any::<bool>(), 1usize..5, 0u8..4).prop_map(
-        |(mb, acc, s, prec, ck, fused, world, stage)| Plan {
+    (1usize..16, 1usize..8, 1usize..9, 0usize..3, 0usize..4, any::<bool>(), any::<bool>(), 1usize..5, 0u8..4).prop_map(
+        |(mb, acc, s, prec, ck, flash, fused, world, stage)| Plan {
             micro_batch: mb,
             grad_accum: acc,
             seq_len: 64 * s,
             precision: [Precision::F32, Precision::Bf16, Precision::F16][prec],
             checkpoint: [Checkpointing::None, Checkpointing::Every(4), Checkpointing::Every(2), Checkpointing::Every(1)][ck],
+            attention: if flash { Attention::Flash } else { Attention::Composed },
             optimizer: if fused { OptimizerImpl::FusedAdamW } else { OptimizerImpl::CandleAdamW },
             shard: Sharding { world_size: world, stage: if world > 1 { stage } else { 0 } },
         },
@@ -39,7 +40,7 @@ proptest! {
     #[test]
     fn tightening_never_raises_the_estimate(plan in arb_plan(), i in 0usize..3, target in prop_oneof![Just(Target::Cpu), Just(Target::Cuda(0))]) {
         let spec = spec_for(i);
-        let ctx = SearchContext { global_batch: plan.global_batch(), gpus: 4, supports_bf16: true, layers: spec.config.layers };
+        let ctx = SearchContext { global_batch: plan.global_batch(), gpus: 4, supports_bf16: true, flash_attention: true, layers: spec.config.layers };
         let before = MemoryModel.estimate(&spec, &plan, &target).peak;
         for s in Pipeline::default().strategies() {
             if let Some(next) = s.tighten(&plan, &ctx) {
@@ -110,4 +111,25 @@ fn checkpointing_keeps_only_segment_inputs() {
     let bsh = 4 * 512 * 768 * 4;
     assert_eq!(every(1) - every(2), 6 * bsh); // 12 segment inputs instead of 6
     assert!(a.kept > 10 * every(1));
+}
+
+#[test]
+fn flash_attention_keeps_nothing_quadratic_in_the_sequence() {
+    for i in 0..3 {
+        let spec = spec_for(i);
+        for checkpoint in [Checkpointing::None, Checkpointing::Every(1)] {
+            let bytes = |attention, s| {
+                let plan = Plan { attention, checkpoint, ..Plan::baseline(2, s) };
+                let a = activation_bytes(&spec, &plan);
+                a.kept + a.backward_transient
+            };
+            // Every flash term is linear in the sequence length.
+            assert_eq!(bytes(Attention::Flash, 1024), 2 * bytes(Attention::Flash, 512), "{i} {checkpoint}");
+            assert!(bytes(Attention::Flash, 512) <= bytes(Attention::Composed, 512), "{i} {checkpoint}");
+        }
+        // Without checkpointing every block's scores are kept: composed grows faster.
+        let kept = |attention, s| activation_bytes(&spec, &Plan { attention, ..Plan::baseline(2, s) }).kept;
+        assert!(kept(Attention::Composed, 1024) > 2 * kept(Attention::Composed, 512), "{i}");
+        assert!(kept(Attention::Flash, 512) < kept(Attention::Composed, 512), "{i}");
+    }
 }

@@ -20,6 +20,7 @@ fn plan(p: &Plan) -> Value {
         "seq_len": p.seq_len,
         "precision": p.precision.as_str(),
         "checkpoint": checkpoint(p.checkpoint),
+        "attention": p.attention.as_str(),
         "optimizer": p.optimizer.as_str(),
         "world_size": p.shard.world_size,
         "shard_stage": p.shard.stage,

@@ -31,11 +31,12 @@ fn row(i: usize, a: &Attempt) -> String {
         None => "-".into(),
     };
     format!(
-        "{i:>3}  {:<18} {:>5}x{:<4} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  {}\n",
+        "{i:>3}  {:<18} {:>5}x{:<4} {:<9} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  {}\n",
         a.strategy,
         p.micro_batch,
         p.grad_accum,
         p.precision.as_str(),
+        p.attention.as_str(),
         p.checkpoint.to_string(),
         p.optimizer.as_str(),
         shard,
@@ -72,8 +73,8 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
     );
     let _ = writeln!(
         out,
-        "  #  {:<18} {:>10} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits",
-        "strategy", "batch x acc", "precision", "checkpoint", "optimizer", "shard", "estimated", "measured"
+        "  #  {:<18} {:>10} {:<9} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits",
+        "strategy", "batch x acc", "precision", "attention", "checkpoint", "optimizer", "shard", "estimated", "measured"
     );
     for (i, a) in result.attempts.iter().enumerate() {
         out.push_str(&row(i, a));

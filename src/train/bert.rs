@@ -1,9 +1,9 @@
 //! BERT: post-LN encoder with learned positions and token types, masked-LM head.
 
 use candle_core::{Tensor, Var};
-use oomfix_strategies::Checkpointing;
+use oomfix_strategies::{Attention, Checkpointing};
 
-use super::layers::{attention, padding_mask, split_heads, LayerNorm, Linear, WeightLayout};
+use super::layers::{split_heads, Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::{ModelConfig, Result};
 
@@ -38,12 +38,11 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, mask: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, attend: &Attend) -> candle_core::Result<Tensor> {
         let d = x.dim(2)? / self.heads;
         let heads = |proj: &Linear| split_heads(&proj.forward(x)?, self.heads);
-        let q = heads(&self.query)?.affine(1.0 / (d as f64).sqrt(), 0.0)?;
         let (k, v) = (heads(&self.key)?.contiguous()?, heads(&self.value)?.contiguous()?);
-        let attn = self.attn_out.forward(&attention(&q, &k, &v, mask)?)?;
+        let attn = self.attn_out.forward(&attend.forward(&heads(&self.query)?, &k, &v, 1.0 / (d as f64).sqrt())?)?;
         let x = self.attn_norm.forward(&x.add(&attn)?)?;
         let mlp = self.output.forward(&self.intermediate.forward(&x)?.gelu_erf()?)?;
         self.out_norm.forward(&x.add(&mlp)?)
@@ -92,19 +91,22 @@ impl TrainableModel for Bert {
         &self.vars
     }
 
-    fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput> {
+    fn forward_backward(
+        &self,
+        batch: &Batch,
+        checkpoint: Checkpointing,
+        attention: Attention,
+        loss_scale: f64,
+    ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
         let words = self.word.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
         // Every token is in segment A: token type 0 for all positions.
         let position_and_type = self.position.narrow(0, 0, s)?.broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
         let stem = self.emb_norm.forward(&words.broadcast_add(&position_and_type)?)?;
-        let mask = match &batch.attention_mask {
-            Some(keep) => Some(padding_mask(keep, self.word.dtype())?),
-            None => None,
-        };
-        let mask = mask.as_ref();
-        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, mask)).collect();
+        let attend = Attend::padded(attention, batch.attention_mask.as_ref(), self.word.dtype())?;
+        let attend = &attend;
+        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, attend)).collect();
         let head = |x: &Tensor| {
             let x = self.transform.forward(x)?.gelu_erf()?;
             let x = self.transform_norm.forward(&x)?.reshape((b * s, h))?;

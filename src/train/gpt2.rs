@@ -1,9 +1,9 @@
 //! GPT-2: learned positions, pre-LN blocks, `Conv1D` projections, tied LM head.
 
 use candle_core::{Tensor, Var};
-use oomfix_strategies::Checkpointing;
+use oomfix_strategies::{Attention, Checkpointing};
 
-use super::layers::{attention, causal_mask, LayerNorm, Linear, WeightLayout};
+use super::layers::{Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::{ModelConfig, Result};
 
@@ -33,15 +33,15 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, attend: &Attend) -> candle_core::Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let d = h / self.heads;
         // [b, s, 3h] viewed as [b, s, 3, H, d]; part i is [b, H, s, d] (strided).
         let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?.reshape((b, s, 3, self.heads, d))?;
         let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
-        let q = part(0)?.affine(1.0 / (d as f64).sqrt(), 0.0)?;
         let (k, v) = (part(1)?.contiguous()?, part(2)?.contiguous()?);
-        let x = x.add(&self.attn_proj.forward(&attention(&q, &k, &v, Some(mask))?)?)?;
+        let attn = attend.forward(&part(0)?, &k, &v, 1.0 / (d as f64).sqrt())?;
+        let x = x.add(&self.attn_proj.forward(&attn)?)?;
         let mlp = self.mlp_proj.forward(&self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu()?)?;
         x.add(&mlp)
     }
@@ -79,14 +79,20 @@ impl TrainableModel for Gpt2 {
         &self.vars
     }
 
-    fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput> {
+    fn forward_backward(
+        &self,
+        batch: &Batch,
+        checkpoint: Checkpointing,
+        attention: Attention,
+        loss_scale: f64,
+    ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
         let tokens = self.wte.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
         let stem = tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?;
-        let mask = causal_mask(s, self.wte.dtype(), self.wte.device())?;
-        let mask = &mask;
-        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, mask)).collect();
+        let attend = Attend::causal(attention, s, self.wte.dtype(), self.wte.device())?;
+        let attend = &attend;
+        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, attend)).collect();
         let head = |x: &Tensor| {
             let x = self.ln_f.forward(x)?.reshape((b * s, h))?;
             lm_loss(&x.matmul(&self.wte.t()?)?, batch)

@@ -8,6 +8,8 @@
 //! broadcast) allocate nothing.
 
 use candle_core::{DType, Device, Result, Tensor, D};
+use oomfix_strategies::attention::{flash_attention, AttentionOptions};
+use oomfix_strategies::Attention;
 
 /// How a projection's weight is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,7 +163,7 @@ fn masked_score(dtype: DType) -> f64 {
 /// The additive causal mask `[s, s]` in `dtype`: 0 on and below the diagonal,
 /// a large negative value above. Built once per forward and broadcast over batch
 /// and heads.
-pub(crate) fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let neg = masked_score(dtype) as f32;
     let values: Vec<f32> = (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { neg })).collect();
     Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)
@@ -169,7 +171,7 @@ pub(crate) fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Ten
 
 /// The additive padding mask `[b, 1, 1, 1, s]` in `dtype` from `keep` (`[b, s]`,
 /// nonzero = a real token), shaped to broadcast over [`attention`]'s grouped scores.
-pub(crate) fn padding_mask(keep: &Tensor, dtype: DType) -> Result<Tensor> {
+fn padding_mask(keep: &Tensor, dtype: DType) -> Result<Tensor> {
     let (b, s) = keep.dims2()?;
     let neg = masked_score(dtype);
     let keep = keep.ne(0u32)?.to_dtype(DType::F32)?;
@@ -226,6 +228,59 @@ pub(crate) fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     x.reshape((b, s, heads, ()))?.transpose(1, 2)
 }
 
+/// A block's attention as the plan chooses it, with what one forward shares
+/// between blocks (the composed form's additive mask, the flash op's options).
+#[derive(Debug, Clone)]
+pub(crate) enum Attend {
+    /// [`attention`], composed from candle ops, adding this mask (if any) to the scores.
+    Composed(Option<Tensor>),
+    /// [`flash_attention`] with these options (the scale is set per call).
+    Flash(AttentionOptions),
+}
+
+impl Attend {
+    /// Causal attention over `s` positions; the composed form builds its
+    /// [`causal_mask`] once here.
+    pub(crate) fn causal(kind: Attention, s: usize, dtype: DType, device: &Device) -> Result<Self> {
+        Ok(match kind {
+            Attention::Composed => Attend::Composed(Some(causal_mask(s, dtype, device)?)),
+            Attention::Flash => Attend::Flash(AttentionOptions { causal: true, ..Default::default() }),
+        })
+    }
+
+    /// Bidirectional attention that ignores the keys where `keep` (`[b, s]`, any
+    /// dtype) is zero; `None`: every key counts. The composed form builds its
+    /// [`padding_mask`] once here.
+    pub(crate) fn padded(kind: Attention, keep: Option<&Tensor>, dtype: DType) -> Result<Self> {
+        Ok(match kind {
+            Attention::Composed => Attend::Composed(keep.map(|k| padding_mask(k, dtype)).transpose()?),
+            Attention::Flash => Attend::Flash(AttentionOptions { key_padding: keep.cloned(), ..Default::default() }),
+        })
+    }
+
+    /// `softmax(q·kᵀ·scale + mask)·v` with heads merged: `q` `[b, H, s, d]` (any
+    /// strides), `k`, `v` `[b, KV, s, d]` contiguous → `[b, s, H·d]`.
+    ///
+    /// Composed: `q` is multiplied by `scale` into a contiguous copy (none when
+    /// `scale` is 1 and `q` is contiguous), then [`attention`]. Flash: the op
+    /// makes `q` contiguous (a copy when it is strided) and keeps its output
+    /// `[b, H, s, d]` and one f32 log-sum-exp per query row; merging the heads
+    /// copies the output to `[b, s, H·d]`.
+    pub(crate) fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+        match self {
+            Attend::Composed(mask) => {
+                let q = if scale == 1.0 { q.contiguous()? } else { q.affine(scale, 0.0)? };
+                attention(&q, k, v, mask.as_ref())
+            }
+            Attend::Flash(opts) => {
+                let opts = AttentionOptions { scale: Some(scale as f32), ..opts.clone() };
+                let (b, h, s, d) = q.dims4()?;
+                flash_attention(q, k, v, &opts)?.transpose(1, 2)?.reshape((b, s, h * d))
+            }
+        }
+    }
+}
+
 /// Scaled dot-product attention with grouped-query heads, without repeating keys
 /// and values.
 ///
@@ -240,7 +295,7 @@ pub(crate) fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
 /// Allocates the scores, (with a mask) the masked scores, the softmax's three
 /// tensors (all `[b, H, s, s]`), the context `[b, H, s, d]` and the merged output
 /// `[b, s, H·d]` (a copy, since the heads are transposed back).
-pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
     let (b, h, s, d) = q.dims4()?;
     let kv = k.dim(1)?;
     let g = h / kv;

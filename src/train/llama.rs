@@ -2,9 +2,9 @@
 //! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`).
 
 use candle_core::{Tensor, Var};
-use oomfix_strategies::Checkpointing;
+use oomfix_strategies::{Attention, Checkpointing};
 
-use super::layers::{attention, causal_mask, split_heads, Linear, RmsNorm, Rope, WeightLayout};
+use super::layers::{split_heads, Attend, Linear, RmsNorm, Rope, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::{ModelConfig, Result};
 
@@ -29,7 +29,7 @@ struct Block {
 
 /// What every block of one forward shares.
 struct Context {
-    mask: Tensor,
+    attend: Attend,
     /// Tables for the queries, scaled by `1/√d`.
     rope_q: Rope,
     rope_k: Rope,
@@ -60,7 +60,8 @@ impl Block {
         let q = ctx.rope_q.apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
         let k = ctx.rope_k.apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
         let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
-        let x = x.add(&self.o_proj.forward(&attention(&q, &k, &v, Some(&ctx.mask))?)?)?;
+        // The queries' RoPE tables already carry the attention scale.
+        let x = x.add(&self.o_proj.forward(&ctx.attend.forward(&q, &k, &v, 1.0)?)?)?;
         let h = self.post_norm.forward(&x)?;
         let mlp = self.gate_proj.forward(&h)?.silu()?.mul(&self.up_proj.forward(&h)?)?;
         x.add(&self.down_proj.forward(&mlp)?)
@@ -101,12 +102,18 @@ impl TrainableModel for Llama {
         &self.vars
     }
 
-    fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput> {
+    fn forward_backward(
+        &self,
+        batch: &Batch,
+        checkpoint: Checkpointing,
+        attention: Attention,
+        loss_scale: f64,
+    ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, false)?;
         let (h, d) = (self.config.hidden, self.config.head_dim());
         let (dtype, device) = (self.embed.dtype(), self.embed.device());
         let ctx = Context {
-            mask: causal_mask(s, dtype, device)?,
+            attend: Attend::causal(attention, s, dtype, device)?,
             rope_q: Rope::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), dtype, device)?,
             rope_k: Rope::new(s, d, ROPE_THETA, 1.0, dtype, device)?,
         };

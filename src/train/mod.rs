@@ -4,12 +4,14 @@
 //! weights or weights loaded by their Hub names from `.safetensors` files, in a
 //! compute dtype (f32, bf16, f16) on a device. [`TrainableModel::forward_backward`]
 //! runs one forward and backward pass on a [`Batch`] under an activation
-//! checkpointing policy ([`oomfix_strategies::checkpoint::backward`]) and returns the
+//! checkpointing policy ([`oomfix_strategies::checkpoint::backward`]), with attention
+//! composed from candle ops or computed by
+//! [`oomfix_strategies::attention::flash_attention`] ([`Attention`]), and returns the
 //! loss and detached gradients aligned with [`TrainableModel::vars`].
 //!
 //! The models are written for training, not inference: no KV cache, no dropout
 //! (recomputation must be deterministic), and none of candle's fused fast paths
-//! (`softmax_last_dim`, `rms_norm`, `layer_norm`, `rope`, fused attention), which
+//! (`softmax_last_dim`, `rms_norm`, `layer_norm`, `rope`, fused SDPA), which
 //! have no backward. Conventions follow Hugging Face `transformers`: GPT-2 with
 //! `Conv1D` weights (`[in, out]`), tanh-approximate GELU, tied LM head; Llama with
 //! RMSNorm (ε = 1e-5), RoPE in the `rotate_half` form (θ = 10 000), SwiGLU and
@@ -48,7 +50,7 @@
 //! |---|---|---|
 //! | `ln_1` | LN of `[n,h]` | as above |
 //! | `c_attn` matmul, + bias | `[n,3h]` ×2 | c |
-//! | q × `1/√d` (strided → contiguous) | `[b,H,s,d]` | c |
+//! | q × `1/√d` (strided → contiguous; flash: a plain contiguous copy) | `[b,H,s,d]` | c |
 //! | k, v contiguous copies | `[b,H,s,d]` ×2 | c |
 //! | scores `q kᵀ` | `[b,H,s,s]` | c |
 //! | + causal mask | `[b,H,s,s]` | c |
@@ -64,7 +66,7 @@
 //!
 //! Stem: `wte` rows `[n,h]` c; + `wpe` rows (a narrow, no copy) `[n,h]` c.
 //! Once per forward: causal mask `[s,s]` c (not on the parameter path, but held by
-//! every block's mask add).
+//! every block's mask add; not built for flash attention).
 //!
 //! ## Llama (per block)
 //!
@@ -90,15 +92,16 @@
 //!
 //! Keys and values are never repeated for grouped-query attention: each group's
 //! queries are multiplied with the shared key/value head directly.
-//! Stem: `embed_tokens` rows `[n,h]` c. Once per forward: causal mask `[s,s]` c;
-//! RoPE tables `[s,d]` ×4 c (cos/sin, and both scaled for the queries).
+//! Stem: `embed_tokens` rows `[n,h]` c. Once per forward: causal mask `[s,s]` c
+//! (composed attention only); RoPE tables `[s,d]` ×4 c (cos/sin, and both scaled
+//! for the queries: flash attention is then called with scale 1).
 //!
 //! ## BERT (per block)
 //!
 //! | tensor | shape | dtype |
 //! |---|---|---|
 //! | `query`, `key`, `value` matmul + bias | `[n,h]` ×6 | c |
-//! | q × `1/√d`, k and v contiguous copies | `[b,H,s,d]` ×3 | c |
+//! | q × `1/√d` (flash: a plain copy), k and v contiguous copies | `[b,H,s,d]` ×3 | c |
 //! | scores | `[b,H,s,s]` | c |
 //! | + padding mask (only when the batch has an `attention_mask`) | `[b,H,s,s]` | c |
 //! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
@@ -115,6 +118,18 @@
 //! Stem: word rows `[n,h]` c; position rows + token-type row (`[s,h]` c, not
 //! `[n,h]`); sum `[n,h]` c; embeddings LN of `[n,h]`. Once per forward, with an
 //! `attention_mask`: padding mask `[b,1,1,1,s]` c.
+//!
+//! ## Flash attention
+//!
+//! With [`Attention::Flash`] the rows from the scores to the context (scores,
+//! mask, softmax, context `P v`) become one op: it keeps its inputs (the q, k, v
+//! copies above), its output `[b,H,s,d]` c (in place of the context) and a
+//! log-sum-exp `[b,H,s]` f32 (plus, with a padding mask, one byte per key). No
+//! `[b,H,s,s]` tensor exists, and no mask is built: GPT-2 and Llama attend
+//! causally, BERT passes the batch's `attention_mask` as key padding. Its
+//! backward recomputes the probabilities block by block; its working set is
+//! f32 copies of q, k, v, the output and its gradient, the f32 gradient of q,
+//! and per query head f32 gradients of k and v.
 //!
 //! ## Head and loss
 //!
@@ -140,7 +155,8 @@
 //! the distinct non-parameter storages reachable from the loss add up to exactly
 //! these counts for all three families, in f32 and bf16 (plus the detached softmax
 //! maxima, which the graph holds off the parameter path; the once-per-forward masks
-//! and RoPE tables come on top).
+//! and RoPE tables come on top). With flash attention the `b·H·s²` and `2·b·H·s`
+//! terms are replaced by `b·H·s` f32 values (the log-sum-exp).
 //!
 //! ## Checkpointing
 //!
@@ -166,7 +182,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 use oomfix_strategies::checkpoint::{self, Block};
-use oomfix_strategies::Checkpointing;
+use oomfix_strategies::{Attention, Checkpointing};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 
@@ -305,8 +321,15 @@ pub trait TrainableModel {
     /// One forward and backward pass on `batch`: the mean cross-entropy over the
     /// positions `loss_mask` selects (all positions without one; for BERT, the
     /// masked positions), and the gradients of `loss × loss_scale`, with blocks
-    /// recomputed as `checkpoint` says.
-    fn forward_backward(&self, batch: &Batch, checkpoint: Checkpointing, loss_scale: f64) -> Result<StepOutput>;
+    /// recomputed as `checkpoint` says and attention computed as `attention` says
+    /// ([`Attention::Flash`] runs on the CPU only).
+    fn forward_backward(
+        &self,
+        batch: &Batch,
+        checkpoint: Checkpointing,
+        attention: Attention,
+        loss_scale: f64,
+    ) -> Result<StepOutput>;
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).

@@ -1,7 +1,7 @@
 //! The training loop: one optimizer step of a [`Plan`] on a [`TrainableModel`].
 //!
 //! A step runs `grad_accum` micro-batches of `micro_batch` sequences through
-//! forward and backward (with the plan's checkpointing), sums their gradients
+//! forward and backward (with the plan's checkpointing and attention), sums their gradients
 //! ([`GradAccumulator`]), unscales and checks them under fp16 loss scaling, and
 //! steps the optimizer: `candle_nn::AdamW` one tensor at a time (each gradient
 //! dropped as soon as its tensor is updated), or [`FusedAdamW`] in place. Under
@@ -22,7 +22,7 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::FusedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
-use oomfix_strategies::{OptimizerImpl, Plan, Precision};
+use oomfix_strategies::{Attention, OptimizerImpl, Plan, Precision};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -106,6 +106,11 @@ impl Trainer {
         if plan.shard.world_size > 1 {
             return Err(Error::Usage(
                 "sharded plans run one process per GPU; the single-device trainer runs world size 1".into(),
+            ));
+        }
+        if plan.attention == Attention::Flash && !device.is_cpu() {
+            return Err(Error::Usage(
+                "flash attention runs on the CPU only; plan without the flash-attention strategy".into(),
             ));
         }
         let dtype = compute_dtype(plan.precision);
@@ -292,7 +297,7 @@ impl Trainer {
         let mut loss_sum = 0.0;
         for _ in 0..self.plan.grad_accum {
             let batch = self.batch(data)?;
-            let out = self.model.forward_backward(&batch, self.plan.checkpoint, scale)?;
+            let out = self.model.forward_backward(&batch, self.plan.checkpoint, self.plan.attention, scale)?;
             loss_sum += out.loss;
             acc.add(out.grads)?;
         }

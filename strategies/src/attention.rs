@@ -1,6 +1,9 @@
 //! Memory-efficient scaled dot-product attention with a backward pass
 //! (the FlashAttention-2 scheme, on the CPU).
 //!
+//! The planner half ([`FlashAttention`]) switches a plan's [`Attention`] from the
+//! composed expression to this op; the mechanism is [`flash_attention`].
+//!
 //! [`flash_attention`] computes `softmax(q·kᵀ·scale + mask)·v` without ever
 //! holding the `s_q × s_k` score or probability matrices. The forward pass walks
 //! blocks of queries and keys with an online softmax and keeps, besides the
@@ -36,6 +39,41 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::adamw::{contiguous_range, is_kernel_dtype, Float};
+use crate::{Attention, Plan, SearchContext, Strategy};
+
+/// Planner half: compute attention with [`flash_attention`] instead of composing it
+/// from candle ops.
+///
+/// It removes every `batch × heads × seq × seq` tensor a block keeps for backward
+/// and costs no compute (on the CPU the op is faster than the composed expression),
+/// so it is never relaxed. The op runs on the CPU only: a plan with flash
+/// attention cannot be executed on a GPU yet.
+///
+/// ```
+/// use oomfix_strategies::attention::FlashAttention;
+/// use oomfix_strategies::{Attention, Plan, SearchContext, Strategy};
+///
+/// let ctx = SearchContext { global_batch: 8, gpus: 1, supports_bf16: true, flash_attention: true, layers: 12 };
+/// let flash = FlashAttention.tighten(&Plan::baseline(8, 1024), &ctx).unwrap();
+/// assert_eq!(flash.attention, Attention::Flash);
+/// assert!(FlashAttention.tighten(&flash, &ctx).is_none());
+/// assert!(FlashAttention.relax(&flash, &ctx).is_none());
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FlashAttention;
+
+impl Strategy for FlashAttention {
+    fn name(&self) -> &'static str {
+        "flash-attention"
+    }
+    fn tighten(&self, plan: &Plan, ctx: &SearchContext) -> Option<Plan> {
+        (ctx.flash_attention && plan.attention == Attention::Composed)
+            .then_some(Plan { attention: Attention::Flash, ..*plan })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Mechanism: the attention op.
 
 /// Query rows per block.
 const BLOCK_Q: usize = 64;
@@ -82,8 +120,7 @@ pub fn flash_attention(
         Some(mask) => Some(keep_mask(mask, dims.b, dims.s_k)?),
         None => None,
     };
-    let op =
-        FlashAttention { dims, params: Params { causal: opts.causal, scale }, keep, lse: OnceLock::new() };
+    let op = FlashOp { dims, params: Params { causal: opts.causal, scale }, keep, lse: OnceLock::new() };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
@@ -159,7 +196,7 @@ struct Params {
 }
 
 /// The custom op: forward on the CPU, backward by block recomputation.
-struct FlashAttention {
+struct FlashOp {
     dims: Dims,
     params: Params,
     /// `[b, s_k]` keep flags, or `None` when no key is padded.
@@ -169,7 +206,7 @@ struct FlashAttention {
     lse: OnceLock<Vec<f32>>,
 }
 
-impl FlashAttention {
+impl FlashOp {
     /// The keep flags of batch row `b`.
     fn keep_row(&self, b: usize) -> Option<&[u8]> {
         let s_k = self.dims.s_k;
@@ -177,7 +214,7 @@ impl FlashAttention {
     }
 }
 
-impl CustomOp3 for FlashAttention {
+impl CustomOp3 for FlashOp {
     fn name(&self) -> &'static str {
         "flash-attention"
     }

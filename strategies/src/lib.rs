@@ -6,8 +6,9 @@
 //! * a [`Strategy`] that rewrites a [`Plan`] (pure and cheap: used by a planner to
 //!   search for a configuration that fits a memory budget), and
 //! * the candle mechanism that executes that part of the plan in a real training
-//!   loop (gradient accumulation, mixed precision with loss scaling, activation
-//!   checkpointing, a fused in-place AdamW, ZeRO-style sharding).
+//!   loop (gradient accumulation, mixed precision with loss scaling,
+//!   memory-efficient attention, activation checkpointing, a fused in-place
+//!   AdamW, ZeRO-style sharding).
 //!
 //! A [`Pipeline`] is an ordered list of strategies. The order is the product: the
 //! default order applies the cheapest fix first.
@@ -16,10 +17,13 @@
 //! use oomfix_strategies::{Pipeline, Plan, SearchContext};
 //!
 //! let pipeline = Pipeline::default();
-//! assert_eq!(pipeline.names(), ["accumulate", "precision", "checkpoint", "fused-adamw", "shard"]);
+//! assert_eq!(
+//!     pipeline.names(),
+//!     ["accumulate", "precision", "flash-attention", "checkpoint", "fused-adamw", "shard"]
+//! );
 //!
 //! // Tighten a plan step by step with the first fix: micro-batch 8 -> 4 -> 2 -> 1.
-//! let ctx = SearchContext { global_batch: 8, gpus: 1, supports_bf16: true, layers: 12 };
+//! let ctx = SearchContext { global_batch: 8, gpus: 1, supports_bf16: true, flash_attention: true, layers: 12 };
 //! let mut plan = Plan::baseline(8, 1024);
 //! let mut seen = vec![plan.micro_batch];
 //! while let Some(next) = pipeline.strategies()[0].tighten(&plan, &ctx) {
@@ -42,7 +46,7 @@ pub mod precision;
 pub mod shard;
 
 pub use error::{Error, Result};
-pub use plan::{Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
+pub use plan::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
 
 /// What a strategy may look at besides the plan itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +57,8 @@ pub struct SearchContext {
     pub gpus: usize,
     /// Whether the device computes in bf16 (else 16-bit compute means f16 with loss scaling).
     pub supports_bf16: bool,
+    /// Whether the device has a kernel for [`attention::flash_attention`] (the CPU does).
+    pub flash_attention: bool,
     /// Number of transformer blocks (bounds the checkpointing interval).
     pub layers: usize,
 }
@@ -81,7 +87,8 @@ pub struct Pipeline {
 }
 
 impl Default for Pipeline {
-    /// The default order: accumulate, precision, checkpoint, fused-adamw, shard.
+    /// The default order: accumulate, precision, flash-attention, checkpoint,
+    /// fused-adamw, shard.
     fn default() -> Self {
         Pipeline::from_names(&Self::DEFAULT_ORDER).expect("default names are valid")
     }
@@ -95,8 +102,8 @@ impl std::fmt::Debug for Pipeline {
 
 impl Pipeline {
     /// Names of the built-in strategies in their default order.
-    pub const DEFAULT_ORDER: [&'static str; 5] =
-        ["accumulate", "precision", "checkpoint", "fused-adamw", "shard"];
+    pub const DEFAULT_ORDER: [&'static str; 6] =
+        ["accumulate", "precision", "flash-attention", "checkpoint", "fused-adamw", "shard"];
 
     /// An empty pipeline (the identity: the baseline plan is the only attempt).
     pub fn new() -> Self {
@@ -148,6 +155,7 @@ fn builtin(name: &str) -> Option<Box<dyn Strategy>> {
     Some(match name {
         "accumulate" => Box::new(accumulate::Accumulate),
         "precision" => Box::new(precision::MixedPrecision),
+        "flash-attention" => Box::new(attention::FlashAttention),
         "checkpoint" => Box::new(checkpoint::Checkpoint),
         "fused-adamw" => Box::new(adamw::FusedAdamWStrategy),
         "shard" => Box::new(shard::Shard),

@@ -126,6 +126,33 @@ impl fmt::Display for OptimizerImpl {
     }
 }
 
+/// How the attention of each transformer block is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Attention {
+    /// Composed from candle ops (scores, mask, softmax, product with the values):
+    /// autograd keeps several `batch × heads × seq × seq` tensors per block.
+    Composed,
+    /// [`attention::flash_attention`](crate::attention::flash_attention): blocked,
+    /// with the probabilities recomputed in backward; nothing of size `seq × seq` is kept.
+    Flash,
+}
+
+impl Attention {
+    /// Name used in output (`composed`, `flash`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Attention::Composed => "composed",
+            Attention::Flash => "flash",
+        }
+    }
+}
+
+impl fmt::Display for Attention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// ZeRO-style sharding of training state across data-parallel ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Sharding {
@@ -154,6 +181,8 @@ pub struct Plan {
     pub precision: Precision,
     /// Activation checkpointing policy.
     pub checkpoint: Checkpointing,
+    /// Attention implementation.
+    pub attention: Attention,
     /// Optimizer implementation.
     pub optimizer: OptimizerImpl,
     /// Sharding across ranks.
@@ -162,7 +191,7 @@ pub struct Plan {
 
 impl Plan {
     /// The plan with no fix applied: the whole global batch in one fp32 pass,
-    /// plain autograd, `candle_nn::AdamW`, one device.
+    /// plain autograd, composed attention, `candle_nn::AdamW`, one device.
     pub fn baseline(global_batch: usize, seq_len: usize) -> Plan {
         Plan {
             micro_batch: global_batch.max(1),
@@ -170,6 +199,7 @@ impl Plan {
             seq_len,
             precision: Precision::F32,
             checkpoint: Checkpointing::None,
+            attention: Attention::Composed,
             optimizer: OptimizerImpl::CandleAdamW,
             shard: Sharding::NONE,
         }
@@ -185,9 +215,13 @@ impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "micro-batch {} x {} accumulation, seq {}, {}, checkpoint {}, {}",
-            self.micro_batch, self.grad_accum, self.seq_len, self.precision, self.checkpoint, self.optimizer
+            "micro-batch {} x {} accumulation, seq {}, {}, checkpoint {}, ",
+            self.micro_batch, self.grad_accum, self.seq_len, self.precision, self.checkpoint
         )?;
+        if self.attention == Attention::Flash {
+            f.write_str("flash attention, ")?;
+        }
+        write!(f, "{}", self.optimizer)?;
         if self.shard.world_size > 1 {
             write!(f, ", ZeRO-{} over {}", self.shard.stage, self.shard.world_size)?;
         }
