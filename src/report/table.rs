@@ -47,7 +47,7 @@ fn row(i: usize, a: &Attempt) -> String {
 }
 
 fn breakdown(out: &mut String, a: &Attempt) {
-    let _ = writeln!(out, "peak {} at the {}, made of:", format_bytes(a.estimate.peak), a.estimate.peak_phase);
+    let _ = writeln!(out, "estimated peak {} at the {}, made of:", format_bytes(a.estimate.peak), a.estimate.peak_phase);
     for (name, bytes) in a.estimate.peak_components() {
         let share = 100.0 * bytes as f64 / a.estimate.peak.max(1) as f64;
         let _ = writeln!(out, "  {:<24} {:>11}  {share:>5.1}%", name.replace('_', " "), format_bytes(bytes));
