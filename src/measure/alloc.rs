@@ -22,10 +22,11 @@ static INSTALLED: AtomicBool = AtomicBool::new(false);
 pub struct CountingAlloc;
 
 /// What the program is doing, recorded with each allocation event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[repr(u8)]
 pub enum Phase {
     /// Outside a training step (setup).
+    #[default]
     Setup = 0,
     /// Forward and backward passes.
     ForwardBackward = 1,
@@ -73,12 +74,6 @@ pub struct Event {
     pub alloc: bool,
     /// What the program was doing.
     pub phase: Phase,
-}
-
-impl Default for Phase {
-    fn default() -> Self {
-        Phase::Setup
-    }
 }
 
 /// The recording buffer: a leaked slice written by index, so the allocator

@@ -78,9 +78,9 @@ impl Dims {
     fn scores(&self) -> u64 {
         self.n * self.heads * self.s
     }
-    /// Layer norm on `[n, h]`: centred, squared, normalised (f32), × weight and
-    /// + bias (c), six `[n,1]` f32 statistics; mixed adds the f32 input cast and
-    /// the cast back.
+    /// Layer norm on `[n, h]`: centred, squared, normalised (f32), scaled and
+    /// shifted (c), six `[n,1]` f32 statistics; mixed adds the f32 input cast
+    /// and the cast back.
     fn layer_norm(&self) -> Values {
         let m = u64::from(self.mixed);
         Values { c: (2 + m) * self.n * self.h, f32: (3 + m) * self.n * self.h + 6 * self.n }

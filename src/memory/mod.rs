@@ -27,10 +27,11 @@ use oomfix_strategies::{OptimizerImpl, Plan};
 use serde::Serialize;
 
 /// The moment of the step at which the peak occurs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
     /// End of backward (activations and fresh gradients both alive).
+    #[default]
     Backward,
     /// Inside the optimizer step.
     OptimizerStep,
@@ -72,12 +73,6 @@ pub struct Breakdown {
     pub peak_phase: Phase,
 }
 
-impl Default for Phase {
-    fn default() -> Self {
-        Phase::Backward
-    }
-}
-
 impl Breakdown {
     /// The components as `(name, bytes)`, in display order.
     pub fn components(&self) -> [(&'static str, u64); 9] {
@@ -101,7 +96,7 @@ impl Breakdown {
             .into_iter()
             .filter(|(name, bytes)| *bytes > 0 && self.in_peak(name))
             .collect();
-        parts.sort_by(|a, b| b.1.cmp(&a.1));
+        parts.sort_by_key(|p| std::cmp::Reverse(p.1));
         parts
     }
 

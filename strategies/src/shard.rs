@@ -27,7 +27,7 @@ fn with_stage(plan: &Plan, world_size: usize, stage: u8) -> Option<Plan> {
     }
     let per_rank = global / world_size;
     // keep the micro-batch if it still divides the per-rank batch, else the largest that does
-    let micro = divisors(per_rank).into_iter().filter(|&d| d <= plan.micro_batch).last()?;
+    let micro = divisors(per_rank).into_iter().rev().find(|&d| d <= plan.micro_batch)?;
     Some(Plan {
         micro_batch: micro,
         grad_accum: per_rank / micro,
