@@ -140,3 +140,26 @@ fn snapshot_refuses_to_overwrite_the_model() {
         .code(2);
     assert_eq!(std::fs::read(&model).unwrap(), before);
 }
+
+#[test]
+fn a_host_out_of_memory_while_verifying_is_one_failed_attempt() {
+    // A tiny model with GPT-2's vocabulary: at batch 8 × 1024 its logits alone
+    // are 1.6 GB a copy, past the measuring child's address-space limit
+    // (budget + 2 GiB), so the child dies on an allocation failure.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wide.safetensors");
+    let config = ModelConfig { vocab: 50257, max_positions: 1024, ..ModelConfig::gpt2(1, 32, 2) };
+    write_safetensors(&path, &with_dtype(config.tensors(), "F32"));
+    let out = Command::cargo_bin("oomfix").unwrap()
+        .args(["--budget", "64MiB", "--device", "cpu", "--seq-len", "1024", "--global-batch", "8",
+               "--strategies", "precision", "--verify=all", "--json"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let attempts = v["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "the planner went on after the first out-of-memory");
+    assert!(attempts.iter().all(|a| a["out_of_memory"] == true && a["fits"] == false), "{attempts:?}");
+}
