@@ -107,3 +107,25 @@ proptest! {
         inspect_is_total(&path)?;
     }
 }
+
+/// Found by `cargo fuzz run header`: an embedding with zero rows holds no data
+/// whatever its width, so its width can claim a hidden size so large that the
+/// assumed 4 × hidden MLP overflowed (a panic with overflow checks on).
+#[test]
+fn hidden_size_of_an_empty_embedding_too_large_for_4x_is_an_input_error() {
+    let huge = vec![0, 1usize << 62];
+    let layer = [
+        ("wte.weight", "h.0.attn.c_attn.weight"),
+        ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("bert.embeddings.word_embeddings.weight", "bert.encoder.layer.0.attention.self.query.weight"),
+    ];
+    for (embedding, block) in layer {
+        let dir = TempDir::new().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let (header, data_len) = header_json(&[(embedding, "F16", huge.clone()), (block, "F16", vec![1])]);
+        write_header(&path, &header, data_len);
+        let err = inspect(&path).unwrap_err();
+        assert!(err.is_input(), "{err}");
+        assert!(err.to_string().contains("hidden size 4611686018427387904 is too large"), "{err}");
+    }
+}

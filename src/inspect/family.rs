@@ -2,10 +2,11 @@
 //! tensor names and shapes, with `config.json` filling in what shapes cannot say.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::Path;
 
 use super::config::HfConfig;
 use super::header::is_float;
-use crate::{Family, ModelConfig, Result, TensorInfo};
+use crate::{Error, Family, ModelConfig, Result, TensorInfo};
 
 /// What inference found.
 #[derive(Debug)]
@@ -18,15 +19,16 @@ pub(crate) struct Inferred {
     pub assumptions: Vec<String>,
 }
 
-/// Infers the model from all tensors in the file(s) and an optional `config.json`.
-pub(crate) fn infer(all: Vec<TensorInfo>, hf: Option<&HfConfig>) -> Result<Inferred> {
+/// Infers the model from all tensors in the file(s) at `source` and an optional
+/// `config.json`; an error about the weights names `source`.
+pub(crate) fn infer(source: &Path, all: Vec<TensorInfo>, hf: Option<&HfConfig>) -> Result<Inferred> {
     let t = Tensors::new(&all);
     let draft = if let Some(p) = t.gpt2_prefix() {
-        gpt2(&t, p, hf)?
+        gpt2(source, &t, p, hf)?
     } else if t.is_llama() {
-        llama(&t, hf)?
+        llama(source, &t, hf)?
     } else if let Some(p) = t.bert_prefix() {
-        bert(&t, p, hf)?
+        bert(source, &t, p, hf)?
     } else {
         generic(&t, hf)
     };
@@ -133,7 +135,7 @@ fn layer_of(name: &str, prefix: &str, suffix: &str) -> Option<usize> {
     n.parse().ok()
 }
 
-fn gpt2(t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
+fn gpt2(source: &Path, t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
     let mut assumptions = Vec::new();
     let embed = format!("{p}wte.weight");
     let (vocab, hidden) = t.matrix(&embed).unwrap_or_default();
@@ -150,7 +152,7 @@ fn gpt2(t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
         hidden,
         heads,
         kv_heads: heads,
-        intermediate: intermediate.unwrap_or_else(|| assume_4x(hidden, &mut assumptions)),
+        intermediate: assume_4x_unless(intermediate, source, hidden, &mut assumptions)?,
         vocab,
         max_positions: t.matrix(&format!("{p}wpe.weight")).map_or(0, |(rows, _)| rows),
         tied_embeddings: tied,
@@ -163,7 +165,7 @@ fn gpt2(t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
     })
 }
 
-fn llama(t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
+fn llama(source: &Path, t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
     let mut assumptions = Vec::new();
     let embed = "model.embed_tokens.weight";
     let (vocab, hidden) = t.matrix(embed).unwrap_or_default();
@@ -190,7 +192,7 @@ fn llama(t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
         hidden,
         heads,
         kv_heads,
-        intermediate: intermediate.unwrap_or_else(|| assume_4x(hidden, &mut assumptions)),
+        intermediate: assume_4x_unless(intermediate, source, hidden, &mut assumptions)?,
         vocab,
         max_positions,
         tied_embeddings: tied,
@@ -243,7 +245,7 @@ fn llama_heads(
     Ok((heads, kv_heads))
 }
 
-fn bert(t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
+fn bert(source: &Path, t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
     let mut assumptions = Vec::new();
     let embed = format!("{p}embeddings.word_embeddings.weight");
     let (vocab, hidden) = t.matrix(&embed).unwrap_or_default();
@@ -263,7 +265,7 @@ fn bert(t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
         hidden,
         heads,
         kv_heads: heads,
-        intermediate: intermediate.unwrap_or_else(|| assume_4x(hidden, &mut assumptions)),
+        intermediate: assume_4x_unless(intermediate, source, hidden, &mut assumptions)?,
         vocab,
         max_positions: t
             .matrix(&format!("{p}embeddings.position_embeddings.weight"))
@@ -341,12 +343,26 @@ fn heads_or_assume(hf: Option<&HfConfig>, hidden: usize, assumptions: &mut Vec<S
     }
 }
 
-fn assume_4x(hidden: usize, assumptions: &mut Vec<String>) -> usize {
-    assumptions.push(format!(
-        "MLP size {} (4 × hidden) assumed: no MLP weight found",
-        4 * hidden
-    ));
-    4 * hidden
+/// The MLP size the weights give, else 4 × hidden recorded as assumed; a hidden
+/// size too large for that (only a zero-element embedding can claim one) is an
+/// error about the weights at `source`.
+fn assume_4x_unless(
+    found: Option<usize>,
+    source: &Path,
+    hidden: usize,
+    assumptions: &mut Vec<String>,
+) -> Result<usize> {
+    if let Some(size) = found {
+        return Ok(size);
+    }
+    let size = hidden.checked_mul(4).ok_or_else(|| {
+        Error::input(
+            source,
+            format!("hidden size {hidden} is too large: assuming an MLP of 4 × hidden overflows"),
+        )
+    })?;
+    assumptions.push(format!("MLP size {size} (4 × hidden) assumed: no MLP weight found"));
+    Ok(size)
 }
 
 /// Whether the output head shares the embedding, and the head's name when the
@@ -406,7 +422,7 @@ mod tests {
     #[test]
     fn recovers_the_shapes_it_was_built_from() {
         for c in [ModelConfig::gpt2_small(), ModelConfig::bert_base()] {
-            let got = infer(from_config(&c), None).unwrap();
+            let got = infer(Path::new("m.safetensors"), from_config(&c), None).unwrap();
             assert_eq!(got.config, c);
             assert_eq!(got.tensors.len(), c.tensors().len());
         }
@@ -417,7 +433,7 @@ mod tests {
             max_positions: Some(4096),
             ..Default::default()
         };
-        assert_eq!(infer(from_config(&c), Some(&hf)).unwrap().config, c);
+        assert_eq!(infer(Path::new("m.safetensors"), from_config(&c), Some(&hf)).unwrap().config, c);
     }
 
     #[test]
@@ -428,7 +444,7 @@ mod tests {
             kv_heads: Some(8),
             ..Default::default()
         };
-        let err = infer(from_config(&c), Some(&hf)).unwrap_err().to_string();
+        let err = infer(Path::new("m.safetensors"), from_config(&c), Some(&hf)).unwrap_err().to_string();
         assert!(
             err.contains("8 key/value heads of size 64 do not match k_proj's 256 rows"),
             "{err}"
@@ -437,14 +453,14 @@ mod tests {
             heads: Some(7),
             ..Default::default()
         };
-        assert!(infer(from_config(&ModelConfig::gpt2_small()), Some(&hf)).is_err());
+        assert!(infer(Path::new("m.safetensors"), from_config(&ModelConfig::gpt2_small()), Some(&hf)).is_err());
     }
 
     #[test]
     fn untied_head_of_another_shape_counts() {
         let mut t = from_config(&ModelConfig::gpt2(2, 64, 1));
         t.push(info("lm_head.weight", &[100, 64]));
-        let got = infer(t, None).unwrap();
+        let got = infer(Path::new("m.safetensors"), t, None).unwrap();
         assert!(!got.config.tied_embeddings);
         assert!(got.tensors.iter().any(|t| t.name == "lm_head.weight"));
     }

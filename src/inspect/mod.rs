@@ -48,7 +48,7 @@ pub fn inspect(path: &Path) -> Result<ModelSpec> {
             dtype: e.dtype.to_string(),
         })
         .collect();
-    let inferred = family::infer(all, hf.as_ref())?;
+    let inferred = family::infer(path, all, hf.as_ref())?;
     if inferred.tensors.is_empty() {
         return Err(Error::input(
             path,
