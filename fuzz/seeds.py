@@ -110,6 +110,9 @@ write("corpus/header/bert-no-prefix-no-head.safetensors", safetensors(bert(layer
 write("corpus/header/generic.safetensors", safetensors(
     [("encoder.blocks.0.w", "F16", [4, 4]), ("encoder.blocks.1.w", "F16", [4, 4]), ("mask", "U8", [3])]))
 write("corpus/header/empty-header.safetensors", safetensors([], metadata=False))
+# A zero-row embedding may claim any width: a hidden size whose 4x MLP overflows.
+write("corpus/header/huge-hidden-empty-embedding.safetensors", safetensors(
+    [("wte.weight", "F16", [0, 1 << 62]), ("h.0.attn.c_attn.weight", "F16", [1])]))
 
 # Index target: a 2-layer Llama-style model in two shards.
 first = [("model.embed_tokens.weight", "BF16", [16, 8])] + llama_layer(0)
