@@ -7,10 +7,17 @@
 //! prints the table.
 //!
 //! ```sh
-//! cargo run --release --example accuracy -- [--quick] [--out DIR]
+//! cargo run --release --example accuracy -- [--quick] [--out DIR] [--models A,B] [--plans TEXT] [--explain]
 //! ```
+//!
+//! `--models` keeps the models whose names start with one of the comma-separated
+//! prefixes, `--plans` the plans whose description contains every `+`-separated
+//! part (e.g. `bf16+checkpoint every`); a filtered run prints its table but
+//! writes no files. `--explain` also records each measured step's allocation
+//! timeline and prints the phase and moment of the measured peak with the
+//! largest allocations alive then.
 
-use oomfix::measure::{measure_plan, CountingAlloc};
+use oomfix::measure::{measure_plan, record_plan, CountingAlloc, Timeline};
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
 use std::fmt::Write as _;
@@ -65,22 +72,86 @@ fn plans(quick: bool) -> Vec<Plan> {
     out.iter().map(|p| Plan { shard: Sharding::NONE, ..*p }).collect()
 }
 
+/// Command-line options.
+struct Options {
+    quick: bool,
+    out_dir: String,
+    models: Option<Vec<String>>,
+    plans: Option<Vec<String>>,
+    explain: bool,
+}
+
+impl Options {
+    fn parse() -> Result<Options, String> {
+        let mut o = Options { quick: false, out_dir: "docs".into(), models: None, plans: None, explain: false };
+        let mut args = std::env::args().skip(1);
+        while let Some(a) = args.next() {
+            let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
+            match a.as_str() {
+                "--quick" => o.quick = true,
+                "--explain" => o.explain = true,
+                "--out" => o.out_dir = value()?,
+                "--models" => o.models = Some(value()?.split(',').map(str::to_string).collect()),
+                "--plans" => o.plans = Some(value()?.split('+').map(str::to_string).collect()),
+                _ => return Err(format!("unknown argument `{a}`")),
+            }
+        }
+        Ok(o)
+    }
+
+    fn filtered(&self) -> bool {
+        self.models.is_some() || self.plans.is_some()
+    }
+
+    fn keeps(&self, model: &str, plan: &Plan) -> bool {
+        let plan = plan.to_string();
+        self.models.as_ref().is_none_or(|m| m.iter().any(|p| model.starts_with(p.as_str())))
+            && self.plans.as_ref().is_none_or(|parts| parts.iter().all(|p| plan.contains(p.as_str())))
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let out_dir = args.iter().position(|a| a == "--out").map(|i| args[i + 1].clone()).unwrap_or("docs".into());
+    let opts = Options::parse().unwrap_or_else(|e| {
+        eprintln!("accuracy: {e}");
+        std::process::exit(2)
+    });
+    if opts.explain {
+        // The recording buffer is allocated once, on first use: make it now so
+        // that it is part of every recorded step's baseline.
+        oomfix::measure::alloc::start_recording(oomfix::measure::MAX_EVENTS);
+        oomfix::measure::alloc::stop_recording();
+    }
     let mut rows = Vec::new();
     let mut md = String::from("| model | params | plan | estimated | measured | error |\n|---|---:|---|---:|---:|---:|\n");
-    for (name, config) in models(quick) {
+    for (name, config) in models(opts.quick) {
         let spec = ModelSpec::from_config(name, config);
-        for plan in plans(quick) {
+        for plan in plans(opts.quick) {
             if plan.seq_len > spec.config.max_positions && spec.config.family.has_learned_positions() {
+                continue;
+            }
+            if !opts.keeps(name, &plan) {
                 continue;
             }
             let est = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
             let m = measure_plan(&spec, &plan, Target::Cpu)?;
             let err = est.peak as f64 / m.peak_bytes as f64 - 1.0;
             println!("{name:<16} {plan}\n    est {:>12} meas {:>12} err {:+6.1}%  (est phase {})", est.peak, m.peak_bytes, 100.0 * err, est.peak_phase);
+            if opts.explain {
+                let a = oomfix::memory::activation_bytes(&spec, &plan);
+                let state = est.weights + est.master_weights + est.optimizer_state + est.accumulated_gradients;
+                let blocks_grads = est.gradients - oomfix::memory::stem_only_parameters(&spec) * plan.precision.compute_bytes();
+                let mb = |x: u64| format!("{:.2}", x as f64 / 1e6);
+                println!(
+                    "    estimate MB: state {} grads {} | loss {} ({} + {}) | blocks {} ({} + {}) | embedding {} ({} + {}) | step {}",
+                    mb(state), mb(est.gradients),
+                    mb(state + a.loss.total()), mb(a.loss.activations), mb(a.loss.transient),
+                    mb(state + blocks_grads + a.blocks.total()), mb(a.blocks.activations), mb(a.blocks.transient),
+                    mb(state + est.gradients + a.embedding.total()), mb(a.embedding.activations), mb(a.embedding.transient),
+                    mb(est.weights + est.master_weights + est.optimizer_state + est.gradients + est.optimizer_transient),
+                );
+                let (_, timeline) = record_plan(&spec, &plan, Target::Cpu)?;
+                explain(&timeline, (spec.config.vocab * spec.config.hidden) as u64 * plan.precision.compute_bytes());
+            }
             let _ = writeln!(md, "| {name} | {} | {plan} | {} | {} | {:+.1}% |", spec.parameters(), est.peak, m.peak_bytes, 100.0 * err);
             rows.push(serde_json::json!({"model": name, "parameters": spec.parameters(), "plan": plan.to_string(),
                 "estimated_bytes": est.peak, "measured_bytes": m.peak_bytes, "relative_error": err}));
@@ -88,18 +159,82 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let mut errs: Vec<f64> = rows.iter().map(|r| r["relative_error"].as_f64().unwrap().abs()).collect();
     errs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let Some(&max) = errs.last() else {
+        println!("no configuration matches the filters");
+        return Ok(());
+    };
     let median = errs[errs.len() / 2];
-    let max = errs.last().copied().unwrap_or(0.0);
+    let above = errs.iter().filter(|&&e| e > 0.08).count();
     let summary = format!("{} configurations: median |error| {:.1}%, max {:.1}%", errs.len(), 100.0 * median, 100.0 * max);
-    println!("{summary}");
-    std::fs::create_dir_all(&out_dir)?;
+    println!("{summary} ({above} above 8%)");
+    if opts.filtered() {
+        return Ok(());
+    }
+    let out_dir = &opts.out_dir;
+    std::fs::create_dir_all(out_dir)?;
     let header = "# Memory model accuracy (CPU)\n\nCommand: `cargo run --release --example accuracy`. Measured: the heap \
         high-water mark of the second (steady-state) training step above the heap before the model was built, \
-        from a counting allocator. Error = estimated / measured - 1.";
+        from a counting allocator; process-wide state made on first use (the thread pool and its threads' \
+        matrix-kernel buffers) is created before the first measurement. Error = estimated / measured - 1.";
     std::fs::write(format!("{out_dir}/accuracy.md"), format!("{header}\n\n{summary}\n\n{md}"))?;
     scatter(&format!("{out_dir}/accuracy.svg"), &rows, &summary)?;
     std::fs::write(format!("{out_dir}/accuracy.json"), serde_json::to_string_pretty(&serde_json::json!({"median_abs_error": median, "max_abs_error": max, "rows": rows}))?)?;
     Ok(())
+}
+
+/// Prints where a recorded step's peak is: its phase, the position in the
+/// event stream, the peak per phase, and the largest blocks alive at the peak
+/// grouped by size.
+fn explain(t: &Timeline, embedding_bytes: u64) {
+    let live = |e: &oomfix::measure::alloc::Event| e.live.saturating_sub(t.baseline);
+    let Some((at, peak)) = t.events.iter().enumerate().max_by_key(|(_, e)| live(e)) else { return };
+    let mut by_phase = std::collections::BTreeMap::new();
+    for e in &t.events {
+        let m = by_phase.entry(e.phase.as_str()).or_insert(0u64);
+        *m = (*m).max(live(e));
+    }
+    println!(
+        "    measured peak {} in {} at event {at}/{} (phase peaks {by_phase:?}{})",
+        live(peak),
+        peak.phase.as_str(),
+        t.events.len(),
+        if t.truncated { ", truncated" } else { "" }
+    );
+    // The live bytes over the step: the highest value in each of 48 stretches of events.
+    let stretch = t.events.len().div_ceil(48).max(1);
+    let highs: Vec<String> = t.events.chunks(stretch).map(|c| format!("{:.1}", c.iter().map(live).max().unwrap_or(0) as f64 / 1e6)).collect();
+    println!("    live MB over the step: {}", highs.join(" "));
+    // The stretches between allocations of embedding-sized tensors (the head's
+    // weight gradient, the embedding backward's tensors, the optimizer's).
+    let marks: Vec<usize> = t.events.iter().enumerate().filter(|(_, e)| e.alloc && e.size == embedding_bytes).map(|(i, _)| i).collect();
+    let mut from = 0;
+    let mut parts = Vec::new();
+    for &m in marks.iter().chain([&t.events.len()]) {
+        let high = t.events[from..m].iter().map(live).max().unwrap_or(0);
+        parts.push(format!("[{from}..{m}) max {:.2}", high as f64 / 1e6));
+        from = m;
+    }
+    println!("    between embedding-sized allocations: {}", parts.join(", "));
+    // Blocks allocated during the step and alive at the peak.
+    let mut alive = std::collections::HashMap::new();
+    for e in &t.events[..=at] {
+        if e.alloc {
+            alive.insert(e.addr, e.size);
+        } else {
+            alive.remove(&e.addr);
+        }
+    }
+    let mut sizes = std::collections::BTreeMap::<u64, u64>::new();
+    for &s in alive.values() {
+        *sizes.entry(s).or_default() += 1;
+    }
+    let mut sizes: Vec<_> = sizes.into_iter().map(|(s, k)| (s * k, s, k)).collect();
+    sizes.sort_by_key(|x| std::cmp::Reverse(x.0));
+    let new: u64 = alive.values().sum();
+    println!("    allocated in the step and alive at the peak: {new} bytes; largest groups (size x count):");
+    for (total, s, k) in sizes.iter().take(12) {
+        println!("      {s:>10} x {k:<4} = {total}");
+    }
 }
 
 /// Estimated against measured peaks, log-log, with the y = x line.

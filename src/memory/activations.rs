@@ -8,6 +8,17 @@
 //! `c` unless marked f32: norms and the loss run in f32, so under mixed
 //! precision they add cast copies.
 //!
+//! The backward does not hold all of this at once with all gradients. It
+//! crosses three moments that can each hold the step's peak (see
+//! [`Activations`]): the loss and the head first, when no parameter gradient
+//! exists yet; then the blocks, last to first, each adding its gradients; then
+//! the embedding lookup, when every other gradient exists. Besides the forward's
+//! tensors, the backward leaves *stray gradients* in candle's gradient store:
+//! the gradient of an operand that is broadcast from a tensor off the parameter
+//! path (the causal mask, a detached row maximum, a RoPE table) is made, filled
+//! and never consumed, so it lives until the store is dropped. A block's strays
+//! appear when its backward runs, so they are absent at the loss's moment.
+//!
 //! The plan's [`Attention`] decides what a block's attention keeps. Composed
 //! from candle ops it keeps several `[b,H,s,s]` tensors; with
 //! [`Attention::Flash`] it keeps none: the op holds its inputs (the same q, k, v
@@ -21,11 +32,41 @@ use oomfix_strategies::{Attention, Checkpointing, Plan};
 /// Activation bytes of one micro-batch on one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Activations {
-    /// Kept from the forward until the backward ends.
+    /// Kept from the forward: alive at the end of the forward (with
+    /// checkpointing, the stem and the segment outputs).
     pub kept: u64,
-    /// Allocated by the backward on top of `kept` and the parameter gradients
-    /// (its largest working set).
-    pub backward_transient: u64,
+    /// The backward through the loss and the head, before any parameter
+    /// gradient exists.
+    pub loss: Moment,
+    /// The backward through a block, at the first block (the last one the
+    /// backward reaches): every gradient but the embedding lookup's exists.
+    pub blocks: Moment,
+    /// The backward of the embedding lookup, at its end: every gradient exists.
+    pub embedding: Moment,
+}
+
+/// What the backward holds at one moment, besides weights, optimizer state
+/// and parameter gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Moment {
+    /// Forward tensors still alive, plus the stray gradients made so far.
+    pub activations: u64,
+    /// The backward's working tensors at that moment.
+    pub transient: u64,
+}
+
+impl Moment {
+    /// Both together.
+    pub fn total(&self) -> u64 {
+        self.activations + self.transient
+    }
+}
+
+impl Activations {
+    /// The largest working set of the backward's three moments.
+    pub fn backward_transient(&self) -> u64 {
+        self.loss.transient.max(self.blocks.transient).max(self.embedding.transient)
+    }
 }
 
 /// Bytes as `(compute-dtype values, f32 values)` for a compute dtype of `c` bytes.
@@ -97,18 +138,29 @@ impl Dims {
 /// (or the flash op's output), both counted in [`block`].
 ///
 /// Composed: the scores, the masked scores (BERT: no mask), the softmax's three
-/// tensors and its row maximum and sum, and the stray gradients of the
-/// broadcast mask and of the broadcast row maximum (BERT: the maximum only).
-/// Flash: the log-sum-exp `[b,H,s]` f32.
+/// tensors and its row maximum and sum. Flash: the log-sum-exp `[b,H,s]` f32.
 fn attention_core(family: Family, d: &Dims) -> Values {
     if d.flash {
         return Values { c: 0, f32: d.n * d.heads };
     }
     let masked = u64::from(family != Family::Bert);
-    Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads + (1 + masked) * d.scores(), f32: 0 }
+    Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads, f32: 0 }
 }
 
-/// What one transformer block keeps.
+/// The stray gradients one block's backward leaves in the gradient store.
+///
+/// Composed attention: the broadcast causal mask's and the broadcast detached
+/// row maximum's, score-sized (BERT: the maximum's only). Llama: the four
+/// broadcast RoPE tables' (q and k, cos and sin), each the size of what it
+/// multiplies. Flash attention builds no mask and no row maximum.
+fn block_strays(family: Family, d: &Dims) -> Values {
+    let masked = u64::from(family != Family::Bert);
+    let attention = if d.flash { 0 } else { (1 + masked) * d.scores() };
+    let rope = if family == Family::Llama { 2 * d.n * d.h + 2 * d.n * d.kv } else { 0 };
+    Values { c: attention + rope, f32: 0 }
+}
+
+/// What one transformer block's forward keeps.
 fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
     let core = attention_core(family, d);
@@ -122,12 +174,10 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
             .add(d.layer_norm()),
         // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; attention
         // core; context; merged, o_proj, residual; rms; gate, up, silu, product
-        // [n,I]×4; down, residual; the stray gradients of the four broadcast
-        // RoPE tables (q and k, cos and sin).
+        // [n,I]×4; down, residual.
         Family::Llama => {
             let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
-            let rope_stray = 2 * n * h + 2 * n * kv;
-            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + bias + rope_stray, f32: 0 }
+            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + bias, f32: 0 }
                 .add(core)
                 .add(d.rms_norm())
                 .add(d.rms_norm())
@@ -155,8 +205,7 @@ fn stem(family: Family, d: &Dims) -> Values {
 
 /// The head and the loss: final norm (BERT: the MLM transform), logits in the
 /// compute dtype (BERT: + prediction bias), their f32 cast under mixed
-/// precision, the shifted logits and their exp in f32, the stray gradient of
-/// the broadcast row maximum (f32), five `[n,1]` f32 rows.
+/// precision, the shifted logits and their exp in f32, five `[n,1]` f32 rows.
 fn head(family: Family, d: &Dims) -> Values {
     let nv = d.n * d.v;
     let norm = match family {
@@ -165,11 +214,18 @@ fn head(family: Family, d: &Dims) -> Values {
         Family::Bert => Values { c: 3 * d.n * d.h, f32: d.n }.add(d.layer_norm()),
     };
     let logits = if family == Family::Bert { 2 * nv } else { nv };
-    norm.add(Values { c: logits, f32: (3 + u64::from(d.mixed)) * nv + 5 * d.n })
+    norm.add(Values { c: logits, f32: (2 + u64::from(d.mixed)) * nv + 5 * d.n })
+}
+
+/// The loss backward's stray gradient: the broadcast detached row maximum's,
+/// `[n,V]` f32. It appears first thing in the backward and stays.
+fn head_strays(d: &Dims) -> Values {
+    Values { c: 0, f32: d.n * d.v }
 }
 
 /// f32 logits-sized tensors alive at once while the backward crosses the loss
-/// and the logits (measured: 6–7 on top of what the head keeps).
+/// and the logits, on top of what the head keeps and the loss's stray gradient
+/// (measured: 6–7).
 pub const LOSS_BACKWARD_NV_F32: u64 = 6;
 
 /// Token-embedding-sized tensors the backward of the embedding lookup allocates
@@ -202,13 +258,21 @@ pub fn mlp_backward_ni(family: Family) -> u64 {
     }
 }
 
-/// Activation bytes of one micro-batch under `plan`'s checkpointing.
+/// Activation bytes of one micro-batch under `plan`'s checkpointing, at each
+/// moment of the backward.
 ///
-/// Without checkpointing everything is kept until the backward ends, and the
-/// backward's largest extra working set is at the loss or in a block. With
-/// segments of `k` blocks, the forward keeps the stem and one `[n,h]` tensor
-/// per segment; the backward first holds the head, then one recomputed segment
-/// at a time.
+/// Without checkpointing the forward's tensors stay until the backward ends.
+/// At the loss, the backward adds the loss's stray gradient and its working
+/// set; at the first block and at the embedding, every block's strays exist
+/// too.
+///
+/// With segments of `k` blocks, the forward keeps the stem and one `[n,h]`
+/// tensor per segment. The loss's moment holds those and the head's tensors
+/// (the segment outputs are all still there). At the first segment's recompute
+/// only the stem remains of them; the segment's `k` blocks' tensors and strays
+/// are alive with the upstream gradient and the surrogate's product `y·grad_y`
+/// (`[n,h]` each), and the stem's backward runs inside that same recomputed
+/// graph.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let cfg = &spec.config;
     if cfg.family == Family::Generic || cfg.layers == 0 {
@@ -219,24 +283,35 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
     let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
+    let strays = block_strays(cfg.family, &d).bytes(c);
     let head = head(cfg.family, &d).bytes(c);
-    let head_backward = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
+    let head_strays = head_strays(&d).bytes(c);
+    let loss_transient = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
     let attention_backward =
         if d.flash { flash_backward(&d) } else { ATTENTION_BACKWARD_SCORES * d.scores() * c };
-    let block_backward = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
-    let embedding_backward = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
+    let block_transient = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
+    let embedding_transient = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
-            let segments = layers.div_ceil(k);
+            let segment_outputs = layers.div_ceil(k) * d.n * d.h * c;
+            let recomputed = stem + k * (block + strays) + 2 * d.n * d.h * c;
             Activations {
-                kept: stem + segments * d.n * d.h * c,
-                backward_transient: (head + head_backward).max(k * block + block_backward).max(embedding_backward),
+                kept: stem + segment_outputs,
+                loss: Moment { activations: stem + segment_outputs + head + head_strays, transient: loss_transient },
+                blocks: Moment { activations: recomputed, transient: block_transient },
+                embedding: Moment { activations: recomputed, transient: embedding_transient },
             }
         }
-        _ => Activations {
-            kept: stem + layers * block + head,
-            backward_transient: head_backward.max(block_backward).max(embedding_backward),
-        },
+        _ => {
+            let kept = stem + layers * block + head;
+            let all_strays = kept + layers * strays + head_strays;
+            Activations {
+                kept,
+                loss: Moment { activations: kept + head_strays, transient: loss_transient },
+                blocks: Moment { activations: all_strays, transient: block_transient },
+                embedding: Moment { activations: all_strays, transient: embedding_transient },
+            }
+        }
     }
 }

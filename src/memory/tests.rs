@@ -69,7 +69,7 @@ proptest! {
         let a = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
         let b = MemoryModel.estimate(&spec, &bigger, &Target::Cpu);
         prop_assert!(b.peak >= a.peak);
-        prop_assert!(b.activations >= a.activations);
+        prop_assert!(activation_bytes(&spec, &bigger).kept >= activation_bytes(&spec, &plan).kept);
     }
 
     /// Sharding over N divides exactly the components of its stage.
@@ -121,7 +121,7 @@ fn flash_attention_keeps_nothing_quadratic_in_the_sequence() {
             let bytes = |attention, s| {
                 let plan = Plan { attention, checkpoint, ..Plan::baseline(2, s) };
                 let a = activation_bytes(&spec, &plan);
-                a.kept + a.backward_transient
+                a.kept + a.backward_transient()
             };
             // Every flash term is linear in the sequence length.
             assert_eq!(bytes(Attention::Flash, 1024), 2 * bytes(Attention::Flash, 512), "{i} {checkpoint}");
