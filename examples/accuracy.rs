@@ -12,8 +12,9 @@
 //!
 //! `--models` keeps the models whose names start with one of the comma-separated
 //! prefixes, `--plans` the plans whose description contains every `+`-separated
-//! part (e.g. `bf16+checkpoint every`); a filtered run prints its table but
-//! writes no files. `--explain` also records each measured step's allocation
+//! part (e.g. `bf16+checkpoint every`); `--cache FILE` reuses the measured
+//! peaks stored in FILE and stores new ones there. A filtered or cached run
+//! prints its table but writes no files. `--explain` also records each measured step's allocation
 //! timeline and prints the phase and moment of the measured peak with the
 //! largest allocations alive then.
 
@@ -77,13 +78,14 @@ struct Options {
     quick: bool,
     out_dir: String,
     models: Option<Vec<String>>,
+    cache: Option<String>,
     plans: Option<Vec<String>>,
     explain: bool,
 }
 
 impl Options {
     fn parse() -> Result<Options, String> {
-        let mut o = Options { quick: false, out_dir: "docs".into(), models: None, plans: None, explain: false };
+        let mut o = Options { quick: false, out_dir: "docs".into(), models: None, cache: None, plans: None, explain: false };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
             let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
@@ -91,6 +93,7 @@ impl Options {
                 "--quick" => o.quick = true,
                 "--explain" => o.explain = true,
                 "--out" => o.out_dir = value()?,
+                "--cache" => o.cache = Some(value()?),
                 "--models" => o.models = Some(value()?.split(',').map(str::to_string).collect()),
                 "--plans" => o.plans = Some(value()?.split('+').map(str::to_string).collect()),
                 _ => return Err(format!("unknown argument `{a}`")),
@@ -100,7 +103,7 @@ impl Options {
     }
 
     fn filtered(&self) -> bool {
-        self.models.is_some() || self.plans.is_some()
+        self.models.is_some() || self.plans.is_some() || self.cache.is_some()
     }
 
     fn keeps(&self, model: &str, plan: &Plan) -> bool {
@@ -121,6 +124,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         oomfix::measure::alloc::start_recording(oomfix::measure::MAX_EVENTS);
         oomfix::measure::alloc::stop_recording();
     }
+    // Measured peaks from earlier runs (`model \t plan \t bytes` lines), to
+    // iterate on the model without measuring again.
+    let cache: std::collections::HashMap<String, u64> = match &opts.cache {
+        Some(path) => std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.rsplit_once('\t').and_then(|(k, v)| Some((k.to_string(), v.parse().ok()?))))
+            .collect(),
+        None => Default::default(),
+    };
     let mut rows = Vec::new();
     let mut md = String::from("| model | params | plan | estimated | measured | error |\n|---|---:|---|---:|---:|---:|\n");
     for (name, config) in models(opts.quick) {
@@ -133,7 +146,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 continue;
             }
             let est = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
-            let m = measure_plan(&spec, &plan, Target::Cpu)?;
+            let key = format!("{name}\t{plan}");
+            let m = match cache.get(&key) {
+                Some(&peak_bytes) => oomfix::search::Measurement { peak_bytes, reserved_bytes: peak_bytes, out_of_memory: false },
+                None => measure_plan(&spec, &plan, Target::Cpu)?,
+            };
+            if let Some(path) = &opts.cache {
+                if !cache.contains_key(&key) {
+                    use std::io::Write as _;
+                    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+                    writeln!(f, "{key}\t{}", m.peak_bytes)?;
+                }
+            }
             let err = est.peak as f64 / m.peak_bytes as f64 - 1.0;
             println!("{name:<16} {plan}\n    est {:>12} meas {:>12} err {:+6.1}%  (est phase {})", est.peak, m.peak_bytes, 100.0 * err, est.peak_phase);
             if opts.explain {
@@ -214,26 +238,31 @@ fn explain(t: &Timeline, embedding_bytes: u64) {
         parts.push(format!("[{from}..{m}) max {:.2}", high as f64 / 1e6));
         from = m;
     }
-    println!("    between embedding-sized allocations: {}", parts.join(", "));
+    if parts.len() <= 40 {
+        println!("    between embedding-sized allocations: {}", parts.join(", "));
+    }
     // Blocks allocated during the step and alive at the peak.
     let mut alive = std::collections::HashMap::new();
-    for e in &t.events[..=at] {
+    for (i, e) in t.events[..=at].iter().enumerate() {
         if e.alloc {
-            alive.insert(e.addr, e.size);
+            alive.insert(e.addr, (e.size, i));
         } else {
             alive.remove(&e.addr);
         }
     }
-    let mut sizes = std::collections::BTreeMap::<u64, u64>::new();
-    for &s in alive.values() {
-        *sizes.entry(s).or_default() += 1;
+    let mut sizes = std::collections::BTreeMap::<u64, Vec<usize>>::new();
+    for &(s, i) in alive.values() {
+        sizes.entry(s).or_default().push(i);
     }
-    let mut sizes: Vec<_> = sizes.into_iter().map(|(s, k)| (s * k, s, k)).collect();
+    let mut sizes: Vec<_> = sizes.into_iter().map(|(s, at)| (s * at.len() as u64, s, at)).collect();
     sizes.sort_by_key(|x| std::cmp::Reverse(x.0));
-    let new: u64 = alive.values().sum();
-    println!("    allocated in the step and alive at the peak: {new} bytes; largest groups (size x count):");
-    for (total, s, k) in sizes.iter().take(12) {
-        println!("      {s:>10} x {k:<4} = {total}");
+    let new: u64 = alive.values().map(|a| a.0).sum();
+    println!("    allocated in the step and alive at the peak: {new} bytes; largest groups (size x count: events of the last 8 allocations):");
+    for (total, s, at) in sizes.iter_mut().take(12) {
+        at.sort_unstable();
+        let shown = if std::env::var("EXPLAIN_SIZE").is_ok_and(|v| v == s.to_string()) { at.len() } else { 8 };
+        let last = &at[at.len().saturating_sub(shown)..];
+        println!("      {s:>10} x {:<4} = {total:<10} {last:?}", at.len());
     }
 }
 

@@ -147,17 +147,23 @@ fn attention_core(family: Family, d: &Dims) -> Values {
     Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads, f32: 0 }
 }
 
-/// The stray gradients one block's backward leaves in the gradient store.
+/// The stray gradients one block's backward leaves in the gradient store, as
+/// `(made in the attention core's backward, made after it)`.
 ///
-/// Composed attention: the broadcast causal mask's and the broadcast detached
-/// row maximum's, score-sized (BERT: the maximum's only). Llama: the four
-/// broadcast RoPE tables' (q and k, cos and sin), each the size of what it
-/// multiplies. Flash attention builds no mask and no row maximum.
-fn block_strays(family: Family, d: &Dims) -> Values {
+/// Attention core (composed only: flash attention builds no mask and no row
+/// maximum): the broadcast causal mask's and the broadcast detached row
+/// maximum's, score-sized (BERT: the maximum's only); each is `zeros + grad`
+/// of two tensors off the graph, so it holds nothing else.
+///
+/// After it, Llama's RoPE: the four broadcast tables' (q and k, cos and sin).
+/// A table multiplies a tensor on the parameter path, so its stray is
+/// `zeros + grad·x` with a graph of its own that keeps the zeros, the product
+/// and the upstream gradient: four tensors the size of `x` per table.
+fn block_strays(family: Family, d: &Dims) -> (Values, Values) {
     let masked = u64::from(family != Family::Bert);
     let attention = if d.flash { 0 } else { (1 + masked) * d.scores() };
-    let rope = if family == Family::Llama { 2 * d.n * d.h + 2 * d.n * d.kv } else { 0 };
-    Values { c: attention + rope, f32: 0 }
+    let rope = if family == Family::Llama { 4 * (2 * d.n * d.h + 2 * d.n * d.kv) } else { 0 };
+    (Values { c: attention, f32: 0 }, Values { c: rope, f32: 0 })
 }
 
 /// What one transformer block's forward keeps.
@@ -228,11 +234,12 @@ fn head_strays(d: &Dims) -> Values {
 /// (measured: 6–7).
 pub const LOSS_BACKWARD_NV_F32: u64 = 6;
 
-/// Token-embedding-sized tensors the backward of the embedding lookup allocates
-/// at its end, when every other gradient already exists: the zeros it scatters
-/// into and the scattered result (or, for a tied embedding, the sum with the
-/// head's gradient).
-pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
+/// Token-embedding-sized tensors alive at the end of the embedding lookup's
+/// backward besides every parameter gradient: candle's `index_add` copies the
+/// gradient so far (zeros for an untied embedding, the head's gradient for a
+/// tied one) and scatters into the copy, which becomes the gradient; the
+/// tensor it copied is the one extra.
+pub const EMBEDDING_BACKWARD_COPIES: u64 = 1;
 
 /// Score-sized tensors alive at once while the backward crosses one composed
 /// attention (the softmax's quotient rule and exp terms; measured: 8 on top of
@@ -263,14 +270,16 @@ pub fn mlp_backward_ni(family: Family) -> u64 {
 ///
 /// Without checkpointing the forward's tensors stay until the backward ends.
 /// At the loss, the backward adds the loss's stray gradient and its working
-/// set; at the first block and at the embedding, every block's strays exist
-/// too.
+/// set. At the first block, every later block's strays exist too; the block's
+/// working set is the larger of its MLP's backward and its attention core's
+/// (with the core's strays, made there). At the embedding, every block's
+/// strays exist.
 ///
 /// With segments of `k` blocks, the forward keeps the stem and one `[n,h]`
 /// tensor per segment. The loss's moment holds those and the head's tensors
 /// (the segment outputs are all still there). At the first segment's recompute
-/// only the stem remains of them; the segment's `k` blocks' tensors and strays
-/// are alive with the upstream gradient and the surrogate's product `y·grad_y`
+/// only the stem remains of them; the segment's `k` blocks' tensors and the
+/// strays of all but its first block are alive with the upstream gradient and the surrogate's product `y·grad_y`
 /// (`[n,h]` each), and the stem's backward runs inside that same recomputed
 /// graph.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
@@ -283,34 +292,38 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
     let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
-    let strays = block_strays(cfg.family, &d).bytes(c);
+    let (attention_strays, rope_strays) = block_strays(cfg.family, &d);
+    let (attention_strays, strays) = (attention_strays.bytes(c), attention_strays.add(rope_strays).bytes(c));
     let head = head(cfg.family, &d).bytes(c);
     let head_strays = head_strays(&d).bytes(c);
     let loss_transient = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
     let attention_backward =
         if d.flash { flash_backward(&d) } else { ATTENTION_BACKWARD_SCORES * d.scores() * c };
-    let block_transient = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
+    // The backward crosses a block's MLP, then its attention core (which
+    // makes the core's strays), then RoPE (whose strays come after the
+    // core's working set is gone).
+    let block_transient = (attention_strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
     let embedding_transient = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
             let segment_outputs = layers.div_ceil(k) * d.n * d.h * c;
-            let recomputed = stem + k * (block + strays) + 2 * d.n * d.h * c;
+            let recomputed = stem + k * block + (k - 1) * strays + 2 * d.n * d.h * c;
             Activations {
                 kept: stem + segment_outputs,
                 loss: Moment { activations: stem + segment_outputs + head + head_strays, transient: loss_transient },
                 blocks: Moment { activations: recomputed, transient: block_transient },
-                embedding: Moment { activations: recomputed, transient: embedding_transient },
+                embedding: Moment { activations: recomputed + strays, transient: embedding_transient },
             }
         }
         _ => {
             let kept = stem + layers * block + head;
-            let all_strays = kept + layers * strays + head_strays;
+            let later_strays = kept + (layers - 1) * strays + head_strays;
             Activations {
                 kept,
                 loss: Moment { activations: kept + head_strays, transient: loss_transient },
-                blocks: Moment { activations: all_strays, transient: block_transient },
-                embedding: Moment { activations: all_strays, transient: embedding_transient },
+                blocks: Moment { activations: later_strays, transient: block_transient },
+                embedding: Moment { activations: later_strays + strays, transient: embedding_transient },
             }
         }
     }
