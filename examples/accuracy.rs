@@ -14,7 +14,8 @@
 //! prefixes, `--plans` the plans whose description contains every `+`-separated
 //! part (e.g. `bf16+checkpoint every`); `--cache FILE` reuses the measured
 //! peaks stored in FILE and stores new ones there. A filtered or cached run
-//! prints its table but writes no files. `--explain` also records each measured step's allocation
+//! prints its table but writes no files. `--shapes 2x64,1x256` replaces the
+//! micro-batch × sequence shapes the plans are made from. `--explain` also records each measured step's allocation
 //! timeline and prints the phase and moment of the measured peak with the
 //! largest allocations alive then.
 
@@ -45,9 +46,13 @@ fn models(quick: bool) -> Vec<(&'static str, ModelConfig)> {
     m
 }
 
-fn plans(quick: bool) -> Vec<Plan> {
+fn plans(quick: bool, shapes: Option<&[(usize, usize)]>) -> Vec<Plan> {
     let base = |mb: usize, s: usize| Plan { micro_batch: mb, grad_accum: 1, seq_len: s, ..Plan::baseline(mb, s) };
-    let shapes: &[(usize, usize)] = if quick { &[(2, 64)] } else { &[(2, 64), (4, 128), (1, 256)] };
+    let shapes: &[(usize, usize)] = match shapes {
+        Some(s) => s,
+        None if quick => &[(2, 64)],
+        None => &[(2, 64), (4, 128), (1, 256)],
+    };
     let mut out = Vec::new();
     for &(mb, s) in shapes {
         let p = base(mb, s);
@@ -79,13 +84,14 @@ struct Options {
     out_dir: String,
     models: Option<Vec<String>>,
     cache: Option<String>,
+    shapes: Option<Vec<(usize, usize)>>,
     plans: Option<Vec<String>>,
     explain: bool,
 }
 
 impl Options {
     fn parse() -> Result<Options, String> {
-        let mut o = Options { quick: false, out_dir: "docs".into(), models: None, cache: None, plans: None, explain: false };
+        let mut o = Options { quick: false, out_dir: "docs".into(), models: None, cache: None, shapes: None, plans: None, explain: false };
         let mut args = std::env::args().skip(1);
         while let Some(a) = args.next() {
             let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
@@ -94,6 +100,12 @@ impl Options {
                 "--explain" => o.explain = true,
                 "--out" => o.out_dir = value()?,
                 "--cache" => o.cache = Some(value()?),
+                "--shapes" => {
+                    let v = value()?;
+                    let shape = |t: &str| t.split_once('x').and_then(|(b, s)| Some((b.parse().ok()?, s.parse().ok()?)));
+                    let shapes: Option<Vec<_>> = v.split(',').map(shape).collect();
+                    o.shapes = Some(shapes.ok_or_else(|| format!("--shapes {v}: expected MBxSEQ,..."))?);
+                }
                 "--models" => o.models = Some(value()?.split(',').map(str::to_string).collect()),
                 "--plans" => o.plans = Some(value()?.split('+').map(str::to_string).collect()),
                 _ => return Err(format!("unknown argument `{a}`")),
@@ -103,7 +115,7 @@ impl Options {
     }
 
     fn filtered(&self) -> bool {
-        self.models.is_some() || self.plans.is_some() || self.cache.is_some()
+        self.models.is_some() || self.plans.is_some() || self.cache.is_some() || self.shapes.is_some()
     }
 
     fn keeps(&self, model: &str, plan: &Plan) -> bool {
@@ -138,7 +150,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut md = String::from("| model | params | plan | estimated | measured | error |\n|---|---:|---|---:|---:|---:|\n");
     for (name, config) in models(opts.quick) {
         let spec = ModelSpec::from_config(name, config);
-        for plan in plans(opts.quick) {
+        for plan in plans(opts.quick, opts.shapes.as_deref()) {
             if plan.seq_len > spec.config.max_positions && spec.config.family.has_learned_positions() {
                 continue;
             }

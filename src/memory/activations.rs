@@ -234,12 +234,39 @@ fn head_strays(d: &Dims) -> Values {
 /// (measured: 6–7).
 pub const LOSS_BACKWARD_NV_F32: u64 = 6;
 
+/// Output-embedding-sized (`[V,h]`) tensors alive at once while the backward
+/// makes the LM head's weight gradient, in the compute dtype.
+///
+/// candle differentiates `x · Wᵀ` in two steps, and each keeps what it made
+/// until the step ends. The matrix product's step makes `xᵀ·grad` `[h,V]`,
+/// which depends on `x` (on the parameter path) and so carries a graph, and
+/// adds it to a zero `[h,V]` tensor: the sum keeps both alive. The transpose's
+/// step then holds that sum (and its graph) while it adds its transpose to a
+/// zero `[V,h]` tensor: three plus two.
+pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 5;
+
 /// Token-embedding-sized tensors alive at the end of the embedding lookup's
-/// backward besides every parameter gradient: candle's `index_add` copies the
-/// gradient so far (zeros for an untied embedding, the head's gradient for a
-/// tied one) and scatters into the copy, which becomes the gradient; the
-/// tensor it copied is the one extra.
+/// backward besides every parameter gradient.
+///
+/// candle's `index_add` copies the gradient so far (zeros for an untied
+/// embedding, the head's gradient for a tied one) and scatters into the copy,
+/// which becomes the gradient: the tensor it copied is one extra. With
+/// checkpointing, the stem's backward runs in a gradient store of its own, so
+/// a tied embedding's scattered gradient is then added to the head's: the sum
+/// is a second extra ([`embedding_backward_copies`]).
 pub const EMBEDDING_BACKWARD_COPIES: u64 = 1;
+
+/// [`EMBEDDING_BACKWARD_COPIES`], plus one for a tied embedding under
+/// checkpointing.
+pub fn embedding_backward_copies(spec: &ModelSpec, plan: &Plan) -> u64 {
+    let tied = match spec.config.family {
+        Family::Gpt2 | Family::Bert => true,
+        Family::Llama => spec.config.tied_embeddings,
+        Family::Generic => false,
+    };
+    let checkpointed = matches!(plan.checkpoint, Checkpointing::Every(k) if k > 0);
+    EMBEDDING_BACKWARD_COPIES + u64::from(tied && checkpointed)
+}
 
 /// Score-sized tensors alive at once while the backward crosses one composed
 /// attention (the softmax's quotient rule and exp terms; measured: 8 on top of
@@ -296,14 +323,16 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let (attention_strays, strays) = (attention_strays.bytes(c), attention_strays.add(rope_strays).bytes(c));
     let head = head(cfg.family, &d).bytes(c);
     let head_strays = head_strays(&d).bytes(c);
-    let loss_transient = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
+    // The loss's working set, then the head's weight gradient (with the
+    // logits' gradient it is made from).
+    let loss_transient = (LOSS_BACKWARD_NV_F32 * d.n * d.v * 4).max((d.n * d.v + HEAD_WEIGHT_BACKWARD_COPIES * d.v * d.h) * c);
     let attention_backward =
         if d.flash { flash_backward(&d) } else { ATTENTION_BACKWARD_SCORES * d.scores() * c };
     // The backward crosses a block's MLP, then its attention core (which
     // makes the core's strays), then RoPE (whose strays come after the
     // core's working set is gone).
     let block_transient = (attention_strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
-    let embedding_transient = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
+    let embedding_transient = embedding_backward_copies(spec, plan) * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
