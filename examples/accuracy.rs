@@ -201,17 +201,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let median = errs[errs.len() / 2];
     let above = errs.iter().filter(|&&e| e > 0.08).count();
-    let summary = format!("{} configurations: median |error| {:.1}%, max {:.1}%", errs.len(), 100.0 * median, 100.0 * max);
-    println!("{summary} ({above} above 8%)");
+    let summary = format!(
+        "{} configurations: median |error| {:.1}%, max {:.1}% ({above} above 8%)",
+        errs.len(),
+        100.0 * median,
+        100.0 * max
+    );
+    println!("{summary}");
     if opts.filtered() {
         return Ok(());
     }
     let out_dir = &opts.out_dir;
     std::fs::create_dir_all(out_dir)?;
-    let header = "# Memory model accuracy (CPU)\n\nCommand: `cargo run --release --example accuracy`. Measured: the heap \
+    let run = |cmd: &str, args: &[&str]| {
+        std::process::Command::new(cmd)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map_or_else(|| "unknown".to_string(), |o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let (commit, date) = (run("git", &["rev-parse", "--short", "HEAD"]), run("date", &["-u", "+%F"]));
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let header = format!(
+        "# Memory model accuracy (CPU)\n\nCommand: `cargo run --release --example accuracy` (writes this file, \
+        `accuracy.json` and `accuracy.svg`), commit {commit}, {date}, {cores} cores. Measured: the heap \
         high-water mark of the second (steady-state) training step above the heap before the model was built, \
         from a counting allocator; process-wide state made on first use (the thread pool and its threads' \
-        matrix-kernel buffers) is created before the first measurement. Error = estimated / measured - 1.";
+        matrix-kernel buffers) is created before the first measurement. Error = estimated / measured - 1."
+    );
     std::fs::write(format!("{out_dir}/accuracy.md"), format!("{header}\n\n{summary}\n\n{md}"))?;
     scatter(&format!("{out_dir}/accuracy.svg"), &rows, &summary)?;
     std::fs::write(format!("{out_dir}/accuracy.json"), serde_json::to_string_pretty(&serde_json::json!({"median_abs_error": median, "max_abs_error": max, "rows": rows}))?)?;
