@@ -29,9 +29,15 @@ fn main() -> Result<()> {
     let ctx = cuda.cuda_stream().context().clone();
     let name = ctx.name().unwrap_or_else(|_| "?".into());
     let (free, total) = ctx.mem_get_info()?;
-    println!("# gpu_bench on {name}: {:.1} GiB total, {:.1} GiB free", total as f64 / GIB, free as f64 / GIB);
+    println!(
+        "# gpu_bench on {name}: {:.1} GiB total, {:.1} GiB free",
+        total as f64 / GIB,
+        free as f64 / GIB
+    );
     let backtrace = std::env::var_os("RUST_BACKTRACE");
-    println!("RUST_BACKTRACE: {backtrace:?} (unset it: candle captures a backtrace into every error)\n");
+    println!(
+        "RUST_BACKTRACE: {backtrace:?} (unset it: candle captures a backtrace into every error)\n"
+    );
 
     let numeric = numeric_match(&device)?;
     let bandwidth = bandwidth(&device)?;
@@ -44,7 +50,9 @@ fn main() -> Result<()> {
     println!("|---|---|---:|---|---:|---:|---:|---|");
     numeric.iter().for_each(|r| println!("{r}"));
     println!("\n## 2. Bandwidth (median of timed steps after one warm-up)\n");
-    println!("| what | elements | bytes moved / element | ms | GB/s | vs copy | pool transient GiB |");
+    println!(
+        "| what | elements | bytes moved / element | ms | GB/s | vs copy | pool transient GiB |"
+    );
     println!("|---|---:|---:|---:|---:|---:|---:|");
     let copy = bandwidth.first().map_or(f64::NAN, |r| r.gbs());
     bandwidth.iter().for_each(|r| println!("{}", r.row(copy)));
@@ -91,7 +99,11 @@ struct MatchRow {
 
 impl std::fmt::Display for MatchRow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let path = if self.offset % 4 == 0 { "4-wide" } else { "scalar" };
+        let path = if self.offset % 4 == 0 {
+            "4-wide"
+        } else {
+            "scalar"
+        };
         let [p, m, v] = self.errs;
         let [dp, dm, dv] = self.differing;
         write!(
@@ -105,14 +117,24 @@ impl std::fmt::Display for MatchRow {
 /// Largest elementwise relative error of `a` against the reference `b`, and
 /// how many elements differ at all.
 fn compare(a: &Tensor, b: &Tensor) -> Result<(f64, usize)> {
-    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let a = a
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    let b = b
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
     let mut worst = 0f64;
     let mut differing = 0;
     for (&x, &y) in a.iter().zip(&b) {
         if x.to_bits() != y.to_bits() {
             differing += 1;
-            let rel = if y == 0.0 { f64::INFINITY } else { ((x - y) as f64 / y as f64).abs() };
+            let rel = if y == 0.0 {
+                f64::INFINITY
+            } else {
+                ((x - y) as f64 / y as f64).abs()
+            };
             worst = worst.max(if rel.is_nan() { f64::INFINITY } else { rel });
         }
     }
@@ -131,7 +153,11 @@ fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
         (DType::F32, DType::F32, 1),
         (DType::BF16, DType::BF16, 3),
     ];
-    let params = ParamsAdamW { lr: 1e-2, weight_decay: 0.1, ..Default::default() };
+    let params = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
     let mut rows = Vec::new();
     for (param, grad, offset) in cases {
         eprintln!("numeric match: {param:?} params, {grad:?} grads, gradient offset {offset}");
@@ -143,7 +169,8 @@ fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
         for step in 0..10 {
             // Gradients of changing scale; a leading offset makes an unaligned view.
             let scale = 10f64.powi(step % 5 - 2);
-            let full = (Tensor::randn(0f32, 1.0, N + offset, &Device::Cpu)? * scale)?.to_dtype(grad)?;
+            let full =
+                (Tensor::randn(0f32, 1.0, N + offset, &Device::Cpu)? * scale)?.to_dtype(grad)?;
             let g_cpu = full.narrow(0, offset, N)?;
             let g_gpu = full.to_device(device)?.narrow(0, offset, N)?;
             cpu.step(&[g_cpu])?;
@@ -153,7 +180,13 @@ fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
         let (ep, dp) = compare(gpu_var.as_tensor(), cpu_var.as_tensor())?;
         let (em, dm) = compare(&gs["0.m"], &cs["0.m"])?;
         let (ev, dv) = compare(&gs["0.v"], &cs["0.v"])?;
-        rows.push(MatchRow { param, grad, offset, errs: [ep, em, ev], differing: [dp, dm, dv] });
+        rows.push(MatchRow {
+            param,
+            grad,
+            offset,
+            errs: [ep, em, ev],
+            differing: [dp, dm, dv],
+        });
     }
     Ok(rows)
 }
@@ -174,7 +207,9 @@ impl BandwidthRow {
         (self.elements * self.bytes_per_element) as f64 / (self.ms * 1e-3) / 1e9
     }
     fn row(&self, copy_gbs: f64) -> String {
-        let transient = self.transient.map_or("-".into(), |b| format!("{:.2}", b as f64 / GIB));
+        let transient = self
+            .transient
+            .map_or("-".into(), |b| format!("{:.2}", b as f64 / GIB));
         format!(
             "| {} | {:.2e} | {} | {:.2} | {:.0} | {:.0}% | {transient} |",
             self.what,
@@ -194,7 +229,9 @@ fn copy_row(device: &Device, bytes: usize) -> Result<BandwidthRow> {
     let n = bytes / 2 / 4;
     let src = Tensor::randn(0f32, 1.0, n, device)?;
     let (storage, _) = src.storage_and_layout();
-    let Storage::Cuda(storage) = &*storage else { bail!("source is not on the GPU") };
+    let Storage::Cuda(storage) = &*storage else {
+        bail!("source is not on the GPU")
+    };
     let src = storage.as_cuda_slice::<f32>()?;
     // SAFETY: the destination is only written (by the copy), never read.
     let mut dst = unsafe { stream.alloc::<f32>(n) }?;
@@ -245,7 +282,13 @@ fn optimizer_row(
         // read p, g, m, v; write p, m, v (fp32 moments)
         2 * p + g + 16
     };
-    Ok(BandwidthRow { what: what.into(), elements: n, bytes_per_element, ms, transient: Some(transient) })
+    Ok(BandwidthRow {
+        what: what.into(),
+        elements: n,
+        bytes_per_element,
+        ms,
+        transient: Some(transient),
+    })
 }
 
 fn bandwidth(device: &Device) -> Result<Vec<BandwidthRow>> {
@@ -255,8 +298,20 @@ fn bandwidth(device: &Device) -> Result<Vec<BandwidthRow>> {
     let f32s = (DType::F32, DType::F32);
     let runs = [
         ("fused AdamW, fp32 p/g", BIG, f32s, true, 10),
-        ("fused AdamW, bf16 p/g", BIG, (DType::BF16, DType::BF16), true, 10),
-        ("fused AdamW, fp32 p, bf16 g", BIG, (DType::F32, DType::BF16), true, 10),
+        (
+            "fused AdamW, bf16 p/g",
+            BIG,
+            (DType::BF16, DType::BF16),
+            true,
+            10,
+        ),
+        (
+            "fused AdamW, fp32 p, bf16 g",
+            BIG,
+            (DType::F32, DType::BF16),
+            true,
+            10,
+        ),
         ("fused AdamW, fp32 p/g", SMALL, f32s, true, 10),
         ("candle_nn::AdamW, fp32 p/g", SMALL, f32s, false, 5),
     ];
@@ -309,7 +364,11 @@ impl std::fmt::Display for TrainRow {
                     m.first_s
                 )
             }
-            Err(e) => write!(f, "| {} | {e} | | | {est:.2} | {est_tensors:.2} | | | |", self.label),
+            Err(e) => write!(
+                f,
+                "| {} | {e} | | | {est:.2} | {est_tensors:.2} | | | |",
+                self.label
+            ),
         }
     }
 }
@@ -336,15 +395,30 @@ fn plans() -> Vec<(String, Plan)> {
     ];
     list.into_iter()
         .map(|p| {
-            let ckpt = if p.checkpoint == none { "no ckpt" } else { "ckpt every block" };
-            (format!("b={} {} {} {}", p.micro_batch, p.precision, ckpt, p.optimizer), p)
+            let ckpt = if p.checkpoint == none {
+                "no ckpt"
+            } else {
+                "ckpt every block"
+            };
+            (
+                format!(
+                    "b={} {} {} {}",
+                    p.micro_batch, p.precision, ckpt, p.optimizer
+                ),
+                p,
+            )
         })
         .collect()
 }
 
 fn measure_plan(device: &Device, plan: Plan) -> oomfix::Result<TrainMeasure> {
     let cuda = device.as_cuda_device()?;
-    let mut trainer = Trainer::new(&ModelConfig::gpt2_small(), plan, device, &TrainOptions::default())?;
+    let mut trainer = Trainer::new(
+        &ModelConfig::gpt2_small(),
+        plan,
+        device,
+        &TrainOptions::default(),
+    )?;
     let mut data = DataSource::synthetic(0);
     let start = Instant::now();
     trainer.step(&mut data)?;
@@ -373,7 +447,8 @@ fn measure_plan(device: &Device, plan: Plan) -> oomfix::Result<TrainMeasure> {
 /// The candle error inside a training error, if any.
 fn candle_error(e: &oomfix::Error) -> Option<&candle_core::Error> {
     match e {
-        oomfix::Error::Candle(c) | oomfix::Error::Strategy(oomfix::strategies::Error::Candle(c)) => Some(c),
+        oomfix::Error::Candle(c)
+        | oomfix::Error::Strategy(oomfix::strategies::Error::Candle(c)) => Some(c),
         _ => None,
     }
 }
@@ -395,7 +470,11 @@ fn training(device: &Device) -> Result<Vec<TrainRow>> {
                 format!("error: {}", e.to_string().lines().next().unwrap_or(""))
             }
         });
-        rows.push(TrainRow { label, result, estimate });
+        rows.push(TrainRow {
+            label,
+            result,
+            estimate,
+        });
     }
     trim(cuda).context("trimming the pool")?;
     Ok(rows)
