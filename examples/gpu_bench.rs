@@ -5,7 +5,10 @@
 //! 2. fused AdamW bandwidth against a device-to-device copy of the same bytes,
 //!    and `candle_nn::AdamW` on the same update;
 //! 3. GPT-2 small training steps through `Trainer`: the pool's high-water
-//!    marks against the memory model's estimate, and the step time.
+//!    marks against the memory model's estimate, and the step time;
+//! 4. the fused cross-entropy on CUDA: loss and logits gradient against
+//!    candle_nn's composed loss on the CPU, then time and pool transient of
+//!    forward+backward against the composed loss at GPT-2's vocabulary.
 //!
 //! Build with `scripts/build-cuda.sh --features cuda --example gpu_bench`;
 //! results and the command are in docs/gpu-bench.md.
@@ -42,6 +45,7 @@ fn main() -> Result<()> {
     let numeric = numeric_match(&device)?;
     let bandwidth = bandwidth(&device)?;
     let training = training(&device)?;
+    let loss = loss_rows(&device)?;
     let stats = PoolStats::read(&cuda)?;
     let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
 
@@ -60,6 +64,12 @@ fn main() -> Result<()> {
     println!("| plan | resident GiB | used high GiB | reserved high GiB | estimate GiB | estimate - runtime GiB | est/used - 1 | step ms (median of 3, after step 1) | first step s |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     training.iter().for_each(|r| println!("{r}"));
+    println!(
+        "\n## 4. Fused cross-entropy vs candle_nn's composed loss (logits f32-cast), V = 50,257\n"
+    );
+    println!("| logits dtype | rows | loss abs err vs CPU composed | grad max abs err vs CPU composed | fused ms | composed ms | fused transient GiB | composed transient GiB |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    loss.iter().for_each(|r| println!("{r}"));
     println!(
         "\nDevice memory outside the pool at the end (context, modules, library workspaces): {:.2} GiB; the model's runtime term: {:.2} GiB",
         outside as f64 / GIB,
@@ -477,5 +487,105 @@ fn training(device: &Device) -> Result<Vec<TrainRow>> {
         });
     }
     trim(cuda).context("trimming the pool")?;
+    Ok(rows)
+}
+
+// ---------------------------------------------------------------------------
+// 4. Fused cross-entropy.
+
+struct LossRow {
+    dtype: DType,
+    rows: usize,
+    loss_err: f64,
+    grad_err: f64,
+    ms: [f64; 2],
+    transient: [u64; 2],
+}
+
+impl std::fmt::Display for LossRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "| {:?} | {} | {:.2e} | {:.2e} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            self.dtype,
+            self.rows,
+            self.loss_err,
+            self.grad_err,
+            self.ms[0],
+            self.ms[1],
+            self.transient[0] as f64 / GIB,
+            self.transient[1] as f64 / GIB
+        )
+    }
+}
+
+/// oomfix's fused loss over all rows.
+fn fused_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    oomfix::train::loss::cross_entropy(logits, targets, None)
+}
+
+/// The composed loss as a model would write it: cast to f32, candle_nn's cross-entropy.
+fn composed_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+}
+
+/// Loss and gradient of `loss_fn` on `logits` (a fresh variable), on the logits' device.
+fn loss_and_grad(
+    logits: &Tensor,
+    targets: &Tensor,
+    loss_fn: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> Result<(f32, Tensor)> {
+    let var = Var::from_tensor(logits)?;
+    let loss = loss_fn(var.as_tensor(), targets)?;
+    let grads = loss.backward()?;
+    let g = grads
+        .get(&var)
+        .context("no gradient for the logits")?
+        .clone();
+    Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()?, g))
+}
+
+fn loss_rows(device: &Device) -> Result<Vec<LossRow>> {
+    const V: usize = 50_257;
+    let cuda = device.as_cuda_device()?;
+    let mut rows = Vec::new();
+    for (dtype, n) in [(DType::F32, 8192), (DType::BF16, 8192), (DType::F16, 8192)] {
+        let targets: Vec<u32> = (0..n).map(|i| (i * 7919 % V) as u32).collect();
+        let targets = Tensor::new(targets.as_slice(), device)?;
+        let logits = (Tensor::randn(0f32, 1.0, (n, V), device)? * 3.0)?.to_dtype(dtype)?;
+        // Accuracy on the first 256 rows, against the composed loss on the CPU in f32.
+        let (few, few_t) = (logits.narrow(0, 0, 256)?, targets.narrow(0, 0, 256)?);
+        let (l_gpu, g_gpu) = loss_and_grad(&few, &few_t, fused_loss)?;
+        let cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+        let (l_ref, g_ref) =
+            loss_and_grad(&cpu(&few)?, &few_t.to_device(&Device::Cpu)?, composed_loss)?;
+        let grad_err = (cpu(&g_gpu)? - g_ref)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()? as f64;
+        let mut ms = [0.0; 2];
+        let mut transient = [0; 2];
+        let fns: [fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>; 2] =
+            [fused_loss, composed_loss];
+        for (i, f) in fns.into_iter().enumerate() {
+            let mut step = || loss_and_grad(&logits, &targets, f).map(drop);
+            step()?; // warm-up: kernel compilation and module load
+            sync(device)?;
+            let resident = PoolStats::read(cuda)?.used;
+            reset_peaks(cuda)?;
+            step()?;
+            sync(device)?;
+            transient[i] = PoolStats::read(cuda)?.used_high.saturating_sub(resident);
+            ms[i] = median_ms(device, 5, &mut step)?;
+        }
+        rows.push(LossRow {
+            dtype,
+            rows: n,
+            loss_err: (l_gpu - l_ref).abs() as f64,
+            grad_err,
+            ms,
+            transient,
+        });
+    }
     Ok(rows)
 }

@@ -20,21 +20,22 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (number, unit) = (&t[..split], t[split..].trim());
-    let multiplier: u128 =
-        match unit.to_ascii_lowercase().as_str() {
-            "" | "b" => 1,
-            "kb" | "k" => 1_000,
-            "mb" | "m" => 1_000_000,
-            "gb" | "g" => 1_000_000_000,
-            "tb" | "t" => 1_000_000_000_000,
-            "kib" => 1 << 10,
-            "mib" => 1 << 20,
-            "gib" => 1 << 30,
-            "tib" => 1 << 40,
-            _ => return Err(format!(
+    let multiplier: u128 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" | "k" => 1_000,
+        "mb" | "m" => 1_000_000,
+        "gb" | "g" => 1_000_000_000,
+        "tb" | "t" => 1_000_000_000_000,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        _ => {
+            return Err(format!(
                 "unknown unit `{unit}` in `{text}` (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
-            )),
-        };
+            ))
+        }
+    };
     let (int, frac) = number.split_once('.').unwrap_or((number, ""));
     if int.is_empty() && frac.is_empty()
         || !frac.chars().all(|c| c.is_ascii_digit())

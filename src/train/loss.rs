@@ -31,11 +31,7 @@ mod cuda;
 /// Allocates the per-row losses (`[n]` f32) in forward and the logits' gradient
 /// (`[n, V]` in the logits' dtype) in backward; nothing logits-sized is kept.
 /// A target outside `0..V` is an error on the CPU and gives a NaN loss on CUDA.
-pub(crate) fn cross_entropy(
-    logits: &Tensor,
-    targets: &Tensor,
-    mask: Option<&Tensor>,
-) -> Result<Tensor> {
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
     let nll = row_nll(logits, targets)?;
     match mask {
         None => nll.mean_all(),
@@ -50,7 +46,7 @@ pub(crate) fn cross_entropy(
 }
 
 /// Per-row negative log-likelihood `[n]` (f32) of `logits` `[n, V]` at `targets` `[n]`.
-pub(crate) fn row_nll(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+pub fn row_nll(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (n, _) = logits.dims2()?;
     if targets.dims() != [n] || targets.dtype() != DType::U32 {
         candle_core::bail!(
