@@ -40,7 +40,10 @@ impl Values {
         self.c * c + self.f32 * 4
     }
     fn add(self, o: Values) -> Values {
-        Values { c: self.c + o.c, f32: self.f32 + o.f32 }
+        Values {
+            c: self.c + o.c,
+            f32: self.f32 + o.f32,
+        }
     }
 }
 
@@ -83,13 +86,19 @@ impl Dims {
     /// and the cast back.
     fn layer_norm(&self) -> Values {
         let m = u64::from(self.mixed);
-        Values { c: (2 + m) * self.n * self.h, f32: (3 + m) * self.n * self.h + 6 * self.n }
+        Values {
+            c: (2 + m) * self.n * self.h,
+            f32: (3 + m) * self.n * self.h + 6 * self.n,
+        }
     }
     /// RMS norm on `[n, h]`: squared, normalised (f32), × weight (c), four
     /// `[n,1]` f32 statistics; mixed adds the two casts.
     fn rms_norm(&self) -> Values {
         let m = u64::from(self.mixed);
-        Values { c: (1 + m) * self.n * self.h, f32: (2 + m) * self.n * self.h + 4 * self.n }
+        Values {
+            c: (1 + m) * self.n * self.h,
+            f32: (2 + m) * self.n * self.h + 4 * self.n,
+        }
     }
 }
 
@@ -102,10 +111,16 @@ impl Dims {
 /// Flash: the log-sum-exp `[b,H,s]` f32.
 fn attention_core(family: Family, d: &Dims) -> Values {
     if d.flash {
-        return Values { c: 0, f32: d.n * d.heads };
+        return Values {
+            c: 0,
+            f32: d.n * d.heads,
+        };
     }
     let masked = u64::from(family != Family::Bert);
-    Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads + (1 + masked) * d.scores(), f32: 0 }
+    Values {
+        c: (4 + masked) * d.scores() + 2 * d.n * d.heads + (1 + masked) * d.scores(),
+        f32: 0,
+    }
 }
 
 /// What one transformer block keeps.
@@ -116,10 +131,13 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
         // ln_1; c_attn matmul + bias [n,3h]×2; q scaled (or contiguous), k, v
         // copies; attention core; context; merged, c_proj, bias, residual;
         // ln_2; c_fc, bias, gelu [n,I]×3; c_proj, bias, residual.
-        Family::Gpt2 | Family::Generic => Values { c: 17 * n * h + 3 * n * i, f32: 0 }
-            .add(core)
-            .add(d.layer_norm())
-            .add(d.layer_norm()),
+        Family::Gpt2 | Family::Generic => Values {
+            c: 17 * n * h + 3 * n * i,
+            f32: 0,
+        }
+        .add(core)
+        .add(d.layer_norm())
+        .add(d.layer_norm()),
         // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; attention
         // core; context; merged, o_proj, residual; rms; gate, up, silu, product
         // [n,I]×4; down, residual; the stray gradients of the four broadcast
@@ -127,18 +145,24 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
         Family::Llama => {
             let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
             let rope_stray = 2 * n * h + 2 * n * kv;
-            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + bias + rope_stray, f32: 0 }
-                .add(core)
-                .add(d.rms_norm())
-                .add(d.rms_norm())
+            Values {
+                c: 11 * n * h + 7 * n * kv + 4 * n * i + bias + rope_stray,
+                f32: 0,
+            }
+            .add(core)
+            .add(d.rms_norm())
+            .add(d.rms_norm())
         }
         // q/k/v matmul + bias ×6; q scaled (or contiguous), k, v copies;
         // attention core; context; merged, dense, bias, residual; LN;
         // intermediate, bias, gelu ×3; dense, bias, residual; LN.
-        Family::Bert => Values { c: 17 * n * h + 3 * n * i, f32: 0 }
-            .add(core)
-            .add(d.layer_norm())
-            .add(d.layer_norm()),
+        Family::Bert => Values {
+            c: 17 * n * h + 3 * n * i,
+            f32: 0,
+        }
+        .add(core)
+        .add(d.layer_norm())
+        .add(d.layer_norm()),
     }
 }
 
@@ -147,30 +171,48 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
 fn stem(family: Family, d: &Dims) -> Values {
     let mask = if d.flash { 0 } else { d.s * d.s };
     match family {
-        Family::Gpt2 | Family::Generic => Values { c: 2 * d.n * d.h + mask, f32: 0 },
-        Family::Llama => Values { c: d.n * d.h + mask + 4 * d.s * d.head_dim, f32: 0 },
-        Family::Bert => Values { c: 2 * d.n * d.h + d.s * d.h, f32: 0 }.add(d.layer_norm()),
+        Family::Gpt2 | Family::Generic => Values {
+            c: 2 * d.n * d.h + mask,
+            f32: 0,
+        },
+        Family::Llama => Values {
+            c: d.n * d.h + mask + 4 * d.s * d.head_dim,
+            f32: 0,
+        },
+        Family::Bert => Values {
+            c: 2 * d.n * d.h + d.s * d.h,
+            f32: 0,
+        }
+        .add(d.layer_norm()),
     }
 }
 
 /// The head and the loss: final norm (BERT: the MLM transform), logits in the
-/// compute dtype (BERT: + prediction bias), their f32 cast under mixed
-/// precision, the shifted logits and their exp in f32, the stray gradient of
-/// the broadcast row maximum (f32), five `[n,1]` f32 rows.
+/// compute dtype (BERT: + prediction bias), and the fused cross-entropy's `[n]`
+/// f32 row losses and their masked/averaged copies (the op keeps nothing
+/// logits-sized of its own).
 fn head(family: Family, d: &Dims) -> Values {
     let nv = d.n * d.v;
     let norm = match family {
         Family::Gpt2 | Family::Generic => d.layer_norm(),
         Family::Llama => d.rms_norm(),
-        Family::Bert => Values { c: 3 * d.n * d.h, f32: d.n }.add(d.layer_norm()),
+        Family::Bert => Values {
+            c: 3 * d.n * d.h,
+            f32: d.n,
+        }
+        .add(d.layer_norm()),
     };
     let logits = if family == Family::Bert { 2 * nv } else { nv };
-    norm.add(Values { c: logits, f32: (3 + u64::from(d.mixed)) * nv + 5 * d.n })
+    norm.add(Values {
+        c: logits,
+        f32: 2 * d.n,
+    })
 }
 
-/// f32 logits-sized tensors alive at once while the backward crosses the loss
-/// and the logits (measured: 6–7 on top of what the head keeps).
-pub const LOSS_BACKWARD_NV_F32: u64 = 6;
+/// Logits-sized tensors in the compute dtype alive at once while the backward
+/// crosses the loss and the logits, on top of what the head keeps: the fused
+/// cross-entropy's gradient of the logits.
+pub const LOSS_BACKWARD_NV: u64 = 1;
 
 /// Token-embedding-sized tensors the backward of the embedding lookup allocates
 /// at its end, when every other gradient already exists: the zeros it scatters
@@ -220,9 +262,12 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let stem = stem(cfg.family, &d).bytes(c);
     let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
     let head = head(cfg.family, &d).bytes(c);
-    let head_backward = LOSS_BACKWARD_NV_F32 * d.n * d.v * 4;
-    let attention_backward =
-        if d.flash { flash_backward(&d) } else { ATTENTION_BACKWARD_SCORES * d.scores() * c };
+    let head_backward = LOSS_BACKWARD_NV * d.n * d.v * c;
+    let attention_backward = if d.flash {
+        flash_backward(&d)
+    } else {
+        ATTENTION_BACKWARD_SCORES * d.scores() * c
+    };
     let block_backward = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
     let embedding_backward = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
     match plan.checkpoint {
@@ -231,7 +276,9 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
             let segments = layers.div_ceil(k);
             Activations {
                 kept: stem + segments * d.n * d.h * c,
-                backward_transient: (head + head_backward).max(k * block + block_backward).max(embedding_backward),
+                backward_transient: (head + head_backward)
+                    .max(k * block + block_backward)
+                    .max(embedding_backward),
             }
         }
         _ => Activations {
