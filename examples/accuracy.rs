@@ -1,22 +1,53 @@
-//! Accuracy of the memory model against measured CPU peaks.
+//! Accuracy of the memory model against measured peaks.
 //!
 //! Runs real training steps (step 2, steady state) for a matrix of model
-//! families × sizes × plans and compares each measured heap peak with the
-//! estimate. Writes `accuracy.json`, `accuracy.md` and `accuracy.svg` (estimated
-//! against measured, log-log) into the output directory (default `docs/`) and
-//! prints the table.
+//! families × sizes × plans and compares each measured peak with the estimate:
+//! on the CPU the heap high-water mark, on `cuda:N` the CUDA pool's used
+//! high-water mark plus the device memory outside the pool. Writes
+//! `accuracy.{json,md,svg}` (CPU) or `accuracy-gpu.{json,md,svg}` (CUDA;
+//! GPU-sized models) into the output directory (default `docs/`) and prints
+//! each row as it is measured.
 //!
 //! ```sh
 //! cargo run --release --example accuracy -- [--quick] [--out DIR]
+//! scripts/build-cuda.sh --features cuda --example accuracy   # then, on the GPU machine:
+//! accuracy --device cuda:0 [--deadline SECONDS]
 //! ```
+//!
+//! `--deadline` stops starting new measurements after that many seconds and
+//! writes what was measured.
 
 use oomfix::measure::{measure_plan, CountingAlloc};
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
-use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
+use oomfix::{Estimator, Family, MemoryModel, ModelConfig, ModelSpec, Target};
 use std::fmt::Write as _;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
+
+/// GPU-sized models: three sizes per family, up to TinyLlama-1.1B.
+fn gpu_models() -> Vec<(&'static str, ModelConfig)> {
+    vec![
+        ("gpt2-6l", ModelConfig::gpt2(6, 768, 12)),
+        ("gpt2-small", ModelConfig::gpt2_small()),
+        ("gpt2-medium", ModelConfig::gpt2_medium()),
+        (
+            "llama-160m",
+            ModelConfig::llama(12, 768, 12, 4, 2048, 32000, false),
+        ),
+        (
+            "llama-400m",
+            ModelConfig::llama(16, 1024, 16, 8, 2816, 32000, false),
+        ),
+        (
+            "tinyllama-1.1b",
+            ModelConfig::llama(22, 2048, 32, 4, 5632, 32000, false),
+        ),
+        ("bert-small", ModelConfig::bert(4, 512, 8, 30522)),
+        ("bert-base", ModelConfig::bert_base()),
+        ("bert-large", ModelConfig::bert(24, 1024, 16, 30522)),
+    ]
+}
 
 fn models(quick: bool) -> Vec<(&'static str, ModelConfig)> {
     let mut m = vec![
@@ -85,17 +116,12 @@ fn models(quick: bool) -> Vec<(&'static str, ModelConfig)> {
     m
 }
 
-fn plans(quick: bool) -> Vec<Plan> {
+fn plans(shapes: &[(usize, usize)]) -> Vec<Plan> {
     let base = |mb: usize, s: usize| Plan {
         micro_batch: mb,
         grad_accum: 1,
         seq_len: s,
         ..Plan::baseline(mb, s)
-    };
-    let shapes: &[(usize, usize)] = if quick {
-        &[(2, 64)]
-    } else {
-        &[(2, 64), (4, 128), (1, 256)]
     };
     let mut out = Vec::new();
     for &(mb, s) in shapes {
@@ -145,26 +171,59 @@ fn plans(quick: bool) -> Vec<Plan> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
     let quick = args.iter().any(|a| a == "--quick");
-    let out_dir = args
-        .iter()
-        .position(|a| a == "--out")
-        .map(|i| args[i + 1].clone())
-        .unwrap_or("docs".into());
+    let out_dir = value("--out").unwrap_or("docs".into());
+    let target: Target = value("--device").unwrap_or("cpu".into()).parse()?;
+    let deadline = value("--deadline")
+        .map(|s| s.parse::<f64>())
+        .transpose()?
+        .unwrap_or(f64::INFINITY);
+    let gpu = target != Target::Cpu;
+    let (models, shapes): (_, &[(usize, usize)]) = match (gpu, quick) {
+        (true, _) => (gpu_models(), &[(8, 512), (4, 1024), (16, 256)]),
+        (false, true) => (models(true), &[(2, 64)]),
+        (false, false) => (models(false), &[(2, 64), (4, 128), (1, 256)]),
+    };
+    let started = std::time::Instant::now();
     let mut rows = Vec::new();
+    let mut out_of_memory = 0;
     let mut md = String::from(
         "| model | params | plan | estimated | measured | error |\n|---|---:|---|---:|---:|---:|\n",
     );
-    for (name, config) in models(quick) {
+    'matrix: for (name, config) in models {
         let spec = ModelSpec::from_config(name, config);
-        for plan in plans(quick) {
-            if plan.seq_len > spec.config.max_positions
-                && spec.config.family.has_learned_positions()
+        for plan in plans(shapes) {
+            let family = spec.config.family;
+            // GPU: sequence 256 only for BERT, whose positions stop at 512.
+            if plan.seq_len > spec.config.max_positions && family.has_learned_positions()
+                || plan.attention == Attention::Flash && !target.has_flash_attention()
+                || gpu && plan.seq_len == 256 && family != Family::Bert
             {
                 continue;
             }
-            let est = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
-            let m = measure_plan(&spec, &plan, Target::Cpu)?;
+            if started.elapsed().as_secs_f64() > deadline {
+                println!("deadline of {deadline} s reached: stopping");
+                break 'matrix;
+            }
+            let est = MemoryModel.estimate(&spec, &plan, &target);
+            let m = measure_plan(&spec, &plan, target)?;
+            if m.out_of_memory {
+                println!("{name:<16} {plan}\n    est {:>12} out of memory", est.peak);
+                let _ = writeln!(
+                    md,
+                    "| {name} | {} | {plan} | {} | out of memory | |",
+                    spec.parameters(),
+                    est.peak
+                );
+                out_of_memory += 1;
+                continue;
+            }
             let err = est.peak as f64 / m.peak_bytes as f64 - 1.0;
             println!(
                 "{name:<16} {plan}\n    est {:>12} meas {:>12} err {:+6.1}%  (est phase {})",
@@ -190,29 +249,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|r| r["relative_error"].as_f64().unwrap().abs())
         .collect();
     errs.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let median = errs[errs.len() / 2];
+    let median = errs.get(errs.len() / 2).copied().unwrap_or(0.0);
     let max = errs.last().copied().unwrap_or(0.0);
     let summary = format!(
-        "{} configurations: median |error| {:.1}%, max {:.1}%",
+        "{} configurations on {target}: median |error| {:.1}%, max {:.1}% ({out_of_memory} out of memory, not counted)",
         errs.len(),
         100.0 * median,
         100.0 * max
     );
     println!("{summary}");
     std::fs::create_dir_all(&out_dir)?;
-    let header = "# Memory model accuracy (CPU)\n\nCommand: `cargo run --release --example accuracy`. Measured: the heap \
-        high-water mark of the second (steady-state) training step above the heap before the model was built, \
-        from a counting allocator. Error = estimated / measured - 1.";
+    let (stem, header) = if gpu {
+        ("accuracy-gpu", "# Memory model accuracy (GPU)\n\nCommand: `accuracy --device cuda:0` (built with \
+            `scripts/build-cuda.sh --features cuda --example accuracy`). Measured: the CUDA pool's used high-water \
+            mark over the second (steady-state) training step plus the device memory outside the pool (context, \
+            modules, cuBLAS workspace), as `--verify` measures it. Error = estimated / measured - 1.")
+    } else {
+        ("accuracy", "# Memory model accuracy (CPU)\n\nCommand: `cargo run --release --example accuracy`. Measured: \
+            the heap high-water mark of the second (steady-state) training step above the heap before the model was \
+            built, from a counting allocator. Error = estimated / measured - 1.")
+    };
     std::fs::write(
-        format!("{out_dir}/accuracy.md"),
+        format!("{out_dir}/{stem}.md"),
         format!("{header}\n\n{summary}\n\n{md}"),
     )?;
-    scatter(&format!("{out_dir}/accuracy.svg"), &rows, &summary)?;
+    scatter(&format!("{out_dir}/{stem}.svg"), &rows, &summary)?;
     std::fs::write(
-        format!("{out_dir}/accuracy.json"),
-        serde_json::to_string_pretty(
-            &serde_json::json!({"median_abs_error": median, "max_abs_error": max, "rows": rows}),
-        )?,
+        format!("{out_dir}/{stem}.json"),
+        serde_json::to_string_pretty(&serde_json::json!({"target": target.to_string(),
+            "median_abs_error": median, "max_abs_error": max, "rows": rows}))?,
     )?;
     Ok(())
 }
