@@ -11,11 +11,12 @@
 //! ```sh
 //! cargo run --release --example accuracy -- [--quick] [--out DIR]
 //! scripts/build-cuda.sh --features cuda --example accuracy   # then, on the GPU machine:
-//! accuracy --device cuda:0 [--deadline SECONDS]
+//! accuracy --device cuda:0 [--deadline SECONDS] [--resume docs/accuracy-gpu.json]
 //! ```
 //!
 //! `--deadline` stops starting new measurements after that many seconds and
-//! writes what was measured.
+//! writes what was measured; `--resume FILE` starts from the rows of an earlier
+//! run's JSON and measures only the configurations it lacks.
 
 use oomfix::measure::{measure_plan, CountingAlloc};
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
@@ -190,12 +191,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (false, true) => (models(true), &[(2, 64)]),
         (false, false) => (models(false), &[(2, 64), (4, 128), (1, 256)]),
     };
+    // `--resume FILE`: keep the rows of an earlier run's JSON and measure only the rest.
+    let mut rows: Vec<serde_json::Value> = match value("--resume") {
+        Some(path) => serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(path)?)?
+            ["rows"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
     let started = std::time::Instant::now();
-    let mut rows = Vec::new();
-    let mut out_of_memory = 0;
-    let mut md = String::from(
-        "| model | params | plan | estimated | measured | error |\n|---|---:|---|---:|---:|---:|\n",
-    );
     'matrix: for (name, config) in models {
         let spec = ModelSpec::from_config(name, config);
         for plan in plans(shapes) {
@@ -204,51 +209,61 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if plan.seq_len > spec.config.max_positions && family.has_learned_positions()
                 || plan.attention == Attention::Flash && !target.has_flash_attention()
                 || gpu && plan.seq_len == 256 && family != Family::Bert
+                || rows
+                    .iter()
+                    .any(|r| r["model"] == name && r["plan"] == plan.to_string())
             {
                 continue;
             }
             if started.elapsed().as_secs_f64() > deadline {
-                println!("deadline of {deadline} s reached: stopping");
+                println!("deadline of {deadline} s reached: stopping (continue with --resume)");
                 break 'matrix;
             }
             let est = MemoryModel.estimate(&spec, &plan, &target);
             let m = measure_plan(&spec, &plan, target)?;
-            if m.out_of_memory {
-                println!("{name:<16} {plan}\n    est {:>12} out of memory", est.peak);
-                let _ = writeln!(
-                    md,
-                    "| {name} | {} | {plan} | {} | out of memory | |",
-                    spec.parameters(),
-                    est.peak
-                );
-                out_of_memory += 1;
-                continue;
+            let err = (!m.out_of_memory).then(|| est.peak as f64 / m.peak_bytes as f64 - 1.0);
+            match err {
+                Some(err) => println!(
+                    "{name:<16} {plan}\n    est {:>12} meas {:>12} err {:+6.1}%  (est phase {})",
+                    est.peak,
+                    m.peak_bytes,
+                    100.0 * err,
+                    est.peak_phase
+                ),
+                None => println!("{name:<16} {plan}\n    est {:>12} out of memory", est.peak),
             }
-            let err = est.peak as f64 / m.peak_bytes as f64 - 1.0;
-            println!(
-                "{name:<16} {plan}\n    est {:>12} meas {:>12} err {:+6.1}%  (est phase {})",
-                est.peak,
-                m.peak_bytes,
-                100.0 * err,
-                est.peak_phase
-            );
-            let _ = writeln!(
-                md,
-                "| {name} | {} | {plan} | {} | {} | {:+.1}% |",
-                spec.parameters(),
-                est.peak,
-                m.peak_bytes,
-                100.0 * err
-            );
             rows.push(serde_json::json!({"model": name, "parameters": spec.parameters(), "plan": plan.to_string(),
-                "estimated_bytes": est.peak, "measured_bytes": m.peak_bytes, "relative_error": err}));
+                "estimated_bytes": est.peak, "measured_bytes": (!m.out_of_memory).then_some(m.peak_bytes),
+                "relative_error": err}));
         }
+    }
+    let mut md = String::from(
+        "| model | params | plan | estimated | measured | error |\n|---|---:|---|---:|---:|---:|\n",
+    );
+    for r in &rows {
+        let (measured, error) = match r["relative_error"].as_f64() {
+            Some(e) => (
+                r["measured_bytes"].to_string(),
+                format!("{:+.1}%", 100.0 * e),
+            ),
+            None => ("out of memory".into(), String::new()),
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {measured} | {error} |",
+            r["model"].as_str().unwrap_or("?"),
+            r["parameters"],
+            r["plan"].as_str().unwrap_or("?"),
+            r["estimated_bytes"]
+        );
     }
     let mut errs: Vec<f64> = rows
         .iter()
-        .map(|r| r["relative_error"].as_f64().unwrap().abs())
+        .filter_map(|r| r["relative_error"].as_f64())
+        .map(f64::abs)
         .collect();
-    errs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let out_of_memory = rows.len() - errs.len();
+    errs.sort_by(f64::total_cmp);
     let median = errs.get(errs.len() / 2).copied().unwrap_or(0.0);
     let max = errs.last().copied().unwrap_or(0.0);
     let summary = format!(
@@ -289,15 +304,16 @@ fn scatter(
     title: &str,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use plotters::prelude::*;
+    // Out-of-memory rows have no measured peak and are left out.
     let points: Vec<(f64, f64, &str)> = rows
         .iter()
-        .map(|r| {
-            let mib = |k: &str| r[k].as_f64().unwrap() / (1u64 << 20) as f64;
-            (
-                mib("measured_bytes"),
-                mib("estimated_bytes"),
-                r["model"].as_str().unwrap(),
-            )
+        .filter_map(|r| {
+            let mib = |k: &str| Some(r[k].as_f64()? / (1u64 << 20) as f64);
+            Some((
+                mib("measured_bytes")?,
+                mib("estimated_bytes")?,
+                r["model"].as_str()?,
+            ))
         })
         .collect();
     let hi = points.iter().map(|p| p.0.max(p.1)).fold(1.0, f64::max) * 1.3;
