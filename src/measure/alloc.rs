@@ -86,10 +86,7 @@ static START_NS: AtomicU64 = AtomicU64::new(0);
 
 fn now_ns() -> u64 {
     // SAFETY: clock_gettime writes into the timespec we own.
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
@@ -119,8 +116,7 @@ fn record(addr: *mut u8, size: u64, alloc: bool, live: u64) {
 /// Starts recording every allocation and free, up to `capacity` events.
 pub fn start_recording(capacity: usize) {
     if BUFFER.load(Ordering::Relaxed).is_null() || CAPACITY.load(Ordering::Relaxed) < capacity {
-        let buf: &'static mut [Event] =
-            Box::leak(vec![Event::default(); capacity].into_boxed_slice());
+        let buf: &'static mut [Event] = Box::leak(vec![Event::default(); capacity].into_boxed_slice());
         BUFFER.store(buf.as_mut_ptr(), Ordering::Relaxed);
         CAPACITY.store(capacity, Ordering::Relaxed);
     }

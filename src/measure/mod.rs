@@ -7,6 +7,6 @@ mod step;
 
 pub use alloc::CountingAlloc;
 pub use step::{
-    limit_address_space, measure_plan, parse_plan_arg, plan_arg, record_plan, StepVerifier,
-    Timeline, ADDRESS_SPACE_SLACK, MAX_EVENTS,
+    limit_address_space, measure_plan, parse_plan_arg, plan_arg, record_plan, StepVerifier, Timeline,
+    ADDRESS_SPACE_SLACK, MAX_EVENTS,
 };

@@ -40,10 +40,7 @@ impl Values {
         self.c * c + self.f32 * 4
     }
     fn add(self, o: Values) -> Values {
-        Values {
-            c: self.c + o.c,
-            f32: self.f32 + o.f32,
-        }
+        Values { c: self.c + o.c, f32: self.f32 + o.f32 }
     }
 }
 
@@ -86,19 +83,13 @@ impl Dims {
     /// and the cast back.
     fn layer_norm(&self) -> Values {
         let m = u64::from(self.mixed);
-        Values {
-            c: (2 + m) * self.n * self.h,
-            f32: (3 + m) * self.n * self.h + 6 * self.n,
-        }
+        Values { c: (2 + m) * self.n * self.h, f32: (3 + m) * self.n * self.h + 6 * self.n }
     }
     /// RMS norm on `[n, h]`: squared, normalised (f32), × weight (c), four
     /// `[n,1]` f32 statistics; mixed adds the two casts.
     fn rms_norm(&self) -> Values {
         let m = u64::from(self.mixed);
-        Values {
-            c: (1 + m) * self.n * self.h,
-            f32: (2 + m) * self.n * self.h + 4 * self.n,
-        }
+        Values { c: (1 + m) * self.n * self.h, f32: (2 + m) * self.n * self.h + 4 * self.n }
     }
 }
 
@@ -111,16 +102,10 @@ impl Dims {
 /// Flash: the log-sum-exp `[b,H,s]` f32.
 fn attention_core(family: Family, d: &Dims) -> Values {
     if d.flash {
-        return Values {
-            c: 0,
-            f32: d.n * d.heads,
-        };
+        return Values { c: 0, f32: d.n * d.heads };
     }
     let masked = u64::from(family != Family::Bert);
-    Values {
-        c: (4 + masked) * d.scores() + 2 * d.n * d.heads + (1 + masked) * d.scores(),
-        f32: 0,
-    }
+    Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads + (1 + masked) * d.scores(), f32: 0 }
 }
 
 /// What one transformer block keeps.
@@ -131,13 +116,10 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
         // ln_1; c_attn matmul + bias [n,3h]×2; q scaled (or contiguous), k, v
         // copies; attention core; context; merged, c_proj, bias, residual;
         // ln_2; c_fc, bias, gelu [n,I]×3; c_proj, bias, residual.
-        Family::Gpt2 | Family::Generic => Values {
-            c: 17 * n * h + 3 * n * i,
-            f32: 0,
-        }
-        .add(core)
-        .add(d.layer_norm())
-        .add(d.layer_norm()),
+        Family::Gpt2 | Family::Generic => Values { c: 17 * n * h + 3 * n * i, f32: 0 }
+            .add(core)
+            .add(d.layer_norm())
+            .add(d.layer_norm()),
         // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; attention
         // core; context; merged, o_proj, residual; rms; gate, up, silu, product
         // [n,I]×4; down, residual; the stray gradients of the four broadcast
@@ -145,24 +127,18 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
         Family::Llama => {
             let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
             let rope_stray = 2 * n * h + 2 * n * kv;
-            Values {
-                c: 11 * n * h + 7 * n * kv + 4 * n * i + bias + rope_stray,
-                f32: 0,
-            }
-            .add(core)
-            .add(d.rms_norm())
-            .add(d.rms_norm())
+            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + bias + rope_stray, f32: 0 }
+                .add(core)
+                .add(d.rms_norm())
+                .add(d.rms_norm())
         }
         // q/k/v matmul + bias ×6; q scaled (or contiguous), k, v copies;
         // attention core; context; merged, dense, bias, residual; LN;
         // intermediate, bias, gelu ×3; dense, bias, residual; LN.
-        Family::Bert => Values {
-            c: 17 * n * h + 3 * n * i,
-            f32: 0,
-        }
-        .add(core)
-        .add(d.layer_norm())
-        .add(d.layer_norm()),
+        Family::Bert => Values { c: 17 * n * h + 3 * n * i, f32: 0 }
+            .add(core)
+            .add(d.layer_norm())
+            .add(d.layer_norm()),
     }
 }
 
@@ -171,19 +147,9 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
 fn stem(family: Family, d: &Dims) -> Values {
     let mask = if d.flash { 0 } else { d.s * d.s };
     match family {
-        Family::Gpt2 | Family::Generic => Values {
-            c: 2 * d.n * d.h + mask,
-            f32: 0,
-        },
-        Family::Llama => Values {
-            c: d.n * d.h + mask + 4 * d.s * d.head_dim,
-            f32: 0,
-        },
-        Family::Bert => Values {
-            c: 2 * d.n * d.h + d.s * d.h,
-            f32: 0,
-        }
-        .add(d.layer_norm()),
+        Family::Gpt2 | Family::Generic => Values { c: 2 * d.n * d.h + mask, f32: 0 },
+        Family::Llama => Values { c: d.n * d.h + mask + 4 * d.s * d.head_dim, f32: 0 },
+        Family::Bert => Values { c: 2 * d.n * d.h + d.s * d.h, f32: 0 }.add(d.layer_norm()),
     }
 }
 
@@ -196,17 +162,10 @@ fn head(family: Family, d: &Dims) -> Values {
     let norm = match family {
         Family::Gpt2 | Family::Generic => d.layer_norm(),
         Family::Llama => d.rms_norm(),
-        Family::Bert => Values {
-            c: 3 * d.n * d.h,
-            f32: d.n,
-        }
-        .add(d.layer_norm()),
+        Family::Bert => Values { c: 3 * d.n * d.h, f32: d.n }.add(d.layer_norm()),
     };
     let logits = if family == Family::Bert { 2 * nv } else { nv };
-    norm.add(Values {
-        c: logits,
-        f32: 2 * d.n,
-    })
+    norm.add(Values { c: logits, f32: 2 * d.n })
 }
 
 /// Logits-sized tensors in the compute dtype alive at once while the backward
@@ -265,11 +224,8 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
     let head = head(cfg.family, &d).bytes(c);
     let head_backward = LOSS_BACKWARD_NV * d.n * d.v * c;
-    let attention_backward = if d.flash {
-        flash_backward(&d)
-    } else {
-        ATTENTION_BACKWARD_SCORES * d.scores() * c
-    };
+    let attention_backward =
+        if d.flash { flash_backward(&d) } else { ATTENTION_BACKWARD_SCORES * d.scores() * c };
     let block_backward = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
     let embedding_backward = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
     match plan.checkpoint {
@@ -278,9 +234,7 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
             let segments = layers.div_ceil(k);
             Activations {
                 kept: stem + segments * d.n * d.h * c,
-                backward_transient: (head + head_backward)
-                    .max(k * block + block_backward)
-                    .max(embedding_backward),
+                backward_transient: (head + head_backward).max(k * block + block_backward).max(embedding_backward),
             }
         }
         _ => Activations {

@@ -1,8 +1,6 @@
 use super::*;
 use crate::spec::{ModelConfig, ModelSpec};
-use oomfix_strategies::{
-    Attention, Checkpointing, Pipeline, Plan, Precision, SearchContext, Sharding,
-};
+use oomfix_strategies::{Attention, Checkpointing, Pipeline, Plan, Precision, SearchContext, Sharding};
 use proptest::prelude::*;
 
 fn spec_for(i: usize) -> ModelSpec {
@@ -15,43 +13,18 @@ fn spec_for(i: usize) -> ModelSpec {
 }
 
 fn arb_plan() -> impl Strategy<Value = Plan> {
-    (
-        1usize..16,
-        1usize..8,
-        1usize..9,
-        0usize..3,
-        0usize..4,
-        any::<bool>(),
-        any::<bool>(),
-        1usize..5,
-        0u8..4,
-    )
-        .prop_map(|(mb, acc, s, prec, ck, flash, fused, world, stage)| Plan {
+    (1usize..16, 1usize..8, 1usize..9, 0usize..3, 0usize..4, any::<bool>(), any::<bool>(), 1usize..5, 0u8..4).prop_map(
+        |(mb, acc, s, prec, ck, flash, fused, world, stage)| Plan {
             micro_batch: mb,
             grad_accum: acc,
             seq_len: 64 * s,
             precision: [Precision::F32, Precision::Bf16, Precision::F16][prec],
-            checkpoint: [
-                Checkpointing::None,
-                Checkpointing::Every(4),
-                Checkpointing::Every(2),
-                Checkpointing::Every(1),
-            ][ck],
-            attention: if flash {
-                Attention::Flash
-            } else {
-                Attention::Composed
-            },
-            optimizer: if fused {
-                OptimizerImpl::FusedAdamW
-            } else {
-                OptimizerImpl::CandleAdamW
-            },
-            shard: Sharding {
-                world_size: world,
-                stage: if world > 1 { stage } else { 0 },
-            },
-        })
+            checkpoint: [Checkpointing::None, Checkpointing::Every(4), Checkpointing::Every(2), Checkpointing::Every(1)][ck],
+            attention: if flash { Attention::Flash } else { Attention::Composed },
+            optimizer: if fused { OptimizerImpl::FusedAdamW } else { OptimizerImpl::CandleAdamW },
+            shard: Sharding { world_size: world, stage: if world > 1 { stage } else { 0 } },
+        },
+    )
 }
 
 proptest! {
@@ -123,16 +96,9 @@ proptest! {
 fn mixed_precision_model_state_is_16_bytes_per_parameter_with_fused_adamw() {
     let spec = spec_for(0);
     let p = spec.parameters();
-    let plan = Plan {
-        precision: Precision::Bf16,
-        optimizer: OptimizerImpl::FusedAdamW,
-        ..Plan::baseline(1, 128)
-    };
+    let plan = Plan { precision: Precision::Bf16, optimizer: OptimizerImpl::FusedAdamW, ..Plan::baseline(1, 128) };
     let b = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
-    assert_eq!(
-        b.weights + b.master_weights + b.gradients + b.optimizer_state,
-        16 * p
-    );
+    assert_eq!(b.weights + b.master_weights + b.gradients + b.optimizer_state, 16 * p);
     assert_eq!(b.optimizer_transient, 0);
 }
 
@@ -141,16 +107,7 @@ fn checkpointing_keeps_only_segment_inputs() {
     let spec = spec_for(0);
     let plain = Plan::baseline(4, 512);
     let a = activation_bytes(&spec, &plain);
-    let every = |k| {
-        activation_bytes(
-            &spec,
-            &Plan {
-                checkpoint: Checkpointing::Every(k),
-                ..plain
-            },
-        )
-        .kept
-    };
+    let every = |k| activation_bytes(&spec, &Plan { checkpoint: Checkpointing::Every(k), ..plain }).kept;
     let bsh = 4 * 512 * 768 * 4;
     assert_eq!(every(1) - every(2), 6 * bsh); // 12 segment inputs instead of 6
     assert!(a.kept > 10 * every(1));
@@ -162,46 +119,20 @@ fn flash_attention_keeps_nothing_quadratic_in_the_sequence() {
         let spec = spec_for(i);
         for checkpoint in [Checkpointing::None, Checkpointing::Every(1)] {
             let bytes = |attention, s| {
-                // Batch 4: the backward's largest transient is then the logits'
-                // gradient (4·s·V), not the embedding's (2·V·h), which is
-                // independent of the sequence.
-                let plan = Plan {
-                    attention,
-                    checkpoint,
-                    ..Plan::baseline(4, s)
-                };
+                // Batch 4: the backward's largest transient is then the loss's
+                // (4·s·V), not the embedding's (2·V·h), which is independent of
+                // the sequence.
+                let plan = Plan { attention, checkpoint, ..Plan::baseline(4, s) };
                 let a = activation_bytes(&spec, &plan);
                 a.kept + a.backward_transient
             };
             // Every flash term is linear in the sequence length.
-            assert_eq!(
-                bytes(Attention::Flash, 1024),
-                2 * bytes(Attention::Flash, 512),
-                "{i} {checkpoint}"
-            );
-            assert!(
-                bytes(Attention::Flash, 512) <= bytes(Attention::Composed, 512),
-                "{i} {checkpoint}"
-            );
+            assert_eq!(bytes(Attention::Flash, 1024), 2 * bytes(Attention::Flash, 512), "{i} {checkpoint}");
+            assert!(bytes(Attention::Flash, 512) <= bytes(Attention::Composed, 512), "{i} {checkpoint}");
         }
         // Without checkpointing every block's scores are kept: composed grows faster.
-        let kept = |attention, s| {
-            activation_bytes(
-                &spec,
-                &Plan {
-                    attention,
-                    ..Plan::baseline(2, s)
-                },
-            )
-            .kept
-        };
-        assert!(
-            kept(Attention::Composed, 1024) > 2 * kept(Attention::Composed, 512),
-            "{i}"
-        );
-        assert!(
-            kept(Attention::Flash, 512) < kept(Attention::Composed, 512),
-            "{i}"
-        );
+        let kept = |attention, s| activation_bytes(&spec, &Plan { attention, ..Plan::baseline(2, s) }).kept;
+        assert!(kept(Attention::Composed, 1024) > 2 * kept(Attention::Composed, 512), "{i}");
+        assert!(kept(Attention::Flash, 512) < kept(Attention::Composed, 512), "{i}");
     }
 }

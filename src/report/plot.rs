@@ -7,17 +7,10 @@ use plotters::prelude::*;
 /// Draws the timeline into an SVG document.
 pub fn timeline_svg(timeline: &Timeline, budget: u64, title: &str) -> Result<String, String> {
     let mib = |b: u64| b.saturating_sub(timeline.baseline) as f64 / (1u64 << 20) as f64;
-    let points: Vec<(f64, f64)> = timeline
-        .events
-        .iter()
-        .map(|e| (e.time_ns as f64 / 1e6, mib(e.live)))
-        .collect();
+    let points: Vec<(f64, f64)> =
+        timeline.events.iter().map(|e| (e.time_ns as f64 / 1e6, mib(e.live))).collect();
     let end = points.last().map_or(1.0, |p| p.0.max(1e-3));
-    let top = points
-        .iter()
-        .map(|p| p.1)
-        .fold(mib(timeline.baseline + budget), f64::max)
-        * 1.1;
+    let top = points.iter().map(|p| p.1).fold(mib(timeline.baseline + budget), f64::max) * 1.1;
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (960, 480)).into_drawing_area();
@@ -29,12 +22,7 @@ pub fn timeline_svg(timeline: &Timeline, budget: u64, title: &str) -> Result<Str
             .y_label_area_size(70)
             .build_cartesian_2d(0.0..end, 0.0..top)
             .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc("time (ms)")
-            .y_desc("live memory (MiB)")
-            .draw()
-            .map_err(|e| e.to_string())?;
+        chart.configure_mesh().x_desc("time (ms)").y_desc("live memory (MiB)").draw().map_err(|e| e.to_string())?;
         // phase bands
         let mut start = 0.0;
         let mut phase = timeline.events.first().map_or(Phase::Setup, |e| e.phase);
@@ -54,9 +42,7 @@ pub fn timeline_svg(timeline: &Timeline, budget: u64, title: &str) -> Result<Str
                 Phase::OptimizerStep => RED.mix(0.10),
                 Phase::Setup => WHITE.mix(0.0),
             };
-            chart
-                .draw_series([Rectangle::new([(a, 0.0), (b, top)], color.filled())])
-                .map_err(|e| e.to_string())?;
+            chart.draw_series([Rectangle::new([(a, 0.0), (b, top)], color.filled())]).map_err(|e| e.to_string())?;
         }
         chart
             .draw_series(LineSeries::new(points, &BLACK))
@@ -69,12 +55,7 @@ pub fn timeline_svg(timeline: &Timeline, budget: u64, title: &str) -> Result<Str
             .map_err(|e| e.to_string())?
             .label("budget")
             .legend(|(x, y)| PathElement::new([(x, y), (x + 16, y)], RED.stroke_width(2)));
-        chart
-            .configure_series_labels()
-            .background_style(WHITE)
-            .border_style(BLACK)
-            .draw()
-            .map_err(|e| e.to_string())?;
+        chart.configure_series_labels().background_style(WHITE).border_style(BLACK).draw().map_err(|e| e.to_string())?;
         root.present().map_err(|e| e.to_string())?;
     }
     Ok(svg)

@@ -41,20 +41,10 @@ impl Block {
     fn forward(&self, x: &Tensor, attend: &Attend) -> candle_core::Result<Tensor> {
         let d = x.dim(2)? / self.heads;
         let heads = |proj: &Linear| split_heads(&proj.forward(x)?, self.heads);
-        let (k, v) = (
-            heads(&self.key)?.contiguous()?,
-            heads(&self.value)?.contiguous()?,
-        );
-        let attn = self.attn_out.forward(&attend.forward(
-            &heads(&self.query)?,
-            &k,
-            &v,
-            1.0 / (d as f64).sqrt(),
-        )?)?;
+        let (k, v) = (heads(&self.key)?.contiguous()?, heads(&self.value)?.contiguous()?);
+        let attn = self.attn_out.forward(&attend.forward(&heads(&self.query)?, &k, &v, 1.0 / (d as f64).sqrt())?)?;
         let x = self.attn_norm.forward(&x.add(&attn)?)?;
-        let mlp = self
-            .output
-            .forward(&self.intermediate.forward(&x)?.gelu_erf()?)?;
+        let mlp = self.output.forward(&self.intermediate.forward(&x)?.gelu_erf()?)?;
         self.out_norm.forward(&x.add(&mlp)?)
     }
 }
@@ -83,9 +73,7 @@ impl Bert {
             position: p.get(&format!("{e}.position_embeddings.weight"))?,
             token_type: p.get(&format!("{e}.token_type_embeddings.weight"))?,
             emb_norm: p.layer_norm(&format!("{e}.LayerNorm"), EPS)?,
-            blocks: (0..config.layers)
-                .map(|l| Block::new(&p, l, config.heads))
-                .collect::<Result<_>>()?,
+            blocks: (0..config.layers).map(|l| Block::new(&p, l, config.heads)).collect::<Result<_>>()?,
             transform: p.linear(&format!("{c}.transform.dense"), true, WeightLayout::OutIn)?,
             transform_norm: p.layer_norm(&format!("{c}.transform.LayerNorm"), EPS)?,
             decoder_bias: p.get(&format!("{c}.bias"))?,
@@ -112,33 +100,17 @@ impl TrainableModel for Bert {
     ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
-        let words = self
-            .word
-            .index_select(&batch.input_ids.flatten_all()?, 0)?
-            .reshape((b, s, h))?;
+        let words = self.word.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
         // Every token is in segment A: token type 0 for all positions.
-        let position_and_type = self
-            .position
-            .narrow(0, 0, s)?
-            .broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
-        let stem = self
-            .emb_norm
-            .forward(&words.broadcast_add(&position_and_type)?)?;
+        let position_and_type = self.position.narrow(0, 0, s)?.broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
+        let stem = self.emb_norm.forward(&words.broadcast_add(&position_and_type)?)?;
         let attend = Attend::padded(attention, batch.attention_mask.as_ref(), self.word.dtype())?;
         let attend = &attend;
-        let blocks: Vec<_> = self
-            .blocks
-            .iter()
-            .map(|blk| move |x: &Tensor| blk.forward(x, attend))
-            .collect();
+        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, attend)).collect();
         let head = |x: &Tensor| {
             let x = self.transform.forward(x)?.gelu_erf()?;
             let x = self.transform_norm.forward(&x)?.reshape((b * s, h))?;
-            lm_loss(
-                &x.matmul(&self.word.t()?)?
-                    .broadcast_add(&self.decoder_bias)?,
-                batch,
-            )
+            lm_loss(&x.matmul(&self.word.t()?)?.broadcast_add(&self.decoder_bias)?, batch)
         };
         step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
     }

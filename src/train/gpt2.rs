@@ -37,17 +37,12 @@ impl Block {
         let (b, s, h) = x.dims3()?;
         let d = h / self.heads;
         // [b, s, 3h] viewed as [b, s, 3, H, d]; part i is [b, H, s, d] (strided).
-        let qkv = self
-            .c_attn
-            .forward(&self.ln_1.forward(x)?)?
-            .reshape((b, s, 3, self.heads, d))?;
+        let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?.reshape((b, s, 3, self.heads, d))?;
         let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
         let (k, v) = (part(1)?.contiguous()?, part(2)?.contiguous()?);
         let attn = attend.forward(&part(0)?, &k, &v, 1.0 / (d as f64).sqrt())?;
         let x = x.add(&self.attn_proj.forward(&attn)?)?;
-        let mlp = self
-            .mlp_proj
-            .forward(&self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu()?)?;
+        let mlp = self.mlp_proj.forward(&self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu()?)?;
         x.add(&mlp)
     }
 }
@@ -68,9 +63,7 @@ impl Gpt2 {
             config: config.clone(),
             wte: p.get("wte.weight")?,
             wpe: p.get("wpe.weight")?,
-            blocks: (0..config.layers)
-                .map(|l| Block::new(&p, l, config.heads))
-                .collect::<Result<_>>()?,
+            blocks: (0..config.layers).map(|l| Block::new(&p, l, config.heads)).collect::<Result<_>>()?,
             ln_f: p.layer_norm("ln_f", EPS)?,
             vars: p.into_vars(),
         })
@@ -95,18 +88,11 @@ impl TrainableModel for Gpt2 {
     ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
-        let tokens = self
-            .wte
-            .index_select(&batch.input_ids.flatten_all()?, 0)?
-            .reshape((b, s, h))?;
+        let tokens = self.wte.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
         let stem = tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?;
         let attend = Attend::causal(attention, s, self.wte.dtype(), self.wte.device())?;
         let attend = &attend;
-        let blocks: Vec<_> = self
-            .blocks
-            .iter()
-            .map(|blk| move |x: &Tensor| blk.forward(x, attend))
-            .collect();
+        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, attend)).collect();
         let head = |x: &Tensor| {
             let x = self.ln_f.forward(x)?.reshape((b * s, h))?;
             lm_loss(&x.matmul(&self.wte.t()?)?, batch)

@@ -38,9 +38,7 @@ struct Context {
 impl Block {
     fn new(p: &Params, l: usize, config: &ModelConfig) -> Result<Self> {
         let prefix = format!("model.layers.{l}");
-        let proj = |name: &str, bias: bool| {
-            p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn)
-        };
+        let proj = |name: &str, bias: bool| p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn);
         let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), EPS);
         Ok(Block {
             input_norm: norm("input_layernorm")?,
@@ -59,21 +57,13 @@ impl Block {
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
         let h = self.input_norm.forward(x)?;
-        let q = ctx
-            .rope_q
-            .apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
-        let k = ctx
-            .rope_k
-            .apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
+        let q = ctx.rope_q.apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
+        let k = ctx.rope_k.apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
         let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
         // The queries' RoPE tables already carry the attention scale.
         let x = x.add(&self.o_proj.forward(&ctx.attend.forward(&q, &k, &v, 1.0)?)?)?;
         let h = self.post_norm.forward(&x)?;
-        let mlp = self
-            .gate_proj
-            .forward(&h)?
-            .silu()?
-            .mul(&self.up_proj.forward(&h)?)?;
+        let mlp = self.gate_proj.forward(&h)?.silu()?.mul(&self.up_proj.forward(&h)?)?;
         x.add(&self.down_proj.forward(&mlp)?)
     }
 }
@@ -94,15 +84,9 @@ impl Llama {
         let embed = p.get("model.embed_tokens.weight")?;
         Ok(Llama {
             config: config.clone(),
-            lm_head: if config.tied_embeddings {
-                embed.clone()
-            } else {
-                p.get("lm_head.weight")?
-            },
+            lm_head: if config.tied_embeddings { embed.clone() } else { p.get("lm_head.weight")? },
             embed,
-            blocks: (0..config.layers)
-                .map(|l| Block::new(&p, l, config))
-                .collect::<Result<_>>()?,
+            blocks: (0..config.layers).map(|l| Block::new(&p, l, config)).collect::<Result<_>>()?,
             norm: p.rms_norm("model.norm", EPS)?,
             vars: p.into_vars(),
         })
@@ -134,15 +118,8 @@ impl TrainableModel for Llama {
             rope_k: Rope::new(s, d, ROPE_THETA, 1.0, dtype, device)?,
         };
         let ctx = &ctx;
-        let stem = self
-            .embed
-            .index_select(&batch.input_ids.flatten_all()?, 0)?
-            .reshape((b, s, h))?;
-        let blocks: Vec<_> = self
-            .blocks
-            .iter()
-            .map(|blk| move |x: &Tensor| blk.forward(x, ctx))
-            .collect();
+        let stem = self.embed.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, ctx)).collect();
         let head = |x: &Tensor| {
             let x = self.norm.forward(x)?.reshape((b * s, h))?;
             lm_loss(&x.matmul(&self.lm_head.t()?)?, batch)

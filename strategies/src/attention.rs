@@ -67,10 +67,8 @@ impl Strategy for FlashAttention {
         "flash-attention"
     }
     fn tighten(&self, plan: &Plan, ctx: &SearchContext) -> Option<Plan> {
-        (ctx.flash_attention && plan.attention == Attention::Composed).then_some(Plan {
-            attention: Attention::Flash,
-            ..*plan
-        })
+        (ctx.flash_attention && plan.attention == Attention::Composed)
+            .then_some(Plan { attention: Attention::Flash, ..*plan })
     }
 }
 
@@ -122,17 +120,8 @@ pub fn flash_attention(
         Some(mask) => Some(keep_mask(mask, dims.b, dims.s_k)?),
         None => None,
     };
-    let op = FlashOp {
-        dims,
-        params: Params {
-            causal: opts.causal,
-            scale,
-        },
-        keep,
-        lse: OnceLock::new(),
-    };
-    q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    let op = FlashOp { dims, params: Params { causal: opts.causal, scale }, keep, lse: OnceLock::new() };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
 /// Problem sizes, checked against each other.
@@ -175,14 +164,7 @@ impl Dims {
                 v.dtype()
             );
         }
-        Ok(Dims {
-            b,
-            heads,
-            kv_heads,
-            s_q,
-            s_k,
-            d,
-        })
+        Ok(Dims { b, heads, kv_heads, s_q, s_k, d })
     }
 
     /// Elements of one query head (`s_q × d`) and of one key head (`s_k × d`).
@@ -201,10 +183,7 @@ impl Dims {
 /// Reads a `[b, s_k]` key padding mask as one byte per key (1 = keep).
 fn keep_mask(mask: &Tensor, b: usize, s_k: usize) -> candle_core::Result<Vec<u8>> {
     if mask.dims() != [b, s_k] {
-        bail!(
-            "flash_attention: key_padding has shape {:?}, expected [{b}, {s_k}]",
-            mask.dims()
-        );
+        bail!("flash_attention: key_padding has shape {:?}, expected [{b}, {s_k}]", mask.dims());
     }
     mask.ne(0.0)?.flatten_all()?.to_vec1::<u8>()
 }
@@ -255,10 +234,8 @@ impl CustomOp3 for FlashOp {
         let mut out = vec![0f32; dims.b * dims.heads * q_len];
         let mut lse = vec![f32::NEG_INFINITY; dims.b * dims.heads * dims.s_q];
         if q_len > 0 {
-            out.par_chunks_mut(q_len)
-                .zip(lse.par_chunks_mut(dims.s_q))
-                .enumerate()
-                .for_each(|(bh, (out, lse))| {
+            out.par_chunks_mut(q_len).zip(lse.par_chunks_mut(dims.s_q)).enumerate().for_each(
+                |(bh, (out, lse))| {
                     let kv = dims.kv_offset(bh);
                     let head = Head {
                         q: &q[bh * q_len..][..q_len],
@@ -269,7 +246,8 @@ impl CustomOp3 for FlashOp {
                         params: self.params,
                     };
                     head.forward(out, lse);
-                });
+                },
+            );
         }
         if self.lse.set(lse).is_err() {
             bail!("flash_attention: forward ran twice on one op");
@@ -319,14 +297,7 @@ impl CustomOp3 for FlashOp {
                         grad: &do32[bh * q_len..][..q_len],
                         lse: &lse[rows],
                     };
-                    head.backward(
-                        &up,
-                        Grads {
-                            q: dq,
-                            k: dk,
-                            v: dv,
-                        },
-                    );
+                    head.backward(&up, Grads { q: dq, k: dk, v: dv });
                 });
         }
         let group = dims.heads / dims.kv_heads;
@@ -464,9 +435,7 @@ impl Head<'_> {
                     sum[r] = sum[r] * rescale + exp_shifted(row, new_max);
                     max[r] = new_max;
                     if rescale != 1.0 {
-                        acc[r * d..(r + 1) * d]
-                            .iter_mut()
-                            .for_each(|x| *x *= rescale);
+                        acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= rescale);
                     }
                 }
                 let p = View::rows(&s, rows, cols, cols);
@@ -492,12 +461,8 @@ impl Head<'_> {
         let Dims { s_q, d, .. } = *self.dims;
         let scale = self.params.scale;
         // D_i = dO_i · O_i, the softmax backward's row term.
-        let delta: Vec<f32> = up
-            .grad
-            .chunks_exact(d)
-            .zip(up.o.chunks_exact(d))
-            .map(|(a, b)| dot(a, b))
-            .collect();
+        let delta: Vec<f32> =
+            up.grad.chunks_exact(d).zip(up.o.chunks_exact(d)).map(|(a, b)| dot(a, b)).collect();
         let mut p = vec![0f32; BLOCK_Q * BLOCK_K];
         let mut dp = vec![0f32; BLOCK_Q * BLOCK_K];
         for i0 in (0..s_q).step_by(BLOCK_Q) {
@@ -523,10 +488,8 @@ impl Head<'_> {
                 matmul(&mut g.v[j0 * d..], d, pv.t(), grad_o, 1.0, true);
                 // dP = dO_i V_jᵀ, then dS = P ∘ (dP − D) in place
                 matmul(&mut dp, cols, grad_o, v.t(), 1.0, false);
-                for (r, (ds, p)) in dp[..rows * cols]
-                    .chunks_exact_mut(cols)
-                    .zip(p.chunks_exact(cols))
-                    .enumerate()
+                for (r, (ds, p)) in
+                    dp[..rows * cols].chunks_exact_mut(cols).zip(p.chunks_exact(cols)).enumerate()
                 {
                     let dr = delta[i0 + r];
                     ds.iter_mut().zip(p).for_each(|(x, &p)| *x = p * (*x - dr));
@@ -554,12 +517,7 @@ fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
             acc[i] += x[i] * y[i];
@@ -586,24 +544,12 @@ struct View<'a> {
 impl<'a> View<'a> {
     /// A row-major `rows × cols` matrix at the start of `data` with row stride `ld`.
     fn rows(data: &'a [f32], rows: usize, cols: usize, ld: usize) -> Self {
-        View {
-            data,
-            rows,
-            cols,
-            rs: ld,
-            cs: 1,
-        }
+        View { data, rows, cols, rs: ld, cs: 1 }
     }
 
     /// The transpose (no copy).
     fn t(self) -> Self {
-        View {
-            rows: self.cols,
-            cols: self.rows,
-            rs: self.cs,
-            cs: self.rs,
-            ..self
-        }
+        View { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
     }
 
     /// Whether every element lies inside `data`.
