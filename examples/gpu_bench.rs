@@ -5,7 +5,10 @@
 //! 2. fused AdamW bandwidth against a device-to-device copy of the same bytes,
 //!    and `candle_nn::AdamW` on the same update;
 //! 3. GPT-2 small training steps through `Trainer`: the pool's high-water
-//!    marks against the memory model's estimate, and the step time.
+//!    marks against the memory model's estimate, and the step time;
+//! 4. the fused cross-entropy on CUDA: loss and logits gradient against
+//!    candle_nn's composed loss on the CPU, then time and pool transient of
+//!    forward+backward against the composed loss at GPT-2's vocabulary.
 //!
 //! Build with `scripts/build-cuda.sh --features cuda --example gpu_bench`;
 //! results and the command are in docs/gpu-bench.md.
@@ -29,13 +32,20 @@ fn main() -> Result<()> {
     let ctx = cuda.cuda_stream().context().clone();
     let name = ctx.name().unwrap_or_else(|_| "?".into());
     let (free, total) = ctx.mem_get_info()?;
-    println!("# gpu_bench on {name}: {:.1} GiB total, {:.1} GiB free", total as f64 / GIB, free as f64 / GIB);
+    println!(
+        "# gpu_bench on {name}: {:.1} GiB total, {:.1} GiB free",
+        total as f64 / GIB,
+        free as f64 / GIB
+    );
     let backtrace = std::env::var_os("RUST_BACKTRACE");
-    println!("RUST_BACKTRACE: {backtrace:?} (unset it: candle captures a backtrace into every error)\n");
+    println!(
+        "RUST_BACKTRACE: {backtrace:?} (unset it: candle captures a backtrace into every error)\n"
+    );
 
     let numeric = numeric_match(&device)?;
     let bandwidth = bandwidth(&device)?;
     let training = training(&device)?;
+    let loss = loss_rows(&device)?;
     let stats = PoolStats::read(&cuda)?;
     let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
 
@@ -44,7 +54,9 @@ fn main() -> Result<()> {
     println!("|---|---|---:|---|---:|---:|---:|---|");
     numeric.iter().for_each(|r| println!("{r}"));
     println!("\n## 2. Bandwidth (median of timed steps after one warm-up)\n");
-    println!("| what | elements | bytes moved / element | ms | GB/s | vs copy | pool transient GiB |");
+    println!(
+        "| what | elements | bytes moved / element | ms | GB/s | vs copy | pool transient GiB |"
+    );
     println!("|---|---:|---:|---:|---:|---:|---:|");
     let copy = bandwidth.first().map_or(f64::NAN, |r| r.gbs());
     bandwidth.iter().for_each(|r| println!("{}", r.row(copy)));
@@ -52,6 +64,12 @@ fn main() -> Result<()> {
     println!("| plan | resident GiB | used high GiB | reserved high GiB | estimate GiB | estimate - runtime GiB | est/used - 1 | step ms (median of 3, after step 1) | first step s |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     training.iter().for_each(|r| println!("{r}"));
+    println!(
+        "\n## 4. Fused cross-entropy vs candle_nn's composed loss (logits f32-cast), V = 50,257\n"
+    );
+    println!("| logits dtype | rows | loss abs err vs CPU composed | grad max abs err vs CPU composed | fused ms | composed ms | fused transient GiB | composed transient GiB |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    loss.iter().for_each(|r| println!("{r}"));
     println!(
         "\nDevice memory outside the pool at the end (context, modules, library workspaces): {:.2} GiB; the model's runtime term: {:.2} GiB",
         outside as f64 / GIB,
@@ -91,7 +109,11 @@ struct MatchRow {
 
 impl std::fmt::Display for MatchRow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let path = if self.offset % 4 == 0 { "4-wide" } else { "scalar" };
+        let path = if self.offset % 4 == 0 {
+            "4-wide"
+        } else {
+            "scalar"
+        };
         let [p, m, v] = self.errs;
         let [dp, dm, dv] = self.differing;
         write!(
@@ -105,14 +127,24 @@ impl std::fmt::Display for MatchRow {
 /// Largest elementwise relative error of `a` against the reference `b`, and
 /// how many elements differ at all.
 fn compare(a: &Tensor, b: &Tensor) -> Result<(f64, usize)> {
-    let a = a.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-    let b = b.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let a = a
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    let b = b
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
     let mut worst = 0f64;
     let mut differing = 0;
     for (&x, &y) in a.iter().zip(&b) {
         if x.to_bits() != y.to_bits() {
             differing += 1;
-            let rel = if y == 0.0 { f64::INFINITY } else { ((x - y) as f64 / y as f64).abs() };
+            let rel = if y == 0.0 {
+                f64::INFINITY
+            } else {
+                ((x - y) as f64 / y as f64).abs()
+            };
             worst = worst.max(if rel.is_nan() { f64::INFINITY } else { rel });
         }
     }
@@ -131,7 +163,11 @@ fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
         (DType::F32, DType::F32, 1),
         (DType::BF16, DType::BF16, 3),
     ];
-    let params = ParamsAdamW { lr: 1e-2, weight_decay: 0.1, ..Default::default() };
+    let params = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
     let mut rows = Vec::new();
     for (param, grad, offset) in cases {
         eprintln!("numeric match: {param:?} params, {grad:?} grads, gradient offset {offset}");
@@ -143,7 +179,8 @@ fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
         for step in 0..10 {
             // Gradients of changing scale; a leading offset makes an unaligned view.
             let scale = 10f64.powi(step % 5 - 2);
-            let full = (Tensor::randn(0f32, 1.0, N + offset, &Device::Cpu)? * scale)?.to_dtype(grad)?;
+            let full =
+                (Tensor::randn(0f32, 1.0, N + offset, &Device::Cpu)? * scale)?.to_dtype(grad)?;
             let g_cpu = full.narrow(0, offset, N)?;
             let g_gpu = full.to_device(device)?.narrow(0, offset, N)?;
             cpu.step(&[g_cpu])?;
@@ -153,7 +190,13 @@ fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
         let (ep, dp) = compare(gpu_var.as_tensor(), cpu_var.as_tensor())?;
         let (em, dm) = compare(&gs["0.m"], &cs["0.m"])?;
         let (ev, dv) = compare(&gs["0.v"], &cs["0.v"])?;
-        rows.push(MatchRow { param, grad, offset, errs: [ep, em, ev], differing: [dp, dm, dv] });
+        rows.push(MatchRow {
+            param,
+            grad,
+            offset,
+            errs: [ep, em, ev],
+            differing: [dp, dm, dv],
+        });
     }
     Ok(rows)
 }
@@ -174,7 +217,9 @@ impl BandwidthRow {
         (self.elements * self.bytes_per_element) as f64 / (self.ms * 1e-3) / 1e9
     }
     fn row(&self, copy_gbs: f64) -> String {
-        let transient = self.transient.map_or("-".into(), |b| format!("{:.2}", b as f64 / GIB));
+        let transient = self
+            .transient
+            .map_or("-".into(), |b| format!("{:.2}", b as f64 / GIB));
         format!(
             "| {} | {:.2e} | {} | {:.2} | {:.0} | {:.0}% | {transient} |",
             self.what,
@@ -194,7 +239,9 @@ fn copy_row(device: &Device, bytes: usize) -> Result<BandwidthRow> {
     let n = bytes / 2 / 4;
     let src = Tensor::randn(0f32, 1.0, n, device)?;
     let (storage, _) = src.storage_and_layout();
-    let Storage::Cuda(storage) = &*storage else { bail!("source is not on the GPU") };
+    let Storage::Cuda(storage) = &*storage else {
+        bail!("source is not on the GPU")
+    };
     let src = storage.as_cuda_slice::<f32>()?;
     // SAFETY: the destination is only written (by the copy), never read.
     let mut dst = unsafe { stream.alloc::<f32>(n) }?;
@@ -245,7 +292,13 @@ fn optimizer_row(
         // read p, g, m, v; write p, m, v (fp32 moments)
         2 * p + g + 16
     };
-    Ok(BandwidthRow { what: what.into(), elements: n, bytes_per_element, ms, transient: Some(transient) })
+    Ok(BandwidthRow {
+        what: what.into(),
+        elements: n,
+        bytes_per_element,
+        ms,
+        transient: Some(transient),
+    })
 }
 
 fn bandwidth(device: &Device) -> Result<Vec<BandwidthRow>> {
@@ -255,8 +308,20 @@ fn bandwidth(device: &Device) -> Result<Vec<BandwidthRow>> {
     let f32s = (DType::F32, DType::F32);
     let runs = [
         ("fused AdamW, fp32 p/g", BIG, f32s, true, 10),
-        ("fused AdamW, bf16 p/g", BIG, (DType::BF16, DType::BF16), true, 10),
-        ("fused AdamW, fp32 p, bf16 g", BIG, (DType::F32, DType::BF16), true, 10),
+        (
+            "fused AdamW, bf16 p/g",
+            BIG,
+            (DType::BF16, DType::BF16),
+            true,
+            10,
+        ),
+        (
+            "fused AdamW, fp32 p, bf16 g",
+            BIG,
+            (DType::F32, DType::BF16),
+            true,
+            10,
+        ),
         ("fused AdamW, fp32 p/g", SMALL, f32s, true, 10),
         ("candle_nn::AdamW, fp32 p/g", SMALL, f32s, false, 5),
     ];
@@ -309,7 +374,11 @@ impl std::fmt::Display for TrainRow {
                     m.first_s
                 )
             }
-            Err(e) => write!(f, "| {} | {e} | | | {est:.2} | {est_tensors:.2} | | | |", self.label),
+            Err(e) => write!(
+                f,
+                "| {} | {e} | | | {est:.2} | {est_tensors:.2} | | | |",
+                self.label
+            ),
         }
     }
 }
@@ -336,15 +405,30 @@ fn plans() -> Vec<(String, Plan)> {
     ];
     list.into_iter()
         .map(|p| {
-            let ckpt = if p.checkpoint == none { "no ckpt" } else { "ckpt every block" };
-            (format!("b={} {} {} {}", p.micro_batch, p.precision, ckpt, p.optimizer), p)
+            let ckpt = if p.checkpoint == none {
+                "no ckpt"
+            } else {
+                "ckpt every block"
+            };
+            (
+                format!(
+                    "b={} {} {} {}",
+                    p.micro_batch, p.precision, ckpt, p.optimizer
+                ),
+                p,
+            )
         })
         .collect()
 }
 
 fn measure_plan(device: &Device, plan: Plan) -> oomfix::Result<TrainMeasure> {
     let cuda = device.as_cuda_device()?;
-    let mut trainer = Trainer::new(&ModelConfig::gpt2_small(), plan, device, &TrainOptions::default())?;
+    let mut trainer = Trainer::new(
+        &ModelConfig::gpt2_small(),
+        plan,
+        device,
+        &TrainOptions::default(),
+    )?;
     let mut data = DataSource::synthetic(0);
     let start = Instant::now();
     trainer.step(&mut data)?;
@@ -373,7 +457,8 @@ fn measure_plan(device: &Device, plan: Plan) -> oomfix::Result<TrainMeasure> {
 /// The candle error inside a training error, if any.
 fn candle_error(e: &oomfix::Error) -> Option<&candle_core::Error> {
     match e {
-        oomfix::Error::Candle(c) | oomfix::Error::Strategy(oomfix::strategies::Error::Candle(c)) => Some(c),
+        oomfix::Error::Candle(c)
+        | oomfix::Error::Strategy(oomfix::strategies::Error::Candle(c)) => Some(c),
         _ => None,
     }
 }
@@ -395,8 +480,112 @@ fn training(device: &Device) -> Result<Vec<TrainRow>> {
                 format!("error: {}", e.to_string().lines().next().unwrap_or(""))
             }
         });
-        rows.push(TrainRow { label, result, estimate });
+        rows.push(TrainRow {
+            label,
+            result,
+            estimate,
+        });
     }
     trim(cuda).context("trimming the pool")?;
+    Ok(rows)
+}
+
+// ---------------------------------------------------------------------------
+// 4. Fused cross-entropy.
+
+struct LossRow {
+    dtype: DType,
+    rows: usize,
+    loss_err: f64,
+    grad_err: f64,
+    ms: [f64; 2],
+    transient: [u64; 2],
+}
+
+impl std::fmt::Display for LossRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "| {:?} | {} | {:.2e} | {:.2e} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            self.dtype,
+            self.rows,
+            self.loss_err,
+            self.grad_err,
+            self.ms[0],
+            self.ms[1],
+            self.transient[0] as f64 / GIB,
+            self.transient[1] as f64 / GIB
+        )
+    }
+}
+
+/// oomfix's fused loss over all rows.
+fn fused_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    oomfix::train::loss::cross_entropy(logits, targets, None)
+}
+
+/// The composed loss as a model would write it: cast to f32, candle_nn's cross-entropy.
+fn composed_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, targets)
+}
+
+/// Loss and gradient of `loss_fn` on `logits` (a fresh variable), on the logits' device.
+fn loss_and_grad(
+    logits: &Tensor,
+    targets: &Tensor,
+    loss_fn: fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> Result<(f32, Tensor)> {
+    let var = Var::from_tensor(logits)?;
+    let loss = loss_fn(var.as_tensor(), targets)?;
+    let grads = loss.backward()?;
+    let g = grads
+        .get(&var)
+        .context("no gradient for the logits")?
+        .clone();
+    Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()?, g))
+}
+
+fn loss_rows(device: &Device) -> Result<Vec<LossRow>> {
+    const V: usize = 50_257;
+    let cuda = device.as_cuda_device()?;
+    let mut rows = Vec::new();
+    for (dtype, n) in [(DType::F32, 8192), (DType::BF16, 8192), (DType::F16, 8192)] {
+        let targets: Vec<u32> = (0..n).map(|i| (i * 7919 % V) as u32).collect();
+        let targets = Tensor::new(targets.as_slice(), device)?;
+        let logits = (Tensor::randn(0f32, 1.0, (n, V), device)? * 3.0)?.to_dtype(dtype)?;
+        // Accuracy on the first 256 rows, against the composed loss on the CPU in f32.
+        let (few, few_t) = (logits.narrow(0, 0, 256)?, targets.narrow(0, 0, 256)?);
+        let (l_gpu, g_gpu) = loss_and_grad(&few, &few_t, fused_loss)?;
+        let cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+        let (l_ref, g_ref) =
+            loss_and_grad(&cpu(&few)?, &few_t.to_device(&Device::Cpu)?, composed_loss)?;
+        let grad_err = (cpu(&g_gpu)? - g_ref)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()? as f64;
+        let mut ms = [0.0; 2];
+        let mut transient = [0; 2];
+        let fns: [fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>; 2] =
+            [fused_loss, composed_loss];
+        for (i, f) in fns.into_iter().enumerate() {
+            let mut step = || loss_and_grad(&logits, &targets, f).map(drop);
+            step()?; // warm-up: kernel compilation and module load
+            sync(device)?;
+            let resident = PoolStats::read(cuda)?.used;
+            reset_peaks(cuda)?;
+            step()?;
+            sync(device)?;
+            transient[i] = PoolStats::read(cuda)?.used_high.saturating_sub(resident);
+            ms[i] = median_ms(device, 5, &mut step)?;
+        }
+        rows.push(LossRow {
+            dtype,
+            rows: n,
+            loss_err: (l_gpu - l_ref).abs() as f64,
+            grad_err,
+            ms,
+            transient,
+        });
+    }
     Ok(rows)
 }

@@ -49,3 +49,16 @@ fn llama_estimate_within_8_percent() {
 fn bert_estimate_within_8_percent() {
     check("bert", ModelConfig { max_positions: 256, ..ModelConfig::bert(4, 256, 4, 4096) });
 }
+
+/// A vocabulary far larger than the hidden size makes the loss's backward the
+/// peak of a checkpointed step (the logits, their gradient, candle's zeros and sum).
+#[test]
+fn large_vocabulary_head_estimate_within_8_percent() {
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let spec = ModelSpec::from_config("gpt2-wide-vocab", ModelConfig { vocab: 16384, ..ModelConfig::gpt2(2, 32, 2) });
+    let plan = Plan { checkpoint: Checkpointing::Every(1), ..Plan::baseline(4, 128) };
+    let estimated = MemoryModel.estimate(&spec, &plan, &Target::Cpu).peak as f64;
+    let measured = measure_plan(&spec, &plan, Target::Cpu).unwrap().peak_bytes as f64;
+    let error = estimated / measured - 1.0;
+    assert!(error.abs() <= 0.08, "estimated {estimated}, measured {measured} ({:+.1}%)", 100.0 * error);
+}

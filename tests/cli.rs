@@ -83,9 +83,9 @@ fn nothing_fits_exits_1_with_the_closest_attempt() {
 
 #[test]
 fn sharding_over_gpus_makes_a_small_budget_fit() {
-    let (code, _) = json_of(&["--budget", "4GiB"]);
+    let (code, _) = json_of(&["--budget", "3GiB"]);
     assert_eq!(code, 1);
-    let (code, v) = json_of(&["--budget", "4GiB", "--gpus", "8"]);
+    let (code, v) = json_of(&["--budget", "3GiB", "--gpus", "8"]);
     assert_eq!(code, 0, "{v:#}");
     assert_eq!(v["plan"]["world_size"], 8);
     assert!(v["plan"]["shard_stage"].as_u64().unwrap() >= 1);

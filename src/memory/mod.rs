@@ -27,7 +27,7 @@ mod runtime;
 
 pub use activations::{
     activation_bytes, embedding_backward_copies, mlp_backward_ni, Activations, Moment, ATTENTION_BACKWARD_SCORES,
-    EMBEDDING_BACKWARD_COPIES, HEAD_WEIGHT_BACKWARD_COPIES, LOSS_BACKWARD_NV_F32,
+    EMBEDDING_BACKWARD_COPIES, HEAD_WEIGHT_BACKWARD_COPIES, LOSS_BACKWARD_NV,
 };
 pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES};
 

@@ -123,33 +123,6 @@ pub(crate) fn softmax(x: &Tensor) -> Result<Tensor> {
     exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)
 }
 
-/// Mean cross-entropy of `logits` (`[n, V]`, any float dtype, computed in f32)
-/// against `targets` (`[n]`, u32), over the rows where `mask` (`[n]`, f32 0/1) is 1,
-/// or over all rows without a mask.
-///
-/// Computed as `logsumexp(logits) − logits[target]` with a detached row maximum.
-/// Allocates (16-bit logits only) the f32 copy `n·V`·f32, the shifted logits and
-/// their exponentials `2·n·V`·f32, and a few `[n]` vectors: one `[n, V]` f32 tensor
-/// fewer than `log_softmax` followed by `nll`.
-pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-    let logits = logits.to_dtype(DType::F32)?;
-    let max = logits.max_keepdim(D::Minus1)?.detach();
-    let shifted = logits.broadcast_sub(&max)?;
-    let log_sum_exp = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    let picked = shifted.gather(&targets.unsqueeze(1)?, 1)?;
-    let nll = (log_sum_exp - picked)?.squeeze(1)?;
-    match mask {
-        None => nll.mean_all(),
-        Some(mask) => {
-            let count = mask.sum_all()?.to_scalar::<f32>()?;
-            if count <= 0.0 {
-                candle_core::bail!("the loss mask selects no position");
-            }
-            nll.mul(mask)?.sum_all()?.affine(1.0 / count as f64, 0.0)
-        }
-    }
-}
-
 /// A large negative score for masked attention positions in `dtype`, finite so that a
 /// fully masked row gives uniform weights rather than NaN.
 fn masked_score(dtype: DType) -> f64 {
@@ -327,35 +300,6 @@ mod tests {
         let g1 = ours.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = theirs.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(max_diff(g1.get(&x).unwrap(), g2.get(&x).unwrap()) < 1e-5);
-    }
-
-    #[test]
-    fn cross_entropy_matches_candle_in_value_and_gradient() {
-        let logits = Var::randn(0f32, 2.0, (6, 11), &Device::Cpu).unwrap();
-        let targets = Tensor::new(&[0u32, 3, 10, 5, 5, 1], &Device::Cpu).unwrap();
-        let ours = cross_entropy(logits.as_tensor(), &targets, None).unwrap();
-        let theirs = candle_nn::loss::cross_entropy(logits.as_tensor(), &targets).unwrap();
-        assert!(max_diff(&ours, &theirs) < 1e-6);
-        let g1 = ours.backward().unwrap();
-        let g2 = theirs.backward().unwrap();
-        assert!(max_diff(g1.get(&logits).unwrap(), g2.get(&logits).unwrap()) < 1e-6);
-    }
-
-    #[test]
-    fn masked_cross_entropy_averages_the_selected_rows() {
-        let logits = Tensor::randn(0f32, 2.0, (4, 5), &Device::Cpu).unwrap();
-        let targets = Tensor::new(&[1u32, 2, 3, 4], &Device::Cpu).unwrap();
-        let mask = Tensor::new(&[0f32, 1., 0., 1.], &Device::Cpu).unwrap();
-        let masked = cross_entropy(&logits, &targets, Some(&mask)).unwrap().to_scalar::<f32>().unwrap();
-        let rows = Tensor::new(&[1u32, 3], &Device::Cpu).unwrap();
-        let expected =
-            cross_entropy(&logits.index_select(&rows, 0).unwrap(), &targets.index_select(&rows, 0).unwrap(), None)
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-        assert!((masked - expected).abs() < 1e-6);
-        let none = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
-        assert!(cross_entropy(&logits, &targets, Some(&none)).is_err());
     }
 
     #[test]

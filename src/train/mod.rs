@@ -141,11 +141,12 @@
 //! | BERT | `transform.LayerNorm` | LN of `[n,h]` | as above |
 //! | all | logits (matmul with the tied embedding or `lm_head`) | `[n,V]` | c |
 //! | BERT | + `cls.predictions.bias` | `[n,V]` | c |
-//! | all | *16-bit*: logits cast | `[n,V]` | f32 |
-//! | all | shifted logits, exp | `[n,V]` ×2 | f32 |
-//! | all | row max (detached), sum of exp, log-sum-exp, picked logit, nll | `[n,1]` ×5 | f32 |
+//! | all | nll ([`loss::cross_entropy`]: one fused op, nothing `[n,V]` of its own) | `[n]` | f32 |
 //! | with a `loss_mask` (always for BERT) | nll × mask | `[n]` | f32 |
 //! | all | sum, mean | scalar ×2 | f32 |
+//!
+//! The loss's backward writes the logits' gradient `[n,V]` c in one pass (it
+//! recomputes each row's log-sum-exp from the kept logits).
 //!
 //! Summed, per block in f32 (elements; the row max of each softmax included):
 //! GPT-2 `27·n·h + 12·n + 3·n·I + 5·b·H·s² + 2·b·H·s`; Llama `17·n·h + 8·n +
@@ -175,6 +176,7 @@ mod trainer;
 pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;
+pub mod loss;
 mod llama;
 
 use std::collections::HashMap;
@@ -539,7 +541,7 @@ pub(crate) fn lm_loss(logits: &Tensor, batch: &Batch) -> candle_core::Result<Ten
         Some(m) => Some(m.flatten_all()?.to_dtype(DType::F32)?),
         None => None,
     };
-    layers::cross_entropy(logits, &batch.targets.flatten_all()?, mask.as_ref())
+    loss::cross_entropy(logits, &batch.targets.flatten_all()?, mask.as_ref())
 }
 
 /// `(b, s)` of `batch`, checked against the model's position limit.

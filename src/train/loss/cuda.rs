@@ -1,0 +1,144 @@
+//! The CUDA kernels of [`cross_entropy`](super::cross_entropy): one thread
+//! block per row, compiled once per process with NVRTC (`loss.cu`) and loaded
+//! through candle's CUDA device, which keeps one module per device.
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::{self, CompileError, CompileOptions};
+use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::{CudaStorage, Layout, Result, Shape};
+
+/// The kernel source.
+const SOURCE: &str = include_str!("loss.cu");
+/// Name of the module in candle's per-device module cache.
+const MODULE: &str = "oomfix_cross_entropy";
+
+/// The PTX of [`SOURCE`], compiled on first use.
+fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, CompileError>> = OnceLock::new();
+    let compiled = PTX.get_or_init(|| {
+        let options = CompileOptions {
+            name: Some("oomfix_loss.cu".into()),
+            ..Default::default()
+        };
+        nvrtc::compile_ptx_with_opts(SOURCE, options).map(|ptx| ptx.to_src())
+    });
+    compiled.as_deref().map_err(|e| e.clone()).w()
+}
+
+/// One block per row; threads per block grow with the row length (a multiple of 32, ≤ 1024).
+fn launch_config(rows: usize, v: usize) -> Result<LaunchConfig> {
+    let rows = u32::try_from(rows)
+        .map_err(|_| candle_core::Error::Msg("cross_entropy: too many rows".into()))?;
+    let threads = (v.div_ceil(32) * 32).clamp(32, 1024) as u32;
+    Ok(LaunchConfig {
+        grid_dim: (rows, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// The contiguous element range of a layout.
+fn range(l: &Layout, what: &str) -> Result<std::ops::Range<usize>> {
+    l.contiguous_offsets()
+        .map(|(a, b)| a..b)
+        .ok_or_else(|| candle_core::Error::Msg(format!("cross_entropy: {what} must be contiguous")))
+}
+
+fn targets_slice<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, u32>> {
+    match &s.slice {
+        CudaStorageSlice::U32(t) => Ok(t.slice(range(l, "targets")?)),
+        _ => candle_core::bail!("cross_entropy: targets must be u32"),
+    }
+}
+
+/// Evaluates `$body` with `$x` bound to the logits' view, `$T` to its element
+/// type and `$name` to the kernels' dtype suffix.
+macro_rules! with_logits {
+    ($s:expr, $r:expr, ($x:ident, $T:ident, $name:ident) => $body:expr) => {
+        match &$s.slice {
+            CudaStorageSlice::F32(x) => {
+                #[allow(dead_code)]
+                type $T = f32;
+                let ($x, $name) = (x.slice($r), "f32");
+                $body
+            }
+            CudaStorageSlice::BF16(x) => {
+                #[allow(dead_code)]
+                type $T = half::bf16;
+                let ($x, $name) = (x.slice($r), "bf16");
+                $body
+            }
+            CudaStorageSlice::F16(x) => {
+                #[allow(dead_code)]
+                type $T = half::f16;
+                let ($x, $name) = (x.slice($r), "f16");
+                $body
+            }
+            _ => candle_core::bail!("cross_entropy: logits must be f32, bf16 or f16"),
+        }
+    };
+}
+
+/// Forward: per-row losses `[n]` in f32.
+pub(super) fn nll(
+    s1: &CudaStorage,
+    l1: &Layout,
+    s2: &CudaStorage,
+    l2: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let (n, v) = l1.shape().dims2()?;
+    let dev = s1.device().clone();
+    let targets = targets_slice(s2, l2)?;
+    // SAFETY: the kernel writes every one of the n elements before they are read.
+    let mut out = unsafe { dev.alloc::<f32>(n) }?;
+    if n > 0 {
+        with_logits!(s1, range(l1, "logits")?, (x, T, name) => {
+            let func = dev.get_or_load_custom_func(&format!("nll_{name}"), MODULE, ptx()?)?;
+            let v64 = v as u64;
+            let mut launch = func.builder();
+            launch.arg(&x).arg(&targets).arg(&mut out).arg(&v64);
+            // SAFETY: arguments match `nll_*(logits, targets, out, v)`; logits hold n·v
+            // elements, targets and out n; one block per row.
+            unsafe { launch.launch(launch_config(n, v)?) }.w()?;
+        });
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
+}
+
+/// Backward: the logits' gradient `[n, V]` in the logits' dtype.
+pub(super) fn grad(
+    s1: &CudaStorage,
+    l1: &Layout,
+    s2: &CudaStorage,
+    l2: &Layout,
+    s3: &CudaStorage,
+    l3: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let (n, v) = l1.shape().dims2()?;
+    let dev = s1.device().clone();
+    let targets = targets_slice(s2, l2)?;
+    let grad = match &s3.slice {
+        CudaStorageSlice::F32(g) => g.slice(range(l3, "gradient")?),
+        _ => candle_core::bail!("cross_entropy backward: the gradient must be f32"),
+    };
+    with_logits!(s1, range(l1, "logits")?, (x, T, name) => {
+        // SAFETY: the kernel writes every one of the n·v elements before they are read.
+        let mut out = unsafe { dev.alloc::<T>(n * v) }?;
+        if n * v > 0 {
+            let func = dev.get_or_load_custom_func(&format!("nll_grad_{name}"), MODULE, ptx()?)?;
+            let v64 = v as u64;
+            let mut launch = func.builder();
+            launch.arg(&x).arg(&targets).arg(&grad).arg(&mut out).arg(&v64);
+            // SAFETY: arguments match `nll_grad_*(logits, targets, grad, out, v)`;
+            // logits and out hold n·v elements, targets and grad n; one block per row.
+            unsafe { launch.launch(launch_config(n, v)?) }.w()?;
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev), l1.shape().clone()))
+    })
+}

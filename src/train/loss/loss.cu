@@ -1,0 +1,124 @@
+// Cross-entropy forward and backward, compiled at run time with NVRTC (see cuda.rs).
+//
+// One thread block per row of the [n, v] logits. Each thread keeps an online
+// (max, sum of exp) pair over its strided share of the row; the pairs are
+// merged across the warp with shuffles and across warps through shared memory,
+// giving the row's log-sum-exp in f32. The forward writes one loss per row;
+// the backward reads the row again and writes g * (softmax - onehot) in the
+// logits' dtype.
+//
+// Self-contained: no CUDA headers, so NVRTC needs no include path. 16-bit
+// values travel as their raw bits (unsigned short).
+
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+// Negative infinity (NVRTC has no math headers to define INFINITY).
+#define NEG_INF __int_as_float(0xff800000)
+
+struct Bf16 { u16 bits; };
+struct F16 { u16 bits; };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(Bf16 x) { return __uint_as_float(((unsigned)x.bits) << 16); }
+__device__ __forceinline__ float to_f32(F16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+// Round to nearest even; NaN stays NaN.
+template <> __device__ __forceinline__ Bf16 from_f32<Bf16>(float x) {
+    unsigned u = __float_as_uint(x);
+    Bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (u16)((u >> 16) | 0x0040u);
+    } else {
+        r.bits = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    return r;
+}
+template <> __device__ __forceinline__ F16 from_f32<F16>(float x) {
+    F16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+
+// Merges the online pair (m2, s2) into (m, s): s is a sum of exp(x - m).
+__device__ __forceinline__ void merge(float &m, float &s, float m2, float s2) {
+    float hi = fmaxf(m, m2);
+    if (hi == NEG_INF) return;
+    s = (m == NEG_INF ? 0.0f : s * expf(m - hi)) + (m2 == NEG_INF ? 0.0f : s2 * expf(m2 - hi));
+    m = hi;
+}
+
+// The log-sum-exp of row[0..v), the same value in every thread of the block.
+// blockDim.x is a multiple of 32 and at most 1024.
+template <typename T>
+__device__ float block_lse(const T *row, u64 v) {
+    __shared__ float sm[32], ss[32];
+    float m = NEG_INF, s = 0.0f;
+    for (u64 j = threadIdx.x; j < v; j += blockDim.x) {
+        float x = to_f32(row[j]);
+        if (x > m) {
+            s = (m == NEG_INF ? 0.0f : s * expf(m - x)) + 1.0f;
+            m = x;
+        } else if (x != NEG_INF) {
+            s += expf(x - m);
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+        float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+        merge(m, s, m2, s2);
+    }
+    unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    if (lane == 0) { sm[warp] = m; ss[warp] = s; }
+    __syncthreads();
+    m = lane < warps ? sm[lane] : NEG_INF;
+    s = lane < warps ? ss[lane] : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+        float s2 = __shfl_xor_sync(0xffffffffu, s, off);
+        merge(m, s, m2, s2);
+    }
+    return m == NEG_INF ? NEG_INF : m + logf(s);
+}
+
+template <typename T>
+__device__ void nll(const T *logits, const unsigned *targets, float *out, u64 v) {
+    const T *row = logits + (u64)blockIdx.x * v;
+    float lse = block_lse(row, v);
+    if (threadIdx.x == 0) {
+        unsigned t = targets[blockIdx.x];
+        out[blockIdx.x] = t < v ? lse - to_f32(row[t]) : __int_as_float(0x7fc00000);
+    }
+}
+
+template <typename T>
+__device__ void nll_grad(const T *logits, const unsigned *targets, const float *grad, T *out, u64 v) {
+    u64 base = (u64)blockIdx.x * v;
+    const T *row = logits + base;
+    float lse = block_lse(row, v);
+    unsigned t = targets[blockIdx.x];
+    float g = t < v ? grad[blockIdx.x] : __int_as_float(0x7fc00000);
+    for (u64 j = threadIdx.x; j < v; j += blockDim.x) {
+        float p = expf(to_f32(row[j]) - lse);
+        out[base + j] = from_f32<T>(g * (j == t ? p - 1.0f : p));
+    }
+}
+
+#define KERNELS(NAME, T)                                                                              \
+    extern "C" __global__ void nll_##NAME(const T *logits, const unsigned *targets, float *out, u64 v) { \
+        nll<T>(logits, targets, out, v);                                                              \
+    }                                                                                                 \
+    extern "C" __global__ void nll_grad_##NAME(const T *logits, const unsigned *targets,              \
+                                               const float *grad, T *out, u64 v) {                    \
+        nll_grad<T>(logits, targets, grad, out, v);                                                   \
+    }
+
+KERNELS(f32, float)
+KERNELS(bf16, Bf16)
+KERNELS(f16, F16)
