@@ -232,6 +232,13 @@ fn head(family: Family, d: &Dims) -> Values {
 /// included).
 pub const LOSS_BACKWARD_NV: u64 = 3;
 
+/// `[n,h]` tensors the stray gradient of a checkpointed segment's surrogate
+/// `(y·grad_y).sum()` holds while the segment is differentiated: `grad_y` is
+/// off the graph and multiplies `y`, which is on it, so its gradient is
+/// `zeros + grad·y` with a graph of its own keeping the zeros, the product and
+/// the upstream gradient (the sum's broadcast ones, made into a tensor).
+pub const SURROGATE_STRAY_NH: u64 = 4;
+
 /// Output-embedding-sized (`[V,h]`) tensors alive at once while the backward
 /// makes the LM head's weight gradient, in the compute dtype.
 ///
@@ -295,18 +302,19 @@ pub fn mlp_backward_ni(family: Family) -> u64 {
 ///
 /// Without checkpointing the forward's tensors stay until the backward ends.
 /// At the loss, the backward adds its working set (the logits' gradient, then
-/// the head's weight gradient). At the first block, every later block's strays exist too; the block's
-/// working set is the larger of its MLP's backward and its attention core's
-/// (with the core's strays, made there). At the embedding, every block's
-/// strays exist.
+/// the head's weight gradient). At the first block, every later block's
+/// strays exist too; the block's working set is the larger of its MLP's
+/// backward and its attention core's (with the core's strays, made there). At
+/// the embedding, every block's strays exist.
 ///
 /// With segments of `k` blocks, the forward keeps the stem and one `[n,h]`
 /// tensor per segment. The loss's moment holds those and the head's tensors
-/// (the segment outputs are all still there). At the first segment's recompute
-/// only the stem remains of them; the segment's `k` blocks' tensors and the
-/// strays of all but its first block are alive with the upstream gradient and the surrogate's product `y·grad_y`
-/// (`[n,h]` each), and the stem's backward runs inside that same recomputed
-/// graph.
+/// (the segment outputs are all still there). At the first segment's
+/// recompute only the stem remains of them; the segment's `k` blocks' tensors
+/// and the strays of all but its first block are alive with the upstream
+/// gradient `grad_y`, the surrogate's product `y·grad_y` and the surrogate's
+/// own stray ([`SURROGATE_STRAY_NH`]), and the stem's backward runs inside
+/// that same recomputed graph.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let cfg = &spec.config;
     if cfg.family == Family::Generic || cfg.layers == 0 {
@@ -335,7 +343,8 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
             let segment_outputs = layers.div_ceil(k) * d.n * d.h * c;
-            let recomputed = stem + k * block + (k - 1) * strays + 2 * d.n * d.h * c;
+            let surrogate = (2 + SURROGATE_STRAY_NH) * d.n * d.h * c;
+            let recomputed = stem + k * block + (k - 1) * strays + surrogate;
             Activations {
                 kept: stem + segment_outputs,
                 loss: Moment { activations: stem + segment_outputs + head, transient: loss_transient },
