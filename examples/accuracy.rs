@@ -24,7 +24,10 @@
 //! every`), `--shapes 2x64,1x256` replaces the micro-batch × sequence shapes;
 //! `--cache FILE` reuses the measured peaks stored in FILE (`model`, `plan`,
 //! bytes per line, tab-separated) and stores new ones there, so the estimates
-//! can be recomputed without measuring again. Such a run prints its rows but
+//! can be recomputed without measuring again; a FILE ending in `.json` is an
+//! earlier run's output, read only (`--cache-only`: skip the
+//! configurations FILE lacks, e.g. to re-estimate GPU rows on a machine
+//! without one). Such a run prints its rows but
 //! writes no files. `--explain` (CPU) also records each step's allocation
 //! timeline and prints the phase and moment of the measured peak, the
 //! estimate's moments and the largest allocations alive at the peak.
@@ -220,6 +223,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shapes = custom_shapes.as_deref().unwrap_or(shapes);
     let explain = args.iter().any(|a| a == "--explain") && !gpu;
     let cache_path = value("--cache");
+    let cache_only = args.iter().any(|a| a == "--cache-only");
     let partial = model_prefixes.is_some()
         || plan_parts.is_some()
         || custom_shapes.is_some()
@@ -233,8 +237,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .as_ref()
                 .is_none_or(|parts| parts.iter().all(|p| plan.contains(p.as_str())))
     };
-    // Measured peaks of earlier runs, to recompute estimates without measuring.
+    // Measured peaks of earlier runs, to recompute estimates without measuring:
+    // a tab-separated file this option wrote, or an earlier run's JSON (read only).
+    let cache_json = cache_path.as_ref().is_some_and(|p| p.ends_with(".json"));
     let cache: std::collections::HashMap<String, u64> = match &cache_path {
+        Some(path) if cache_json => {
+            let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+            json["rows"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|r| {
+                    let key = format!("{}\t{}", r["model"].as_str()?, r["plan"].as_str()?);
+                    Some((key, r["measured_bytes"].as_u64()?))
+                })
+                .collect()
+        }
         Some(path) => std::fs::read_to_string(path)
             .unwrap_or_default()
             .lines()
@@ -282,6 +300,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let est = MemoryModel.estimate(&spec, &plan, &target);
             let key = format!("{name}\t{plan}");
+            if cache_only && !cache.contains_key(&key) {
+                continue;
+            }
             let m = match cache.get(&key) {
                 Some(&peak_bytes) => oomfix::search::Measurement {
                     peak_bytes,
@@ -290,7 +311,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 },
                 None => measure_plan(&spec, &plan, target)?,
             };
-            if let Some(path) = cache_path.as_ref().filter(|_| !cache.contains_key(&key)) {
+            if let Some(path) = cache_path
+                .as_ref()
+                .filter(|_| !cache_json && !cache.contains_key(&key))
+            {
                 use std::io::Write as _;
                 let mut f = std::fs::OpenOptions::new()
                     .create(true)
