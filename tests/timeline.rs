@@ -97,7 +97,7 @@ fn gpt2_components_add_up_and_match_the_training_state() {
     ] {
         assert!(names.iter().any(|n| n == want), "no block tagged {want}");
     }
-    assert!(t.blocks.iter().any(|b| b.name.as_deref() == Some("h.0.attn.c_attn.weight") && b.size == c_attn as u64));
+    assert!(t.blocks.iter().any(|b| b.name.as_deref() == Some("h.0.attn.c_attn.weight") && b.size == c_attn));
     // Phases in order.
     let phases: Vec<Phase> = t.phases.iter().map(|p| p.1).collect();
     assert_eq!(phases, [Phase::Setup, Phase::Forward, Phase::Backward, Phase::OptimizerStep, Phase::Setup]);

@@ -262,18 +262,18 @@ mod tests {
 
     #[test]
     fn components_follow_the_rules() {
-        use EventKind::*;
-        use Phase::*;
+        use EventKind::{Alloc, Free, Mark, StepStart};
+        use Phase::{Backward, Forward, Setup};
         let events = [
             ev(Alloc, 0, 0x10, 100, Setup, Op::InitWeights),
             ev(Alloc, 1, 0x20, 200, Setup, Op::InitOptimizer),
             ev(Alloc, 2, 0x30, 7, Setup, Op::None),
             ev(StepStart, 3, 0, 0, Setup, Op::None),
-            ev(Phase, 4, 0, 0, Forward, Op::None),
+            ev(EventKind::Phase, 4, 0, 0, Forward, Op::None),
             ev(Alloc, 5, 0x40, 50, Forward, Op::Matmul), // saved for backward
             ev(Alloc, 6, 0x50, 60, Forward, Op::Softmax), // freed in forward
             ev(Free, 7, 0x50, 60, Forward, Op::Softmax),
-            ev(Phase, 8, 0, 0, Backward, Op::None),
+            ev(EventKind::Phase, 8, 0, 0, Backward, Op::None),
             ev(Alloc, 9, 0x60, 100, Backward, Op::Backward), // a gradient
             ev(Alloc, 10, 0x70, 30, Backward, Op::Backward), // temporary
             ev(Mark, 11, 0x60, Component::Gradients as u64, Backward, Op::None),

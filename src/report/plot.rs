@@ -226,7 +226,7 @@ where
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::LowerLeft)
         .label_font(("sans-serif", 13))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
@@ -394,15 +394,15 @@ mod tests {
             kind,
             phase,
         };
-        use EventKind::*;
+        use EventKind::{Alloc, Free, StepStart};
         let events = [
             ev(Alloc, 0, 0x10, 4 << 20, Phase::Setup, Op::InitWeights),
             ev(StepStart, 1_000_000, 0, 0, Phase::Setup, Op::None),
-            ev(Phase, 2_000_000, 0, 0, Phase::Forward, Op::None),
+            ev(EventKind::Phase, 2_000_000, 0, 0, Phase::Forward, Op::None),
             ev(Alloc, 3_000_000, 0x20, 2 << 20, Phase::Forward, Op::Matmul),
-            ev(Phase, 4_000_000, 0, 0, Phase::Backward, Op::None),
+            ev(EventKind::Phase, 4_000_000, 0, 0, Phase::Backward, Op::None),
             ev(Free, 5_000_000, 0x20, 2 << 20, Phase::Backward, Op::None),
-            ev(Phase, 6_000_000, 0, 0, Phase::OptimizerStep, Op::None),
+            ev(EventKind::Phase, 6_000_000, 0, 0, Phase::OptimizerStep, Op::None),
             ev(Alloc, 7_000_000, 0x30, 1 << 20, Phase::OptimizerStep, Op::AdamW),
             ev(Free, 8_000_000, 0x30, 1 << 20, Phase::OptimizerStep, Op::AdamW),
         ];

@@ -227,13 +227,13 @@ mod tests {
             kind,
             phase,
         };
-        use EventKind::*;
+        use EventKind::{Alloc, Free, StepStart};
         let events = [
             ev(Alloc, 0, 0x10, 100, Phase::Setup, Op::InitWeights),
             ev(StepStart, 1000, 0, 0, Phase::Setup, Op::None),
-            ev(Phase, 2000, 0, 0, Phase::Forward, Op::None),
+            ev(EventKind::Phase, 2000, 0, 0, Phase::Forward, Op::None),
             ev(Alloc, 3000, 0x20, 50, Phase::Forward, Op::Matmul),
-            ev(Phase, 4000, 0, 0, Phase::Backward, Op::None),
+            ev(EventKind::Phase, 4000, 0, 0, Phase::Backward, Op::None),
             ev(Free, 5000, 0x20, 50, Phase::Backward, Op::None),
         ];
         Timeline::from_events(&events, &HashMap::from([(0x10, "h.0.attn.c_attn.weight".into())]), 0, false)
