@@ -108,11 +108,18 @@ fn phase_spans(timeline: &Timeline) -> Vec<(f64, f64, Phase)> {
 
 const MIB: f64 = (1u64 << 20) as f64;
 
+/// Font sizes: `(title, text)`. plotters lays text out with estimated
+/// metrics; the PNG's 8×8 glyphs match them at size 18.
+type FontSizes = (u32, u32);
+const SVG_FONTS: FontSizes = (16, 13);
+const PNG_FONTS: FontSizes = (18, 18);
+
 fn draw<DB: DrawingBackend>(
     root: DrawingArea<DB, Shift>,
     timeline: &Timeline,
     budget: u64,
     title: &str,
+    (title_size, text): FontSizes,
 ) -> Result<(), String>
 where
     DB::ErrorType: 'static,
@@ -132,7 +139,7 @@ where
         timeline.phase_at(peak_ns).as_str().replace('_', " "),
         if timeline.truncated { "; the recording was cut short" } else { "" }
     );
-    for (i, (line, size)) in [(title, 16), (peak_line.as_str(), 14)].into_iter().enumerate() {
+    for (i, (line, size)) in [(title, title_size), (peak_line.as_str(), text)].into_iter().enumerate() {
         let style = ("sans-serif", size).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Top));
         root.draw(&Text::new(line.to_string(), (16, 10 + 22 * i as i32), style)).map_err(err)?;
     }
@@ -160,8 +167,8 @@ where
         .y_desc("live memory (MiB)")
         .x_label_formatter(&|v| format!("{v:.x_decimals$}"))
         .y_label_formatter(&|v| format!("{v:.y_decimals$}"))
-        .label_style(("sans-serif", 13))
-        .axis_desc_style(("sans-serif", 14))
+        .label_style(("sans-serif", text))
+        .axis_desc_style(("sans-serif", text + 1))
         .draw()
         .map_err(err)?;
     // Phases: shaded bands, labelled where wide enough.
@@ -194,7 +201,7 @@ where
             let dark = RGBColor(c.0 / 2, c.1 / 2, c.2 / 2);
             chart.draw_series([PathElement::new([(a, 0.0), (a, top)], dark.mix(0.6))]).map_err(err)?;
             if (b - a) / end > 0.07 {
-                let style = ("sans-serif", 13).into_font().color(&dark).pos(Pos::new(HPos::Center, VPos::Top));
+                let style = ("sans-serif", text).into_font().color(&dark).pos(Pos::new(HPos::Center, VPos::Top));
                 chart.draw_series([Text::new(name, ((a + b) / 2.0, top * 0.985), style)]).map_err(err)?;
             }
         }
@@ -226,8 +233,8 @@ where
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerLeft)
-        .label_font(("sans-serif", 13))
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font(("sans-serif", text))
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
@@ -239,14 +246,15 @@ where
 /// Draws the timeline as an SVG document.
 pub fn timeline_svg(timeline: &Timeline, budget: u64, title: &str) -> Result<String, String> {
     let mut svg = String::new();
-    draw(SVGBackend::with_string(&mut svg, SIZE).into_drawing_area(), timeline, budget, title)?;
+    draw(SVGBackend::with_string(&mut svg, SIZE).into_drawing_area(), timeline, budget, title, SVG_FONTS)?;
     Ok(svg)
 }
 
 /// Draws the timeline as a PNG image.
 pub fn timeline_png(timeline: &Timeline, budget: u64, title: &str) -> Result<Vec<u8>, String> {
     let mut rgb = vec![255u8; SIZE.0 as usize * SIZE.1 as usize * 3];
-    draw(Canvas { width: SIZE.0, height: SIZE.1, rgb: &mut rgb }.into_drawing_area(), timeline, budget, title)?;
+    let canvas = Canvas { width: SIZE.0, height: SIZE.1, rgb: &mut rgb };
+    draw(canvas.into_drawing_area(), timeline, budget, title, PNG_FONTS)?;
     encode_png(SIZE.0, SIZE.1, &rgb)
 }
 
@@ -290,10 +298,12 @@ fn encode_png(width: u32, height: u32, rgb: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 impl Canvas<'_> {
-    /// Glyph height and advance in pixels for a font size.
+    /// Glyph size (square) and advance in pixels for a font size: the advance
+    /// plotters' own estimate assumes, so boxes fit the text; at size 18 the
+    /// 8×8 glyphs are drawn unscaled.
     fn cell(size: f64) -> (i32, i32) {
-        let h = ((size * 0.8).round() as i32).max(7);
-        (h, (h * 7 + 4) / 8)
+        let advance = ((size / 1.24 / 1.24 * 0.7).round() as i32).max(4);
+        (advance, advance)
     }
 }
 
