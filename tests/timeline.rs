@@ -79,7 +79,8 @@ fn gpt2_components_add_up_and_match_the_training_state() {
         assert!(t.blocks.iter().any(|b| b.component == c), "{c:?} missing");
     }
     // Activations are forward blocks; gradients are parameter-shaped.
-    assert!(t.blocks.iter().filter(|b| b.component == Component::Activations).all(|b| b.phase == Phase::Forward));
+    let activations = || t.blocks.iter().filter(|b| b.component == Component::Activations);
+    assert!(activations().all(|b| b.phase == Phase::Forward && b.alloc_ns.is_some() && b.free_ns.is_some()));
     let c_attn = 32 * 96 * 4;
     assert!(t.blocks.iter().any(|b| b.component == Component::Gradients && b.size == c_attn));
     // Module paths and ops, and parameter names.

@@ -18,10 +18,12 @@
 //!    model's parameters and fp32 master weights, built by `Trainer::new`) are
 //!    *weights*; under [`Op::InitOptimizer`] (AdamW's moments) *optimizer
 //!    state*. Parameters are updated in place, so these blocks live on.
-//! 3. **Saved for backward**: blocks allocated during a forward pass and still
-//!    alive when that micro-batch's backward pass starts are *activations*
-//!    (with activation checkpointing: the blocks' inputs that are kept, plus
-//!    the head's graph; the blocks recomputed during backward are not).
+//! 3. **Saved for backward**: blocks allocated during a forward pass, still
+//!    alive when that micro-batch's backward pass starts and freed before it
+//!    ends are *activations* (with activation checkpointing: the blocks'
+//!    inputs that are kept, plus the head's graph; the blocks recomputed
+//!    during backward are not). Forward blocks that outlive the backward
+//!    (caches of the matmul kernels, say) are not.
 //! 4. Everything else is *temporaries*: buffers of the forward pass freed
 //!    before backward, of backward (gradients of activations, recomputed
 //!    blocks), of the optimizer step, and the small bookkeeping of the process.
@@ -95,6 +97,7 @@ struct Building {
     freed_ns: Option<u64>,
     mark: Option<Component>,
     saved_for_backward: bool,
+    outlived_backward: bool,
 }
 
 impl Timeline {
@@ -126,6 +129,7 @@ impl Timeline {
                         freed_ns: None,
                         mark: None,
                         saved_for_backward: false,
+                        outlived_backward: false,
                     });
                     live.insert(e.addr, built.len() - 1);
                     if in_step {
@@ -153,6 +157,11 @@ impl Timeline {
                             }
                         }
                     }
+                    if phase == Phase::Backward && e.phase != Phase::Backward {
+                        for &b in live.values() {
+                            built[b].outlived_backward |= built[b].saved_for_backward;
+                        }
+                    }
                     phase = e.phase;
                     if in_step {
                         phases.push((e.time_ns, phase));
@@ -178,7 +187,7 @@ impl Timeline {
         let mut out = |b: usize, before: bool, blocks: &mut Vec<Block>| {
             let x = &built[b];
             let component = x.mark.or_else(|| x.tag.op().component()).unwrap_or(
-                if x.saved_for_backward && x.phase == Phase::Forward {
+                if x.saved_for_backward && !x.outlived_backward && x.phase == Phase::Forward {
                     Component::Activations
                 } else {
                     Component::Temporaries
@@ -272,6 +281,7 @@ mod tests {
             ev(EventKind::Phase, 4, 0, 0, Forward, Op::None),
             ev(Alloc, 5, 0x40, 50, Forward, Op::Matmul), // saved for backward
             ev(Alloc, 6, 0x50, 60, Forward, Op::Softmax), // freed in forward
+            ev(Alloc, 6, 0x80, 8, Forward, Op::Matmul),   // a cache: outlives backward
             ev(Free, 7, 0x50, 60, Forward, Op::Softmax),
             ev(EventKind::Phase, 8, 0, 0, Backward, Op::None),
             ev(Alloc, 9, 0x60, 100, Backward, Op::Backward), // a gradient
@@ -280,6 +290,7 @@ mod tests {
             ev(Free, 12, 0x40, 50, Backward, Op::None),
             ev(Free, 13, 0x70, 30, Backward, Op::None),
             ev(Free, 14, 0x999, 1000, Backward, Op::None), // older than the recording
+            ev(EventKind::Phase, 15, 0, 0, Setup, Op::None),
         ];
         let names = HashMap::from([(0x10, "w".to_string())]);
         let t = Timeline::from_events(&events, &names, 0, false);
@@ -292,18 +303,19 @@ mod tests {
                 (0x30, Component::Temporaries),
                 (0x40, Component::Activations),
                 (0x50, Component::Temporaries),
+                (0x80, Component::Temporaries),
                 (0x60, Component::Gradients),
                 (0x70, Component::Temporaries),
             ]
         );
         assert_eq!(t.blocks[0].name.as_deref(), Some("w"));
-        assert_eq!(t.changes.len(), 7);
+        assert_eq!(t.changes.len(), 8);
         assert_eq!(t.initial_bytes(), [100, 0, 200, 0, 7]);
         let (time, bytes) = t.peak();
         assert_eq!(time, 10 - 3);
-        assert_eq!(bytes, [100, 100, 200, 50, 37]);
-        assert_eq!(t.phases, [(0, Setup), (1, Forward), (5, Backward)]);
+        assert_eq!(bytes, [100, 100, 200, 50, 45]);
+        assert_eq!(t.phases, [(0, Setup), (1, Forward), (5, Backward), (12, Setup)]);
         assert_eq!(t.phase_at(6), Backward);
-        assert_eq!(t.end_ns, 11);
+        assert_eq!(t.end_ns, 12);
     }
 }
