@@ -281,7 +281,7 @@ mod tests {
             ev(EventKind::Phase, 4, 0, 0, Forward, Op::None),
             ev(Alloc, 5, 0x40, 50, Forward, Op::Matmul), // saved for backward
             ev(Alloc, 6, 0x50, 60, Forward, Op::Softmax), // freed in forward
-            ev(Alloc, 6, 0x80, 8, Forward, Op::Matmul),   // a cache: outlives backward
+            ev(Alloc, 6, 0x80, 8, Forward, Op::Matmul),  // a cache: outlives backward
             ev(Free, 7, 0x50, 60, Forward, Op::Softmax),
             ev(EventKind::Phase, 8, 0, 0, Backward, Op::None),
             ev(Alloc, 9, 0x60, 100, Backward, Op::Backward), // a gradient

@@ -1,6 +1,7 @@
 //! Presenting results: one exporter per format.
 
 mod json;
+mod pickle;
 mod plot;
 mod snapshot;
 mod table;

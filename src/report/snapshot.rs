@@ -26,7 +26,7 @@ use crate::measure::Timeline;
 use serde::Serialize;
 
 /// One stack frame as memory_viz reads it.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, Hash)]
 pub struct Frame {
     /// Shown after the file and line.
     pub name: String,
@@ -204,9 +204,10 @@ pub fn snapshot_value(timeline: &Timeline) -> serde_json::Value {
     serde_json::to_value(snapshot(timeline)).expect("the snapshot serialises")
 }
 
-/// The snapshot as pickle bytes (protocol 3).
+/// The snapshot as pickle bytes (protocol 3; repeated strings and frame
+/// lists are written once and referenced, see [`super::pickle`]).
 pub fn snapshot_pickle(timeline: &Timeline) -> Vec<u8> {
-    serde_pickle::to_vec(&snapshot(timeline), serde_pickle::SerOptions::new()).expect("the snapshot pickles")
+    super::pickle::pickle_snapshot(&snapshot(timeline))
 }
 
 #[cfg(test)]
@@ -254,5 +255,16 @@ mod tests {
         assert_eq!(s.segments[0].address, 0x10);
         let bytes = snapshot_pickle(&timeline());
         assert_eq!(&bytes[..2], b"\x80\x03", "pickle protocol 3");
+        // The memoized pickle holds the same value as a plain one (checked by Python's pickle).
+        let plain = serde_pickle::to_vec(&s, serde_pickle::SerOptions::new()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.pickle"), dir.path().join("b.pickle"));
+        std::fs::write(&a, &bytes).unwrap();
+        std::fs::write(&b, &plain).unwrap();
+        let check = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
+        match std::process::Command::new("python3").args(["-c", check]).arg(&a).arg(&b).output() {
+            Ok(out) => assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr)),
+            Err(e) => eprintln!("python3 not run ({e}): equality not checked"),
+        }
     }
 }
