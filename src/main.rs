@@ -130,7 +130,7 @@ fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, bu
     let attempt = result.chosen().unwrap_or_else(|| result.closest());
     let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
     if timeline.truncated {
-        tracing::warn!("the step made more than {} allocations; the timeline is cut", oomfix::measure::MAX_EVENTS);
+        tracing::warn!("the recording filled its {} events; the timeline ends early", oomfix::measure::MAX_EVENTS);
     }
     tracing::info!(measured_bytes = m.peak_bytes, blocks = timeline.blocks.len(), changes = timeline.changes.len(),
                    "recorded {}", attempt.plan);

@@ -32,9 +32,11 @@ pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Mea
     measure(spec, plan, target, false).map(|(m, _)| m)
 }
 
-/// Capacity of the event buffer of a recorded step (40 bytes an event; memory
-/// is touched only as events are written).
-pub const MAX_EVENTS: usize = 4 << 20;
+/// Capacity of the event buffer of a recording (40 bytes an event; memory is
+/// touched only as events are written). A recording holds the trainer's
+/// construction, a warm-up step and the measured step: GPT-2 small at 1 × 4
+/// micro-batches of 32 tokens makes about 800,000 events.
+pub const MAX_EVENTS: usize = 16 << 20;
 
 /// Measures one steady-state step like [`measure_plan`] and records its
 /// allocation timeline (for `--snapshot` and `--plot`).
@@ -76,6 +78,12 @@ fn measure(spec: &ModelSpec, plan: &Plan, target: Target, recorded: bool) -> Res
     let (events, truncated) = if recorded { alloc::stop_recording() } else { (Vec::new(), false) };
     let (trainer, stats) = outcome?;
     let peak = stats?.peak().saturating_sub(before);
+    if recorded && !events.iter().any(|e| e.kind == alloc::EventKind::StepStart) {
+        return Err(Error::Usage(format!(
+            "building the model and its warm-up step made more than {MAX_EVENTS} allocations: \
+             the recording ended before the measured step (try a smaller sequence length or batch)"
+        )));
+    }
     let timeline = recorded.then(|| {
         let names = trainer
             .parameter_buffers()
