@@ -66,6 +66,9 @@ fn main() -> ExitCode {
 /// Runs the search and prints its result.
 fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
     let budget = args.budget.ok_or_else(|| Error::Usage("a budget is required, e.g. --budget 8GiB (see --help)".into()))?;
+    if let Some(path) = &args.plot {
+        report::PlotFormat::from_path(path).map_err(Error::Usage)?;
+    }
     let spec = match &args.model {
         Some(path) => inspect::inspect(path)?,
         None => ModelSpec::default_model(),
@@ -123,20 +126,22 @@ fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, bu
     for out in [&args.snapshot, &args.plot].into_iter().flatten() {
         oomfix::output::check_output(out, &inputs)?;
     }
+    let plot_format = args.plot.as_deref().map(report::PlotFormat::from_path).transpose().map_err(Error::Usage)?;
     let attempt = result.chosen().unwrap_or_else(|| result.closest());
     let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
     if timeline.truncated {
-        tracing::warn!("the step made more than {} allocations; the timeline is cut", oomfix::measure::MAX_EVENTS);
+        tracing::warn!("the recording filled its {} events; the timeline ends early", oomfix::measure::MAX_EVENTS);
     }
-    tracing::info!(measured_bytes = m.peak_bytes, events = timeline.events.len(), "recorded {}", attempt.plan);
+    tracing::info!(measured_bytes = m.peak_bytes, blocks = timeline.blocks.len(), changes = timeline.changes.len(),
+                   "recorded {}", attempt.plan);
     if let Some(path) = &args.snapshot {
         let bytes = report::snapshot_pickle(&timeline);
         oomfix::output::write_atomic(path, |f| write_all(f, path, &bytes))?;
     }
-    if let Some(path) = &args.plot {
+    if let (Some(path), Some(format)) = (&args.plot, plot_format) {
         let title = format!("{}: {}", spec.source, attempt.plan);
-        let svg = report::timeline_svg(&timeline, budget, &title).map_err(Error::Usage)?;
-        oomfix::output::write_atomic(path, |f| write_all(f, path, svg.as_bytes()))?;
+        let image = report::timeline_plot(&timeline, budget, &title, format).map_err(Error::Usage)?;
+        oomfix::output::write_atomic(path, |f| write_all(f, path, &image))?;
     }
     Ok(())
 }
