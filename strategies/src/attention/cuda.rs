@@ -172,11 +172,12 @@ impl Variant {
     fn smem(&self, kernel: &str) -> usize {
         let (d, t, inner) = (self.d, TILE, self.inner());
         if self.mma {
+            // The tiles streamed through the loop are double-buffered.
             let row = (d + 8) * 2;
             match kernel {
-                "fwd" => 3 * t * row,
-                "dkdv" => 2 * t * row + 2 * inner * row + 2 * inner * 4,
-                _ => 2 * t * row + 2 * inner * row,
+                "fwd" => t * row + 2 * 2 * t * row,
+                "dkdv" => 2 * t * row + 2 * (2 * inner * row + 2 * inner * 4),
+                _ => 2 * t * row + 2 * 2 * inner * row,
             }
         } else {
             let (row, prow) = ((d + 1) * 4, (t + 1) * 4);

@@ -547,9 +547,37 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* p) {
 
 __device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
 
+// 2^x with the hardware approximation (2 ulp; -inf gives 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// 16 bytes from global to shared memory without waiting; zeros when !ok.
+__device__ __forceinline__ void cp_async16(u16* dst, const u16* src, bool ok) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+// Waits until at most N of this thread's committed copy groups are in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+
 // Loads rows r0 .. r0+R-1 of a row-major [rows, d] 16-bit matrix into a
-// [R][D+8] tile, zero outside; 16-byte accesses when `vec` (d % 8 == 0 and an
-// aligned base).
+// [R][D+8] tile, zero outside. With `vec` (d % 8 == 0 and an aligned base) as
+// asynchronous 16-byte copies: the caller commits them as a group and waits
+// (cp_async_wait) before a barrier; otherwise with plain loads and stores.
 template <int R, int D>
 __device__ __forceinline__ void load_tile16(u16* tile, const u16* src, int r0, int rows, int d, int vec) {
     const int LD = D + MPAD;
@@ -557,9 +585,8 @@ __device__ __forceinline__ void load_tile16(u16* tile, const u16* src, int r0, i
         const int CH = D / 8;
         for (int idx = threadIdx.x; idx < R * CH; idx += blockDim.x) {
             const int r = idx / CH, c = (idx % CH) * 8;
-            uint4 x = make_uint4(0, 0, 0, 0);
-            if (r0 + r < rows && c < d) x = *reinterpret_cast<const uint4*>(src + (i64)(r0 + r) * d + c);
-            *reinterpret_cast<uint4*>(tile + r * LD + c) = x;
+            const bool ok = r0 + r < rows && c < d;
+            cp_async16(tile + r * LD + c, ok ? src + (i64)(r0 + r) * d + c : src, ok);
         }
     } else {
         for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
@@ -603,8 +630,8 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int LD = D + MPAD, KS = D / 16, NO = D / 8;
     extern __shared__ __align__(16) u16 hsmem[];
     u16* Qs = hsmem;
-    u16* Ks = Qs + MB * LD;
-    u16* Vs = Ks + MB * LD;
+    u16* Kb = Qs + MB * LD;      // two K tiles
+    u16* Vb = Kb + 2 * MB * LD;  // two V tiles
     const int bh = blockIdx.x;
     const int tiles = (p.s_q + MB - 1) / MB;
     const int i0 = (tiles - 1 - (int)blockIdx.y) * MB;
@@ -616,7 +643,15 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const u8* keep_row = keep + (i64)bb * p.s_k;
     const float sl2 = p.scale * LOG2E;
 
+    const int last = min(i0 + MB, p.s_q) - 1;
+    const int kend = key_end(p, last);
     load_tile16<MB, D>(Qs, reinterpret_cast<const u16*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+    if (kend > 0) {
+        load_tile16<MB, D>(Kb, kh, 0, p.s_k, p.d, vec);
+        load_tile16<MB, D>(Vb, vh, 0, p.s_k, p.d, vec);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     u32 qa[KS][4];
 #pragma unroll
@@ -627,14 +662,19 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
     const int row_a = i0 + warp * 16 + g;  // this thread's two rows: row_a, row_a + 8
-    const int last = min(i0 + MB, p.s_q) - 1;
-    const int kend = key_end(p, last);
     // Key tiles from `full_end` on may hide keys from some rows of the block.
     const int full_end = p.has_keep ? 0 : key_end(p, i0);
-    for (int j0 = 0; j0 < kend; j0 += MB) {
-        __syncthreads();
-        load_tile16<MB, D>(Ks, kh, j0, p.s_k, p.d, vec);
-        load_tile16<MB, D>(Vs, vh, j0, p.s_k, p.d, vec);
+    for (int j0 = 0, it = 0; j0 < kend; j0 += MB, ++it) {
+        // Fetch the next key tile while this one is used (the barrier at the
+        // end of the last iteration freed its buffer).
+        const u16* Ks = Kb + (it & 1) * MB * LD;
+        const u16* Vs = Vb + (it & 1) * MB * LD;
+        if (j0 + MB < kend) {
+            load_tile16<MB, D>(Kb + ((it + 1) & 1) * MB * LD, kh, j0 + MB, p.s_k, p.d, vec);
+            load_tile16<MB, D>(Vb + ((it + 1) & 1) * MB * LD, vh, j0 + MB, p.s_k, p.d, vec);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
         float s[8][4];
 #pragma unroll
@@ -665,7 +705,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
             const float m_new = fmaxf(m[r], mx[r]);
             m_use[r] = m_new == NEG_INF ? 0.f : m_new;
-            const float alpha = exp2f(m[r] - m_use[r]);
+            const float alpha = fast_exp2(m[r] - m_use[r]);
             m[r] = m_new;
             l[r] *= alpha;
 #pragma unroll
@@ -678,7 +718,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         for (int n = 0; n < 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float x = exp2f(s[n][e] - m_use[e >> 1]);
+                const float x = fast_exp2(s[n][e] - m_use[e >> 1]);
                 s[n][e] = x;
                 l[e >> 1] += x;
             }
@@ -698,6 +738,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                 Mma<T>::run(acc[2 * n2 + 1], pa, b[2], b[3]);
             }
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -724,10 +765,10 @@ __device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const
     extern __shared__ __align__(16) u16 hsmem[];
     u16* Ks = hsmem;
     u16* Vs = Ks + MB * LD;
-    u16* Qs = Vs + MB * LD;
-    u16* Ds = Qs + BQ * LD;
-    float* Ls = reinterpret_cast<float*>(Ds + BQ * LD);
-    float* Es = Ls + BQ;
+    u16* Qb = Vs + MB * LD;       // two Q tiles
+    u16* Db = Qb + 2 * BQ * LD;   // two dO tiles
+    float* Lb = reinterpret_cast<float*>(Db + 2 * BQ * LD);  // two lse * log2(e) rows
+    float* Eb = Lb + 2 * BQ;      // two delta rows
     const int bkv = blockIdx.x;
     const int j0 = blockIdx.y * MB;
     const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
@@ -746,19 +787,34 @@ __device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const
     const int qstart = (first_query(p, j0) / BQ) * BQ;
     // Query tiles from `full_from` on see every key of this tile.
     const int full_from = first_query(p, j0 + MB - 1);
-    for (int hg = 0; hg < group; ++hg) {
-        const i64 bh = (i64)bb * p.heads + kvh * group + hg;
-        const u16* qh = reinterpret_cast<const u16*>(q) + bh * p.s_q * p.d;
-        const u16* dh = reinterpret_cast<const u16*>(dout) + bh * p.s_q * p.d;
-        for (int i0 = qstart; i0 < p.s_q; i0 += BQ) {
-            __syncthreads();
-            load_tile16<BQ, D>(Qs, qh, i0, p.s_q, p.d, vec);
-            load_tile16<BQ, D>(Ds, dh, i0, p.s_q, p.d, vec);
-            for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
-                const bool in = i0 + r < p.s_q;
-                Ls[r] = in ? lse[bh * p.s_q + i0 + r] * LOG2E : NEG_INF;
-                Es[r] = in ? delta[bh * p.s_q + i0 + r] : 0.f;
-            }
+    // The (query head of the group, query tile) pairs, in one sequence whose
+    // next tiles are fetched while the current ones are used.
+    const int nq = qstart < p.s_q ? (p.s_q - qstart + BQ - 1) / BQ : 0;
+    const int total = group * nq;
+    auto fetch = [&](int it, int buf) {
+        const i64 bh = (i64)bb * p.heads + kvh * group + it / nq;
+        const int i0 = qstart + (it % nq) * BQ;
+        load_tile16<BQ, D>(Qb + buf * BQ * LD, reinterpret_cast<const u16*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+        load_tile16<BQ, D>(Db + buf * BQ * LD, reinterpret_cast<const u16*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d,
+                           vec);
+        for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
+            const bool in = i0 + r < p.s_q;
+            Lb[buf * BQ + r] = in ? lse[bh * p.s_q + i0 + r] * LOG2E : NEG_INF;
+            Eb[buf * BQ + r] = in ? delta[bh * p.s_q + i0 + r] : 0.f;
+        }
+    };
+    if (total > 0) fetch(0, 0);
+    cp_async_commit();
+    for (int it = 0; it < total; ++it) {
+        {
+            const int i0 = qstart + (it % nq) * BQ;
+            const u16* Qs = Qb + (it & 1) * BQ * LD;
+            const u16* Ds = Db + (it & 1) * BQ * LD;
+            const float* Ls = Lb + (it & 1) * BQ;
+            const float* Es = Eb + (it & 1) * BQ;
+            if (it + 1 < total) fetch(it + 1, (it + 1) & 1);
+            cp_async_commit();
+            cp_async_wait<1>();
             __syncthreads();
             float s[NQ][4], dp[NQ][4];
 #pragma unroll
@@ -787,7 +843,7 @@ __device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const
                     const float ls = Ls[qi];
                     float pe = 0.f;
                     if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
-                        pe = exp2f(s[n][e] * sl2 - ls);
+                        pe = fast_exp2(s[n][e] * sl2 - ls);
                     s[n][e] = pe;
                     dp[n][e] = pe * (dp[n][e] - Es[qi]);
                 }
@@ -814,6 +870,7 @@ __device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const
                     Mma<T>::run(gk[2 * n2 + 1], sa, b[2], b[3]);
                 }
             }
+            __syncthreads();
         }
     }
 #pragma unroll
@@ -839,8 +896,8 @@ __device__ void dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T
     extern __shared__ __align__(16) u16 hsmem[];
     u16* Qs = hsmem;
     u16* Ds = Qs + MB * LD;
-    u16* Ks = Ds + MB * LD;
-    u16* Vs = Ks + BK * LD;
+    u16* Kb = Ds + MB * LD;      // two K tiles
+    u16* Vb = Kb + 2 * BK * LD;  // two V tiles
     const int bh = blockIdx.x;
     const int tiles = (p.s_q + MB - 1) / MB;
     const int i0 = (tiles - 1 - (int)blockIdx.y) * MB;
@@ -851,8 +908,14 @@ __device__ void dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T
     const u16* vh = reinterpret_cast<const u16*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
     const u8* keep_row = keep + (i64)bb * p.s_k;
     const float sl2 = p.scale * LOG2E;
+    const int kend = key_end(p, min(i0 + MB, p.s_q) - 1);
     load_tile16<MB, D>(Qs, reinterpret_cast<const u16*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
     load_tile16<MB, D>(Ds, reinterpret_cast<const u16*>(dout) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+    if (kend > 0) {
+        load_tile16<BK, D>(Kb, kh, 0, p.s_k, p.d, vec);
+        load_tile16<BK, D>(Vb, vh, 0, p.s_k, p.d, vec);
+    }
+    cp_async_commit();
     const int row_a = i0 + warp * 16 + g;
     float ls[2], es[2];
 #pragma unroll
@@ -864,12 +927,16 @@ __device__ void dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T
     float gq[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; ++n) gq[n][0] = gq[n][1] = gq[n][2] = gq[n][3] = 0.f;
-    const int kend = key_end(p, min(i0 + MB, p.s_q) - 1);
     const int full_end = p.has_keep ? 0 : key_end(p, i0);
-    for (int j0 = 0; j0 < kend; j0 += BK) {
-        __syncthreads();
-        load_tile16<BK, D>(Ks, kh, j0, p.s_k, p.d, vec);
-        load_tile16<BK, D>(Vs, vh, j0, p.s_k, p.d, vec);
+    for (int j0 = 0, it = 0; j0 < kend; j0 += BK, ++it) {
+        const u16* Ks = Kb + (it & 1) * BK * LD;
+        const u16* Vs = Vb + (it & 1) * BK * LD;
+        if (j0 + BK < kend) {
+            load_tile16<BK, D>(Kb + ((it + 1) & 1) * BK * LD, kh, j0 + BK, p.s_k, p.d, vec);
+            load_tile16<BK, D>(Vb + ((it + 1) & 1) * BK * LD, vh, j0 + BK, p.s_k, p.d, vec);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
         float s[NK][4], dp[NK][4];
 #pragma unroll
@@ -897,7 +964,7 @@ __device__ void dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T
                 const int r = e >> 1;
                 float pe = 0.f;
                 if (ls[r] != NEG_INF && (!masked || visible(p, keep_row, row_a + r * 8, j0 + n * 8 + 2 * t + (e & 1))))
-                    pe = exp2f(s[n][e] * sl2 - ls[r]);
+                    pe = fast_exp2(s[n][e] * sl2 - ls[r]);
                 dp[n][e] = pe * (dp[n][e] - es[r]);
             }
 #pragma unroll
@@ -916,6 +983,7 @@ __device__ void dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T
                 Mma<T>::run(gq[2 * n2 + 1], sa, b[2], b[3]);
             }
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
