@@ -253,6 +253,17 @@ fn kernel_params(
             candle_core::Error::Msg(format!("flash_attention: {what} {x} is too large"))
         })
     };
+    // The tiles of a sequence are the grid's y dimension (at most 65535).
+    let most = 65535 * TILE;
+    if dims.s_q.max(dims.s_k) > most {
+        bail!("flash_attention on CUDA supports sequences of up to {most} positions");
+    }
+    if u32::try_from(dims.b * dims.heads).is_err() {
+        bail!(
+            "flash_attention on CUDA: batch x heads {} is too large",
+            dims.b * dims.heads
+        );
+    }
     Ok(KernelParams {
         b: int(dims.b, "batch")?,
         heads: int(dims.heads, "heads")?,
@@ -419,6 +430,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let (qv, kv, vv) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
         let (ov, gv) = (view::<T>(os, ol)?, view::<T>(gs, gl)?);
         // D_i = dO_i . O_i
+        // SAFETY: the delta kernel writes all `rows` values.
         let mut delta = unsafe { dev.alloc::<f32>(rows) }?;
         {
             let func = dev.get_or_load_custom_func(
