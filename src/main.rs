@@ -76,6 +76,9 @@ fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
     if args.model.is_none() && !args.json {
         eprintln!("oomfix: no model given; planning for the {}", spec.source);
     }
+    if args.enforce_budget {
+        enforce_budget(args.device, budget)?;
+    }
     let pipeline = Pipeline::from_names(&args.strategies).map_err(|e| Error::Usage(e.to_string()))?;
     let mut planner = Planner::new(budget)
         .global_batch(args.global_batch)
@@ -114,6 +117,43 @@ fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
         print!("{}", report::search_table(&spec, &result));
     }
     Ok((spec, result))
+}
+
+/// `--enforce-budget`: leaves only `budget` bytes of the CUDA device usable by
+/// this process until it exits.
+fn enforce_budget(target: Target, budget: u64) -> oomfix::Result<()> {
+    let Target::Cuda(ordinal) = target else {
+        return Err(Error::Usage(
+            "--enforce-budget limits a CUDA device's memory; with --device cpu there is nothing to limit \
+             (use --verify, which measures CPU plans in a child process limited to the budget)"
+                .into(),
+        ));
+    };
+    enforce_cuda(ordinal, budget)
+}
+
+#[cfg(feature = "cuda")]
+fn enforce_cuda(ordinal: usize, budget: u64) -> oomfix::Result<()> {
+    let device = candle_core::Device::new_cuda(ordinal)
+        .map_err(|e| Error::Usage(format!("--enforce-budget: cannot use cuda:{ordinal}: {e}")))?;
+    let cuda = device.as_cuda_device()?;
+    let done = oomfix::measure::cuda::enforce_budget(cuda, budget)
+        .map_err(|e| Error::Usage(format!("--enforce-budget: {e}")))?;
+    tracing::info!(ballast_bytes = done.ballast, already_used_bytes = done.already_used,
+                   free_after_bytes = done.free_after, "budget enforced");
+    eprintln!(
+        "oomfix: enforcing the budget on cuda:{ordinal}: {} held back, {} free for this process \
+         (it already holds {})",
+        oomfix::units::format_bytes(done.ballast),
+        oomfix::units::format_bytes(done.free_after),
+        oomfix::units::format_bytes(done.already_used)
+    );
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn enforce_cuda(_: usize, _: u64) -> oomfix::Result<()> {
+    Err(Error::Usage("--enforce-budget on CUDA needs a build with --features cuda".into()))
 }
 
 /// Measures the chosen (or closest) plan with its allocations recorded and

@@ -128,14 +128,12 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
     let run = || -> candle_core::Result<Result<Measurement>> {
         let mut trainer = match Trainer::new(&spec.config, *plan, &device, &TrainOptions::default()) {
             Ok(t) => t,
-            Err(Error::Candle(e)) => return Err(e),
-            Err(e) => return Ok(Err(e)),
+            Err(e) => return candle_error(e).map(Err),
         };
         let mut data = DataSource::synthetic(0);
         let mut step = |t: &mut Trainer| match t.step(&mut data) {
             Ok(_) => Ok(Ok(())),
-            Err(Error::Candle(e)) => Err(e),
-            Err(e) => Ok(Err(e)),
+            Err(e) => candle_error(e).map(Err),
         };
         if let Err(e) = step(&mut trainer)? {
             return Ok(Err(e));
@@ -147,7 +145,10 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
         // Device memory outside the pool (CUDA context, cuBLAS workspace) counts
         // against the budget too, as the estimate's `runtime` term does.
         let stats = PoolStats::read(cuda)?;
-        let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
+        // The ballast of --enforce-budget is outside the pool too, but not the plan's.
+        let outside = (stats.device_total - stats.device_free)
+            .saturating_sub(stats.reserved)
+            .saturating_sub(super::cuda::ballast_bytes());
         Ok(Ok(Measurement {
             peak_bytes: stats.used_high + outside,
             reserved_bytes: stats.reserved_high + outside,
@@ -164,6 +165,16 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
             Ok(Measurement { peak_bytes: high, reserved_bytes: high, out_of_memory: true })
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// A candle error, also one inside a strategy's error (a CUDA out-of-memory in
+/// the fused AdamW or a checkpointed block), as `Err`; any other error as `Ok`.
+#[cfg(feature = "cuda")]
+fn candle_error(e: Error) -> candle_core::Result<Error> {
+    match e {
+        Error::Candle(e) | Error::Strategy(oomfix_strategies::Error::Candle(e)) => Err(e),
+        other => Ok(other),
     }
 }
 

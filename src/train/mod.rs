@@ -326,7 +326,7 @@ pub trait TrainableModel {
     /// positions `loss_mask` selects (all positions without one; for BERT, the
     /// masked positions), and the gradients of `loss × loss_scale`, with blocks
     /// recomputed as `checkpoint` says and attention computed as `attention` says
-    /// ([`Attention::Flash`] runs on the CPU only).
+    /// ([`Attention::Flash`] runs on the CPU and on CUDA devices).
     fn forward_backward(
         &self,
         batch: &Batch,

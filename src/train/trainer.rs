@@ -109,9 +109,9 @@ impl Trainer {
                 "sharded plans run one process per GPU; the single-device trainer runs world size 1".into(),
             ));
         }
-        if plan.attention == Attention::Flash && !device.is_cpu() {
+        if plan.attention == Attention::Flash && !(device.is_cpu() || device.is_cuda()) {
             return Err(Error::Usage(
-                "flash attention runs on the CPU only; plan without the flash-attention strategy".into(),
+                "flash attention runs on the CPU and CUDA only; plan without the flash-attention strategy".into(),
             ));
         }
         let dtype = compute_dtype(plan.precision);
