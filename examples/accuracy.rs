@@ -17,8 +17,22 @@
 //! `--deadline` stops starting new measurements after that many seconds and
 //! writes what was measured; `--resume FILE` starts from the rows of an earlier
 //! run's JSON and measures only the configurations it lacks.
+//!
+//! To study the model on part of the matrix: `--models A,B` keeps the models
+//! whose names start with one of the prefixes, `--plans TEXT` the plans whose
+//! description contains every `+`-separated part (e.g. `bf16+checkpoint
+//! every`), `--shapes 2x64,1x256` replaces the micro-batch × sequence shapes;
+//! `--cache FILE` reuses the measured peaks stored in FILE (`model`, `plan`,
+//! bytes per line, tab-separated) and stores new ones there, so the estimates
+//! can be recomputed without measuring again; a FILE ending in `.json` is an
+//! earlier run's output, read only (`--cache-only`: skip the
+//! configurations FILE lacks, e.g. to re-estimate GPU rows on a machine
+//! without one). Such a run prints its rows but
+//! writes no files. `--explain` (CPU) also records each step's allocation
+//! timeline and prints the phase and moment of the measured peak, the
+//! estimate's moments and the largest allocations alive at the peak.
 
-use oomfix::measure::{measure_plan, CountingAlloc};
+use oomfix::measure::{measure_plan, record_plan, CountingAlloc, Timeline};
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
 use oomfix::{Estimator, Family, MemoryModel, ModelConfig, ModelSpec, Target};
 use std::fmt::Write as _;
@@ -191,6 +205,70 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         (false, true) => (models(true), &[(2, 64)]),
         (false, false) => (models(false), &[(2, 64), (4, 128), (1, 256)]),
     };
+    let model_prefixes: Option<Vec<String>> =
+        value("--models").map(|v| v.split(',').map(str::to_string).collect());
+    let plan_parts: Option<Vec<String>> =
+        value("--plans").map(|v| v.split('+').map(str::to_string).collect());
+    let custom_shapes = match value("--shapes") {
+        Some(v) => {
+            let shape = |t: &str| {
+                let (b, s) = t.split_once('x')?;
+                Some((b.parse().ok()?, s.parse().ok()?))
+            };
+            let parsed: Option<Vec<(usize, usize)>> = v.split(',').map(shape).collect();
+            Some(parsed.ok_or_else(|| format!("--shapes {v}: expected MBxSEQ,..."))?)
+        }
+        None => None,
+    };
+    let shapes = custom_shapes.as_deref().unwrap_or(shapes);
+    let explain = args.iter().any(|a| a == "--explain") && !gpu;
+    let cache_path = value("--cache");
+    let cache_only = args.iter().any(|a| a == "--cache-only");
+    let partial = model_prefixes.is_some()
+        || plan_parts.is_some()
+        || custom_shapes.is_some()
+        || cache_path.is_some();
+    let keeps = |model: &str, plan: &Plan| {
+        let plan = plan.to_string();
+        model_prefixes
+            .as_ref()
+            .is_none_or(|m| m.iter().any(|p| model.starts_with(p.as_str())))
+            && plan_parts
+                .as_ref()
+                .is_none_or(|parts| parts.iter().all(|p| plan.contains(p.as_str())))
+    };
+    // Measured peaks of earlier runs, to recompute estimates without measuring:
+    // a tab-separated file this option wrote, or an earlier run's JSON (read only).
+    let cache_json = cache_path.as_ref().is_some_and(|p| p.ends_with(".json"));
+    let cache: std::collections::HashMap<String, u64> = match &cache_path {
+        Some(path) if cache_json => {
+            let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+            json["rows"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|r| {
+                    let key = format!("{}\t{}", r["model"].as_str()?, r["plan"].as_str()?);
+                    Some((key, r["measured_bytes"].as_u64()?))
+                })
+                .collect()
+        }
+        Some(path) => std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let (key, bytes) = l.rsplit_once('\t')?;
+                Some((key.to_string(), bytes.parse().ok()?))
+            })
+            .collect(),
+        None => Default::default(),
+    };
+    if explain {
+        // The recording buffer is allocated on first use: make it now, so that
+        // it is part of every recorded step's baseline.
+        oomfix::measure::alloc::start_recording(oomfix::measure::MAX_EVENTS);
+        oomfix::measure::alloc::stop_recording();
+    }
     // `--resume FILE`: keep the rows of an earlier run's JSON and measure only the rest.
     let mut rows: Vec<serde_json::Value> = match value("--resume") {
         Some(path) => serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(path)?)?
@@ -212,6 +290,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 || rows
                     .iter()
                     .any(|r| r["model"] == name && r["plan"] == plan.to_string())
+                || !keeps(name, &plan)
             {
                 continue;
             }
@@ -220,7 +299,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 break 'matrix;
             }
             let est = MemoryModel.estimate(&spec, &plan, &target);
-            let m = measure_plan(&spec, &plan, target)?;
+            let key = format!("{name}\t{plan}");
+            if cache_only && !cache.contains_key(&key) {
+                continue;
+            }
+            let m = match cache.get(&key) {
+                Some(&peak_bytes) => oomfix::search::Measurement {
+                    peak_bytes,
+                    reserved_bytes: peak_bytes,
+                    out_of_memory: false,
+                },
+                None => measure_plan(&spec, &plan, target)?,
+            };
+            if let Some(path) = cache_path
+                .as_ref()
+                .filter(|_| !cache_json && !cache.contains_key(&key))
+            {
+                use std::io::Write as _;
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)?;
+                writeln!(f, "{key}\t{}", m.peak_bytes)?;
+            }
             let err = (!m.out_of_memory).then(|| est.peak as f64 / m.peak_bytes as f64 - 1.0);
             match err {
                 Some(err) => println!(
@@ -231,6 +332,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     est.peak_phase
                 ),
                 None => println!("{name:<16} {plan}\n    est {:>12} out of memory", est.peak),
+            }
+            if explain {
+                print_moments(&spec, &plan, &est);
+                let (_, timeline) = record_plan(&spec, &plan, target)?;
+                let embedding = (spec.config.vocab * spec.config.hidden) as u64
+                    * plan.precision.compute_bytes();
+                explain_peak(&timeline, embedding);
             }
             rows.push(serde_json::json!({"model": name, "parameters": spec.parameters(), "plan": plan.to_string(),
                 "estimated_bytes": est.peak, "measured_bytes": (!m.out_of_memory).then_some(m.peak_bytes),
@@ -266,23 +374,45 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     errs.sort_by(f64::total_cmp);
     let median = errs.get(errs.len() / 2).copied().unwrap_or(0.0);
     let max = errs.last().copied().unwrap_or(0.0);
+    let above = errs.iter().filter(|&&e| e > 0.08).count();
     let summary = format!(
-        "{} configurations on {target}: median |error| {:.1}%, max {:.1}% ({out_of_memory} out of memory, not counted)",
+        "{} configurations on {target}: median |error| {:.1}%, max {:.1}% ({above} above 8%; \
+        {out_of_memory} out of memory, not counted)",
         errs.len(),
         100.0 * median,
         100.0 * max
     );
     println!("{summary}");
+    if partial {
+        return Ok(());
+    }
     std::fs::create_dir_all(&out_dir)?;
+    let run = |cmd: &str, args: &[&str]| {
+        std::process::Command::new(cmd)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map_or_else(
+                || "unknown".to_string(),
+                |o| String::from_utf8_lossy(&o.stdout).trim().to_string(),
+            )
+    };
+    let commit = run("git", &["rev-parse", "--short", "HEAD"]);
+    let date = run("date", &["-u", "+%F"]);
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let (stem, header) = if gpu {
-        ("accuracy-gpu", "# Memory model accuracy (GPU)\n\nCommand: `accuracy --device cuda:0` (built with \
-            `scripts/build-cuda.sh --features cuda --example accuracy`). Measured: the CUDA pool's used high-water \
-            mark over the second (steady-state) training step plus the device memory outside the pool (context, \
-            modules, cuBLAS workspace), as `--verify` measures it. Error = estimated / measured - 1.")
+        ("accuracy-gpu", format!("# Memory model accuracy (GPU)\n\nCommand: `accuracy --device cuda:0` (built with \
+            `scripts/build-cuda.sh --features cuda --example accuracy`), commit {commit}, {date}. Measured: the CUDA \
+            pool's used high-water mark over the second (steady-state) training step plus the device memory outside \
+            the pool (context, modules, cuBLAS workspace), as `--verify` measures it. Error = estimated / measured - 1."))
     } else {
-        ("accuracy", "# Memory model accuracy (CPU)\n\nCommand: `cargo run --release --example accuracy`. Measured: \
-            the heap high-water mark of the second (steady-state) training step above the heap before the model was \
-            built, from a counting allocator. Error = estimated / measured - 1.")
+        ("accuracy", format!("# Memory model accuracy (CPU)\n\nCommand: `cargo run --release --example accuracy` \
+            (writes this file, `accuracy.json` and `accuracy.svg`), commit {commit}, {date}, {cores} cores. \
+            Measured: the heap high-water mark of the second (steady-state) training step above the heap before the \
+            model was built, from a counting allocator; process-wide state made on first use (the thread pool and \
+            its threads' matrix-kernel buffers) is created before the first measurement. \
+            Error = estimated / measured - 1."))
     };
     std::fs::write(
         format!("{out_dir}/{stem}.md"),
@@ -295,6 +425,118 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "median_abs_error": median, "max_abs_error": max, "rows": rows}))?,
     )?;
     Ok(())
+}
+
+/// Prints the estimate's moments: what is alive besides the activations, and
+/// each backward moment's total (activations + working set).
+fn print_moments(spec: &ModelSpec, plan: &Plan, est: &oomfix::memory::Breakdown) {
+    let a = oomfix::memory::activation_bytes(spec, plan);
+    let state = est.weights + est.master_weights + est.optimizer_state + est.accumulated_gradients;
+    let stem_grads = oomfix::memory::stem_only_parameters(spec) * plan.precision.compute_bytes();
+    let mb = |x: u64| format!("{:.2}", x as f64 / 1e6);
+    let moment = |m: oomfix::memory::Moment, grads: u64| {
+        format!(
+            "{} ({} + {})",
+            mb(state + grads + m.total()),
+            mb(m.activations),
+            mb(m.transient)
+        )
+    };
+    println!(
+        "    estimate MB: state {} grads {} | loss {} | blocks {} | embedding {} | step {}",
+        mb(state),
+        mb(est.gradients),
+        moment(a.loss, 0),
+        moment(a.blocks, est.gradients - stem_grads),
+        moment(a.embedding, est.gradients),
+        mb(est.weights
+            + est.master_weights
+            + est.optimizer_state
+            + est.gradients
+            + est.optimizer_transient),
+    );
+}
+
+/// Prints where a recorded step's peak is: its phase, the position in the
+/// event stream, the peak per phase, and the largest blocks alive at the peak
+/// grouped by size.
+fn explain_peak(t: &Timeline, embedding_bytes: u64) {
+    let live = |e: &oomfix::measure::alloc::Event| e.live.saturating_sub(t.baseline);
+    let Some((at, peak)) = t.events.iter().enumerate().max_by_key(|(_, e)| live(e)) else {
+        return;
+    };
+    let mut by_phase = std::collections::BTreeMap::new();
+    for e in &t.events {
+        let m = by_phase.entry(e.phase.as_str()).or_insert(0u64);
+        *m = (*m).max(live(e));
+    }
+    println!(
+        "    measured peak {} in {} at event {at}/{} (phase peaks {by_phase:?}{})",
+        live(peak),
+        peak.phase.as_str(),
+        t.events.len(),
+        if t.truncated { ", truncated" } else { "" }
+    );
+    // The live bytes over the step: the highest value in each of 48 stretches of events.
+    let stretch = t.events.len().div_ceil(48).max(1);
+    let highs: Vec<String> = t
+        .events
+        .chunks(stretch)
+        .map(|c| format!("{:.1}", c.iter().map(live).max().unwrap_or(0) as f64 / 1e6))
+        .collect();
+    println!("    live MB over the step: {}", highs.join(" "));
+    // The stretches between allocations of embedding-sized tensors (the head's
+    // weight gradient, the embedding backward's tensors, the optimizer's).
+    let marks: Vec<usize> = t
+        .events
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.alloc && e.size == embedding_bytes)
+        .map(|(i, _)| i)
+        .collect();
+    let mut from = 0;
+    let mut parts = Vec::new();
+    for &m in marks.iter().chain([&t.events.len()]) {
+        let high = t.events[from..m].iter().map(live).max().unwrap_or(0);
+        parts.push(format!("[{from}..{m}) max {:.2}", high as f64 / 1e6));
+        from = m;
+    }
+    if parts.len() <= 40 {
+        println!(
+            "    between embedding-sized allocations: {}",
+            parts.join(", ")
+        );
+    }
+    // Blocks allocated during the step and alive at the peak.
+    let mut alive = std::collections::HashMap::new();
+    for (i, e) in t.events[..=at].iter().enumerate() {
+        if e.alloc {
+            alive.insert(e.addr, (e.size, i));
+        } else {
+            alive.remove(&e.addr);
+        }
+    }
+    let mut sizes = std::collections::BTreeMap::<u64, Vec<usize>>::new();
+    for &(s, i) in alive.values() {
+        sizes.entry(s).or_default().push(i);
+    }
+    let mut sizes: Vec<_> = sizes
+        .into_iter()
+        .map(|(s, at)| (s * at.len() as u64, s, at))
+        .collect();
+    sizes.sort_by_key(|x| std::cmp::Reverse(x.0));
+    let new: u64 = alive.values().map(|a| a.0).sum();
+    println!("    allocated in the step and alive at the peak: {new} bytes; largest groups (size x count: events of the last 8 allocations):");
+    for (total, s, at) in sizes.iter_mut().take(12) {
+        at.sort_unstable();
+        let shown = if std::env::var("EXPLAIN_SIZE").is_ok_and(|v| v == s.to_string()) {
+            at.len()
+        } else {
+            8
+        };
+        let last = &at[at.len().saturating_sub(shown)..];
+        println!("      {s:>10} x {:<4} = {total:<10} {last:?}", at.len());
+    }
 }
 
 /// Estimated against measured peaks, log-log, with the y = x line.

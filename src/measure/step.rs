@@ -99,6 +99,7 @@ fn measure(spec: &ModelSpec, plan: &Plan, target: Target, recorded: bool) -> Res
 /// process-wide state allocated on first use (thread pools, kernel caches)
 /// exists before the measurement starts and is not counted in it.
 fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
+    warm_up_threads()?;
     let c = &spec.config;
     let tiny = crate::ModelConfig {
         layers: 1,
@@ -114,6 +115,24 @@ fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
     let mut trainer = Trainer::new(&tiny, tiny_plan, device, &TrainOptions::default())?;
     trainer.step(&mut DataSource::synthetic(0))?;
     Ok(())
+}
+
+/// Once per process, every thread of the global rayon pool runs one small
+/// matrix product. Each thread that ever runs a matrix kernel keeps a packing
+/// buffer the size of the L2 cache (gemm's thread-local `L2_SLAB`) for the rest
+/// of the process; the tiny warm-up model's products are too small to run on
+/// the pool's threads, so without this the first measurement of a process that
+/// multiplies large matrices would count one buffer per pool thread.
+fn warm_up_threads() -> Result<()> {
+    static DONE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    let outcome = DONE.get_or_init(|| {
+        let product = || -> candle_core::Result<()> {
+            let a = candle_core::Tensor::ones((64, 64), candle_core::DType::F32, &Device::Cpu)?;
+            a.matmul(&a).map(drop)
+        };
+        rayon::broadcast(|_| product().map_err(|e| e.to_string())).into_iter().collect()
+    });
+    outcome.clone().map_err(|e| Error::Usage(format!("warming up the thread pool: {e}")))
 }
 
 /// Measures a step on `cuda:i`: the memory pool's allocated and reserved

@@ -8,6 +8,17 @@
 //! `c` unless marked f32: norms and the loss run in f32, so under mixed
 //! precision they add cast copies.
 //!
+//! The backward does not hold all of this at once with all gradients. It
+//! crosses three moments that can each hold the step's peak (see
+//! [`Activations`]): the loss and the head first, when no parameter gradient
+//! exists yet; then the blocks, last to first, each adding its gradients; then
+//! the embedding lookup, when every other gradient exists. Besides the forward's
+//! tensors, the backward leaves *stray gradients* in candle's gradient store:
+//! the gradient of an operand that is broadcast from a tensor off the parameter
+//! path (the causal mask, a detached row maximum, a RoPE table) is made, filled
+//! and never consumed, so it lives until the store is dropped. A block's strays
+//! appear when its backward runs, so they are absent at the loss's moment.
+//!
 //! The plan's [`Attention`] decides what a block's attention keeps. Composed
 //! from candle ops it keeps several `[b,H,s,s]` tensors; with
 //! [`Attention::Flash`] it keeps none: the op holds its inputs (the same q, k, v
@@ -21,11 +32,41 @@ use oomfix_strategies::{Attention, Checkpointing, Plan};
 /// Activation bytes of one micro-batch on one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Activations {
-    /// Kept from the forward until the backward ends.
+    /// Kept from the forward: alive at the end of the forward (with
+    /// checkpointing, the stem and the segment outputs).
     pub kept: u64,
-    /// Allocated by the backward on top of `kept` and the parameter gradients
-    /// (its largest working set).
-    pub backward_transient: u64,
+    /// The backward through the loss and the head, before any parameter
+    /// gradient exists.
+    pub loss: Moment,
+    /// The backward through a block, at the first block (the last one the
+    /// backward reaches): every gradient but the embedding lookup's exists.
+    pub blocks: Moment,
+    /// The backward of the embedding lookup, at its end: every gradient exists.
+    pub embedding: Moment,
+}
+
+/// What the backward holds at one moment, besides weights, optimizer state
+/// and parameter gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Moment {
+    /// Forward tensors still alive, plus the stray gradients made so far.
+    pub activations: u64,
+    /// The backward's working tensors at that moment.
+    pub transient: u64,
+}
+
+impl Moment {
+    /// Both together.
+    pub fn total(&self) -> u64 {
+        self.activations + self.transient
+    }
+}
+
+impl Activations {
+    /// The largest working set of the backward's three moments.
+    pub fn backward_transient(&self) -> u64 {
+        self.loss.transient.max(self.blocks.transient).max(self.embedding.transient)
+    }
 }
 
 /// Bytes as `(compute-dtype values, f32 values)` for a compute dtype of `c` bytes.
@@ -97,18 +138,35 @@ impl Dims {
 /// (or the flash op's output), both counted in [`block`].
 ///
 /// Composed: the scores, the masked scores (BERT: no mask), the softmax's three
-/// tensors and its row maximum and sum, and the stray gradients of the
-/// broadcast mask and of the broadcast row maximum (BERT: the maximum only).
-/// Flash: the log-sum-exp `[b,H,s]` f32.
+/// tensors and its row maximum and sum. Flash: the log-sum-exp `[b,H,s]` f32.
 fn attention_core(family: Family, d: &Dims) -> Values {
     if d.flash {
         return Values { c: 0, f32: d.n * d.heads };
     }
     let masked = u64::from(family != Family::Bert);
-    Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads + (1 + masked) * d.scores(), f32: 0 }
+    Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads, f32: 0 }
 }
 
-/// What one transformer block keeps.
+/// The stray gradients one block's backward leaves in the gradient store, as
+/// `(made in the attention core's backward, made after it)`.
+///
+/// Attention core (composed only: flash attention builds no mask and no row
+/// maximum): the broadcast causal mask's and the broadcast detached row
+/// maximum's, score-sized (BERT: the maximum's only); each is `zeros + grad`
+/// of two tensors off the graph, so it holds nothing else.
+///
+/// After it, Llama's RoPE: the four broadcast tables' (q and k, cos and sin).
+/// A table multiplies a tensor on the parameter path, so its stray is
+/// `zeros + grad·x` with a graph of its own that keeps the zeros, the product
+/// and the upstream gradient: four tensors the size of `x` per table.
+fn block_strays(family: Family, d: &Dims) -> (Values, Values) {
+    let masked = u64::from(family != Family::Bert);
+    let attention = if d.flash { 0 } else { (1 + masked) * d.scores() };
+    let rope = if family == Family::Llama { 4 * (2 * d.n * d.h + 2 * d.n * d.kv) } else { 0 };
+    (Values { c: attention, f32: 0 }, Values { c: rope, f32: 0 })
+}
+
+/// What one transformer block's forward keeps.
 fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
     let core = attention_core(family, d);
@@ -122,12 +180,10 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
             .add(d.layer_norm()),
         // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; attention
         // core; context; merged, o_proj, residual; rms; gate, up, silu, product
-        // [n,I]×4; down, residual; the stray gradients of the four broadcast
-        // RoPE tables (q and k, cos and sin).
+        // [n,I]×4; down, residual.
         Family::Llama => {
             let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
-            let rope_stray = 2 * n * h + 2 * n * kv;
-            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + bias + rope_stray, f32: 0 }
+            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + bias, f32: 0 }
                 .add(core)
                 .add(d.rms_norm())
                 .add(d.rms_norm())
@@ -172,14 +228,50 @@ fn head(family: Family, d: &Dims) -> Values {
 /// crosses the loss, on top of the logits the head keeps: the fused
 /// cross-entropy's gradient of the logits, the zeros candle's backward adds a
 /// tensor's first gradient to, and their sum (measured on the CPU with a
-/// 50,257-token head: 4.07 logits-sized tensors at the peak, the kept logits included).
+/// 50,257-token head: 4.07 logits-sized tensors at the peak, the kept logits
+/// included).
 pub const LOSS_BACKWARD_NV: u64 = 3;
 
-/// Token-embedding-sized tensors the backward of the embedding lookup allocates
-/// at its end, when every other gradient already exists: the zeros it scatters
-/// into and the scattered result (or, for a tied embedding, the sum with the
-/// head's gradient).
-pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
+/// `[n,h]` tensors the stray gradient of a checkpointed segment's surrogate
+/// `(y·grad_y).sum()` holds while the segment is differentiated: `grad_y` is
+/// off the graph and multiplies `y`, which is on it, so its gradient is
+/// `zeros + grad·y` with a graph of its own keeping the zeros, the product and
+/// the upstream gradient (the sum's broadcast ones, made into a tensor).
+pub const SURROGATE_STRAY_NH: u64 = 4;
+
+/// Output-embedding-sized (`[V,h]`) tensors alive at once while the backward
+/// makes the LM head's weight gradient, in the compute dtype.
+///
+/// candle differentiates `x · Wᵀ` in two steps, and each keeps what it made
+/// until the step ends. The matrix product's step makes `xᵀ·grad` `[h,V]`,
+/// which depends on `x` (on the parameter path) and so carries a graph, and
+/// adds it to a zero `[h,V]` tensor: the sum keeps both alive. The transpose's
+/// step then holds that sum (and its graph) while it adds its transpose to a
+/// zero `[V,h]` tensor: three plus two.
+pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 5;
+
+/// Token-embedding-sized tensors alive at the end of the embedding lookup's
+/// backward besides every parameter gradient.
+///
+/// candle's `index_add` copies the gradient so far (zeros for an untied
+/// embedding, the head's gradient for a tied one) and scatters into the copy,
+/// which becomes the gradient: the tensor it copied is one extra. With
+/// checkpointing, the stem's backward runs in a gradient store of its own, so
+/// a tied embedding's scattered gradient is then added to the head's: the sum
+/// is a second extra ([`embedding_backward_copies`]).
+pub const EMBEDDING_BACKWARD_COPIES: u64 = 1;
+
+/// [`EMBEDDING_BACKWARD_COPIES`], plus one for a tied embedding under
+/// checkpointing.
+pub fn embedding_backward_copies(spec: &ModelSpec, plan: &Plan) -> u64 {
+    let tied = match spec.config.family {
+        Family::Gpt2 | Family::Bert => true,
+        Family::Llama => spec.config.tied_embeddings,
+        Family::Generic => false,
+    };
+    let checkpointed = matches!(plan.checkpoint, Checkpointing::Every(k) if k > 0);
+    EMBEDDING_BACKWARD_COPIES + u64::from(tied && checkpointed)
+}
 
 /// Score-sized tensors alive at once while the backward crosses one composed
 /// attention (the softmax's quotient rule and exp terms; measured: 8 on top of
@@ -205,13 +297,24 @@ pub fn mlp_backward_ni(family: Family) -> u64 {
     }
 }
 
-/// Activation bytes of one micro-batch under `plan`'s checkpointing.
+/// Activation bytes of one micro-batch under `plan`'s checkpointing, at each
+/// moment of the backward.
 ///
-/// Without checkpointing everything is kept until the backward ends, and the
-/// backward's largest extra working set is at the loss or in a block. With
-/// segments of `k` blocks, the forward keeps the stem and one `[n,h]` tensor
-/// per segment; the backward first holds the head, then one recomputed segment
-/// at a time.
+/// Without checkpointing the forward's tensors stay until the backward ends.
+/// At the loss, the backward adds its working set (the logits' gradient, then
+/// the head's weight gradient). At the first block, every later block's
+/// strays exist too; the block's working set is the larger of its MLP's
+/// backward and its attention core's (with the core's strays, made there). At
+/// the embedding, every block's strays exist.
+///
+/// With segments of `k` blocks, the forward keeps the stem and one `[n,h]`
+/// tensor per segment. The loss's moment holds those and the head's tensors
+/// (the segment outputs are all still there). At the first segment's
+/// recompute only the stem remains of them; the segment's `k` blocks' tensors
+/// and the strays of all but its first block are alive with the upstream
+/// gradient `grad_y`, the surrogate's product `y·grad_y` and the surrogate's
+/// own stray ([`SURROGATE_STRAY_NH`]), and the stem's backward runs inside
+/// that same recomputed graph.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let cfg = &spec.config;
     if cfg.family == Family::Generic || cfg.layers == 0 {
@@ -222,24 +325,42 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
     let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
+    let (attention_strays, rope_strays) = block_strays(cfg.family, &d);
+    let (attention_strays, strays) = (attention_strays.bytes(c), attention_strays.add(rope_strays).bytes(c));
     let head = head(cfg.family, &d).bytes(c);
-    let head_backward = LOSS_BACKWARD_NV * d.n * d.v * c;
+    // The loss's working set, then the head's weight gradient (with the
+    // logits' gradient it is made from).
+    let loss_transient =
+        (LOSS_BACKWARD_NV * d.n * d.v).max(d.n * d.v + HEAD_WEIGHT_BACKWARD_COPIES * d.v * d.h) * c;
     let attention_backward =
         if d.flash { flash_backward(&d) } else { ATTENTION_BACKWARD_SCORES * d.scores() * c };
-    let block_backward = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
-    let embedding_backward = EMBEDDING_BACKWARD_COPIES * d.v * d.h * c;
+    // The backward crosses a block's MLP, then its attention core (which
+    // makes the core's strays), then RoPE (whose strays come after the
+    // core's working set is gone).
+    let block_transient = (attention_strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
+    let embedding_transient = embedding_backward_copies(spec, plan) * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
-            let segments = layers.div_ceil(k);
+            let segment_outputs = layers.div_ceil(k) * d.n * d.h * c;
+            let surrogate = (2 + SURROGATE_STRAY_NH) * d.n * d.h * c;
+            let recomputed = stem + k * block + (k - 1) * strays + surrogate;
             Activations {
-                kept: stem + segments * d.n * d.h * c,
-                backward_transient: (head + head_backward).max(k * block + block_backward).max(embedding_backward),
+                kept: stem + segment_outputs,
+                loss: Moment { activations: stem + segment_outputs + head, transient: loss_transient },
+                blocks: Moment { activations: recomputed, transient: block_transient },
+                embedding: Moment { activations: recomputed + strays, transient: embedding_transient },
             }
         }
-        _ => Activations {
-            kept: stem + layers * block + head,
-            backward_transient: head_backward.max(block_backward).max(embedding_backward),
-        },
+        _ => {
+            let kept = stem + layers * block + head;
+            let later_strays = kept + (layers - 1) * strays;
+            Activations {
+                kept,
+                loss: Moment { activations: kept, transient: loss_transient },
+                blocks: Moment { activations: later_strays, transient: block_transient },
+                embedding: Moment { activations: later_strays + strays, transient: embedding_transient },
+            }
+        }
     }
 }

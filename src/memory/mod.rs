@@ -4,25 +4,34 @@
 //! from what the trainer in [`crate::train`] actually allocates in candle. The
 //! model is per device: under sharding it describes one rank.
 //!
-//! A training step has three moments that can hold the peak:
+//! The peak is the largest of the live sets of the moments that can hold it;
+//! each moment counts only what is alive at that moment:
 //!
-//! * **backward**: candle keeps every forward intermediate on the path to a
-//!   parameter alive until the loss is dropped, so the end of backward holds all
-//!   activations, the full set of fresh gradients and the backward's own working
-//!   tensors at once;
-//! * **optimizer step**: gradients plus the optimizer's temporaries;
-//! * everything else is dominated by one of those two.
+//! * **loss backward**: candle keeps every forward intermediate on the path to
+//!   a parameter alive until the loss is dropped, and the backward starts at
+//!   the loss, whose working set (several `[n,V]` f32 tensors) is often the
+//!   largest of the step. No parameter gradient exists yet.
+//! * **end of backward**: the first block's backward (every gradient but the
+//!   embedding lookup's exists, and every block has left its stray gradients)
+//!   and the embedding lookup's (every gradient exists), with the forward's
+//!   tensors still alive.
+//! * **optimizer step**: gradients plus the optimizer's temporaries.
+//! * everything else (the forward, later blocks' backward) holds a subset of
+//!   one of those.
+//!
+//! Weights, master weights, optimizer state and the gradients accumulated from
+//! earlier micro-batches are alive at every moment.
 
 mod activations;
 mod runtime;
 
 pub use activations::{
-    activation_bytes, mlp_backward_ni, Activations, ATTENTION_BACKWARD_SCORES, EMBEDDING_BACKWARD_COPIES,
-    LOSS_BACKWARD_NV,
+    activation_bytes, embedding_backward_copies, mlp_backward_ni, Activations, Moment, ATTENTION_BACKWARD_SCORES,
+    EMBEDDING_BACKWARD_COPIES, HEAD_WEIGHT_BACKWARD_COPIES, LOSS_BACKWARD_NV,
 };
 pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES};
 
-use crate::spec::ModelSpec;
+use crate::spec::{Family, ModelSpec};
 use oomfix_strategies::{OptimizerImpl, Plan};
 use serde::Serialize;
 
@@ -30,6 +39,9 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
+    /// The backward through the loss and the head (activations and the loss's
+    /// working set alive, no parameter gradient yet).
+    LossBackward,
     /// End of backward (activations and fresh gradients both alive).
     #[default]
     Backward,
@@ -40,6 +52,7 @@ pub enum Phase {
 impl std::fmt::Display for Phase {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            Phase::LossBackward => "loss backward",
             Phase::Backward => "end of backward",
             Phase::OptimizerStep => "optimizer step",
         })
@@ -53,15 +66,17 @@ pub struct Breakdown {
     pub weights: u64,
     /// fp32 master weights kept beside 16-bit compute weights.
     pub master_weights: u64,
-    /// Gradients as the backward produces them (compute dtype).
+    /// Gradients as the backward produces them (compute dtype): the full set
+    /// (at the end of backward the embedding lookup's may still be missing).
     pub gradients: u64,
     /// The accumulated gradient set carried between micro-batches.
     pub accumulated_gradients: u64,
     /// AdamW first and second moments.
     pub optimizer_state: u64,
-    /// Forward intermediates alive at the end of the forward.
+    /// Forward intermediates and stray gradients alive at the backward's
+    /// largest moment.
     pub activations: u64,
-    /// Tensors the backward allocates on top of activations and parameter gradients.
+    /// The backward's working tensors at that moment.
     pub backward_transient: u64,
     /// The optimizer step's temporaries.
     pub optimizer_transient: u64,
@@ -102,6 +117,7 @@ impl Breakdown {
 
     fn in_peak(&self, component: &str) -> bool {
         match self.peak_phase {
+            Phase::LossBackward => !matches!(component, "gradients" | "optimizer_transient"),
             Phase::Backward => component != "optimizer_transient",
             Phase::OptimizerStep => !matches!(component, "activations" | "backward_transient"),
         }
@@ -144,14 +160,18 @@ impl Estimator for MemoryModel {
         let optimizer_transient = optimizer_transient(spec, plan);
         let runtime = target.runtime_bytes();
 
-        let backward = weights
-            + master_weights
-            + optimizer_state
-            + accumulated_gradients
-            + gradients
-            + act.kept
-            + act.backward_transient
-            + runtime;
+        // Alive at every moment of the backward.
+        let state = weights + master_weights + optimizer_state + accumulated_gradients + runtime;
+        let block_gradients = gradients - stem_only_parameters(spec).min(p) * cb;
+        let moments = [
+            (Phase::LossBackward, act.loss, 0),
+            (Phase::Backward, act.blocks, block_gradients),
+            (Phase::Backward, act.embedding, gradients),
+        ];
+        let (backward_phase, moment, backward) = moments
+            .into_iter()
+            .map(|(phase, m, grads)| (phase, m, state + grads + m.total()))
+            .fold((Phase::Backward, Moment::default(), 0), |best, x| if x.2 > best.2 { x } else { best });
         let step_weights = shard(weights, 3);
         let step = step_weights
             + master_weights
@@ -160,20 +180,35 @@ impl Estimator for MemoryModel {
             + optimizer_transient
             + runtime;
         let (peak, peak_phase) =
-            if step > backward { (step, Phase::OptimizerStep) } else { (backward, Phase::Backward) };
+            if step > backward { (step, Phase::OptimizerStep) } else { (backward, backward_phase) };
         Breakdown {
             weights,
             master_weights,
             gradients,
             accumulated_gradients,
             optimizer_state,
-            activations: act.kept,
-            backward_transient: act.backward_transient,
+            activations: moment.activations,
+            backward_transient: moment.transient,
             optimizer_transient,
             runtime,
             peak: target.round_up(peak),
             peak_phase,
         }
+    }
+}
+
+/// Parameters only the embedding stem uses (position and token-type tables,
+/// BERT's embedding norm, an untied token embedding): their gradients are made
+/// by the last operation of the backward, after every block's.
+pub fn stem_only_parameters(spec: &ModelSpec) -> u64 {
+    let c = &spec.config;
+    let (h, v, positions) = (c.hidden as u64, c.vocab as u64, c.max_positions as u64);
+    match c.family {
+        Family::Gpt2 => positions * h,
+        Family::Llama if c.tied_embeddings => 0,
+        Family::Llama => v * h,
+        Family::Bert => (positions + 2) * h + 2 * h,
+        Family::Generic => 0,
     }
 }
 
