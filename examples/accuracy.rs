@@ -15,8 +15,9 @@
 //! ```
 //!
 //! `--deadline` stops starting new measurements after that many seconds and
-//! writes what was measured; `--resume FILE` starts from the rows of an earlier
-//! run's JSON and measures only the configurations it lacks.
+//! writes what was measured; `--resume FILE` takes the peaks an earlier run's
+//! JSON measured (recomputing their estimates) and measures only the
+//! configurations it lacks.
 //!
 //! To study the model on part of the matrix: `--models A,B` keeps the models
 //! whose names start with one of the prefixes, `--plans TEXT` the plans whose
@@ -32,7 +33,7 @@
 //! timeline and prints the phase and moment of the measured peak, the
 //! estimate's moments and the largest allocations alive at the peak.
 
-use oomfix::measure::{measure_plan, record_plan, CountingAlloc, Timeline};
+use oomfix::measure::{measure_plan, record_plan, Component, CountingAlloc, Timeline};
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
 use oomfix::{Estimator, Family, MemoryModel, ModelConfig, ModelSpec, Target};
 use std::fmt::Write as _;
@@ -269,47 +270,63 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         oomfix::measure::alloc::start_recording(oomfix::measure::MAX_EVENTS);
         oomfix::measure::alloc::stop_recording();
     }
-    // `--resume FILE`: keep the rows of an earlier run's JSON and measure only the rest.
-    let mut rows: Vec<serde_json::Value> = match value("--resume") {
-        Some(path) => serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(path)?)?
-            ["rows"]
+    // `--resume FILE`: the peaks an earlier run's JSON measured (`None`: out of
+    // memory) are taken as measured; their estimates are recomputed.
+    let resumed: std::collections::HashMap<String, Option<u64>> = match value("--resume") {
+        Some(path) => serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(path)?)?["rows"]
             .as_array()
-            .cloned()
-            .unwrap_or_default(),
-        None => Vec::new(),
+            .into_iter()
+            .flatten()
+            .filter_map(|r| {
+                let key = format!("{}\t{}", r["model"].as_str()?, r["plan"].as_str()?);
+                Some((key, r["measured_bytes"].as_u64()))
+            })
+            .collect(),
+        None => Default::default(),
     };
-    let started = std::time::Instant::now();
-    'matrix: for (name, config) in models {
+    // The configurations, resumed ones first, then composed attention before
+    // flash, so that a deadline cuts the least informative rows.
+    let mut todo: Vec<(&str, ModelSpec, Plan)> = Vec::new();
+    for (name, config) in models {
         let spec = ModelSpec::from_config(name, config);
         for plan in plans(shapes) {
             let family = spec.config.family;
             // GPU: sequence 256 only for BERT, whose positions stop at 512.
-            if plan.seq_len > spec.config.max_positions && family.has_learned_positions()
+            if !(plan.seq_len > spec.config.max_positions && family.has_learned_positions()
                 || plan.attention == Attention::Flash && !target.has_flash_attention()
                 || gpu && plan.seq_len == 256 && family != Family::Bert
-                || rows
-                    .iter()
-                    .any(|r| r["model"] == name && r["plan"] == plan.to_string())
-                || !keeps(name, &plan)
+                || !keeps(name, &plan))
             {
-                continue;
+                todo.push((name, spec.clone(), plan));
             }
-            if started.elapsed().as_secs_f64() > deadline {
-                println!("deadline of {deadline} s reached: stopping (continue with --resume)");
-                break 'matrix;
-            }
+        }
+    }
+    todo.sort_by_key(|(name, _, plan)| {
+        (!resumed.contains_key(&format!("{name}\t{plan}")), plan.attention == Attention::Flash)
+    });
+    let mut rows: Vec<serde_json::Value> = Vec::new();
+    let started = std::time::Instant::now();
+    for (name, spec, plan) in todo {
+        let key = format!("{name}\t{plan}");
+        let earlier = resumed.get(&key).copied();
+        if earlier.is_none() && started.elapsed().as_secs_f64() > deadline {
+            println!("deadline of {deadline} s reached: stopping (continue with --resume)");
+            break;
+        }
+        {
             let est = MemoryModel.estimate(&spec, &plan, &target);
-            let key = format!("{name}\t{plan}");
             if cache_only && !cache.contains_key(&key) {
                 continue;
             }
-            let m = match cache.get(&key) {
-                Some(&peak_bytes) => oomfix::search::Measurement {
-                    peak_bytes,
-                    reserved_bytes: peak_bytes,
-                    out_of_memory: false,
-                },
-                None => measure_plan(&spec, &plan, target)?,
+            let measured = |peak_bytes| oomfix::search::Measurement {
+                peak_bytes,
+                reserved_bytes: peak_bytes,
+                out_of_memory: false,
+            };
+            let m = match (earlier, cache.get(&key)) {
+                (Some(Some(peak_bytes)), _) | (None, Some(&peak_bytes)) => measured(peak_bytes),
+                (Some(None), _) => oomfix::search::Measurement { out_of_memory: true, ..measured(0) },
+                (None, None) => measure_plan(&spec, &plan, target)?,
             };
             if let Some(path) = cache_path
                 .as_ref()
@@ -336,9 +353,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if explain {
                 print_moments(&spec, &plan, &est);
                 let (_, timeline) = record_plan(&spec, &plan, target)?;
-                let embedding = (spec.config.vocab * spec.config.hidden) as u64
-                    * plan.precision.compute_bytes();
-                explain_peak(&timeline, embedding);
+                explain_peak(&timeline);
             }
             rows.push(serde_json::json!({"model": name, "parameters": spec.parameters(), "plan": plan.to_string(),
                 "estimated_bytes": est.peak, "measured_bytes": (!m.out_of_memory).then_some(m.peak_bytes),
@@ -460,82 +475,34 @@ fn print_moments(spec: &ModelSpec, plan: &Plan, est: &oomfix::memory::Breakdown)
 /// Prints where a recorded step's peak is: its phase, the position in the
 /// event stream, the peak per phase, and the largest blocks alive at the peak
 /// grouped by size.
-fn explain_peak(t: &Timeline, embedding_bytes: u64) {
-    let live = |e: &oomfix::measure::alloc::Event| e.live.saturating_sub(t.baseline);
-    let Some((at, peak)) = t.events.iter().enumerate().max_by_key(|(_, e)| live(e)) else {
-        return;
-    };
-    let mut by_phase = std::collections::BTreeMap::new();
-    for e in &t.events {
-        let m = by_phase.entry(e.phase.as_str()).or_insert(0u64);
-        *m = (*m).max(live(e));
-    }
+fn explain_peak(t: &Timeline) {
+    let (at, components) = t.peak();
     println!(
-        "    measured peak {} in {} at event {at}/{} (phase peaks {by_phase:?}{})",
-        live(peak),
-        peak.phase.as_str(),
-        t.events.len(),
-        if t.truncated { ", truncated" } else { "" }
+        "    measured peak {} at {:.1} ms ({}){}: {}",
+        components.iter().sum::<u64>(),
+        at as f64 / 1e6,
+        t.phase_at(at).as_str(),
+        if t.truncated { ", truncated" } else { "" },
+        Component::ALL
+            .iter()
+            .map(|c| format!("{} {}", c.as_str(), components[*c as usize]))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
-    // The live bytes over the step: the highest value in each of 48 stretches of events.
-    let stretch = t.events.len().div_ceil(48).max(1);
-    let highs: Vec<String> = t
-        .events
-        .chunks(stretch)
-        .map(|c| format!("{:.1}", c.iter().map(live).max().unwrap_or(0) as f64 / 1e6))
-        .collect();
-    println!("    live MB over the step: {}", highs.join(" "));
-    // The stretches between allocations of embedding-sized tensors (the head's
-    // weight gradient, the embedding backward's tensors, the optimizer's).
-    let marks: Vec<usize> = t
-        .events
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| e.alloc && e.size == embedding_bytes)
-        .map(|(i, _)| i)
-        .collect();
-    let mut from = 0;
-    let mut parts = Vec::new();
-    for &m in marks.iter().chain([&t.events.len()]) {
-        let high = t.events[from..m].iter().map(live).max().unwrap_or(0);
-        parts.push(format!("[{from}..{m}) max {:.2}", high as f64 / 1e6));
-        from = m;
-    }
-    if parts.len() <= 40 {
-        println!(
-            "    between embedding-sized allocations: {}",
-            parts.join(", ")
-        );
-    }
-    // Blocks allocated during the step and alive at the peak.
-    let mut alive = std::collections::HashMap::new();
-    for (i, e) in t.events[..=at].iter().enumerate() {
-        if e.alloc {
-            alive.insert(e.addr, (e.size, i));
-        } else {
-            alive.remove(&e.addr);
+    // What is alive at the peak, grouped by module/op tag and component.
+    let mut groups = std::collections::HashMap::<(String, &str), (u64, usize)>::new();
+    for b in &t.blocks {
+        if b.alloc_ns.is_none_or(|a| a <= at) && b.free_ns.is_none_or(|f| f > at) {
+            let g = groups.entry((b.tag.name(), b.component.as_str())).or_default();
+            g.0 += b.size;
+            g.1 += 1;
         }
     }
-    let mut sizes = std::collections::BTreeMap::<u64, Vec<usize>>::new();
-    for &(s, i) in alive.values() {
-        sizes.entry(s).or_default().push(i);
-    }
-    let mut sizes: Vec<_> = sizes
-        .into_iter()
-        .map(|(s, at)| (s * at.len() as u64, s, at))
-        .collect();
-    sizes.sort_by_key(|x| std::cmp::Reverse(x.0));
-    let new: u64 = alive.values().map(|a| a.0).sum();
-    println!("    allocated in the step and alive at the peak: {new} bytes; largest groups (size x count: events of the last 8 allocations):");
-    for (total, s, at) in sizes.iter_mut().take(12) {
-        at.sort_unstable();
-        let shown = if std::env::var("EXPLAIN_SIZE").is_ok_and(|v| v == s.to_string()) {
-            at.len()
-        } else {
-            8
-        };
-        let last = &at[at.len().saturating_sub(shown)..];
-        println!("      {s:>10} x {:<4} = {total:<10} {last:?}", at.len());
+    let mut groups: Vec<_> = groups.into_iter().collect();
+    groups.sort_by_key(|(_, (bytes, _))| std::cmp::Reverse(*bytes));
+    println!("    largest groups alive at the peak (tag, component: bytes in blocks):");
+    for ((tag, component), (bytes, count)) in groups.iter().take(12) {
+        println!("      {tag:<40} {component:<16} {bytes:>12} in {count}");
     }
 }
 

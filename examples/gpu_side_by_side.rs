@@ -11,10 +11,10 @@
 //! A CUDA out-of-memory is reported as `"status":"oom"`, then the pool is trimmed.
 //!
 //! Usage: `gpu_side_by_side [--steps N] CONFIG...`, CONFIG =
-//! `MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM]`, e.g. `gpt2:8:1024:bf16:1:fused`:
+//! `MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM[:ATTN]]`, e.g. `gpt2:8:1024:bf16:1:fused:1:flash`:
 //! MODEL gpt2 | gpt2-medium | tinyllama; PRECISION fp32 | bf16; CKPT 0 (none) or
 //! k (checkpoint every k blocks); OPTIMIZER fused | candle; ACCUM micro-batches
-//! per step (default 1).
+//! per step (default 1); ATTN composed (default) | flash.
 //!
 //! Build with `scripts/build-cuda.sh --example gpu_side_by_side`.
 
@@ -24,7 +24,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use oomfix::measure::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
-use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
+use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Precision};
 use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Plan, Target};
@@ -59,10 +59,16 @@ fn main() -> Result<()> {
 /// Parses `MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM]`.
 fn parse(arg: &str) -> Result<(String, ModelConfig, Plan)> {
     let f: Vec<&str> = arg.split(':').collect();
-    let (model, batch, seq, precision, ckpt, optimizer, accum) = match f[..] {
-        [m, b, s, p, c, o] => (m, b, s, p, c, o, "1"),
-        [m, b, s, p, c, o, a] => (m, b, s, p, c, o, a),
-        _ => bail!("`{arg}` is not MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM]"),
+    let (model, batch, seq, precision, ckpt, optimizer, accum, attention) = match f[..] {
+        [m, b, s, p, c, o] => (m, b, s, p, c, o, "1", "composed"),
+        [m, b, s, p, c, o, a] => (m, b, s, p, c, o, a, "composed"),
+        [m, b, s, p, c, o, a, t] => (m, b, s, p, c, o, a, t),
+        _ => bail!("`{arg}` is not MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM[:ATTN]]"),
+    };
+    let attention = match attention {
+        "composed" => Attention::Composed,
+        "flash" => Attention::Flash,
+        _ => bail!("unknown attention `{attention}` (composed, flash)"),
     };
     let config = match model {
         "gpt2" => ModelConfig::gpt2_small(),
@@ -92,6 +98,7 @@ fn parse(arg: &str) -> Result<(String, ModelConfig, Plan)> {
         precision,
         checkpoint,
         optimizer,
+        attention,
         ..Plan::baseline(1, 1)
     };
     Ok((model.to_string(), config, plan))
@@ -121,7 +128,7 @@ fn run(
         "precision": plan.precision.as_str(),
         "ckpt": ckpt,
         "optimizer": plan.optimizer.as_str(),
-        "attn": "candle",
+        "attn": if plan.attention == Attention::Flash { "flash" } else { "composed" },
         "params": spec.parameters(),
         "estimate_bytes": estimate.peak,
         "estimate_pool_bytes": estimate.peak.saturating_sub(Target::Cuda(0).runtime_bytes()),

@@ -19,7 +19,13 @@ ORDER = {"gpt2": 0, "gpt2-medium": 1, "tinyllama": 2}
 by_model = lambda rows: sorted(rows, key=lambda r: ORDER.get(r["model"], 3))
 torch_rows, oomfix_rows = by_model(load(sys.argv[1])), by_model(load(sys.argv[2]))
 key = lambda r: (r["model"], r["batch"], r["seq"], r["precision"], r["ckpt"], r.get("accum", 1))
-ours = {key(r): r for r in oomfix_rows}
+# oomfix's attention per row: composed (eager-style) or flash. PyTorch's eager
+# rows compare with composed; its SDPA rows with flash where it ran, else composed.
+ours = {(key(r), r.get("attn", "composed")): r for r in oomfix_rows}
+def match(t):
+    if t["attn"] == "eager":
+        return ours.get((key(t), "composed"))
+    return ours.get((key(t), "flash")) or ours.get((key(t), "composed"))
 gib = lambda b: f"{b / GIB:.2f}"
 def cell(r, field, fmt):
     if r is None:
@@ -36,27 +42,28 @@ plan = lambda r: f'{r["model"]} | {r["batch"]}×{r["seq"]} | {r["precision"]} | 
 print("## oomfix vs PyTorch 2.11, same plan, fused AdamW\n")
 print("Peaks in GiB (oomfix: CUDA pool used/reserved high-water; PyTorch: max_memory_allocated/reserved); "
       "step ms: median of 5 steady-state steps. Ratios are oomfix / PyTorch.\n")
-print("| model | b×s | precision | ckpt | PyTorch attn | PyTorch alloc | PyTorch reserved | PyTorch ms "
+print("| model | b×s | precision | ckpt | PyTorch attn | oomfix attn | PyTorch alloc | PyTorch reserved | PyTorch ms "
       "| oomfix alloc | oomfix reserved | oomfix ms | alloc ratio | reserved ratio | time ratio |")
-print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 seen = set()
 for t in torch_rows:
-    o = ours.get(key(t))
-    seen.add(key(t))
-    print(f'| {plan(t)} | {t["attn"]} | {cell(t, "peak_alloc_bytes", gib)} | {cell(t, "peak_reserved_bytes", gib)} '
+    o = match(t)
+    if o is not None:
+        seen.add((key(o), o.get("attn", "composed")))
+    print(f'| {plan(t)} | {t["attn"]} | {o.get("attn", "composed") if o else ""} | {cell(t, "peak_alloc_bytes", gib)} | {cell(t, "peak_reserved_bytes", gib)} '
           f'| {cell(t, "step_ms", "{:.0f}".format)} | {cell(o, "peak_alloc_bytes", gib)} '
           f'| {cell(o, "peak_reserved_bytes", gib)} | {cell(o, "step_ms", "{:.0f}".format)} '
           f'| {ratio(o, t, "peak_alloc_bytes")} | {ratio(o, t, "peak_reserved_bytes")} | {ratio(o, t, "step_ms")} |')
 for o in oomfix_rows:
-    if key(o) not in seen:
-        print(f'| {plan(o)}{" ×" + str(o.get("accum")) + " accum" if o.get("accum", 1) > 1 else ""} | not run | | | '
+    if (key(o), o.get("attn", "composed")) not in seen:
+        print(f'| {plan(o)}{" ×" + str(o.get("accum")) + " accum" if o.get("accum", 1) > 1 else ""} | not run | {o.get("attn", "composed")} | | | '
               f'| {cell(o, "peak_alloc_bytes", gib)} | {cell(o, "peak_reserved_bytes", gib)} '
               f'| {cell(o, "step_ms", "{:.0f}".format)} | | | |')
 
 print("\n## Memory model vs measured GPU peak (oomfix)\n")
 print("estimate − runtime (context and cuBLAS workspace, outside the pool) against the pool's used high-water mark.\n")
-print("| model | b×s | precision | ckpt | accum | estimate GiB | estimate − runtime GiB | measured GiB | error |")
-print("|---|---|---|---|---:|---:|---:|---:|---:|")
+print("| model | b×s | precision | ckpt | attn | accum | estimate GiB | estimate − runtime GiB | measured GiB | error |")
+print("|---|---|---|---|---|---:|---:|---:|---:|---:|")
 errs = []
 for o in oomfix_rows:
     if "estimate_bytes" not in o:
@@ -67,7 +74,7 @@ for o in oomfix_rows:
         meas, err = gib(o["peak_alloc_bytes"]), f"{100 * e:+.1f}%"
     else:
         meas, err = o.get("status", "?").upper(), ""
-    print(f'| {plan(o)} | {o.get("accum", 1)} | {gib(o["estimate_bytes"])} | {gib(o["estimate_pool_bytes"])} | {meas} | {err} |')
+    print(f'| {plan(o)} | {o.get("attn", "composed")} | {o.get("accum", 1)} | {gib(o["estimate_bytes"])} | {gib(o["estimate_pool_bytes"])} | {meas} | {err} |')
 if errs:
     a = [abs(e) for e in errs]
     print(f"\n{len(errs)} measured: median |error| {100 * statistics.median(a):.1f}%, max |error| {100 * max(a):.1f}%")

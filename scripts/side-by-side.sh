@@ -61,7 +61,7 @@ torch_side() {
         say "torch_step.py exited with $? (timeout is 124)"
 }
 
-# oomfix configurations MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM], one process each.
+# oomfix configurations MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM[:ATTN]], one process each.
 oomfix_side() {
     local c t rc line
     for c in "$@"; do
@@ -76,9 +76,9 @@ oomfix_side() {
         if [[ -n $line ]]; then
             printf '%s\n' "$line" >>"$OOMFIX"
         else
-            IFS=: read -r m b s p k o a <<<"$c"
-            printf '{"side":"oomfix","model":"%s","batch":%s,"seq":%s,"precision":"%s","ckpt":%s,"accum":%s,"status":"%s"}\n' \
-                "$m" "$b" "$s" "$p" "$k" "${a:-1}" "$([[ $rc == 124 ]] && echo timeout || echo "exit $rc")" >>"$OOMFIX"
+            IFS=: read -r m b s p k o a t <<<"$c"
+            printf '{"side":"oomfix","model":"%s","batch":%s,"seq":%s,"precision":"%s","ckpt":%s,"accum":%s,"attn":"%s","status":"%s"}\n' \
+                "$m" "$b" "$s" "$p" "$k" "${a:-1}" "${t:-composed}" "$([[ $rc == 124 ]] && echo timeout || echo "exit $rc")" >>"$OOMFIX"
         fi
     done
 }
@@ -100,7 +100,8 @@ want() { [[ " $PHASES " == *" $1 "* ]]; }
 G=gpt2:8:1024 L=tinyllama:4:2048 M=gpt2-medium
 if want gpt2; then
     torch_side $G:fp32:0:sdpa $G:bf16:0:sdpa $G:bf16:1:sdpa $G:fp32:0:eager $G:bf16:0:eager $G:bf16:1:eager
-    oomfix_side $G:fp32:0:fused $G:bf16:0:fused $G:bf16:1:fused
+    oomfix_side $G:fp32:0:fused:1:flash $G:bf16:0:fused:1:flash $G:bf16:1:fused:1:flash \
+        $G:fp32:0:fused $G:bf16:0:fused $G:bf16:1:fused
 fi
 
 mkdir -p "$WORK/gpt2-medium" "$WORK/tinyllama"
@@ -124,7 +125,8 @@ fi
 if want llama; then
     torch_side $L:bf16:1:sdpa $L:bf16:0:sdpa $L:fp32:0:sdpa
     # Last: the CLI's closest TinyLlama plan at 8 GiB (1 x 8 accumulation, seq 1024).
-    oomfix_side $L:bf16:1:fused $L:bf16:0:fused $L:fp32:0:fused tinyllama:1:1024:bf16:1:fused:8
+    oomfix_side $L:bf16:1:fused:1:flash $L:bf16:0:fused:1:flash $L:bf16:1:fused $L:bf16:0:fused \
+        $L:fp32:0:fused tinyllama:1:1024:bf16:1:fused:8
 fi
 want eager && torch_side $L:bf16:1:eager $L:bf16:0:eager $L:fp32:0:eager
 say "runs done"

@@ -144,12 +144,19 @@ pub struct PlanArgs {
     /// flag is given) measures each attempt whose estimate fits, `all` every attempt.
     #[arg(long, value_enum, num_args = 0..=1, require_equals = true, default_missing_value = "fitting")]
     pub verify: Option<VerifyArg>,
+    /// CUDA only: before planning, take all device memory except --budget
+    /// (context included) for the rest of the process, so that --verify and
+    /// `train` run inside the budget for real; more is a CUDA out-of-memory.
+    #[arg(long)]
+    pub enforce_budget: bool,
     /// Measure the chosen plan (or the closest) and write every allocation of
-    /// its step as a PyTorch memory snapshot (open it in pytorch.org/memory_viz).
+    /// its step, tagged with module, op and component, as a PyTorch memory
+    /// snapshot (open it in pytorch.org/memory_viz).
     #[arg(long, value_name = "PATH")]
     pub snapshot: Option<PathBuf>,
     /// Measure the chosen plan (or the closest) and draw live memory over its
-    /// step as an SVG, phases shaded, budget as a line.
+    /// step, stacked by component, phases shaded, budget as a line: an SVG or
+    /// a PNG, by the file's extension (.svg, .png).
     #[arg(long, value_name = "PATH")]
     pub plot: Option<PathBuf>,
 }

@@ -66,12 +66,18 @@ fn main() -> ExitCode {
 /// Runs the search and prints its result.
 fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
     let budget = args.budget.ok_or_else(|| Error::Usage("a budget is required, e.g. --budget 8GiB (see --help)".into()))?;
+    if let Some(path) = &args.plot {
+        report::PlotFormat::from_path(path).map_err(Error::Usage)?;
+    }
     let spec = match &args.model {
         Some(path) => inspect::inspect(path)?,
         None => ModelSpec::default_model(),
     };
     if args.model.is_none() && !args.json {
         eprintln!("oomfix: no model given; planning for the {}", spec.source);
+    }
+    if args.enforce_budget {
+        enforce_budget(args.device, budget)?;
     }
     let pipeline = Pipeline::from_names(&args.strategies).map_err(|e| Error::Usage(e.to_string()))?;
     let mut planner = Planner::new(budget)
@@ -113,6 +119,43 @@ fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
     Ok((spec, result))
 }
 
+/// `--enforce-budget`: leaves only `budget` bytes of the CUDA device usable by
+/// this process until it exits.
+fn enforce_budget(target: Target, budget: u64) -> oomfix::Result<()> {
+    let Target::Cuda(ordinal) = target else {
+        return Err(Error::Usage(
+            "--enforce-budget limits a CUDA device's memory; with --device cpu there is nothing to limit \
+             (use --verify, which measures CPU plans in a child process limited to the budget)"
+                .into(),
+        ));
+    };
+    enforce_cuda(ordinal, budget)
+}
+
+#[cfg(feature = "cuda")]
+fn enforce_cuda(ordinal: usize, budget: u64) -> oomfix::Result<()> {
+    let device = candle_core::Device::new_cuda(ordinal)
+        .map_err(|e| Error::Usage(format!("--enforce-budget: cannot use cuda:{ordinal}: {e}")))?;
+    let cuda = device.as_cuda_device()?;
+    let done = oomfix::measure::cuda::enforce_budget(cuda, budget)
+        .map_err(|e| Error::Usage(format!("--enforce-budget: {e}")))?;
+    tracing::info!(ballast_bytes = done.ballast, already_used_bytes = done.already_used,
+                   free_after_bytes = done.free_after, "budget enforced");
+    eprintln!(
+        "oomfix: enforcing the budget on cuda:{ordinal}: {} held back, {} free for this process \
+         (it already holds {})",
+        oomfix::units::format_bytes(done.ballast),
+        oomfix::units::format_bytes(done.free_after),
+        oomfix::units::format_bytes(done.already_used)
+    );
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn enforce_cuda(_: usize, _: u64) -> oomfix::Result<()> {
+    Err(Error::Usage("--enforce-budget on CUDA needs a build with --features cuda".into()))
+}
+
 /// Measures the chosen (or closest) plan with its allocations recorded and
 /// writes `--snapshot` and `--plot`.
 fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, budget: u64) -> oomfix::Result<()> {
@@ -123,20 +166,22 @@ fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, bu
     for out in [&args.snapshot, &args.plot].into_iter().flatten() {
         oomfix::output::check_output(out, &inputs)?;
     }
+    let plot_format = args.plot.as_deref().map(report::PlotFormat::from_path).transpose().map_err(Error::Usage)?;
     let attempt = result.chosen().unwrap_or_else(|| result.closest());
     let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
     if timeline.truncated {
-        tracing::warn!("the step made more than {} allocations; the timeline is cut", oomfix::measure::MAX_EVENTS);
+        tracing::warn!("the recording filled its {} events; the timeline ends early", oomfix::measure::MAX_EVENTS);
     }
-    tracing::info!(measured_bytes = m.peak_bytes, events = timeline.events.len(), "recorded {}", attempt.plan);
+    tracing::info!(measured_bytes = m.peak_bytes, blocks = timeline.blocks.len(), changes = timeline.changes.len(),
+                   "recorded {}", attempt.plan);
     if let Some(path) = &args.snapshot {
         let bytes = report::snapshot_pickle(&timeline);
         oomfix::output::write_atomic(path, |f| write_all(f, path, &bytes))?;
     }
-    if let Some(path) = &args.plot {
+    if let (Some(path), Some(format)) = (&args.plot, plot_format) {
         let title = format!("{}: {}", spec.source, attempt.plan);
-        let svg = report::timeline_svg(&timeline, budget, &title).map_err(Error::Usage)?;
-        oomfix::output::write_atomic(path, |f| write_all(f, path, svg.as_bytes()))?;
+        let image = report::timeline_plot(&timeline, budget, &title, format).map_err(Error::Usage)?;
+        oomfix::output::write_atomic(path, |f| write_all(f, path, &image))?;
     }
     Ok(())
 }

@@ -115,6 +115,13 @@ fn usage_errors_exit_2() {
 }
 
 #[test]
+fn enforce_budget_on_the_cpu_is_a_usage_error() {
+    oomfix().args(["--budget", "8GiB", "--device", "cpu", "--enforce-budget"]).assert().code(2)
+        .stdout(predicate::str::is_empty())
+        .stderr(predicate::str::contains("--enforce-budget limits a CUDA device"));
+}
+
+#[test]
 fn json_logs_are_one_object_per_line_with_attempt_fields() {
     let out = oomfix().args(["--budget", "8GiB", "--log-format", "json"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0));

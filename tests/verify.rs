@@ -116,8 +116,8 @@ d = pickle.load(open(sys.argv[1], "rb"))
 assert set(d) >= {"segments", "device_traces"}, d.keys()
 t = d["device_traces"][0]
 assert len(t) > 10 and {"action", "addr", "size", "time_us", "frames"} <= set(t[0]), t[0]
-assert {e["action"] for e in t} <= {"alloc", "free_completed"}
-assert {f["name"] for e in t for f in e["frames"]} >= {"forward_backward", "optimizer_step"}
+assert {e["action"] for e in t} <= {"alloc", "free_completed", "snapshot"}
+assert {f["name"] for e in t for f in e["frames"]} >= {"forward", "backward", "optimizer_step"}
 print(len(t))
 "#;
     let py = std::process::Command::new("python3").arg("-c").arg(check).arg(&snap).output().unwrap();

@@ -1,4 +1,5 @@
-//! A counting global allocator: current and high-water heap bytes.
+//! A counting global allocator: current and high-water heap bytes, and an
+//! optional recording of every allocation and free.
 //!
 //! Install it in a binary to measure CPU peaks:
 //!
@@ -9,7 +10,18 @@
 //!
 //! The counters are process-wide. [`reset_peak`] sets the high-water mark to the
 //! current value, so `peak() - current_at_reset` is what a region added.
+//!
+//! While [`start_recording`] is on, each allocation and free is written as an
+//! [`Event`] into a buffer obtained from the system allocator (neither counted
+//! nor recorded), by index: the allocator never allocates while recording. An
+//! event carries the [`Phase`] and the [`Tag`] (module path and op, see
+//! [`super::tag`]) current when it happened; both are plain atomics, so
+//! allocations on worker threads (candle's CPU ops use rayon) carry the tag of
+//! the scope the training thread is in. Besides allocations the buffer holds
+//! phase changes, [`mark`]s (a buffer's [`Component`], stated by the trainer)
+//! and the start of the measured step ([`mark_step_start`]).
 
+use super::tag::{self, Component, Tag};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
@@ -21,32 +33,38 @@ static INSTALLED: AtomicBool = AtomicBool::new(false);
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CountingAlloc;
 
-/// What the program is doing, recorded with each allocation event.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What the training step is doing, recorded with each allocation event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[repr(u8)]
 pub enum Phase {
-    /// Outside a training step (setup).
+    /// Outside a training step (building the model, between steps).
     #[default]
     Setup = 0,
-    /// Forward and backward passes.
-    ForwardBackward = 1,
-    /// The optimizer step.
-    OptimizerStep = 2,
+    /// A micro-batch's forward pass (up to and including the loss).
+    Forward = 1,
+    /// A micro-batch's backward pass (with any recomputation), and the
+    /// accumulation of its gradients.
+    Backward = 2,
+    /// The optimizer step (with unscaling and the copy back to 16-bit weights).
+    OptimizerStep = 3,
 }
 
 impl Phase {
-    /// Lower-case name.
+    /// Lower-case name: `setup`, `forward`, `backward`, `optimizer_step`.
     pub fn as_str(self) -> &'static str {
         match self {
             Phase::Setup => "setup",
-            Phase::ForwardBackward => "forward_backward",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
             Phase::OptimizerStep => "optimizer_step",
         }
     }
+
     fn from_u8(v: u8) -> Phase {
         match v {
-            1 => Phase::ForwardBackward,
-            2 => Phase::OptimizerStep,
+            1 => Phase::Forward,
+            2 => Phase::Backward,
+            3 => Phase::OptimizerStep,
             _ => Phase::Setup,
         }
     }
@@ -54,30 +72,60 @@ impl Phase {
 
 static PHASE: AtomicU8 = AtomicU8::new(0);
 
-/// Marks what the program is doing from now on (tags recorded events).
+/// Marks what the program is doing from now on (tags recorded events, and is
+/// itself recorded as an [`EventKind::Phase`] event).
 pub fn set_phase(phase: Phase) {
-    PHASE.store(phase as u8, Ordering::Relaxed);
+    let old = PHASE.swap(phase as u8, Ordering::Relaxed);
+    if old != phase as u8 {
+        record(EventKind::Phase, 0, 0, current());
+    }
 }
 
-/// One allocation or free, as recorded.
+/// The phase set last.
+pub fn phase() -> Phase {
+    Phase::from_u8(PHASE.load(Ordering::Relaxed))
+}
+
+/// What a recorded [`Event`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(u8)]
+pub enum EventKind {
+    /// A block of `size` bytes was allocated at `addr`.
+    #[default]
+    Alloc = 0,
+    /// The block at `addr` (`size` bytes) was freed.
+    Free = 1,
+    /// The phase changed to the event's `phase`.
+    Phase = 2,
+    /// The live block at `addr` holds the [`Component`] numbered `size`
+    /// ([`Component::from_index`]).
+    Mark = 3,
+    /// The measured step starts here.
+    StepStart = 4,
+}
+
+/// One recorded event. All-zero bytes are a valid event (the buffer is
+/// zero-initialised memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(C)]
 pub struct Event {
     /// Nanoseconds since recording started.
     pub time_ns: u64,
     /// Address of the block.
     pub addr: u64,
-    /// Size in bytes.
+    /// Size in bytes (for [`EventKind::Mark`]: the component's index).
     pub size: u64,
-    /// Live heap bytes after the event.
+    /// Live heap bytes after the event (all of the process's heap).
     pub live: u64,
-    /// `true` for an allocation, `false` for a free.
-    pub alloc: bool,
-    /// What the program was doing.
+    /// Module path and op current when the event happened.
+    pub tag: Tag,
+    /// What the event is.
+    pub kind: EventKind,
+    /// The phase current when the event happened.
     pub phase: Phase,
 }
 
-/// The recording buffer: a leaked slice written by index, so the allocator
-/// never allocates while recording.
+/// The recording buffer: memory from the system allocator written by index.
 static BUFFER: AtomicPtr<Event> = AtomicPtr::new(std::ptr::null_mut());
 static CAPACITY: AtomicUsize = AtomicUsize::new(0);
 static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -91,9 +139,15 @@ fn now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Whether events are being recorded now.
 #[inline]
-fn record(addr: *mut u8, size: u64, alloc: bool, live: u64) {
-    if !RECORDING.load(Ordering::Relaxed) {
+pub fn recording() -> bool {
+    RECORDING.load(Ordering::Relaxed)
+}
+
+#[inline]
+fn record(kind: EventKind, addr: u64, size: u64, live: u64) {
+    if !recording() {
         return;
     }
     let i = NEXT.fetch_add(1, Ordering::Relaxed);
@@ -102,22 +156,44 @@ fn record(addr: *mut u8, size: u64, alloc: bool, live: u64) {
     }
     let event = Event {
         time_ns: now_ns().saturating_sub(START_NS.load(Ordering::Relaxed)),
-        addr: addr as u64,
+        addr,
         size,
         live,
-        alloc,
-        phase: Phase::from_u8(PHASE.load(Ordering::Relaxed)),
+        tag: tag::current(),
+        kind,
+        phase: phase(),
     };
     // SAFETY: `i < CAPACITY`, the buffer holds CAPACITY events and each index is
     // handed out once by the atomic counter.
     unsafe { BUFFER.load(Ordering::Relaxed).add(i).write(event) };
 }
 
+/// Records that the live block at `addr` holds `component` (no-op when not recording).
+pub fn mark(addr: u64, component: Component) {
+    record(EventKind::Mark, addr, component as u64, current());
+}
+
+/// Records that the measured step starts now (no-op when not recording).
+pub fn mark_step_start() {
+    record(EventKind::StepStart, 0, 0, current());
+}
+
 /// Starts recording every allocation and free, up to `capacity` events.
+///
+/// The buffer comes from the system allocator, zeroed (pages are touched only
+/// as events are written), and is kept for later recordings; it is neither
+/// counted in [`current`] nor recorded.
 pub fn start_recording(capacity: usize) {
+    let capacity = capacity.max(1);
     if BUFFER.load(Ordering::Relaxed).is_null() || CAPACITY.load(Ordering::Relaxed) < capacity {
-        let buf: &'static mut [Event] = Box::leak(vec![Event::default(); capacity].into_boxed_slice());
-        BUFFER.store(buf.as_mut_ptr(), Ordering::Relaxed);
+        let Ok(layout) = Layout::array::<Event>(capacity) else { return };
+        // SAFETY: the layout has a non-zero size; a zeroed Event is valid.
+        let buf = unsafe { System.alloc_zeroed(layout) }.cast::<Event>();
+        if buf.is_null() {
+            return;
+        }
+        // An older, smaller buffer is leaked (recordings are rare and short).
+        BUFFER.store(buf, Ordering::Relaxed);
         CAPACITY.store(capacity, Ordering::Relaxed);
     }
     START_NS.store(now_ns(), Ordering::Relaxed);
@@ -151,14 +227,18 @@ fn sub(bytes: u64) {
 }
 
 // SAFETY: every method forwards to `System` with the same arguments and only
-// updates counters besides.
+// updates counters (and the recording buffer) besides.
+//
+// A free is recorded before the block goes back to the system: once it is
+// back, another thread may get the same address and record its allocation,
+// which must come after the free in the recording.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             INSTALLED.store(true, Ordering::Relaxed);
             add(layout.size() as u64);
-            record(p, layout.size() as u64, true, current());
+            record(EventKind::Alloc, p as u64, layout.size() as u64, current());
         }
         p
     }
@@ -167,22 +247,27 @@ unsafe impl GlobalAlloc for CountingAlloc {
         if !p.is_null() {
             INSTALLED.store(true, Ordering::Relaxed);
             add(layout.size() as u64);
-            record(p, layout.size() as u64, true, current());
+            record(EventKind::Alloc, p as u64, layout.size() as u64, current());
         }
         p
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        let size = layout.size() as u64;
+        record(EventKind::Free, ptr as u64, size, current().saturating_sub(size));
         unsafe { System.dealloc(ptr, layout) };
-        sub(layout.size() as u64);
-        record(ptr, layout.size() as u64, false, current());
+        sub(size);
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let (old, new) = (layout.size() as u64, new_size as u64);
+        record(EventKind::Free, ptr as u64, old, current().saturating_sub(old));
         let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            sub(layout.size() as u64);
-            record(ptr, layout.size() as u64, false, current());
-            add(new_size as u64);
-            record(p, new_size as u64, true, current());
+        if p.is_null() {
+            // The old block is still allocated.
+            record(EventKind::Alloc, ptr as u64, old, current());
+        } else {
+            sub(old);
+            add(new);
+            record(EventKind::Alloc, p as u64, new, current());
         }
         p
     }

@@ -27,9 +27,11 @@ use candle_core::cuda_backend::cudarc::cublas::result::CublasError;
 use candle_core::cuda_backend::cudarc::cublas::sys::cublasStatus_t;
 use candle_core::cuda_backend::cudarc::driver::result::mem_pool;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool, CUresult};
-use candle_core::cuda_backend::cudarc::driver::{result, DriverError};
+use candle_core::cuda_backend::cudarc::driver::{result, CudaContext, DriverError};
 use candle_core::cuda_backend::{CudaDevice, CudaError, WrapErr};
 use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// The pool's counters and the device's free memory, read at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -90,6 +92,80 @@ pub fn trim(device: &CudaDevice) -> candle_core::Result<()> {
     let pool = default_pool(device)?;
     // SAFETY: the pool is the device's default pool.
     unsafe { mem_pool::trim_to(pool, 0) }.w()
+}
+
+/// Bytes held by the ballast of [`enforce_budget`] (0 when none is held).
+static BALLAST_BYTES: AtomicU64 = AtomicU64::new(0);
+/// The ballast itself, held until the process exits.
+static BALLAST: Mutex<Option<Ballast>> = Mutex::new(None);
+
+/// One plain device allocation (`cuMemAlloc`, outside the pool) that takes
+/// device memory away from everything else in the process.
+struct Ballast {
+    context: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl Drop for Ballast {
+    fn drop(&mut self) {
+        if self.context.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from `cuMemAlloc` in this context and is freed once.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// What [`enforce_budget`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Enforced {
+    /// Bytes of the ballast allocation.
+    pub ballast: u64,
+    /// Device memory this process held before the ballast (context, module
+    /// images): `total - free`, which assumes no other process uses the device.
+    pub already_used: u64,
+    /// Free device memory after the ballast (`cuMemGetInfo`).
+    pub free_after: u64,
+}
+
+/// Makes only `budget` bytes of the device usable by this process, for the rest
+/// of its life: allocates, outside the memory pool, all free memory except
+/// `budget` minus what the process already holds on the device (its context).
+/// A plan that trains afterwards therefore trains inside `budget`, context included,
+/// as the estimate counts it; more is a CUDA out-of-memory.
+///
+/// The ballast is subtracted from the measured memory outside the pool
+/// ([`ballast_bytes`]). Calling it again replaces the earlier ballast.
+pub fn enforce_budget(device: &CudaDevice, budget: u64) -> candle_core::Result<Enforced> {
+    let mut held = BALLAST.lock().unwrap_or_else(|e| e.into_inner());
+    *held = None;
+    BALLAST_BYTES.store(0, Ordering::SeqCst);
+    trim(device)?;
+    let context = device.cuda_stream().context().clone();
+    context.bind_to_thread().w()?;
+    let (free, total) = context.mem_get_info().w()?;
+    let (free, total) = (free as u64, total as u64);
+    let already_used = total - free;
+    let keep = budget.saturating_sub(already_used);
+    if keep == 0 || free < keep {
+        candle_core::bail!(
+            "cannot enforce a budget of {budget} bytes: this process already holds {already_used} bytes \
+             of the device and {free} bytes are free"
+        );
+    }
+    let ballast = free - keep;
+    if ballast > 0 {
+        // SAFETY: the context is bound to this thread; the pointer is freed by `Ballast::drop`.
+        let ptr = unsafe { result::malloc_sync(ballast as usize) }.w()?;
+        *held = Some(Ballast { context: context.clone(), ptr });
+    }
+    BALLAST_BYTES.store(ballast, Ordering::SeqCst);
+    let (free_after, _) = context.mem_get_info().w()?;
+    Ok(Enforced { ballast, already_used, free_after: free_after as u64 })
+}
+
+/// Bytes held by the ballast of [`enforce_budget`] (0 when there is none).
+pub fn ballast_bytes() -> u64 {
+    BALLAST_BYTES.load(Ordering::SeqCst)
 }
 
 fn default_pool(device: &CudaDevice) -> candle_core::Result<CUmemoryPool> {

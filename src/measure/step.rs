@@ -10,7 +10,8 @@
 //! `measure-step` command) under an address-space limit: a plan that would
 //! exhaust host memory then kills only the child and is recorded as out of memory.
 
-use super::alloc;
+use super::timeline::Timeline;
+use super::{alloc, tag};
 use crate::memory::Target;
 use crate::search::{Measurement, Verifier};
 use crate::spec::ModelSpec;
@@ -31,22 +32,18 @@ pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Mea
     measure(spec, plan, target, false).map(|(m, _)| m)
 }
 
-/// A measured step's allocation timeline.
-#[derive(Debug, Clone)]
-pub struct Timeline {
-    /// Every allocation and free of the step, in order.
-    pub events: Vec<alloc::Event>,
-    /// Live heap bytes that belong to the process, not the training (subtract from `live`).
-    pub baseline: u64,
-    /// Whether events were dropped because the buffer filled up.
-    pub truncated: bool,
-}
-
-/// Capacity of the event buffer of a recorded step.
-pub const MAX_EVENTS: usize = 4 << 20;
+/// Capacity of the event buffer of a recording (40 bytes an event; memory is
+/// touched only as events are written). A recording holds the trainer's
+/// construction, a warm-up step and the measured step: GPT-2 small at 1 × 4
+/// micro-batches of 32 tokens makes about 800,000 events.
+pub const MAX_EVENTS: usize = 16 << 20;
 
 /// Measures one steady-state step like [`measure_plan`] and records its
 /// allocation timeline (for `--snapshot` and `--plot`).
+///
+/// Recording starts before the trainer is built, so the blocks alive when the
+/// measured step starts (weights, optimizer state) are known with the op that
+/// made them; see [`Timeline`] for how blocks get their components.
 pub fn record_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<(Measurement, Timeline)> {
     let (m, t) = measure(spec, plan, target, true)?;
     Ok((m, t.expect("recorded")))
@@ -64,19 +61,37 @@ fn measure(spec: &ModelSpec, plan: &Plan, target: Target, recorded: bool) -> Res
         ));
     }
     warm_up(spec, plan, &device)?;
-    let before = alloc::current();
-    let mut trainer = Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())?;
-    let mut data = DataSource::synthetic(0);
-    trainer.step(&mut data)?;
     if recorded {
+        // Allocate the (uncounted) event buffer before taking the baseline.
         alloc::start_recording(MAX_EVENTS);
     }
-    let stats = trainer.step(&mut data);
-    let timeline = recorded.then(|| {
-        let (events, truncated) = alloc::stop_recording();
-        Timeline { events, baseline: before, truncated }
-    });
+    let before = alloc::current();
+    let run = || -> Result<(Trainer, Result<crate::train::StepStats>)> {
+        let mut trainer = Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())?;
+        let mut data = DataSource::synthetic(0);
+        trainer.step(&mut data)?;
+        alloc::mark_step_start();
+        let stats = trainer.step(&mut data);
+        Ok((trainer, stats))
+    };
+    let outcome = run();
+    let (events, truncated) = if recorded { alloc::stop_recording() } else { (Vec::new(), false) };
+    let (trainer, stats) = outcome?;
     let peak = stats?.peak().saturating_sub(before);
+    if recorded && !events.iter().any(|e| e.kind == alloc::EventKind::StepStart) {
+        return Err(Error::Usage(format!(
+            "building the model and its warm-up step made more than {MAX_EVENTS} allocations: \
+             the recording ended before the measured step (try a smaller sequence length or batch)"
+        )));
+    }
+    let timeline = recorded.then(|| {
+        let names = trainer
+            .parameter_buffers()
+            .into_iter()
+            .filter_map(|(name, t)| Some((tag::storage_addr(&t)?, name)))
+            .collect();
+        Timeline::from_events(&events, &names, before, truncated)
+    });
     Ok((Measurement { peak_bytes: peak, reserved_bytes: peak, out_of_memory: false }, timeline))
 }
 
@@ -132,14 +147,12 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
     let run = || -> candle_core::Result<Result<Measurement>> {
         let mut trainer = match Trainer::new(&spec.config, *plan, &device, &TrainOptions::default()) {
             Ok(t) => t,
-            Err(Error::Candle(e)) => return Err(e),
-            Err(e) => return Ok(Err(e)),
+            Err(e) => return candle_error(e).map(Err),
         };
         let mut data = DataSource::synthetic(0);
         let mut step = |t: &mut Trainer| match t.step(&mut data) {
             Ok(_) => Ok(Ok(())),
-            Err(Error::Candle(e)) => Err(e),
-            Err(e) => Ok(Err(e)),
+            Err(e) => candle_error(e).map(Err),
         };
         if let Err(e) = step(&mut trainer)? {
             return Ok(Err(e));
@@ -151,7 +164,10 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
         // Device memory outside the pool (CUDA context, cuBLAS workspace) counts
         // against the budget too, as the estimate's `runtime` term does.
         let stats = PoolStats::read(cuda)?;
-        let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
+        // The ballast of --enforce-budget is outside the pool too, but not the plan's.
+        let outside = (stats.device_total - stats.device_free)
+            .saturating_sub(stats.reserved)
+            .saturating_sub(super::cuda::ballast_bytes());
         Ok(Ok(Measurement {
             peak_bytes: stats.used_high + outside,
             reserved_bytes: stats.reserved_high + outside,
@@ -168,6 +184,16 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
             Ok(Measurement { peak_bytes: high, reserved_bytes: high, out_of_memory: true })
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// A candle error, also one inside a strategy's error (a CUDA out-of-memory in
+/// the fused AdamW or a checkpointed block), as `Err`; any other error as `Ok`.
+#[cfg(feature = "cuda")]
+fn candle_error(e: Error) -> candle_core::Result<Error> {
+    match e {
+        Error::Candle(e) | Error::Strategy(oomfix_strategies::Error::Candle(e)) => Err(e),
+        other => Ok(other),
     }
 }
 

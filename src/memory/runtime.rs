@@ -40,9 +40,10 @@ impl Target {
         }
     }
 
-    /// Whether the memory-efficient attention op runs on this device (CPU only so far).
+    /// Whether the memory-efficient attention op runs on this device: on the CPU,
+    /// and on CUDA devices (kernels compiled at run time; head dimension up to 128).
     pub fn has_flash_attention(&self) -> bool {
-        matches!(self, Target::Cpu)
+        matches!(self, Target::Cpu | Target::Cuda(_))
     }
 
     /// Whether the device computes in bf16 (CPU via f32 widening; CUDA on sm_80+).

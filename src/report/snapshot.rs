@@ -1,77 +1,270 @@
 //! A measured step as a PyTorch memory snapshot (`torch.cuda.memory._dump_snapshot`
 //! format, pickle protocol 3), readable by PyTorch's memory_viz.
 //!
-//! `device_traces[0]` lists every allocation (`alloc`) and free
-//! (`free_completed`) of the step with its address, size and time; each entry's
-//! frame names the phase of the step (`forward_backward`, `optimizer_step`).
-//! `segments` holds the blocks still allocated when the step ends, one segment
-//! per block (host memory has no allocator segments of its own).
+//! `device_traces[0]` starts with one `alloc` per block alive when the step
+//! started (weights, optimizer state, …, at time 0), then lists every
+//! allocation (`alloc`) and free (`free_completed`) of the step with its
+//! address, size and time, and ends with a `snapshot` entry. Each entry's
+//! `frames` read, innermost first (memory_viz prints `filename:line:name`):
+//!
+//! 1. `{name: "h.3.attn.matmul", filename: "activations"}`: the module path and
+//!    op that allocated the block (for a parameter: its name), and its component;
+//! 2. `{name: "forward", filename: "phase"}`: the phase it was allocated in
+//!    (`setup`, `forward`, `backward`, `optimizer_step`), with `line` the
+//!    micro-batch (1-based) for forward and backward;
+//! 3. for blocks older than the step: `{name: "allocated before the step", filename: "oomfix"}`.
+//!
+//! Each entry also has a `category` (the component), which memory_viz uses to
+//! colour its "Active Memory Timeline" by component; the closing `snapshot`
+//! entry carries the `unknown` category that memory_viz expects to find.
+//! `segments` holds the blocks alive when the step ends, one segment per block
+//! (host memory has no allocator segments of its own), with the same frames.
 
+use crate::measure::alloc::Phase;
+use crate::measure::timeline::Block;
 use crate::measure::Timeline;
-use serde_json::{json, Value};
-use std::collections::HashMap;
+use serde::Serialize;
 
-fn frames(phase: &str) -> Value {
-    json!([{ "filename": "oomfix", "line": 0, "name": phase }])
+/// One stack frame as memory_viz reads it.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// Shown after the file and line.
+    pub name: String,
+    /// Shown first.
+    pub filename: &'static str,
+    /// Shown between.
+    pub line: u64,
 }
 
-/// The snapshot as a JSON-like value (what is pickled).
-pub fn snapshot_value(timeline: &Timeline) -> Value {
-    let mut live: HashMap<u64, (u64, &'static str)> = HashMap::new();
-    let trace: Vec<Value> = timeline
-        .events
-        .iter()
-        .map(|e| {
-            let phase = e.phase.as_str();
-            if e.alloc {
-                live.insert(e.addr, (e.size, phase));
-            } else {
-                live.remove(&e.addr);
-            }
-            json!({
-                "action": if e.alloc { "alloc" } else { "free_completed" },
-                "addr": e.addr,
-                "size": e.size,
-                "stream": 0,
-                "time_us": e.time_ns / 1000,
-                "frames": frames(phase),
-            })
-        })
+/// One entry of `device_traces[0]`.
+#[derive(Debug, Clone, Serialize)]
+pub struct TraceEntry {
+    /// `alloc`, `free_completed` or `snapshot`.
+    pub action: &'static str,
+    /// Block address.
+    pub addr: u64,
+    /// Block size in bytes.
+    pub size: u64,
+    /// Always 0.
+    pub stream: u64,
+    /// Microseconds since the step started.
+    pub time_us: u64,
+    /// Module, op, component and phase (see the module docs).
+    pub frames: Vec<Frame>,
+    /// The component, or `unknown`.
+    pub category: &'static str,
+}
+
+/// A block of a segment.
+#[derive(Debug, Clone, Serialize)]
+pub struct SegmentBlock {
+    /// Address.
+    pub address: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Requested size (= size).
+    pub requested_size: u64,
+    /// Always `active_allocated`.
+    pub state: &'static str,
+    /// As in the trace.
+    pub frames: Vec<Frame>,
+}
+
+/// A segment: one live block at the end of the step.
+#[derive(Debug, Clone, Serialize)]
+pub struct Segment {
+    /// Always 0.
+    pub device: u64,
+    /// Address.
+    pub address: u64,
+    /// Size in bytes.
+    pub total_size: u64,
+    /// = total_size.
+    pub allocated_size: u64,
+    /// = total_size.
+    pub active_size: u64,
+    /// = total_size.
+    pub requested_size: u64,
+    /// Always 0.
+    pub stream: u64,
+    /// `small` below 1 MiB, else `large`.
+    pub segment_type: &'static str,
+    /// As in the trace.
+    pub frames: Vec<Frame>,
+    /// The one block.
+    pub blocks: Vec<SegmentBlock>,
+}
+
+/// Allocator settings (informational).
+#[derive(Debug, Clone, Serialize)]
+pub struct AllocatorSettings {
+    /// What allocator the snapshot describes.
+    pub host: &'static str,
+}
+
+/// The whole snapshot, as pickled.
+#[derive(Debug, Clone, Serialize)]
+pub struct Snapshot {
+    /// Blocks alive at the end of the step.
+    pub segments: Vec<Segment>,
+    /// One trace: the host.
+    pub device_traces: Vec<Vec<TraceEntry>>,
+    /// Informational.
+    pub allocator_settings: AllocatorSettings,
+}
+
+/// Numbers the forward/backward passes of the step (1-based micro-batch) by time.
+fn micro_batch(timeline: &Timeline, time_ns: u64) -> u64 {
+    timeline.phases.iter().take_while(|(t, _)| *t <= time_ns).filter(|(_, p)| *p == Phase::Forward).count() as u64
+}
+
+fn frames(timeline: &Timeline, b: &Block) -> Vec<Frame> {
+    let what = b.name.clone().unwrap_or_else(|| match b.tag.name() {
+        n if n.is_empty() => "oomfix".to_string(),
+        n => n,
+    });
+    let line = match (b.alloc_ns, b.phase) {
+        (Some(t), Phase::Forward | Phase::Backward) => micro_batch(timeline, t),
+        _ => 0,
+    };
+    let mut f = vec![
+        Frame { name: what, filename: b.component.as_str(), line: 0 },
+        Frame { name: b.phase.as_str().to_string(), filename: "phase", line },
+    ];
+    if b.alloc_ns.is_none() {
+        f.push(Frame { name: "allocated before the step".into(), filename: "oomfix", line: 0 });
+    }
+    f
+}
+
+/// The snapshot of a timeline.
+pub fn snapshot(timeline: &Timeline) -> Snapshot {
+    let frames: Vec<Vec<Frame>> = timeline.blocks.iter().map(|b| frames(timeline, b)).collect();
+    let entry = |i: usize, alloc: bool, time_ns: u64| {
+        let b = &timeline.blocks[i];
+        TraceEntry {
+            action: if alloc { "alloc" } else { "free_completed" },
+            addr: b.addr,
+            size: b.size,
+            stream: 0,
+            time_us: time_ns / 1000,
+            frames: frames[i].clone(),
+            category: b.component.as_str(),
+        }
+    };
+    let mut trace: Vec<TraceEntry> = (timeline.blocks.iter().enumerate())
+        .filter(|(_, b)| b.alloc_ns.is_none())
+        .map(|(i, _)| entry(i, true, 0))
         .collect();
-    let mut blocks: Vec<_> = live.into_iter().collect();
-    blocks.sort();
-    let segments: Vec<Value> = blocks
-        .iter()
-        .map(|(addr, (size, phase))| {
-            json!({
-                "device": 0,
-                "address": addr,
-                "total_size": size,
-                "allocated_size": size,
-                "active_size": size,
-                "requested_size": size,
-                "stream": 0,
-                "segment_type": if *size < (1 << 20) { "small" } else { "large" },
-                "frames": frames(phase),
-                "blocks": [{
-                    "address": addr,
-                    "size": size,
-                    "requested_size": size,
-                    "state": "active_allocated",
-                    "frames": frames(phase),
+    trace.extend(timeline.changes.iter().map(|c| entry(c.block, c.alloc, c.time_ns)));
+    trace.push(TraceEntry {
+        action: "snapshot",
+        addr: 0,
+        size: 0,
+        stream: 0,
+        time_us: timeline.end_ns / 1000,
+        frames: Vec::new(),
+        category: "unknown",
+    });
+    let mut alive: Vec<usize> = (0..timeline.blocks.len()).filter(|&i| timeline.blocks[i].free_ns.is_none()).collect();
+    alive.sort_by_key(|&i| timeline.blocks[i].addr);
+    let segments = alive
+        .into_iter()
+        .map(|i| {
+            let b = &timeline.blocks[i];
+            Segment {
+                device: 0,
+                address: b.addr,
+                total_size: b.size,
+                allocated_size: b.size,
+                active_size: b.size,
+                requested_size: b.size,
+                stream: 0,
+                segment_type: if b.size < (1 << 20) { "small" } else { "large" },
+                frames: frames[i].clone(),
+                blocks: vec![SegmentBlock {
+                    address: b.addr,
+                    size: b.size,
+                    requested_size: b.size,
+                    state: "active_allocated",
+                    frames: frames[i].clone(),
                 }],
-            })
+            }
         })
         .collect();
-    json!({
-        "segments": segments,
-        "device_traces": [trace],
-        "allocator_settings": { "host": "oomfix counting allocator" },
-    })
+    Snapshot {
+        segments,
+        device_traces: vec![trace],
+        allocator_settings: AllocatorSettings { host: "oomfix counting allocator" },
+    }
 }
 
-/// The snapshot as pickle bytes (protocol 3).
+/// The snapshot as a JSON value (the same structure that is pickled).
+pub fn snapshot_value(timeline: &Timeline) -> serde_json::Value {
+    serde_json::to_value(snapshot(timeline)).expect("the snapshot serialises")
+}
+
+/// The snapshot as pickle bytes (protocol 3; repeated strings and frame
+/// lists are written once and referenced, see [`super::pickle`]).
 pub fn snapshot_pickle(timeline: &Timeline) -> Vec<u8> {
-    serde_pickle::to_vec(&snapshot_value(timeline), serde_pickle::SerOptions::new())
-        .expect("JSON values always pickle")
+    super::pickle::pickle_snapshot(&snapshot(timeline))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::measure::alloc::{Event, EventKind};
+    use crate::measure::tag::{Component, Module, Op, Tag};
+    use std::collections::HashMap;
+
+    fn timeline() -> Timeline {
+        let m = Module::intern("h.0.attn");
+        let ev = |kind, t, addr, size, phase, op| Event {
+            time_ns: t,
+            addr,
+            size,
+            live: 0,
+            tag: Tag::new(m, op),
+            kind,
+            phase,
+        };
+        use EventKind::{Alloc, Free, StepStart};
+        let events = [
+            ev(Alloc, 0, 0x10, 100, Phase::Setup, Op::InitWeights),
+            ev(StepStart, 1000, 0, 0, Phase::Setup, Op::None),
+            ev(EventKind::Phase, 2000, 0, 0, Phase::Forward, Op::None),
+            ev(Alloc, 3000, 0x20, 50, Phase::Forward, Op::Matmul),
+            ev(EventKind::Phase, 4000, 0, 0, Phase::Backward, Op::None),
+            ev(Free, 5000, 0x20, 50, Phase::Backward, Op::None),
+        ];
+        Timeline::from_events(&events, &HashMap::from([(0x10, "h.0.attn.c_attn.weight".into())]), 0, false)
+    }
+
+    #[test]
+    fn trace_and_segments_carry_module_op_component_and_phase() {
+        let s = snapshot(&timeline());
+        let t = &s.device_traces[0];
+        assert_eq!(t.iter().map(|e| e.action).collect::<Vec<_>>(), ["alloc", "alloc", "free_completed", "snapshot"]);
+        assert_eq!(t[0].frames[0].name, "h.0.attn.c_attn.weight");
+        assert_eq!(t[0].category, Component::Weights.as_str());
+        assert_eq!(t[0].frames.last().unwrap().name, "allocated before the step");
+        assert_eq!(t[1].frames[0], Frame { name: "h.0.attn.matmul".into(), filename: "activations", line: 0 });
+        assert_eq!(t[1].frames[1], Frame { name: "forward".into(), filename: "phase", line: 1 });
+        assert_eq!(t[2].time_us, 4);
+        assert_eq!(s.segments.len(), 1);
+        assert_eq!(s.segments[0].address, 0x10);
+        let bytes = snapshot_pickle(&timeline());
+        assert_eq!(&bytes[..2], b"\x80\x03", "pickle protocol 3");
+        // The memoized pickle holds the same value as a plain one (checked by Python's pickle).
+        let plain = serde_pickle::to_vec(&s, serde_pickle::SerOptions::new()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.pickle"), dir.path().join("b.pickle"));
+        std::fs::write(&a, &bytes).unwrap();
+        std::fs::write(&b, &plain).unwrap();
+        let check = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
+        match std::process::Command::new("python3").args(["-c", check]).arg(&a).arg(&b).output() {
+            Ok(out) => assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr)),
+            Err(e) => eprintln!("python3 not run ({e}): equality not checked"),
+        }
+    }
 }

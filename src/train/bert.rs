@@ -5,6 +5,7 @@ use oomfix_strategies::{Attention, Checkpointing};
 
 use super::layers::{split_heads, Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use crate::measure::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
 const EPS: f64 = 1e-12;
@@ -19,6 +20,8 @@ struct Block {
     output: Linear,
     out_norm: LayerNorm,
     heads: usize,
+    /// `attention`, `intermediate`, `output` under `bert.encoder.layer.{l}`.
+    tags: [Module; 3],
 }
 
 impl Block {
@@ -35,17 +38,38 @@ impl Block {
             output: dense("output.dense")?,
             out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), EPS)?,
             heads,
+            tags: ["attention", "intermediate", "output"].map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
     }
 
     fn forward(&self, x: &Tensor, attend: &Attend) -> candle_core::Result<Tensor> {
         let d = x.dim(2)? / self.heads;
-        let heads = |proj: &Linear| split_heads(&proj.forward(x)?, self.heads);
-        let (k, v) = (heads(&self.key)?.contiguous()?, heads(&self.value)?.contiguous()?);
-        let attn = self.attn_out.forward(&attend.forward(&heads(&self.query)?, &k, &v, 1.0 / (d as f64).sqrt())?)?;
-        let x = self.attn_norm.forward(&x.add(&attn)?)?;
-        let mlp = self.output.forward(&self.intermediate.forward(&x)?.gelu_erf()?)?;
-        self.out_norm.forward(&x.add(&mlp)?)
+        let [attention, intermediate, output] = self.tags;
+        let x = {
+            let _m = Scope::module(attention);
+            let heads = |proj: &Linear| split_heads(&proj.forward(x)?, self.heads);
+            let (k, v) = (heads(&self.key)?.contiguous()?, heads(&self.value)?.contiguous()?);
+            let attn =
+                self.attn_out.forward(&attend.forward(&heads(&self.query)?, &k, &v, 1.0 / (d as f64).sqrt())?)?;
+            let sum = {
+                let _op = Scope::op(Op::Residual);
+                x.add(&attn)?
+            };
+            self.attn_norm.forward(&sum)?
+        };
+        let inner = {
+            let _m = Scope::module(intermediate);
+            let inner = self.intermediate.forward(&x)?;
+            let _op = Scope::op(Op::Gelu);
+            inner.gelu_erf()?
+        };
+        let _m = Scope::module(output);
+        let mlp = self.output.forward(&inner)?;
+        let sum = {
+            let _op = Scope::op(Op::Residual);
+            x.add(&mlp)?
+        };
+        self.out_norm.forward(&sum)
     }
 }
 
@@ -61,6 +85,8 @@ pub(crate) struct Bert {
     transform_norm: LayerNorm,
     decoder_bias: Tensor,
     vars: Vec<(String, Var)>,
+    /// `bert.embeddings`, `attn_mask`, `cls.predictions.transform`, `cls.predictions.decoder`.
+    tags: [Module; 4],
 }
 
 impl Bert {
@@ -78,6 +104,8 @@ impl Bert {
             transform_norm: p.layer_norm(&format!("{c}.transform.LayerNorm"), EPS)?,
             decoder_bias: p.get(&format!("{c}.bias"))?,
             vars: p.into_vars(),
+            tags: ["bert.embeddings", "attn_mask", "cls.predictions.transform", "cls.predictions.decoder"]
+                .map(Module::intern),
         })
     }
 }
@@ -100,17 +128,39 @@ impl TrainableModel for Bert {
     ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
-        let words = self.word.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
-        // Every token is in segment A: token type 0 for all positions.
-        let position_and_type = self.position.narrow(0, 0, s)?.broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
-        let stem = self.emb_norm.forward(&words.broadcast_add(&position_and_type)?)?;
-        let attend = Attend::padded(attention, batch.attention_mask.as_ref(), self.word.dtype())?;
+        let [embeddings, mask, transform, decoder] = self.tags;
+        let stem = {
+            let _m = Scope::new(embeddings, Op::Embedding);
+            let words = self.word.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+            // Every token is in segment A: token type 0 for all positions.
+            let position_and_type =
+                self.position.narrow(0, 0, s)?.broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
+            let sum = words.broadcast_add(&position_and_type)?;
+            drop(_m);
+            let _m = Scope::module(embeddings);
+            self.emb_norm.forward(&sum)?
+        };
+        let attend = {
+            let _m = Scope::new(mask, Op::Attention);
+            Attend::padded(attention, batch.attention_mask.as_ref(), self.word.dtype())?
+        };
         let attend = &attend;
         let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, attend)).collect();
         let head = |x: &Tensor| {
-            let x = self.transform.forward(x)?.gelu_erf()?;
-            let x = self.transform_norm.forward(&x)?.reshape((b * s, h))?;
-            lm_loss(&x.matmul(&self.word.t()?)?.broadcast_add(&self.decoder_bias)?, batch)
+            let x = {
+                let _m = Scope::module(transform);
+                let x = self.transform.forward(x)?;
+                let x = {
+                    let _op = Scope::op(Op::Gelu);
+                    x.gelu_erf()?
+                };
+                self.transform_norm.forward(&x)?.reshape((b * s, h))?
+            };
+            let logits = {
+                let _m = Scope::new(decoder, Op::Matmul);
+                x.matmul(&self.word.t()?)?.broadcast_add(&self.decoder_bias)?
+            };
+            lm_loss(&logits, batch)
         };
         step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
     }

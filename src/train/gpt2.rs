@@ -5,6 +5,7 @@ use oomfix_strategies::{Attention, Checkpointing};
 
 use super::layers::{Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use crate::measure::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
 const EPS: f64 = 1e-5;
@@ -17,6 +18,8 @@ struct Block {
     c_fc: Linear,
     mlp_proj: Linear,
     heads: usize,
+    /// `h.{l}.ln_1`, `h.{l}.attn`, `h.{l}.ln_2`, `h.{l}.mlp`.
+    tags: [Module; 4],
 }
 
 impl Block {
@@ -30,19 +33,41 @@ impl Block {
             c_fc: conv("mlp.c_fc")?,
             mlp_proj: conv("mlp.c_proj")?,
             heads,
+            tags: ["ln_1", "attn", "ln_2", "mlp"].map(|m| Module::intern(&format!("h.{l}.{m}"))),
         })
     }
 
     fn forward(&self, x: &Tensor, attend: &Attend) -> candle_core::Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let d = h / self.heads;
-        // [b, s, 3h] viewed as [b, s, 3, H, d]; part i is [b, H, s, d] (strided).
-        let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?.reshape((b, s, 3, self.heads, d))?;
-        let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
-        let (k, v) = (part(1)?.contiguous()?, part(2)?.contiguous()?);
-        let attn = attend.forward(&part(0)?, &k, &v, 1.0 / (d as f64).sqrt())?;
-        let x = x.add(&self.attn_proj.forward(&attn)?)?;
-        let mlp = self.mlp_proj.forward(&self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu()?)?;
+        let [ln_1, attn_tag, ln_2, mlp_tag] = self.tags;
+        let normed = {
+            let _m = Scope::module(ln_1);
+            self.ln_1.forward(x)?
+        };
+        let x = {
+            let _m = Scope::module(attn_tag);
+            // [b, s, 3h] viewed as [b, s, 3, H, d]; part i is [b, H, s, d] (strided).
+            let qkv = self.c_attn.forward(&normed)?.reshape((b, s, 3, self.heads, d))?;
+            let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+            let (k, v) = (part(1)?.contiguous()?, part(2)?.contiguous()?);
+            let attn = attend.forward(&part(0)?, &k, &v, 1.0 / (d as f64).sqrt())?;
+            let out = self.attn_proj.forward(&attn)?;
+            let _op = Scope::op(Op::Residual);
+            x.add(&out)?
+        };
+        let normed = {
+            let _m = Scope::module(ln_2);
+            self.ln_2.forward(&x)?
+        };
+        let _m = Scope::module(mlp_tag);
+        let inner = self.c_fc.forward(&normed)?;
+        let inner = {
+            let _op = Scope::op(Op::Gelu);
+            inner.gelu()?
+        };
+        let mlp = self.mlp_proj.forward(&inner)?;
+        let _op = Scope::op(Op::Residual);
         x.add(&mlp)
     }
 }
@@ -55,6 +80,8 @@ pub(crate) struct Gpt2 {
     blocks: Vec<Block>,
     ln_f: LayerNorm,
     vars: Vec<(String, Var)>,
+    /// `wte`, `attn_mask`, `ln_f`, `lm_head`.
+    tags: [Module; 4],
 }
 
 impl Gpt2 {
@@ -66,6 +93,7 @@ impl Gpt2 {
             blocks: (0..config.layers).map(|l| Block::new(&p, l, config.heads)).collect::<Result<_>>()?,
             ln_f: p.layer_norm("ln_f", EPS)?,
             vars: p.into_vars(),
+            tags: ["wte", "attn_mask", "ln_f", "lm_head"].map(Module::intern),
         })
     }
 }
@@ -88,14 +116,28 @@ impl TrainableModel for Gpt2 {
     ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
-        let tokens = self.wte.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
-        let stem = tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?;
-        let attend = Attend::causal(attention, s, self.wte.dtype(), self.wte.device())?;
+        let [wte, mask, ln_f, lm_head] = self.tags;
+        let stem = {
+            let _m = Scope::new(wte, Op::Embedding);
+            let tokens = self.wte.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+            tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
+        };
+        let attend = {
+            let _m = Scope::new(mask, Op::Attention);
+            Attend::causal(attention, s, self.wte.dtype(), self.wte.device())?
+        };
         let attend = &attend;
         let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, attend)).collect();
         let head = |x: &Tensor| {
-            let x = self.ln_f.forward(x)?.reshape((b * s, h))?;
-            lm_loss(&x.matmul(&self.wte.t()?)?, batch)
+            let x = {
+                let _m = Scope::module(ln_f);
+                self.ln_f.forward(x)?.reshape((b * s, h))?
+            };
+            let logits = {
+                let _m = Scope::new(lm_head, Op::Matmul);
+                x.matmul(&self.wte.t()?)?
+            };
+            lm_loss(&logits, batch)
         };
         step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
     }

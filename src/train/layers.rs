@@ -7,6 +7,7 @@
 //! tensors it allocates; views (reshape of a contiguous tensor, transpose, narrow,
 //! broadcast) allocate nothing.
 
+use crate::measure::tag::{Op, Scope};
 use candle_core::{DType, Device, Result, Tensor, D};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
 use oomfix_strategies::Attention;
@@ -39,6 +40,7 @@ impl Linear {
     /// `x` is flattened to 2-D (a view) so the weight gradient is one `[in, out]`
     /// matmul rather than a per-batch product summed afterwards.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _op = Scope::op(Op::Matmul);
         let (b, s, d_in) = x.dims3()?;
         let w = match self.layout {
             // Used directly, a weight's gradient would stay in the gradient store
@@ -77,6 +79,7 @@ impl LayerNorm {
     /// `3·n`·f32; (16-bit only) the cast back `n`·c; the scaled and the shifted output
     /// `2·n`·c; plus six row statistics of `n/h` f32 each.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _op = Scope::op(Op::LayerNorm);
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
         let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
@@ -103,6 +106,7 @@ impl RmsNorm {
     /// `n`·f32; the squares and the normalised values `2·n`·f32; (16-bit only) the cast
     /// back `n`·c; the scaled output `n`·c; plus four row statistics of `n/h` f32.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _op = Scope::op(Op::RmsNorm);
         let dtype = x.dtype();
         let x = x.to_dtype(DType::F32)?;
         let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
@@ -118,6 +122,7 @@ impl RmsNorm {
 /// maximum's mask. Allocates the shifted values, their exponentials and the
 /// output (three tensors the size of `x`) plus the row sums.
 pub(crate) fn softmax(x: &Tensor) -> Result<Tensor> {
+    let _op = Scope::op(Op::Softmax);
     let max = x.max_keepdim(D::Minus1)?.detach();
     let exp = x.broadcast_sub(&max)?.exp()?;
     exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)
@@ -189,6 +194,7 @@ impl Rope {
     /// Allocates the half-swapped copy, the two products and the sum: four tensors
     /// the size of `x`.
     pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let _op = Scope::op(Op::Rope);
         let d = x.dim(D::Minus1)?;
         let swapped = Tensor::cat(&[x.narrow(D::Minus1, d / 2, d / 2)?, x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)?;
         x.broadcast_mul(&self.cos)?.add(&swapped.broadcast_mul(&self.sin)?)
@@ -240,6 +246,7 @@ impl Attend {
     /// `[b, H, s, d]` and one f32 log-sum-exp per query row; merging the heads
     /// copies the output to `[b, s, H·d]`.
     pub(crate) fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+        let _op = Scope::op(Op::Attention);
         match self {
             Attend::Composed(mask) => {
                 let q = if scale == 1.0 { q.contiguous()? } else { q.affine(scale, 0.0)? };
@@ -272,13 +279,17 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Resul
     let (b, h, s, d) = q.dims4()?;
     let kv = k.dim(1)?;
     let g = h / kv;
-    let scores = q.reshape((b, kv, g * s, d))?.matmul(&k.t()?)?;
+    let matmul = |a: &Tensor, b: &Tensor| {
+        let _op = Scope::op(Op::Matmul);
+        a.matmul(b)
+    };
+    let scores = matmul(&q.reshape((b, kv, g * s, d))?, &k.t()?)?;
     let scores = match mask {
         Some(mask) => scores.reshape((b, kv, g, s, s))?.broadcast_add(mask)?,
         None => scores,
     };
     let probs = softmax(&scores)?.reshape((b, kv, g * s, s))?;
-    probs.matmul(v)?.reshape((b, h, s, d))?.transpose(1, 2)?.reshape((b, s, h * d))
+    matmul(&probs, v)?.reshape((b, h, s, d))?.transpose(1, 2)?.reshape((b, s, h * d))
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use oomfix_strategies::{Attention, Checkpointing};
 
 use super::layers::{split_heads, Attend, Linear, RmsNorm, Rope, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use crate::measure::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
 /// RMSNorm epsilon (Llama 2, TinyLlama, Mistral).
@@ -25,6 +26,8 @@ struct Block {
     down_proj: Linear,
     heads: usize,
     kv_heads: usize,
+    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
+    tags: [Module; 4],
 }
 
 /// What every block of one forward shares.
@@ -52,19 +55,41 @@ impl Block {
             down_proj: proj("mlp.down_proj", false)?,
             heads: config.heads,
             kv_heads: config.kv_heads,
+            tags: ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
+                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
-        let h = self.input_norm.forward(x)?;
-        let q = ctx.rope_q.apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
-        let k = ctx.rope_k.apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
-        let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
-        // The queries' RoPE tables already carry the attention scale.
-        let x = x.add(&self.o_proj.forward(&ctx.attend.forward(&q, &k, &v, 1.0)?)?)?;
-        let h = self.post_norm.forward(&x)?;
-        let mlp = self.gate_proj.forward(&h)?.silu()?.mul(&self.up_proj.forward(&h)?)?;
-        x.add(&self.down_proj.forward(&mlp)?)
+        let [input_norm, attn, post_norm, mlp_tag] = self.tags;
+        let h = {
+            let _m = Scope::module(input_norm);
+            self.input_norm.forward(x)?
+        };
+        let x = {
+            let _m = Scope::module(attn);
+            let q = ctx.rope_q.apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
+            let k = ctx.rope_k.apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
+            let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
+            // The queries' RoPE tables already carry the attention scale.
+            let out = self.o_proj.forward(&ctx.attend.forward(&q, &k, &v, 1.0)?)?;
+            let _op = Scope::op(Op::Residual);
+            x.add(&out)?
+        };
+        let h = {
+            let _m = Scope::module(post_norm);
+            self.post_norm.forward(&x)?
+        };
+        let _m = Scope::module(mlp_tag);
+        let gate = self.gate_proj.forward(&h)?;
+        let up = self.up_proj.forward(&h)?;
+        let mlp = {
+            let _op = Scope::op(Op::Silu);
+            gate.silu()?.mul(&up)?
+        };
+        let out = self.down_proj.forward(&mlp)?;
+        let _op = Scope::op(Op::Residual);
+        x.add(&out)
     }
 }
 
@@ -77,6 +102,8 @@ pub(crate) struct Llama {
     /// `[V, h]`: the embedding when tied, else `lm_head.weight`.
     lm_head: Tensor,
     vars: Vec<(String, Var)>,
+    /// `model.embed_tokens`, `model.rotary_emb`, `model.norm`, `lm_head`.
+    tags: [Module; 4],
 }
 
 impl Llama {
@@ -89,6 +116,7 @@ impl Llama {
             blocks: (0..config.layers).map(|l| Block::new(&p, l, config)).collect::<Result<_>>()?,
             norm: p.rms_norm("model.norm", EPS)?,
             vars: p.into_vars(),
+            tags: ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"].map(Module::intern),
         })
     }
 }
@@ -112,17 +140,31 @@ impl TrainableModel for Llama {
         let (b, s) = batch_dims(batch, &self.config, false)?;
         let (h, d) = (self.config.hidden, self.config.head_dim());
         let (dtype, device) = (self.embed.dtype(), self.embed.device());
-        let ctx = Context {
-            attend: Attend::causal(attention, s, dtype, device)?,
-            rope_q: Rope::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), dtype, device)?,
-            rope_k: Rope::new(s, d, ROPE_THETA, 1.0, dtype, device)?,
+        let [embed, rotary, norm, lm_head] = self.tags;
+        let ctx = {
+            let _m = Scope::new(rotary, Op::Rope);
+            Context {
+                attend: Attend::causal(attention, s, dtype, device)?,
+                rope_q: Rope::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), dtype, device)?,
+                rope_k: Rope::new(s, d, ROPE_THETA, 1.0, dtype, device)?,
+            }
         };
         let ctx = &ctx;
-        let stem = self.embed.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+        let stem = {
+            let _m = Scope::new(embed, Op::Embedding);
+            self.embed.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?
+        };
         let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, ctx)).collect();
         let head = |x: &Tensor| {
-            let x = self.norm.forward(x)?.reshape((b * s, h))?;
-            lm_loss(&x.matmul(&self.lm_head.t()?)?, batch)
+            let x = {
+                let _m = Scope::module(norm);
+                self.norm.forward(x)?.reshape((b * s, h))?
+            };
+            let logits = {
+                let _m = Scope::new(lm_head, Op::Matmul);
+                x.matmul(&self.lm_head.t()?)?
+            };
+            lm_loss(&logits, batch)
         };
         step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
     }

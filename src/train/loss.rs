@@ -32,6 +32,7 @@ mod cuda;
 /// (`[n, V]` in the logits' dtype) in backward; nothing logits-sized is kept.
 /// A target outside `0..V` is an error on the CPU and gives a NaN loss on CUDA.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    let _op = crate::measure::tag::Scope::op(crate::measure::tag::Op::Loss);
     let nll = row_nll(logits, targets)?;
     match mask {
         None => nll.mean_all(),

@@ -189,6 +189,8 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 
 use crate::{Error, Family, ModelConfig, Result};
+use crate::measure::alloc::{self, Phase};
+use crate::measure::tag::{self, Module, Op, Scope, Tag};
 use layers::{LayerNorm, Linear, RmsNorm, WeightLayout};
 
 /// The `[MASK]` token id BERT's uncased vocabulary uses.
@@ -324,7 +326,7 @@ pub trait TrainableModel {
     /// positions `loss_mask` selects (all positions without one; for BERT, the
     /// masked positions), and the gradients of `loss × loss_scale`, with blocks
     /// recomputed as `checkpoint` says and attention computed as `attention` says
-    /// ([`Attention::Flash`] runs on the CPU only).
+    /// ([`Attention::Flash`] runs on the CPU and on CUDA devices).
     fn forward_backward(
         &self,
         batch: &Batch,
@@ -523,6 +525,15 @@ pub(crate) fn step<B: Block>(
     loss_scale: f64,
 ) -> Result<StepOutput> {
     let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+    // Everything after the loss is backward (with checkpointing: recomputed
+    // blocks too, tagged by their own scopes).
+    let _scope = Scope::module(Module::ROOT);
+    let head = |x: &Tensor| {
+        let loss = head(x)?;
+        alloc::set_phase(Phase::Backward);
+        tag::set(Tag::new(Module::ROOT, Op::Backward));
+        Ok(loss)
+    };
     let out = checkpoint::backward(stem, blocks, head, &vars, policy, loss_scale)?;
     let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
     let grads = out
@@ -537,6 +548,7 @@ pub(crate) fn step<B: Block>(
 /// The cross-entropy of `logits` (`[b·s, V]`) against the batch's targets, over
 /// the batch's `loss_mask` positions or all positions.
 pub(crate) fn lm_loss(logits: &Tensor, batch: &Batch) -> candle_core::Result<Tensor> {
+    let _scope = Scope::new(Module::intern("loss"), Op::Loss);
     let mask = match &batch.loss_mask {
         Some(m) => Some(m.flatten_all()?.to_dtype(DType::F32)?),
         None => None,

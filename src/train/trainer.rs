@@ -15,7 +15,8 @@
 use super::data::{DataPosition, DataSource};
 use crate::checkpoint_file::{self, CheckpointFile};
 use super::{build_model, Batch, TrainableModel};
-use crate::measure::alloc;
+use crate::measure::alloc::{self, Phase};
+use crate::measure::tag::{mark_tensors, Component, Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
@@ -108,16 +109,20 @@ impl Trainer {
                 "sharded plans run one process per GPU; the single-device trainer runs world size 1".into(),
             ));
         }
-        if plan.attention == Attention::Flash && !device.is_cpu() {
+        if plan.attention == Attention::Flash && !(device.is_cpu() || device.is_cuda()) {
             return Err(Error::Usage(
-                "flash attention runs on the CPU only; plan without the flash-attention strategy".into(),
+                "flash attention runs on the CPU and CUDA only; plan without the flash-attention strategy".into(),
             ));
         }
         let dtype = compute_dtype(plan.precision);
+        // Recorded timelines classify what is built here as weights, then optimizer state.
+        let scope = Scope::new(Module::intern("model"), Op::InitWeights);
         let model = build_model(config, options.weights.as_deref(), dtype, device, options.seed)?;
         let compute: Vec<Var> = model.vars().iter().map(|(_, v)| v.clone()).collect();
         let master = plan.precision.is_mixed().then(|| MasterWeights::new(compute.clone())).transpose()?;
+        drop(scope);
         let opt_vars = master.as_ref().map_or(compute, |m| m.master_vars().to_vec());
+        let _scope = Scope::new(Module::intern("optimizer"), Op::InitOptimizer);
         let optim = match plan.optimizer {
             OptimizerImpl::CandleAdamW => Optim::Candle(
                 opt_vars
@@ -142,6 +147,21 @@ impl Trainer {
     /// The plan.
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// The parameters' tensors with their Hub names, and with mixed precision
+    /// the fp32 master weights as `master.<name>` (for naming recorded blocks).
+    pub fn parameter_buffers(&self) -> Vec<(String, Tensor)> {
+        let vars = self.model.vars();
+        let mut out: Vec<(String, Tensor)> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        if let Some(m) = &self.master {
+            for ((name, c), v) in vars.iter().zip(m.master_vars()) {
+                if c.dtype() != v.dtype() {
+                    out.push((format!("master.{name}"), v.as_tensor().clone()));
+                }
+            }
+        }
+        out
     }
 
     /// Optimizer steps taken.
@@ -288,38 +308,16 @@ impl Trainer {
     }
 
     /// One optimizer step over `grad_accum` micro-batches from `data`.
+    ///
+    /// Sets the allocation [`Phase`] as it goes (forward, backward per
+    /// micro-batch, then the optimizer step; the model switches to backward
+    /// once its loss is computed) and marks the gradients' buffers for
+    /// recorded timelines.
     pub fn step(&mut self, data: &mut DataSource) -> Result<StepStats> {
         let start = Instant::now();
-        alloc::set_phase(alloc::Phase::ForwardBackward);
-        alloc::reset_peak();
-        let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let mut acc = GradAccumulator::new();
-        let mut loss_sum = 0.0;
-        for _ in 0..self.plan.grad_accum {
-            let batch = self.batch(data)?;
-            let out = self.model.forward_backward(&batch, self.plan.checkpoint, self.plan.attention, scale)?;
-            loss_sum += out.loss;
-            acc.add(out.grads)?;
-        }
-        let mut grads = acc.finish(1.0 / self.plan.grad_accum as f64)?;
-        let loss = loss_sum / self.plan.grad_accum as f32;
-        if !loss.is_finite() {
-            return Err(Error::NonFinite { step: self.step + 1, loss });
-        }
-        let forward_backward_peak = alloc::peak();
-        alloc::set_phase(alloc::Phase::OptimizerStep);
-        alloc::reset_peak();
-        let mut skipped = false;
-        if let Some(scaler) = &mut self.scaler {
-            let finite = scaler.unscale_and_check(&mut grads)?;
-            scaler.update(!finite);
-            skipped = !finite;
-        }
-        if !skipped {
-            self.optimizer_step(grads)?;
-        }
-        let optimizer_peak = alloc::peak();
-        alloc::set_phase(alloc::Phase::Setup);
+        let outcome = self.step_phases(data);
+        alloc::set_phase(Phase::Setup);
+        let (loss, forward_backward_peak, optimizer_peak, skipped) = outcome?;
         self.step += 1;
         Ok(StepStats {
             loss,
@@ -331,19 +329,70 @@ impl Trainer {
         })
     }
 
+    /// The phases of [`step`](Self::step): `(loss, forward/backward peak, optimizer peak, skipped)`.
+    fn step_phases(&mut self, data: &mut DataSource) -> Result<(f32, u64, u64, bool)> {
+        let _scope = Scope::module(Module::ROOT);
+        alloc::set_phase(Phase::Forward);
+        alloc::reset_peak();
+        let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        let mut acc = GradAccumulator::new();
+        let mut loss_sum = 0.0;
+        for _ in 0..self.plan.grad_accum {
+            alloc::set_phase(Phase::Forward);
+            let batch = {
+                let _op = Scope::op(Op::Batch);
+                self.batch(data)?
+            };
+            let out = self.model.forward_backward(&batch, self.plan.checkpoint, self.plan.attention, scale)?;
+            alloc::set_phase(Phase::Backward);
+            mark_tensors(&out.grads, Component::Gradients);
+            loss_sum += out.loss;
+            let _op = Scope::op(Op::GradAccumulate);
+            acc.add(out.grads)?;
+        }
+        let mut grads = {
+            let _op = Scope::op(Op::GradAccumulate);
+            acc.finish(1.0 / self.plan.grad_accum as f64)?
+        };
+        mark_tensors(&grads, Component::Gradients);
+        let loss = loss_sum / self.plan.grad_accum as f32;
+        if !loss.is_finite() {
+            return Err(Error::NonFinite { step: self.step + 1, loss });
+        }
+        let forward_backward_peak = alloc::peak();
+        alloc::set_phase(Phase::OptimizerStep);
+        alloc::reset_peak();
+        let mut skipped = false;
+        if let Some(scaler) = &mut self.scaler {
+            let _op = Scope::op(Op::GradUnscale);
+            let finite = scaler.unscale_and_check(&mut grads)?;
+            mark_tensors(&grads, Component::Gradients);
+            scaler.update(!finite);
+            skipped = !finite;
+        }
+        if !skipped {
+            self.optimizer_step(grads)?;
+        }
+        Ok((loss, forward_backward_peak, alloc::peak(), skipped))
+    }
+
     fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+        let _scope = Scope::new(Module::intern("optimizer"), Op::AdamW);
         match &mut self.optim {
             Optim::Fused(opt) => opt.step(&grads)?,
             Optim::Candle(opts) => {
                 for ((opt, var), g) in opts.iter_mut().zip(grads) {
                     // candle_nn::AdamW reads a GradStore: make one holding this gradient only.
                     let mut store = Tensor::new(0f32, &self.device)?.backward()?;
-                    store.insert(var.as_tensor(), g.to_dtype(DType::F32)?);
+                    let g = g.to_dtype(DType::F32)?;
+                    mark_tensors([&g], Component::Gradients);
+                    store.insert(var.as_tensor(), g);
                     opt.step(&store)?;
                 }
             }
         }
         if let Some(m) = &self.master {
+            let _op = Scope::op(Op::WeightSync);
             m.sync_to_compute()?;
         }
         Ok(())

@@ -1,5 +1,6 @@
 //! Memory-efficient scaled dot-product attention with a backward pass
-//! (the FlashAttention-2 scheme, on the CPU).
+//! (the FlashAttention-2 scheme, on the CPU and, with the `cuda` feature, on
+//! CUDA devices).
 //!
 //! The planner half ([`FlashAttention`]) switches a plan's [`Attention`] from the
 //! composed expression to this op; the mechanism is [`flash_attention`].
@@ -41,13 +42,16 @@ use rayon::prelude::*;
 use crate::adamw::{contiguous_range, is_kernel_dtype, Float};
 use crate::{Attention, Plan, SearchContext, Strategy};
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// Planner half: compute attention with [`flash_attention`] instead of composing it
 /// from candle ops.
 ///
 /// It removes every `batch × heads × seq × seq` tensor a block keeps for backward
-/// and costs no compute (on the CPU the op is faster than the composed expression),
-/// so it is never relaxed. The op runs on the CPU only: a plan with flash
-/// attention cannot be executed on a GPU yet.
+/// and costs no compute (the op is faster than the composed expression on the CPU
+/// and on CUDA), so it is never relaxed. The op runs on the CPU and, with the
+/// `cuda` feature, on CUDA devices (head dimension up to 128 there).
 ///
 /// ```
 /// use oomfix_strategies::attention::FlashAttention;
@@ -104,7 +108,9 @@ pub struct AttentionOptions {
 /// has that dtype. A query row whose keys are all masked gives zeros.
 ///
 /// Gradients flow to `q`, `k` and `v` through candle's autograd. Runs on the
-/// CPU (threads over batch × head); other devices return an error.
+/// CPU (threads over batch × head) and, with the `cuda` feature, on CUDA
+/// devices (kernels compiled at run time; head dimension up to 128); other
+/// devices return an error.
 pub fn flash_attention(
     q: &Tensor,
     k: &Tensor,
@@ -116,11 +122,18 @@ pub fn flash_attention(
     if !scale.is_finite() {
         bail!("flash_attention: scale must be finite, got {scale}");
     }
-    let keep = match &opts.key_padding {
-        Some(mask) => Some(keep_mask(mask, dims.b, dims.s_k)?),
-        None => None,
+    let (keep, keep_device) = match &opts.key_padding {
+        Some(mask) if q.device().is_cuda() => (None, Some(keep_tensor(mask, dims.b, dims.s_k, q.device())?)),
+        Some(mask) => (Some(keep_mask(mask, dims.b, dims.s_k)?), None),
+        None => (None, None),
     };
-    let op = FlashOp { dims, params: Params { causal: opts.causal, scale }, keep, lse: OnceLock::new() };
+    let op = FlashOp {
+        dims,
+        params: Params { causal: opts.causal, scale },
+        keep,
+        keep_device,
+        lse: OnceLock::new(),
+    };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
@@ -182,10 +195,24 @@ impl Dims {
 
 /// Reads a `[b, s_k]` key padding mask as one byte per key (1 = keep).
 fn keep_mask(mask: &Tensor, b: usize, s_k: usize) -> candle_core::Result<Vec<u8>> {
+    keep_tensor(mask, b, s_k, &candle_core::Device::Cpu)?.flatten_all()?.to_vec1::<u8>()
+}
+
+/// A `[b, s_k]` key padding mask as a contiguous u8 tensor on `device` (1 = keep).
+fn keep_tensor(mask: &Tensor, b: usize, s_k: usize, device: &candle_core::Device) -> candle_core::Result<Tensor> {
     if mask.dims() != [b, s_k] {
         bail!("flash_attention: key_padding has shape {:?}, expected [{b}, {s_k}]", mask.dims());
     }
-    mask.ne(0.0)?.flatten_all()?.to_vec1::<u8>()
+    mask.to_device(device)?.ne(0.0)?.contiguous()
+}
+
+/// Log-sum-exp of every query row, where the forward pass ran.
+enum Lse {
+    /// On the host (CPU op).
+    Host(Vec<f32>),
+    /// On the CUDA device (CUDA op).
+    #[cfg(feature = "cuda")]
+    Device(candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>),
 }
 
 /// The scalar settings the kernels need.
@@ -199,11 +226,14 @@ struct Params {
 struct FlashOp {
     dims: Dims,
     params: Params,
-    /// `[b, s_k]` keep flags, or `None` when no key is padded.
+    /// `[b, s_k]` keep flags for the CPU op, or `None` when no key is padded.
     keep: Option<Vec<u8>>,
+    /// `[b, s_k]` keep flags (u8) on the inputs' CUDA device, or `None`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    keep_device: Option<Tensor>,
     /// Log-sum-exp of every query row's scores, `[b, heads, s_q]`, written by
     /// the forward pass; `-inf` for a row with no visible key.
-    lse: OnceLock<Vec<f32>>,
+    lse: OnceLock<Lse>,
 }
 
 impl FlashOp {
@@ -249,11 +279,29 @@ impl CustomOp3 for FlashOp {
                 },
             );
         }
-        if self.lse.set(lse).is_err() {
+        if self.lse.set(Lse::Host(lse)).is_err() {
             bail!("flash_attention: forward ran twice on one op");
         }
         let shape = Shape::from((dims.b, dims.heads, dims.s_q, dims.d));
         Ok((storage_from_f32(out, s1.dtype())?, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let keep = self.keep_device.as_ref();
+        let (out, shape, lse) = cuda::forward(&self.dims, &self.params, keep, (s1, l1), (s2, l2), (s3, l3))?;
+        if self.lse.set(Lse::Device(lse)).is_err() {
+            bail!("flash_attention: forward ran twice on one op");
+        }
+        Ok((out, shape))
     }
 
     fn bwd(
@@ -264,8 +312,15 @@ impl CustomOp3 for FlashOp {
         o: &Tensor,
         grad_o: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some(lse) = self.lse.get() else {
-            bail!("flash_attention: backward before forward");
+        let lse = match self.lse.get() {
+            None => bail!("flash_attention: backward before forward"),
+            Some(Lse::Host(lse)) => lse,
+            #[cfg(feature = "cuda")]
+            Some(Lse::Device(lse)) => {
+                let keep = self.keep_device.as_ref();
+                let (dq, dk, dv) = cuda::backward(&self.dims, &self.params, keep, lse, q, k, v, o, grad_o)?;
+                return Ok((Some(dq), Some(dk), Some(dv)));
+            }
         };
         let dims = self.dims;
         let (q_len, k_len) = dims.head_sizes();

@@ -70,10 +70,7 @@ pub fn write_json(path: &Path, value: &Value) {
 
 /// Writes a sharded index mapping each tensor name to its shard file.
 pub fn write_index<N: AsRef<str>, S: AsRef<str>>(path: &Path, weight_map: &[(N, S)]) {
-    let map: Map<String, Value> = weight_map
-        .iter()
-        .map(|(n, s)| (n.as_ref().to_string(), json!(s.as_ref())))
-        .collect();
+    let map: Map<String, Value> = weight_map.iter().map(|(n, s)| (n.as_ref().to_string(), json!(s.as_ref()))).collect();
     write_json(path, &json!({"metadata": {"total_size": 0}, "weight_map": map}));
 }
 

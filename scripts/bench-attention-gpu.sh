@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# CUDA flash_attention vs PyTorch's scaled_dot_product_attention, side by side,
+# on the GPU machine: runs examples/gpu_attention (checks, then timings), the
+# checks again on the SIMT kernels for 16-bit inputs (OOMFIX_FLASH_SIMT=1),
+# scripts/sdpa_bench.py with the same shapes, and prints a table.
+#
+# Usage: scripts/bench-attention-gpu.sh [BIN_DIR] [OUT_DIR]
+#   BIN_DIR  holds gpu_attention-cuda.xz from
+#            `scripts/build-cuda.sh --features cuda --example gpu_attention`
+#            (default: .gpu/cuda)
+#   OUT_DIR  logs: oomfix.txt, oomfix-simt.txt, sdpa.txt, table.md
+#            (default: $OUT, else attention-gpu-out)
+# Environment: SEQS (default 1024,2048,4096,8192; the SDPA side only).
+set -uo pipefail
+
+BIN_DIR=${1:-.gpu/cuda}
+OUT_DIR=${2:-${OUT:-attention-gpu-out}}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+mkdir -p "$OUT_DIR"
+WORK=${TMPDIR:-/tmp}/attention-gpu
+mkdir -p "$WORK"
+export PYTHONUNBUFFERED=1 CUDA_CACHE_PATH=$WORK/nvcache
+unset RUST_BACKTRACE
+
+xz -dc "$BIN_DIR/gpu_attention-cuda.xz" >"$WORK/gpu_attention" && chmod +x "$WORK/gpu_attention" ||
+    { echo "cannot unpack $BIN_DIR/gpu_attention-cuda.xz" >&2; exit 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT_DIR/device.txt"
+
+status=0
+"$WORK/gpu_attention" 2>&1 | tee "$OUT_DIR/oomfix.txt" || status=1
+OOMFIX_FLASH_SIMT=1 "$WORK/gpu_attention" --check-only 2>&1 | tee "$OUT_DIR/oomfix-simt.txt" || status=1
+python3 "$HERE/sdpa_bench.py" --seqs "${SEQS:-1024,2048,4096,8192}" 2>&1 | tee "$OUT_DIR/sdpa.txt" || status=1
+
+python3 - "$OUT_DIR/oomfix.txt" "$OUT_DIR/sdpa.txt" <<'PY' | tee "$OUT_DIR/table.md"
+import sys
+def rows(path):
+    out = {}
+    for line in open(path):
+        f = line.split()
+        if len(f) == 6 and f[0] == "PERF":
+            out[(f[1], int(f[2]))] = tuple(float(x) for x in f[3:])
+    return out
+ours, sdpa = rows(sys.argv[1]), rows(sys.argv[2])
+print("| dtype | b×h×s×d | oomfix fwd ms | SDPA fwd ms | fwd ratio | oomfix fwd+bwd ms | SDPA fwd+bwd ms | fwd+bwd ratio | oomfix peak MiB | SDPA peak MiB |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+for key in sorted(set(ours) | set(sdpa), key=lambda k: (k[0] != "bf16", k[1])):
+    o, s = ours.get(key), sdpa.get(key)
+    cell = lambda t, i: f"{t[i]:.2f}" if t else "-"
+    ratio = lambda i: f"{o[i] / s[i]:.2f}" if o and s and s[i] > 0 else "-"
+    peak = lambda t: f"{t[2]:.0f}" if t else "-"
+    print(f"| {key[0]} | 8×12×{key[1]}×64 | {cell(o, 0)} | {cell(s, 0)} | {ratio(0)} | {cell(o, 1)} | {cell(s, 1)} | {ratio(1)} | {peak(o)} | {peak(s)} |")
+PY
+grep -h "^FAIL\|FAILED" "$OUT_DIR/oomfix.txt" "$OUT_DIR/oomfix-simt.txt"
+exit $status

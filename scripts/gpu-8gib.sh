@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# `oomfix --budget 8GiB --verify --enforce-budget` on the GPU machine: GPT-2
+# medium, TinyLlama-1.1B (sparse headers written here), GPT-2 medium at
+# sequence length 512 and the built-in GPT-2 small; then four real training
+# steps of the plans found for GPT-2 small and GPT-2 medium at 512, all with
+# only 8 GiB of the device usable.
+#
+# Usage: scripts/gpu-8gib.sh [BIN_DIR] [OUT_DIR]
+#   BIN_DIR  holds oomfix-cuda.xz from scripts/build-cuda.sh (default: .gpu/cuda)
+#   OUT_DIR  cli.txt with every command and its output (default: $OUT, else gpu-8gib-out)
+# Environment: CAP (seconds per command; 120), DEADLINE (seconds after which no
+#   command starts; 400).
+set -uo pipefail
+
+BIN_DIR=${1:-.gpu/cuda}
+OUT_DIR=${2:-${OUT:-gpu-8gib-out}}
+CAP=${CAP:-120}
+DEADLINE=${DEADLINE:-400}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+WORK=${TMPDIR:-/tmp}/gpu-8gib
+mkdir -p "$OUT_DIR" "$WORK/gpt2-medium" "$WORK/tinyllama"
+CLI=$OUT_DIR/cli.txt
+: >"$CLI"
+export CUDA_CACHE_PATH=$WORK/nvcache CUDA_CACHE_MAXSIZE=4294967296
+unset RUST_BACKTRACE
+xz -dc "$BIN_DIR/oomfix-cuda.xz" >"$WORK/oomfix" && chmod +x "$WORK/oomfix" ||
+    { echo "cannot unpack $BIN_DIR/oomfix-cuda.xz" >&2; exit 1; }
+python3 "$HERE/make-sparse-gpt2.py" "$WORK/gpt2-medium/model.safetensors" 24 1024 >&2
+python3 "$HERE/make-sparse-llama.py" "$WORK/tinyllama/model.safetensors" 22 2048 32 4 5632 32000 >&2
+echo '{"num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}' >"$WORK/tinyllama/config.json"
+
+# Runs `oomfix ARGS...`, appending the command line, its output and exit status to cli.txt.
+run() {
+    if ((SECONDS > DEADLINE)); then
+        printf '$ oomfix %s\n(skipped: deadline)\n\n' "$*" | tee -a "$CLI"
+        return
+    fi
+    local start=$SECONDS
+    printf '$ oomfix %s\n' "$*" | sed "s|$WORK/||g" | tee -a "$CLI"
+    timeout "$CAP" "$WORK/oomfix" "$@" 2>&1 | sed "s|$WORK/||g" | tee -a "$CLI"
+    printf '(exit status %s, %d s)\n\n' "${PIPESTATUS[0]}" $((SECONDS - start)) | tee -a "$CLI"
+}
+
+V=(--budget 8GiB --verify --enforce-budget --device cuda:0)
+run "${V[@]}" "$WORK/gpt2-medium/model.safetensors"
+run "${V[@]}" "$WORK/tinyllama/model.safetensors"
+run "${V[@]}" --seq-len 512 "$WORK/gpt2-medium/model.safetensors"
+run "${V[@]}"
+run train --budget 8GiB --enforce-budget --device cuda:0 --steps 4
+run train --budget 8GiB --enforce-budget --device cuda:0 --steps 4 --seq-len 512 "$WORK/gpt2-medium/model.safetensors"

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""PyTorch scaled_dot_product_attention forward and forward+backward, timed like
+examples/gpu_attention.rs: batch 8, 12 heads, head dim 64, causal, s = 1024 ...
+8192, bf16 and f32; loss = sum(o * w); median of 10 runs after 3 warm-up runs,
+synchronising around each; peak = torch.cuda.max_memory_allocated during one
+forward+backward (inputs included).
+
+Prints one line per shape: PERF dtype seq fwd_ms fwd_bwd_ms peak_alloc_MiB
+usage: sdpa_bench.py [--seqs 1024,2048,4096,8192]
+"""
+import argparse, statistics, sys, time
+
+import torch
+import torch.nn.functional as F
+
+
+def timed(fn, warm=3, reps=10):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ms.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ms)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="1024,2048,4096,8192")
+    args = ap.parse_args()
+    dev = torch.device("cuda:0")
+    print(f"# sdpa_bench: torch {torch.__version__}, {torch.cuda.get_device_name(0)}; "
+          f"backends flash={torch.backends.cuda.flash_sdp_enabled()} "
+          f"mem_efficient={torch.backends.cuda.mem_efficient_sdp_enabled()} "
+          f"cudnn={torch.backends.cuda.cudnn_sdp_enabled()} math={torch.backends.cuda.math_sdp_enabled()}")
+    b, h, d = 8, 12, 64
+    for dtype, name in [(torch.bfloat16, "bf16"), (torch.float32, "f32")]:
+        for s in (int(x) for x in args.seqs.split(",")):
+            mk = lambda grad: torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=grad)
+            q, k, v, w = mk(True), mk(True), mk(True), mk(False)
+
+            def fwd():
+                with torch.no_grad():
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            def step():
+                q.grad = k.grad = v.grad = None
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                (o * w).sum().backward()
+
+            f_ms = timed(fwd)
+            fb_ms = timed(step)
+            q.grad = k.grad = v.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            print(f"PERF {name} {s} {f_ms:.3f} {fb_ms:.3f} {peak:.0f}", flush=True)
+            del q, k, v, w
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

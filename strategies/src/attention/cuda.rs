@@ -1,0 +1,512 @@
+//! The CUDA kernels of [`flash_attention`](super::flash_attention).
+//!
+//! The kernel source (`flash.cu`) is compiled once per process with NVRTC for
+//! the first device's compute capability and loaded through candle's CUDA
+//! device, which keeps one module per device.
+//!
+//! * f32 inputs run the SIMT kernels (f32 arithmetic on CUDA cores);
+//! * bf16 and f16 inputs run the tensor-core kernels (`mma.sync`, f32
+//!   accumulation; probabilities and their gradients are rounded to the input
+//!   type before their products, as FlashAttention-2 does) on compute
+//!   capability 8.0 and newer, the SIMT kernels elsewhere or when
+//!   `OOMFIX_FLASH_SIMT=1` is set.
+//!
+//! Head dimensions up to 128 are supported (kernels for 64 and 128, the tail
+//! zero-filled).
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::{self, CompileError, CompileOptions};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+use half::{bf16, f16};
+
+use super::{Dims, Params};
+
+/// The kernel source.
+const SOURCE: &str = include_str!("flash.cu");
+/// Name of the module in candle's per-device module cache.
+const MODULE: &str = "oomfix_flash_attention";
+/// Largest supported head dimension.
+pub(super) const MAX_HEAD_DIM: usize = 128;
+/// Rows of a block tile (queries or keys), as in `flash.cu`.
+const TILE: usize = 64;
+
+/// The kernels' `struct Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct KernelParams {
+    b: i32,
+    heads: i32,
+    kv_heads: i32,
+    s_q: i32,
+    s_k: i32,
+    d: i32,
+    scale: f32,
+    causal: i32,
+    has_keep: i32,
+}
+
+// SAFETY: `KernelParams` is `#[repr(C)]` with the field types and order of the
+// kernel's `struct Params`.
+unsafe impl DeviceRepr for KernelParams {}
+
+/// The PTX of [`SOURCE`], compiled on first use for `arch`.
+fn ptx(arch: &'static str) -> candle_core::Result<&'static str> {
+    static PTX: OnceLock<Result<String, CompileError>> = OnceLock::new();
+    let compiled = PTX.get_or_init(|| {
+        let options = CompileOptions {
+            arch: Some(arch),
+            name: Some("oomfix_flash.cu".into()),
+            ..Default::default()
+        };
+        nvrtc::compile_ptx_with_opts(SOURCE, options).map(|ptx| ptx.to_src())
+    });
+    compiled.as_deref().map_err(|e| e.clone()).w()
+}
+
+/// What the launches need to know about the device.
+struct DeviceInfo {
+    /// `compute_XY` for NVRTC.
+    arch: &'static str,
+    /// Whether the tensor-core kernels run (compute capability 8.0 or newer).
+    mma: bool,
+    /// Largest dynamic shared memory a block may opt in to.
+    max_smem: usize,
+}
+
+fn device_info(dev: &CudaDevice) -> candle_core::Result<&'static DeviceInfo> {
+    static INFO: OnceLock<DeviceInfo> = OnceLock::new();
+    if let Some(info) = INFO.get() {
+        return Ok(info);
+    }
+    let ctx = dev.cuda_stream().context().clone();
+    let major = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .w()?;
+    let minor = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        .w()?;
+    let max_smem = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
+    let simt_forced = std::env::var("OOMFIX_FLASH_SIMT").is_ok_and(|v| v == "1");
+    let info = DeviceInfo {
+        arch: Box::leak(format!("compute_{major}{minor}").into_boxed_str()),
+        mma: major >= 8 && !simt_forced,
+        max_smem: max_smem.max(0) as usize,
+    };
+    Ok(INFO.get_or_init(|| info))
+}
+
+/// The kernels' name suffix of a dtype.
+fn dtype_name(dtype: DType) -> candle_core::Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => bail!("flash_attention: unsupported dtype {other:?}"),
+    })
+}
+
+/// Which kernel family and head-dimension variant a call uses.
+#[derive(Debug, Clone, Copy)]
+struct Variant {
+    mma: bool,
+    /// Head dimension the kernel is compiled for (64 or 128).
+    d: usize,
+    dtype: DType,
+}
+
+impl Variant {
+    fn of(dims: &Dims, dtype: DType, info: &DeviceInfo) -> candle_core::Result<Self> {
+        if dims.d > MAX_HEAD_DIM {
+            bail!(
+                "flash_attention on CUDA supports head dimensions up to {MAX_HEAD_DIM}, got {}",
+                dims.d
+            );
+        }
+        let d = if dims.d <= 64 { 64 } else { 128 };
+        Ok(Variant {
+            mma: info.mma && dtype != DType::F32,
+            d,
+            dtype,
+        })
+    }
+
+    fn name(&self, kernel: &str) -> candle_core::Result<String> {
+        let family = if self.mma { "mma" } else { "simt" };
+        Ok(format!(
+            "flash_{kernel}_{family}_{}_{}",
+            dtype_name(self.dtype)?,
+            self.d
+        ))
+    }
+
+    /// Threads per block.
+    fn threads(&self) -> u32 {
+        if self.mma {
+            128
+        } else {
+            256
+        }
+    }
+
+    /// Rows of the inner tile of the backward kernels (tensor-core kernels
+    /// with d = 128 use 32 to stay in registers).
+    fn inner(&self) -> usize {
+        if self.mma && self.d == 128 {
+            32
+        } else {
+            TILE
+        }
+    }
+
+    /// Dynamic shared memory of `kernel` (`fwd`, `dkdv`, `dq`), as `flash.cu` lays it out.
+    fn smem(&self, kernel: &str) -> usize {
+        let (d, t, inner) = (self.d, TILE, self.inner());
+        if self.mma {
+            // The tiles streamed through the loop are double-buffered.
+            let row = (d + 8) * 2;
+            match kernel {
+                "fwd" => t * row + 2 * 2 * t * row,
+                "dkdv" => 2 * t * row + 2 * (2 * inner * row + 2 * inner * 4),
+                _ => 2 * t * row + 2 * 2 * inner * row,
+            }
+        } else {
+            let (row, prow) = ((d + 1) * 4, (t + 1) * 4);
+            match kernel {
+                "fwd" => 3 * t * row + t * prow,
+                "dkdv" => 4 * t * row + 2 * t * prow + 2 * t * 4,
+                _ => 4 * t * row + t * prow,
+            }
+        }
+    }
+
+    /// The loaded kernel and its launch configuration over `grid`.
+    fn launch(
+        &self,
+        dev: &CudaDevice,
+        info: &DeviceInfo,
+        kernel: &str,
+        grid: (u32, u32),
+    ) -> candle_core::Result<(impl std::ops::Deref<Target = CudaFunction>, LaunchConfig)> {
+        let func = dev.get_or_load_custom_func(&self.name(kernel)?, MODULE, ptx(info.arch)?)?;
+        let smem = self.smem(kernel);
+        if smem > info.max_smem {
+            bail!(
+                "flash_attention: the {kernel} kernel needs {smem} bytes of shared memory per block, \
+                 the device allows {}",
+                info.max_smem
+            );
+        }
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid.0, grid.1, 1),
+            block_dim: (self.threads(), 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        Ok((func, cfg))
+    }
+}
+
+/// The device's keep flags of a `[b, s_k]` u8 mask (and `true`), or a
+/// one-byte placeholder (and `false`).
+fn keep_slice(
+    dev: &CudaDevice,
+    keep: Option<&Tensor>,
+) -> candle_core::Result<(CudaSlice<u8>, bool)> {
+    let Some(keep) = keep else {
+        return Ok((dev.alloc_zeros::<u8>(1)?, false));
+    };
+    let (storage, layout) = keep.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        bail!("flash_attention: the key padding mask is not on the CUDA device");
+    };
+    let src = s.as_cuda_slice::<u8>()?;
+    let n = layout.shape().elem_count();
+    let mut dst = dev.alloc_zeros::<u8>(n.max(1))?;
+    let start = layout.start_offset();
+    if n > 0 {
+        dev.memcpy_dtod(&src.slice(start..start + n), &mut dst.slice_mut(0..n))?;
+    }
+    Ok((dst, true))
+}
+
+fn kernel_params(
+    dims: &Dims,
+    params: &Params,
+    has_keep: bool,
+) -> candle_core::Result<KernelParams> {
+    let int = |x: usize, what: &str| {
+        i32::try_from(x).map_err(|_| {
+            candle_core::Error::Msg(format!("flash_attention: {what} {x} is too large"))
+        })
+    };
+    // The tiles of a sequence are the grid's y dimension (at most 65535).
+    let most = 65535 * TILE;
+    if dims.s_q.max(dims.s_k) > most {
+        bail!("flash_attention on CUDA supports sequences of up to {most} positions");
+    }
+    if u32::try_from(dims.b * dims.heads).is_err() {
+        bail!(
+            "flash_attention on CUDA: batch x heads {} is too large",
+            dims.b * dims.heads
+        );
+    }
+    Ok(KernelParams {
+        b: int(dims.b, "batch")?,
+        heads: int(dims.heads, "heads")?,
+        kv_heads: int(dims.kv_heads, "kv heads")?,
+        s_q: int(dims.s_q, "query length")?,
+        s_k: int(dims.s_k, "key length")?,
+        d: int(dims.d, "head dimension")?,
+        scale: params.scale,
+        causal: params.causal as i32,
+        has_keep: has_keep as i32,
+    })
+}
+
+/// Whether 16-byte loads are safe: rows of `d` elements start on 8-element
+/// boundaries, and so do the operands.
+fn vectorizable(d: usize, offsets: &[usize]) -> i32 {
+    (d % 8 == 0 && offsets.iter().all(|o| o % 8 == 0)) as i32
+}
+
+/// A view of a contiguous storage from its layout's start.
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> candle_core::Result<CudaView<'a, T>> {
+    if !l.is_contiguous() {
+        bail!("flash_attention: operands must be contiguous");
+    }
+    let start = l.start_offset();
+    Ok(s.as_cuda_slice::<T>()?
+        .slice(start..start + l.shape().elem_count()))
+}
+
+/// The forward pass: the output and the log-sum-exp of every query row.
+pub(super) fn forward(
+    dims: &Dims,
+    params: &Params,
+    keep: Option<&Tensor>,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+) -> candle_core::Result<(CudaStorage, Shape, CudaSlice<f32>)> {
+    match q.dtype() {
+        DType::F32 => forward_t::<f32>(dims, params, keep, (q, ql), (k, kl), (v, vl)),
+        DType::BF16 => forward_t::<bf16>(dims, params, keep, (q, ql), (k, kl), (v, vl)),
+        DType::F16 => forward_t::<f16>(dims, params, keep, (q, ql), (k, kl), (v, vl)),
+        other => bail!("flash_attention: unsupported dtype {other:?}"),
+    }
+}
+
+fn forward_t<T: CudaDType + DeviceRepr>(
+    dims: &Dims,
+    params: &Params,
+    keep: Option<&Tensor>,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+) -> candle_core::Result<(CudaStorage, Shape, CudaSlice<f32>)> {
+    let dev = &q.device;
+    let info = device_info(dev)?;
+    let var = Variant::of(dims, q.dtype(), info)?;
+    let rows = dims.b * dims.heads * dims.s_q;
+    let shape = Shape::from((dims.b, dims.heads, dims.s_q, dims.d));
+    // SAFETY: the kernel writes every element of both (zeros and -inf for
+    // rows that see no key); with no rows there is nothing to write.
+    let mut out = unsafe { dev.alloc::<T>(rows * dims.d) }?;
+    let mut lse = unsafe { dev.alloc::<f32>(rows) }?;
+    if rows > 0 && dims.d > 0 {
+        let (keep, has_keep) = keep_slice(dev, keep)?;
+        let p = kernel_params(dims, params, has_keep)?;
+        let vec = vectorizable(
+            dims.d,
+            &[ql.start_offset(), kl.start_offset(), vl.start_offset()],
+        );
+        let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
+        let grid = ((dims.b * dims.heads) as u32, dims.s_q.div_ceil(TILE) as u32);
+        let (func, cfg) = var.launch(dev, info, "fwd", grid)?;
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&qv)
+            .arg(&kv)
+            .arg(&vv)
+            .arg(&mut out)
+            .arg(&mut lse)
+            .arg(&keep)
+            .arg(&p);
+        if var.mma {
+            b.arg(&vec);
+        }
+        // SAFETY: the arguments match the kernel's signature; every index the
+        // kernel forms stays inside the tensors' sizes given in `p`.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), shape, lse))
+}
+
+/// The storage and layout of a CUDA tensor, or an error.
+macro_rules! cuda_storage {
+    ($t:expr => $s:ident, $l:ident) => {
+        let (guard, $l) = $t.storage_and_layout();
+        let Storage::Cuda($s) = &*guard else {
+            bail!("flash_attention: a backward operand is not on the CUDA device");
+        };
+    };
+}
+
+/// The backward pass: gradients of q, k and v.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward(
+    dims: &Dims,
+    params: &Params,
+    keep: Option<&Tensor>,
+    lse: &CudaSlice<f32>,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    grad_o: &Tensor,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    match q.dtype() {
+        DType::F32 => backward_t::<f32>(dims, params, keep, lse, [q, k, v, o, grad_o]),
+        DType::BF16 => backward_t::<bf16>(dims, params, keep, lse, [q, k, v, o, grad_o]),
+        DType::F16 => backward_t::<f16>(dims, params, keep, lse, [q, k, v, o, grad_o]),
+        other => bail!("flash_attention: unsupported dtype {other:?}"),
+    }
+}
+
+fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+    dims: &Dims,
+    params: &Params,
+    keep: Option<&Tensor>,
+    lse: &CudaSlice<f32>,
+    tensors: [&Tensor; 5],
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let [q, k, v, o, grad_o] = tensors.map(|t| t.contiguous());
+    let (q, k, v, o, grad_o) = (q?, k?, v?, o?, grad_o?);
+    let dev = match q.device() {
+        candle_core::Device::Cuda(d) => d.clone(),
+        _ => bail!("flash_attention: CUDA backward on a non-CUDA tensor"),
+    };
+    let info = device_info(&dev)?;
+    let var = Variant::of(dims, q.dtype(), info)?;
+    let rows = dims.b * dims.heads * dims.s_q;
+    let kv_len = dims.b * dims.kv_heads * dims.s_k * dims.d;
+    let (dq, dk, dv) = if rows == 0 || dims.d == 0 {
+        (
+            dev.alloc_zeros::<T>(rows * dims.d)?,
+            dev.alloc_zeros::<T>(kv_len)?,
+            dev.alloc_zeros::<T>(kv_len)?,
+        )
+    } else {
+        let (keep, has_keep) = keep_slice(&dev, keep)?;
+        let p = kernel_params(dims, params, has_keep)?;
+        cuda_storage!(q => qs, ql);
+        cuda_storage!(k => ks, kl);
+        cuda_storage!(v => vs, vl);
+        cuda_storage!(o => os, ol);
+        cuda_storage!(grad_o => gs, gl);
+        let vec = vectorizable(
+            dims.d,
+            &[
+                ql.start_offset(),
+                kl.start_offset(),
+                vl.start_offset(),
+                gl.start_offset(),
+            ],
+        );
+        let (qv, kv, vv) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
+        let (ov, gv) = (view::<T>(os, ol)?, view::<T>(gs, gl)?);
+        // D_i = dO_i . O_i
+        // SAFETY: the delta kernel writes all `rows` values.
+        let mut delta = unsafe { dev.alloc::<f32>(rows) }?;
+        {
+            let func = dev.get_or_load_custom_func(
+                &format!("flash_delta_{}", dtype_name(q.dtype())?),
+                MODULE,
+                ptx(info.arch)?,
+            )?;
+            let warps = 8u32;
+            let cfg = LaunchConfig {
+                grid_dim: ((rows as u64).div_ceil(warps as u64) as u32, 1, 1),
+                block_dim: (32 * warps, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (n, d) = (rows as i64, dims.d as i32);
+            let mut b = func.builder();
+            b.arg(&ov).arg(&gv).arg(&mut delta).arg(&n).arg(&d);
+            // SAFETY: o and grad_o hold `rows * d` elements, delta `rows`.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        // SAFETY: the kernels write every element of dq, dk and dv.
+        let mut dq = unsafe { dev.alloc::<T>(rows * dims.d) }?;
+        let mut dk = unsafe { dev.alloc::<T>(kv_len) }?;
+        let mut dv = unsafe { dev.alloc::<T>(kv_len) }?;
+        if kv_len > 0 {
+            let grid = (
+                (dims.b * dims.kv_heads) as u32,
+                dims.s_k.div_ceil(TILE) as u32,
+            );
+            let (func, cfg) = var.launch(&dev, info, "dkdv", grid)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&qv)
+                .arg(&kv)
+                .arg(&vv)
+                .arg(&gv)
+                .arg(lse)
+                .arg(&delta)
+                .arg(&keep)
+                .arg(&mut dk)
+                .arg(&mut dv)
+                .arg(&p);
+            if var.mma {
+                b.arg(&vec);
+            }
+            // SAFETY: the arguments match the kernel's signature and sizes in `p`.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        {
+            let grid = ((dims.b * dims.heads) as u32, dims.s_q.div_ceil(TILE) as u32);
+            let (func, cfg) = var.launch(&dev, info, "dq", grid)?;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&func);
+            b.arg(&qv)
+                .arg(&kv)
+                .arg(&vv)
+                .arg(&gv)
+                .arg(lse)
+                .arg(&delta)
+                .arg(&keep)
+                .arg(&mut dq)
+                .arg(&p);
+            if var.mma {
+                b.arg(&vec);
+            }
+            // SAFETY: as above.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        (dq, dk, dv)
+    };
+    let wrap = |s: CudaSlice<T>, like: &Tensor| {
+        Tensor::from_storage(
+            Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone())),
+            like.shape().clone(),
+            BackpropOp::none(),
+            false,
+        )
+    };
+    Ok((wrap(dq, &q), wrap(dk, &k), wrap(dv, &v)))
+}

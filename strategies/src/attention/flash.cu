@@ -1,0 +1,1050 @@
+// Memory-efficient attention (the FlashAttention-2 scheme) for CUDA, compiled
+// at run time with NVRTC (see cuda.rs).
+//
+// Tensors are contiguous: q, o, dq [b, heads, s_q, d]; k, v, dk, dv
+// [b, kv_heads, s_k, d]; lse and delta [b, heads, s_q] (f32); keep [b, s_k]
+// (u8, 1 = key kept) when `has_keep`. Query head h reads key/value head
+// h / (heads / kv_heads). Query i sees key j when j < s_k, the key is kept,
+// and, with `causal`, j <= i + s_k - s_q. A row that sees no key gets zeros
+// and lse = -inf.
+//
+// Two families of kernels, each templated on the element type T and on
+// D, the head dimension rounded up to 64 or 128 (the tail is zero-filled):
+//   *_simt: plain f32 arithmetic on CUDA cores, for every dtype (f32 inputs
+//           always take it: its results match the CPU op to f32 rounding);
+//   *_mma:  bf16/f16 tensor-core kernels (mma.sync m16n8k16, f32
+//           accumulation), four warps per block, each owning 16 rows.
+// Forward: one block per (64-query tile, batch x head), online softmax over
+// the key tiles. Backward: `delta` = rowsum(dO * O); one kernel per key tile
+// that sums dK and dV over the query heads of its group (no atomics), one per
+// query tile for dQ; both recompute the probabilities from lse.
+//
+// Self-contained: no CUDA headers, so NVRTC needs no include path.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned char u8;
+typedef long long i64;
+
+struct Bf16 { u16 bits; };
+struct F16 { u16 bits; };
+
+// Sizes and flags; the field order matches `KernelParams` in cuda.rs.
+struct Params {
+    int b, heads, kv_heads, s_q, s_k, d;
+    float scale;  // applied to q.k
+    int causal;
+    int has_keep;
+};
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(Bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
+__device__ __forceinline__ float to_f32(F16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ Bf16 from_f32<Bf16>(float x) {
+    Bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+template <> __device__ __forceinline__ F16 from_f32<F16>(float x) {
+    F16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+
+// ---------------------------------------------------------------------------
+// Masks.
+
+// End (exclusive) of the keys query i may see, before padding.
+__device__ __forceinline__ int key_end(const Params& p, int i) {
+    if (!p.causal) return p.s_k;
+    int e = i + 1 + p.s_k - p.s_q;
+    return e < 0 ? 0 : (e > p.s_k ? p.s_k : e);
+}
+
+// First query that sees key j under the causal mask (0 without it).
+__device__ __forceinline__ int first_query(const Params& p, int j) {
+    if (!p.causal) return 0;
+    int i = j - p.s_k + p.s_q;
+    return i < 0 ? 0 : i;
+}
+
+__device__ __forceinline__ bool visible(const Params& p, const u8* keep_row, int i, int j) {
+    if (i >= p.s_q || j >= p.s_k) return false;
+    if (p.causal && j > i + p.s_k - p.s_q) return false;
+    if (p.has_keep && keep_row[j] == 0) return false;
+    return true;
+}
+
+// ---------------------------------------------------------------------------
+// Backward preprocessing: delta[row] = sum_c dO[row, c] * O[row, c] (one warp per row).
+
+template <typename T>
+__device__ void delta_kernel(const T* __restrict__ o, const T* __restrict__ dout, float* __restrict__ delta,
+                             i64 rows, int d) {
+    i64 row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const T* a = o + row * d;
+    const T* b = dout + row * d;
+    float acc = 0.f;
+    for (int c = lane; c < d; c += 32) acc += to_f32(a[c]) * to_f32(b[c]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) delta[row] = acc;
+}
+
+// ===========================================================================
+// SIMT kernels: 256 threads as a 16 x 16 grid (ty, tx); a thread owns rows
+// ty*4 .. ty*4+3 of a 64-row tile and the columns tx + 16*j. Tiles live in
+// shared memory as f32 with row stride D + 1 (no bank conflicts).
+
+#define SB 64     // rows per tile (queries and keys)
+#define SPAD 1
+
+// Loads rows r0 .. r0+SB-1 (of `rows`) of a row-major [rows, d] matrix into a
+// [SB][D+1] f32 tile, zero outside; `mul` scales the values.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile_f32(float* tile, const T* src, int r0, int rows, int d, float mul) {
+    const int LD = D + SPAD;
+    for (int idx = threadIdx.x; idx < SB * D; idx += blockDim.x) {
+        int r = idx / D, c = idx % D;
+        float x = 0.f;
+        if (r0 + r < rows && c < d) x = to_f32(src[(i64)(r0 + r) * d + c]) * mul;
+        tile[r * LD + c] = x;
+    }
+}
+
+template <typename T, int D>
+__device__ void fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                         T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p) {
+    const int LD = D + SPAD, PLD = SB + 1, NC = D / 16;
+    extern __shared__ __align__(16) float smem[];
+    float* Qs = smem;
+    float* Ks = Qs + SB * LD;
+    float* Vs = Ks + SB * LD;
+    float* Ps = Vs + SB * LD;
+    const int bh = blockIdx.x;
+    const int tiles = (p.s_q + SB - 1) / SB;
+    const int i0 = (tiles - 1 - (int)blockIdx.y) * SB;
+    const int bb = bh / p.heads, h = bh % p.heads;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const T* qh = q + (i64)bh * p.s_q * p.d;
+    const T* kh = k + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const T* vh = v + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const u8* keep_row = keep + (i64)bb * p.s_k;
+    // Scores in the log2 domain: q is pre-multiplied by scale * log2(e).
+    load_tile_f32<T, D>(Qs, qh, i0, p.s_q, p.d, p.scale * LOG2E);
+
+    float m[4], l[4], acc[4][NC];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        m[a] = NEG_INF;
+        l[a] = 0.f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[a][c] = 0.f;
+    }
+    const int last = min(i0 + SB, p.s_q) - 1;
+    const int kend = key_end(p, last);
+    for (int j0 = 0; j0 < kend; j0 += SB) {
+        __syncthreads();
+        load_tile_f32<T, D>(Ks, kh, j0, p.s_k, p.d, 1.f);
+        load_tile_f32<T, D>(Vs, vh, j0, p.s_k, p.d, 1.f);
+        __syncthreads();
+        float s[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) s[a][b] = 0.f;
+#pragma unroll 8
+        for (int kk = 0; kk < D; ++kk) {
+            float qv[4], kv[4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) qv[a] = Qs[(ty * 4 + a) * LD + kk];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) kv[b] = Ks[(tx + 16 * b) * LD + kk];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b) s[a][b] += qv[a] * kv[b];
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const int i = i0 + ty * 4 + a;
+            float mx = NEG_INF;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                if (!visible(p, keep_row, i, j0 + tx + 16 * b)) s[a][b] = NEG_INF;
+                mx = fmaxf(mx, s[a][b]);
+            }
+#pragma unroll
+            for (int off = 8; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            const float m_new = fmaxf(m[a], mx);
+            const float m_use = m_new == NEG_INF ? 0.f : m_new;
+            const float alpha = exp2f(m[a] - m_use);
+            m[a] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                float e = exp2f(s[a][b] - m_use);
+                sum += e;
+                Ps[(ty * 4 + a) * PLD + tx + 16 * b] = e;
+            }
+            l[a] = l[a] * alpha + sum;  // this thread's part of the row sum
+#pragma unroll
+            for (int c = 0; c < NC; ++c) acc[a][c] *= alpha;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int jk = 0; jk < SB; ++jk) {
+            float vv[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) vv[c] = Vs[jk * LD + tx + 16 * c];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float pe = Ps[(ty * 4 + a) * PLD + jk];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) acc[a][c] += pe * vv[c];
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        float sum = l[a];
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        const int i = i0 + ty * 4 + a;
+        if (i >= p.s_q) continue;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        T* orow = o + ((i64)bh * p.s_q + i) * p.d;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int col = tx + 16 * c;
+            if (col < p.d) orow[col] = from_f32<T>(acc[a][c] * inv);
+        }
+        if (tx == 0) lse[(i64)bh * p.s_q + i] = sum > 0.f ? (m[a] + log2f(sum)) * LN2 : NEG_INF;
+    }
+}
+
+// dK and dV of one key tile: a thread owns keys ty*4 .. ty*4+3 of the tile.
+template <typename T, int D>
+__device__ void dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          const T* __restrict__ dout, const float* __restrict__ lse,
+                          const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
+                          T* __restrict__ dv, Params p) {
+    const int LD = D + SPAD, PLD = SB + 1, NC = D / 16;
+    extern __shared__ __align__(16) float smem[];
+    float* Ks = smem;
+    float* Vs = Ks + SB * LD;
+    float* Qs = Vs + SB * LD;
+    float* Ds = Qs + SB * LD;  // dO
+    float* Pt = Ds + SB * LD;  // P^T [key][query]
+    float* St = Pt + SB * PLD; // dS^T
+    float* Ls = St + SB * PLD; // lse * log2(e) of the query tile
+    float* Es = Ls + SB;       // delta of the query tile
+    const int bkv = blockIdx.x;
+    const int j0 = blockIdx.y * SB;
+    const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
+    const int group = p.heads / p.kv_heads;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const float sl2 = p.scale * LOG2E;
+    load_tile_f32<T, D>(Ks, k + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, 1.f);
+    load_tile_f32<T, D>(Vs, v + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, 1.f);
+    float gk[4][NC], gv[4][NC];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) gk[a][c] = gv[a][c] = 0.f;
+    const int qstart = (first_query(p, j0) / SB) * SB;
+    for (int g = 0; g < group; ++g) {
+        const i64 bh = (i64)bb * p.heads + kvh * group + g;
+        const T* qh = q + bh * p.s_q * p.d;
+        const T* dh = dout + bh * p.s_q * p.d;
+        for (int i0 = qstart; i0 < p.s_q; i0 += SB) {
+            __syncthreads();
+            load_tile_f32<T, D>(Qs, qh, i0, p.s_q, p.d, 1.f);
+            load_tile_f32<T, D>(Ds, dh, i0, p.s_q, p.d, 1.f);
+            for (int r = threadIdx.x; r < SB; r += blockDim.x) {
+                const bool in = i0 + r < p.s_q;
+                Ls[r] = in ? lse[bh * p.s_q + i0 + r] * LOG2E : NEG_INF;
+                Es[r] = in ? delta[bh * p.s_q + i0 + r] : 0.f;
+            }
+            __syncthreads();
+            float s[4][4], dp[4][4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b) s[a][b] = dp[a][b] = 0.f;
+#pragma unroll 4
+            for (int kk = 0; kk < D; ++kk) {
+                float kv[4], vv[4], qv[4], dv_[4];
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    kv[a] = Ks[(ty * 4 + a) * LD + kk];
+                    vv[a] = Vs[(ty * 4 + a) * LD + kk];
+                }
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    qv[b] = Qs[(tx + 16 * b) * LD + kk];
+                    dv_[b] = Ds[(tx + 16 * b) * LD + kk];
+                }
+#pragma unroll
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) {
+                        s[a][b] += kv[a] * qv[b];
+                        dp[a][b] += vv[a] * dv_[b];
+                    }
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const int j = j0 + ty * 4 + a;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int qi = tx + 16 * b;
+                    const float ls = Ls[qi];
+                    float pe = 0.f;
+                    if (ls != NEG_INF && visible(p, keep_row, i0 + qi, j)) pe = exp2f(s[a][b] * sl2 - ls);
+                    Pt[(ty * 4 + a) * PLD + qi] = pe;
+                    St[(ty * 4 + a) * PLD + qi] = pe * (dp[a][b] - Es[qi]);
+                }
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int qq = 0; qq < SB; ++qq) {
+                float qv[NC], dv_[NC];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) {
+                    qv[c] = Qs[qq * LD + tx + 16 * c];
+                    dv_[c] = Ds[qq * LD + tx + 16 * c];
+                }
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    const float pe = Pt[(ty * 4 + a) * PLD + qq];
+                    const float se = St[(ty * 4 + a) * PLD + qq];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        gv[a][c] += pe * dv_[c];
+                        gk[a][c] += se * qv[c];
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const int j = j0 + ty * 4 + a;
+        if (j >= p.s_k) continue;
+        const i64 row = ((i64)bkv * p.s_k + j) * p.d;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int col = tx + 16 * c;
+            if (col < p.d) {
+                dk[row + col] = from_f32<T>(gk[a][c] * p.scale);
+                dv[row + col] = from_f32<T>(gv[a][c]);
+            }
+        }
+    }
+}
+
+// dQ of one query tile: a thread owns queries ty*4 .. ty*4+3.
+template <typename T, int D>
+__device__ void dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                        const u8* __restrict__ keep, T* __restrict__ dq, Params p) {
+    const int LD = D + SPAD, PLD = SB + 1, NC = D / 16;
+    extern __shared__ __align__(16) float smem[];
+    float* Qs = smem;
+    float* Ds = Qs + SB * LD;
+    float* Ks = Ds + SB * LD;
+    float* Vs = Ks + SB * LD;
+    float* Ss = Vs + SB * LD;  // dS [query][key]
+    const int bh = blockIdx.x;
+    const int tiles = (p.s_q + SB - 1) / SB;
+    const int i0 = (tiles - 1 - (int)blockIdx.y) * SB;
+    const int bb = bh / p.heads, h = bh % p.heads;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const T* kh = k + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const T* vh = v + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const float sl2 = p.scale * LOG2E;
+    load_tile_f32<T, D>(Qs, q + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, 1.f);
+    load_tile_f32<T, D>(Ds, dout + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, 1.f);
+    float ls[4], es[4], gq[4][NC];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + ty * 4 + a;
+        ls[a] = i < p.s_q ? lse[(i64)bh * p.s_q + i] * LOG2E : NEG_INF;
+        es[a] = i < p.s_q ? delta[(i64)bh * p.s_q + i] : 0.f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) gq[a][c] = 0.f;
+    }
+    const int kend = key_end(p, min(i0 + SB, p.s_q) - 1);
+    for (int j0 = 0; j0 < kend; j0 += SB) {
+        __syncthreads();
+        load_tile_f32<T, D>(Ks, kh, j0, p.s_k, p.d, 1.f);
+        load_tile_f32<T, D>(Vs, vh, j0, p.s_k, p.d, 1.f);
+        __syncthreads();
+        float s[4][4], dp[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) s[a][b] = dp[a][b] = 0.f;
+#pragma unroll 4
+        for (int kk = 0; kk < D; ++kk) {
+            float qv[4], dv_[4], kv[4], vv[4];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                qv[a] = Qs[(ty * 4 + a) * LD + kk];
+                dv_[a] = Ds[(ty * 4 + a) * LD + kk];
+            }
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                kv[b] = Ks[(tx + 16 * b) * LD + kk];
+                vv[b] = Vs[(tx + 16 * b) * LD + kk];
+            }
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    s[a][b] += qv[a] * kv[b];
+                    dp[a][b] += dv_[a] * vv[b];
+                }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const int i = i0 + ty * 4 + a;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int kj = tx + 16 * b;
+                float pe = 0.f;
+                if (ls[a] != NEG_INF && visible(p, keep_row, i, j0 + kj)) pe = exp2f(s[a][b] * sl2 - ls[a]);
+                Ss[(ty * 4 + a) * PLD + kj] = pe * (dp[a][b] - es[a]);
+            }
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int jk = 0; jk < SB; ++jk) {
+            float kv[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) kv[c] = Ks[jk * LD + tx + 16 * c];
+#pragma unroll
+            for (int a = 0; a < 4; ++a) {
+                const float se = Ss[(ty * 4 + a) * PLD + jk];
+#pragma unroll
+                for (int c = 0; c < NC; ++c) gq[a][c] += se * kv[c];
+            }
+        }
+    }
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+        const int i = i0 + ty * 4 + a;
+        if (i >= p.s_q) continue;
+        T* row = dq + ((i64)bh * p.s_q + i) * p.d;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int col = tx + 16 * c;
+            if (col < p.d) row[col] = from_f32<T>(gq[a][c] * p.scale);
+        }
+    }
+}
+
+// ===========================================================================
+// Tensor-core kernels for bf16 / f16: 128 threads = 4 warps, warp w owns rows
+// 16w .. 16w+15 of a 64-row tile. Tiles live in shared memory as 16-bit values
+// with row stride D + 8 (16-byte aligned rows, no bank conflicts for the
+// 32-bit fragment loads and ldmatrix).
+//
+// mma.sync m16n8k16 fragments (g = lane / 4, t = lane % 4):
+//   A (16 x 16, row-major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
+//   B (16 x 8, k x n):      b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
+//   C (16 x 8):             c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1]
+// so two adjacent C tiles of one row block are the A fragment of the next
+// product (P or dS feed P.V, dS.K, ... straight from registers).
+
+#define MB 64     // rows per block tile
+#define MPAD 8
+
+template <typename T> struct Mma;
+template <> struct Mma<Bf16> {
+    static __device__ __forceinline__ void run(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+        __trap();
+#endif
+    }
+    // Two f32 values as one register of two bf16 (lo in the low half).
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+#if __CUDA_ARCH__ >= 800
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+        r = 0;
+        __trap();
+#endif
+        return r;
+    }
+};
+template <> struct Mma<F16> {
+    static __device__ __forceinline__ void run(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+        __trap();
+#endif
+    }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+#if __CUDA_ARCH__ >= 800
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+        r = 0;
+        __trap();
+#endif
+        return r;
+    }
+};
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// Four 8x8 16-bit matrices, transposed: rows are given by lanes 0-7 (matrix
+// 0), 8-15 (1), 16-23 (2), 24-31 (3).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* p) {
+#if __CUDA_ARCH__ >= 750
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+#else
+    __trap();
+#endif
+}
+
+__device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
+
+// 2^x with the hardware approximation (2 ulp; -inf gives 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// 16 bytes from global to shared memory without waiting; zeros when !ok.
+__device__ __forceinline__ void cp_async16(u16* dst, const u16* src, bool ok) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+// Waits until at most N of this thread's committed copy groups are in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+
+// Loads rows r0 .. r0+R-1 of a row-major [rows, d] 16-bit matrix into a
+// [R][D+8] tile, zero outside. With `vec` (d % 8 == 0 and an aligned base) as
+// asynchronous 16-byte copies: the caller commits them as a group and waits
+// (cp_async_wait) before a barrier; otherwise with plain loads and stores.
+template <int R, int D>
+__device__ __forceinline__ void load_tile16(u16* tile, const u16* src, int r0, int rows, int d, int vec) {
+    const int LD = D + MPAD;
+    if (vec) {
+        const int CH = D / 8;
+        for (int idx = threadIdx.x; idx < R * CH; idx += blockDim.x) {
+            const int r = idx / CH, c = (idx % CH) * 8;
+            const bool ok = r0 + r < rows && c < d;
+            cp_async16(tile + r * LD + c, ok ? src + (i64)(r0 + r) * d + c : src, ok);
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
+            const int r = idx / D, c = idx % D;
+            tile[r * LD + c] = (r0 + r < rows && c < d) ? src[(i64)(r0 + r) * d + c] : (u16)0;
+        }
+    }
+}
+
+// A fragment of rows row0 .. row0+15, columns col0 .. col0+15 of a tile.
+template <int LD>
+__device__ __forceinline__ void load_a(u32 a[4], const u16* tile, int row0, int col0, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    const u16* base = tile + (row0 + g) * LD + col0 + 2 * t;
+    a[0] = lds32(base);
+    a[1] = lds32(base + 8 * LD);
+    a[2] = lds32(base + 8);
+    a[3] = lds32(base + 8 * LD + 8);
+}
+
+// Stores a row-major fragment row (two values at columns col, col+1) of a [.., d] matrix.
+template <typename T>
+__device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, float x1) {
+    if (col + 1 < d) {
+        if ((d & 1) == 0) {
+            u32 packed = Mma<T>::pack(x0, x1);
+            *reinterpret_cast<u32*>(row + col) = packed;
+        } else {
+            row[col] = from_f32<T>(x0);
+            row[col + 1] = from_f32<T>(x1);
+        }
+    } else if (col < d) {
+        row[col] = from_f32<T>(x0);
+    }
+}
+
+template <typename T, int D>
+__device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p,
+                        int vec) {
+    const int LD = D + MPAD, KS = D / 16, NO = D / 8;
+    extern __shared__ __align__(16) u16 hsmem[];
+    u16* Qs = hsmem;
+    u16* Kb = Qs + MB * LD;      // two K tiles
+    u16* Vb = Kb + 2 * MB * LD;  // two V tiles
+    const int bh = blockIdx.x;
+    const int tiles = (p.s_q + MB - 1) / MB;
+    const int i0 = (tiles - 1 - (int)blockIdx.y) * MB;
+    const int bb = bh / p.heads, h = bh % p.heads;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u16* kh = reinterpret_cast<const u16*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const u16* vh = reinterpret_cast<const u16*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const float sl2 = p.scale * LOG2E;
+
+    const int last = min(i0 + MB, p.s_q) - 1;
+    const int kend = key_end(p, last);
+    load_tile16<MB, D>(Qs, reinterpret_cast<const u16*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+    if (kend > 0) {
+        load_tile16<MB, D>(Kb, kh, 0, p.s_k, p.d, vec);
+        load_tile16<MB, D>(Vb, vh, 0, p.s_k, p.d, vec);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    u32 qa[KS][4];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) load_a<LD>(qa[kk], Qs, warp * 16, kk * 16, lane);
+
+    float acc[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    const int row_a = i0 + warp * 16 + g;  // this thread's two rows: row_a, row_a + 8
+    // Key tiles from `full_end` on may hide keys from some rows of the block.
+    const int full_end = p.has_keep ? 0 : key_end(p, i0);
+    for (int j0 = 0, it = 0; j0 < kend; j0 += MB, ++it) {
+        // Fetch the next key tile while this one is used (the barrier at the
+        // end of the last iteration freed its buffer).
+        const u16* Ks = Kb + (it & 1) * MB * LD;
+        const u16* Vs = Vb + (it & 1) * MB * LD;
+        if (j0 + MB < kend) {
+            load_tile16<MB, D>(Kb + ((it + 1) & 1) * MB * LD, kh, j0 + MB, p.s_k, p.d, vec);
+            load_tile16<MB, D>(Vb + ((it + 1) & 1) * MB * LD, vh, j0 + MB, p.s_k, p.d, vec);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                const u16* kb = Ks + (n * 8 + g) * LD + kk * 16 + 2 * t;
+                Mma<T>::run(s[n], qa[kk], lds32(kb), lds32(kb + 8));
+            }
+        }
+        const bool masked = j0 + MB > full_end;
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[n][e] * sl2;
+                if (masked && !visible(p, keep_row, row_a + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1))) x = NEG_INF;
+                s[n][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float m_use[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);
+            m_use[r] = m_new == NEG_INF ? 0.f : m_new;
+            const float alpha = fast_exp2(m[r] - m_use[r]);
+            m[r] = m_new;
+            l[r] *= alpha;
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                acc[n][2 * r] *= alpha;
+                acc[n][2 * r + 1] *= alpha;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float x = fast_exp2(s[n][e] - m_use[e >> 1]);
+                s[n][e] = x;
+                l[e >> 1] += x;
+            }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            u32 pa[4];
+            pa[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const u16* vb = Vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+#pragma unroll
+            for (int n2 = 0; n2 < D / 16; ++n2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, vb + n2 * 16);
+                Mma<T>::run(acc[2 * n2], pa, b[0], b[1]);
+                Mma<T>::run(acc[2 * n2 + 1], pa, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int i = row_a + r * 8;
+        if (i >= p.s_q) continue;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        T* orow = o + ((i64)bh * p.s_q + i) * p.d;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) store_pair<T>(orow, n * 8 + 2 * t, p.d, acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        if (t == 0) lse[(i64)bh * p.s_q + i] = sum > 0.f ? (m[r] + log2f(sum)) * LN2 : NEG_INF;
+    }
+}
+
+// dK, dV of one 64-key tile; the queries go by in tiles of BQ.
+template <typename T, int D, int BQ>
+__device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                         const T* __restrict__ dout, const float* __restrict__ lse,
+                         const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
+                         T* __restrict__ dv, Params p, int vec) {
+    const int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8;
+    extern __shared__ __align__(16) u16 hsmem[];
+    u16* Ks = hsmem;
+    u16* Vs = Ks + MB * LD;
+    u16* Qb = Vs + MB * LD;       // two Q tiles
+    u16* Db = Qb + 2 * BQ * LD;   // two dO tiles
+    float* Lb = reinterpret_cast<float*>(Db + 2 * BQ * LD);  // two lse * log2(e) rows
+    float* Eb = Lb + 2 * BQ;      // two delta rows
+    const int bkv = blockIdx.x;
+    const int j0 = blockIdx.y * MB;
+    const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
+    const int group = p.heads / p.kv_heads;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const float sl2 = p.scale * LOG2E;
+    load_tile16<MB, D>(Ks, reinterpret_cast<const u16*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
+    load_tile16<MB, D>(Vs, reinterpret_cast<const u16*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
+    float gk[NO][4], gv[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) gk[n][e] = gv[n][e] = 0.f;
+    const int key_a = j0 + warp * 16 + g;  // this thread's keys: key_a, key_a + 8
+    const int qstart = (first_query(p, j0) / BQ) * BQ;
+    // Query tiles from `full_from` on see every key of this tile.
+    const int full_from = first_query(p, j0 + MB - 1);
+    // The (query head of the group, query tile) pairs, in one sequence whose
+    // next tiles are fetched while the current ones are used.
+    const int nq = qstart < p.s_q ? (p.s_q - qstart + BQ - 1) / BQ : 0;
+    const int total = group * nq;
+    auto fetch = [&](int it, int buf) {
+        const i64 bh = (i64)bb * p.heads + kvh * group + it / nq;
+        const int i0 = qstart + (it % nq) * BQ;
+        load_tile16<BQ, D>(Qb + buf * BQ * LD, reinterpret_cast<const u16*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+        load_tile16<BQ, D>(Db + buf * BQ * LD, reinterpret_cast<const u16*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d,
+                           vec);
+        for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
+            const bool in = i0 + r < p.s_q;
+            Lb[buf * BQ + r] = in ? lse[bh * p.s_q + i0 + r] * LOG2E : NEG_INF;
+            Eb[buf * BQ + r] = in ? delta[bh * p.s_q + i0 + r] : 0.f;
+        }
+    };
+    if (total > 0) fetch(0, 0);
+    cp_async_commit();
+    for (int it = 0; it < total; ++it) {
+        {
+            const int i0 = qstart + (it % nq) * BQ;
+            const u16* Qs = Qb + (it & 1) * BQ * LD;
+            const u16* Ds = Db + (it & 1) * BQ * LD;
+            const float* Ls = Lb + (it & 1) * BQ;
+            const float* Es = Eb + (it & 1) * BQ;
+            if (it + 1 < total) fetch(it + 1, (it + 1) & 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();
+            float s[NQ][4], dp[NQ][4];
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                u32 ka[4], va[4];
+                load_a<LD>(ka, Ks, warp * 16, kk * 16, lane);
+                load_a<LD>(va, Vs, warp * 16, kk * 16, lane);
+#pragma unroll
+                for (int n = 0; n < NQ; ++n) {
+                    const u16* qb = Qs + (n * 8 + g) * LD + kk * 16 + 2 * t;
+                    const u16* db = Ds + (n * 8 + g) * LD + kk * 16 + 2 * t;
+                    Mma<T>::run(s[n], ka, lds32(qb), lds32(qb + 8));
+                    Mma<T>::run(dp[n], va, lds32(db), lds32(db + 8));
+                }
+            }
+            const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = n * 8 + 2 * t + (e & 1);
+                    const float ls = Ls[qi];
+                    float pe = 0.f;
+                    if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
+                        pe = fast_exp2(s[n][e] * sl2 - ls);
+                    s[n][e] = pe;
+                    dp[n][e] = pe * (dp[n][e] - Es[qi]);
+                }
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk) {
+                u32 pa[4], sa[4];
+                pa[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+                sa[0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
+                sa[1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
+                sa[2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+                sa[3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+                const int rowoff = (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+#pragma unroll
+                for (int n2 = 0; n2 < D / 16; ++n2) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, Ds + rowoff + n2 * 16);
+                    Mma<T>::run(gv[2 * n2], pa, b[0], b[1]);
+                    Mma<T>::run(gv[2 * n2 + 1], pa, b[2], b[3]);
+                    ldmatrix_x4_trans(b, Qs + rowoff + n2 * 16);
+                    Mma<T>::run(gk[2 * n2], sa, b[0], b[1]);
+                    Mma<T>::run(gk[2 * n2 + 1], sa, b[2], b[3]);
+                }
+            }
+            __syncthreads();
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = key_a + r * 8;
+        if (j >= p.s_k) continue;
+        T* krow = dk + ((i64)bkv * p.s_k + j) * p.d;
+        T* vrow = dv + ((i64)bkv * p.s_k + j) * p.d;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            store_pair<T>(krow, n * 8 + 2 * t, p.d, gk[n][2 * r] * p.scale, gk[n][2 * r + 1] * p.scale);
+            store_pair<T>(vrow, n * 8 + 2 * t, p.d, gv[n][2 * r], gv[n][2 * r + 1]);
+        }
+    }
+}
+
+// dQ of one 64-query tile; the keys go by in tiles of BK.
+template <typename T, int D, int BK>
+__device__ void dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                       const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                       const u8* __restrict__ keep, T* __restrict__ dq, Params p, int vec) {
+    const int LD = D + MPAD, KS = D / 16, NO = D / 8, NK = BK / 8;
+    extern __shared__ __align__(16) u16 hsmem[];
+    u16* Qs = hsmem;
+    u16* Ds = Qs + MB * LD;
+    u16* Kb = Ds + MB * LD;      // two K tiles
+    u16* Vb = Kb + 2 * BK * LD;  // two V tiles
+    const int bh = blockIdx.x;
+    const int tiles = (p.s_q + MB - 1) / MB;
+    const int i0 = (tiles - 1 - (int)blockIdx.y) * MB;
+    const int bb = bh / p.heads, h = bh % p.heads;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const u16* kh = reinterpret_cast<const u16*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const u16* vh = reinterpret_cast<const u16*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const float sl2 = p.scale * LOG2E;
+    const int kend = key_end(p, min(i0 + MB, p.s_q) - 1);
+    load_tile16<MB, D>(Qs, reinterpret_cast<const u16*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+    load_tile16<MB, D>(Ds, reinterpret_cast<const u16*>(dout) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+    if (kend > 0) {
+        load_tile16<BK, D>(Kb, kh, 0, p.s_k, p.d, vec);
+        load_tile16<BK, D>(Vb, vh, 0, p.s_k, p.d, vec);
+    }
+    cp_async_commit();
+    const int row_a = i0 + warp * 16 + g;
+    float ls[2], es[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = row_a + r * 8;
+        ls[r] = i < p.s_q ? lse[(i64)bh * p.s_q + i] * LOG2E : NEG_INF;
+        es[r] = i < p.s_q ? delta[(i64)bh * p.s_q + i] : 0.f;
+    }
+    float gq[NO][4];
+#pragma unroll
+    for (int n = 0; n < NO; ++n) gq[n][0] = gq[n][1] = gq[n][2] = gq[n][3] = 0.f;
+    const int full_end = p.has_keep ? 0 : key_end(p, i0);
+    for (int j0 = 0, it = 0; j0 < kend; j0 += BK, ++it) {
+        const u16* Ks = Kb + (it & 1) * BK * LD;
+        const u16* Vs = Vb + (it & 1) * BK * LD;
+        if (j0 + BK < kend) {
+            load_tile16<BK, D>(Kb + ((it + 1) & 1) * BK * LD, kh, j0 + BK, p.s_k, p.d, vec);
+            load_tile16<BK, D>(Vb + ((it + 1) & 1) * BK * LD, vh, j0 + BK, p.s_k, p.d, vec);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        float s[NK][4], dp[NK][4];
+#pragma unroll
+        for (int n = 0; n < NK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            u32 qa[4], da[4];
+            load_a<LD>(qa, Qs, warp * 16, kk * 16, lane);
+            load_a<LD>(da, Ds, warp * 16, kk * 16, lane);
+#pragma unroll
+            for (int n = 0; n < NK; ++n) {
+                const u16* kb = Ks + (n * 8 + g) * LD + kk * 16 + 2 * t;
+                const u16* vb = Vs + (n * 8 + g) * LD + kk * 16 + 2 * t;
+                Mma<T>::run(s[n], qa, lds32(kb), lds32(kb + 8));
+                Mma<T>::run(dp[n], da, lds32(vb), lds32(vb + 8));
+            }
+        }
+        const bool masked = j0 + BK > full_end;
+#pragma unroll
+        for (int n = 0; n < NK; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                float pe = 0.f;
+                if (ls[r] != NEG_INF && (!masked || visible(p, keep_row, row_a + r * 8, j0 + n * 8 + 2 * t + (e & 1))))
+                    pe = fast_exp2(s[n][e] * sl2 - ls[r]);
+                dp[n][e] = pe * (dp[n][e] - es[r]);
+            }
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            u32 sa[4];
+            sa[0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
+            sa[1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
+            sa[2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            sa[3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            const u16* kb = Ks + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+#pragma unroll
+            for (int n2 = 0; n2 < D / 16; ++n2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, kb + n2 * 16);
+                Mma<T>::run(gq[2 * n2], sa, b[0], b[1]);
+                Mma<T>::run(gq[2 * n2 + 1], sa, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = row_a + r * 8;
+        if (i >= p.s_q) continue;
+        T* row = dq + ((i64)bh * p.s_q + i) * p.d;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) store_pair<T>(row, n * 8 + 2 * t, p.d, gq[n][2 * r] * p.scale, gq[n][2 * r + 1] * p.scale);
+    }
+}
+
+// ===========================================================================
+// Entry points: <kernel>_<dtype>_<D>.
+
+#define SIMT_ENTRIES(TN, T, D)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256) flash_fwd_simt_##TN##_##D(                                 \
+        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p) {                        \
+        fwd_simt<T, D>(q, k, v, o, lse, keep, p);                                                             \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) flash_dkdv_simt_##TN##_##D(                                \
+        const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
+        T* dk, T* dv, Params p) {                                                                             \
+        dkdv_simt<T, D>(q, k, v, dout, lse, delta, keep, dk, dv, p);                                         \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(256) flash_dq_simt_##TN##_##D(                                  \
+        const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
+        T* dq, Params p) {                                                                                    \
+        dq_simt<T, D>(q, k, v, dout, lse, delta, keep, dq, p);                                               \
+    }
+
+#define MMA_ENTRIES(TN, T, D, BB)                                                                             \
+    extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##TN##_##D(                                  \
+        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p, int vec) {              \
+        fwd_mma<T, D>(q, k, v, o, lse, keep, p, vec);                                                         \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) flash_dkdv_mma_##TN##_##D(                                 \
+        const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
+        T* dk, T* dv, Params p, int vec) {                                                                    \
+        dkdv_mma<T, D, BB>(q, k, v, dout, lse, delta, keep, dk, dv, p, vec);                                 \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) flash_dq_mma_##TN##_##D(                                   \
+        const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
+        T* dq, Params p, int vec) {                                                                           \
+        dq_mma<T, D, BB>(q, k, v, dout, lse, delta, keep, dq, p, vec);                                       \
+    }
+
+#define DELTA_ENTRY(TN, T)                                                                                    \
+    extern "C" __global__ void flash_delta_##TN(const T* o, const T* dout, float* delta, i64 rows, int d) {     \
+        delta_kernel<T>(o, dout, delta, rows, d);                                                             \
+    }
+
+SIMT_ENTRIES(f32, float, 64)
+SIMT_ENTRIES(f32, float, 128)
+SIMT_ENTRIES(bf16, Bf16, 64)
+SIMT_ENTRIES(bf16, Bf16, 128)
+SIMT_ENTRIES(f16, F16, 64)
+SIMT_ENTRIES(f16, F16, 128)
+MMA_ENTRIES(bf16, Bf16, 64, 64)
+MMA_ENTRIES(bf16, Bf16, 128, 32)
+MMA_ENTRIES(f16, F16, 64, 64)
+MMA_ENTRIES(f16, F16, 128, 32)
+DELTA_ENTRY(f32, float)
+DELTA_ENTRY(bf16, Bf16)
+DELTA_ENTRY(f16, F16)
