@@ -58,9 +58,20 @@ pub struct Attempt {
 }
 
 impl Attempt {
-    /// The most trustworthy peak: measured when measured, else estimated.
+    /// The most trustworthy peak: measured when measured, else estimated. A
+    /// measured step that ran out of memory only tells that the need is above
+    /// what was in use when it failed: then the larger of that and the estimate.
     pub fn peak(&self) -> u64 {
-        self.measured.map_or(self.estimate.peak, |m| m.peak_bytes.max(m.reserved_bytes))
+        match self.measured {
+            Some(m) if m.out_of_memory => self.estimate.peak.max(m.peak_bytes),
+            Some(m) => m.peak_bytes.max(m.reserved_bytes),
+            None => self.estimate.peak,
+        }
+    }
+
+    /// Whether the measured step ran out of memory.
+    pub fn ran_out_of_memory(&self) -> bool {
+        self.measured.is_some_and(|m| m.out_of_memory)
     }
 }
 
@@ -307,10 +318,14 @@ impl Run<'_> {
     fn advice(&self, ctx: &SearchContext) -> Vec<String> {
         let p = self.planner;
         let closest = self.attempts.iter().min_by_key(|a| a.peak()).expect("at least one attempt");
-        let mut advice = vec![format!(
-            "a budget of {} would fit the closest plan",
-            crate::units::format_bytes(closest.peak())
-        )];
+        let mut advice = vec![if closest.ran_out_of_memory() {
+            format!(
+                "the closest plan ran out of memory when measured: it needs more than {} (the estimates below may be low too)",
+                crate::units::format_bytes(p.budget)
+            )
+        } else {
+            format!("a budget of {} would fit the closest plan", crate::units::format_bytes(closest.peak()))
+        }];
         let fits = |plan: &Plan| p.estimator.estimate(self.spec, plan, &p.target).peak <= p.budget;
         let base = closest.plan;
         let divisors_of_batch = oomfix_strategies::accumulate::divisors(ctx.global_batch);

@@ -59,9 +59,15 @@ fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
         }
     }
     let spec = ModelSpec::from_config("tiny", tiny_config());
-    let result = Planner::new(1 << 30).global_batch(2).seq_len(16).target(Target::Cpu).verify_with(Oom, Verify::All).run(&spec).unwrap();
+    let result = Planner::new(1 << 30).global_batch(2).seq_len(16).target(Target::Cpu).estimator(Optimist).verify_with(Oom, Verify::All).run(&spec).unwrap();
     assert!(!result.fits());
     assert!(result.attempts.iter().all(|a| a.measured.unwrap().out_of_memory));
+    // The report says the closest plan ran out of memory, not that a budget of
+    // its (too low) estimate would fit it.
+    assert!(result.advice[0].contains("ran out of memory when measured"), "{:?}", result.advice);
+    let table = oomfix::report::search_table(&spec, &result);
+    assert!(table.contains("ran out of memory when measured"), "{table}");
+    assert!(!table.contains("0 B over the budget"), "{table}");
 }
 
 #[test]

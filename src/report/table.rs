@@ -91,7 +91,16 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
             let a = result.closest();
             let miss = a.peak().saturating_sub(result.budget_bytes);
             let _ = writeln!(out, "nothing fits. closest: {}", a.plan);
-            let _ = writeln!(out, "        {} over the budget ({} needed)", format_bytes(miss), format_bytes(a.peak()));
+            if a.ran_out_of_memory() {
+                let _ = writeln!(
+                    out,
+                    "        ran out of memory when measured ({} estimated, {} in use when it failed)",
+                    format_bytes(a.estimate.peak),
+                    format_bytes(a.measured.map_or(0, |m| m.peak_bytes))
+                );
+            } else {
+                let _ = writeln!(out, "        {} over the budget ({} needed)", format_bytes(miss), format_bytes(a.peak()));
+            }
             if let Some((name, _)) = a.estimate.peak_components().first() {
                 let _ = writeln!(out, "        dominated by {}", name.replace('_', " "));
             }
