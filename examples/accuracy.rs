@@ -28,7 +28,7 @@
 //! can be recomputed without measuring again; a FILE ending in `.json` is an
 //! earlier run's output, read only (`--cache-only`: skip the
 //! configurations FILE lacks, e.g. to re-estimate GPU rows on a machine
-//! without one). Such a run prints its rows but
+//! without one). A filtered or `--cache-only` run prints its rows but
 //! writes no files. `--explain` (CPU) also records each step's allocation
 //! timeline and prints the phase and moment of the measured peak, the
 //! estimate's moments and the largest allocations alive at the peak.
@@ -225,10 +225,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let explain = args.iter().any(|a| a == "--explain") && !gpu;
     let cache_path = value("--cache");
     let cache_only = args.iter().any(|a| a == "--cache-only");
+    // A filtered run, or one that skips what its cache lacks, writes no files.
     let partial = model_prefixes.is_some()
         || plan_parts.is_some()
         || custom_shapes.is_some()
-        || cache_path.is_some();
+        || cache_only;
     let keeps = |model: &str, plan: &Plan| {
         let plan = plan.to_string();
         model_prefixes
