@@ -14,8 +14,8 @@
 //! accuracy --device cuda:0 [--deadline SECONDS] [--resume docs/accuracy-gpu.json]
 //! ```
 //!
-//! `--deadline` stops starting new measurements after that many seconds and
-//! writes what was measured; `--resume FILE` takes the peaks an earlier run's
+//! `--deadline` stops starting new measurements after that many seconds (rows
+//! known from `--resume` or `--cache` are still estimated) and writes what was measured; `--resume FILE` takes the peaks an earlier run's
 //! JSON measured (recomputing their estimates) and measures only the
 //! configurations it lacks.
 //!
@@ -302,17 +302,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
-    todo.sort_by_key(|(name, _, plan)| {
-        (!resumed.contains_key(&format!("{name}\t{plan}")), plan.attention == Attention::Flash)
-    });
+    let known = |key: &String| resumed.contains_key(key) || cache.contains_key(key);
+    todo.sort_by_key(|(name, _, plan)| (!known(&format!("{name}\t{plan}")), plan.attention == Attention::Flash));
     let mut rows: Vec<serde_json::Value> = Vec::new();
     let started = std::time::Instant::now();
+    let mut past_deadline = false;
     for (name, spec, plan) in todo {
         let key = format!("{name}\t{plan}");
         let earlier = resumed.get(&key).copied();
-        if earlier.is_none() && started.elapsed().as_secs_f64() > deadline {
-            println!("deadline of {deadline} s reached: stopping (continue with --resume)");
-            break;
+        // Past the deadline, configurations that need a measurement are skipped.
+        if !known(&key) && started.elapsed().as_secs_f64() > deadline {
+            if !past_deadline {
+                println!("deadline of {deadline} s reached: measuring nothing more (continue with --resume)");
+                past_deadline = true;
+            }
+            continue;
         }
         {
             let est = MemoryModel.estimate(&spec, &plan, &target);
