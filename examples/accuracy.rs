@@ -294,7 +294,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let family = spec.config.family;
             // GPU: sequence 256 only for BERT, whose positions stop at 512.
             if !(plan.seq_len > spec.config.max_positions && family.has_learned_positions()
-                || plan.attention == Attention::Flash && !target.has_flash_attention()
+                || plan.attention == Attention::Flash && !target.has_flash_attention(spec.config.head_dim())
                 || gpu && plan.seq_len == 256 && family != Family::Bert
                 || !keeps(name, &plan))
             {

@@ -211,7 +211,7 @@ impl Planner {
                 Some(h) => h == oomfix_strategies::Precision::Bf16,
                 None => self.target.supports_bf16(),
             },
-            flash_attention: self.target.has_flash_attention(),
+            flash_attention: self.target.has_flash_attention(spec.config.head_dim()),
             layers: spec.config.layers,
         };
         let mut run = Run { planner: self, spec, attempts: Vec::new() };

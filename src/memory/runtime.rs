@@ -40,10 +40,14 @@ impl Target {
         }
     }
 
-    /// Whether the memory-efficient attention op runs on this device: on the CPU,
-    /// and on CUDA devices (kernels compiled at run time; head dimension up to 128).
-    pub fn has_flash_attention(&self) -> bool {
-        matches!(self, Target::Cpu | Target::Cuda(_))
+    /// Whether the memory-efficient attention op runs on this device for heads of
+    /// `head_dim`: on the CPU always, on CUDA devices up to
+    /// [`CUDA_MAX_HEAD_DIM`](oomfix_strategies::attention::CUDA_MAX_HEAD_DIM).
+    pub fn has_flash_attention(&self, head_dim: usize) -> bool {
+        match self {
+            Target::Cpu => true,
+            Target::Cuda(_) => head_dim <= oomfix_strategies::attention::CUDA_MAX_HEAD_DIM,
+        }
     }
 
     /// Whether the device computes in bf16 (CPU via f32 widening; CUDA on sm_80+).

@@ -168,3 +168,16 @@ fn block_strays_accumulate_through_the_backward() {
     let scores = (c.heads * 512 * 512 * 4) as u64;
     assert!(a.embedding.activations >= a.loss.activations + c.layers as u64 * 2 * scores);
 }
+
+#[test]
+fn cuda_offers_flash_attention_only_for_heads_the_kernels_take() {
+    let planned = |config: ModelConfig, target: Target| {
+        let spec = ModelSpec::from_config("m", config);
+        crate::Planner::new(1 << 20).global_batch(4).seq_len(64).target(target).run(&spec).unwrap()
+            .attempts.iter().any(|a| a.plan.attention == Attention::Flash)
+    };
+    // GPT-2 small: head dimension 64; 2 heads of 384: head dimension 384.
+    assert!(planned(ModelConfig::gpt2_small(), Target::Cuda(0)));
+    assert!(!planned(ModelConfig::gpt2(2, 768, 2), Target::Cuda(0)));
+    assert!(planned(ModelConfig::gpt2(2, 768, 2), Target::Cpu));
+}

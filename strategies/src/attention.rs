@@ -84,6 +84,9 @@ const BLOCK_Q: usize = 64;
 /// Key rows per block.
 const BLOCK_K: usize = 64;
 
+/// Largest head dimension [`flash_attention`] supports on CUDA devices.
+pub const CUDA_MAX_HEAD_DIM: usize = 128;
+
 /// Options of [`flash_attention`].
 #[derive(Debug, Clone, Default)]
 pub struct AttentionOptions {

@@ -34,7 +34,7 @@ const SOURCE: &str = include_str!("flash.cu");
 /// Name of the module in candle's per-device module cache.
 const MODULE: &str = "oomfix_flash_attention";
 /// Largest supported head dimension.
-pub(super) const MAX_HEAD_DIM: usize = 128;
+pub(super) const MAX_HEAD_DIM: usize = super::CUDA_MAX_HEAD_DIM;
 /// Rows of a block tile (queries or keys), as in `flash.cu`.
 const TILE: usize = 64;
 
