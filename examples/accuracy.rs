@@ -243,18 +243,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // a tab-separated file this option wrote, or an earlier run's JSON (read only).
     let cache_json = cache_path.as_ref().is_some_and(|p| p.ends_with(".json"));
     let cache: std::collections::HashMap<String, u64> = match &cache_path {
-        Some(path) if cache_json => {
-            let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-            json["rows"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|r| {
-                    let key = format!("{}\t{}", r["model"].as_str()?, r["plan"].as_str()?);
-                    Some((key, r["measured_bytes"].as_u64()?))
-                })
-                .collect()
-        }
+        Some(path) if cache_json => json_peaks(path)?
+            .into_iter()
+            .filter_map(|(key, peak)| Some((key, peak?)))
+            .collect(),
         Some(path) => std::fs::read_to_string(path)
             .unwrap_or_default()
             .lines()
@@ -273,16 +265,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // `--resume FILE`: the peaks an earlier run's JSON measured (`None`: out of
     // memory) are taken as measured; their estimates are recomputed.
-    let resumed: std::collections::HashMap<String, Option<u64>> = match value("--resume") {
-        Some(path) => serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(path)?)?["rows"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|r| {
-                let key = format!("{}\t{}", r["model"].as_str()?, r["plan"].as_str()?);
-                Some((key, r["measured_bytes"].as_u64()))
-            })
-            .collect(),
+    let resumed = match value("--resume") {
+        Some(path) => json_peaks(&path)?,
         None => Default::default(),
     };
     // The configurations, resumed ones first, then composed attention before
@@ -318,52 +302,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             continue;
         }
-        {
-            let est = MemoryModel.estimate(&spec, &plan, &target);
-            if cache_only && !cache.contains_key(&key) {
-                continue;
-            }
-            let measured = |peak_bytes| oomfix::search::Measurement {
-                peak_bytes,
-                reserved_bytes: peak_bytes,
-                out_of_memory: false,
-            };
-            let m = match (earlier, cache.get(&key)) {
-                (Some(Some(peak_bytes)), _) | (None, Some(&peak_bytes)) => measured(peak_bytes),
-                (Some(None), _) => oomfix::search::Measurement { out_of_memory: true, ..measured(0) },
-                (None, None) => measure_plan(&spec, &plan, target)?,
-            };
-            if let Some(path) = cache_path
-                .as_ref()
-                .filter(|_| !cache_json && !cache.contains_key(&key))
-            {
-                use std::io::Write as _;
-                let mut f = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?;
-                writeln!(f, "{key}\t{}", m.peak_bytes)?;
-            }
-            let err = (!m.out_of_memory).then(|| est.peak as f64 / m.peak_bytes as f64 - 1.0);
-            match err {
-                Some(err) => println!(
-                    "{name:<16} {plan}\n    est {:>12} meas {:>12} err {:+6.1}%  (est phase {})",
-                    est.peak,
-                    m.peak_bytes,
-                    100.0 * err,
-                    est.peak_phase
-                ),
-                None => println!("{name:<16} {plan}\n    est {:>12} out of memory", est.peak),
-            }
-            if explain {
-                print_moments(&spec, &plan, &est);
-                let (_, timeline) = record_plan(&spec, &plan, target)?;
-                explain_peak(&timeline);
-            }
-            rows.push(serde_json::json!({"model": name, "parameters": spec.parameters(), "plan": plan.to_string(),
-                "estimated_bytes": est.peak, "measured_bytes": (!m.out_of_memory).then_some(m.peak_bytes),
-                "relative_error": err}));
+        if cache_only && !cache.contains_key(&key) {
+            continue;
         }
+        let est = MemoryModel.estimate(&spec, &plan, &target);
+        let measured = |peak_bytes| oomfix::search::Measurement {
+            peak_bytes,
+            reserved_bytes: peak_bytes,
+            out_of_memory: false,
+        };
+        let m = match (earlier, cache.get(&key)) {
+            (Some(Some(peak_bytes)), _) | (None, Some(&peak_bytes)) => measured(peak_bytes),
+            (Some(None), _) => oomfix::search::Measurement { out_of_memory: true, ..measured(0) },
+            (None, None) => measure_plan(&spec, &plan, target)?,
+        };
+        if let Some(path) = cache_path
+            .as_ref()
+            .filter(|_| !cache_json && !cache.contains_key(&key))
+        {
+            use std::io::Write as _;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?;
+            writeln!(f, "{key}\t{}", m.peak_bytes)?;
+        }
+        let err = (!m.out_of_memory).then(|| est.peak as f64 / m.peak_bytes as f64 - 1.0);
+        match err {
+            Some(err) => println!(
+                "{name:<16} {plan}\n    est {:>12} meas {:>12} err {:+6.1}%  (est phase {})",
+                est.peak,
+                m.peak_bytes,
+                100.0 * err,
+                est.peak_phase
+            ),
+            None => println!("{name:<16} {plan}\n    est {:>12} out of memory", est.peak),
+        }
+        if explain {
+            print_moments(&spec, &plan, &est);
+            let (_, timeline) = record_plan(&spec, &plan, target)?;
+            explain_peak(&timeline);
+        }
+        rows.push(serde_json::json!({"model": name, "parameters": spec.parameters(), "plan": plan.to_string(),
+            "estimated_bytes": est.peak, "measured_bytes": (!m.out_of_memory).then_some(m.peak_bytes),
+            "relative_error": err}));
     }
     let mut md = String::from(
         "| model | params | plan | estimated | measured | error |\n|---|---:|---|---:|---:|---:|\n",
@@ -509,6 +491,20 @@ fn explain_peak(t: &Timeline) {
     for ((tag, component), (bytes, count)) in groups.iter().take(12) {
         println!("      {tag:<40} {component:<16} {bytes:>12} in {count}");
     }
+}
+
+/// The measured peaks of an earlier run's JSON by `model\tplan` (`None`: out of memory).
+fn json_peaks(path: &str) -> Result<std::collections::HashMap<String, Option<u64>>, Box<dyn std::error::Error>> {
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    Ok(json["rows"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| {
+            let key = format!("{}\t{}", r["model"].as_str()?, r["plan"].as_str()?);
+            Some((key, r["measured_bytes"].as_u64()))
+        })
+        .collect())
 }
 
 /// Estimated against measured peaks, log-log, with the y = x line.
