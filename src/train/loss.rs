@@ -193,22 +193,22 @@ fn checked_targets<'a>(s: &'a CpuStorage, l: &Layout, v: usize) -> Result<&'a [u
     Ok(targets)
 }
 
-/// `(max, log-sum-exp)` of a row, in f32.
-fn row_lse<T: WithDType>(row: &[T]) -> (f32, f32) {
+/// The log-sum-exp of a row, in f32.
+fn row_lse<T: WithDType>(row: &[T]) -> f32 {
     let max = row
         .iter()
         .fold(f32::NEG_INFINITY, |m, &x| m.max(x.to_f64() as f32));
     if max == f32::NEG_INFINITY {
-        return (max, max);
+        return max;
     }
     let sum: f32 = row.iter().map(|&x| (x.to_f64() as f32 - max).exp()).sum();
-    (max, max + sum.ln())
+    max + sum.ln()
 }
 
 fn nll_rows<T: WithDType>(x: &[T], v: usize, targets: &[u32]) -> Vec<f32> {
     x.par_chunks(v.max(1))
         .zip(targets.par_iter())
-        .map(|(row, &t)| row_lse(row).1 - row[t as usize].to_f64() as f32)
+        .map(|(row, &t)| row_lse(row) - row[t as usize].to_f64() as f32)
         .collect()
 }
 
@@ -218,7 +218,7 @@ fn grad_rows<T: WithDType>(x: &[T], v: usize, targets: &[u32], grad: &[f32]) -> 
         .zip(x.par_chunks(v.max(1)))
         .zip(targets.par_iter().zip(grad.par_iter()))
         .for_each(|((o, row), (&t, &g))| {
-            let lse = row_lse(row).1;
+            let lse = row_lse(row);
             for (j, (o, &x)) in o.iter_mut().zip(row).enumerate() {
                 let p = (x.to_f64() as f32 - lse).exp();
                 let d = if j == t as usize { p - 1.0 } else { p };
