@@ -226,10 +226,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cache_path = value("--cache");
     let cache_only = args.iter().any(|a| a == "--cache-only");
     // A filtered run, or one that skips what its cache lacks, writes no files.
-    let partial = model_prefixes.is_some()
-        || plan_parts.is_some()
-        || custom_shapes.is_some()
-        || cache_only;
+    let partial =
+        model_prefixes.is_some() || plan_parts.is_some() || custom_shapes.is_some() || cache_only;
     let keeps = |model: &str, plan: &Plan| {
         let plan = plan.to_string();
         model_prefixes
@@ -278,7 +276,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let family = spec.config.family;
             // GPU: sequence 256 only for BERT, whose positions stop at 512.
             if !(plan.seq_len > spec.config.max_positions && family.has_learned_positions()
-                || plan.attention == Attention::Flash && !target.has_flash_attention(spec.config.head_dim())
+                || plan.attention == Attention::Flash
+                    && !target.has_flash_attention(spec.config.head_dim())
                 || gpu && plan.seq_len == 256 && family != Family::Bert
                 || !keeps(name, &plan))
             {
@@ -287,7 +286,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     let known = |key: &String| resumed.contains_key(key) || cache.contains_key(key);
-    todo.sort_by_key(|(name, _, plan)| (!known(&format!("{name}\t{plan}")), plan.attention == Attention::Flash));
+    todo.sort_by_key(|(name, _, plan)| {
+        (
+            !known(&format!("{name}\t{plan}")),
+            plan.attention == Attention::Flash,
+        )
+    });
     let mut rows: Vec<serde_json::Value> = Vec::new();
     let started = std::time::Instant::now();
     let mut past_deadline = false;
@@ -313,7 +317,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let m = match (earlier, cache.get(&key)) {
             (Some(Some(peak_bytes)), _) | (None, Some(&peak_bytes)) => measured(peak_bytes),
-            (Some(None), _) => oomfix::search::Measurement { out_of_memory: true, ..measured(0) },
+            (Some(None), _) => oomfix::search::Measurement {
+                out_of_memory: true,
+                ..measured(0)
+            },
             (None, None) => measure_plan(&spec, &plan, target)?,
         };
         if let Some(path) = cache_path
@@ -480,7 +487,9 @@ fn explain_peak(t: &Timeline) {
     let mut groups = std::collections::HashMap::<(String, &str), (u64, usize)>::new();
     for b in &t.blocks {
         if b.alloc_ns.is_none_or(|a| a <= at) && b.free_ns.is_none_or(|f| f > at) {
-            let g = groups.entry((b.tag.name(), b.component.as_str())).or_default();
+            let g = groups
+                .entry((b.tag.name(), b.component.as_str()))
+                .or_default();
             g.0 += b.size;
             g.1 += 1;
         }
@@ -494,7 +503,9 @@ fn explain_peak(t: &Timeline) {
 }
 
 /// The measured peaks of an earlier run's JSON by `model\tplan` (`None`: out of memory).
-fn json_peaks(path: &str) -> Result<std::collections::HashMap<String, Option<u64>>, Box<dyn std::error::Error>> {
+fn json_peaks(
+    path: &str,
+) -> Result<std::collections::HashMap<String, Option<u64>>, Box<dyn std::error::Error>> {
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
     Ok(json["rows"]
         .as_array()

@@ -49,18 +49,28 @@ struct Args {
 }
 
 fn parse_args() -> Res<Args> {
-    let mut args = Args { seq: 128, rounds: 5, quick: false };
+    let mut args = Args {
+        seq: 128,
+        rounds: 5,
+        quick: false,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         let mut value = |name: &str| -> Res<usize> {
             let v = it.next().ok_or(format!("{name} needs a value"))?;
-            Ok(v.parse().map_err(|_| format!("{name}: `{v}` is not a number"))?)
+            Ok(v.parse()
+                .map_err(|_| format!("{name}: `{v}` is not a number"))?)
         };
         match a.as_str() {
             "--seq" => args.seq = value("--seq")?,
             "--rounds" => args.rounds = value("--rounds")?,
             "--quick" => args.quick = true,
-            _ => return Err(format!("unknown argument `{a}` (expected --seq N, --rounds N, --quick)").into()),
+            _ => {
+                return Err(format!(
+                    "unknown argument `{a}` (expected --seq N, --rounds N, --quick)"
+                )
+                .into())
+            }
         }
     }
     if args.rounds < 4 {
@@ -75,12 +85,29 @@ fn parse_args() -> Res<Args> {
 fn models(quick: bool) -> Vec<(&'static str, ModelConfig)> {
     if quick {
         return vec![
-            ("GPT-2 (quick)", ModelConfig { vocab: 512, max_positions: 64, ..ModelConfig::gpt2(2, 64, 4) }),
-            ("Llama (quick)", ModelConfig::llama(2, 64, 4, 2, 176, 512, false)),
+            (
+                "GPT-2 (quick)",
+                ModelConfig {
+                    vocab: 512,
+                    max_positions: 64,
+                    ..ModelConfig::gpt2(2, 64, 4)
+                },
+            ),
+            (
+                "Llama (quick)",
+                ModelConfig::llama(2, 64, 4, 2, 176, 512, false),
+            ),
         ];
     }
     vec![
-        ("GPT-2", ModelConfig { vocab: 8192, max_positions: 256, ..ModelConfig::gpt2(6, 384, 6) }),
+        (
+            "GPT-2",
+            ModelConfig {
+                vocab: 8192,
+                max_positions: 256,
+                ..ModelConfig::gpt2(6, 384, 6)
+            },
+        ),
         ("Llama", ModelConfig::llama(6, 384, 6, 2, 1024, 8192, false)),
     ]
 }
@@ -123,7 +150,16 @@ impl Variant {
         let trainer = Trainer::new(config, plan, &Device::Cpu, &TrainOptions::default())?;
         let resident = heap() - before;
         let label = label.to_string();
-        Ok(Variant { label, plan, trainer, data: DataSource::synthetic(0), resident, peaks: vec![], seconds: vec![], loss: 0.0 })
+        Ok(Variant {
+            label,
+            plan,
+            trainer,
+            data: DataSource::synthetic(0),
+            resident,
+            peaks: vec![],
+            seconds: vec![],
+            loss: 0.0,
+        })
     }
 
     /// One optimizer step; recorded unless `warm_up`.
@@ -145,10 +181,28 @@ impl Variant {
 /// process-wide state allocated on first use (thread pools, caches) exists
 /// before any variant is measured.
 fn warm_up(config: &ModelConfig, plans: &[Plan]) -> Res<()> {
-    let tiny = ModelConfig { layers: 1, hidden: 32, heads: 2, kv_heads: if config.kv_heads < config.heads { 1 } else { 2 }, intermediate: 64, vocab: 256, max_positions: 16, ..config.clone() };
+    let tiny = ModelConfig {
+        layers: 1,
+        hidden: 32,
+        heads: 2,
+        kv_heads: if config.kv_heads < config.heads { 1 } else { 2 },
+        intermediate: 64,
+        vocab: 256,
+        max_positions: 16,
+        ..config.clone()
+    };
     let spec = ModelSpec::from_config("warm-up", tiny);
     for p in plans {
-        measure_plan(&spec, &Plan { micro_batch: 1, grad_accum: p.grad_accum.min(2), seq_len: 8, ..*p }, Target::Cpu)?;
+        measure_plan(
+            &spec,
+            &Plan {
+                micro_batch: 1,
+                grad_accum: p.grad_accum.min(2),
+                seq_len: 8,
+                ..*p
+            },
+            Target::Cpu,
+        )?;
     }
     Ok(())
 }
@@ -168,7 +222,9 @@ fn all_fixes(seq: usize) -> Plan {
 /// A budget that the baseline does not fit in but every fix together does
 /// (by the memory model): 10% above the estimate with every fix.
 fn forcing_budget(spec: &ModelSpec, seq: usize) -> u64 {
-    let est = MemoryModel.estimate(spec, &all_fixes(seq), &Target::Cpu).peak;
+    let est = MemoryModel
+        .estimate(spec, &all_fixes(seq), &Target::Cpu)
+        .peak;
     est + est / 10
 }
 
@@ -176,7 +232,10 @@ fn forcing_budget(spec: &ModelSpec, seq: usize) -> u64 {
 fn fixes_in(plan: &Plan) -> String {
     let mut f = Vec::new();
     if plan.grad_accum > 1 {
-        f.push(format!("accumulate {}×{}", plan.micro_batch, plan.grad_accum));
+        f.push(format!(
+            "accumulate {}×{}",
+            plan.micro_batch, plan.grad_accum
+        ));
     }
     if plan.precision != Precision::F32 {
         f.push(plan.precision.to_string());
@@ -200,19 +259,54 @@ fn fix_table(name: &str, config: &ModelConfig, args: &Args, md: &mut String) -> 
     let seq = args.seq;
     let base = Plan::baseline(GLOBAL_BATCH, seq);
     let budget = forcing_budget(&spec, seq);
-    let search = Planner::new(budget).global_batch(GLOBAL_BATCH).seq_len(seq).target(Target::Cpu).run(&spec)?;
-    let chosen = search.chosen().ok_or(format!("{name}: no plan fits {budget} bytes"))?.plan;
+    let search = Planner::new(budget)
+        .global_batch(GLOBAL_BATCH)
+        .seq_len(seq)
+        .target(Target::Cpu)
+        .run(&spec)?;
+    let chosen = search
+        .chosen()
+        .ok_or(format!("{name}: no plan fits {budget} bytes"))?
+        .plan;
     let plans = [
         ("baseline", base),
-        ("accumulate (micro-batch 1 × 8)", Plan { micro_batch: 1, grad_accum: GLOBAL_BATCH, ..base }),
-        ("bf16", Plan { precision: Precision::Bf16, ..base }),
-        ("checkpoint every block", Plan { checkpoint: Checkpointing::Every(1), ..base }),
-        ("fused AdamW", Plan { optimizer: OptimizerImpl::FusedAdamW, ..base }),
+        (
+            "accumulate (micro-batch 1 × 8)",
+            Plan {
+                micro_batch: 1,
+                grad_accum: GLOBAL_BATCH,
+                ..base
+            },
+        ),
+        (
+            "bf16",
+            Plan {
+                precision: Precision::Bf16,
+                ..base
+            },
+        ),
+        (
+            "checkpoint every block",
+            Plan {
+                checkpoint: Checkpointing::Every(1),
+                ..base
+            },
+        ),
+        (
+            "fused AdamW",
+            Plan {
+                optimizer: OptimizerImpl::FusedAdamW,
+                ..base
+            },
+        ),
         ("pipeline's choice", chosen),
     ];
     eprintln!("{name}: warm-up");
     warm_up(config, &plans.map(|(_, p)| p))?;
-    let mut variants = plans.iter().map(|(l, p)| Variant::new(l, config, *p)).collect::<Res<Vec<_>>>()?;
+    let mut variants = plans
+        .iter()
+        .map(|(l, p)| Variant::new(l, config, *p))
+        .collect::<Res<Vec<_>>>()?;
     for round in 0..args.rounds {
         for v in &mut variants {
             eprintln!("{name}: round {}/{} {}", round + 1, args.rounds, v.label);
@@ -226,7 +320,10 @@ fn fix_table(name: &str, config: &ModelConfig, args: &Args, md: &mut String) -> 
         "## {name}: {} layers, hidden {}, {} heads ({} KV), MLP {}, vocab {}, {:.1}M parameters; seq {seq}, global batch {GLOBAL_BATCH}\n",
         c.layers, c.hidden, c.heads, c.kv_heads, c.intermediate, c.vocab, spec.parameters() as f64 / 1e6
     );
-    let (p0, t0) = (median(variants[0].peaks.clone()), median(variants[0].seconds.clone()));
+    let (p0, t0) = (
+        median(variants[0].peaks.clone()),
+        median(variants[0].seconds.clone()),
+    );
     md.push_str("| variant | fixes | estimated peak | measured peak | peak vs baseline | step time | time vs baseline | loss (last step) |\n|---|---|---:|---:|---:|---:|---:|---:|\n");
     for v in &variants {
         let (p, t) = (median(v.peaks.clone()), median(v.seconds.clone()));
@@ -234,7 +331,14 @@ fn fix_table(name: &str, config: &ModelConfig, args: &Args, md: &mut String) -> 
         let _ = writeln!(
             md,
             "| {} | {} | {} | {} | {:.2}× | {:.2} s | {:.2}× | {:.3} |",
-            v.label, fixes_in(&v.plan), mb(est as f64), mb(p), p / p0, t, t / t0, v.loss
+            v.label,
+            fixes_in(&v.plan),
+            mb(est as f64),
+            mb(p),
+            p / p0,
+            t,
+            t / t0,
+            v.loss
         );
     }
     let base_measured = p0;
@@ -261,14 +365,38 @@ struct AdamwResult {
 
 /// Fused AdamW vs `candle_nn::AdamW` on the tensors of a GPT-2-shaped model.
 fn adamw_comparison(args: &Args, md: &mut String) -> Res<AdamwResult> {
-    let config = if args.quick { ModelConfig { vocab: 1024, ..ModelConfig::gpt2(2, 128, 4) } } else { ModelConfig { vocab: 8192, ..ModelConfig::gpt2(6, 768, 12) } };
+    let config = if args.quick {
+        ModelConfig {
+            vocab: 1024,
+            ..ModelConfig::gpt2(2, 128, 4)
+        }
+    } else {
+        ModelConfig {
+            vocab: 8192,
+            ..ModelConfig::gpt2(6, 768, 12)
+        }
+    };
     let dev = Device::Cpu;
     let shapes: Vec<Vec<usize>> = config.tensors().into_iter().map(|(_, s)| s).collect();
     let params: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
-    let largest: usize = shapes.iter().map(|s| s.iter().product::<usize>()).max().unwrap_or(0);
-    let init: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(0f32, 0.02, s.as_slice(), &dev)).collect::<Result<_, _>>()?;
-    let grads: Vec<Tensor> = shapes.iter().map(|s| Tensor::randn(0f32, 1e-3, s.as_slice(), &dev)).collect::<Result<_, _>>()?;
-    let copy_vars = || init.iter().map(|t| Var::from_tensor(&t.copy()?)).collect::<Result<Vec<_>, _>>();
+    let largest: usize = shapes
+        .iter()
+        .map(|s| s.iter().product::<usize>())
+        .max()
+        .unwrap_or(0);
+    let init: Vec<Tensor> = shapes
+        .iter()
+        .map(|s| Tensor::randn(0f32, 0.02, s.as_slice(), &dev))
+        .collect::<Result<_, _>>()?;
+    let grads: Vec<Tensor> = shapes
+        .iter()
+        .map(|s| Tensor::randn(0f32, 1e-3, s.as_slice(), &dev))
+        .collect::<Result<_, _>>()?;
+    let copy_vars = || {
+        init.iter()
+            .map(|t| Var::from_tensor(&t.copy()?))
+            .collect::<Result<Vec<_>, _>>()
+    };
     let hp = TrainOptions::default().adamw;
     let candle_vars = copy_vars()?;
     let mut candle = AdamW::new(candle_vars.clone(), hp.clone())?;
@@ -308,13 +436,35 @@ fn adamw_comparison(args: &Args, md: &mut String) -> Res<AdamwResult> {
         params as f64 / 1e6, shapes.len(), config.layers, config.hidden, config.vocab, largest as f64 / 1e6, mb(pbytes), rounds - 1
     );
     md.push_str("| optimizer | step time | time vs candle_nn | transient | transient / parameter bytes |\n|---|---:|---:|---:|---:|\n");
-    let _ = writeln!(md, "| candle_nn::AdamW | {:.3} s | 1.00× | {} | {:.1}% |", ct, mb(cp), 100.0 * cp / pbytes);
-    let _ = writeln!(md, "| fused AdamW | {:.3} s | {:.2}× | {} ({} bytes) | {:.4}% |\n", ft, ft / ct, mb(fp), fp, 100.0 * fp / pbytes);
-    Ok(AdamwResult { time_ratio: ft / ct, fused_transient_pct: 100.0 * fp / pbytes })
+    let _ = writeln!(
+        md,
+        "| candle_nn::AdamW | {:.3} s | 1.00× | {} | {:.1}% |",
+        ct,
+        mb(cp),
+        100.0 * cp / pbytes
+    );
+    let _ = writeln!(
+        md,
+        "| fused AdamW | {:.3} s | {:.2}× | {} ({} bytes) | {:.4}% |\n",
+        ft,
+        ft / ct,
+        mb(fp),
+        fp,
+        100.0 * fp / pbytes
+    );
+    Ok(AdamwResult {
+        time_ratio: ft / ct,
+        fused_transient_pct: 100.0 * fp / pbytes,
+    })
 }
 
 /// Checkpointed (every block) vs plain forward+backward on one model; returns the time ratio.
-fn checkpoint_comparison(name: &str, config: &ModelConfig, args: &Args, md: &mut String) -> Res<f64> {
+fn checkpoint_comparison(
+    name: &str,
+    config: &ModelConfig,
+    args: &Args,
+    md: &mut String,
+) -> Res<f64> {
     let dev = Device::Cpu;
     let before_model = heap();
     let model = build_model(config, None, DType::F32, &dev, 0)?;
@@ -326,10 +476,19 @@ fn checkpoint_comparison(name: &str, config: &ModelConfig, args: &Args, md: &mut
     let mut peak = [vec![], vec![]];
     for round in 0..args.rounds {
         for (i, policy) in policies.iter().enumerate() {
-            eprintln!("{name} checkpointing: round {}/{} {policy}", round + 1, args.rounds);
+            eprintln!(
+                "{name} checkpointing: round {}/{} {policy}",
+                round + 1,
+                args.rounds
+            );
             let before = alloc::reset_peak();
             let t = Instant::now();
-            let out = model.forward_backward(&batch, *policy, oomfix::strategies::Attention::Composed, 1.0)?;
+            let out = model.forward_backward(
+                &batch,
+                *policy,
+                oomfix::strategies::Attention::Composed,
+                1.0,
+            )?;
             let secs = t.elapsed().as_secs_f64();
             let p = (alloc::peak() - before) as f64;
             drop(out);
@@ -344,14 +503,21 @@ fn checkpoint_comparison(name: &str, config: &ModelConfig, args: &Args, md: &mut
     let _ = writeln!(
         md,
         "### {name}: weights {}, gradients {}; micro-batch {GLOBAL_BATCH}, seq {}\n",
-        mb(weights), mb(grads), args.seq
+        mb(weights),
+        mb(grads),
+        args.seq
     );
     md.push_str("| forward+backward | time | time vs plain | peak above weights | peak vs plain | activation memory (peak − weights − gradients) | activations vs plain |\n|---|---:|---:|---:|---:|---:|---:|\n");
     for (i, label) in ["plain", "checkpoint every block"].iter().enumerate() {
         let _ = writeln!(
             md,
             "| {label} | {:.2} s | {:.2}× | {} | {:.2}× | {} | {:.2}× |",
-            t[i], t[i] / t[0], mb(p[i]), p[i] / p[0], mb(p[i] - grads), (p[i] - grads) / (p[0] - grads)
+            t[i],
+            t[i] / t[0],
+            mb(p[i]),
+            p[i] / p[0],
+            mb(p[i] - grads),
+            (p[i] - grads) / (p[0] - grads)
         );
     }
     md.push('\n');
@@ -378,10 +544,24 @@ fn main() -> Res<()> {
     }
     md.push_str("## Targets\n\n");
     let met = |ok: bool| if ok { "met" } else { "NOT met" };
-    let _ = writeln!(md, "- fused AdamW no slower than candle_nn::AdamW: {:.2}× the time — {}", adamw.time_ratio, met(adamw.time_ratio <= 1.0));
-    let _ = writeln!(md, "- fused AdamW transient < 1% of parameter bytes: {:.4}% — {}", adamw.fused_transient_pct, met(adamw.fused_transient_pct < 1.0));
+    let _ = writeln!(
+        md,
+        "- fused AdamW no slower than candle_nn::AdamW: {:.2}× the time — {}",
+        adamw.time_ratio,
+        met(adamw.time_ratio <= 1.0)
+    );
+    let _ = writeln!(
+        md,
+        "- fused AdamW transient < 1% of parameter bytes: {:.4}% — {}",
+        adamw.fused_transient_pct,
+        met(adamw.fused_transient_pct < 1.0)
+    );
     for (name, r) in ck {
-        let _ = writeln!(md, "- {name}: checkpointed forward+backward ≤ 1.4× plain: {r:.2}× — {}", met(r <= 1.4));
+        let _ = writeln!(
+            md,
+            "- {name}: checkpointed forward+backward ≤ 1.4× plain: {r:.2}× — {}",
+            met(r <= 1.4)
+        );
     }
     print!("{md}");
     Ok(())

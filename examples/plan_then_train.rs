@@ -13,13 +13,24 @@ use oomfix::train::{data::DataSource, TrainOptions, Trainer};
 use oomfix::{ModelConfig, ModelSpec, Planner, Target};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let config = ModelConfig { vocab: 2048, max_positions: 256, ..ModelConfig::gpt2(4, 128, 4) };
+    let config = ModelConfig {
+        vocab: 2048,
+        max_positions: 256,
+        ..ModelConfig::gpt2(4, 128, 4)
+    };
     let spec = ModelSpec::from_config("example gpt2", config.clone());
 
     // 1. Ask for the fastest plan that fits 256 MiB on this machine's CPU.
-    let result = Planner::new(256 << 20).global_batch(16).seq_len(128).target(Target::Cpu).run(&spec)?;
+    let result = Planner::new(256 << 20)
+        .global_batch(16)
+        .seq_len(128)
+        .target(Target::Cpu)
+        .run(&spec)?;
     for a in &result.attempts {
-        println!("{:<18} {}  estimated {} bytes, fits: {}", a.strategy, a.plan, a.estimate.peak, a.fits);
+        println!(
+            "{:<18} {}  estimated {} bytes, fits: {}",
+            a.strategy, a.plan, a.estimate.peak, a.fits
+        );
     }
     let plan = result.chosen().ok_or("nothing fits in 256 MiB")?.plan;
     println!("training with: {plan}");
@@ -30,7 +41,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut data = DataSource::synthetic(0);
     for _ in 0..5 {
         let s = trainer.step(&mut data)?;
-        println!("step {}: loss {:.4}, {:.0} tokens/s", trainer.steps(), s.loss, s.tokens as f64 / s.seconds);
+        println!(
+            "step {}: loss {:.4}, {:.0} tokens/s",
+            trainer.steps(),
+            s.loss,
+            s.tokens as f64 / s.seconds
+        );
     }
     Ok(())
 }

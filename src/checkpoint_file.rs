@@ -39,7 +39,8 @@ const HASH_KEY: &str = "sha256";
 
 /// The hash of one tensor's name, header entry and bytes.
 fn hash_tensor(h: &mut Sha256, name: &str, info: &TensorInfo, bytes: &[u8]) -> Result<()> {
-    let entry = serde_json::to_vec(info).map_err(|e| Error::Usage(format!("tensor `{name}`: {e}")))?;
+    let entry =
+        serde_json::to_vec(info).map_err(|e| Error::Usage(format!("tensor `{name}`: {e}")))?;
     h.update(name.as_bytes());
     h.update([0]);
     h.update(&entry);
@@ -50,7 +51,10 @@ fn hash_tensor(h: &mut Sha256, name: &str, info: &TensorInfo, bytes: &[u8]) -> R
 
 /// The hash of the metadata entries (sorted by key), without the hash itself.
 fn hash_metadata<'a>(h: &mut Sha256, entries: impl IntoIterator<Item = (&'a String, &'a String)>) {
-    let sorted: BTreeMap<_, _> = entries.into_iter().filter(|(k, _)| *k != HASH_KEY).collect();
+    let sorted: BTreeMap<_, _> = entries
+        .into_iter()
+        .filter(|(k, _)| *k != HASH_KEY)
+        .collect();
     for (k, v) in sorted {
         h.update(k.as_bytes());
         h.update([0]);
@@ -66,7 +70,11 @@ fn hex(digest: &[u8]) -> String {
 /// Writes `tensors` (unique names) and `metadata` as a checkpoint at `path`,
 /// atomically, adding the `format`, `format_version` and `sha256` entries.
 /// Tensors on a device are copied to the host one at a time.
-pub fn write(path: &Path, tensors: Vec<(String, Tensor)>, mut metadata: HashMap<String, String>) -> Result<()> {
+pub fn write(
+    path: &Path,
+    tensors: Vec<(String, Tensor)>,
+    mut metadata: HashMap<String, String>,
+) -> Result<()> {
     metadata.insert("format".into(), FORMAT.into());
     metadata.insert("format_version".into(), VERSION.into());
     write_safetensors(path, tensors, metadata)
@@ -74,15 +82,27 @@ pub fn write(path: &Path, tensors: Vec<(String, Tensor)>, mut metadata: HashMap<
 
 /// Writes `tensors` (unique names) as a `.safetensors` file at `path`,
 /// atomically, with `metadata` and a `sha256` entry computed as for a checkpoint.
-pub fn write_safetensors(path: &Path, mut tensors: Vec<(String, Tensor)>, metadata: HashMap<String, String>) -> Result<()> {
+pub fn write_safetensors(
+    path: &Path,
+    mut tensors: Vec<(String, Tensor)>,
+    metadata: HashMap<String, String>,
+) -> Result<()> {
     // safetensors' own order: larger alignment first, then by name.
-    tensors.sort_by(|(a, ta), (b, tb)| Dtype::from(tb.dtype()).cmp(&Dtype::from(ta.dtype())).then(a.cmp(b)));
+    tensors.sort_by(|(a, ta), (b, tb)| {
+        Dtype::from(tb.dtype())
+            .cmp(&Dtype::from(ta.dtype()))
+            .then(a.cmp(b))
+    });
     let mut offset = 0;
     let infos: Vec<(String, TensorInfo)> = tensors
         .iter()
         .map(|(name, t)| {
             let len = View::data_len(t);
-            let info = TensorInfo { dtype: t.dtype().into(), shape: t.dims().to_vec(), data_offsets: (offset, offset + len) };
+            let info = TensorInfo {
+                dtype: t.dtype().into(),
+                shape: t.dims().to_vec(),
+                data_offsets: (offset, offset + len),
+            };
             offset += len;
             (name.clone(), info)
         })
@@ -90,17 +110,22 @@ pub fn write_safetensors(path: &Path, mut tensors: Vec<(String, Tensor)>, metada
     let header = |hash: String| -> Result<Vec<u8>> {
         let mut meta = metadata.clone();
         meta.insert(HASH_KEY.into(), hash);
-        let bad = |e: String| Error::Usage(format!("cannot write checkpoint {}: {e}", path.display()));
+        let bad =
+            |e: String| Error::Usage(format!("cannot write checkpoint {}: {e}", path.display()));
         let m = Metadata::new(Some(meta), infos.clone()).map_err(|e| bad(e.to_string()))?;
         let mut json = serde_json::to_vec(&m).map_err(|e| bad(e.to_string()))?;
         json.resize(json.len().next_multiple_of(8), b' ');
         Ok(json)
     };
-    let io = |e: std::io::Error| Error::Io { context: format!("writing {}", path.display()), source: e };
+    let io = |e: std::io::Error| Error::Io {
+        context: format!("writing {}", path.display()),
+        source: e,
+    };
     write_atomic(path, |file: &mut File| {
         let placeholder = header("0".repeat(64))?;
         let mut w = BufWriter::with_capacity(1 << 20, file);
-        w.write_all(&(placeholder.len() as u64).to_le_bytes()).map_err(io)?;
+        w.write_all(&(placeholder.len() as u64).to_le_bytes())
+            .map_err(io)?;
         w.write_all(&placeholder).map_err(io)?;
         let mut h = Sha256::new();
         for ((name, t), (_, info)) in tensors.iter().zip(&infos) {
@@ -112,7 +137,10 @@ pub fn write_safetensors(path: &Path, mut tensors: Vec<(String, Tensor)>, metada
         let file = w.into_inner().map_err(|e| io(e.into_error()))?;
         let header = header(hex(&h.finalize()))?;
         if header.len() != placeholder.len() {
-            return Err(Error::Usage(format!("cannot write checkpoint {}: its header changed length", path.display())));
+            return Err(Error::Usage(format!(
+                "cannot write checkpoint {}: its header changed length",
+                path.display()
+            )));
         }
         file.seek(SeekFrom::Start(8)).map_err(io)?;
         file.write_all(&header).map_err(io)
@@ -137,16 +165,32 @@ impl CheckpointFile {
         // SAFETY: the map is read-only and lives while this value does; like
         // candle's own loaders, it assumes no other process truncates the file
         // meanwhile.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(format!("cannot read checkpoint: {e}")))?;
-        let (header_len, metadata) = SafeTensors::read_metadata(&map)
-            .map_err(|e| bad(format!("not a complete checkpoint (truncated or damaged?): {e}")))?;
-        let ck = CheckpointFile { path: path.to_path_buf(), map, header_len, metadata };
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| bad(format!("cannot read checkpoint: {e}")))?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+            bad(format!(
+                "not a complete checkpoint (truncated or damaged?): {e}"
+            ))
+        })?;
+        let ck = CheckpointFile {
+            path: path.to_path_buf(),
+            map,
+            header_len,
+            metadata,
+        };
         match (ck.meta("format"), ck.meta("format_version")) {
             (Some(FORMAT), Some(VERSION)) => {}
             (Some(FORMAT), v) => {
-                return Err(bad(format!("checkpoint format version {}; this oomfix reads {VERSION}", v.unwrap_or("?"))))
+                return Err(bad(format!(
+                    "checkpoint format version {}; this oomfix reads {VERSION}",
+                    v.unwrap_or("?")
+                )))
             }
-            _ => return Err(bad("not an oomfix checkpoint (a .safetensors file without its metadata)".into())),
+            _ => {
+                return Err(bad(
+                    "not an oomfix checkpoint (a .safetensors file without its metadata)".into(),
+                ))
+            }
         }
         ck.verify()?;
         Ok(ck)
@@ -155,14 +199,20 @@ impl CheckpointFile {
     fn verify(&self) -> Result<()> {
         let mut h = Sha256::new();
         for name in self.metadata.offset_keys() {
-            let info = self.metadata.info(&name).expect("offset_keys lists known tensors");
+            let info = self
+                .metadata
+                .info(&name)
+                .expect("offset_keys lists known tensors");
             hash_tensor(&mut h, &name, info, self.bytes(info))?;
         }
         if let Some(meta) = self.metadata.metadata() {
             hash_metadata(&mut h, meta);
         }
         if self.meta(HASH_KEY) != Some(hex(&h.finalize()).as_str()) {
-            return Err(Error::input(&self.path, "checkpoint is corrupt: its contents do not match its SHA-256"));
+            return Err(Error::input(
+                &self.path,
+                "checkpoint is corrupt: its contents do not match its SHA-256",
+            ));
         }
         Ok(())
     }
@@ -179,7 +229,11 @@ impl CheckpointFile {
 
     /// A metadata entry.
     pub fn meta(&self, key: &str) -> Option<&str> {
-        self.metadata.metadata().as_ref()?.get(key).map(String::as_str)
+        self.metadata
+            .metadata()
+            .as_ref()?
+            .get(key)
+            .map(String::as_str)
     }
 
     /// Whether the checkpoint holds a tensor `name`.
@@ -189,24 +243,32 @@ impl CheckpointFile {
 
     /// The tensor `name`, read into host memory; an input error when missing.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        let info = self.metadata.info(name).ok_or_else(|| Error::input(&self.path, format!("checkpoint has no tensor `{name}`")))?;
+        let info = self.metadata.info(name).ok_or_else(|| {
+            Error::input(&self.path, format!("checkpoint has no tensor `{name}`"))
+        })?;
         let view = TensorView::new(info.dtype, info.shape.clone(), self.bytes(info))
             .map_err(|e| Error::input(&self.path, format!("tensor `{name}`: {e}")))?;
-        view.load(&Device::Cpu).map_err(|e| Error::input(&self.path, format!("tensor `{name}`: {e}")))
+        view.load(&Device::Cpu)
+            .map_err(|e| Error::input(&self.path, format!("tensor `{name}`: {e}")))
     }
 
     /// The scalar tensor `name` as an i64 (the integers of a checkpoint).
     pub fn scalar_i64(&self, name: &str) -> Result<i64> {
-        self.scalar(name, |t| t.to_dtype(candle_core::DType::I64)?.to_scalar::<i64>())
+        self.scalar(name, |t| {
+            t.to_dtype(candle_core::DType::I64)?.to_scalar::<i64>()
+        })
     }
 
     /// The scalar tensor `name` as an f64.
     pub fn scalar_f64(&self, name: &str) -> Result<f64> {
-        self.scalar(name, |t| t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>())
+        self.scalar(name, |t| {
+            t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()
+        })
     }
 
     fn scalar<T>(&self, name: &str, get: impl Fn(&Tensor) -> candle_core::Result<T>) -> Result<T> {
-        get(&self.tensor(name)?).map_err(|e| Error::input(&self.path, format!("tensor `{name}` is not a scalar: {e}")))
+        get(&self.tensor(name)?)
+            .map_err(|e| Error::input(&self.path, format!("tensor `{name}` is not a scalar: {e}")))
     }
 }
 
@@ -217,11 +279,25 @@ mod tests {
     fn sample(dir: &Path) -> PathBuf {
         let p = dir.join("ck.safetensors");
         let tensors = vec![
-            ("w".to_string(), Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap()),
+            (
+                "w".to_string(),
+                Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu).unwrap(),
+            ),
             ("step".to_string(), Tensor::new(7i64, &Device::Cpu).unwrap()),
-            ("h".to_string(), Tensor::new(&[1f32, 2.], &Device::Cpu).unwrap().to_dtype(candle_core::DType::BF16).unwrap()),
+            (
+                "h".to_string(),
+                Tensor::new(&[1f32, 2.], &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(candle_core::DType::BF16)
+                    .unwrap(),
+            ),
         ];
-        write(&p, tensors, HashMap::from([("plan".to_string(), "a plan".to_string())])).unwrap();
+        write(
+            &p,
+            tensors,
+            HashMap::from([("plan".to_string(), "a plan".to_string())]),
+        )
+        .unwrap();
         p
     }
 
@@ -231,10 +307,17 @@ mod tests {
         let ck = CheckpointFile::open(&sample(dir.path())).unwrap();
         assert_eq!(ck.meta("plan"), Some("a plan"));
         assert_eq!(ck.meta("format"), Some(FORMAT));
-        assert_eq!(ck.tensor("w").unwrap().to_vec2::<f32>().unwrap(), [[1., 2.], [3., 4.]]);
+        assert_eq!(
+            ck.tensor("w").unwrap().to_vec2::<f32>().unwrap(),
+            [[1., 2.], [3., 4.]]
+        );
         assert_eq!(ck.scalar_i64("step").unwrap(), 7);
         assert_eq!(ck.tensor("h").unwrap().dtype(), candle_core::DType::BF16);
-        assert!(ck.tensor("nope").unwrap_err().to_string().contains("no tensor `nope`"));
+        assert!(ck
+            .tensor("nope")
+            .unwrap_err()
+            .to_string()
+            .contains("no tensor `nope`"));
         // A plain safetensors reader opens it too.
         let plain = candle_core::safetensors::load(ck.path(), &Device::Cpu).unwrap();
         assert_eq!(plain.len(), 3);
@@ -254,7 +337,10 @@ mod tests {
             let mut bad = good.clone();
             bad[i] ^= 0x04;
             std::fs::write(&p, &bad).unwrap();
-            let e = CheckpointFile::open(&p).err().unwrap_or_else(|| panic!("flip at byte {i} accepted")).to_string();
+            let e = CheckpointFile::open(&p)
+                .err()
+                .unwrap_or_else(|| panic!("flip at byte {i} accepted"))
+                .to_string();
             assert!(e.contains("ck.safetensors"), "{e}");
         }
         for len in [0, 7, 8 + header_len, good.len() - 1] {

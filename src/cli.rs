@@ -9,7 +9,12 @@ use std::path::PathBuf;
 ///
 /// With no subcommand, `oomfix [OPTIONS] [MODEL]` plans (same as `oomfix plan`).
 #[derive(Debug, Parser)]
-#[command(name = "oomfix", version, about, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "oomfix",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
 pub struct Cli {
     /// What to do (default: plan).
     #[command(subcommand)]
@@ -131,8 +136,12 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub gpus: usize,
     /// Fixes to apply, in order (subset and order of the default).
-    #[arg(long, value_delimiter = ',', value_name = "LIST",
-          default_value = "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "LIST",
+        default_value = "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard"
+    )]
     pub strategies: Vec<String>,
     /// 16-bit type used by the precision fix.
     #[arg(long, value_enum, default_value_t = HalfArg::Auto)]
@@ -200,7 +209,9 @@ pub struct LogArgs {
 fn parse_lr(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(lr) if lr.is_finite() && lr >= 0.0 => Ok(lr),
-        _ => Err(format!("`{s}` is not a learning rate (a finite number >= 0)")),
+        _ => Err(format!(
+            "`{s}` is not a learning rate (a finite number >= 0)"
+        )),
     }
 }
 

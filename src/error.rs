@@ -43,7 +43,10 @@ pub enum Error {
 impl Error {
     /// An input error for `path`.
     pub fn input(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
-        Error::Input { path: path.into(), msg: msg.into() }
+        Error::Input {
+            path: path.into(),
+            msg: msg.into(),
+        }
     }
     /// Whether this error is the user's input or usage (exit code 2) rather than a runtime failure.
     pub fn is_input(&self) -> bool {

@@ -32,8 +32,8 @@ pub mod output;
 pub mod report;
 pub mod search;
 pub mod spec;
-pub mod units;
 pub mod train;
+pub mod units;
 
 pub use error::{Error, Result};
 pub use inspect::inspect;

@@ -12,7 +12,9 @@
 
 use anyhow::Context;
 use clap::Parser;
-use oomfix::cli::{Cli, Command, HalfArg, LogArgs, LogFormat, MeasureStepArgs, PlanArgs, TrainArgs, VerifyArg};
+use oomfix::cli::{
+    Cli, Command, HalfArg, LogArgs, LogFormat, MeasureStepArgs, PlanArgs, TrainArgs, VerifyArg,
+};
 use oomfix::measure::{CountingAlloc, StepVerifier};
 use oomfix::train::data::{DataSource, TokenWidth};
 use oomfix::train::{StepStats, TrainOptions, Trainer};
@@ -65,7 +67,9 @@ fn main() -> ExitCode {
 
 /// Runs the search and prints its result.
 fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
-    let budget = args.budget.ok_or_else(|| Error::Usage("a budget is required, e.g. --budget 8GiB (see --help)".into()))?;
+    let budget = args.budget.ok_or_else(|| {
+        Error::Usage("a budget is required, e.g. --budget 8GiB (see --help)".into())
+    })?;
     if let Some(path) = &args.plot {
         report::PlotFormat::from_path(path).map_err(Error::Usage)?;
     }
@@ -79,7 +83,8 @@ fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
     if args.enforce_budget {
         enforce_budget(args.device, budget)?;
     }
-    let pipeline = Pipeline::from_names(&args.strategies).map_err(|e| Error::Usage(e.to_string()))?;
+    let pipeline =
+        Pipeline::from_names(&args.strategies).map_err(|e| Error::Usage(e.to_string()))?;
     let mut planner = Planner::new(budget)
         .global_batch(args.global_batch)
         .target(args.device)
@@ -96,7 +101,10 @@ fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
     if let Some(mode) = args.verify {
         let verifier = match args.device {
             Target::Cpu => {
-                let exe = std::env::current_exe().map_err(|e| Error::Io { context: "locating oomfix".into(), source: e })?;
+                let exe = std::env::current_exe().map_err(|e| Error::Io {
+                    context: "locating oomfix".into(),
+                    source: e,
+                })?;
                 StepVerifier::isolated(args.device, exe, budget)
             }
             Target::Cuda(_) => StepVerifier::in_process(args.device),
@@ -139,8 +147,12 @@ fn enforce_cuda(ordinal: usize, budget: u64) -> oomfix::Result<()> {
     let cuda = device.as_cuda_device()?;
     let done = oomfix::measure::cuda::enforce_budget(cuda, budget)
         .map_err(|e| Error::Usage(format!("--enforce-budget: {e}")))?;
-    tracing::info!(ballast_bytes = done.ballast, already_used_bytes = done.already_used,
-                   free_after_bytes = done.free_after, "budget enforced");
+    tracing::info!(
+        ballast_bytes = done.ballast,
+        already_used_bytes = done.already_used,
+        free_after_bytes = done.free_after,
+        "budget enforced"
+    );
     eprintln!(
         "oomfix: enforcing the budget on cuda:{ordinal}: {} held back, {} free for this process \
          (it already holds {})",
@@ -153,34 +165,62 @@ fn enforce_cuda(ordinal: usize, budget: u64) -> oomfix::Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn enforce_cuda(_: usize, _: u64) -> oomfix::Result<()> {
-    Err(Error::Usage("--enforce-budget on CUDA needs a build with --features cuda".into()))
+    Err(Error::Usage(
+        "--enforce-budget on CUDA needs a build with --features cuda".into(),
+    ))
 }
 
 /// Measures the chosen (or closest) plan with its allocations recorded and
 /// writes `--snapshot` and `--plot`.
-fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, budget: u64) -> oomfix::Result<()> {
+fn timeline_outputs(
+    args: &PlanArgs,
+    spec: &ModelSpec,
+    result: &SearchResult,
+    budget: u64,
+) -> oomfix::Result<()> {
     if args.device != Target::Cpu {
-        return Err(Error::Usage("--snapshot and --plot record host allocations: use --device cpu".into()));
+        return Err(Error::Usage(
+            "--snapshot and --plot record host allocations: use --device cpu".into(),
+        ));
     }
-    let inputs: Vec<&Path> = spec.files.iter().map(|f| f.as_path()).chain(args.model.as_deref()).collect();
+    let inputs: Vec<&Path> = spec
+        .files
+        .iter()
+        .map(|f| f.as_path())
+        .chain(args.model.as_deref())
+        .collect();
     for out in [&args.snapshot, &args.plot].into_iter().flatten() {
         oomfix::output::check_output(out, &inputs)?;
     }
-    let plot_format = args.plot.as_deref().map(report::PlotFormat::from_path).transpose().map_err(Error::Usage)?;
+    let plot_format = args
+        .plot
+        .as_deref()
+        .map(report::PlotFormat::from_path)
+        .transpose()
+        .map_err(Error::Usage)?;
     let attempt = result.chosen().unwrap_or_else(|| result.closest());
     let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
     if timeline.truncated {
-        tracing::warn!("the recording filled its {} events; the timeline ends early", oomfix::measure::MAX_EVENTS);
+        tracing::warn!(
+            "the recording filled its {} events; the timeline ends early",
+            oomfix::measure::MAX_EVENTS
+        );
     }
-    tracing::info!(measured_bytes = m.peak_bytes, blocks = timeline.blocks.len(), changes = timeline.changes.len(),
-                   "recorded {}", attempt.plan);
+    tracing::info!(
+        measured_bytes = m.peak_bytes,
+        blocks = timeline.blocks.len(),
+        changes = timeline.changes.len(),
+        "recorded {}",
+        attempt.plan
+    );
     if let Some(path) = &args.snapshot {
         let bytes = report::snapshot_pickle(&timeline);
         oomfix::output::write_atomic(path, |f| write_all(f, path, &bytes))?;
     }
     if let (Some(path), Some(format)) = (&args.plot, plot_format) {
         let title = format!("{}: {}", spec.source, attempt.plan);
-        let image = report::timeline_plot(&timeline, budget, &title, format).map_err(Error::Usage)?;
+        let image =
+            report::timeline_plot(&timeline, budget, &title, format).map_err(Error::Usage)?;
         oomfix::output::write_atomic(path, |f| write_all(f, path, &image))?;
     }
     Ok(())
@@ -188,7 +228,10 @@ fn timeline_outputs(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult, bu
 
 fn write_all(f: &mut std::fs::File, path: &Path, bytes: &[u8]) -> oomfix::Result<()> {
     use std::io::Write;
-    f.write_all(bytes).map_err(|e| Error::Io { context: format!("writing {}", path.display()), source: e })
+    f.write_all(bytes).map_err(|e| Error::Io {
+        context: format!("writing {}", path.display()),
+        source: e,
+    })
 }
 
 /// Plans, then trains the chosen plan; returns the exit code (0, 1 when nothing
@@ -196,11 +239,16 @@ fn write_all(f: &mut std::fs::File, path: &Path, bytes: &[u8]) -> oomfix::Result
 fn train(args: &TrainArgs) -> oomfix::Result<u8> {
     let device = match args.plan.device {
         Target::Cpu => candle_core::Device::Cpu,
-        Target::Cuda(i) => candle_core::Device::new_cuda(i)
-            .map_err(|e| Error::Usage(format!("cannot use cuda:{i}: {e} (this build needs --features cuda)")))?,
+        Target::Cuda(i) => candle_core::Device::new_cuda(i).map_err(|e| {
+            Error::Usage(format!(
+                "cannot use cuda:{i}: {e} (this build needs --features cuda)"
+            ))
+        })?,
     };
     let (spec, result) = plan(&args.plan)?;
-    let Some(chosen) = result.chosen() else { return Ok(NOTHING_FITS) };
+    let Some(chosen) = result.chosen() else {
+        return Ok(NOTHING_FITS);
+    };
     if let Some(save) = &args.save {
         // The resume file is not among the inputs: replacing it is the point.
         let mut inputs: Vec<&Path> = spec.files.iter().map(|p| p.as_path()).collect();
@@ -215,7 +263,10 @@ fn train(args: &TrainArgs) -> oomfix::Result<u8> {
         _ => None,
     };
     let options = TrainOptions {
-        adamw: candle_nn::ParamsAdamW { lr: args.lr, ..Default::default() },
+        adamw: candle_nn::ParamsAdamW {
+            lr: args.lr,
+            ..Default::default()
+        },
         seed: args.seed,
         weights,
     };
@@ -224,7 +275,11 @@ fn train(args: &TrainArgs) -> oomfix::Result<u8> {
     if let Some(path) = &args.resume {
         trainer.resume(path, &mut data)?;
         tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "resumed");
-        eprintln!("oomfix: resumed from {} at step {}", path.display(), trainer.steps());
+        eprintln!(
+            "oomfix: resumed from {} at step {}",
+            path.display(),
+            trainer.steps()
+        );
     }
     if (args.save.is_some() || args.resume.is_some()) && !trainer.saves_optimizer_state() {
         tracing::warn!(
@@ -234,15 +289,18 @@ fn train(args: &TrainArgs) -> oomfix::Result<u8> {
     }
     // The state on disk, as a step count: nothing to write again at that step.
     let mut saved_at = (args.save.is_some() && args.save == args.resume).then(|| trainer.steps());
-    let save = |trainer: &Trainer, data: &DataSource, saved_at: &mut Option<u64>| -> oomfix::Result<()> {
-        let Some(path) = &args.save else { return Ok(()) };
-        if *saved_at != Some(trainer.steps()) {
-            trainer.save(path, data)?;
-            tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "saved");
-            *saved_at = Some(trainer.steps());
-        }
-        Ok(())
-    };
+    let save =
+        |trainer: &Trainer, data: &DataSource, saved_at: &mut Option<u64>| -> oomfix::Result<()> {
+            let Some(path) = &args.save else {
+                return Ok(());
+            };
+            if *saved_at != Some(trainer.steps()) {
+                trainer.save(path, data)?;
+                tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "saved");
+                *saved_at = Some(trainer.steps());
+            }
+            Ok(())
+        };
     let signal = stop_signals()?;
     let bar = progress_bar(args.steps, trainer.steps());
     while trainer.steps() < args.steps {
@@ -263,12 +321,19 @@ fn train(args: &TrainArgs) -> oomfix::Result<u8> {
     if stopped_by == 0 || trainer.steps() >= args.steps {
         return Ok(SUCCESS);
     }
-    let name = if stopped_by == signal_hook::consts::SIGINT as usize { "SIGINT" } else { "SIGTERM" };
+    let name = if stopped_by == signal_hook::consts::SIGINT as usize {
+        "SIGINT"
+    } else {
+        "SIGTERM"
+    };
     let saved = match &args.save {
         Some(path) => format!("checkpoint written to {}", path.display()),
         None => "no checkpoint written (no --save)".into(),
     };
-    eprintln!("oomfix: stopped by {name} after step {}; {saved}", trainer.steps());
+    eprintln!(
+        "oomfix: stopped by {name} after step {}; {saved}",
+        trainer.steps()
+    );
     Ok(128 + stopped_by as u8)
 }
 
@@ -276,7 +341,11 @@ fn train(args: &TrainArgs) -> oomfix::Result<u8> {
 fn data_source(args: &TrainArgs, vocab: usize) -> oomfix::Result<DataSource> {
     match &args.data {
         Some(path) => {
-            let width = if args.u32_tokens { TokenWidth::U32 } else { TokenWidth::U16 };
+            let width = if args.u32_tokens {
+                TokenWidth::U32
+            } else {
+                TokenWidth::U16
+            };
             DataSource::from_file(path, width, vocab)
         }
         None => Ok(DataSource::synthetic(args.seed)),
@@ -290,7 +359,10 @@ fn stop_signals() -> oomfix::Result<Arc<AtomicUsize>> {
     use signal_hook::{consts, flag};
     let which = Arc::new(AtomicUsize::new(0));
     let pending = Arc::new(AtomicBool::new(false));
-    let io = |e| Error::Io { context: "installing signal handlers".into(), source: e };
+    let io = |e| Error::Io {
+        context: "installing signal handlers".into(),
+        source: e,
+    };
     for sig in [consts::SIGINT, consts::SIGTERM] {
         // In this order: exit if one is already pending, else record it.
         flag::register_conditional_shutdown(sig, 128 + sig, Arc::clone(&pending)).map_err(io)?;
@@ -307,11 +379,22 @@ fn report_step(trainer: &Trainer, s: &StepStats, steps: u64, bar: Option<&indica
         s.loss,
         s.tokens as f64 / s.seconds,
         oomfix::units::format_bytes(s.peak()),
-        if s.skipped { "  (skipped: fp16 overflow)" } else { "" }
+        if s.skipped {
+            "  (skipped: fp16 overflow)"
+        } else {
+            ""
+        }
     );
-    tracing::info!(step = trainer.steps(), loss = s.loss, tokens = s.tokens, seconds = s.seconds,
-                   forward_backward_peak_bytes = s.forward_backward_peak,
-                   optimizer_peak_bytes = s.optimizer_peak, skipped = s.skipped, "step");
+    tracing::info!(
+        step = trainer.steps(),
+        loss = s.loss,
+        tokens = s.tokens,
+        seconds = s.seconds,
+        forward_backward_peak_bytes = s.forward_backward_peak,
+        optimizer_peak_bytes = s.optimizer_peak,
+        skipped = s.skipped,
+        "step"
+    );
     match bar {
         Some(bar) => {
             bar.set_message(msg);
@@ -328,8 +411,10 @@ fn progress_bar(steps: u64, done: u64) -> Option<indicatif::ProgressBar> {
         return None;
     }
     let bar = indicatif::ProgressBar::new(steps).with_position(done);
-    let style = indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} {elapsed_precise}  {msg}")
-        .expect("valid template");
+    let style = indicatif::ProgressStyle::with_template(
+        "{bar:30} step {pos}/{len} {elapsed_precise}  {msg}",
+    )
+    .expect("valid template");
     bar.set_style(style);
     Some(bar)
 }
@@ -369,9 +454,16 @@ fn init_logging(args: &LogArgs) -> anyhow::Result<()> {
         }
         None => fmt::writer::BoxMakeWriter::new(std::io::stderr),
     };
-    let builder = fmt().with_env_filter(filter).with_writer(writer).with_target(false);
+    let builder = fmt()
+        .with_env_filter(filter)
+        .with_writer(writer)
+        .with_target(false);
     match args.log_format {
-        LogFormat::Json => builder.json().with_current_span(true).with_span_list(false).init(),
+        LogFormat::Json => builder
+            .json()
+            .with_current_span(true)
+            .with_span_list(false)
+            .init(),
         LogFormat::Pretty => builder.with_ansi(args.log_file.is_none()).init(),
     }
     Ok(())

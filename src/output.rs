@@ -22,8 +22,13 @@ pub fn write_atomic<F>(path: &Path, write: F) -> Result<()>
 where
     F: FnOnce(&mut File) -> Result<()>,
 {
-    let io = |what: &str, e: std::io::Error| Error::Io { context: format!("{what} {}", path.display()), source: e };
-    let name = path.file_name().ok_or_else(|| Error::Usage(format!("{} does not name a file", path.display())))?;
+    let io = |what: &str, e: std::io::Error| Error::Io {
+        context: format!("{what} {}", path.display()),
+        source: e,
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Usage(format!("{} does not name a file", path.display())))?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -37,10 +42,13 @@ where
         // What `File::create` would give (the umask applies), not tempfile's 0600.
         builder.permissions(std::fs::Permissions::from_mode(0o666));
     }
-    let mut tmp = builder.tempfile_in(dir).map_err(|e| io("cannot create a temporary file for", e))?;
+    let mut tmp = builder
+        .tempfile_in(dir)
+        .map_err(|e| io("cannot create a temporary file for", e))?;
     write(tmp.as_file_mut())?;
     tmp.as_file().sync_all().map_err(|e| io("cannot sync", e))?;
-    tmp.persist(path).map_err(|e| io("cannot rename the temporary file to", e.error))?;
+    tmp.persist(path)
+        .map_err(|e| io("cannot rename the temporary file to", e.error))?;
     sync_dir(dir).map_err(|e| io("cannot sync the directory of", e))
 }
 
@@ -60,15 +68,30 @@ fn sync_dir(_dir: &Path) -> std::io::Result<()> {
 /// exists, it is not a directory, and it is not the same file as any of
 /// `inputs` (compared after resolving links).
 pub fn check_output(output: &Path, inputs: &[&Path]) -> Result<()> {
-    let dir = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = output
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     if !dir.is_dir() {
-        return Err(Error::Usage(format!("cannot write {}: {} is not a directory", output.display(), dir.display())));
+        return Err(Error::Usage(format!(
+            "cannot write {}: {} is not a directory",
+            output.display(),
+            dir.display()
+        )));
     }
     if output.is_dir() {
-        return Err(Error::Usage(format!("cannot write {}: it is a directory", output.display())));
+        return Err(Error::Usage(format!(
+            "cannot write {}: it is a directory",
+            output.display()
+        )));
     }
-    let Ok(out) = output.canonicalize() else { return Ok(()) }; // does not exist yet
-    match inputs.iter().find(|i| i.canonicalize().is_ok_and(|i| i == out)) {
+    let Ok(out) = output.canonicalize() else {
+        return Ok(());
+    }; // does not exist yet
+    match inputs
+        .iter()
+        .find(|i| i.canonicalize().is_ok_and(|i| i == out))
+    {
         Some(input) => Err(Error::Usage(format!(
             "refusing to write {}: it is an input of this run ({})",
             output.display(),
@@ -84,8 +107,10 @@ mod tests {
     use std::io::Write;
 
     fn entries(dir: &Path) -> Vec<String> {
-        let mut v: Vec<String> =
-            std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
         v.sort();
         v
     }
@@ -96,7 +121,10 @@ mod tests {
         let p = dir.path().join("out.bin");
         std::fs::write(&p, b"old contents").unwrap();
         write_atomic(&p, |f| {
-            f.write_all(b"new").map_err(|e| Error::Io { context: "test".into(), source: e })
+            f.write_all(b"new").map_err(|e| Error::Io {
+                context: "test".into(),
+                source: e,
+            })
         })
         .unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"new");
@@ -120,7 +148,11 @@ mod tests {
         // While writing, the data went to a separate file, not the target.
         let seen = seen.unwrap();
         assert_eq!(seen.len(), 2, "{seen:?}");
-        assert!(seen.iter().any(|n| n.starts_with(".out.bin.") && n.ends_with(".tmp")), "{seen:?}");
+        assert!(
+            seen.iter()
+                .any(|n| n.starts_with(".out.bin.") && n.ends_with(".tmp")),
+            "{seen:?}"
+        );
         assert_eq!(std::fs::read(&p).unwrap(), b"old contents");
         assert_eq!(entries(dir.path()), ["out.bin"]);
     }
@@ -130,7 +162,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("no/such/dir/out.bin");
         assert!(write_atomic(&p, |_| Ok(())).is_err());
-        assert!(check_output(&p, &[]).unwrap_err().to_string().contains("is not a directory"));
+        assert!(check_output(&p, &[])
+            .unwrap_err()
+            .to_string()
+            .contains("is not a directory"));
     }
 
     #[test]
@@ -141,8 +176,16 @@ mod tests {
         let other = dir.path().join("ck.safetensors");
         check_output(&other, &[&input]).unwrap();
         let same = dir.path().join(".").join("model.safetensors");
-        let e = check_output(&same, &[&other, &input]).unwrap_err().to_string();
-        assert!(e.contains("refusing to write") && e.contains("model.safetensors"), "{e}");
-        assert!(check_output(dir.path(), &[]).unwrap_err().to_string().contains("is a directory"));
+        let e = check_output(&same, &[&other, &input])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("refusing to write") && e.contains("model.safetensors"),
+            "{e}"
+        );
+        assert!(check_output(dir.path(), &[])
+            .unwrap_err()
+            .to_string()
+            .contains("is a directory"));
     }
 }

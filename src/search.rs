@@ -101,7 +101,10 @@ impl SearchResult {
     }
     /// The attempt with the lowest peak (the one to report when nothing fits).
     pub fn closest(&self) -> &Attempt {
-        self.attempts.iter().min_by_key(|a| a.peak()).expect("a search makes at least one attempt")
+        self.attempts
+            .iter()
+            .min_by_key(|a| a.peak())
+            .expect("a search makes at least one attempt")
     }
 }
 
@@ -180,10 +183,11 @@ impl Planner {
 
     /// The sequence length used for `spec`: as set, else the model's maximum, capped at 1024.
     pub fn seq_len_for(&self, spec: &ModelSpec) -> usize {
-        self.seq_len.unwrap_or_else(|| match spec.config.max_positions {
-            0 => 1024,
-            m => m.min(1024),
-        })
+        self.seq_len
+            .unwrap_or_else(|| match spec.config.max_positions {
+                0 => 1024,
+                m => m.min(1024),
+            })
     }
 
     /// Runs the search for `spec`.
@@ -214,13 +218,19 @@ impl Planner {
             flash_attention: self.target.has_flash_attention(spec.config.head_dim()),
             layers: spec.config.layers,
         };
-        let mut run = Run { planner: self, spec, attempts: Vec::new() };
+        let mut run = Run {
+            planner: self,
+            spec,
+            attempts: Vec::new(),
+        };
         let mut plan = Plan::baseline(self.global_batch, seq_len);
         let mut fits = run.evaluate("baseline", plan)?;
         let strategies = self.pipeline.strategies();
         'fixes: for s in strategies {
             while !fits {
-                let Some(next) = s.tighten(&plan, &ctx) else { continue 'fixes };
+                let Some(next) = s.tighten(&plan, &ctx) else {
+                    continue 'fixes;
+                };
                 plan = next;
                 fits = run.evaluate(s.name(), plan)?;
             }
@@ -248,7 +258,13 @@ impl Planner {
             }
         }
         let advice = if fits { Vec::new() } else { run.advice(&ctx) };
-        Ok(SearchResult { budget_bytes: self.budget, target: self.target, attempts: run.attempts, chosen, advice })
+        Ok(SearchResult {
+            budget_bytes: self.budget,
+            target: self.target,
+            attempts: run.attempts,
+            chosen,
+            advice,
+        })
     }
 }
 
@@ -304,41 +320,73 @@ impl Run<'_> {
             _ => None,
         };
         let fits = estimate_fits
-            && measured.is_none_or(|m| !m.out_of_memory && m.peak_bytes.max(m.reserved_bytes) <= p.budget);
+            && measured
+                .is_none_or(|m| !m.out_of_memory && m.peak_bytes.max(m.reserved_bytes) <= p.budget);
         if let Some(m) = measured {
             span.record("measured_bytes", m.peak_bytes);
         }
         span.record("fits", fits);
         tracing::info!(fits, "{strategy}: {plan}");
-        self.attempts.push(Attempt { strategy: strategy.to_string(), plan, estimate, measured, fits });
+        self.attempts.push(Attempt {
+            strategy: strategy.to_string(),
+            plan,
+            estimate,
+            measured,
+            fits,
+        });
         Ok(fits)
     }
 
     /// What would make the closest attempt fit: a budget, more GPUs, a shorter sequence.
     fn advice(&self, ctx: &SearchContext) -> Vec<String> {
         let p = self.planner;
-        let closest = self.attempts.iter().min_by_key(|a| a.peak()).expect("at least one attempt");
+        let closest = self
+            .attempts
+            .iter()
+            .min_by_key(|a| a.peak())
+            .expect("at least one attempt");
         let mut advice = vec![if closest.ran_out_of_memory() {
             format!(
                 "the closest plan ran out of memory when measured: it needs more than {} (the estimates below may be low too)",
                 crate::units::format_bytes(p.budget)
             )
         } else {
-            format!("a budget of {} would fit the closest plan", crate::units::format_bytes(closest.peak()))
+            format!(
+                "a budget of {} would fit the closest plan",
+                crate::units::format_bytes(closest.peak())
+            )
         }];
         let fits = |plan: &Plan| p.estimator.estimate(self.spec, plan, &p.target).peak <= p.budget;
         let base = closest.plan;
         let divisors_of_batch = oomfix_strategies::accumulate::divisors(ctx.global_batch);
-        if let Some(n) = divisors_of_batch.iter().copied().filter(|&n| n > 1).find(|&n| {
-            let per_rank = ctx.global_batch / n;
-            fits(&Plan { micro_batch: 1, grad_accum: per_rank, shard: Sharding { world_size: n, stage: 3 }, ..base })
-        }) {
+        if let Some(n) = divisors_of_batch
+            .iter()
+            .copied()
+            .filter(|&n| n > 1)
+            .find(|&n| {
+                let per_rank = ctx.global_batch / n;
+                fits(&Plan {
+                    micro_batch: 1,
+                    grad_accum: per_rank,
+                    shard: Sharding {
+                        world_size: n,
+                        stage: 3,
+                    },
+                    ..base
+                })
+            })
+        {
             advice.push(format!("{n} GPUs with ZeRO stage 3 would fit (--gpus {n})"));
         }
         let mut seq = base.seq_len / 2;
         while seq >= 16 {
-            if fits(&Plan { seq_len: seq, ..base }) {
-                advice.push(format!("a sequence length of {seq} would fit (--seq-len {seq})"));
+            if fits(&Plan {
+                seq_len: seq,
+                ..base
+            }) {
+                advice.push(format!(
+                    "a sequence length of {seq} would fit (--seq-len {seq})"
+                ));
                 break;
             }
             seq /= 2;

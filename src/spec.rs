@@ -203,7 +203,10 @@ impl ModelConfig {
             Family::Bert => {
                 let e = "bert.embeddings.";
                 add(format!("{e}word_embeddings.weight"), &[v, h]);
-                add(format!("{e}position_embeddings.weight"), &[self.max_positions, h]);
+                add(
+                    format!("{e}position_embeddings.weight"),
+                    &[self.max_positions, h],
+                );
                 add(format!("{e}token_type_embeddings.weight"), &[2, h]);
                 add(format!("{e}LayerNorm.weight"), &[h]);
                 add(format!("{e}LayerNorm.bias"), &[h]);
@@ -238,7 +241,10 @@ impl ModelConfig {
 
     /// Trainable parameter count implied by the shapes (tied weights once).
     pub fn parameter_count(&self) -> u64 {
-        self.tensors().iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
+        self.tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum()
     }
 }
 
@@ -287,15 +293,30 @@ impl ModelSpec {
         let tensors: Vec<TensorInfo> = config
             .tensors()
             .into_iter()
-            .map(|(name, shape)| TensorInfo { name, shape, dtype: "F32".into() })
+            .map(|(name, shape)| TensorInfo {
+                name,
+                shape,
+                dtype: "F32".into(),
+            })
             .collect();
         let file_bytes = tensors.iter().map(|t| t.elements() * 4).sum();
-        ModelSpec { source: source.into(), files: Vec::new(), config, tensors, dtype: "F32".into(), file_bytes, assumptions: vec![] }
+        ModelSpec {
+            source: source.into(),
+            files: Vec::new(),
+            config,
+            tensors,
+            dtype: "F32".into(),
+            file_bytes,
+            assumptions: vec![],
+        }
     }
 
     /// The built-in default model: GPT-2 small shape (124,439,808 parameters).
     pub fn default_model() -> Self {
-        Self::from_config("built-in gpt2 (124M, GPT-2 small shape)", ModelConfig::gpt2_small())
+        Self::from_config(
+            "built-in gpt2 (124M, GPT-2 small shape)",
+            ModelConfig::gpt2_small(),
+        )
     }
 
     /// Trainable parameters (tied weights counted once).
@@ -305,7 +326,11 @@ impl ModelSpec {
 
     /// Elements of the largest trainable tensor.
     pub fn largest_tensor(&self) -> u64 {
-        self.tensors.iter().map(TensorInfo::elements).max().unwrap_or(0)
+        self.tensors
+            .iter()
+            .map(TensorInfo::elements)
+            .max()
+            .unwrap_or(0)
     }
 }
 
@@ -318,6 +343,9 @@ mod tests {
         assert_eq!(ModelConfig::gpt2_small().parameter_count(), 124_439_808);
         assert_eq!(ModelConfig::gpt2_medium().parameter_count(), 354_823_168);
         assert_eq!(ModelConfig::llama2_7b().parameter_count(), 6_738_415_616);
-        assert_eq!(ModelConfig::tinyllama_1_1b().parameter_count(), 1_100_048_384);
+        assert_eq!(
+            ModelConfig::tinyllama_1_1b().parameter_count(),
+            1_100_048_384
+        );
     }
 }

@@ -16,7 +16,9 @@
 /// ```
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (number, unit) = (&t[..split], t[split..].trim());
     let multiplier: u128 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
@@ -28,14 +30,28 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
         "mib" => 1 << 20,
         "gib" => 1 << 30,
         "tib" => 1 << 40,
-        _ => return Err(format!("unknown unit `{unit}` in `{text}` (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)")),
+        _ => {
+            return Err(format!(
+                "unknown unit `{unit}` in `{text}` (use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"
+            ))
+        }
     };
     let (int, frac) = number.split_once('.').unwrap_or((number, ""));
-    if int.is_empty() && frac.is_empty() || !frac.chars().all(|c| c.is_ascii_digit()) || frac.len() > 18 {
-        return Err(format!("`{text}` is not a byte quantity (like 8GiB or 7.5GB)"));
+    if int.is_empty() && frac.is_empty()
+        || !frac.chars().all(|c| c.is_ascii_digit())
+        || frac.len() > 18
+    {
+        return Err(format!(
+            "`{text}` is not a byte quantity (like 8GiB or 7.5GB)"
+        ));
     }
     let digits = |s: &str| -> Result<u128, String> {
-        if s.is_empty() { Ok(0) } else { s.parse::<u128>().map_err(|_| format!("`{text}` is too large")) }
+        if s.is_empty() {
+            Ok(0)
+        } else {
+            s.parse::<u128>()
+                .map_err(|_| format!("`{text}` is too large"))
+        }
     };
     let scale = 10u128.pow(frac.len() as u32);
     let numerator = digits(int)?

@@ -25,19 +25,37 @@ fn check(name: &str, config: ModelConfig) {
         optimizer: OptimizerImpl::FusedAdamW,
         ..plain
     };
-    let flash = Plan { attention: Attention::Flash, optimizer: OptimizerImpl::FusedAdamW, ..plain };
+    let flash = Plan {
+        attention: Attention::Flash,
+        optimizer: OptimizerImpl::FusedAdamW,
+        ..plain
+    };
     for plan in [plain, frugal, flash] {
         let estimated = MemoryModel.estimate(&spec, &plan, &Target::Cpu).peak as f64;
         let measured = measure_plan(&spec, &plan, Target::Cpu).unwrap().peak_bytes as f64;
         let error = estimated / measured - 1.0;
-        eprintln!("{name} {plan}: estimated {estimated} measured {measured} error {:+.1}%", 100.0 * error);
-        assert!(error.abs() <= 0.08, "{name} {plan}: estimated {estimated}, measured {measured} ({:+.1}%)", 100.0 * error);
+        eprintln!(
+            "{name} {plan}: estimated {estimated} measured {measured} error {:+.1}%",
+            100.0 * error
+        );
+        assert!(
+            error.abs() <= 0.08,
+            "{name} {plan}: estimated {estimated}, measured {measured} ({:+.1}%)",
+            100.0 * error
+        );
     }
 }
 
 #[test]
 fn gpt2_estimate_within_8_percent() {
-    check("gpt2", ModelConfig { vocab: 4096, max_positions: 256, ..ModelConfig::gpt2(4, 256, 4) });
+    check(
+        "gpt2",
+        ModelConfig {
+            vocab: 4096,
+            max_positions: 256,
+            ..ModelConfig::gpt2(4, 256, 4)
+        },
+    );
 }
 
 #[test]
@@ -47,7 +65,13 @@ fn llama_estimate_within_8_percent() {
 
 #[test]
 fn bert_estimate_within_8_percent() {
-    check("bert", ModelConfig { max_positions: 256, ..ModelConfig::bert(4, 256, 4, 4096) });
+    check(
+        "bert",
+        ModelConfig {
+            max_positions: 256,
+            ..ModelConfig::bert(4, 256, 4, 4096)
+        },
+    );
 }
 
 /// A vocabulary far larger than the hidden size makes the loss's backward the
@@ -55,10 +79,23 @@ fn bert_estimate_within_8_percent() {
 #[test]
 fn large_vocabulary_head_estimate_within_8_percent() {
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let spec = ModelSpec::from_config("gpt2-wide-vocab", ModelConfig { vocab: 16384, ..ModelConfig::gpt2(2, 32, 2) });
-    let plan = Plan { checkpoint: Checkpointing::Every(1), ..Plan::baseline(4, 128) };
+    let spec = ModelSpec::from_config(
+        "gpt2-wide-vocab",
+        ModelConfig {
+            vocab: 16384,
+            ..ModelConfig::gpt2(2, 32, 2)
+        },
+    );
+    let plan = Plan {
+        checkpoint: Checkpointing::Every(1),
+        ..Plan::baseline(4, 128)
+    };
     let estimated = MemoryModel.estimate(&spec, &plan, &Target::Cpu).peak as f64;
     let measured = measure_plan(&spec, &plan, Target::Cpu).unwrap().peak_bytes as f64;
     let error = estimated / measured - 1.0;
-    assert!(error.abs() <= 0.08, "estimated {estimated}, measured {measured} ({:+.1}%)", 100.0 * error);
+    assert!(
+        error.abs() <= 0.08,
+        "estimated {estimated}, measured {measured} ({:+.1}%)",
+        100.0 * error
+    );
 }

@@ -30,8 +30,14 @@ fn default_model_fits_in_8gib_and_says_which_model() {
 
 #[test]
 fn plan_subcommand_is_the_default() {
-    let a = oomfix().args(["--budget", "8GiB", "--json"]).output().unwrap();
-    let b = oomfix().args(["plan", "--budget", "8GiB", "--json"]).output().unwrap();
+    let a = oomfix()
+        .args(["--budget", "8GiB", "--json"])
+        .output()
+        .unwrap();
+    let b = oomfix()
+        .args(["plan", "--budget", "8GiB", "--json"])
+        .output()
+        .unwrap();
     assert_eq!(a.stdout, b.stdout);
 }
 
@@ -41,18 +47,44 @@ fn json_has_the_documented_fields() {
     assert_eq!(code, 0);
     assert_eq!(v["fits"], true);
     assert_eq!(v["budget_bytes"], 8u64 << 30);
-    for key in ["path", "family", "parameters", "layers", "hidden", "heads", "vocab", "dtype"] {
+    for key in [
+        "path",
+        "family",
+        "parameters",
+        "layers",
+        "hidden",
+        "heads",
+        "vocab",
+        "dtype",
+    ] {
         assert!(!v["model"][key].is_null(), "model.{key}");
     }
     assert_eq!(v["model"]["parameters"], 124_439_808u64);
     assert_eq!(v["model"]["family"], "gpt2");
-    for key in ["micro_batch", "grad_accum", "seq_len", "precision", "checkpoint", "optimizer", "world_size", "shard_stage"] {
+    for key in [
+        "micro_batch",
+        "grad_accum",
+        "seq_len",
+        "precision",
+        "checkpoint",
+        "optimizer",
+        "world_size",
+        "shard_stage",
+    ] {
         assert!(!v["plan"][key].is_null(), "plan.{key}");
     }
     let plan = &v["plan"];
-    assert_eq!(plan["micro_batch"].as_u64().unwrap() * plan["grad_accum"].as_u64().unwrap(), 8);
+    assert_eq!(
+        plan["micro_batch"].as_u64().unwrap() * plan["grad_accum"].as_u64().unwrap(),
+        8
+    );
     assert!(v["estimate"]["peak_bytes"].as_u64().unwrap() <= 8u64 << 30);
-    for key in ["weights_bytes", "gradients_bytes", "optimizer_state_bytes", "activations_bytes"] {
+    for key in [
+        "weights_bytes",
+        "gradients_bytes",
+        "optimizer_state_bytes",
+        "activations_bytes",
+    ] {
         assert!(v["estimate"][key].is_u64(), "estimate.{key}");
     }
     let attempts = v["attempts"].as_array().unwrap();
@@ -94,36 +126,71 @@ fn sharding_over_gpus_makes_a_small_budget_fit() {
 #[test]
 fn strategies_choose_subset_and_order() {
     let (_, v) = json_of(&["--budget", "8GiB", "--strategies", "checkpoint,precision"]);
-    let names: Vec<&str> = v["attempts"].as_array().unwrap().iter().map(|a| a["strategy"].as_str().unwrap()).collect();
+    let names: Vec<&str> = v["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["strategy"].as_str().unwrap())
+        .collect();
     assert_eq!(names[0], "baseline");
     assert_eq!(names[1], "checkpoint");
     assert!(!names.contains(&"accumulate"));
-    oomfix().args(["--budget", "8GiB", "--strategies", "teleport"]).assert().code(2)
+    oomfix()
+        .args(["--budget", "8GiB", "--strategies", "teleport"])
+        .assert()
+        .code(2)
         .stderr(predicate::str::contains("unknown strategy `teleport`"));
 }
 
 #[test]
 fn usage_errors_exit_2() {
-    oomfix().assert().code(2).stderr(predicate::str::contains("budget is required"));
-    oomfix().args(["--budget", "8 parsecs"]).assert().code(2).stderr(predicate::str::contains("unknown unit"));
-    oomfix().args(["--budget", "8GiB", "--device", "tpu"]).assert().code(2);
-    oomfix().args(["--budget", "8GiB", "--global-batch", "0"]).assert().code(2);
-    oomfix().args(["--budget", "8GiB", "--seq-len", "4096"]).assert().code(2)
+    oomfix()
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("budget is required"));
+    oomfix()
+        .args(["--budget", "8 parsecs"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("unknown unit"));
+    oomfix()
+        .args(["--budget", "8GiB", "--device", "tpu"])
+        .assert()
+        .code(2);
+    oomfix()
+        .args(["--budget", "8GiB", "--global-batch", "0"])
+        .assert()
+        .code(2);
+    oomfix()
+        .args(["--budget", "8GiB", "--seq-len", "4096"])
+        .assert()
+        .code(2)
         .stderr(predicate::str::contains("learned positions"));
-    oomfix().args(["--budget", "8GiB", "/nonexistent/model.safetensors"]).assert().code(2)
+    oomfix()
+        .args(["--budget", "8GiB", "/nonexistent/model.safetensors"])
+        .assert()
+        .code(2)
         .stderr(predicate::str::contains("/nonexistent/model.safetensors"));
 }
 
 #[test]
 fn enforce_budget_on_the_cpu_is_a_usage_error() {
-    oomfix().args(["--budget", "8GiB", "--device", "cpu", "--enforce-budget"]).assert().code(2)
+    oomfix()
+        .args(["--budget", "8GiB", "--device", "cpu", "--enforce-budget"])
+        .assert()
+        .code(2)
         .stdout(predicate::str::is_empty())
-        .stderr(predicate::str::contains("--enforce-budget limits a CUDA device"));
+        .stderr(predicate::str::contains(
+            "--enforce-budget limits a CUDA device",
+        ));
 }
 
 #[test]
 fn json_logs_are_one_object_per_line_with_attempt_fields() {
-    let out = oomfix().args(["--budget", "8GiB", "--log-format", "json"]).output().unwrap();
+    let out = oomfix()
+        .args(["--budget", "8GiB", "--log-format", "json"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(0));
     let stderr = String::from_utf8(out.stderr).unwrap();
     let attempts: Vec<Value> = stderr
@@ -135,8 +202,18 @@ fn json_logs_are_one_object_per_line_with_attempt_fields() {
     assert!(attempts.len() >= 2, "{stderr}");
     let span = &attempts[0]["span"];
     assert_eq!(span["strategy"], "baseline");
-    for key in ["micro_batch", "grad_accum", "precision", "checkpoint", "optimizer", "world_size",
-                "estimated_bytes", "budget_bytes", "activations_bytes", "optimizer_state_bytes"] {
+    for key in [
+        "micro_batch",
+        "grad_accum",
+        "precision",
+        "checkpoint",
+        "optimizer",
+        "world_size",
+        "estimated_bytes",
+        "budget_bytes",
+        "activations_bytes",
+        "optimizer_state_bytes",
+    ] {
         assert!(!span[key].is_null(), "span.{key} in {span}");
     }
     assert!(attempts.iter().any(|a| a["fields"]["fits"] == true));
@@ -155,8 +232,16 @@ fn rust_log_is_respected_and_log_file_gets_the_logs() {
     assert!(out.status.success());
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("baseline"), "{text}");
-    let quiet = oomfix().args(["--budget", "8GiB", "-v"]).env("RUST_LOG", "error").output().unwrap();
+    let quiet = oomfix()
+        .args(["--budget", "8GiB", "-v"])
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
     assert!(!String::from_utf8_lossy(&quiet.stderr).contains("baseline"));
-    let loud = oomfix().args(["--budget", "8GiB"]).env("RUST_LOG", "info").output().unwrap();
+    let loud = oomfix()
+        .args(["--budget", "8GiB"])
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
     assert!(String::from_utf8_lossy(&loud.stderr).contains("baseline"));
 }

@@ -76,7 +76,11 @@ fn gpt2_with_transformer_prefix_and_stored_lm_head() {
     write_safetensors(&path, &tensors);
     let spec = ok(&path);
     assert_eq!(spec.config.family, Family::Gpt2);
-    assert_eq!(spec.parameters(), 124_439_808, "lm_head tied to wte counts once");
+    assert_eq!(
+        spec.parameters(),
+        124_439_808,
+        "lm_head tied to wte counts once"
+    );
     assert!(spec.config.tied_embeddings);
     assert_eq!(spec.config.layers, 12);
 }
@@ -85,7 +89,10 @@ fn gpt2_with_transformer_prefix_and_stored_lm_head() {
 fn gpt2_heads_from_config_json() {
     let dir = TempDir::new().unwrap();
     let c = ModelConfig::gpt2(2, 128, 8);
-    write_safetensors(&dir.path().join("model.safetensors"), &gpt2_hub_tensors(&c, ""));
+    write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &gpt2_hub_tensors(&c, ""),
+    );
     write_json(
         &dir.path().join("config.json"),
         &json!({"n_head": 8, "n_positions": 1024, "n_inner": null}),
@@ -114,11 +121,16 @@ fn llama2_7b() {
     assert_eq!(spec.config.family, Family::Llama);
     assert_eq!((spec.config.layers, spec.config.hidden), (32, 4096));
     assert_eq!((spec.config.heads, spec.config.kv_heads), (32, 32));
-    assert_eq!((spec.config.intermediate, spec.config.vocab), (11008, 32000));
+    assert_eq!(
+        (spec.config.intermediate, spec.config.vocab),
+        (11008, 32000)
+    );
     assert!(!spec.config.tied_embeddings);
     assert_eq!(spec.dtype, "F16");
     assert!(
-        spec.assumptions.iter().any(|a| a.contains("head size 128 assumed")),
+        spec.assumptions
+            .iter()
+            .any(|a| a.contains("head size 128 assumed")),
         "{:?}",
         spec.assumptions
     );
@@ -154,7 +166,9 @@ fn tinyllama_without_config_records_the_guess() {
     // Head size 128 is the guess for hidden 2048: 16 heads, 256 / 128 = 2 KV heads.
     assert_eq!((spec.config.heads, spec.config.kv_heads), (16, 2));
     assert!(
-        spec.assumptions.iter().any(|a| a.contains("no config.json")),
+        spec.assumptions
+            .iter()
+            .any(|a| a.contains("no config.json")),
         "{:?}",
         spec.assumptions
     );
@@ -179,10 +193,18 @@ fn bert_with_prefix_old_layer_norm_names_and_mlm_head() {
     assert!(tensors.iter().any(|t| t.0.ends_with("LayerNorm.gamma")));
     let h = c.hidden;
     tensors.extend([
-        ("bert.embeddings.position_ids".to_string(), "I64", vec![1, 512]),
+        (
+            "bert.embeddings.position_ids".to_string(),
+            "I64",
+            vec![1, 512],
+        ),
         ("bert.pooler.dense.weight".into(), "F32", vec![h, h]),
         ("bert.pooler.dense.bias".into(), "F32", vec![h]),
-        ("cls.predictions.decoder.weight".into(), "F32", vec![c.vocab, h]),
+        (
+            "cls.predictions.decoder.weight".into(),
+            "F32",
+            vec![c.vocab, h],
+        ),
         ("cls.predictions.decoder.bias".into(), "F32", vec![c.vocab]),
     ]);
     write_safetensors(&path, &tensors);
@@ -210,7 +232,11 @@ fn bert_without_prefix() {
     let spec = ok(&path);
     assert_eq!(spec.config.family, Family::Bert);
     assert_eq!(
-        (spec.config.layers, spec.config.hidden, spec.config.intermediate),
+        (
+            spec.config.layers,
+            spec.config.hidden,
+            spec.config.intermediate
+        ),
         (2, 128, 512)
     );
     assert_eq!(
@@ -230,7 +256,10 @@ fn qwen2_like_biases_and_tied_head() {
         max_positions: 32768,
         ..ModelConfig::llama(2, 256, 4, 2, 704, 1000, true)
     };
-    write_safetensors(&dir.path().join("model.safetensors"), &with_dtype(c.tensors(), "BF16"));
+    write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &with_dtype(c.tensors(), "BF16"),
+    );
     write_json(
         &dir.path().join("config.json"),
         &json!({"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32768,
@@ -251,21 +280,30 @@ fn generic_unknown_model() {
     let path = dir.path().join("model.safetensors");
     let mut tensors = vec![("stem.weight".to_string(), "F32", vec![64, 3])];
     for l in 0..5 {
-        tensors.push((format!("encoder.blocks.{l}.mix.weight"), "F32", vec![64, 64]));
+        tensors.push((
+            format!("encoder.blocks.{l}.mix.weight"),
+            "F32",
+            vec![64, 64],
+        ));
         tensors.push((format!("encoder.blocks.{l}.step"), "I64", vec![]));
     }
     write_safetensors(&path, &tensors);
     let spec = ok(&path);
     assert_eq!(spec.config.family, Family::Generic);
     assert_eq!(spec.config.layers, 5);
-    assert_eq!((spec.config.hidden, spec.config.heads, spec.config.vocab), (0, 0, 0));
+    assert_eq!(
+        (spec.config.hidden, spec.config.heads, spec.config.vocab),
+        (0, 0, 0)
+    );
     assert_eq!(
         spec.parameters(),
         64 * 3 + 5 * 64 * 64,
         "integer tensors are not trainable"
     );
     assert!(
-        spec.assumptions.iter().any(|a| a.contains("estimates are generic")),
+        spec.assumptions
+            .iter()
+            .any(|a| a.contains("estimates are generic")),
         "{:?}",
         spec.assumptions
     );
@@ -278,7 +316,10 @@ fn write_sharded(dir: &Path) -> ModelConfig {
     let c = ModelConfig::llama(4, 256, 4, 4, 512, 1000, false);
     let tensors = with_dtype(c.tensors(), "F16");
     let (first, second) = tensors.split_at(tensors.len() / 2);
-    let shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+    let shards = [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ];
     write_safetensors(&dir.join(shards[0]), first);
     write_safetensors(&dir.join(shards[1]), second);
     let map: Vec<(&str, &str)> = first
@@ -322,7 +363,10 @@ fn directory_without_index_reads_every_file() {
     std::fs::write(dir.path().join("README.md"), "not weights").unwrap();
     let spec = ok(dir.path());
     assert_eq!(spec.parameters(), c.parameter_count());
-    assert_eq!(spec.tensors[0].name, "wte.weight", "files are read in name order");
+    assert_eq!(
+        spec.tensors[0].name, "wte.weight",
+        "files are read in name order"
+    );
 }
 
 #[test]
@@ -372,7 +416,10 @@ fn shard_that_is_a_directory() {
     let err = inspect(&index).unwrap_err();
     assert!(err.is_input());
     let shard = dir.path().join("shard.safetensors");
-    assert_mentions(&err.to_string(), &format!("{}: cannot read", shard.display()));
+    assert_mentions(
+        &err.to_string(),
+        &format!("{}: cannot read", shard.display()),
+    );
 }
 
 #[test]
@@ -429,7 +476,10 @@ fn header_not_utf8() {
 
 #[test]
 fn header_not_json() {
-    assert_mentions(&header_error("{\"a\": {\"dtype\": ", 0), "header is not valid JSON");
+    assert_mentions(
+        &header_error("{\"a\": {\"dtype\": ", 0),
+        "header is not valid JSON",
+    );
 }
 
 #[test]
@@ -451,9 +501,18 @@ fn tensor_entry_not_an_object() {
 #[test]
 fn tensor_entry_missing_fields() {
     let cases = [
-        (r#"{"w":{"shape":[1],"data_offsets":[0,4]}}"#, "missing \"dtype\""),
-        (r#"{"w":{"dtype":"F32","data_offsets":[0,4]}}"#, "missing \"shape\""),
-        (r#"{"w":{"dtype":"F32","shape":[1]}}"#, "missing \"data_offsets\""),
+        (
+            r#"{"w":{"shape":[1],"data_offsets":[0,4]}}"#,
+            "missing \"dtype\"",
+        ),
+        (
+            r#"{"w":{"dtype":"F32","data_offsets":[0,4]}}"#,
+            "missing \"shape\"",
+        ),
+        (
+            r#"{"w":{"dtype":"F32","shape":[1]}}"#,
+            "missing \"data_offsets\"",
+        ),
     ];
     for (header, want) in cases {
         assert_mentions(&header_error(header, 4), want);
@@ -462,7 +521,10 @@ fn tensor_entry_missing_fields() {
 
 #[test]
 fn unknown_dtype() {
-    let msg = header_error(r#"{"w":{"dtype":"F17","shape":[1],"data_offsets":[0,4]}}"#, 4);
+    let msg = header_error(
+        r#"{"w":{"dtype":"F17","shape":[1],"data_offsets":[0,4]}}"#,
+        4,
+    );
     assert_mentions(&msg, r#"tensor "w": unknown dtype "F17""#);
 }
 
@@ -518,7 +580,10 @@ fn malformed_data_offsets() {
 
 #[test]
 fn shape_and_byte_range_disagree() {
-    let msg = header_error(r#"{"w":{"dtype":"BF16","shape":[3,2],"data_offsets":[0,24]}}"#, 24);
+    let msg = header_error(
+        r#"{"w":{"dtype":"BF16","shape":[3,2],"data_offsets":[0,24]}}"#,
+        24,
+    );
     assert_mentions(
         &msg,
         "shape [3, 2] of BF16 needs 12 bytes but data_offsets [0, 24] span 24",
@@ -527,7 +592,10 @@ fn shape_and_byte_range_disagree() {
 
 #[test]
 fn offsets_past_the_data_region() {
-    let msg = header_error(r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#, 10);
+    let msg = header_error(
+        r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+        10,
+    );
     assert_mentions(
         &msg,
         "data_offsets [0, 16] reach past the end of the data region (10 bytes",
@@ -591,7 +659,10 @@ fn no_trainable_tensors() {
 fn directory_without_weights() {
     let dir = TempDir::new().unwrap();
     std::fs::write(dir.path().join("pytorch_model.bin"), b"pickle").unwrap();
-    assert_mentions(&input_error(dir.path()), "directory holds no .safetensors weights");
+    assert_mentions(
+        &input_error(dir.path()),
+        "directory holds no .safetensors weights",
+    );
 }
 
 #[test]
@@ -626,7 +697,10 @@ fn index_without_a_weight_map_object() {
     write_json(&index, &json!({"metadata": {}}));
     assert_mentions(&input_error(&index), "no \"weight_map\" object");
     write_json(&index, &json!({"weight_map": ["a", "b"]}));
-    assert_mentions(&input_error(&index), "\"weight_map\" is an array, not an object");
+    assert_mentions(
+        &input_error(&index),
+        "\"weight_map\" is an array, not an object",
+    );
     write_json(&index, &json!({"weight_map": {"a": 1}}));
     assert_mentions(
         &input_error(&index),
@@ -648,7 +722,10 @@ fn tensor_in_two_files_of_a_directory() {
 fn malformed_config_json_is_named() {
     let dir = TempDir::new().unwrap();
     let weights = dir.path().join("model.safetensors");
-    write_safetensors(&weights, &gpt2_hub_tensors(&ModelConfig::gpt2(1, 64, 1), ""));
+    write_safetensors(
+        &weights,
+        &gpt2_hub_tensors(&ModelConfig::gpt2(1, 64, 1), ""),
+    );
     let config = dir.path().join("config.json");
     std::fs::write(&config, "{\"n_head\": 4,").unwrap();
     let err = inspect(&weights).unwrap_err();

@@ -56,7 +56,10 @@ enum Mutation {
 fn mutation() -> impl Strategy<Value = Mutation> {
     prop_oneof![
         (any::<usize>(), 1..=255u8).prop_map(|(i, m)| Mutation::Flip(i, m)),
-        (any::<usize>(), prop::sample::select(b"{}[]\",:-.0123456789e ".to_vec()))
+        (
+            any::<usize>(),
+            prop::sample::select(b"{}[]\",:-.0123456789e ".to_vec())
+        )
             .prop_map(|(i, c)| Mutation::Poke(i, c)),
         any::<usize>().prop_map(Mutation::Truncate),
         prop_oneof![any::<u64>(), 0..4096u64].prop_map(Mutation::LengthField),
@@ -117,16 +120,27 @@ fn hidden_size_of_an_empty_embedding_too_large_for_4x_is_an_input_error() {
     let huge = vec![0, 1usize << 62];
     let layer = [
         ("wte.weight", "h.0.attn.c_attn.weight"),
-        ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"),
-        ("bert.embeddings.word_embeddings.weight", "bert.encoder.layer.0.attention.self.query.weight"),
+        (
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+        ),
+        (
+            "bert.embeddings.word_embeddings.weight",
+            "bert.encoder.layer.0.attention.self.query.weight",
+        ),
     ];
     for (embedding, block) in layer {
         let dir = TempDir::new().unwrap();
         let path = dir.path().join("m.safetensors");
-        let (header, data_len) = header_json(&[(embedding, "F16", huge.clone()), (block, "F16", vec![1])]);
+        let (header, data_len) =
+            header_json(&[(embedding, "F16", huge.clone()), (block, "F16", vec![1])]);
         write_header(&path, &header, data_len);
         let err = inspect(&path).unwrap_err();
         assert!(err.is_input(), "{err}");
-        assert!(err.to_string().contains("hidden size 4611686018427387904 is too large"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("hidden size 4611686018427387904 is too large"),
+            "{err}"
+        );
     }
 }

@@ -15,11 +15,18 @@ use oomfix::{ModelConfig, ModelSpec, Plan, Target};
 static ALLOC: CountingAlloc = CountingAlloc;
 
 fn gpt2() -> ModelConfig {
-    ModelConfig { vocab: 256, max_positions: 64, ..ModelConfig::gpt2(2, 32, 2) }
+    ModelConfig {
+        vocab: 256,
+        max_positions: 64,
+        ..ModelConfig::gpt2(2, 32, 2)
+    }
 }
 
 fn plan(micro_batch: usize, grad_accum: usize) -> Plan {
-    Plan { grad_accum, ..Plan::baseline(micro_batch, 16) }
+    Plan {
+        grad_accum,
+        ..Plan::baseline(micro_batch, 16)
+    }
 }
 
 fn record(config: ModelConfig, plan: Plan) -> (u64, Timeline) {
@@ -31,12 +38,21 @@ fn record(config: ModelConfig, plan: Plan) -> (u64, Timeline) {
 
 /// Parameter count of `config`.
 fn params(config: &ModelConfig) -> u64 {
-    config.tensors().iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
+    config
+        .tensors()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as u64)
+        .sum()
 }
 
 /// The highest total of live bytes, replaying the changes without components.
 fn replayed_peak(t: &Timeline) -> u64 {
-    let mut live: u64 = t.blocks.iter().filter(|b| b.alloc_ns.is_none()).map(|b| b.size).sum();
+    let mut live: u64 = t
+        .blocks
+        .iter()
+        .filter(|b| b.alloc_ns.is_none())
+        .map(|b| b.size)
+        .sum();
     let mut peak = live;
     for c in &t.changes {
         let size = t.blocks[c.block].size;
@@ -52,7 +68,11 @@ fn gpt2_components_add_up_and_match_the_training_state() {
     let (measured, t) = record(config, plan(2, 1));
     let (_, at_peak) = t.peak();
     let total: u64 = at_peak.iter().sum();
-    assert_eq!(total, replayed_peak(&t), "per-component bytes at the peak sum to the live total");
+    assert_eq!(
+        total,
+        replayed_peak(&t),
+        "per-component bytes at the peak sum to the live total"
+    );
     // The tracked total is the allocator's measurement, give or take a few blocks.
     let diff = total.abs_diff(measured) as f64 / measured as f64;
     assert!(diff < 0.02, "tracked peak {total} vs measured {measured}");
@@ -67,22 +87,49 @@ fn gpt2_components_add_up_and_match_the_training_state() {
     .map(|c| at_peak[c as usize]);
     // fp32: 4 bytes per parameter, AdamW's two fp32 moments 8 (plus a little bookkeeping).
     let near = |x: u64, want: u64| x >= want && (x as f64) < want as f64 * 1.05 + 65536.0;
-    assert!(near(start[Component::Weights as usize], 4 * p), "weights {start:?} vs 4P = {}", 4 * p);
-    assert!(near(start[Component::OptimizerState as usize], 8 * p), "optimizer {start:?} vs 8P = {}", 8 * p);
-    assert_eq!(start[Component::Gradients as usize], 0, "no gradient outlives a step");
+    assert!(
+        near(start[Component::Weights as usize], 4 * p),
+        "weights {start:?} vs 4P = {}",
+        4 * p
+    );
+    assert!(
+        near(start[Component::OptimizerState as usize], 8 * p),
+        "optimizer {start:?} vs 8P = {}",
+        8 * p
+    );
+    assert_eq!(
+        start[Component::Gradients as usize],
+        0,
+        "no gradient outlives a step"
+    );
     assert_eq!(start[Component::Activations as usize], 0);
-    assert_eq!((weights, optim), (start[0], start[2]), "state does not move during the step");
-    assert!(grads > 0 && grads <= 2 * 4 * p, "gradients at the peak: {grads}");
+    assert_eq!(
+        (weights, optim),
+        (start[0], start[2]),
+        "state does not move during the step"
+    );
+    assert!(
+        grads > 0 && grads <= 2 * 4 * p,
+        "gradients at the peak: {grads}"
+    );
     assert!(acts > 0 && temps > 0, "{at_peak:?}");
     // Every component appears among the step's blocks.
     for c in Component::ALL {
         assert!(t.blocks.iter().any(|b| b.component == c), "{c:?} missing");
     }
     // Activations are forward blocks; gradients are parameter-shaped.
-    let activations = || t.blocks.iter().filter(|b| b.component == Component::Activations);
-    assert!(activations().all(|b| b.phase == Phase::Forward && b.alloc_ns.is_some() && b.free_ns.is_some()));
+    let activations = || {
+        t.blocks
+            .iter()
+            .filter(|b| b.component == Component::Activations)
+    };
+    assert!(activations()
+        .all(|b| b.phase == Phase::Forward && b.alloc_ns.is_some() && b.free_ns.is_some()));
     let c_attn = 32 * 96 * 4;
-    assert!(t.blocks.iter().any(|b| b.component == Component::Gradients && b.size == c_attn));
+    assert!(t
+        .blocks
+        .iter()
+        .any(|b| b.component == Component::Gradients && b.size == c_attn));
     // Module paths and ops, and parameter names.
     let names: Vec<String> = t.blocks.iter().map(|b| b.tag.name()).collect();
     for want in [
@@ -98,10 +145,22 @@ fn gpt2_components_add_up_and_match_the_training_state() {
     ] {
         assert!(names.iter().any(|n| n == want), "no block tagged {want}");
     }
-    assert!(t.blocks.iter().any(|b| b.name.as_deref() == Some("h.0.attn.c_attn.weight") && b.size == c_attn));
+    assert!(t
+        .blocks
+        .iter()
+        .any(|b| b.name.as_deref() == Some("h.0.attn.c_attn.weight") && b.size == c_attn));
     // Phases in order.
     let phases: Vec<Phase> = t.phases.iter().map(|p| p.1).collect();
-    assert_eq!(phases, [Phase::Setup, Phase::Forward, Phase::Backward, Phase::OptimizerStep, Phase::Setup]);
+    assert_eq!(
+        phases,
+        [
+            Phase::Setup,
+            Phase::Forward,
+            Phase::Backward,
+            Phase::OptimizerStep,
+            Phase::Setup
+        ]
+    );
 }
 
 fn llama_mixed_precision_checkpointing_and_fused_adamw() {
@@ -117,20 +176,33 @@ fn llama_mixed_precision_checkpointing_and_fused_adamw() {
     let start = t.initial_bytes();
     // bf16 weights 2P + fp32 masters 4P; fused AdamW's fp32 moments 8P.
     let near = |x: u64, want: u64| x >= want && (x as f64) < want as f64 * 1.05 + 65536.0;
-    assert!(near(start[Component::Weights as usize], 6 * p), "{start:?} vs 6P = {}", 6 * p);
-    assert!(near(start[Component::OptimizerState as usize], 8 * p), "{start:?} vs 8P = {}", 8 * p);
-    assert!(t.blocks.iter().any(|b| b.name.as_deref() == Some("master.model.layers.0.self_attn.q_proj.weight")));
-    let names: Vec<String> = t.blocks.iter().map(|b| b.tag.name()).collect();
-    for want in
-        ["model.layers.0.self_attn.rope", "model.layers.1.mlp.silu", "model.norm.rms_norm", "optimizer.weight_sync"]
-    {
-        assert!(names.iter().any(|n| n == want), "no block tagged {want}");
-    }
-    // Checkpointed blocks are recomputed during backward, under their own module.
+    assert!(
+        near(start[Component::Weights as usize], 6 * p),
+        "{start:?} vs 6P = {}",
+        6 * p
+    );
+    assert!(
+        near(start[Component::OptimizerState as usize], 8 * p),
+        "{start:?} vs 8P = {}",
+        8 * p
+    );
     assert!(t
         .blocks
         .iter()
-        .any(|b| b.phase == Phase::Backward && b.tag.name().starts_with("model.layers.0.self_attn")));
+        .any(|b| b.name.as_deref() == Some("master.model.layers.0.self_attn.q_proj.weight")));
+    let names: Vec<String> = t.blocks.iter().map(|b| b.tag.name()).collect();
+    for want in [
+        "model.layers.0.self_attn.rope",
+        "model.layers.1.mlp.silu",
+        "model.norm.rms_norm",
+        "optimizer.weight_sync",
+    ] {
+        assert!(names.iter().any(|n| n == want), "no block tagged {want}");
+    }
+    // Checkpointed blocks are recomputed during backward, under their own module.
+    assert!(t.blocks.iter().any(
+        |b| b.phase == Phase::Backward && b.tag.name().starts_with("model.layers.0.self_attn")
+    ));
     let phases: Vec<Phase> = t.phases.iter().map(|p| p.1).collect();
     assert_eq!(
         phases,
@@ -149,7 +221,13 @@ fn llama_mixed_precision_checkpointing_and_fused_adamw() {
 }
 
 fn bert_blocks_carry_encoder_paths() {
-    let (_, t) = record(ModelConfig { max_positions: 64, ..ModelConfig::bert(1, 32, 2, 256) }, plan(2, 1));
+    let (_, t) = record(
+        ModelConfig {
+            max_positions: 64,
+            ..ModelConfig::bert(1, 32, 2, 256)
+        },
+        plan(2, 1),
+    );
     let names: Vec<String> = t.blocks.iter().map(|b| b.tag.name()).collect();
     for want in [
         "bert.encoder.layer.0.attention.matmul",

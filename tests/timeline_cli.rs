@@ -9,7 +9,11 @@ use oomfix::ModelConfig;
 use std::path::Path;
 
 fn gpt2() -> ModelConfig {
-    ModelConfig { vocab: 256, max_positions: 64, ..ModelConfig::gpt2(2, 32, 2) }
+    ModelConfig {
+        vocab: 256,
+        max_positions: 64,
+        ..ModelConfig::gpt2(2, 32, 2)
+    }
 }
 
 fn tiny_model(dir: &Path) -> std::path::PathBuf {
@@ -21,7 +25,16 @@ fn tiny_model(dir: &Path) -> std::path::PathBuf {
 fn oomfix(model: &Path, extra: &[&std::ffi::OsStr]) -> std::process::Output {
     Command::cargo_bin("oomfix")
         .unwrap()
-        .args(["--budget", "256MiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2"])
+        .args([
+            "--budget",
+            "256MiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+        ])
         .args(extra)
         .arg(model)
         .output()
@@ -71,14 +84,46 @@ print(best[0])
 fn cli_snapshot_loads_with_python_pickle_and_plots_are_svg_and_png() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let (snap, svg, png) = (dir.path().join("step.pickle"), dir.path().join("step.svg"), dir.path().join("step.png"));
-    let out = oomfix(&model, &["--snapshot".as_ref(), snap.as_os_str(), "--plot".as_ref(), svg.as_os_str()]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let (snap, svg, png) = (
+        dir.path().join("step.pickle"),
+        dir.path().join("step.svg"),
+        dir.path().join("step.png"),
+    );
+    let out = oomfix(
+        &model,
+        &[
+            "--snapshot".as_ref(),
+            snap.as_os_str(),
+            "--plot".as_ref(),
+            svg.as_os_str(),
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let bytes = std::fs::read(&snap).unwrap();
-    assert!(bytes[0] == 0x80 && bytes[1] <= 4, "pickle protocol {} (memory_viz reads up to 4)", bytes[1]);
-    match std::process::Command::new("python3").arg("-c").arg(CHECK).arg(&snap).output() {
-        Ok(py) => assert!(py.status.success(), "{}", String::from_utf8_lossy(&py.stderr)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => eprintln!("python3 not found: pickle check skipped"),
+    assert!(
+        bytes[0] == 0x80 && bytes[1] <= 4,
+        "pickle protocol {} (memory_viz reads up to 4)",
+        bytes[1]
+    );
+    match std::process::Command::new("python3")
+        .arg("-c")
+        .arg(CHECK)
+        .arg(&snap)
+        .output()
+    {
+        Ok(py) => assert!(
+            py.status.success(),
+            "{}",
+            String::from_utf8_lossy(&py.stderr)
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("python3 not found: pickle check skipped")
+        }
         Err(e) => panic!("running python3: {e}"),
     }
     let text = std::fs::read_to_string(&svg).unwrap();
@@ -96,7 +141,12 @@ fn cli_snapshot_loads_with_python_pickle_and_plots_are_svg_and_png() {
         assert!(text.contains(s), "the SVG has no `{s}`");
     }
     let out = oomfix(&model, &["--plot".as_ref(), png.as_os_str()]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let image = std::fs::read(&png).unwrap();
     assert_eq!(&image[..8], b"\x89PNG\r\n\x1a\n");
     assert_eq!(&image[12..16], b"IHDR");
@@ -111,6 +161,9 @@ fn cli_plot_with_another_extension_is_a_usage_error() {
     let out = oomfix(&model, &["--plot".as_ref(), jpg.as_os_str()]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("step.jpg") && stderr.contains(".svg or .png"), "{stderr}");
+    assert!(
+        stderr.contains("step.jpg") && stderr.contains(".svg or .png"),
+        "{stderr}"
+    );
     assert!(!jpg.exists());
 }

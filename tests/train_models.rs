@@ -29,8 +29,17 @@ fn tiny(family: Family) -> ModelConfig {
 
 /// GPT-2, Llama (tied, no bias), Llama (untied, qkv bias), BERT.
 fn configs() -> Vec<ModelConfig> {
-    let untied = ModelConfig { tied_embeddings: false, qkv_bias: true, ..tiny(Family::Llama) };
-    vec![tiny(Family::Gpt2), tiny(Family::Llama), untied, tiny(Family::Bert)]
+    let untied = ModelConfig {
+        tied_embeddings: false,
+        qkv_bias: true,
+        ..tiny(Family::Llama)
+    };
+    vec![
+        tiny(Family::Gpt2),
+        tiny(Family::Llama),
+        untied,
+        tiny(Family::Bert),
+    ]
 }
 
 fn model(config: &ModelConfig, dtype: DType) -> Box<dyn TrainableModel> {
@@ -42,11 +51,18 @@ fn batch(config: &ModelConfig) -> Batch {
 }
 
 fn step(model: &dyn TrainableModel, batch: &Batch, policy: Checkpointing) -> StepOutput {
-    model.forward_backward(batch, policy, Attention::Composed, 1.0).unwrap()
+    model
+        .forward_backward(batch, policy, Attention::Composed, 1.0)
+        .unwrap()
 }
 
 fn values(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1().unwrap()
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 fn max_abs(t: &Tensor) -> f32 {
@@ -54,11 +70,17 @@ fn max_abs(t: &Tensor) -> f32 {
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    values(a).iter().zip(values(b)).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    values(a)
+        .iter()
+        .zip(values(b))
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 fn label(config: &ModelConfig) -> String {
-    format!("{} (tied {}, qkv bias {})", config.family, config.tied_embeddings, config.qkv_bias)
+    format!(
+        "{} (tied {}, qkv bias {})",
+        config.family, config.tied_embeddings, config.qkv_bias
+    )
 }
 
 /// BERT's key bias adds the same amount to every score of a query's row, which the
@@ -73,18 +95,31 @@ fn every_parameter_receives_a_finite_nonzero_gradient() {
         let model = model(&config, DType::F32);
         let names: Vec<&str> = model.vars().iter().map(|(n, _)| n.as_str()).collect();
         let expected: Vec<String> = config.tensors().into_iter().map(|(n, _)| n).collect();
-        assert_eq!(names, expected, "{}: vars follow ModelConfig::tensors", label(&config));
+        assert_eq!(
+            names,
+            expected,
+            "{}: vars follow ModelConfig::tensors",
+            label(&config)
+        );
         let out = step(model.as_ref(), &batch(&config), Checkpointing::None);
         assert!(out.loss.is_finite());
         let largest = out.grads.iter().map(max_abs).fold(0f32, f32::max);
         for ((name, var), grad) in model.vars().iter().zip(&out.grads) {
             assert_eq!(grad.dims(), var.dims(), "{name}");
-            assert!(values(grad).iter().all(|v| v.is_finite()), "{}: {name} not finite", label(&config));
+            assert!(
+                values(grad).iter().all(|v| v.is_finite()),
+                "{}: {name} not finite",
+                label(&config)
+            );
             let g = max_abs(grad);
             if analytically_zero(name) {
                 assert!(g < 1e-4 * largest, "{name}: {g} should vanish");
             } else {
-                assert!(g > 1e-6 * largest, "{}: {name} gets no gradient ({g})", label(&config));
+                assert!(
+                    g > 1e-6 * largest,
+                    "{}: {name} gets no gradient ({g})",
+                    label(&config)
+                );
             }
         }
     }
@@ -93,8 +128,17 @@ fn every_parameter_receives_a_finite_nonzero_gradient() {
 #[test]
 fn initial_loss_is_about_log_vocab() {
     for config in configs() {
-        let loss = step(model(&config, DType::F32).as_ref(), &batch(&config), Checkpointing::None).loss;
-        assert!((loss - (VOCAB as f32).ln()).abs() < 0.1, "{}: {loss}", label(&config));
+        let loss = step(
+            model(&config, DType::F32).as_ref(),
+            &batch(&config),
+            Checkpointing::None,
+        )
+        .loss;
+        assert!(
+            (loss - (VOCAB as f32).ln()).abs() < 0.1,
+            "{}: {loss}",
+            label(&config)
+        );
     }
 }
 
@@ -109,10 +153,19 @@ fn checkpointed_gradients_equal_plain_gradients() {
         for k in [1, 2, 3] {
             let ckpt = step(model.as_ref(), &batch, Checkpointing::Every(k));
             assert_eq!(ckpt.loss, plain.loss, "{} Every({k})", label(&config));
-            for ((name, _), (c, p)) in model.vars().iter().zip(ckpt.grads.iter().zip(&plain.grads)) {
-                let scale = if analytically_zero(name) { largest } else { max_abs(p) };
+            for ((name, _), (c, p)) in model.vars().iter().zip(ckpt.grads.iter().zip(&plain.grads))
+            {
+                let scale = if analytically_zero(name) {
+                    largest
+                } else {
+                    max_abs(p)
+                };
                 let rel = max_diff(c, p) / scale;
-                assert!(rel < 1e-5, "{} Every({k}): {name} differs by {rel:e}", label(&config));
+                assert!(
+                    rel < 1e-5,
+                    "{} Every({k}): {name} differs by {rel:e}",
+                    label(&config)
+                );
             }
         }
     }
@@ -120,10 +173,15 @@ fn checkpointed_gradients_equal_plain_gradients() {
 
 /// The families' batches, plus a BERT batch whose last three positions are padding.
 fn batches_with_padding() -> Vec<(ModelConfig, Batch)> {
-    let mut cases: Vec<_> = configs().into_iter().map(|c| (c.clone(), batch(&c))).collect();
+    let mut cases: Vec<_> = configs()
+        .into_iter()
+        .map(|c| (c.clone(), batch(&c)))
+        .collect();
     let bert = tiny(Family::Bert);
     let mut padded = batch(&bert);
-    let keep: Vec<u32> = (0..BATCH * SEQ).map(|i| u32::from(i % SEQ < SEQ - 3)).collect();
+    let keep: Vec<u32> = (0..BATCH * SEQ)
+        .map(|i| u32::from(i % SEQ < SEQ - 3))
+        .collect();
     padded.attention_mask = Some(Tensor::from_vec(keep, (BATCH, SEQ), &Device::Cpu).unwrap());
     cases.push((bert, padded));
     cases
@@ -132,18 +190,44 @@ fn batches_with_padding() -> Vec<(ModelConfig, Batch)> {
 #[test]
 fn flash_attention_gives_the_composed_loss_and_gradients() {
     for (config, batch) in batches_with_padding() {
-        let label = format!("{} (padded {})", label(&config), batch.attention_mask.is_some());
+        let label = format!(
+            "{} (padded {})",
+            label(&config),
+            batch.attention_mask.is_some()
+        );
         let model = model(&config, DType::F32);
         let composed = step(model.as_ref(), &batch, Checkpointing::None);
         let largest = composed.grads.iter().map(max_abs).fold(0f32, f32::max);
-        for policy in [Checkpointing::None, Checkpointing::Every(1), Checkpointing::Every(2)] {
-            let flash = model.forward_backward(&batch, policy, Attention::Flash, 1.0).unwrap();
+        for policy in [
+            Checkpointing::None,
+            Checkpointing::Every(1),
+            Checkpointing::Every(2),
+        ] {
+            let flash = model
+                .forward_backward(&batch, policy, Attention::Flash, 1.0)
+                .unwrap();
             let rel = (flash.loss - composed.loss).abs() / composed.loss;
-            assert!(rel < 1e-4, "{label} {policy}: loss {} vs {}", flash.loss, composed.loss);
-            for ((name, _), (f, c)) in model.vars().iter().zip(flash.grads.iter().zip(&composed.grads)) {
-                let scale = if analytically_zero(name) { largest } else { max_abs(c) };
+            assert!(
+                rel < 1e-4,
+                "{label} {policy}: loss {} vs {}",
+                flash.loss,
+                composed.loss
+            );
+            for ((name, _), (f, c)) in model
+                .vars()
+                .iter()
+                .zip(flash.grads.iter().zip(&composed.grads))
+            {
+                let scale = if analytically_zero(name) {
+                    largest
+                } else {
+                    max_abs(c)
+                };
                 let rel = max_diff(f, c) / scale;
-                assert!(rel < 1e-4, "{label} {policy}: gradient of {name} differs by {rel:e}");
+                assert!(
+                    rel < 1e-4,
+                    "{label} {policy}: gradient of {name} differs by {rel:e}"
+                );
             }
         }
     }
@@ -155,7 +239,9 @@ fn loss_scale_multiplies_the_gradients_only() {
     let model = model(&config, DType::F32);
     let batch = batch(&config);
     let plain = step(model.as_ref(), &batch, Checkpointing::None);
-    let scaled = model.forward_backward(&batch, Checkpointing::Every(1), Attention::Composed, 256.0).unwrap();
+    let scaled = model
+        .forward_backward(&batch, Checkpointing::Every(1), Attention::Composed, 256.0)
+        .unwrap();
     assert_eq!(scaled.loss, plain.loss);
     for (s, p) in scaled.grads.iter().zip(&plain.grads) {
         assert!(max_diff(&(s / 256.0).unwrap(), p) <= 1e-5 * max_abs(p));
@@ -172,11 +258,17 @@ fn gradient_descent_lowers_the_loss() {
         for _ in 0..10 {
             let out = step(model.as_ref(), &batch, Checkpointing::Every(2));
             for ((_, var), grad) in model.vars().iter().zip(&out.grads) {
-                var.set(&(var.as_tensor() - (grad * 0.1).unwrap()).unwrap()).unwrap();
+                var.set(&(var.as_tensor() - (grad * 0.1).unwrap()).unwrap())
+                    .unwrap();
             }
             last = out.loss;
         }
-        assert!(last < first.loss - 0.05, "{}: {} -> {last}", label(&config), first.loss);
+        assert!(
+            last < first.loss - 0.05,
+            "{}: {} -> {last}",
+            label(&config),
+            first.loss
+        );
     }
 }
 
@@ -187,11 +279,17 @@ fn causal_models_do_not_see_the_future() {
         let mut batch = batch(&config);
         // Count all positions but the last; then change only the last input token.
         let mut keep = vec![1f32; BATCH * SEQ];
-        keep.iter_mut().skip(SEQ - 1).step_by(SEQ).for_each(|k| *k = 0.0);
+        keep.iter_mut()
+            .skip(SEQ - 1)
+            .step_by(SEQ)
+            .for_each(|k| *k = 0.0);
         batch.loss_mask = Some(Tensor::from_vec(keep, (BATCH, SEQ), &Device::Cpu).unwrap());
         let before = step(model.as_ref(), &batch, Checkpointing::None).loss;
         let mut ids: Vec<u32> = values(&batch.input_ids).iter().map(|&v| v as u32).collect();
-        ids.iter_mut().skip(SEQ - 1).step_by(SEQ).for_each(|t| *t = (*t + 1) % VOCAB as u32);
+        ids.iter_mut()
+            .skip(SEQ - 1)
+            .step_by(SEQ)
+            .for_each(|t| *t = (*t + 1) % VOCAB as u32);
         batch.input_ids = Tensor::from_vec(ids, (BATCH, SEQ), &Device::Cpu).unwrap();
         let after = step(model.as_ref(), &batch, Checkpointing::None).loss;
         assert_eq!(before, after, "{}", label(&config));
@@ -204,18 +302,36 @@ fn bert_ignores_padded_tokens() {
     let model = model(&config, DType::F32);
     let mut batch = batch(&config);
     // The last three positions of each sequence are padding, kept out of the loss.
-    let keep: Vec<u32> = (0..BATCH * SEQ).map(|i| u32::from(i % SEQ < SEQ - 3)).collect();
-    let loss_mask: Vec<f32> =
-        values(batch.loss_mask.as_ref().unwrap()).iter().zip(&keep).map(|(&m, &k)| m * k as f32).collect();
-    let loss_mask = if loss_mask.contains(&1.0) { loss_mask } else { keep.iter().map(|&k| k as f32).collect() };
+    let keep: Vec<u32> = (0..BATCH * SEQ)
+        .map(|i| u32::from(i % SEQ < SEQ - 3))
+        .collect();
+    let loss_mask: Vec<f32> = values(batch.loss_mask.as_ref().unwrap())
+        .iter()
+        .zip(&keep)
+        .map(|(&m, &k)| m * k as f32)
+        .collect();
+    let loss_mask = if loss_mask.contains(&1.0) {
+        loss_mask
+    } else {
+        keep.iter().map(|&k| k as f32).collect()
+    };
     batch.loss_mask = Some(Tensor::from_vec(loss_mask, (BATCH, SEQ), &Device::Cpu).unwrap());
-    batch.attention_mask = Some(Tensor::from_vec(keep.clone(), (BATCH, SEQ), &Device::Cpu).unwrap());
+    batch.attention_mask =
+        Some(Tensor::from_vec(keep.clone(), (BATCH, SEQ), &Device::Cpu).unwrap());
     let before = step(model.as_ref(), &batch, Checkpointing::Every(1));
-    let ids: Vec<u32> =
-        values(&batch.input_ids).iter().zip(&keep).map(|(&v, &k)| if k == 1 { v as u32 } else { 5 }).collect();
+    let ids: Vec<u32> = values(&batch.input_ids)
+        .iter()
+        .zip(&keep)
+        .map(|(&v, &k)| if k == 1 { v as u32 } else { 5 })
+        .collect();
     batch.input_ids = Tensor::from_vec(ids, (BATCH, SEQ), &Device::Cpu).unwrap();
     let after = step(model.as_ref(), &batch, Checkpointing::Every(1));
-    assert!((before.loss - after.loss).abs() < 1e-6, "{} vs {}", before.loss, after.loss);
+    assert!(
+        (before.loss - after.loss).abs() < 1e-6,
+        "{} vs {}",
+        before.loss,
+        after.loss
+    );
     // Without the padding mask the padded tokens do change the loss.
     batch.attention_mask = None;
     let unmasked = step(model.as_ref(), &batch, Checkpointing::Every(1));
@@ -262,7 +378,10 @@ fn random_init_is_reproducible_from_the_seed() {
     let b = build_model(&config, None, DType::F32, &Device::Cpu, 3).unwrap();
     let c = build_model(&config, None, DType::F32, &Device::Cpu, 4).unwrap();
     assert_same_params(a.as_ref(), b.as_ref());
-    assert_ne!(values(a.vars()[0].1.as_tensor()), values(c.vars()[0].1.as_tensor()));
+    assert_ne!(
+        values(a.vars()[0].1.as_tensor()),
+        values(c.vars()[0].1.as_tensor())
+    );
     let (name, norm) = &a.vars()[2];
     assert_eq!(name, "h.0.ln_1.weight");
     assert!(values(norm.as_tensor()).iter().all(|&v| v == 1.0));
@@ -302,8 +421,17 @@ fn loads_gpt2_with_the_transformer_prefix_and_buffers() {
     let original = model(&config, DType::F32);
     let wte = original.vars()[0].1.as_tensor().clone();
     let buffer = Tensor::ones((1, 1, 16, 16), DType::F32, &Device::Cpu).unwrap();
-    let extra = [("transformer.h.0.attn.bias", buffer), ("lm_head.weight", wte)];
-    let paths = write_renamed(original.as_ref(), &dir, 1, |n| format!("transformer.{n}"), &extra);
+    let extra = [
+        ("transformer.h.0.attn.bias", buffer),
+        ("lm_head.weight", wte),
+    ];
+    let paths = write_renamed(
+        original.as_ref(),
+        &dir,
+        1,
+        |n| format!("transformer.{n}"),
+        &extra,
+    );
     let loaded = build_model(&config, Some(&paths), DType::F32, &Device::Cpu, 0).unwrap();
     assert_same_params(original.as_ref(), loaded.as_ref());
 }
@@ -315,11 +443,19 @@ fn loads_bert_without_prefix_and_with_gamma_beta_names() {
     let original = model(&config, DType::F32);
     let rename = |n: &str| {
         let n = n.strip_prefix("bert.").unwrap_or(n);
-        let n = n.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta");
+        let n = n
+            .replace("LayerNorm.weight", "LayerNorm.gamma")
+            .replace("LayerNorm.bias", "LayerNorm.beta");
         n.to_string()
     };
     let pooler = Tensor::zeros((32, 32), DType::F32, &Device::Cpu).unwrap();
-    let paths = write_renamed(original.as_ref(), &dir, 1, rename, &[("pooler.dense.weight", pooler)]);
+    let paths = write_renamed(
+        original.as_ref(),
+        &dir,
+        1,
+        rename,
+        &[("pooler.dense.weight", pooler)],
+    );
     let loaded = build_model(&config, Some(&paths), DType::F32, &Device::Cpu, 0).unwrap();
     assert_same_params(original.as_ref(), loaded.as_ref());
 }
@@ -327,7 +463,10 @@ fn loads_bert_without_prefix_and_with_gamma_beta_names() {
 #[test]
 fn loads_sharded_llama_into_another_dtype() {
     let dir = tempfile::tempdir().unwrap();
-    let config = ModelConfig { tied_embeddings: false, ..tiny(Family::Llama) };
+    let config = ModelConfig {
+        tied_embeddings: false,
+        ..tiny(Family::Llama)
+    };
     let original = model(&config, DType::F32);
     let paths = write_renamed(original.as_ref(), &dir, 3, str::to_string, &[]);
     let loaded = build_model(&config, Some(&paths), DType::BF16, &Device::Cpu, 0).unwrap();
@@ -343,36 +482,84 @@ fn bad_weight_files_are_input_errors_naming_the_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let config = tiny(Family::Gpt2);
     let original = model(&config, DType::F32);
-    let missing = write_renamed(original.as_ref(), &dir, 1, |n| n.replace("h.1.ln_2.bias", "unrelated"), &[]);
-    let err = build_model(&config, Some(&missing), DType::F32, &Device::Cpu, 0).err().unwrap();
-    assert!(matches!(err, Error::Input { .. }) && err.to_string().contains("h.1.ln_2.bias"), "{err}");
+    let missing = write_renamed(
+        original.as_ref(),
+        &dir,
+        1,
+        |n| n.replace("h.1.ln_2.bias", "unrelated"),
+        &[],
+    );
+    let err = build_model(&config, Some(&missing), DType::F32, &Device::Cpu, 0)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, Error::Input { .. }) && err.to_string().contains("h.1.ln_2.bias"),
+        "{err}"
+    );
 
-    let bigger = ModelConfig { hidden: 64, ..config.clone() };
-    let err = build_model(&bigger, Some(&missing), DType::F32, &Device::Cpu, 0).err().unwrap();
-    assert!(matches!(err, Error::Input { .. }) && err.to_string().contains("shape"), "{err}");
+    let bigger = ModelConfig {
+        hidden: 64,
+        ..config.clone()
+    };
+    let err = build_model(&bigger, Some(&missing), DType::F32, &Device::Cpu, 0)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, Error::Input { .. }) && err.to_string().contains("shape"),
+        "{err}"
+    );
 
     let not_safetensors = temp_file(&dir, "garbage.safetensors");
     std::fs::write(&not_safetensors, b"not a safetensors file").unwrap();
-    let err = build_model(&config, Some(&[not_safetensors]), DType::F32, &Device::Cpu, 0).err().unwrap();
+    let err = build_model(
+        &config,
+        Some(&[not_safetensors]),
+        DType::F32,
+        &Device::Cpu,
+        0,
+    )
+    .err()
+    .unwrap();
     assert!(matches!(err, Error::Input { .. }), "{err}");
 }
 
 #[test]
 fn unusable_requests_are_usage_errors() {
-    let generic = ModelConfig { family: Family::Generic, ..tiny(Family::Gpt2) };
-    assert!(matches!(build_model(&generic, None, DType::F32, &Device::Cpu, 0), Err(Error::Usage(_))));
-    let odd = ModelConfig { heads: 5, ..tiny(Family::Gpt2) };
-    assert!(matches!(build_model(&odd, None, DType::F32, &Device::Cpu, 0), Err(Error::Usage(_))));
-    assert!(matches!(build_model(&tiny(Family::Gpt2), None, DType::U32, &Device::Cpu, 0), Err(Error::Usage(_))));
+    let generic = ModelConfig {
+        family: Family::Generic,
+        ..tiny(Family::Gpt2)
+    };
+    assert!(matches!(
+        build_model(&generic, None, DType::F32, &Device::Cpu, 0),
+        Err(Error::Usage(_))
+    ));
+    let odd = ModelConfig {
+        heads: 5,
+        ..tiny(Family::Gpt2)
+    };
+    assert!(matches!(
+        build_model(&odd, None, DType::F32, &Device::Cpu, 0),
+        Err(Error::Usage(_))
+    ));
+    assert!(matches!(
+        build_model(&tiny(Family::Gpt2), None, DType::U32, &Device::Cpu, 0),
+        Err(Error::Usage(_))
+    ));
 
     let config = tiny(Family::Gpt2);
     let model = model(&config, DType::F32);
     let long = Batch::synthetic(Family::Gpt2, VOCAB, 1, 17, 0, &Device::Cpu).unwrap();
-    let err = model.forward_backward(&long, Checkpointing::None, Attention::Composed, 1.0).err().unwrap();
+    let err = model
+        .forward_backward(&long, Checkpointing::None, Attention::Composed, 1.0)
+        .err()
+        .unwrap();
     assert!(matches!(err, Error::Usage(_)), "{err}");
     let mut mismatched = batch(&config);
     mismatched.targets = mismatched.targets.narrow(1, 0, 4).unwrap();
-    assert!(matches!(model.forward_backward(&mismatched, Checkpointing::None, Attention::Composed, 1.0), Err(Error::Usage(_))));
+    assert!(matches!(
+        model.forward_backward(&mismatched, Checkpointing::None, Attention::Composed, 1.0),
+        Err(Error::Usage(_))
+    ));
 }
 
 #[test]
@@ -380,13 +567,19 @@ fn synthetic_batches_follow_the_family() {
     let causal = Batch::synthetic(Family::Llama, VOCAB, BATCH, SEQ, 5, &Device::Cpu).unwrap();
     let (ids, targets) = (values(&causal.input_ids), values(&causal.targets));
     for row in 0..BATCH {
-        assert_eq!(ids[row * SEQ + 1..(row + 1) * SEQ], targets[row * SEQ..(row + 1) * SEQ - 1]);
+        assert_eq!(
+            ids[row * SEQ + 1..(row + 1) * SEQ],
+            targets[row * SEQ..(row + 1) * SEQ - 1]
+        );
     }
     assert!(causal.loss_mask.is_none());
 
     let bert = Batch::synthetic(Family::Bert, 200, BATCH, 32, 5, &Device::Cpu).unwrap();
-    let (ids, targets, mask) =
-        (values(&bert.input_ids), values(&bert.targets), values(bert.loss_mask.as_ref().unwrap()));
+    let (ids, targets, mask) = (
+        values(&bert.input_ids),
+        values(&bert.targets),
+        values(bert.loss_mask.as_ref().unwrap()),
+    );
     for i in 0..BATCH * 32 {
         if mask[i] == 1.0 {
             assert_eq!(ids[i], 103.0);
@@ -395,14 +588,22 @@ fn synthetic_batches_follow_the_family() {
         }
     }
     let masked = mask.iter().filter(|&&m| m == 1.0).count();
-    assert!((1..=24).contains(&masked), "{masked} of 64 positions masked");
+    assert!(
+        (1..=24).contains(&masked),
+        "{masked} of 64 positions masked"
+    );
 }
 
 #[test]
 fn sixteen_bit_losses_are_close_to_f32() {
     for config in configs() {
         let batch = batch(&config);
-        let reference = step(model(&config, DType::F32).as_ref(), &batch, Checkpointing::None).loss;
+        let reference = step(
+            model(&config, DType::F32).as_ref(),
+            &batch,
+            Checkpointing::None,
+        )
+        .loss;
         for dtype in [DType::BF16, DType::F16] {
             let model = model(&config, dtype);
             for (policy, attention) in [
@@ -411,9 +612,16 @@ fn sixteen_bit_losses_are_close_to_f32() {
                 (Checkpointing::None, Attention::Flash),
                 (Checkpointing::Every(1), Attention::Flash),
             ] {
-                let out = model.forward_backward(&batch, policy, attention, 1.0).unwrap();
+                let out = model
+                    .forward_backward(&batch, policy, attention, 1.0)
+                    .unwrap();
                 let rel = (out.loss - reference).abs() / reference;
-                assert!(rel < 0.01, "{} {dtype:?} {policy} {attention}: {} vs {reference}", label(&config), out.loss);
+                assert!(
+                    rel < 0.01,
+                    "{} {dtype:?} {policy} {attention}: {} vs {reference}",
+                    label(&config),
+                    out.loss
+                );
                 for grad in &out.grads {
                     assert_eq!(grad.dtype(), dtype);
                     assert!(values(grad).iter().all(|v| v.is_finite()));
@@ -425,13 +633,40 @@ fn sixteen_bit_losses_are_close_to_f32() {
 
 /// The tiny models of `tests/fixtures/train/make_reference.py`, by file name.
 fn reference_models() -> Vec<(&'static str, ModelConfig)> {
-    let gpt2 = ModelConfig { layers: 2, intermediate: 64, ..tiny(Family::Gpt2) };
-    let llama = ModelConfig { layers: 2, intermediate: 48, ..tiny(Family::Llama) };
+    let gpt2 = ModelConfig {
+        layers: 2,
+        intermediate: 64,
+        ..tiny(Family::Gpt2)
+    };
+    let llama = ModelConfig {
+        layers: 2,
+        intermediate: 48,
+        ..tiny(Family::Llama)
+    };
     vec![
         ("gpt2", gpt2.clone()),
-        ("llama", ModelConfig { tied_embeddings: false, ..llama.clone() }),
-        ("qwen2", ModelConfig { qkv_bias: true, ..llama }),
-        ("bert", ModelConfig { family: Family::Bert, qkv_bias: true, ..gpt2 }),
+        (
+            "llama",
+            ModelConfig {
+                tied_embeddings: false,
+                ..llama.clone()
+            },
+        ),
+        (
+            "qwen2",
+            ModelConfig {
+                qkv_bias: true,
+                ..llama
+            },
+        ),
+        (
+            "bert",
+            ModelConfig {
+                family: Family::Bert,
+                qkv_bias: true,
+                ..gpt2
+            },
+        ),
     ]
 }
 
@@ -447,8 +682,11 @@ fn losses_and_gradients_match_hugging_face_transformers() {
     for (name, config) in reference_models() {
         let weights = [dir.join(format!("{name}.safetensors"))];
         let model = build_model(&config, Some(&weights), DType::F32, &Device::Cpu, 0).unwrap();
-        let reference =
-            candle_core::safetensors::load(dir.join(format!("{name}.ref.safetensors")), &Device::Cpu).unwrap();
+        let reference = candle_core::safetensors::load(
+            dir.join(format!("{name}.ref.safetensors")),
+            &Device::Cpu,
+        )
+        .unwrap();
         let batch = Batch {
             input_ids: ids(&reference["input_ids"]),
             targets: ids(&reference["targets"]),
@@ -458,13 +696,28 @@ fn losses_and_gradients_match_hugging_face_transformers() {
         let expected_loss = values(&reference["loss"])[0];
         for policy in [Checkpointing::None, Checkpointing::Every(1)] {
             let out = step(model.as_ref(), &batch, policy);
-            assert!((out.loss - expected_loss).abs() < 1e-5 * expected_loss, "{name}: {} vs {expected_loss}", out.loss);
-            let expected: Vec<&Tensor> = model.vars().iter().map(|(n, _)| &reference[&format!("grad.{n}")]).collect();
+            assert!(
+                (out.loss - expected_loss).abs() < 1e-5 * expected_loss,
+                "{name}: {} vs {expected_loss}",
+                out.loss
+            );
+            let expected: Vec<&Tensor> = model
+                .vars()
+                .iter()
+                .map(|(n, _)| &reference[&format!("grad.{n}")])
+                .collect();
             let largest = expected.iter().map(|g| max_abs(g)).fold(0f32, f32::max);
             for (((n, _), got), want) in model.vars().iter().zip(&out.grads).zip(expected) {
-                let scale = if analytically_zero(n) { largest } else { max_abs(want) };
+                let scale = if analytically_zero(n) {
+                    largest
+                } else {
+                    max_abs(want)
+                };
                 let rel = max_diff(got, want) / scale;
-                assert!(rel < 1e-5, "{name} {policy}: gradient of {n} differs by {rel:e}");
+                assert!(
+                    rel < 1e-5,
+                    "{name} {policy}: gradient of {n} differs by {rel:e}"
+                );
             }
         }
     }
@@ -477,9 +730,14 @@ fn out_of_vocabulary_ids_are_errors_not_panics() {
     let too_big = Tensor::full(VOCAB as u32, (BATCH, SEQ), &Device::Cpu).unwrap();
     let mut batch = batch(&config);
     batch.input_ids = too_big.clone();
-    let err = model.forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0).err().unwrap();
+    let err = model
+        .forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0)
+        .err()
+        .unwrap();
     assert!(err.to_string().contains("index"), "{err}");
     let mut batch = self::batch(&config);
     batch.targets = too_big;
-    assert!(model.forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0).is_err());
+    assert!(model
+        .forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0)
+        .is_err());
 }

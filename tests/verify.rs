@@ -6,7 +6,7 @@ use assert_cmd::Command;
 use common::*;
 use oomfix::measure::{CountingAlloc, StepVerifier};
 use oomfix::search::{Measurement, Verifier};
-use oomfix::{Breakdown, Estimator, ModelConfig, ModelSpec, Planner, Plan, Target, Verify};
+use oomfix::{Breakdown, Estimator, ModelConfig, ModelSpec, Plan, Planner, Target, Verify};
 use serde_json::Value;
 use std::path::Path;
 
@@ -14,7 +14,11 @@ use std::path::Path;
 static ALLOC: CountingAlloc = CountingAlloc;
 
 fn tiny_config() -> ModelConfig {
-    ModelConfig { vocab: 256, max_positions: 64, ..ModelConfig::gpt2(2, 32, 2) }
+    ModelConfig {
+        vocab: 256,
+        max_positions: 64,
+        ..ModelConfig::gpt2(2, 32, 2)
+    }
 }
 
 fn tiny_model(dir: &Path) -> std::path::PathBuf {
@@ -27,7 +31,10 @@ fn tiny_model(dir: &Path) -> std::path::PathBuf {
 struct Optimist;
 impl Estimator for Optimist {
     fn estimate(&self, _: &ModelSpec, _: &Plan, _: &Target) -> Breakdown {
-        Breakdown { peak: 1, ..Default::default() }
+        Breakdown {
+            peak: 1,
+            ..Default::default()
+        }
     }
 }
 
@@ -44,7 +51,11 @@ fn a_measured_peak_over_the_budget_is_not_a_fit() {
         .run(&spec)
         .unwrap();
     assert!(!result.fits());
-    let measured: Vec<u64> = result.attempts.iter().map(|a| a.measured.unwrap().peak_bytes).collect();
+    let measured: Vec<u64> = result
+        .attempts
+        .iter()
+        .map(|a| a.measured.unwrap().peak_bytes)
+        .collect();
     assert!(measured.iter().all(|&m| m > budget), "{measured:?}");
     // the search went on after the baseline's measurement failed it
     assert!(result.attempts.len() > 1);
@@ -55,16 +66,34 @@ fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
     struct Oom;
     impl Verifier for Oom {
         fn measure(&self, _: &ModelSpec, _: &Plan) -> oomfix::Result<Measurement> {
-            Ok(Measurement { peak_bytes: 0, reserved_bytes: 0, out_of_memory: true })
+            Ok(Measurement {
+                peak_bytes: 0,
+                reserved_bytes: 0,
+                out_of_memory: true,
+            })
         }
     }
     let spec = ModelSpec::from_config("tiny", tiny_config());
-    let result = Planner::new(1 << 30).global_batch(2).seq_len(16).target(Target::Cpu).estimator(Optimist).verify_with(Oom, Verify::All).run(&spec).unwrap();
+    let result = Planner::new(1 << 30)
+        .global_batch(2)
+        .seq_len(16)
+        .target(Target::Cpu)
+        .estimator(Optimist)
+        .verify_with(Oom, Verify::All)
+        .run(&spec)
+        .unwrap();
     assert!(!result.fits());
-    assert!(result.attempts.iter().all(|a| a.measured.unwrap().out_of_memory));
+    assert!(result
+        .attempts
+        .iter()
+        .all(|a| a.measured.unwrap().out_of_memory));
     // The report says the closest plan ran out of memory, not that a budget of
     // its (too low) estimate would fit it.
-    assert!(result.advice[0].contains("ran out of memory when measured"), "{:?}", result.advice);
+    assert!(
+        result.advice[0].contains("ran out of memory when measured"),
+        "{:?}",
+        result.advice
+    );
     let table = oomfix::report::search_table(&spec, &result);
     assert!(table.contains("ran out of memory when measured"), "{table}");
     assert!(!table.contains("0 B over the budget"), "{table}");
@@ -74,14 +103,36 @@ fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
 fn cli_verify_records_measured_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
-    let out = Command::cargo_bin("oomfix").unwrap()
-        .args(["--budget", "256MiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--verify", "--json"])
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .args([
+            "--budget",
+            "256MiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+            "--verify",
+            "--json",
+        ])
         .arg(&model)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let chosen = v["attempts"].as_array().unwrap().iter().find(|a| a["fits"] == true).unwrap();
+    let chosen = v["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["fits"] == true)
+        .unwrap();
     let measured = chosen["measured_bytes"].as_u64().expect("measured");
     assert!(measured > 100_000, "a real step allocates: {measured}");
 }
@@ -91,14 +142,35 @@ fn cli_verify_all_with_a_budget_too_small_for_any_real_step() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     // 300 KiB: smaller than weights + AdamW state + one step's activations
-    let out = Command::cargo_bin("oomfix").unwrap()
-        .args(["--budget", "300KiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--verify=all", "--json"])
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .args([
+            "--budget",
+            "300KiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+            "--verify=all",
+            "--json",
+        ])
         .arg(&model)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(v["attempts"].as_array().unwrap().iter().all(|a| !a["measured_bytes"].is_null() && a["fits"] == false));
+    assert!(v["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|a| !a["measured_bytes"].is_null() && a["fits"] == false));
 }
 
 #[test]
@@ -107,15 +179,31 @@ fn snapshot_loads_with_python_pickle_and_plot_is_svg() {
     let model = tiny_model(dir.path());
     let snap = dir.path().join("step.pickle");
     let plot = dir.path().join("step.svg");
-    let out = Command::cargo_bin("oomfix").unwrap()
-        .args(["--budget", "256MiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--snapshot"])
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .args([
+            "--budget",
+            "256MiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+            "--snapshot",
+        ])
         .arg(&snap)
         .arg("--plot")
         .arg(&plot)
         .arg(&model)
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let check = r#"
 import pickle, sys
 d = pickle.load(open(sys.argv[1], "rb"))
@@ -126,8 +214,17 @@ assert {e["action"] for e in t} <= {"alloc", "free_completed", "snapshot"}
 assert {f["name"] for e in t for f in e["frames"]} >= {"forward", "backward", "optimizer_step"}
 print(len(t))
 "#;
-    let py = std::process::Command::new("python3").arg("-c").arg(check).arg(&snap).output().unwrap();
-    assert!(py.status.success(), "{}", String::from_utf8_lossy(&py.stderr));
+    let py = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(check)
+        .arg(&snap)
+        .output()
+        .unwrap();
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     assert!(svg.contains("budget"));
@@ -138,8 +235,19 @@ fn snapshot_refuses_to_overwrite_the_model() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_model(dir.path());
     let before = std::fs::read(&model).unwrap();
-    Command::cargo_bin("oomfix").unwrap()
-        .args(["--budget", "256MiB", "--device", "cpu", "--seq-len", "16", "--global-batch", "2", "--plot"])
+    Command::cargo_bin("oomfix")
+        .unwrap()
+        .args([
+            "--budget",
+            "256MiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "2",
+            "--plot",
+        ])
         .arg(&model)
         .arg(&model)
         .assert()
@@ -154,11 +262,28 @@ fn a_host_out_of_memory_while_verifying_is_one_failed_attempt() {
     // (budget + 2 GiB), so the child dies on an allocation failure.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("wide.safetensors");
-    let config = ModelConfig { vocab: 50257, max_positions: 1024, ..ModelConfig::gpt2(1, 32, 2) };
+    let config = ModelConfig {
+        vocab: 50257,
+        max_positions: 1024,
+        ..ModelConfig::gpt2(1, 32, 2)
+    };
     write_safetensors(&path, &with_dtype(config.tensors(), "F32"));
-    let out = Command::cargo_bin("oomfix").unwrap()
-        .args(["--budget", "64MiB", "--device", "cpu", "--seq-len", "1024", "--global-batch", "8",
-               "--strategies", "precision", "--verify=all", "--json"])
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .args([
+            "--budget",
+            "64MiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "1024",
+            "--global-batch",
+            "8",
+            "--strategies",
+            "precision",
+            "--verify=all",
+            "--json",
+        ])
         .arg(&path)
         .output()
         .unwrap();
@@ -166,6 +291,15 @@ fn a_host_out_of_memory_while_verifying_is_one_failed_attempt() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let attempts = v["attempts"].as_array().unwrap();
-    assert_eq!(attempts.len(), 2, "the planner went on after the first out-of-memory");
-    assert!(attempts.iter().all(|a| a["out_of_memory"] == true && a["fits"] == false), "{attempts:?}");
+    assert_eq!(
+        attempts.len(),
+        2,
+        "the planner went on after the first out-of-memory"
+    );
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a["out_of_memory"] == true && a["fits"] == false),
+        "{attempts:?}"
+    );
 }

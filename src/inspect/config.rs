@@ -38,10 +38,14 @@ pub(crate) fn read(dir: &Path) -> Result<Option<HfConfig>> {
         return Ok(None);
     }
     let text = read_small_text(&path)?;
-    let value: Value = serde_json::from_str(&text).map_err(|e| Error::input(&path, format!("not valid JSON: {e}")))?;
-    let obj = value
-        .as_object()
-        .ok_or_else(|| Error::input(&path, format!("top level is {}, not an object", kind(&value))))?;
+    let value: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::input(&path, format!("not valid JSON: {e}")))?;
+    let obj = value.as_object().ok_or_else(|| {
+        Error::input(
+            &path,
+            format!("top level is {}, not an object", kind(&value)),
+        )
+    })?;
     let count = |keys: &[&str]| count_field(obj, keys).map_err(|msg| Error::input(&path, msg));
     let heads = count(&["num_attention_heads", "n_head"])?;
     if heads == Some(0) {
@@ -72,7 +76,10 @@ pub(crate) fn read(dir: &Path) -> Result<Option<HfConfig>> {
 }
 
 /// The first of `keys` present and not null, as a non-negative integer.
-fn count_field(obj: &Map<String, Value>, keys: &[&str]) -> std::result::Result<Option<usize>, String> {
+fn count_field(
+    obj: &Map<String, Value>,
+    keys: &[&str],
+) -> std::result::Result<Option<usize>, String> {
     let Some((key, value)) = keys
         .iter()
         .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).map(|v| (k, v)))
@@ -93,9 +100,16 @@ mod tests {
     #[test]
     fn aliases_and_nulls() {
         let obj: Map<String, Value> =
-            serde_json::from_str(r#"{"n_head":12,"num_attention_heads":null,"n_inner":null}"#).unwrap();
-        assert_eq!(count_field(&obj, &["num_attention_heads", "n_head"]), Ok(Some(12)));
-        assert_eq!(count_field(&obj, &["intermediate_size", "n_inner"]), Ok(None));
+            serde_json::from_str(r#"{"n_head":12,"num_attention_heads":null,"n_inner":null}"#)
+                .unwrap();
+        assert_eq!(
+            count_field(&obj, &["num_attention_heads", "n_head"]),
+            Ok(Some(12))
+        );
+        assert_eq!(
+            count_field(&obj, &["intermediate_size", "n_inner"]),
+            Ok(None)
+        );
         let bad: Map<String, Value> = serde_json::from_str(r#"{"vocab_size":-3}"#).unwrap();
         assert!(count_field(&bad, &["vocab_size"])
             .unwrap_err()

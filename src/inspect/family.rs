@@ -21,7 +21,11 @@ pub(crate) struct Inferred {
 
 /// Infers the model from all tensors in the file(s) at `source` and an optional
 /// `config.json`; an error about the weights names `source`.
-pub(crate) fn infer(source: &Path, all: Vec<TensorInfo>, hf: Option<&HfConfig>) -> Result<Inferred> {
+pub(crate) fn infer(
+    source: &Path,
+    all: Vec<TensorInfo>,
+    hf: Option<&HfConfig>,
+) -> Result<Inferred> {
     let t = Tensors::new(&all);
     let draft = if let Some(p) = t.gpt2_prefix() {
         gpt2(source, &t, p, hf)?
@@ -35,7 +39,11 @@ pub(crate) fn infer(source: &Path, all: Vec<TensorInfo>, hf: Option<&HfConfig>) 
     let family = draft.config.family;
     let tensors = all
         .into_iter()
-        .filter(|x| is_float(&x.dtype) && !is_buffer(family, &x.name) && !draft.tied_copies.contains(&x.name))
+        .filter(|x| {
+            is_float(&x.dtype)
+                && !is_buffer(family, &x.name)
+                && !draft.tied_copies.contains(&x.name)
+        })
         .collect();
     Ok(Inferred {
         config: draft.config,
@@ -54,7 +62,8 @@ struct Draft {
 
 /// Tensors that are saved state, not parameters.
 fn is_buffer(family: Family, name: &str) -> bool {
-    let gpt2_mask = family == Family::Gpt2 && (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias"));
+    let gpt2_mask = family == Family::Gpt2
+        && (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias"));
     gpt2_mask || name.ends_with("rotary_emb.inv_freq") || name.ends_with("embeddings.position_ids")
 }
 
@@ -66,7 +75,10 @@ struct Tensors<'a> {
 impl<'a> Tensors<'a> {
     fn new(all: &'a [TensorInfo]) -> Self {
         Tensors {
-            by_name: all.iter().map(|t| (t.name.as_str(), t.shape.as_slice())).collect(),
+            by_name: all
+                .iter()
+                .map(|t| (t.name.as_str(), t.shape.as_slice()))
+                .collect(),
         }
     }
 
@@ -105,19 +117,24 @@ impl<'a> Tensors<'a> {
     fn gpt2_prefix(&self) -> Option<&'static str> {
         ["transformer.", ""].into_iter().find(|p| {
             self.matrix(&format!("{p}wte.weight")).is_some()
-                && !self.layer_ids(&format!("{p}h."), "attn.c_attn.weight").is_empty()
+                && !self
+                    .layer_ids(&format!("{p}h."), "attn.c_attn.weight")
+                    .is_empty()
         })
     }
 
     fn is_llama(&self) -> bool {
         self.matrix("model.embed_tokens.weight").is_some()
-            && !self.layer_ids("model.layers.", "self_attn.q_proj.weight").is_empty()
+            && !self
+                .layer_ids("model.layers.", "self_attn.q_proj.weight")
+                .is_empty()
     }
 
     /// `"bert."` or `""` when the names are BERT's.
     fn bert_prefix(&self) -> Option<&'static str> {
         ["bert.", ""].into_iter().find(|p| {
-            self.matrix(&format!("{p}embeddings.word_embeddings.weight")).is_some()
+            self.matrix(&format!("{p}embeddings.word_embeddings.weight"))
+                .is_some()
                 && !self
                     .layer_ids(&format!("{p}encoder.layer."), "attention.self.query.weight")
                     .is_empty()
@@ -154,7 +171,9 @@ fn gpt2(source: &Path, t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Dr
         kv_heads: heads,
         intermediate: assume_4x_unless(intermediate, source, hidden, &mut assumptions)?,
         vocab,
-        max_positions: t.matrix(&format!("{p}wpe.weight")).map_or(0, |(rows, _)| rows),
+        max_positions: t
+            .matrix(&format!("{p}wpe.weight"))
+            .map_or(0, |(rows, _)| rows),
         tied_embeddings: tied,
         qkv_bias: false,
     };
@@ -214,7 +233,11 @@ fn llama_heads(
     assumptions: &mut Vec<String>,
 ) -> Result<(usize, usize)> {
     let Some((cfg, heads)) = hf.and_then(|c| Some((c, c.heads?))) else {
-        let head_dim = if hidden >= 2048 && hidden % 128 == 0 { 128 } else { 64 };
+        let head_dim = if hidden >= 2048 && hidden % 128 == 0 {
+            128
+        } else {
+            64
+        };
         let (heads, kv_heads) = ((hidden / head_dim).max(1), (kv_rows / head_dim).max(1));
         assumptions.push(format!(
             "head size {head_dim} assumed ({heads} heads, {kv_heads} key/value heads): {}",
@@ -256,7 +279,9 @@ fn bert(source: &Path, t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Dr
     let heads = heads_or_assume(hf, hidden, &mut assumptions)?;
     let (tied, mut tied_copies) = tie(t, &embed, "cls.predictions.decoder.weight", hf, true);
     // The MLM decoder's bias is the same parameter as `cls.predictions.bias`.
-    if t.shape("cls.predictions.bias").is_some() && t.shape("cls.predictions.decoder.bias").is_some() {
+    if t.shape("cls.predictions.bias").is_some()
+        && t.shape("cls.predictions.decoder.bias").is_some()
+    {
         tied_copies.push("cls.predictions.decoder.bias".into());
     }
     let config = ModelConfig {
@@ -287,7 +312,9 @@ fn generic(t: &Tensors, hf: Option<&HfConfig>) -> Draft {
     let heads = c.heads.unwrap_or(0);
     let config = ModelConfig {
         family: Family::Generic,
-        layers: c.layers.unwrap_or_else(|| numbered_layers(t.by_name.keys().copied())),
+        layers: c
+            .layers
+            .unwrap_or_else(|| numbered_layers(t.by_name.keys().copied())),
         hidden: c.hidden.unwrap_or(0),
         heads,
         kv_heads: c.kv_heads.unwrap_or(heads),
@@ -326,7 +353,11 @@ fn numbered_layers<'a>(names: impl Iterator<Item = &'a str>) -> usize {
 }
 
 /// Attention heads from `config.json`, else `hidden / 64` recorded as assumed.
-fn heads_or_assume(hf: Option<&HfConfig>, hidden: usize, assumptions: &mut Vec<String>) -> Result<usize> {
+fn heads_or_assume(
+    hf: Option<&HfConfig>,
+    hidden: usize,
+    assumptions: &mut Vec<String>,
+) -> Result<usize> {
     match hf.and_then(|c| Some((c, c.heads?))) {
         Some((_, heads)) if hidden % heads == 0 => Ok(heads),
         Some((cfg, heads)) => Err(cfg.error(format!(
@@ -361,7 +392,9 @@ fn assume_4x_unless(
             format!("hidden size {hidden} is too large: assuming an MLP of 4 × hidden overflows"),
         )
     })?;
-    assumptions.push(format!("MLP size {size} (4 × hidden) assumed: no MLP weight found"));
+    assumptions.push(format!(
+        "MLP size {size} (4 × hidden) assumed: no MLP weight found"
+    ));
     Ok(size)
 }
 
@@ -369,10 +402,21 @@ fn assume_4x_unless(
 /// file stores it as a copy to count once. A head of another shape is its own
 /// parameter; one of the same shape is tied when `config.json` says so, else
 /// when the family ties by default.
-fn tie(t: &Tensors, embed: &str, head: &str, hf: Option<&HfConfig>, family_ties: bool) -> (bool, Vec<String>) {
+fn tie(
+    t: &Tensors,
+    embed: &str,
+    head: &str,
+    hf: Option<&HfConfig>,
+    family_ties: bool,
+) -> (bool, Vec<String>) {
     match t.shape(head) {
         None => (true, Vec::new()),
-        Some(s) if Some(s) == t.shape(embed) && hf.and_then(|c| c.tie_word_embeddings).unwrap_or(family_ties) => {
+        Some(s)
+            if Some(s) == t.shape(embed)
+                && hf
+                    .and_then(|c| c.tie_word_embeddings)
+                    .unwrap_or(family_ties) =>
+        {
             (true, vec![head.to_string()])
         }
         Some(_) => (false, Vec::new()),
@@ -409,8 +453,14 @@ mod tests {
             layer_of("model.layers.12.mlp.up_proj.weight", "model.layers.", ""),
             Some(12)
         );
-        assert_eq!(layer_of("h.3.attn.c_attn.weight", "h.", "attn.c_attn.weight"), Some(3));
-        assert_eq!(layer_of("h.3.attn.c_proj.weight", "h.", "attn.c_attn.weight"), None);
+        assert_eq!(
+            layer_of("h.3.attn.c_attn.weight", "h.", "attn.c_attn.weight"),
+            Some(3)
+        );
+        assert_eq!(
+            layer_of("h.3.attn.c_proj.weight", "h.", "attn.c_attn.weight"),
+            None
+        );
         assert_eq!(layer_of("h.x.attn", "h.", ""), None);
         assert_eq!(layer_of("h..attn", "h.", ""), None);
         assert_eq!(
@@ -433,7 +483,12 @@ mod tests {
             max_positions: Some(4096),
             ..Default::default()
         };
-        assert_eq!(infer(Path::new("m.safetensors"), from_config(&c), Some(&hf)).unwrap().config, c);
+        assert_eq!(
+            infer(Path::new("m.safetensors"), from_config(&c), Some(&hf))
+                .unwrap()
+                .config,
+            c
+        );
     }
 
     #[test]
@@ -444,7 +499,9 @@ mod tests {
             kv_heads: Some(8),
             ..Default::default()
         };
-        let err = infer(Path::new("m.safetensors"), from_config(&c), Some(&hf)).unwrap_err().to_string();
+        let err = infer(Path::new("m.safetensors"), from_config(&c), Some(&hf))
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("8 key/value heads of size 64 do not match k_proj's 256 rows"),
             "{err}"
@@ -453,7 +510,12 @@ mod tests {
             heads: Some(7),
             ..Default::default()
         };
-        assert!(infer(Path::new("m.safetensors"), from_config(&ModelConfig::gpt2_small()), Some(&hf)).is_err());
+        assert!(infer(
+            Path::new("m.safetensors"),
+            from_config(&ModelConfig::gpt2_small()),
+            Some(&hf)
+        )
+        .is_err());
     }
 
     #[test]

@@ -60,7 +60,8 @@ pub fn read_header(path: &Path) -> Result<Header> {
     let n = read_header_len(path, &mut file, file_len)?;
     // `n <= MAX_HEADER_BYTES` was checked, so the cast and allocation are bounded.
     let mut bytes = vec![0u8; n as usize];
-    file.read_exact(&mut bytes).map_err(|e| io_error(path, &e))?;
+    file.read_exact(&mut bytes)
+        .map_err(|e| io_error(path, &e))?;
     parse_header(&bytes, file_len - 8 - n).map_err(|msg| Error::input(path, msg))
 }
 
@@ -129,14 +130,18 @@ pub fn parse_header(bytes: &[u8], data_len: u64) -> std::result::Result<Header, 
 fn parse_entries(text: &str) -> std::result::Result<Vec<(String, Value)>, String> {
     match serde_json::from_str::<Entries>(text) {
         Ok(Entries {
-            duplicate: Some(name), ..
+            duplicate: Some(name),
+            ..
         }) => Err(format!(
             "duplicate tensor name {name:?} in header (JSON would silently keep only one)"
         )),
         Ok(Entries { entries, .. }) => Ok(entries),
         // A data error means the top level is not an object; it may still be invalid JSON.
         Err(e) if e.is_data() => match serde_json::from_str::<Value>(text) {
-            Ok(v) => Err(format!("header is JSON but not an object (it is {})", kind(&v))),
+            Ok(v) => Err(format!(
+                "header is JSON but not an object (it is {})",
+                kind(&v)
+            )),
             Err(e) => Err(format!("header is not valid JSON: {e}")),
         },
         Err(e) => Err(format!("header is not valid JSON: {e}")),
@@ -202,7 +207,11 @@ fn parse_metadata(value: &Value) -> std::result::Result<BTreeMap<String, String>
 }
 
 /// Validates one tensor entry on its own (dtype, shape, offsets, size, bounds).
-fn parse_tensor(name: String, value: &Value, data_len: u64) -> std::result::Result<TensorEntry, String> {
+fn parse_tensor(
+    name: String,
+    value: &Value,
+    data_len: u64,
+) -> std::result::Result<TensorEntry, String> {
     let at = |msg: String| format!("tensor {name:?}: {msg}");
     let obj = value
         .as_object()
@@ -218,7 +227,11 @@ fn parse_tensor(name: String, value: &Value, data_len: u64) -> std::result::Resu
     let bytes = shape
         .iter()
         .try_fold(size, |acc, &d| acc.checked_mul(d as u64))
-        .ok_or_else(|| at(format!("shape {shape:?} of {dtype} overflows a 64-bit byte count")))?;
+        .ok_or_else(|| {
+            at(format!(
+                "shape {shape:?} of {dtype} overflows a 64-bit byte count"
+            ))
+        })?;
     if end - begin != bytes {
         return Err(at(format!(
             "shape {shape:?} of {dtype} needs {bytes} bytes but data_offsets [{begin}, {end}] span {}",
@@ -283,11 +296,16 @@ fn parse_shape(value: &Value) -> std::result::Result<Vec<usize>, String> {
     dims.iter()
         .map(|d| match d {
             Value::Number(n) => match (n.as_u64(), n.as_i64()) {
-                (Some(u), _) => usize::try_from(u).map_err(|_| format!("dimension {u} is too large")),
+                (Some(u), _) => {
+                    usize::try_from(u).map_err(|_| format!("dimension {u} is too large"))
+                }
                 (None, Some(i)) => Err(format!("shape has a negative dimension {i}")),
                 _ => Err(format!("shape has a non-integer dimension {n}")),
             },
-            other => Err(format!("shape has a dimension that is {}, not an integer", kind(other))),
+            other => Err(format!(
+                "shape has a dimension that is {}, not an integer",
+                kind(other)
+            )),
         })
         .collect()
 }
@@ -304,7 +322,9 @@ fn parse_offsets(value: &Value) -> std::result::Result<(u64, u64), String> {
         )
     })?;
     if begin > end {
-        return Err(format!("data_offsets [{begin}, {end}] begin after they end"));
+        return Err(format!(
+            "data_offsets [{begin}, {end}] begin after they end"
+        ));
     }
     Ok((begin, end))
 }
@@ -317,7 +337,9 @@ fn check_tiling(tensors: &[TensorEntry], data_len: u64) -> std::result::Result<(
         let (begin, end) = t.data_offsets;
         if begin < covered {
             // `covered > 0` implies a previous tensor.
-            let p = previous.map(|p| (p.name.as_str(), p.data_offsets)).unwrap_or_default();
+            let p = previous
+                .map(|p| (p.name.as_str(), p.data_offsets))
+                .unwrap_or_default();
             return Err(format!(
                 "tensors {:?} [{}, {}] and {:?} [{begin}, {end}] overlap in the data region",
                 p.0, p.1 .0, p.1 .1, t.name
@@ -395,7 +417,11 @@ mod tests {
 
     #[test]
     fn scalar_tensor_has_one_element() {
-        let h = parse(r#"{"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]}}"#, 8).unwrap();
+        let h = parse(
+            r#"{"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]}}"#,
+            8,
+        )
+        .unwrap();
         assert_eq!(h.tensors[0].bytes(), 8);
     }
 
@@ -405,7 +431,11 @@ mod tests {
             ("", 0, "not valid JSON"),
             ("[1]", 0, "not an object (it is an array)"),
             (r#"{"a":3}"#, 0, "entry is a number, not an object"),
-            (r#"{"a":{"shape":[],"data_offsets":[0,4]}}"#, 4, "missing \"dtype\""),
+            (
+                r#"{"a":{"shape":[],"data_offsets":[0,4]}}"#,
+                4,
+                "missing \"dtype\"",
+            ),
             (
                 r#"{"a":{"dtype":"Q4","shape":[],"data_offsets":[0,4]}}"#,
                 4,
@@ -466,7 +496,9 @@ mod tests {
         assert!(parse(overlap, 6).unwrap_err().contains("overlap"));
         let gap = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},
                       "b":{"dtype":"U8","shape":[4],"data_offsets":[6,10]}}"#;
-        assert!(parse(gap, 10).unwrap_err().contains("gap of 2 unused bytes"));
+        assert!(parse(gap, 10)
+            .unwrap_err()
+            .contains("gap of 2 unused bytes"));
         let short = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
         assert!(parse(short, 9)
             .unwrap_err()
@@ -477,12 +509,17 @@ mod tests {
     fn duplicate_names_are_refused() {
         let dup = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},
                       "a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
-        assert!(parse(dup, 2).unwrap_err().contains("duplicate tensor name \"a\""));
+        assert!(parse(dup, 2)
+            .unwrap_err()
+            .contains("duplicate tensor name \"a\""));
     }
 
     #[test]
     fn invalid_utf8_is_named() {
         let err = parse_header(b"{\"a\xff\":1}", 0).unwrap_err();
-        assert!(err.contains("not UTF-8 (invalid byte at header offset 3)"), "{err}");
+        assert!(
+            err.contains("not UTF-8 (invalid byte at header offset 3)"),
+            "{err}"
+        );
     }
 }

@@ -36,7 +36,10 @@ pub fn inspect(path: &Path) -> Result<ModelSpec> {
     } else if path.extension().is_some_and(|e| e == "json") {
         (read_index(path)?, parent(path))
     } else {
-        ((read_header(path)?.tensors, vec![path.to_path_buf()]), parent(path))
+        (
+            (read_header(path)?.tensors, vec![path.to_path_buf()]),
+            parent(path),
+        )
     };
     let hf = config::read(&dir)?;
     let file_bytes = entries.iter().map(TensorEntry::bytes).sum();
@@ -110,8 +113,8 @@ fn read_dir(dir: &Path) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
 /// that each tensor is where the index says.
 fn read_index(index: &Path) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
     let text = read_small_text(index)?;
-    let value: Value =
-        serde_json::from_str(&text).map_err(|e| Error::input(index, format!("index is not valid JSON: {e}")))?;
+    let value: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::input(index, format!("index is not valid JSON: {e}")))?;
     let weight_map = match value.get("weight_map") {
         Some(Value::Object(map)) => map,
         Some(other) => {
@@ -135,7 +138,10 @@ fn read_index(index: &Path) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
         let shard = shard.as_str().ok_or_else(|| {
             Error::input(
                 index,
-                format!("weight_map entry {name:?} is {}, not a shard file name", kind(shard)),
+                format!(
+                    "weight_map entry {name:?} is {}, not a shard file name",
+                    kind(shard)
+                ),
             )
         })?;
         by_shard.entry(shard).or_default().push(name);
@@ -157,7 +163,9 @@ fn read_index(index: &Path) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
         let header = read_header(&path)?;
         let present: HashSet<&str> = header.tensors.iter().map(|t| t.name.as_str()).collect();
         if let Some(missing) = names.iter().find(|n| !present.contains(*n)) {
-            let msg = format!("weight_map puts {missing:?} in {shard:?}, but that shard has no such tensor");
+            let msg = format!(
+                "weight_map puts {missing:?} in {shard:?}, but that shard has no such tensor"
+            );
             return Err(Error::input(index, msg));
         }
         headers.push((header, path));
@@ -166,7 +174,10 @@ fn read_index(index: &Path) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
 }
 
 /// All tensors of several files, and the files; a name in two files is an error about `source`.
-fn merge(source: &Path, headers: Vec<(Header, PathBuf)>) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
+fn merge(
+    source: &Path,
+    headers: Vec<(Header, PathBuf)>,
+) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
     let mut seen: HashMap<String, PathBuf> = HashMap::new();
     let mut all = Vec::new();
     let mut files = Vec::new();
@@ -198,13 +209,19 @@ fn read_small_text(path: &Path) -> Result<String> {
     if bytes.len() as u64 > MAX_HEADER_BYTES {
         return Err(Error::input(
             path,
-            format!("larger than {} MiB: not a JSON index or config", MAX_HEADER_BYTES >> 20),
+            format!(
+                "larger than {} MiB: not a JSON index or config",
+                MAX_HEADER_BYTES >> 20
+            ),
         ));
     }
     String::from_utf8(bytes).map_err(|e| {
         Error::input(
             path,
-            format!("not UTF-8 (invalid byte at offset {})", e.utf8_error().valid_up_to()),
+            format!(
+                "not UTF-8 (invalid byte at offset {})",
+                e.utf8_error().valid_up_to()
+            ),
         )
     })
 }

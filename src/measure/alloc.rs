@@ -134,7 +134,10 @@ static START_NS: AtomicU64 = AtomicU64::new(0);
 
 fn now_ns() -> u64 {
     // SAFETY: clock_gettime writes into the timespec we own.
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
@@ -186,7 +189,9 @@ pub fn mark_step_start() {
 pub fn start_recording(capacity: usize) {
     let capacity = capacity.max(1);
     if BUFFER.load(Ordering::Relaxed).is_null() || CAPACITY.load(Ordering::Relaxed) < capacity {
-        let Ok(layout) = Layout::array::<Event>(capacity) else { return };
+        let Ok(layout) = Layout::array::<Event>(capacity) else {
+            return;
+        };
         // SAFETY: the layout has a non-zero size; a zeroed Event is valid.
         let buf = unsafe { System.alloc_zeroed(layout) }.cast::<Event>();
         if buf.is_null() {
@@ -253,13 +258,23 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         let size = layout.size() as u64;
-        record(EventKind::Free, ptr as u64, size, current().saturating_sub(size));
+        record(
+            EventKind::Free,
+            ptr as u64,
+            size,
+            current().saturating_sub(size),
+        );
         unsafe { System.dealloc(ptr, layout) };
         sub(size);
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let (old, new) = (layout.size() as u64, new_size as u64);
-        record(EventKind::Free, ptr as u64, old, current().saturating_sub(old));
+        record(
+            EventKind::Free,
+            ptr as u64,
+            old,
+            current().saturating_sub(old),
+        );
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if p.is_null() {
             // The old block is still allocated.

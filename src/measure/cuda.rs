@@ -60,7 +60,10 @@ impl PoolStats {
         Ok(PoolStats {
             used: get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
             used_high: get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
-            reserved: get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            reserved: get(
+                pool,
+                CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+            )?,
             reserved_high: get(pool, CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
             device_free: free as u64,
             device_total: total as u64,
@@ -156,11 +159,18 @@ pub fn enforce_budget(device: &CudaDevice, budget: u64) -> candle_core::Result<E
     if ballast > 0 {
         // SAFETY: the context is bound to this thread; the pointer is freed by `Ballast::drop`.
         let ptr = unsafe { result::malloc_sync(ballast as usize) }.w()?;
-        *held = Some(Ballast { context: context.clone(), ptr });
+        *held = Some(Ballast {
+            context: context.clone(),
+            ptr,
+        });
     }
     BALLAST_BYTES.store(ballast, Ordering::SeqCst);
     let (free_after, _) = context.mem_get_info().w()?;
-    Ok(Enforced { ballast, already_used, free_after: free_after as u64 })
+    Ok(Enforced {
+        ballast,
+        already_used,
+        free_after: free_after as u64,
+    })
 }
 
 /// Bytes held by the ballast of [`enforce_budget`] (0 when there is none).
@@ -188,9 +198,9 @@ fn get(pool: CUmemoryPool, attr: CUmemPool_attribute) -> candle_core::Result<u64
 pub fn is_out_of_memory(err: &candle_core::Error) -> bool {
     use candle_core::Error;
     match err {
-        Error::WithBacktrace { inner, .. } | Error::Context { inner, .. } | Error::WithPath { inner, .. } => {
-            is_out_of_memory(inner)
-        }
+        Error::WithBacktrace { inner, .. }
+        | Error::Context { inner, .. }
+        | Error::WithPath { inner, .. } => is_out_of_memory(inner),
         Error::Cuda(e) => match e.downcast_ref::<CudaError>() {
             Some(CudaError::Cuda(d) | CudaError::Load { cuda: d, .. }) => driver_oom(d),
             Some(CudaError::Cublas(CublasError(status))) => {
@@ -199,9 +209,9 @@ pub fn is_out_of_memory(err: &candle_core::Error) -> bool {
             Some(_) => false,
             None => e.downcast_ref::<DriverError>().is_some_and(driver_oom),
         },
-        Error::WrappedContext { wrapped, .. } => {
-            wrapped.downcast_ref::<Error>().is_some_and(is_out_of_memory)
-        }
+        Error::WrappedContext { wrapped, .. } => wrapped
+            .downcast_ref::<Error>()
+            .is_some_and(is_out_of_memory),
         _ => false,
     }
 }
@@ -216,13 +226,17 @@ mod tests {
     use candle_core::Error;
 
     fn oom() -> Error {
-        Error::Cuda(Box::new(CudaError::Cuda(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY))))
+        Error::Cuda(Box::new(CudaError::Cuda(DriverError(
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+        ))))
     }
 
     #[test]
     fn driver_out_of_memory_is_recognised_through_wrappers() {
         assert!(is_out_of_memory(&oom()));
-        let wrapped = oom().context("allocating activations").with_path("model.safetensors");
+        let wrapped = oom()
+            .context("allocating activations")
+            .with_path("model.safetensors");
         assert!(is_out_of_memory(&wrapped));
         let bt = Error::WithBacktrace {
             inner: Box::new(oom()),
@@ -233,14 +247,17 @@ mod tests {
 
     #[test]
     fn cublas_alloc_failure_is_out_of_memory() {
-        let e =
-            Error::Cuda(Box::new(CudaError::Cublas(CublasError(cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED))));
+        let e = Error::Cuda(Box::new(CudaError::Cublas(CublasError(
+            cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED,
+        ))));
         assert!(is_out_of_memory(&e));
     }
 
     #[test]
     fn other_errors_are_not_out_of_memory() {
-        let launch = Error::Cuda(Box::new(CudaError::Cuda(DriverError(CUresult::CUDA_ERROR_LAUNCH_FAILED))));
+        let launch = Error::Cuda(Box::new(CudaError::Cuda(DriverError(
+            CUresult::CUDA_ERROR_LAUNCH_FAILED,
+        ))));
         let cublas = Error::Cuda(Box::new(CudaError::Cublas(CublasError(
             cublasStatus_t::CUBLAS_STATUS_EXECUTION_FAILED,
         ))));

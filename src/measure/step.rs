@@ -44,16 +44,29 @@ pub const MAX_EVENTS: usize = 16 << 20;
 /// Recording starts before the trainer is built, so the blocks alive when the
 /// measured step starts (weights, optimizer state) are known with the op that
 /// made them; see [`Timeline`] for how blocks get their components.
-pub fn record_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<(Measurement, Timeline)> {
+pub fn record_plan(
+    spec: &ModelSpec,
+    plan: &Plan,
+    target: Target,
+) -> Result<(Measurement, Timeline)> {
     let (m, t) = measure(spec, plan, target, true)?;
     Ok((m, t.expect("recorded")))
 }
 
-fn measure(spec: &ModelSpec, plan: &Plan, target: Target, recorded: bool) -> Result<(Measurement, Option<Timeline>)> {
+fn measure(
+    spec: &ModelSpec,
+    plan: &Plan,
+    target: Target,
+    recorded: bool,
+) -> Result<(Measurement, Option<Timeline>)> {
     let device = match target {
         Target::Cpu => Device::Cpu,
         Target::Cuda(i) if !recorded => return measure_cuda(spec, plan, i).map(|m| (m, None)),
-        Target::Cuda(_) => return Err(Error::Usage("recording a timeline needs --device cpu".into())),
+        Target::Cuda(_) => {
+            return Err(Error::Usage(
+                "recording a timeline needs --device cpu".into(),
+            ))
+        }
     };
     if !alloc::installed() {
         return Err(Error::Usage(
@@ -75,7 +88,11 @@ fn measure(spec: &ModelSpec, plan: &Plan, target: Target, recorded: bool) -> Res
         Ok((trainer, stats))
     };
     let outcome = run();
-    let (events, truncated) = if recorded { alloc::stop_recording() } else { (Vec::new(), false) };
+    let (events, truncated) = if recorded {
+        alloc::stop_recording()
+    } else {
+        (Vec::new(), false)
+    };
     let (trainer, stats) = outcome?;
     let peak = stats?.peak().saturating_sub(before);
     if recorded && !events.iter().any(|e| e.kind == alloc::EventKind::StepStart) {
@@ -92,7 +109,14 @@ fn measure(spec: &ModelSpec, plan: &Plan, target: Target, recorded: bool) -> Res
             .collect();
         Timeline::from_events(&events, &names, before, truncated)
     });
-    Ok((Measurement { peak_bytes: peak, reserved_bytes: peak, out_of_memory: false }, timeline))
+    Ok((
+        Measurement {
+            peak_bytes: peak,
+            reserved_bytes: peak,
+            out_of_memory: false,
+        },
+        timeline,
+    ))
 }
 
 /// Runs one step of a tiny model of the same family and plan, so that
@@ -111,7 +135,12 @@ fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
         max_positions: 16,
         ..c.clone()
     };
-    let tiny_plan = Plan { micro_batch: 1, grad_accum: plan.grad_accum.min(2), seq_len: 8, ..*plan };
+    let tiny_plan = Plan {
+        micro_batch: 1,
+        grad_accum: plan.grad_accum.min(2),
+        seq_len: 8,
+        ..*plan
+    };
     let mut trainer = Trainer::new(&tiny, tiny_plan, device, &TrainOptions::default())?;
     trainer.step(&mut DataSource::synthetic(0))?;
     Ok(())
@@ -130,9 +159,13 @@ fn warm_up_threads() -> Result<()> {
             let a = candle_core::Tensor::ones((64, 64), candle_core::DType::F32, &Device::Cpu)?;
             a.matmul(&a).map(drop)
         };
-        rayon::broadcast(|_| product().map_err(|e| e.to_string())).into_iter().collect()
+        rayon::broadcast(|_| product().map_err(|e| e.to_string()))
+            .into_iter()
+            .collect()
     });
-    outcome.clone().map_err(|e| Error::Usage(format!("warming up the thread pool: {e}")))
+    outcome
+        .clone()
+        .map_err(|e| Error::Usage(format!("warming up the thread pool: {e}")))
 }
 
 /// Measures a step on `cuda:i`: the memory pool's allocated and reserved
@@ -143,9 +176,12 @@ fn warm_up_threads() -> Result<()> {
 fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measurement> {
     use super::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
     let device = Device::new_cuda(ordinal)?;
-    let Device::Cuda(cuda) = &device else { unreachable!("new_cuda gives a CUDA device") };
+    let Device::Cuda(cuda) = &device else {
+        unreachable!("new_cuda gives a CUDA device")
+    };
     let run = || -> candle_core::Result<Result<Measurement>> {
-        let mut trainer = match Trainer::new(&spec.config, *plan, &device, &TrainOptions::default()) {
+        let mut trainer = match Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())
+        {
             Ok(t) => t,
             Err(e) => return candle_error(e).map(Err),
         };
@@ -181,7 +217,11 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
         Err(e) if is_out_of_memory(&e) => {
             tracing::warn!(%plan, "CUDA out of memory while measuring");
             let high = PoolStats::read(cuda)?.used_high;
-            Ok(Measurement { peak_bytes: high, reserved_bytes: high, out_of_memory: true })
+            Ok(Measurement {
+                peak_bytes: high,
+                reserved_bytes: high,
+                out_of_memory: true,
+            })
         }
         Err(e) => Err(e.into()),
     }
@@ -200,7 +240,9 @@ fn candle_error(e: Error) -> candle_core::Result<Error> {
 /// Without the `cuda` feature there is no GPU to measure on.
 #[cfg(not(feature = "cuda"))]
 fn measure_cuda(_: &ModelSpec, _: &Plan, _: usize) -> Result<Measurement> {
-    Err(Error::Usage("measuring on CUDA needs a build with --features cuda".into()))
+    Err(Error::Usage(
+        "measuring on CUDA needs a build with --features cuda".into(),
+    ))
 }
 
 /// A [`Verifier`] that runs real steps, in process or in a child process.
@@ -214,13 +256,19 @@ pub struct StepVerifier {
 impl StepVerifier {
     /// Measures in this process (the process needs [`alloc::CountingAlloc`] as its allocator).
     pub fn in_process(target: Target) -> Self {
-        StepVerifier { target, isolate: None }
+        StepVerifier {
+            target,
+            isolate: None,
+        }
     }
 
     /// Measures each plan in a child `oomfix measure-step` process whose address
     /// space is limited to `budget` + [`ADDRESS_SPACE_SLACK`].
     pub fn isolated(target: Target, oomfix_binary: PathBuf, budget: u64) -> Self {
-        StepVerifier { target, isolate: Some((oomfix_binary, budget)) }
+        StepVerifier {
+            target,
+            isolate: Some((oomfix_binary, budget)),
+        }
     }
 }
 
@@ -241,21 +289,41 @@ impl Verifier for StepVerifier {
             .env_remove("RUST_BACKTRACE")
             .env("MALLOC_ARENA_MAX", "2")
             .output()
-            .map_err(|e| Error::Io { context: format!("running {}", exe.display()), source: e })?;
+            .map_err(|e| Error::Io {
+                context: format!("running {}", exe.display()),
+                source: e,
+            })?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         if out.status.success() {
             let peak: u64 = stdout.trim().parse().map_err(|_| {
-                Error::Usage(format!("measure-step printed `{}`, not a byte count", stdout.trim()))
+                Error::Usage(format!(
+                    "measure-step printed `{}`, not a byte count",
+                    stdout.trim()
+                ))
             })?;
-            return Ok(Measurement { peak_bytes: peak, reserved_bytes: peak, out_of_memory: false });
+            return Ok(Measurement {
+                peak_bytes: peak,
+                reserved_bytes: peak,
+                out_of_memory: false,
+            });
         }
         let stderr = String::from_utf8_lossy(&out.stderr);
         // An allocation failure aborts the child (SIGABRT) or is reported by candle.
-        if stderr.contains("memory allocation") || stderr.contains("out of memory") || out.status.code().is_none() {
+        if stderr.contains("memory allocation")
+            || stderr.contains("out of memory")
+            || out.status.code().is_none()
+        {
             tracing::warn!(%plan, "out of memory while measuring (limit {limit} bytes)");
-            return Ok(Measurement { peak_bytes: limit, reserved_bytes: limit, out_of_memory: true });
+            return Ok(Measurement {
+                peak_bytes: limit,
+                reserved_bytes: limit,
+                out_of_memory: true,
+            });
         }
-        Err(Error::Usage(format!("measuring {plan} failed: {}", stderr.trim())))
+        Err(Error::Usage(format!(
+            "measuring {plan} failed: {}",
+            stderr.trim()
+        )))
     }
 }
 
@@ -274,8 +342,11 @@ pub fn plan_arg(p: &Plan) -> String {
 
 /// Parses [`plan_arg`]'s format.
 pub fn parse_plan_arg(s: &str) -> Result<Plan> {
-    let bad =
-        || Error::Usage(format!("`{s}` is not a plan (mb,accum,seq,precision,checkpoint,optimizer,attention)"));
+    let bad = || {
+        Error::Usage(format!(
+            "`{s}` is not a plan (mb,accum,seq,precision,checkpoint,optimizer,attention)"
+        ))
+    };
     let f: Vec<&str> = s.split(',').collect();
     if f.len() != 7 {
         return Err(bad());
@@ -307,10 +378,16 @@ pub fn parse_plan_arg(s: &str) -> Result<Plan> {
 /// Limits this process's address space (the `measure-step` child calls it first).
 #[cfg(unix)]
 pub fn limit_address_space(bytes: u64) -> Result<()> {
-    let lim = libc::rlimit { rlim_cur: bytes as libc::rlim_t, rlim_max: bytes as libc::rlim_t };
+    let lim = libc::rlimit {
+        rlim_cur: bytes as libc::rlim_t,
+        rlim_max: bytes as libc::rlim_t,
+    };
     // SAFETY: setrlimit reads the struct we pass and changes only process limits.
     if unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) } != 0 {
-        return Err(Error::Io { context: "setrlimit(RLIMIT_AS)".into(), source: std::io::Error::last_os_error() });
+        return Err(Error::Io {
+            context: "setrlimit(RLIMIT_AS)".into(),
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(())
 }

@@ -300,9 +300,13 @@ impl Component {
 pub fn storage_addr(t: &Tensor) -> Option<u64> {
     use candle_core::CpuStorage as C;
     let (storage, _) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else { return None };
+    let Storage::Cpu(cpu) = &*storage else {
+        return None;
+    };
     let (ptr, len) = match cpu {
-        C::U8(v) | C::F6E2M3(v) | C::F6E3M2(v) | C::F4(v) | C::F8E8M0(v) => (v.as_ptr() as u64, v.capacity()),
+        C::U8(v) | C::F6E2M3(v) | C::F6E3M2(v) | C::F4(v) | C::F8E8M0(v) => {
+            (v.as_ptr() as u64, v.capacity())
+        }
         C::U32(v) => (v.as_ptr() as u64, v.capacity()),
         C::I16(v) => (v.as_ptr() as u64, v.capacity()),
         C::I32(v) => (v.as_ptr() as u64, v.capacity()),

@@ -104,7 +104,12 @@ impl Timeline {
     /// Builds the timeline of the step that starts at the first
     /// [`EventKind::StepStart`] of `events` (at the start of `events` if there
     /// is none). `names` gives the parameter name stored at an address.
-    pub fn from_events(events: &[Event], names: &HashMap<u64, String>, baseline: u64, truncated: bool) -> Timeline {
+    pub fn from_events(
+        events: &[Event],
+        names: &HashMap<u64, String>,
+        baseline: u64,
+        truncated: bool,
+    ) -> Timeline {
         let mut built: Vec<Building> = Vec::new();
         let mut live: HashMap<u64, usize> = HashMap::new();
         let start = events.iter().position(|e| e.kind == EventKind::StepStart);
@@ -145,7 +150,8 @@ impl Timeline {
                     }
                 }
                 EventKind::Mark => {
-                    if let (Some(&b), Some(c)) = (live.get(&e.addr), Component::from_index(e.size)) {
+                    if let (Some(&b), Some(c)) = (live.get(&e.addr), Component::from_index(e.size))
+                    {
                         built[b].mark = Some(c);
                     }
                 }
@@ -179,7 +185,10 @@ impl Timeline {
             }
         }
         let initial = initial.unwrap_or_default();
-        let end_ns = events.last().map_or(0, |e| e.time_ns).saturating_sub(start_ns);
+        let end_ns = events
+            .last()
+            .map_or(0, |e| e.time_ns)
+            .saturating_sub(start_ns);
         let rel = |t: u64| t.saturating_sub(start_ns);
         // Output blocks: the initial ones, then the step's in allocation order.
         let mut index: HashMap<usize, usize> = HashMap::new();
@@ -215,11 +224,24 @@ impl Timeline {
         }
         let changes = changes
             .into_iter()
-            .filter_map(|(t, b, alloc)| Some(Change { time_ns: rel(t), block: *index.get(&b)?, alloc }))
+            .filter_map(|(t, b, alloc)| {
+                Some(Change {
+                    time_ns: rel(t),
+                    block: *index.get(&b)?,
+                    alloc,
+                })
+            })
             .collect();
         let mut phases: Vec<(u64, Phase)> = phases.into_iter().map(|(t, p)| (rel(t), p)).collect();
         phases.dedup_by(|b, a| a.1 == b.1);
-        Timeline { blocks, changes, phases, end_ns, baseline, truncated }
+        Timeline {
+            blocks,
+            changes,
+            phases,
+            end_ns,
+            baseline,
+            truncated,
+        }
     }
 
     /// Bytes per component of the blocks alive when the step started.
@@ -240,7 +262,11 @@ impl Timeline {
         for c in &self.changes {
             let b = &self.blocks[c.block];
             let slot = &mut bytes[b.component as usize];
-            *slot = if c.alloc { *slot + b.size } else { slot.saturating_sub(b.size) };
+            *slot = if c.alloc {
+                *slot + b.size
+            } else {
+                slot.saturating_sub(b.size)
+            };
             out.push((c.time_ns, bytes));
         }
         out
@@ -256,7 +282,11 @@ impl Timeline {
 
     /// The phase at `time_ns`.
     pub fn phase_at(&self, time_ns: u64) -> Phase {
-        self.phases.iter().take_while(|(t, _)| *t <= time_ns).last().map_or(Phase::Setup, |p| p.1)
+        self.phases
+            .iter()
+            .take_while(|(t, _)| *t <= time_ns)
+            .last()
+            .map_or(Phase::Setup, |p| p.1)
     }
 }
 
@@ -266,7 +296,15 @@ mod tests {
     use crate::measure::tag::{Module, Op};
 
     fn ev(kind: EventKind, t: u64, addr: u64, size: u64, phase: Phase, op: Op) -> Event {
-        Event { time_ns: t, addr, size, live: 0, tag: Tag::new(Module::ROOT, op), kind, phase }
+        Event {
+            time_ns: t,
+            addr,
+            size,
+            live: 0,
+            tag: Tag::new(Module::ROOT, op),
+            kind,
+            phase,
+        }
     }
 
     #[test]
@@ -286,7 +324,14 @@ mod tests {
             ev(EventKind::Phase, 8, 0, 0, Backward, Op::None),
             ev(Alloc, 9, 0x60, 100, Backward, Op::Backward), // a gradient
             ev(Alloc, 10, 0x70, 30, Backward, Op::Backward), // temporary
-            ev(Mark, 11, 0x60, Component::Gradients as u64, Backward, Op::None),
+            ev(
+                Mark,
+                11,
+                0x60,
+                Component::Gradients as u64,
+                Backward,
+                Op::None,
+            ),
             ev(Free, 12, 0x40, 50, Backward, Op::None),
             ev(Free, 13, 0x70, 30, Backward, Op::None),
             ev(Free, 14, 0x999, 1000, Backward, Op::None), // older than the recording
@@ -314,7 +359,10 @@ mod tests {
         let (time, bytes) = t.peak();
         assert_eq!(time, 10 - 3);
         assert_eq!(bytes, [100, 100, 200, 50, 45]);
-        assert_eq!(t.phases, [(0, Setup), (1, Forward), (5, Backward), (12, Setup)]);
+        assert_eq!(
+            t.phases,
+            [(0, Setup), (1, Forward), (5, Backward), (12, Setup)]
+        );
         assert_eq!(t.phase_at(6), Backward);
         assert_eq!(t.end_ns, 12);
     }

@@ -65,7 +65,10 @@ impl Moment {
 impl Activations {
     /// The largest working set of the backward's three moments.
     pub fn backward_transient(&self) -> u64 {
-        self.loss.transient.max(self.blocks.transient).max(self.embedding.transient)
+        self.loss
+            .transient
+            .max(self.blocks.transient)
+            .max(self.embedding.transient)
     }
 }
 
@@ -81,7 +84,10 @@ impl Values {
         self.c * c + self.f32 * 4
     }
     fn add(self, o: Values) -> Values {
-        Values { c: self.c + o.c, f32: self.f32 + o.f32 }
+        Values {
+            c: self.c + o.c,
+            f32: self.f32 + o.f32,
+        }
     }
 }
 
@@ -124,13 +130,19 @@ impl Dims {
     /// and the cast back.
     fn layer_norm(&self) -> Values {
         let m = u64::from(self.mixed);
-        Values { c: (2 + m) * self.n * self.h, f32: (3 + m) * self.n * self.h + 6 * self.n }
+        Values {
+            c: (2 + m) * self.n * self.h,
+            f32: (3 + m) * self.n * self.h + 6 * self.n,
+        }
     }
     /// RMS norm on `[n, h]`: squared, normalised (f32), × weight (c), four
     /// `[n,1]` f32 statistics; mixed adds the two casts.
     fn rms_norm(&self) -> Values {
         let m = u64::from(self.mixed);
-        Values { c: (1 + m) * self.n * self.h, f32: (2 + m) * self.n * self.h + 4 * self.n }
+        Values {
+            c: (1 + m) * self.n * self.h,
+            f32: (2 + m) * self.n * self.h + 4 * self.n,
+        }
     }
 }
 
@@ -141,10 +153,16 @@ impl Dims {
 /// tensors and its row maximum and sum. Flash: the log-sum-exp `[b,H,s]` f32.
 fn attention_core(family: Family, d: &Dims) -> Values {
     if d.flash {
-        return Values { c: 0, f32: d.n * d.heads };
+        return Values {
+            c: 0,
+            f32: d.n * d.heads,
+        };
     }
     let masked = u64::from(family != Family::Bert);
-    Values { c: (4 + masked) * d.scores() + 2 * d.n * d.heads, f32: 0 }
+    Values {
+        c: (4 + masked) * d.scores() + 2 * d.n * d.heads,
+        f32: 0,
+    }
 }
 
 /// The stray gradients one block's backward leaves in the gradient store, as
@@ -161,9 +179,23 @@ fn attention_core(family: Family, d: &Dims) -> Values {
 /// and the upstream gradient: four tensors the size of `x` per table.
 fn block_strays(family: Family, d: &Dims) -> (Values, Values) {
     let masked = u64::from(family != Family::Bert);
-    let attention = if d.flash { 0 } else { (1 + masked) * d.scores() };
-    let rope = if family == Family::Llama { 4 * (2 * d.n * d.h + 2 * d.n * d.kv) } else { 0 };
-    (Values { c: attention, f32: 0 }, Values { c: rope, f32: 0 })
+    let attention = if d.flash {
+        0
+    } else {
+        (1 + masked) * d.scores()
+    };
+    let rope = if family == Family::Llama {
+        4 * (2 * d.n * d.h + 2 * d.n * d.kv)
+    } else {
+        0
+    };
+    (
+        Values {
+            c: attention,
+            f32: 0,
+        },
+        Values { c: rope, f32: 0 },
+    )
 }
 
 /// What one transformer block's forward keeps.
@@ -174,27 +206,36 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
         // ln_1; c_attn matmul + bias [n,3h]×2; q scaled (or contiguous), k, v
         // copies; attention core; context; merged, c_proj, bias, residual;
         // ln_2; c_fc, bias, gelu [n,I]×3; c_proj, bias, residual.
-        Family::Gpt2 | Family::Generic => Values { c: 17 * n * h + 3 * n * i, f32: 0 }
-            .add(core)
-            .add(d.layer_norm())
-            .add(d.layer_norm()),
+        Family::Gpt2 | Family::Generic => Values {
+            c: 17 * n * h + 3 * n * i,
+            f32: 0,
+        }
+        .add(core)
+        .add(d.layer_norm())
+        .add(d.layer_norm()),
         // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; attention
         // core; context; merged, o_proj, residual; rms; gate, up, silu, product
         // [n,I]×4; down, residual.
         Family::Llama => {
             let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
-            Values { c: 11 * n * h + 7 * n * kv + 4 * n * i + bias, f32: 0 }
-                .add(core)
-                .add(d.rms_norm())
-                .add(d.rms_norm())
+            Values {
+                c: 11 * n * h + 7 * n * kv + 4 * n * i + bias,
+                f32: 0,
+            }
+            .add(core)
+            .add(d.rms_norm())
+            .add(d.rms_norm())
         }
         // q/k/v matmul + bias ×6; q scaled (or contiguous), k, v copies;
         // attention core; context; merged, dense, bias, residual; LN;
         // intermediate, bias, gelu ×3; dense, bias, residual; LN.
-        Family::Bert => Values { c: 17 * n * h + 3 * n * i, f32: 0 }
-            .add(core)
-            .add(d.layer_norm())
-            .add(d.layer_norm()),
+        Family::Bert => Values {
+            c: 17 * n * h + 3 * n * i,
+            f32: 0,
+        }
+        .add(core)
+        .add(d.layer_norm())
+        .add(d.layer_norm()),
     }
 }
 
@@ -203,9 +244,19 @@ fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
 fn stem(family: Family, d: &Dims) -> Values {
     let mask = if d.flash { 0 } else { d.s * d.s };
     match family {
-        Family::Gpt2 | Family::Generic => Values { c: 2 * d.n * d.h + mask, f32: 0 },
-        Family::Llama => Values { c: d.n * d.h + mask + 4 * d.s * d.head_dim, f32: 0 },
-        Family::Bert => Values { c: 2 * d.n * d.h + d.s * d.h, f32: 0 }.add(d.layer_norm()),
+        Family::Gpt2 | Family::Generic => Values {
+            c: 2 * d.n * d.h + mask,
+            f32: 0,
+        },
+        Family::Llama => Values {
+            c: d.n * d.h + mask + 4 * d.s * d.head_dim,
+            f32: 0,
+        },
+        Family::Bert => Values {
+            c: 2 * d.n * d.h + d.s * d.h,
+            f32: 0,
+        }
+        .add(d.layer_norm()),
     }
 }
 
@@ -218,10 +269,17 @@ fn head(family: Family, d: &Dims) -> Values {
     let norm = match family {
         Family::Gpt2 | Family::Generic => d.layer_norm(),
         Family::Llama => d.rms_norm(),
-        Family::Bert => Values { c: 3 * d.n * d.h, f32: d.n }.add(d.layer_norm()),
+        Family::Bert => Values {
+            c: 3 * d.n * d.h,
+            f32: d.n,
+        }
+        .add(d.layer_norm()),
     };
     let logits = if family == Family::Bert { 2 * nv } else { nv };
-    norm.add(Values { c: logits, f32: 2 * d.n })
+    norm.add(Values {
+        c: logits,
+        f32: 2 * d.n,
+    })
 }
 
 /// Logits-sized tensors in the compute dtype alive at once while the backward
@@ -326,18 +384,25 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let stem = stem(cfg.family, &d).bytes(c);
     let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
     let (attention_strays, rope_strays) = block_strays(cfg.family, &d);
-    let (attention_strays, strays) = (attention_strays.bytes(c), attention_strays.add(rope_strays).bytes(c));
+    let (attention_strays, strays) = (
+        attention_strays.bytes(c),
+        attention_strays.add(rope_strays).bytes(c),
+    );
     let head = head(cfg.family, &d).bytes(c);
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
     let loss_transient =
         (LOSS_BACKWARD_NV * d.n * d.v).max(d.n * d.v + HEAD_WEIGHT_BACKWARD_COPIES * d.v * d.h) * c;
-    let attention_backward =
-        if d.flash { flash_backward(&d) } else { ATTENTION_BACKWARD_SCORES * d.scores() * c };
+    let attention_backward = if d.flash {
+        flash_backward(&d)
+    } else {
+        ATTENTION_BACKWARD_SCORES * d.scores() * c
+    };
     // The backward crosses a block's MLP, then its attention core (which
     // makes the core's strays), then RoPE (whose strays come after the
     // core's working set is gone).
-    let block_transient = (attention_strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
+    let block_transient =
+        (attention_strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
     let embedding_transient = embedding_backward_copies(spec, plan) * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
@@ -347,9 +412,18 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
             let recomputed = stem + k * block + (k - 1) * strays + surrogate;
             Activations {
                 kept: stem + segment_outputs,
-                loss: Moment { activations: stem + segment_outputs + head, transient: loss_transient },
-                blocks: Moment { activations: recomputed, transient: block_transient },
-                embedding: Moment { activations: recomputed + strays, transient: embedding_transient },
+                loss: Moment {
+                    activations: stem + segment_outputs + head,
+                    transient: loss_transient,
+                },
+                blocks: Moment {
+                    activations: recomputed,
+                    transient: block_transient,
+                },
+                embedding: Moment {
+                    activations: recomputed + strays,
+                    transient: embedding_transient,
+                },
             }
         }
         _ => {
@@ -357,9 +431,18 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
             let later_strays = kept + (layers - 1) * strays;
             Activations {
                 kept,
-                loss: Moment { activations: kept, transient: loss_transient },
-                blocks: Moment { activations: later_strays, transient: block_transient },
-                embedding: Moment { activations: later_strays + strays, transient: embedding_transient },
+                loss: Moment {
+                    activations: kept,
+                    transient: loss_transient,
+                },
+                blocks: Moment {
+                    activations: later_strays,
+                    transient: block_transient,
+                },
+                embedding: Moment {
+                    activations: later_strays + strays,
+                    transient: embedding_transient,
+                },
             }
         }
     }

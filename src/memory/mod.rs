@@ -26,8 +26,9 @@ mod activations;
 mod runtime;
 
 pub use activations::{
-    activation_bytes, embedding_backward_copies, mlp_backward_ni, Activations, Moment, ATTENTION_BACKWARD_SCORES,
-    EMBEDDING_BACKWARD_COPIES, HEAD_WEIGHT_BACKWARD_COPIES, LOSS_BACKWARD_NV,
+    activation_bytes, embedding_backward_copies, mlp_backward_ni, Activations, Moment,
+    ATTENTION_BACKWARD_SCORES, EMBEDDING_BACKWARD_COPIES, HEAD_WEIGHT_BACKWARD_COPIES,
+    LOSS_BACKWARD_NV,
 };
 pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES};
 
@@ -146,15 +147,29 @@ impl Estimator for MemoryModel {
         let n = plan.shard.world_size.max(1) as u64;
         let stage = if n > 1 { plan.shard.stage } else { 0 };
         let cb = plan.precision.compute_bytes();
-        let shard = |bytes: u64, from_stage: u8| if stage >= from_stage { bytes.div_ceil(n) } else { bytes };
+        let shard = |bytes: u64, from_stage: u8| {
+            if stage >= from_stage {
+                bytes.div_ceil(n)
+            } else {
+                bytes
+            }
+        };
 
         // Weights: during forward and backward every rank holds all compute weights
         // (stage 3 gathers them all before the forward); between steps and in the
         // optimizer step only its shard.
         let weights = p * cb;
-        let master_weights = if plan.precision.is_mixed() { shard(4 * p, 1) } else { 0 };
+        let master_weights = if plan.precision.is_mixed() {
+            shard(4 * p, 1)
+        } else {
+            0
+        };
         let gradients = p * cb;
-        let accumulated_gradients = if plan.grad_accum > 1 { shard(p * cb, 2) } else { 0 };
+        let accumulated_gradients = if plan.grad_accum > 1 {
+            shard(p * cb, 2)
+        } else {
+            0
+        };
         let optimizer_state = shard(8 * p, 1);
         let act = activation_bytes(spec, plan);
         let optimizer_transient = optimizer_transient(spec, plan);
@@ -171,7 +186,13 @@ impl Estimator for MemoryModel {
         let (backward_phase, moment, backward) = moments
             .into_iter()
             .map(|(phase, m, grads)| (phase, m, state + grads + m.total()))
-            .fold((Phase::Backward, Moment::default(), 0), |best, x| if x.2 > best.2 { x } else { best });
+            .fold((Phase::Backward, Moment::default(), 0), |best, x| {
+                if x.2 > best.2 {
+                    x
+                } else {
+                    best
+                }
+            });
         let step_weights = shard(weights, 3);
         let step = step_weights
             + master_weights
@@ -179,8 +200,11 @@ impl Estimator for MemoryModel {
             + shard(gradients, 2)
             + optimizer_transient
             + runtime;
-        let (peak, peak_phase) =
-            if step > backward { (step, Phase::OptimizerStep) } else { (backward, backward_phase) };
+        let (peak, peak_phase) = if step > backward {
+            (step, Phase::OptimizerStep)
+        } else {
+            (backward, backward_phase)
+        };
         Breakdown {
             weights,
             master_weights,
@@ -223,7 +247,11 @@ pub fn optimizer_transient(spec: &ModelSpec, plan: &Plan) -> u64 {
     match plan.optimizer {
         OptimizerImpl::FusedAdamW => 0,
         OptimizerImpl::CandleAdamW => {
-            let upcast = if plan.precision.is_mixed() { 4 * spec.largest_tensor() } else { 0 };
+            let upcast = if plan.precision.is_mixed() {
+                4 * spec.largest_tensor()
+            } else {
+                0
+            };
             CANDLE_ADAMW_TEMPORARIES * 4 * spec.largest_tensor() + upcast
         }
     }

@@ -1,6 +1,8 @@
 use super::*;
 use crate::spec::{ModelConfig, ModelSpec};
-use oomfix_strategies::{Attention, Checkpointing, Pipeline, Plan, Precision, SearchContext, Sharding};
+use oomfix_strategies::{
+    Attention, Checkpointing, Pipeline, Plan, Precision, SearchContext, Sharding,
+};
 use proptest::prelude::*;
 
 fn spec_for(i: usize) -> ModelSpec {
@@ -13,18 +15,43 @@ fn spec_for(i: usize) -> ModelSpec {
 }
 
 fn arb_plan() -> impl Strategy<Value = Plan> {
-    (1usize..16, 1usize..8, 1usize..9, 0usize..3, 0usize..4, any::<bool>(), any::<bool>(), 1usize..5, 0u8..4).prop_map(
-        |(mb, acc, s, prec, ck, flash, fused, world, stage)| Plan {
+    (
+        1usize..16,
+        1usize..8,
+        1usize..9,
+        0usize..3,
+        0usize..4,
+        any::<bool>(),
+        any::<bool>(),
+        1usize..5,
+        0u8..4,
+    )
+        .prop_map(|(mb, acc, s, prec, ck, flash, fused, world, stage)| Plan {
             micro_batch: mb,
             grad_accum: acc,
             seq_len: 64 * s,
             precision: [Precision::F32, Precision::Bf16, Precision::F16][prec],
-            checkpoint: [Checkpointing::None, Checkpointing::Every(4), Checkpointing::Every(2), Checkpointing::Every(1)][ck],
-            attention: if flash { Attention::Flash } else { Attention::Composed },
-            optimizer: if fused { OptimizerImpl::FusedAdamW } else { OptimizerImpl::CandleAdamW },
-            shard: Sharding { world_size: world, stage: if world > 1 { stage } else { 0 } },
-        },
-    )
+            checkpoint: [
+                Checkpointing::None,
+                Checkpointing::Every(4),
+                Checkpointing::Every(2),
+                Checkpointing::Every(1),
+            ][ck],
+            attention: if flash {
+                Attention::Flash
+            } else {
+                Attention::Composed
+            },
+            optimizer: if fused {
+                OptimizerImpl::FusedAdamW
+            } else {
+                OptimizerImpl::CandleAdamW
+            },
+            shard: Sharding {
+                world_size: world,
+                stage: if world > 1 { stage } else { 0 },
+            },
+        })
 }
 
 proptest! {
@@ -100,9 +127,16 @@ proptest! {
 fn mixed_precision_model_state_is_16_bytes_per_parameter_with_fused_adamw() {
     let spec = spec_for(0);
     let p = spec.parameters();
-    let plan = Plan { precision: Precision::Bf16, optimizer: OptimizerImpl::FusedAdamW, ..Plan::baseline(1, 128) };
+    let plan = Plan {
+        precision: Precision::Bf16,
+        optimizer: OptimizerImpl::FusedAdamW,
+        ..Plan::baseline(1, 128)
+    };
     let b = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
-    assert_eq!(b.weights + b.master_weights + b.gradients + b.optimizer_state, 16 * p);
+    assert_eq!(
+        b.weights + b.master_weights + b.gradients + b.optimizer_state,
+        16 * p
+    );
     assert_eq!(b.optimizer_transient, 0);
 }
 
@@ -111,7 +145,16 @@ fn checkpointing_keeps_only_segment_inputs() {
     let spec = spec_for(0);
     let plain = Plan::baseline(4, 512);
     let a = activation_bytes(&spec, &plain);
-    let every = |k| activation_bytes(&spec, &Plan { checkpoint: Checkpointing::Every(k), ..plain }).kept;
+    let every = |k| {
+        activation_bytes(
+            &spec,
+            &Plan {
+                checkpoint: Checkpointing::Every(k),
+                ..plain
+            },
+        )
+        .kept
+    };
     let bsh = 4 * 512 * 768 * 4;
     assert_eq!(every(1) - every(2), 6 * bsh); // 12 segment inputs instead of 6
     assert!(a.kept > 10 * every(1));
@@ -123,20 +166,46 @@ fn flash_attention_keeps_nothing_quadratic_in_the_sequence() {
         let spec = spec_for(i);
         for checkpoint in [Checkpointing::None, Checkpointing::Every(1)] {
             let bytes = |attention, s| {
-                let plan = Plan { attention, checkpoint, ..Plan::baseline(4, s) };
+                let plan = Plan {
+                    attention,
+                    checkpoint,
+                    ..Plan::baseline(4, s)
+                };
                 let a = activation_bytes(&spec, &plan);
                 a.kept + a.blocks.total()
             };
             // Every flash term of the blocks is linear in the sequence length
             // (the head's weight gradient and the embedding's copies are not
             // terms of the sequence at all).
-            assert_eq!(bytes(Attention::Flash, 1024), 2 * bytes(Attention::Flash, 512), "{i} {checkpoint}");
-            assert!(bytes(Attention::Flash, 512) <= bytes(Attention::Composed, 512), "{i} {checkpoint}");
+            assert_eq!(
+                bytes(Attention::Flash, 1024),
+                2 * bytes(Attention::Flash, 512),
+                "{i} {checkpoint}"
+            );
+            assert!(
+                bytes(Attention::Flash, 512) <= bytes(Attention::Composed, 512),
+                "{i} {checkpoint}"
+            );
         }
         // Without checkpointing every block's scores are kept: composed grows faster.
-        let kept = |attention, s| activation_bytes(&spec, &Plan { attention, ..Plan::baseline(2, s) }).kept;
-        assert!(kept(Attention::Composed, 1024) > 2 * kept(Attention::Composed, 512), "{i}");
-        assert!(kept(Attention::Flash, 512) < kept(Attention::Composed, 512), "{i}");
+        let kept = |attention, s| {
+            activation_bytes(
+                &spec,
+                &Plan {
+                    attention,
+                    ..Plan::baseline(2, s)
+                },
+            )
+            .kept
+        };
+        assert!(
+            kept(Attention::Composed, 1024) > 2 * kept(Attention::Composed, 512),
+            "{i}"
+        );
+        assert!(
+            kept(Attention::Flash, 512) < kept(Attention::Composed, 512),
+            "{i}"
+        );
     }
 }
 
@@ -144,14 +213,26 @@ fn flash_attention_keeps_nothing_quadratic_in_the_sequence() {
 fn the_loss_backward_holds_no_gradient() {
     // A large vocabulary on a small model: the loss's [n,V] working set is the
     // largest of the step, and no parameter gradient exists yet when it is alive.
-    let spec = ModelSpec::from_config("t", ModelConfig { vocab: 50_000, ..ModelConfig::gpt2(2, 128, 2) });
-    let plan =
-        Plan { checkpoint: Checkpointing::Every(1), optimizer: OptimizerImpl::FusedAdamW, ..Plan::baseline(8, 256) };
+    let spec = ModelSpec::from_config(
+        "t",
+        ModelConfig {
+            vocab: 50_000,
+            ..ModelConfig::gpt2(2, 128, 2)
+        },
+    );
+    let plan = Plan {
+        checkpoint: Checkpointing::Every(1),
+        optimizer: OptimizerImpl::FusedAdamW,
+        ..Plan::baseline(8, 256)
+    };
     let b = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
     let a = activation_bytes(&spec, &plan);
     assert_eq!(b.peak_phase, Phase::LossBackward);
     assert_eq!(b.peak, b.weights + b.optimizer_state + a.loss.total());
-    assert!(b.peak_components().iter().all(|(name, _)| *name != "gradients"));
+    assert!(b
+        .peak_components()
+        .iter()
+        .all(|(name, _)| *name != "gradients"));
     // Later moments hold the gradients, but not the loss's working set.
     assert!(a.blocks.total() + b.gradients < a.loss.total());
 }
@@ -173,8 +254,15 @@ fn block_strays_accumulate_through_the_backward() {
 fn cuda_offers_flash_attention_only_for_heads_the_kernels_take() {
     let planned = |config: ModelConfig, target: Target| {
         let spec = ModelSpec::from_config("m", config);
-        crate::Planner::new(1 << 20).global_batch(4).seq_len(64).target(target).run(&spec).unwrap()
-            .attempts.iter().any(|a| a.plan.attention == Attention::Flash)
+        crate::Planner::new(1 << 20)
+            .global_batch(4)
+            .seq_len(64)
+            .target(target)
+            .run(&spec)
+            .unwrap()
+            .attempts
+            .iter()
+            .any(|a| a.plan.attention == Attention::Flash)
     };
     // GPT-2 small: head dimension 64; 2 heads of 384: head dimension 384.
     assert!(planned(ModelConfig::gpt2_small(), Target::Cuda(0)));

@@ -42,9 +42,18 @@ fn attempt(a: &Attempt) -> Value {
     let o = v.as_object_mut().expect("plan is an object");
     o.insert("strategy".into(), json!(a.strategy));
     o.insert("estimated_bytes".into(), json!(a.estimate.peak));
-    o.insert("measured_bytes".into(), json!(a.measured.map(|m| m.peak_bytes)));
-    o.insert("measured_reserved_bytes".into(), json!(a.measured.map(|m| m.reserved_bytes)));
-    o.insert("out_of_memory".into(), json!(a.measured.map(|m| m.out_of_memory)));
+    o.insert(
+        "measured_bytes".into(),
+        json!(a.measured.map(|m| m.peak_bytes)),
+    );
+    o.insert(
+        "measured_reserved_bytes".into(),
+        json!(a.measured.map(|m| m.reserved_bytes)),
+    );
+    o.insert(
+        "out_of_memory".into(),
+        json!(a.measured.map(|m| m.out_of_memory)),
+    );
     o.insert("fits".into(), json!(a.fits));
     v
 }
@@ -89,9 +98,8 @@ pub fn search_json(spec: &ModelSpec, result: &SearchResult) -> Value {
 /// `oomfix inspect --json`.
 pub fn inspect_json(spec: &ModelSpec) -> Value {
     let mut v = model_json(spec);
-    v.as_object_mut().expect("object").insert(
-        "tensors".into(),
-        json!(spec.tensors.len()),
-    );
+    v.as_object_mut()
+        .expect("object")
+        .insert("tensors".into(), json!(spec.tensors.len()));
     v
 }

@@ -21,7 +21,12 @@ struct Pickler<'a> {
 
 impl<'a> Pickler<'a> {
     fn new() -> Self {
-        Pickler { out: vec![0x80, 3], next_memo: 0, strings: HashMap::new(), frames: HashMap::new() }
+        Pickler {
+            out: vec![0x80, 3],
+            next_memo: 0,
+            strings: HashMap::new(),
+            frames: HashMap::new(),
+        }
     }
 
     /// Memoizes the object on top of the stack; returns its memo index.
@@ -207,11 +212,22 @@ mod tests {
 
     #[test]
     fn ints_round_trip_through_serde_pickle() {
-        for v in [0u64, 1, 255, 0x7fff_ffff, 0x8000_0000, 0xffff_ffff, 1 << 40, 0x7fff_ffff_ffff_ffff, u64::MAX] {
+        for v in [
+            0u64,
+            1,
+            255,
+            0x7fff_ffff,
+            0x8000_0000,
+            0xffff_ffff,
+            1 << 40,
+            0x7fff_ffff_ffff_ffff,
+            u64::MAX,
+        ] {
             let mut p = Pickler::new();
             p.int(v);
             p.out.push(b'.');
-            let back: serde_pickle::Value = serde_pickle::value_from_slice(&p.out, Default::default()).unwrap();
+            let back: serde_pickle::Value =
+                serde_pickle::value_from_slice(&p.out, Default::default()).unwrap();
             let want: serde_pickle::Value = serde_pickle::value_from_slice(
                 &serde_pickle::to_vec(&v, Default::default()).unwrap(),
                 Default::default(),

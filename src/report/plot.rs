@@ -19,7 +19,9 @@ use crate::units::format_bytes;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
-use plotters_backend::{BackendColor, BackendCoord, BackendTextStyle, DrawingErrorKind, FontTransform};
+use plotters_backend::{
+    BackendColor, BackendCoord, BackendTextStyle, DrawingErrorKind, FontTransform,
+};
 use std::path::Path;
 
 /// Most samples drawn across the time axis.
@@ -41,10 +43,18 @@ impl PlotFormat {
     /// The format `path` names by its extension (case-insensitive); an error
     /// message naming the path for anything else.
     pub fn from_path(path: &Path) -> Result<PlotFormat, String> {
-        match path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase).as_deref() {
+        match path
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase)
+            .as_deref()
+        {
             Some("svg") => Ok(PlotFormat::Svg),
             Some("png") => Ok(PlotFormat::Png),
-            _ => Err(format!("cannot plot to {}: the file name must end in .svg or .png", path.display())),
+            _ => Err(format!(
+                "cannot plot to {}: the file name must end in .svg or .png",
+                path.display()
+            )),
         }
     }
 }
@@ -103,7 +113,9 @@ fn phase_spans(timeline: &Timeline) -> Vec<(f64, f64, Phase)> {
     let ms = |t: u64| t as f64 / 1e6;
     let end = ms(timeline.end_ns);
     let p = &timeline.phases;
-    (0..p.len()).map(|i| (ms(p[i].0), p.get(i + 1).map_or(end, |n| ms(n.0)), p[i].1)).collect()
+    (0..p.len())
+        .map(|i| (ms(p[i].0), p.get(i + 1).map_or(end, |n| ms(n.0)), p[i].1))
+        .collect()
 }
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -130,18 +142,40 @@ where
     let peak_total: u64 = peak.iter().sum();
     let end = (timeline.end_ns as f64 / 1e6).max(1e-3);
     let budget_shown = budget <= peak_total.saturating_mul(2);
-    let top = (if budget_shown { peak_total.max(budget) } else { peak_total }) as f64 / MIB * 1.12 + 1e-3;
+    let top = (if budget_shown {
+        peak_total.max(budget)
+    } else {
+        peak_total
+    }) as f64
+        / MIB
+        * 1.12
+        + 1e-3;
     root.fill(&WHITE).map_err(err)?;
     let peak_line = format!(
         "peak {} at {:.1} ms ({}){}",
         format_bytes(peak_total),
         peak_ns as f64 / 1e6,
         timeline.phase_at(peak_ns).as_str().replace('_', " "),
-        if timeline.truncated { "; the recording was cut short" } else { "" }
+        if timeline.truncated {
+            "; the recording was cut short"
+        } else {
+            ""
+        }
     );
-    for (i, (line, size)) in [(title, title_size), (peak_line.as_str(), text)].into_iter().enumerate() {
-        let style = ("sans-serif", size).into_font().color(&BLACK).pos(Pos::new(HPos::Left, VPos::Top));
-        root.draw(&Text::new(line.to_string(), (16, 10 + 22 * i as i32), style)).map_err(err)?;
+    for (i, (line, size)) in [(title, title_size), (peak_line.as_str(), text)]
+        .into_iter()
+        .enumerate()
+    {
+        let style = ("sans-serif", size)
+            .into_font()
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Left, VPos::Top));
+        root.draw(&Text::new(
+            line.to_string(),
+            (16, 10 + 22 * i as i32),
+            style,
+        ))
+        .map_err(err)?;
     }
     let mut chart = ChartBuilder::on(&root)
         .margin(14)
@@ -175,20 +209,34 @@ where
     let spans = phase_spans(timeline);
     for &(a, b, p) in &spans {
         if let Some((c, _)) = phase_style(p) {
-            chart.draw_series([Rectangle::new([(a, 0.0), (b, top)], c.filled())]).map_err(err)?;
+            chart
+                .draw_series([Rectangle::new([(a, 0.0), (b, top)], c.filled())])
+                .map_err(err)?;
         }
     }
     // Components, stacked bottom to top.
     let mut lower = vec![0.0f64; points.len()];
     for c in Component::ALL {
-        let upper: Vec<f64> = points.iter().zip(&lower).map(|((_, b), l)| l + b[c as usize] as f64 / MIB).collect();
+        let upper: Vec<f64> = points
+            .iter()
+            .zip(&lower)
+            .map(|((_, b), l)| l + b[c as usize] as f64 / MIB)
+            .collect();
         if upper.iter().zip(&lower).all(|(u, l)| u <= l) {
             lower = upper;
             continue;
         }
-        let mut outline: Vec<(f64, f64)> = points.iter().zip(&upper).map(|((x, _), y)| (*x, *y)).collect();
+        let mut outline: Vec<(f64, f64)> = points
+            .iter()
+            .zip(&upper)
+            .map(|((x, _), y)| (*x, *y))
+            .collect();
         outline.extend(points.iter().zip(&lower).rev().map(|((x, _), y)| (*x, *y)));
-        let label = format!("{} ({} at peak)", c.as_str().replace('_', " "), format_bytes(peak[c as usize]));
+        let label = format!(
+            "{} ({} at peak)",
+            c.as_str().replace('_', " "),
+            format_bytes(peak[c as usize])
+        );
         chart
             .draw_series([Polygon::new(outline, color(c).filled())])
             .map_err(err)?
@@ -199,10 +247,17 @@ where
     for &(a, b, p) in &spans {
         if let Some((c, name)) = phase_style(p) {
             let dark = RGBColor(c.0 / 2, c.1 / 2, c.2 / 2);
-            chart.draw_series([PathElement::new([(a, 0.0), (a, top)], dark.mix(0.6))]).map_err(err)?;
+            chart
+                .draw_series([PathElement::new([(a, 0.0), (a, top)], dark.mix(0.6))])
+                .map_err(err)?;
             if (b - a) / end > 0.07 {
-                let style = ("sans-serif", text).into_font().color(&dark).pos(Pos::new(HPos::Center, VPos::Top));
-                chart.draw_series([Text::new(name, ((a + b) / 2.0, top * 0.985), style)]).map_err(err)?;
+                let style = ("sans-serif", text)
+                    .into_font()
+                    .color(&dark)
+                    .pos(Pos::new(HPos::Center, VPos::Top));
+                chart
+                    .draw_series([Text::new(name, ((a + b) / 2.0, top * 0.985), style)])
+                    .map_err(err)?;
             }
         }
     }
@@ -246,20 +301,41 @@ where
 /// Draws the timeline as an SVG document.
 pub fn timeline_svg(timeline: &Timeline, budget: u64, title: &str) -> Result<String, String> {
     let mut svg = String::new();
-    draw(SVGBackend::with_string(&mut svg, SIZE).into_drawing_area(), timeline, budget, title, SVG_FONTS)?;
+    draw(
+        SVGBackend::with_string(&mut svg, SIZE).into_drawing_area(),
+        timeline,
+        budget,
+        title,
+        SVG_FONTS,
+    )?;
     Ok(svg)
 }
 
 /// Draws the timeline as a PNG image.
 pub fn timeline_png(timeline: &Timeline, budget: u64, title: &str) -> Result<Vec<u8>, String> {
     let mut rgb = vec![255u8; SIZE.0 as usize * SIZE.1 as usize * 3];
-    let canvas = Canvas { width: SIZE.0, height: SIZE.1, rgb: &mut rgb };
-    draw(canvas.into_drawing_area(), timeline, budget, title, PNG_FONTS)?;
+    let canvas = Canvas {
+        width: SIZE.0,
+        height: SIZE.1,
+        rgb: &mut rgb,
+    };
+    draw(
+        canvas.into_drawing_area(),
+        timeline,
+        budget,
+        title,
+        PNG_FONTS,
+    )?;
     encode_png(SIZE.0, SIZE.1, &rgb)
 }
 
 /// Draws the timeline in `format`.
-pub fn timeline_plot(timeline: &Timeline, budget: u64, title: &str, format: PlotFormat) -> Result<Vec<u8>, String> {
+pub fn timeline_plot(
+    timeline: &Timeline,
+    budget: u64,
+    title: &str,
+    format: PlotFormat,
+) -> Result<Vec<u8>, String> {
     match format {
         PlotFormat::Svg => timeline_svg(timeline, budget, title).map(String::into_bytes),
         PlotFormat::Png => timeline_png(timeline, budget, title),
@@ -322,13 +398,20 @@ impl DrawingBackend for Canvas<'_> {
         Ok(())
     }
 
-    fn draw_pixel(&mut self, (x, y): BackendCoord, color: BackendColor) -> Result<(), DrawingErrorKind<CanvasError>> {
+    fn draw_pixel(
+        &mut self,
+        (x, y): BackendCoord,
+        color: BackendColor,
+    ) -> Result<(), DrawingErrorKind<CanvasError>> {
         if x < 0 || y < 0 || x >= self.width as i32 || y >= self.height as i32 {
             return Ok(());
         }
         let i = (y as usize * self.width as usize + x as usize) * 3;
         let a = color.alpha.clamp(0.0, 1.0);
-        for (k, c) in [color.rgb.0, color.rgb.1, color.rgb.2].into_iter().enumerate() {
+        for (k, c) in [color.rgb.0, color.rgb.1, color.rgb.2]
+            .into_iter()
+            .enumerate()
+        {
             let dst = &mut self.rgb[i + k];
             *dst = (f64::from(*dst) * (1.0 - a) + f64::from(c) * a).round() as u8;
         }
@@ -357,7 +440,10 @@ impl DrawingBackend for Canvas<'_> {
         let transform = style.transform();
         let color = style.color();
         for (i, ch) in text.chars().enumerate() {
-            let glyph = font8x8::legacy::BASIC_LEGACY.get(ch as usize).copied().unwrap_or([0; 8]);
+            let glyph = font8x8::legacy::BASIC_LEGACY
+                .get(ch as usize)
+                .copied()
+                .unwrap_or([0; 8]);
             for gy in 0..cell {
                 let row = glyph[(gy * 8 / cell) as usize];
                 for gx in 0..cell {
@@ -412,9 +498,30 @@ mod tests {
             ev(Alloc, 3_000_000, 0x20, 2 << 20, Phase::Forward, Op::Matmul),
             ev(EventKind::Phase, 4_000_000, 0, 0, Phase::Backward, Op::None),
             ev(Free, 5_000_000, 0x20, 2 << 20, Phase::Backward, Op::None),
-            ev(EventKind::Phase, 6_000_000, 0, 0, Phase::OptimizerStep, Op::None),
-            ev(Alloc, 7_000_000, 0x30, 1 << 20, Phase::OptimizerStep, Op::AdamW),
-            ev(Free, 8_000_000, 0x30, 1 << 20, Phase::OptimizerStep, Op::AdamW),
+            ev(
+                EventKind::Phase,
+                6_000_000,
+                0,
+                0,
+                Phase::OptimizerStep,
+                Op::None,
+            ),
+            ev(
+                Alloc,
+                7_000_000,
+                0x30,
+                1 << 20,
+                Phase::OptimizerStep,
+                Op::AdamW,
+            ),
+            ev(
+                Free,
+                8_000_000,
+                0x30,
+                1 << 20,
+                Phase::OptimizerStep,
+                Op::AdamW,
+            ),
         ];
         Timeline::from_events(&events, &HashMap::new(), 0, false)
     }
@@ -423,7 +530,14 @@ mod tests {
     fn svg_has_components_phases_and_budget() {
         let svg = timeline_svg(&timeline(), 8 << 20, "test").unwrap();
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-        for s in ["weights", "activations", "forward", "backward", "optimizer step", "budget 8.00 MiB"] {
+        for s in [
+            "weights",
+            "activations",
+            "forward",
+            "backward",
+            "optimizer step",
+            "budget 8.00 MiB",
+        ] {
             assert!(svg.contains(s), "{s} missing");
         }
         let far = timeline_svg(&timeline(), 1 << 30, "test").unwrap();
@@ -439,9 +553,17 @@ mod tests {
 
     #[test]
     fn format_follows_the_extension() {
-        assert_eq!(PlotFormat::from_path(Path::new("a/b.SVG")), Ok(PlotFormat::Svg));
-        assert_eq!(PlotFormat::from_path(Path::new("b.png")), Ok(PlotFormat::Png));
-        assert!(PlotFormat::from_path(Path::new("b.jpg")).unwrap_err().contains("b.jpg"));
+        assert_eq!(
+            PlotFormat::from_path(Path::new("a/b.SVG")),
+            Ok(PlotFormat::Svg)
+        );
+        assert_eq!(
+            PlotFormat::from_path(Path::new("b.png")),
+            Ok(PlotFormat::Png)
+        );
+        assert!(PlotFormat::from_path(Path::new("b.jpg"))
+            .unwrap_err()
+            .contains("b.jpg"));
         assert!(PlotFormat::from_path(Path::new("plot")).is_err());
     }
 

@@ -115,7 +115,12 @@ pub struct Snapshot {
 
 /// Numbers the forward/backward passes of the step (1-based micro-batch) by time.
 fn micro_batch(timeline: &Timeline, time_ns: u64) -> u64 {
-    timeline.phases.iter().take_while(|(t, _)| *t <= time_ns).filter(|(_, p)| *p == Phase::Forward).count() as u64
+    timeline
+        .phases
+        .iter()
+        .take_while(|(t, _)| *t <= time_ns)
+        .filter(|(_, p)| *p == Phase::Forward)
+        .count() as u64
 }
 
 fn frames(timeline: &Timeline, b: &Block) -> Vec<Frame> {
@@ -128,18 +133,34 @@ fn frames(timeline: &Timeline, b: &Block) -> Vec<Frame> {
         _ => 0,
     };
     let mut f = vec![
-        Frame { name: what, filename: b.component.as_str(), line: 0 },
-        Frame { name: b.phase.as_str().to_string(), filename: "phase", line },
+        Frame {
+            name: what,
+            filename: b.component.as_str(),
+            line: 0,
+        },
+        Frame {
+            name: b.phase.as_str().to_string(),
+            filename: "phase",
+            line,
+        },
     ];
     if b.alloc_ns.is_none() {
-        f.push(Frame { name: "allocated before the step".into(), filename: "oomfix", line: 0 });
+        f.push(Frame {
+            name: "allocated before the step".into(),
+            filename: "oomfix",
+            line: 0,
+        });
     }
     f
 }
 
 /// The snapshot of a timeline.
 pub fn snapshot(timeline: &Timeline) -> Snapshot {
-    let frames: Vec<Vec<Frame>> = timeline.blocks.iter().map(|b| frames(timeline, b)).collect();
+    let frames: Vec<Vec<Frame>> = timeline
+        .blocks
+        .iter()
+        .map(|b| frames(timeline, b))
+        .collect();
     let entry = |i: usize, alloc: bool, time_ns: u64| {
         let b = &timeline.blocks[i];
         TraceEntry {
@@ -156,7 +177,12 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
         .filter(|(_, b)| b.alloc_ns.is_none())
         .map(|(i, _)| entry(i, true, 0))
         .collect();
-    trace.extend(timeline.changes.iter().map(|c| entry(c.block, c.alloc, c.time_ns)));
+    trace.extend(
+        timeline
+            .changes
+            .iter()
+            .map(|c| entry(c.block, c.alloc, c.time_ns)),
+    );
     trace.push(TraceEntry {
         action: "snapshot",
         addr: 0,
@@ -166,7 +192,9 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
         frames: Vec::new(),
         category: "unknown",
     });
-    let mut alive: Vec<usize> = (0..timeline.blocks.len()).filter(|&i| timeline.blocks[i].free_ns.is_none()).collect();
+    let mut alive: Vec<usize> = (0..timeline.blocks.len())
+        .filter(|&i| timeline.blocks[i].free_ns.is_none())
+        .collect();
     alive.sort_by_key(|&i| timeline.blocks[i].addr);
     let segments = alive
         .into_iter()
@@ -195,7 +223,9 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
     Snapshot {
         segments,
         device_traces: vec![trace],
-        allocator_settings: AllocatorSettings { host: "oomfix counting allocator" },
+        allocator_settings: AllocatorSettings {
+            host: "oomfix counting allocator",
+        },
     }
 }
 
@@ -237,19 +267,44 @@ mod tests {
             ev(EventKind::Phase, 4000, 0, 0, Phase::Backward, Op::None),
             ev(Free, 5000, 0x20, 50, Phase::Backward, Op::None),
         ];
-        Timeline::from_events(&events, &HashMap::from([(0x10, "h.0.attn.c_attn.weight".into())]), 0, false)
+        Timeline::from_events(
+            &events,
+            &HashMap::from([(0x10, "h.0.attn.c_attn.weight".into())]),
+            0,
+            false,
+        )
     }
 
     #[test]
     fn trace_and_segments_carry_module_op_component_and_phase() {
         let s = snapshot(&timeline());
         let t = &s.device_traces[0];
-        assert_eq!(t.iter().map(|e| e.action).collect::<Vec<_>>(), ["alloc", "alloc", "free_completed", "snapshot"]);
+        assert_eq!(
+            t.iter().map(|e| e.action).collect::<Vec<_>>(),
+            ["alloc", "alloc", "free_completed", "snapshot"]
+        );
         assert_eq!(t[0].frames[0].name, "h.0.attn.c_attn.weight");
         assert_eq!(t[0].category, Component::Weights.as_str());
-        assert_eq!(t[0].frames.last().unwrap().name, "allocated before the step");
-        assert_eq!(t[1].frames[0], Frame { name: "h.0.attn.matmul".into(), filename: "activations", line: 0 });
-        assert_eq!(t[1].frames[1], Frame { name: "forward".into(), filename: "phase", line: 1 });
+        assert_eq!(
+            t[0].frames.last().unwrap().name,
+            "allocated before the step"
+        );
+        assert_eq!(
+            t[1].frames[0],
+            Frame {
+                name: "h.0.attn.matmul".into(),
+                filename: "activations",
+                line: 0
+            }
+        );
+        assert_eq!(
+            t[1].frames[1],
+            Frame {
+                name: "forward".into(),
+                filename: "phase",
+                line: 1
+            }
+        );
         assert_eq!(t[2].time_us, 4);
         assert_eq!(s.segments.len(), 1);
         assert_eq!(s.segments[0].address, 0x10);
@@ -262,8 +317,17 @@ mod tests {
         std::fs::write(&a, &bytes).unwrap();
         std::fs::write(&b, &plain).unwrap();
         let check = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
-        match std::process::Command::new("python3").args(["-c", check]).arg(&a).arg(&b).output() {
-            Ok(out) => assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr)),
+        match std::process::Command::new("python3")
+            .args(["-c", check])
+            .arg(&a)
+            .arg(&b)
+            .output()
+        {
+            Ok(out) => assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
             Err(e) => eprintln!("python3 not run ({e}): equality not checked"),
         }
     }

@@ -7,9 +7,18 @@ use std::fmt::Write;
 
 fn model_line(spec: &ModelSpec) -> String {
     let c = &spec.config;
-    let mut s = format!("{}, {} parameters ({})", c.family, group_digits(spec.parameters()), spec.dtype);
+    let mut s = format!(
+        "{}, {} parameters ({})",
+        c.family,
+        group_digits(spec.parameters()),
+        spec.dtype
+    );
     if c.layers > 0 {
-        let _ = write!(s, ", {} layers, hidden {}, {} heads", c.layers, c.hidden, c.heads);
+        let _ = write!(
+            s,
+            ", {} layers, hidden {}, {} heads",
+            c.layers, c.hidden, c.heads
+        );
         if c.kv_heads != c.heads {
             let _ = write!(s, " ({} kv)", c.kv_heads);
         }
@@ -47,10 +56,20 @@ fn row(i: usize, a: &Attempt) -> String {
 }
 
 fn breakdown(out: &mut String, a: &Attempt) {
-    let _ = writeln!(out, "estimated peak {} at the {}, made of:", format_bytes(a.estimate.peak), a.estimate.peak_phase);
+    let _ = writeln!(
+        out,
+        "estimated peak {} at the {}, made of:",
+        format_bytes(a.estimate.peak),
+        a.estimate.peak_phase
+    );
     for (name, bytes) in a.estimate.peak_components() {
         let share = 100.0 * bytes as f64 / a.estimate.peak.max(1) as f64;
-        let _ = writeln!(out, "  {:<24} {:>11}  {share:>5.1}%", name.replace('_', " "), format_bytes(bytes));
+        let _ = writeln!(
+            out,
+            "  {:<24} {:>11}  {share:>5.1}%",
+            name.replace('_', " "),
+            format_bytes(bytes)
+        );
     }
 }
 
@@ -74,7 +93,15 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
     let _ = writeln!(
         out,
         "  #  {:<18} {:>10} {:<9} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits",
-        "strategy", "batch x acc", "precision", "attention", "checkpoint", "optimizer", "shard", "estimated", "measured"
+        "strategy",
+        "batch x acc",
+        "precision",
+        "attention",
+        "checkpoint",
+        "optimizer",
+        "shard",
+        "estimated",
+        "measured"
     );
     for (i, a) in result.attempts.iter().enumerate() {
         out.push_str(&row(i, a));
@@ -84,7 +111,12 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
         Some(a) => {
             let _ = writeln!(out, "plan    {}", a.plan);
             let pct = 100.0 * a.peak() as f64 / result.budget_bytes.max(1) as f64;
-            let _ = writeln!(out, "        fits: {} of {} ({pct:.0}%)", format_bytes(a.peak()), format_bytes(result.budget_bytes));
+            let _ = writeln!(
+                out,
+                "        fits: {} of {} ({pct:.0}%)",
+                format_bytes(a.peak()),
+                format_bytes(result.budget_bytes)
+            );
             breakdown(&mut out, a);
         }
         None => {
@@ -99,7 +131,12 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
                     format_bytes(a.measured.map_or(0, |m| m.peak_bytes))
                 );
             } else {
-                let _ = writeln!(out, "        {} over the budget ({} needed)", format_bytes(miss), format_bytes(a.peak()));
+                let _ = writeln!(
+                    out,
+                    "        {} over the budget ({} needed)",
+                    format_bytes(miss),
+                    format_bytes(a.peak())
+                );
             }
             if let Some((name, _)) = a.estimate.peak_components().first() {
                 let _ = writeln!(out, "        dominated by {}", name.replace('_', " "));
@@ -130,7 +167,11 @@ pub fn inspect_text(spec: &ModelSpec) -> String {
         let _ = writeln!(out, "intermediate   {}", c.intermediate);
         let _ = writeln!(out, "vocab          {}", c.vocab);
         let _ = writeln!(out, "max positions  {}", c.max_positions);
-        let _ = writeln!(out, "tied embedding {}", if c.tied_embeddings { "yes" } else { "no" });
+        let _ = writeln!(
+            out,
+            "tied embedding {}",
+            if c.tied_embeddings { "yes" } else { "no" }
+        );
     }
     for a in &spec.assumptions {
         let _ = writeln!(out, "assumed        {a}");

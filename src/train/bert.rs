@@ -38,7 +38,8 @@ impl Block {
             output: dense("output.dense")?,
             out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), EPS)?,
             heads,
-            tags: ["attention", "intermediate", "output"].map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: ["attention", "intermediate", "output"]
+                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
     }
 
@@ -48,9 +49,16 @@ impl Block {
         let x = {
             let _m = Scope::module(attention);
             let heads = |proj: &Linear| split_heads(&proj.forward(x)?, self.heads);
-            let (k, v) = (heads(&self.key)?.contiguous()?, heads(&self.value)?.contiguous()?);
-            let attn =
-                self.attn_out.forward(&attend.forward(&heads(&self.query)?, &k, &v, 1.0 / (d as f64).sqrt())?)?;
+            let (k, v) = (
+                heads(&self.key)?.contiguous()?,
+                heads(&self.value)?.contiguous()?,
+            );
+            let attn = self.attn_out.forward(&attend.forward(
+                &heads(&self.query)?,
+                &k,
+                &v,
+                1.0 / (d as f64).sqrt(),
+            )?)?;
             let sum = {
                 let _op = Scope::op(Op::Residual);
                 x.add(&attn)?
@@ -99,13 +107,20 @@ impl Bert {
             position: p.get(&format!("{e}.position_embeddings.weight"))?,
             token_type: p.get(&format!("{e}.token_type_embeddings.weight"))?,
             emb_norm: p.layer_norm(&format!("{e}.LayerNorm"), EPS)?,
-            blocks: (0..config.layers).map(|l| Block::new(&p, l, config.heads)).collect::<Result<_>>()?,
+            blocks: (0..config.layers)
+                .map(|l| Block::new(&p, l, config.heads))
+                .collect::<Result<_>>()?,
             transform: p.linear(&format!("{c}.transform.dense"), true, WeightLayout::OutIn)?,
             transform_norm: p.layer_norm(&format!("{c}.transform.LayerNorm"), EPS)?,
             decoder_bias: p.get(&format!("{c}.bias"))?,
             vars: p.into_vars(),
-            tags: ["bert.embeddings", "attn_mask", "cls.predictions.transform", "cls.predictions.decoder"]
-                .map(Module::intern),
+            tags: [
+                "bert.embeddings",
+                "attn_mask",
+                "cls.predictions.transform",
+                "cls.predictions.decoder",
+            ]
+            .map(Module::intern),
         })
     }
 }
@@ -131,10 +146,15 @@ impl TrainableModel for Bert {
         let [embeddings, mask, transform, decoder] = self.tags;
         let stem = {
             let _m = Scope::new(embeddings, Op::Embedding);
-            let words = self.word.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+            let words = self
+                .word
+                .index_select(&batch.input_ids.flatten_all()?, 0)?
+                .reshape((b, s, h))?;
             // Every token is in segment A: token type 0 for all positions.
-            let position_and_type =
-                self.position.narrow(0, 0, s)?.broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
+            let position_and_type = self
+                .position
+                .narrow(0, 0, s)?
+                .broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
             let sum = words.broadcast_add(&position_and_type)?;
             drop(_m);
             let _m = Scope::module(embeddings);
@@ -145,7 +165,11 @@ impl TrainableModel for Bert {
             Attend::padded(attention, batch.attention_mask.as_ref(), self.word.dtype())?
         };
         let attend = &attend;
-        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, attend)).collect();
+        let blocks: Vec<_> = self
+            .blocks
+            .iter()
+            .map(|blk| move |x: &Tensor| blk.forward(x, attend))
+            .collect();
         let head = |x: &Tensor| {
             let x = {
                 let _m = Scope::module(transform);
@@ -158,7 +182,8 @@ impl TrainableModel for Bert {
             };
             let logits = {
                 let _m = Scope::new(decoder, Op::Matmul);
-                x.matmul(&self.word.t()?)?.broadcast_add(&self.decoder_bias)?
+                x.matmul(&self.word.t()?)?
+                    .broadcast_add(&self.decoder_bias)?
             };
             lm_loss(&logits, batch)
         };

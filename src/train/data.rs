@@ -58,13 +58,16 @@ pub enum DataSource {
 impl DataSource {
     /// Random tokens, reproducible from `seed`.
     pub fn synthetic(seed: u64) -> Self {
-        DataSource::Synthetic { state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1 }
+        DataSource::Synthetic {
+            state: seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1,
+        }
     }
 
     /// Loads a token file (`.bin`) or a text file (bytes as tokens), checking
     /// every id against `vocab`.
     pub fn from_file(path: &Path, width: TokenWidth, vocab: usize) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|e| Error::input(path, format!("cannot read data: {e}")))?;
+        let bytes = std::fs::read(path)
+            .map_err(|e| Error::input(path, format!("cannot read data: {e}")))?;
         let is_bin = path.extension().is_some_and(|e| e == "bin");
         let ids: Vec<u32> = if is_bin {
             let w = match width {
@@ -72,7 +75,13 @@ impl DataSource {
                 TokenWidth::U32 => 4,
             };
             if bytes.len() % w != 0 {
-                return Err(Error::input(path, format!("length {} is not a multiple of {w}-byte token ids", bytes.len())));
+                return Err(Error::input(
+                    path,
+                    format!(
+                        "length {} is not a multiple of {w}-byte token ids",
+                        bytes.len()
+                    ),
+                ));
             }
             bytes
                 .chunks_exact(w)
@@ -83,7 +92,12 @@ impl DataSource {
                 .collect()
         } else {
             if vocab < 256 {
-                return Err(Error::input(path, format!("byte-level text needs a vocabulary of at least 256, the model has {vocab}")));
+                return Err(Error::input(
+                    path,
+                    format!(
+                        "byte-level text needs a vocabulary of at least 256, the model has {vocab}"
+                    ),
+                ));
             }
             bytes.into_iter().map(u32::from).collect()
         };
@@ -91,16 +105,26 @@ impl DataSource {
             return Err(Error::input(path, "holds fewer than 2 tokens"));
         }
         if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-            return Err(Error::input(path, format!("token {i} is id {id}, outside the model's vocabulary of {vocab}")));
+            return Err(Error::input(
+                path,
+                format!("token {i} is id {id}, outside the model's vocabulary of {vocab}"),
+            ));
         }
-        Ok(DataSource::Tokens { path: path.to_path_buf(), ids, pos: 0 })
+        Ok(DataSource::Tokens {
+            path: path.to_path_buf(),
+            ids,
+            pos: 0,
+        })
     }
 
     /// Where the stream stands.
     pub fn position(&self) -> DataPosition {
         match self {
             DataSource::Synthetic { state } => DataPosition::Synthetic(*state),
-            DataSource::Tokens { ids, pos, .. } => DataPosition::Tokens { pos: *pos as u64, len: ids.len() as u64 },
+            DataSource::Tokens { ids, pos, .. } => DataPosition::Tokens {
+                pos: *pos as u64,
+                len: ids.len() as u64,
+            },
         }
     }
 
@@ -179,15 +203,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.bin");
         std::fs::write(&p, [1u8, 0, 99, 0, 7]).unwrap();
-        let e = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap_err().to_string();
+        let e = DataSource::from_file(&p, TokenWidth::U16, 16)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("multiple of 2"), "{e}");
         std::fs::write(&p, [1u8, 0, 99, 0]).unwrap();
-        let e = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap_err().to_string();
+        let e = DataSource::from_file(&p, TokenWidth::U16, 16)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("id 99"), "{e}");
         let t = dir.path().join("t.txt");
         std::fs::write(&t, "hello").unwrap();
         assert!(DataSource::from_file(&t, TokenWidth::U16, 64).is_err());
-        assert_eq!(DataSource::from_file(&t, TokenWidth::U16, 256).unwrap().next_windows(1, 2, 256), [104, 101, 108]);
+        assert_eq!(
+            DataSource::from_file(&t, TokenWidth::U16, 256)
+                .unwrap()
+                .next_windows(1, 2, 256),
+            [104, 101, 108]
+        );
     }
 
     #[test]
@@ -200,14 +233,23 @@ mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.bin");
-        std::fs::write(&p, (0u16..10).flat_map(|i| i.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+        std::fs::write(
+            &p,
+            (0u16..10)
+                .flat_map(|i| i.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )
+        .unwrap();
         let mut t = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
         t.next_windows(1, 3, 16);
         let mut u = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
         u.seek(t.position()).unwrap();
         assert_eq!(u.next_windows(1, 2, 16), [3, 4, 5]);
 
-        assert!(u.seek(DataPosition::Tokens { pos: 1, len: 11 }).unwrap_err().contains("11 tokens"));
+        assert!(u
+            .seek(DataPosition::Tokens { pos: 1, len: 11 })
+            .unwrap_err()
+            .contains("11 tokens"));
         assert!(u.seek(DataPosition::Tokens { pos: 10, len: 10 }).is_err());
         assert!(u.seek(a.position()).unwrap_err().contains("random tokens"));
         assert!(a.seek(t.position()).unwrap_err().contains("--data"));

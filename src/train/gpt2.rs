@@ -48,7 +48,10 @@ impl Block {
         let x = {
             let _m = Scope::module(attn_tag);
             // [b, s, 3h] viewed as [b, s, 3, H, d]; part i is [b, H, s, d] (strided).
-            let qkv = self.c_attn.forward(&normed)?.reshape((b, s, 3, self.heads, d))?;
+            let qkv = self
+                .c_attn
+                .forward(&normed)?
+                .reshape((b, s, 3, self.heads, d))?;
             let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
             let (k, v) = (part(1)?.contiguous()?, part(2)?.contiguous()?);
             let attn = attend.forward(&part(0)?, &k, &v, 1.0 / (d as f64).sqrt())?;
@@ -90,7 +93,9 @@ impl Gpt2 {
             config: config.clone(),
             wte: p.get("wte.weight")?,
             wpe: p.get("wpe.weight")?,
-            blocks: (0..config.layers).map(|l| Block::new(&p, l, config.heads)).collect::<Result<_>>()?,
+            blocks: (0..config.layers)
+                .map(|l| Block::new(&p, l, config.heads))
+                .collect::<Result<_>>()?,
             ln_f: p.layer_norm("ln_f", EPS)?,
             vars: p.into_vars(),
             tags: ["wte", "attn_mask", "ln_f", "lm_head"].map(Module::intern),
@@ -119,7 +124,10 @@ impl TrainableModel for Gpt2 {
         let [wte, mask, ln_f, lm_head] = self.tags;
         let stem = {
             let _m = Scope::new(wte, Op::Embedding);
-            let tokens = self.wte.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?;
+            let tokens = self
+                .wte
+                .index_select(&batch.input_ids.flatten_all()?, 0)?
+                .reshape((b, s, h))?;
             tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
         };
         let attend = {
@@ -127,7 +135,11 @@ impl TrainableModel for Gpt2 {
             Attend::causal(attention, s, self.wte.dtype(), self.wte.device())?
         };
         let attend = &attend;
-        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, attend)).collect();
+        let blocks: Vec<_> = self
+            .blocks
+            .iter()
+            .map(|blk| move |x: &Tensor| blk.forward(x, attend))
+            .collect();
         let head = |x: &Tensor| {
             let x = {
                 let _m = Scope::module(ln_f);

@@ -31,7 +31,11 @@ pub(crate) struct Linear {
 
 impl Linear {
     pub(crate) fn new(weight: Tensor, bias: Option<Tensor>, layout: WeightLayout) -> Self {
-        Linear { weight, bias, layout }
+        Linear {
+            weight,
+            bias,
+            layout,
+        }
     }
 
     /// `x`: `[b, s, in]`, contiguous → `[b, s, out]`.
@@ -85,7 +89,10 @@ impl LayerNorm {
         let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
         let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
         let normed = centred.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        normed.to_dtype(dtype)?.broadcast_mul(&self.weight)?.broadcast_add(&self.bias)
+        normed
+            .to_dtype(dtype)?
+            .broadcast_mul(&self.weight)?
+            .broadcast_add(&self.bias)
     }
 }
 
@@ -143,7 +150,9 @@ fn masked_score(dtype: DType) -> f64 {
 /// and heads.
 fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let neg = masked_score(dtype) as f32;
-    let values: Vec<f32> = (0..s).flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { neg })).collect();
+    let values: Vec<f32> = (0..s)
+        .flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { neg }))
+        .collect();
     Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)
 }
 
@@ -153,7 +162,9 @@ fn padding_mask(keep: &Tensor, dtype: DType) -> Result<Tensor> {
     let (b, s) = keep.dims2()?;
     let neg = masked_score(dtype);
     let keep = keep.ne(0u32)?.to_dtype(DType::F32)?;
-    keep.affine(-neg, neg)?.to_dtype(dtype)?.reshape((b, 1, 1, 1, s))
+    keep.affine(-neg, neg)?
+        .to_dtype(dtype)?
+        .reshape((b, 1, 1, 1, s))
 }
 
 /// Rotary position embedding tables (Hugging Face's `rotate_half` convention).
@@ -179,15 +190,24 @@ impl Rope {
         let mut cos = Vec::with_capacity(s * head_dim);
         let mut sin = Vec::with_capacity(s * head_dim);
         for p in 0..s {
-            let angles: Vec<f64> =
-                (0..half).map(|i| p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
-            cos.extend(angles.iter().chain(&angles).map(|a| (a.cos() * scale) as f32));
+            let angles: Vec<f64> = (0..half)
+                .map(|i| p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64))
+                .collect();
+            cos.extend(
+                angles
+                    .iter()
+                    .chain(&angles)
+                    .map(|a| (a.cos() * scale) as f32),
+            );
             // rotate_half(x) = [-x2, x1], so [x2, x1] * [-sin, sin] = rotate_half(x) * sin.
             sin.extend(angles.iter().map(|a| (-a.sin() * scale) as f32));
             sin.extend(angles.iter().map(|a| (a.sin() * scale) as f32));
         }
         let table = |v: Vec<f32>| Tensor::from_vec(v, (s, head_dim), device)?.to_dtype(dtype);
-        Ok(Rope { cos: table(cos)?, sin: table(sin)? })
+        Ok(Rope {
+            cos: table(cos)?,
+            sin: table(sin)?,
+        })
     }
 
     /// `x`: `[b, n, s, d]` (any strides) → `x·cos + rotate_half(x)·sin`, contiguous.
@@ -196,8 +216,15 @@ impl Rope {
     pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::Rope);
         let d = x.dim(D::Minus1)?;
-        let swapped = Tensor::cat(&[x.narrow(D::Minus1, d / 2, d / 2)?, x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)?;
-        x.broadcast_mul(&self.cos)?.add(&swapped.broadcast_mul(&self.sin)?)
+        let swapped = Tensor::cat(
+            &[
+                x.narrow(D::Minus1, d / 2, d / 2)?,
+                x.narrow(D::Minus1, 0, d / 2)?,
+            ],
+            D::Minus1,
+        )?;
+        x.broadcast_mul(&self.cos)?
+            .add(&swapped.broadcast_mul(&self.sin)?)
     }
 }
 
@@ -223,7 +250,10 @@ impl Attend {
     pub(crate) fn causal(kind: Attention, s: usize, dtype: DType, device: &Device) -> Result<Self> {
         Ok(match kind {
             Attention::Composed => Attend::Composed(Some(causal_mask(s, dtype, device)?)),
-            Attention::Flash => Attend::Flash(AttentionOptions { causal: true, ..Default::default() }),
+            Attention::Flash => Attend::Flash(AttentionOptions {
+                causal: true,
+                ..Default::default()
+            }),
         })
     }
 
@@ -232,8 +262,13 @@ impl Attend {
     /// [`padding_mask`] once here.
     pub(crate) fn padded(kind: Attention, keep: Option<&Tensor>, dtype: DType) -> Result<Self> {
         Ok(match kind {
-            Attention::Composed => Attend::Composed(keep.map(|k| padding_mask(k, dtype)).transpose()?),
-            Attention::Flash => Attend::Flash(AttentionOptions { key_padding: keep.cloned(), ..Default::default() }),
+            Attention::Composed => {
+                Attend::Composed(keep.map(|k| padding_mask(k, dtype)).transpose()?)
+            }
+            Attention::Flash => Attend::Flash(AttentionOptions {
+                key_padding: keep.cloned(),
+                ..Default::default()
+            }),
         })
     }
 
@@ -249,13 +284,22 @@ impl Attend {
         let _op = Scope::op(Op::Attention);
         match self {
             Attend::Composed(mask) => {
-                let q = if scale == 1.0 { q.contiguous()? } else { q.affine(scale, 0.0)? };
+                let q = if scale == 1.0 {
+                    q.contiguous()?
+                } else {
+                    q.affine(scale, 0.0)?
+                };
                 attention(&q, k, v, mask.as_ref())
             }
             Attend::Flash(opts) => {
-                let opts = AttentionOptions { scale: Some(scale as f32), ..opts.clone() };
+                let opts = AttentionOptions {
+                    scale: Some(scale as f32),
+                    ..opts.clone()
+                };
                 let (b, h, s, d) = q.dims4()?;
-                flash_attention(q, k, v, &opts)?.transpose(1, 2)?.reshape((b, s, h * d))
+                flash_attention(q, k, v, &opts)?
+                    .transpose(1, 2)?
+                    .reshape((b, s, h * d))
             }
         }
     }
@@ -289,7 +333,10 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Resul
         None => scores,
     };
     let probs = softmax(&scores)?.reshape((b, kv, g * s, s))?;
-    matmul(&probs, v)?.reshape((b, h, s, d))?.transpose(1, 2)?.reshape((b, s, h * d))
+    matmul(&probs, v)?
+        .reshape((b, h, s, d))?
+        .transpose(1, 2)?
+        .reshape((b, s, h * d))
 }
 
 #[cfg(test)]
@@ -298,7 +345,14 @@ mod tests {
     use candle_core::Var;
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
     }
 
     #[test]
@@ -309,7 +363,13 @@ mod tests {
         let theirs = candle_nn::ops::softmax(x.as_tensor(), D::Minus1).unwrap();
         assert!(max_diff(&ours, &theirs) < 1e-6);
         let g1 = ours.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = theirs.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = theirs
+            .mul(&w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
         assert!(max_diff(g1.get(&x).unwrap(), g2.get(&x).unwrap()) < 1e-5);
     }
 
@@ -321,10 +381,14 @@ mod tests {
         let ours = rope.apply(&x).unwrap();
         // Reference: candle's rope_slow takes [b, h, s, d] and half-size tables.
         let half: Vec<f32> = (0..s)
-            .flat_map(|p| (0..d / 2).map(move |i| p as f32 * 10000f32.powf(-2.0 * i as f32 / d as f32)))
+            .flat_map(|p| {
+                (0..d / 2).map(move |i| p as f32 * 10000f32.powf(-2.0 * i as f32 / d as f32))
+            })
             .collect();
         let angles = Tensor::from_vec(half, (s, d / 2), &Device::Cpu).unwrap();
-        let reference = candle_nn::rotary_emb::rope_slow(&x, &angles.cos().unwrap(), &angles.sin().unwrap()).unwrap();
+        let reference =
+            candle_nn::rotary_emb::rope_slow(&x, &angles.cos().unwrap(), &angles.sin().unwrap())
+                .unwrap();
         assert!(max_diff(&ours, &(reference * 0.5).unwrap()) < 1e-5);
     }
 
@@ -339,11 +403,26 @@ mod tests {
         let ours = attention(&q, &k, &v, Some(&mask)).unwrap();
         // Reference: repeat each kv head h/kv times, plain multi-head attention.
         let repeat = |t: &Tensor| {
-            t.unsqueeze(2).unwrap().broadcast_as((b, kv, h / kv, s, d)).unwrap().reshape((b, h, s, d)).unwrap()
+            t.unsqueeze(2)
+                .unwrap()
+                .broadcast_as((b, kv, h / kv, s, d))
+                .unwrap()
+                .reshape((b, h, s, d))
+                .unwrap()
         };
-        let scores = q.matmul(&repeat(&k).t().unwrap()).unwrap().broadcast_add(&mask).unwrap();
+        let scores = q
+            .matmul(&repeat(&k).t().unwrap())
+            .unwrap()
+            .broadcast_add(&mask)
+            .unwrap();
         let probs = candle_nn::ops::softmax(&scores, D::Minus1).unwrap();
-        let reference = probs.matmul(&repeat(&v)).unwrap().transpose(1, 2).unwrap().reshape((b, s, h * d)).unwrap();
+        let reference = probs
+            .matmul(&repeat(&v))
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .reshape((b, s, h * d))
+            .unwrap();
         assert!(max_diff(&ours, &reference) < 1e-5);
     }
 }

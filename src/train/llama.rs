@@ -41,7 +41,9 @@ struct Context {
 impl Block {
     fn new(p: &Params, l: usize, config: &ModelConfig) -> Result<Self> {
         let prefix = format!("model.layers.{l}");
-        let proj = |name: &str, bias: bool| p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn);
+        let proj = |name: &str, bias: bool| {
+            p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn)
+        };
         let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), EPS);
         Ok(Block {
             input_norm: norm("input_layernorm")?,
@@ -55,8 +57,13 @@ impl Block {
             down_proj: proj("mlp.down_proj", false)?,
             heads: config.heads,
             kv_heads: config.kv_heads,
-            tags: ["input_layernorm", "self_attn", "post_attention_layernorm", "mlp"]
-                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: [
+                "input_layernorm",
+                "self_attn",
+                "post_attention_layernorm",
+                "mlp",
+            ]
+            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
     }
 
@@ -68,8 +75,12 @@ impl Block {
         };
         let x = {
             let _m = Scope::module(attn);
-            let q = ctx.rope_q.apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
-            let k = ctx.rope_k.apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
+            let q = ctx
+                .rope_q
+                .apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
+            let k = ctx
+                .rope_k
+                .apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
             let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
             // The queries' RoPE tables already carry the attention scale.
             let out = self.o_proj.forward(&ctx.attend.forward(&q, &k, &v, 1.0)?)?;
@@ -111,12 +122,24 @@ impl Llama {
         let embed = p.get("model.embed_tokens.weight")?;
         Ok(Llama {
             config: config.clone(),
-            lm_head: if config.tied_embeddings { embed.clone() } else { p.get("lm_head.weight")? },
+            lm_head: if config.tied_embeddings {
+                embed.clone()
+            } else {
+                p.get("lm_head.weight")?
+            },
             embed,
-            blocks: (0..config.layers).map(|l| Block::new(&p, l, config)).collect::<Result<_>>()?,
+            blocks: (0..config.layers)
+                .map(|l| Block::new(&p, l, config))
+                .collect::<Result<_>>()?,
             norm: p.rms_norm("model.norm", EPS)?,
             vars: p.into_vars(),
-            tags: ["model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head"].map(Module::intern),
+            tags: [
+                "model.embed_tokens",
+                "model.rotary_emb",
+                "model.norm",
+                "lm_head",
+            ]
+            .map(Module::intern),
         })
     }
 }
@@ -152,9 +175,15 @@ impl TrainableModel for Llama {
         let ctx = &ctx;
         let stem = {
             let _m = Scope::new(embed, Op::Embedding);
-            self.embed.index_select(&batch.input_ids.flatten_all()?, 0)?.reshape((b, s, h))?
+            self.embed
+                .index_select(&batch.input_ids.flatten_all()?, 0)?
+                .reshape((b, s, h))?
         };
-        let blocks: Vec<_> = self.blocks.iter().map(|blk| move |x: &Tensor| blk.forward(x, ctx)).collect();
+        let blocks: Vec<_> = self
+            .blocks
+            .iter()
+            .map(|blk| move |x: &Tensor| blk.forward(x, ctx))
+            .collect();
         let head = |x: &Tensor| {
             let x = {
                 let _m = Scope::module(norm);

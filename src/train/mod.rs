@@ -176,8 +176,8 @@ mod trainer;
 pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;
-pub mod loss;
 mod llama;
+pub mod loss;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -188,9 +188,9 @@ use oomfix_strategies::{Attention, Checkpointing};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 
-use crate::{Error, Family, ModelConfig, Result};
 use crate::measure::alloc::{self, Phase};
 use crate::measure::tag::{self, Module, Op, Scope, Tag};
+use crate::{Error, Family, ModelConfig, Result};
 use layers::{LayerNorm, Linear, RmsNorm, WeightLayout};
 
 /// The `[MASK]` token id BERT's uncased vocabulary uses.
@@ -238,7 +238,9 @@ impl Batch {
             )));
         }
         let mut rng = StdRng::seed_from_u64(seed);
-        let windows: Vec<u32> = (0..batch * (seq + 1)).map(|_| rng.random_range(0..vocab as u32)).collect();
+        let windows: Vec<u32> = (0..batch * (seq + 1))
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
         Batch::from_windows(family, vocab, &windows, batch, seq, seed, device)
     }
 
@@ -270,7 +272,12 @@ impl Batch {
         let inputs: Vec<u32> = rows().flat_map(|r| r[..seq].to_vec()).collect();
         if family != Family::Bert {
             let targets = rows().flat_map(|r| r[1..].to_vec()).collect();
-            return Ok(Batch { input_ids: ids(inputs)?, targets: ids(targets)?, loss_mask: None, attention_mask: None });
+            return Ok(Batch {
+                input_ids: ids(inputs)?,
+                targets: ids(targets)?,
+                loss_mask: None,
+                attention_mask: None,
+            });
         }
         let mut rng = StdRng::seed_from_u64(seed ^ 0x6d61_736b);
         let mut masked: Vec<bool> = (0..batch * seq).map(|_| rng.random_bool(0.15)).collect();
@@ -279,8 +286,16 @@ impl Batch {
                 row[rng.random_range(0..seq)] = true;
             }
         }
-        let mask_id = if vocab > BERT_MASK_ID as usize { BERT_MASK_ID } else { vocab as u32 - 1 };
-        let masked_inputs = inputs.iter().zip(&masked).map(|(&t, &m)| if m { mask_id } else { t }).collect();
+        let mask_id = if vocab > BERT_MASK_ID as usize {
+            BERT_MASK_ID
+        } else {
+            vocab as u32 - 1
+        };
+        let masked_inputs = inputs
+            .iter()
+            .zip(&masked)
+            .map(|(&t, &m)| if m { mask_id } else { t })
+            .collect();
         let loss_mask = masked.iter().map(|&m| f32::from(u8::from(m))).collect();
         Ok(Batch {
             input_ids: ids(masked_inputs)?,
@@ -293,8 +308,16 @@ impl Batch {
     /// `(b, s)` of the inputs, checked against the targets and masks.
     fn dims(&self) -> Result<(usize, usize)> {
         let dims = self.input_ids.dims2()?;
-        let others = [Some(&self.targets), self.loss_mask.as_ref(), self.attention_mask.as_ref()];
-        if others.into_iter().flatten().any(|t| t.dims() != [dims.0, dims.1]) {
+        let others = [
+            Some(&self.targets),
+            self.loss_mask.as_ref(),
+            self.attention_mask.as_ref(),
+        ];
+        if others
+            .into_iter()
+            .flatten()
+            .any(|t| t.dims() != [dims.0, dims.1])
+        {
             return Err(Error::Usage(format!(
                 "batch tensors disagree: input_ids is {:?}; targets and masks must have the same shape",
                 self.input_ids.dims()
@@ -338,7 +361,11 @@ pub trait TrainableModel {
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).
     fn save(&self, path: &Path) -> Result<()> {
-        let tensors = self.vars().iter().map(|(name, var)| (name.clone(), var.as_tensor().clone())).collect();
+        let tensors = self
+            .vars()
+            .iter()
+            .map(|(name, var)| (name.clone(), var.as_tensor().clone()))
+            .collect();
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         crate::checkpoint_file::write_safetensors(path, tensors, metadata)
     }
@@ -360,7 +387,9 @@ pub fn build_model(
     seed: u64,
 ) -> Result<Box<dyn TrainableModel>> {
     if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
-        return Err(Error::Usage(format!("compute dtype must be f32, bf16 or f16, not {dtype:?}")));
+        return Err(Error::Usage(format!(
+            "compute dtype must be f32, bf16 or f16, not {dtype:?}"
+        )));
     }
     if config.family == Family::Generic {
         return Err(untrainable());
@@ -372,7 +401,12 @@ pub fn build_model(
     };
     let vars = tensors
         .into_iter()
-        .map(|(name, t)| Ok((name, Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?)))
+        .map(|(name, t)| {
+            Ok((
+                name,
+                Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?,
+            ))
+        })
         .collect::<Result<Vec<_>>>()?;
     let params = Params::new(vars);
     Ok(match config.family {
@@ -415,15 +449,22 @@ fn hub_name(family: Family, name: &str) -> String {
         _ => name.to_string(),
     };
     match family {
-        Family::Gpt2 => name.strip_prefix("transformer.").map(str::to_string).unwrap_or(name),
-        Family::Bert if !name.starts_with("bert.") && !name.starts_with("cls.") => format!("bert.{name}"),
+        Family::Gpt2 => name
+            .strip_prefix("transformer.")
+            .map(str::to_string)
+            .unwrap_or(name),
+        Family::Bert if !name.starts_with("bert.") && !name.starts_with("cls.") => {
+            format!("bert.{name}")
+        }
         _ => name,
     }
 }
 
 /// The tensors of `config` read from `paths` (on the CPU, in the file's dtype).
 fn load_tensors(config: &ModelConfig, paths: &[PathBuf]) -> Result<Vec<(String, Tensor)>> {
-    let first = paths.first().ok_or_else(|| Error::Usage("no weights file given".into()))?;
+    let first = paths
+        .first()
+        .ok_or_else(|| Error::Usage("no weights file given".into()))?;
     let wanted = config.tensors();
     let mut found: HashMap<String, (Tensor, &PathBuf)> = HashMap::new();
     for path in paths {
@@ -440,13 +481,20 @@ fn load_tensors(config: &ModelConfig, paths: &[PathBuf]) -> Result<Vec<(String, 
         .into_iter()
         .map(|(name, shape)| {
             let (tensor, path) = found.remove(&name).ok_or_else(|| {
-                let files = if paths.len() == 1 { String::new() } else { format!(" (in {} files)", paths.len()) };
+                let files = if paths.len() == 1 {
+                    String::new()
+                } else {
+                    format!(" (in {} files)", paths.len())
+                };
                 Error::input(first, format!("missing tensor `{name}`{files}"))
             })?;
             if tensor.dims() != shape.as_slice() {
                 return Err(Error::input(
                     path,
-                    format!("tensor `{name}` has shape {:?}, the model needs {shape:?}", tensor.dims()),
+                    format!(
+                        "tensor `{name}` has shape {:?}, the model needs {shape:?}",
+                        tensor.dims()
+                    ),
                 ));
             }
             Ok((name, tensor))
@@ -483,25 +531,44 @@ pub(crate) struct Params {
 
 impl Params {
     fn new(vars: Vec<(String, Var)>) -> Self {
-        let index = vars.iter().enumerate().map(|(i, (name, _))| (name.clone(), i)).collect();
+        let index = vars
+            .iter()
+            .enumerate()
+            .map(|(i, (name, _))| (name.clone(), i))
+            .collect();
         Params { vars, index }
     }
 
     /// The parameter `name` (a clone sharing the `Var`'s storage).
     pub(crate) fn get(&self, name: &str) -> Result<Tensor> {
-        let i = self.index.get(name).ok_or_else(|| Error::Usage(format!("the model has no tensor `{name}`")))?;
+        let i = self
+            .index
+            .get(name)
+            .ok_or_else(|| Error::Usage(format!("the model has no tensor `{name}`")))?;
         Ok(self.vars[*i].1.as_tensor().clone())
     }
 
     /// The projection `{prefix}.weight` (+ `{prefix}.bias` if `bias`).
     pub(crate) fn linear(&self, prefix: &str, bias: bool, layout: WeightLayout) -> Result<Linear> {
-        let b = if bias { Some(self.get(&format!("{prefix}.bias"))?) } else { None };
-        Ok(Linear::new(self.get(&format!("{prefix}.weight"))?, b, layout))
+        let b = if bias {
+            Some(self.get(&format!("{prefix}.bias"))?)
+        } else {
+            None
+        };
+        Ok(Linear::new(
+            self.get(&format!("{prefix}.weight"))?,
+            b,
+            layout,
+        ))
     }
 
     /// The layer norm `{prefix}.weight`, `{prefix}.bias`.
     pub(crate) fn layer_norm(&self, prefix: &str, eps: f64) -> Result<LayerNorm> {
-        Ok(LayerNorm::new(self.get(&format!("{prefix}.weight"))?, self.get(&format!("{prefix}.bias"))?, eps))
+        Ok(LayerNorm::new(
+            self.get(&format!("{prefix}.weight"))?,
+            self.get(&format!("{prefix}.bias"))?,
+            eps,
+        ))
     }
 
     /// The RMS norm `{prefix}.weight`.
@@ -557,7 +624,11 @@ pub(crate) fn lm_loss(logits: &Tensor, batch: &Batch) -> candle_core::Result<Ten
 }
 
 /// `(b, s)` of `batch`, checked against the model's position limit.
-pub(crate) fn batch_dims(batch: &Batch, config: &ModelConfig, learned_positions: bool) -> Result<(usize, usize)> {
+pub(crate) fn batch_dims(
+    batch: &Batch,
+    config: &ModelConfig,
+    learned_positions: bool,
+) -> Result<(usize, usize)> {
     let (b, s) = batch.dims()?;
     if learned_positions && s > config.max_positions {
         return Err(Error::Usage(format!(

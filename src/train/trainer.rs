@@ -13,8 +13,8 @@
 //! run takes the same steps as one that was never stopped.
 
 use super::data::{DataPosition, DataSource};
-use crate::checkpoint_file::{self, CheckpointFile};
 use super::{build_model, Batch, TrainableModel};
+use crate::checkpoint_file::{self, CheckpointFile};
 use crate::measure::alloc::{self, Phase};
 use crate::measure::tag::{mark_tensors, Component, Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
@@ -41,7 +41,14 @@ pub struct TrainOptions {
 
 impl Default for TrainOptions {
     fn default() -> Self {
-        TrainOptions { adamw: ParamsAdamW { lr: 3e-4, ..Default::default() }, seed: 0, weights: None }
+        TrainOptions {
+            adamw: ParamsAdamW {
+                lr: 3e-4,
+                ..Default::default()
+            },
+            seed: 0,
+            weights: None,
+        }
     }
 }
 
@@ -89,7 +96,10 @@ pub struct Trainer {
 
 /// A model shape in a few words, for messages.
 fn describe(c: &ModelConfig) -> String {
-    format!("{:?}, {} layers, hidden {}, {} heads, vocab {}", c.family, c.layers, c.hidden, c.heads, c.vocab)
+    format!(
+        "{:?}, {} layers, hidden {}, {} heads, vocab {}",
+        c.family, c.layers, c.hidden, c.heads, c.vocab
+    )
 }
 
 /// The compute dtype of a precision.
@@ -103,7 +113,12 @@ pub fn compute_dtype(p: Precision) -> DType {
 
 impl Trainer {
     /// Builds the model and the optimizer for `plan` on `device`.
-    pub fn new(config: &ModelConfig, plan: Plan, device: &Device, options: &TrainOptions) -> Result<Self> {
+    pub fn new(
+        config: &ModelConfig,
+        plan: Plan,
+        device: &Device,
+        options: &TrainOptions,
+    ) -> Result<Self> {
         if plan.shard.world_size > 1 {
             return Err(Error::Usage(
                 "sharded plans run one process per GPU; the single-device trainer runs world size 1".into(),
@@ -117,11 +132,23 @@ impl Trainer {
         let dtype = compute_dtype(plan.precision);
         // Recorded timelines classify what is built here as weights, then optimizer state.
         let scope = Scope::new(Module::intern("model"), Op::InitWeights);
-        let model = build_model(config, options.weights.as_deref(), dtype, device, options.seed)?;
+        let model = build_model(
+            config,
+            options.weights.as_deref(),
+            dtype,
+            device,
+            options.seed,
+        )?;
         let compute: Vec<Var> = model.vars().iter().map(|(_, v)| v.clone()).collect();
-        let master = plan.precision.is_mixed().then(|| MasterWeights::new(compute.clone())).transpose()?;
+        let master = plan
+            .precision
+            .is_mixed()
+            .then(|| MasterWeights::new(compute.clone()))
+            .transpose()?;
         drop(scope);
-        let opt_vars = master.as_ref().map_or(compute, |m| m.master_vars().to_vec());
+        let opt_vars = master
+            .as_ref()
+            .map_or(compute, |m| m.master_vars().to_vec());
         let _scope = Scope::new(Module::intern("optimizer"), Op::InitOptimizer);
         let optim = match plan.optimizer {
             OptimizerImpl::CandleAdamW => Optim::Candle(
@@ -132,11 +159,24 @@ impl Trainer {
             ),
             OptimizerImpl::FusedAdamW => {
                 let names = model.vars().iter().map(|(n, _)| n.clone());
-                Optim::Fused(FusedAdamW::new_named(names.zip(opt_vars).collect(), options.adamw.clone())?)
+                Optim::Fused(FusedAdamW::new_named(
+                    names.zip(opt_vars).collect(),
+                    options.adamw.clone(),
+                )?)
             }
         };
-        let scaler = (plan.precision == Precision::F16).then(|| LossScaler::new(LossScalerConfig::default())).transpose()?;
-        Ok(Trainer { model, plan, device: device.clone(), master, optim, scaler, step: 0 })
+        let scaler = (plan.precision == Precision::F16)
+            .then(|| LossScaler::new(LossScalerConfig::default()))
+            .transpose()?;
+        Ok(Trainer {
+            model,
+            plan,
+            device: device.clone(),
+            master,
+            optim,
+            scaler,
+            step: 0,
+        })
     }
 
     /// The model being trained.
@@ -153,7 +193,10 @@ impl Trainer {
     /// the fp32 master weights as `master.<name>` (for naming recorded blocks).
     pub fn parameter_buffers(&self) -> Vec<(String, Tensor)> {
         let vars = self.model.vars();
-        let mut out: Vec<(String, Tensor)> = vars.iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+        let mut out: Vec<(String, Tensor)> = vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect();
         if let Some(m) = &self.master {
             for ((name, c), v) in vars.iter().zip(m.master_vars()) {
                 if c.dtype() != v.dtype() {
@@ -189,30 +232,50 @@ impl Trainer {
     /// text) and `model` (the [`ModelConfig`] as JSON).
     pub fn save(&self, path: &Path, data: &DataSource) -> Result<()> {
         let vars = self.model.vars();
-        let mut tensors: Vec<(String, Tensor)> =
-            vars.iter().map(|(name, v)| (name.clone(), v.as_tensor().clone())).collect();
+        let mut tensors: Vec<(String, Tensor)> = vars
+            .iter()
+            .map(|(name, v)| (name.clone(), v.as_tensor().clone()))
+            .collect();
         if let Some(m) = &self.master {
-            tensors.extend(vars.iter().zip(m.master_vars()).map(|((name, _), v)| (format!("master.{name}"), v.as_tensor().clone())));
+            tensors.extend(
+                vars.iter()
+                    .zip(m.master_vars())
+                    .map(|((name, _), v)| (format!("master.{name}"), v.as_tensor().clone())),
+            );
         }
         if let Optim::Fused(opt) = &self.optim {
-            tensors.extend(opt.state_tensors()?.into_iter().map(|(k, t)| (format!("optim.{k}"), t)));
+            tensors.extend(
+                opt.state_tensors()?
+                    .into_iter()
+                    .map(|(k, t)| (format!("optim.{k}"), t)),
+            );
         }
         let cpu = &Device::Cpu;
         if let Some(s) = &self.scaler {
             tensors.push(("scaler.scale".into(), Tensor::new(s.scale(), cpu)?));
-            tensors.push(("scaler.growth_tracker".into(), Tensor::new(i64::from(s.growth_tracker()), cpu)?));
+            tensors.push((
+                "scaler.growth_tracker".into(),
+                Tensor::new(i64::from(s.growth_tracker()), cpu)?,
+            ));
         }
         tensors.push(("trainer.step".into(), Tensor::new(self.step as i64, cpu)?));
         match data.position() {
             // The generator state's bits, stored as i64.
-            DataPosition::Synthetic(state) => tensors.push(("data.synthetic_state".into(), Tensor::new(state as i64, cpu)?)),
+            DataPosition::Synthetic(state) => tensors.push((
+                "data.synthetic_state".into(),
+                Tensor::new(state as i64, cpu)?,
+            )),
             DataPosition::Tokens { pos, len } => {
                 tensors.push(("data.position".into(), Tensor::new(pos as i64, cpu)?));
                 tensors.push(("data.tokens".into(), Tensor::new(len as i64, cpu)?));
             }
         }
-        let model = serde_json::to_string(self.model.config()).map_err(|e| Error::Usage(format!("model shape: {e}")))?;
-        let metadata = HashMap::from([("plan".to_string(), self.plan.to_string()), ("model".to_string(), model)]);
+        let model = serde_json::to_string(self.model.config())
+            .map_err(|e| Error::Usage(format!("model shape: {e}")))?;
+        let metadata = HashMap::from([
+            ("plan".to_string(), self.plan.to_string()),
+            ("model".to_string(), model),
+        ]);
         checkpoint_file::write(path, tensors, metadata)
     }
 
@@ -252,16 +315,26 @@ impl Trainer {
         let position = if ck.contains("data.synthetic_state") {
             DataPosition::Synthetic(ck.scalar_i64("data.synthetic_state")? as u64)
         } else {
-            let int = |name| ck.scalar_i64(name).and_then(|v| u64::try_from(v).map_err(|_| bad(format!("`{name}` is {v}"))));
-            DataPosition::Tokens { pos: int("data.position")?, len: int("data.tokens")? }
+            let int = |name| {
+                ck.scalar_i64(name)
+                    .and_then(|v| u64::try_from(v).map_err(|_| bad(format!("`{name}` is {v}"))))
+            };
+            DataPosition::Tokens {
+                pos: int("data.position")?,
+                len: int("data.tokens")?,
+            }
         };
-        let step = u64::try_from(ck.scalar_i64("trainer.step")?).map_err(|_| bad("negative `trainer.step`".into()))?;
-        data.seek(position).map_err(|msg| bad(format!("cannot continue the data: {msg}")))?;
+        let step = u64::try_from(ck.scalar_i64("trainer.step")?)
+            .map_err(|_| bad("negative `trainer.step`".into()))?;
+        data.seek(position)
+            .map_err(|msg| bad(format!("cannot continue the data: {msg}")))?;
         self.load_tensors(&ck)?;
         if let Some(s) = &mut self.scaler {
             let tracker = ck.scalar_i64("scaler.growth_tracker")?;
-            let tracker = u32::try_from(tracker).map_err(|_| bad(format!("`scaler.growth_tracker` is {tracker}")))?;
-            s.restore(ck.scalar_f64("scaler.scale")?, tracker).map_err(|e| bad(e.to_string()))?;
+            let tracker = u32::try_from(tracker)
+                .map_err(|_| bad(format!("`scaler.growth_tracker` is {tracker}")))?;
+            s.restore(ck.scalar_f64("scaler.scale")?, tracker)
+                .map_err(|e| bad(e.to_string()))?;
         }
         self.step = step;
         Ok(())
@@ -274,7 +347,11 @@ impl Trainer {
             if t.dims() != var.dims() {
                 return Err(Error::input(
                     ck.path(),
-                    format!("tensor `{name}` has shape {:?}, the model needs {:?}", t.dims(), var.dims()),
+                    format!(
+                        "tensor `{name}` has shape {:?}, the model needs {:?}",
+                        t.dims(),
+                        var.dims()
+                    ),
                 ));
             }
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
@@ -290,12 +367,15 @@ impl Trainer {
             }
         }
         if let Optim::Fused(opt) = &mut self.optim {
-            let keys = vars.iter().flat_map(|(n, _)| [format!("{n}.m"), format!("{n}.v")]);
+            let keys = vars
+                .iter()
+                .flat_map(|(n, _)| [format!("{n}.m"), format!("{n}.v")]);
             let state = keys
                 .chain([oomfix_strategies::adamw::STEP_KEY.to_string()])
                 .map(|k| Ok((k.clone(), ck.tensor(&format!("optim.{k}"))?)))
                 .collect::<Result<HashMap<_, _>>>()?;
-            opt.load_state(&state).map_err(|e| Error::input(ck.path(), e.to_string()))?;
+            opt.load_state(&state)
+                .map_err(|e| Error::input(ck.path(), e.to_string()))?;
         }
         Ok(())
     }
@@ -304,7 +384,15 @@ impl Trainer {
         let (b, s) = (self.plan.micro_batch, self.plan.seq_len);
         let config = self.model.config();
         let windows = data.next_windows(b, s, config.vocab);
-        Batch::from_windows(config.family, config.vocab, &windows, b, s, self.step, &self.device)
+        Batch::from_windows(
+            config.family,
+            config.vocab,
+            &windows,
+            b,
+            s,
+            self.step,
+            &self.device,
+        )
     }
 
     /// One optimizer step over `grad_accum` micro-batches from `data`.
@@ -343,7 +431,12 @@ impl Trainer {
                 let _op = Scope::op(Op::Batch);
                 self.batch(data)?
             };
-            let out = self.model.forward_backward(&batch, self.plan.checkpoint, self.plan.attention, scale)?;
+            let out = self.model.forward_backward(
+                &batch,
+                self.plan.checkpoint,
+                self.plan.attention,
+                scale,
+            )?;
             alloc::set_phase(Phase::Backward);
             mark_tensors(&out.grads, Component::Gradients);
             loss_sum += out.loss;
@@ -357,7 +450,10 @@ impl Trainer {
         mark_tensors(&grads, Component::Gradients);
         let loss = loss_sum / self.plan.grad_accum as f32;
         if !loss.is_finite() {
-            return Err(Error::NonFinite { step: self.step + 1, loss });
+            return Err(Error::NonFinite {
+                step: self.step + 1,
+                loss,
+            });
         }
         let forward_backward_peak = alloc::peak();
         alloc::set_phase(Phase::OptimizerStep);

@@ -48,7 +48,15 @@ fn composed(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<Tensor>
 
 /// The causal bias: 0 on and below the diagonal, -inf above.
 fn causal_bias(s: usize) -> Result<Tensor> {
-    let bias: Vec<f32> = (0..s * s).map(|n| if n % s > n / s { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let bias: Vec<f32> = (0..s * s)
+        .map(|n| {
+            if n % s > n / s {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
     Tensor::from_vec(bias, (s, s), &Device::Cpu)
 }
 
@@ -79,7 +87,10 @@ fn median(reps: usize, vars: &[Var; 3], f: Attention) -> Result<(f64, usize)> {
 
 /// `max |a - b| / max |b|` of the two functions' outputs.
 fn rel_diff(vars: &[Var; 3], a: Attention, b: Attention) -> Result<f32> {
-    let (a, b) = (a(&vars[0], &vars[1], &vars[2])?.detach(), b(&vars[0], &vars[1], &vars[2])?.detach());
+    let (a, b) = (
+        a(&vars[0], &vars[1], &vars[2])?.detach(),
+        b(&vars[0], &vars[1], &vars[2])?.detach(),
+    );
     let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
     Ok(diff / b.abs()?.max_all()?.to_scalar::<f32>()?)
 }
@@ -91,13 +102,16 @@ fn mib(bytes: usize) -> f64 {
 
 fn main() -> Result<()> {
     let reps = match std::env::args().nth(1) {
-        Some(a) => a
-            .parse()
-            .map_err(|_| candle_core::Error::Msg(format!("REPS must be a positive integer, got {a}")))?,
+        Some(a) => a.parse().map_err(|_| {
+            candle_core::Error::Msg(format!("REPS must be a positive integer, got {a}"))
+        })?,
         None => 5,
     }
     .max(1);
-    let opts = AttentionOptions { causal: true, ..Default::default() };
+    let opts = AttentionOptions {
+        causal: true,
+        ..Default::default()
+    };
     println!(
         "b=1 heads={HEADS} d={D_HEAD} f32 causal, fwd+bwd median of {reps}, {} threads",
         rayon::current_num_threads()
@@ -107,7 +121,14 @@ fn main() -> Result<()> {
         "s", "composed ms", "flash ms", "speedup", "composed kept", "flash kept", "out diff"
     );
     for s in [256, 512, 1024, 2048] {
-        let new = || Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, HEADS, s, D_HEAD), &Device::Cpu)?);
+        let new = || {
+            Var::from_tensor(&Tensor::randn(
+                0f32,
+                1.0,
+                (1, HEADS, s, D_HEAD),
+                &Device::Cpu,
+            )?)
+        };
         let vars = [new()?, new()?, new()?];
         let bias = causal_bias(s)?;
         let comp = |q: &Tensor, k: &Tensor, v: &Tensor| composed(q, k, v, &bias);

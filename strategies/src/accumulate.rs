@@ -29,7 +29,11 @@ pub fn divisors(n: usize) -> Vec<usize> {
 
 fn with_micro_batch(plan: &Plan, micro: usize) -> Plan {
     let per_rank = per_rank_batch(plan);
-    Plan { micro_batch: micro, grad_accum: per_rank / micro, ..*plan }
+    Plan {
+        micro_batch: micro,
+        grad_accum: per_rank / micro,
+        ..*plan
+    }
 }
 
 impl Strategy for Accumulate {
@@ -37,11 +41,16 @@ impl Strategy for Accumulate {
         "accumulate"
     }
     fn tighten(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
-        let next = divisors(per_rank_batch(plan)).into_iter().rev().find(|&d| d < plan.micro_batch)?;
+        let next = divisors(per_rank_batch(plan))
+            .into_iter()
+            .rev()
+            .find(|&d| d < plan.micro_batch)?;
         Some(with_micro_batch(plan, next))
     }
     fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
-        let next = divisors(per_rank_batch(plan)).into_iter().find(|&d| d > plan.micro_batch)?;
+        let next = divisors(per_rank_batch(plan))
+            .into_iter()
+            .find(|&d| d > plan.micro_batch)?;
         Some(with_micro_batch(plan, next))
     }
 }
@@ -56,10 +65,12 @@ pub fn collect_grads(store: &GradStore, vars: &[Var]) -> Result<Vec<Tensor>> {
     vars.iter()
         .enumerate()
         .map(|(i, v)| {
-            store
-                .get(v.as_tensor())
-                .map(Tensor::detach)
-                .ok_or_else(|| Error::Config(format!("var {i} (shape {:?}) received no gradient", v.shape())))
+            store.get(v.as_tensor()).map(Tensor::detach).ok_or_else(|| {
+                Error::Config(format!(
+                    "var {i} (shape {:?}) received no gradient",
+                    v.shape()
+                ))
+            })
         })
         .collect()
 }
@@ -106,7 +117,10 @@ impl GradAccumulator {
     /// Accumulates in `dtype`, e.g. f32 sums of bf16 gradients (the first
     /// micro-batch's gradients are converted, 4 bytes per element for f32).
     pub fn with_dtype(dtype: DType) -> Self {
-        GradAccumulator { dtype: Some(dtype), ..Self::default() }
+        GradAccumulator {
+            dtype: Some(dtype),
+            ..Self::default()
+        }
     }
 
     /// Micro-batches added so far.
@@ -230,7 +244,9 @@ fn zip_in_place<A: Float, B: Float>(a: &mut [A], b: &[B], f: impl Fn(f32, f32) -
     if a.len() <= CHUNK {
         serial(a, b);
     } else {
-        a.par_chunks_mut(CHUNK).zip(b.par_chunks(CHUNK)).for_each(|(a, b)| serial(a, b));
+        a.par_chunks_mut(CHUNK)
+            .zip(b.par_chunks(CHUNK))
+            .for_each(|(a, b)| serial(a, b));
     }
 }
 

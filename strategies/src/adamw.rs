@@ -29,8 +29,10 @@ impl Strategy for FusedAdamWStrategy {
         "fused-adamw"
     }
     fn tighten(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
-        (plan.optimizer != OptimizerImpl::FusedAdamW)
-            .then_some(Plan { optimizer: OptimizerImpl::FusedAdamW, ..*plan })
+        (plan.optimizer != OptimizerImpl::FusedAdamW).then_some(Plan {
+            optimizer: OptimizerImpl::FusedAdamW,
+            ..*plan
+        })
     }
 }
 
@@ -130,7 +132,9 @@ struct CpuMut<F>(Cell<Option<F>>);
 
 impl<F> CpuMut<F> {
     fn take(&self) -> candle_core::Result<F> {
-        self.0.take().ok_or_else(|| candle_core::Error::Msg("in-place closure ran twice".into()))
+        self.0
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("in-place closure ran twice".into()))
     }
 }
 
@@ -234,7 +238,13 @@ fn adamw_kernel<P: Float, G: Float>(p: &mut [P], g: &[G], m: &mut [f32], v: &mut
 
 /// Updates `p`, `m` and `v` in place from `g` on the CPU. All four are contiguous
 /// and of equal element count; `m` and `v` are f32 and own their storage.
-fn update_cpu(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, c: Coeffs) -> candle_core::Result<()> {
+fn update_cpu(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    c: Coeffs,
+) -> candle_core::Result<()> {
     with_cpu_mut(m, |m, ml| {
         let m = &mut f32_vec_mut(m)?[contiguous_range(ml)?];
         with_cpu_mut(v, |v, vl| {
@@ -336,7 +346,13 @@ impl FusedAdamW {
     /// An optimizer over `vars`; their state is named `"0"`, `"1"`, … in
     /// [`state_tensors`](Self::state_tensors).
     pub fn new(vars: Vec<Var>, params: ParamsAdamW) -> Result<Self> {
-        Self::new_named(vars.into_iter().enumerate().map(|(i, v)| (i.to_string(), v)).collect(), params)
+        Self::new_named(
+            vars.into_iter()
+                .enumerate()
+                .map(|(i, v)| (i.to_string(), v))
+                .collect(),
+            params,
+        )
     }
 
     /// An optimizer over named vars (names must be unique; they key the state in
@@ -349,7 +365,9 @@ impl FusedAdamW {
             .into_iter()
             .map(|(name, var)| {
                 if !names.insert(name.clone()) {
-                    return Err(Error::Config(format!("parameter name `{name}` is used twice")));
+                    return Err(Error::Config(format!(
+                        "parameter name `{name}` is used twice"
+                    )));
                 }
                 if !is_kernel_dtype(var.dtype()) {
                     return Err(Error::Unsupported(format!(
@@ -358,14 +376,20 @@ impl FusedAdamW {
                     )));
                 }
                 if !var.is_contiguous() {
-                    return Err(Error::Unsupported(format!("parameter `{name}` is not contiguous")));
+                    return Err(Error::Unsupported(format!(
+                        "parameter `{name}` is not contiguous"
+                    )));
                 }
                 let m = Var::zeros(var.shape(), DType::F32, var.device())?;
                 let v = Var::zeros(var.shape(), DType::F32, var.device())?;
                 Ok(Slot { name, var, m, v })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(FusedAdamW { slots, params, t: 0 })
+        Ok(FusedAdamW {
+            slots,
+            params,
+            t: 0,
+        })
     }
 
     /// One step with `grads[i]` the gradient of the `i`-th var (same order as at
@@ -396,10 +420,14 @@ impl FusedAdamW {
     /// Checks every gradient, then takes the step: a bad gradient leaves
     /// parameters, state and step count unchanged.
     fn apply(&mut self, pairs: &[(usize, &Tensor)]) -> Result<()> {
-        pairs.iter().try_for_each(|&(i, g)| self.slots[i].check(g))?;
+        pairs
+            .iter()
+            .try_for_each(|&(i, g)| self.slots[i].check(g))?;
         self.t += 1;
         let c = Coeffs::new(&self.params, self.t);
-        pairs.iter().try_for_each(|&(i, g)| self.slots[i].update(g, c))
+        pairs
+            .iter()
+            .try_for_each(|&(i, g)| self.slots[i].update(g, c))
     }
 
     /// The learning rate.
@@ -432,7 +460,10 @@ impl FusedAdamW {
             out.insert(format!("{}.m", s.name), s.m.as_detached_tensor().copy()?);
             out.insert(format!("{}.v", s.name), s.v.as_detached_tensor().copy()?);
         }
-        out.insert(STEP_KEY.to_string(), Tensor::new(self.t as i64, &Device::Cpu)?);
+        out.insert(
+            STEP_KEY.to_string(),
+            Tensor::new(self.t as i64, &Device::Cpu)?,
+        );
         Ok(out)
     }
 
@@ -441,8 +472,9 @@ impl FusedAdamW {
     /// Every key must be present with the right shape; on error nothing changes.
     pub fn load_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
         let get = |key: String, shape: &candle_core::Shape| -> Result<&Tensor> {
-            let t =
-                state.get(&key).ok_or_else(|| Error::Config(format!("optimizer state has no `{key}`")))?;
+            let t = state
+                .get(&key)
+                .ok_or_else(|| Error::Config(format!("optimizer state has no `{key}`")))?;
             if t.shape() != shape {
                 return Err(Error::Config(format!(
                     "optimizer state `{key}` has shape {:?}, expected {shape:?}",
@@ -451,7 +483,9 @@ impl FusedAdamW {
             }
             Ok(t)
         };
-        let step = get(STEP_KEY.to_string(), &().into())?.to_dtype(DType::I64)?.to_scalar::<i64>()?;
+        let step = get(STEP_KEY.to_string(), &().into())?
+            .to_dtype(DType::I64)?
+            .to_scalar::<i64>()?;
         let step = u64::try_from(step)
             .map_err(|_| Error::Config(format!("optimizer step count {step} is negative")))?;
         let moments = self
@@ -492,7 +526,10 @@ impl Slot {
             )));
         }
         if !g.device().same_device(p.device()) {
-            return Err(Error::Config(format!("gradient of `{}` is on another device", self.name)));
+            return Err(Error::Config(format!(
+                "gradient of `{}` is on another device",
+                self.name
+            )));
         }
         Ok(())
     }

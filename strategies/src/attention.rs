@@ -71,8 +71,10 @@ impl Strategy for FlashAttention {
         "flash-attention"
     }
     fn tighten(&self, plan: &Plan, ctx: &SearchContext) -> Option<Plan> {
-        (ctx.flash_attention && plan.attention == Attention::Composed)
-            .then_some(Plan { attention: Attention::Flash, ..*plan })
+        (ctx.flash_attention && plan.attention == Attention::Composed).then_some(Plan {
+            attention: Attention::Flash,
+            ..*plan
+        })
     }
 }
 
@@ -126,18 +128,24 @@ pub fn flash_attention(
         bail!("flash_attention: scale must be finite, got {scale}");
     }
     let (keep, keep_device) = match &opts.key_padding {
-        Some(mask) if q.device().is_cuda() => (None, Some(keep_tensor(mask, dims.b, dims.s_k, q.device())?)),
+        Some(mask) if q.device().is_cuda() => {
+            (None, Some(keep_tensor(mask, dims.b, dims.s_k, q.device())?))
+        }
         Some(mask) => (Some(keep_mask(mask, dims.b, dims.s_k)?), None),
         None => (None, None),
     };
     let op = FlashOp {
         dims,
-        params: Params { causal: opts.causal, scale },
+        params: Params {
+            causal: opts.causal,
+            scale,
+        },
         keep,
         keep_device,
         lse: OnceLock::new(),
     };
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    q.contiguous()?
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
 /// Problem sizes, checked against each other.
@@ -180,7 +188,14 @@ impl Dims {
                 v.dtype()
             );
         }
-        Ok(Dims { b, heads, kv_heads, s_q, s_k, d })
+        Ok(Dims {
+            b,
+            heads,
+            kv_heads,
+            s_q,
+            s_k,
+            d,
+        })
     }
 
     /// Elements of one query head (`s_q × d`) and of one key head (`s_k × d`).
@@ -198,13 +213,23 @@ impl Dims {
 
 /// Reads a `[b, s_k]` key padding mask as one byte per key (1 = keep).
 fn keep_mask(mask: &Tensor, b: usize, s_k: usize) -> candle_core::Result<Vec<u8>> {
-    keep_tensor(mask, b, s_k, &candle_core::Device::Cpu)?.flatten_all()?.to_vec1::<u8>()
+    keep_tensor(mask, b, s_k, &candle_core::Device::Cpu)?
+        .flatten_all()?
+        .to_vec1::<u8>()
 }
 
 /// A `[b, s_k]` key padding mask as a contiguous u8 tensor on `device` (1 = keep).
-fn keep_tensor(mask: &Tensor, b: usize, s_k: usize, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+fn keep_tensor(
+    mask: &Tensor,
+    b: usize,
+    s_k: usize,
+    device: &candle_core::Device,
+) -> candle_core::Result<Tensor> {
     if mask.dims() != [b, s_k] {
-        bail!("flash_attention: key_padding has shape {:?}, expected [{b}, {s_k}]", mask.dims());
+        bail!(
+            "flash_attention: key_padding has shape {:?}, expected [{b}, {s_k}]",
+            mask.dims()
+        );
     }
     mask.to_device(device)?.ne(0.0)?.contiguous()
 }
@@ -267,8 +292,10 @@ impl CustomOp3 for FlashOp {
         let mut out = vec![0f32; dims.b * dims.heads * q_len];
         let mut lse = vec![f32::NEG_INFINITY; dims.b * dims.heads * dims.s_q];
         if q_len > 0 {
-            out.par_chunks_mut(q_len).zip(lse.par_chunks_mut(dims.s_q)).enumerate().for_each(
-                |(bh, (out, lse))| {
+            out.par_chunks_mut(q_len)
+                .zip(lse.par_chunks_mut(dims.s_q))
+                .enumerate()
+                .for_each(|(bh, (out, lse))| {
                     let kv = dims.kv_offset(bh);
                     let head = Head {
                         q: &q[bh * q_len..][..q_len],
@@ -279,8 +306,7 @@ impl CustomOp3 for FlashOp {
                         params: self.params,
                     };
                     head.forward(out, lse);
-                },
-            );
+                });
         }
         if self.lse.set(Lse::Host(lse)).is_err() {
             bail!("flash_attention: forward ran twice on one op");
@@ -300,7 +326,8 @@ impl CustomOp3 for FlashOp {
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let keep = self.keep_device.as_ref();
-        let (out, shape, lse) = cuda::forward(&self.dims, &self.params, keep, (s1, l1), (s2, l2), (s3, l3))?;
+        let (out, shape, lse) =
+            cuda::forward(&self.dims, &self.params, keep, (s1, l1), (s2, l2), (s3, l3))?;
         if self.lse.set(Lse::Device(lse)).is_err() {
             bail!("flash_attention: forward ran twice on one op");
         }
@@ -321,7 +348,8 @@ impl CustomOp3 for FlashOp {
             #[cfg(feature = "cuda")]
             Some(Lse::Device(lse)) => {
                 let keep = self.keep_device.as_ref();
-                let (dq, dk, dv) = cuda::backward(&self.dims, &self.params, keep, lse, q, k, v, o, grad_o)?;
+                let (dq, dk, dv) =
+                    cuda::backward(&self.dims, &self.params, keep, lse, q, k, v, o, grad_o)?;
                 return Ok((Some(dq), Some(dk), Some(dv)));
             }
         };
@@ -355,7 +383,14 @@ impl CustomOp3 for FlashOp {
                         grad: &do32[bh * q_len..][..q_len],
                         lse: &lse[rows],
                     };
-                    head.backward(&up, Grads { q: dq, k: dk, v: dv });
+                    head.backward(
+                        &up,
+                        Grads {
+                            q: dq,
+                            k: dk,
+                            v: dv,
+                        },
+                    );
                 });
         }
         let group = dims.heads / dims.kv_heads;
@@ -493,7 +528,9 @@ impl Head<'_> {
                     sum[r] = sum[r] * rescale + exp_shifted(row, new_max);
                     max[r] = new_max;
                     if rescale != 1.0 {
-                        acc[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= rescale);
+                        acc[r * d..(r + 1) * d]
+                            .iter_mut()
+                            .for_each(|x| *x *= rescale);
                     }
                 }
                 let p = View::rows(&s, rows, cols, cols);
@@ -519,8 +556,12 @@ impl Head<'_> {
         let Dims { s_q, d, .. } = *self.dims;
         let scale = self.params.scale;
         // D_i = dO_i · O_i, the softmax backward's row term.
-        let delta: Vec<f32> =
-            up.grad.chunks_exact(d).zip(up.o.chunks_exact(d)).map(|(a, b)| dot(a, b)).collect();
+        let delta: Vec<f32> = up
+            .grad
+            .chunks_exact(d)
+            .zip(up.o.chunks_exact(d))
+            .map(|(a, b)| dot(a, b))
+            .collect();
         let mut p = vec![0f32; BLOCK_Q * BLOCK_K];
         let mut dp = vec![0f32; BLOCK_Q * BLOCK_K];
         for i0 in (0..s_q).step_by(BLOCK_Q) {
@@ -546,8 +587,10 @@ impl Head<'_> {
                 matmul(&mut g.v[j0 * d..], d, pv.t(), grad_o, 1.0, true);
                 // dP = dO_i V_jᵀ, then dS = P ∘ (dP − D) in place
                 matmul(&mut dp, cols, grad_o, v.t(), 1.0, false);
-                for (r, (ds, p)) in
-                    dp[..rows * cols].chunks_exact_mut(cols).zip(p.chunks_exact(cols)).enumerate()
+                for (r, (ds, p)) in dp[..rows * cols]
+                    .chunks_exact_mut(cols)
+                    .zip(p.chunks_exact(cols))
+                    .enumerate()
                 {
                     let dr = delta[i0 + r];
                     ds.iter_mut().zip(p).for_each(|(x, &p)| *x = p * (*x - dr));
@@ -575,7 +618,12 @@ fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
             acc[i] += x[i] * y[i];
@@ -602,12 +650,24 @@ struct View<'a> {
 impl<'a> View<'a> {
     /// A row-major `rows × cols` matrix at the start of `data` with row stride `ld`.
     fn rows(data: &'a [f32], rows: usize, cols: usize, ld: usize) -> Self {
-        View { data, rows, cols, rs: ld, cs: 1 }
+        View {
+            data,
+            rows,
+            cols,
+            rs: ld,
+            cs: 1,
+        }
     }
 
     /// The transpose (no copy).
     fn t(self) -> Self {
-        View { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
+        View {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
     }
 
     /// Whether every element lies inside `data`.

@@ -70,11 +70,16 @@ impl Strategy for Checkpoint {
         "checkpoint"
     }
     fn tighten(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
-        (plan.checkpoint == Checkpointing::None)
-            .then_some(Plan { checkpoint: Checkpointing::Every(1), ..*plan })
+        (plan.checkpoint == Checkpointing::None).then_some(Plan {
+            checkpoint: Checkpointing::Every(1),
+            ..*plan
+        })
     }
     fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
-        (plan.checkpoint != Checkpointing::None).then_some(Plan { checkpoint: Checkpointing::None, ..*plan })
+        (plan.checkpoint != Checkpointing::None).then_some(Plan {
+            checkpoint: Checkpointing::None,
+            ..*plan
+        })
     }
 }
 
@@ -175,11 +180,16 @@ fn plain<B: Block>(
     let mut store = scaled(&loss, loss_scale)?.backward()?;
     let mut grads = vec![None; vars.len()];
     accumulate(&mut grads, &mut store, vars)?;
-    Ok(Gradients { loss: loss.detach(), grads })
+    Ok(Gradients {
+        loss: loss.detach(),
+        grads,
+    })
 }
 
 fn run<B: Block>(blocks: &[B], x: &Tensor) -> candle_core::Result<Tensor> {
-    blocks.iter().try_fold(x.clone(), |x, block| block.forward(&x))
+    blocks
+        .iter()
+        .try_fold(x.clone(), |x, block| block.forward(&x))
 }
 
 fn scaled(loss: &Tensor, loss_scale: f64) -> candle_core::Result<Tensor> {
@@ -208,6 +218,8 @@ fn accumulate(grads: &mut [Option<Tensor>], store: &mut GradStore, vars: &[Var])
 fn input_grad(store: &mut GradStore, input: &Tensor) -> Result<Tensor> {
     match store.remove(input) {
         Some(g) => Ok(g.detach()),
-        None => Err(Error::Config("checkpointing: the loss does not depend on the blocks' output".into())),
+        None => Err(Error::Config(
+            "checkpointing: the loss does not depend on the blocks' output".into(),
+        )),
     }
 }

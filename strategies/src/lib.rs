@@ -102,12 +102,20 @@ impl std::fmt::Debug for Pipeline {
 
 impl Pipeline {
     /// Names of the built-in strategies in their default order.
-    pub const DEFAULT_ORDER: [&'static str; 6] =
-        ["accumulate", "precision", "flash-attention", "checkpoint", "fused-adamw", "shard"];
+    pub const DEFAULT_ORDER: [&'static str; 6] = [
+        "accumulate",
+        "precision",
+        "flash-attention",
+        "checkpoint",
+        "fused-adamw",
+        "shard",
+    ];
 
     /// An empty pipeline (the identity: the baseline plan is the only attempt).
     pub fn new() -> Self {
-        Pipeline { strategies: Vec::new() }
+        Pipeline {
+            strategies: Vec::new(),
+        }
     }
 
     /// Appends a strategy; builder style.

@@ -49,7 +49,9 @@ impl std::str::FromStr for Precision {
             "fp32" | "f32" | "float32" => Ok(Precision::F32),
             "bf16" | "bfloat16" => Ok(Precision::Bf16),
             "fp16" | "f16" | "float16" | "half" => Ok(Precision::F16),
-            _ => Err(format!("unknown precision `{s}` (expected fp32, bf16 or fp16)")),
+            _ => Err(format!(
+                "unknown precision `{s}` (expected fp32, bf16 or fp16)"
+            )),
         }
     }
 }
@@ -83,9 +85,10 @@ impl Checkpointing {
     /// ```
     pub fn segments(self, layers: usize) -> Vec<Range<usize>> {
         match self {
-            Checkpointing::Every(k) if k > 0 => {
-                (0..layers).step_by(k).map(|start| start..(start + k).min(layers)).collect()
-            }
+            Checkpointing::Every(k) if k > 0 => (0..layers)
+                .step_by(k)
+                .map(|start| start..(start + k).min(layers))
+                .collect(),
             _ => Vec::new(),
         }
     }
@@ -164,7 +167,10 @@ pub struct Sharding {
 
 impl Sharding {
     /// One device, nothing sharded.
-    pub const NONE: Sharding = Sharding { world_size: 1, stage: 0 };
+    pub const NONE: Sharding = Sharding {
+        world_size: 1,
+        stage: 0,
+    };
 }
 
 /// A complete training configuration: everything the memory model and the
@@ -223,7 +229,11 @@ impl fmt::Display for Plan {
         }
         write!(f, "{}", self.optimizer)?;
         if self.shard.world_size > 1 {
-            write!(f, ", ZeRO-{} over {}", self.shard.stage, self.shard.world_size)?;
+            write!(
+                f,
+                ", ZeRO-{} over {}",
+                self.shard.stage, self.shard.world_size
+            )?;
         }
         Ok(())
     }

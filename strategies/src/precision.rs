@@ -40,7 +40,11 @@ impl Strategy for MixedPrecision {
         if plan.precision != Precision::F32 {
             return None;
         }
-        let precision = if ctx.supports_bf16 { Precision::Bf16 } else { Precision::F16 };
+        let precision = if ctx.supports_bf16 {
+            Precision::Bf16
+        } else {
+            Precision::F16
+        };
         Some(Plan { precision, ..*plan })
     }
 }
@@ -115,7 +119,11 @@ impl LossScaler {
         if !ok {
             return Err(Error::Config(format!("invalid loss scaler settings {c:?}")));
         }
-        Ok(LossScaler { config, scale: config.init_scale, growth_tracker: 0 })
+        Ok(LossScaler {
+            config,
+            scale: config.init_scale,
+            growth_tracker: 0,
+        })
     }
 
     /// The current scale.
@@ -189,7 +197,11 @@ fn all_finite(t: &Tensor) -> Result<bool> {
             return Ok(cpu_all_finite(s, layout)?);
         }
     }
-    let zero_or_nan = t.affine(0.0, 0.0)?.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    let zero_or_nan = t
+        .affine(0.0, 0.0)?
+        .sum_all()?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?;
     Ok(zero_or_nan.is_finite())
 }
 
@@ -242,7 +254,10 @@ impl MasterWeights {
                 ))),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(MasterWeights { compute: compute_vars, masters })
+        Ok(MasterWeights {
+            compute: compute_vars,
+            masters,
+        })
     }
 
     /// The f32 master vars, in the order of the compute vars: hand these to the optimizer.
@@ -285,8 +300,10 @@ impl MasterWeights {
 /// afterwards (`VarBuilder::from_varmap`) use the converted vars; models built
 /// before keep the old ones.
 pub fn cast_var_map(varmap: &VarMap, dtype: DType) -> Result<()> {
-    let mut vars =
-        varmap.data().lock().map_err(|_| Error::Config("the var map's lock is poisoned".into()))?;
+    let mut vars = varmap
+        .data()
+        .lock()
+        .map_err(|_| Error::Config("the var map's lock is poisoned".into()))?;
     for var in vars.values_mut() {
         if var.dtype().is_float() && var.dtype() != dtype {
             *var = Var::from_tensor(&var.to_dtype(dtype)?)?;

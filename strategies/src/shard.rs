@@ -27,7 +27,10 @@ fn with_stage(plan: &Plan, world_size: usize, stage: u8) -> Option<Plan> {
     }
     let per_rank = global / world_size;
     // keep the micro-batch if it still divides the per-rank batch, else the largest that does
-    let micro = divisors(per_rank).into_iter().rev().find(|&d| d <= plan.micro_batch)?;
+    let micro = divisors(per_rank)
+        .into_iter()
+        .rev()
+        .find(|&d| d <= plan.micro_batch)?;
     Some(Plan {
         micro_batch: micro,
         grad_accum: per_rank / micro,
@@ -118,16 +121,29 @@ struct Shared {
 impl ThreadComm {
     /// A group of `n` ranks: move element `r` to the thread that plays rank `r`.
     pub fn group(n: usize) -> Vec<ThreadComm> {
-        let shared =
-            Arc::new(Shared { world: n, barrier: Barrier::new(n), slots: Mutex::new(vec![None; n]) });
-        (0..n).map(|rank| ThreadComm { rank, shared: shared.clone() }).collect()
+        let shared = Arc::new(Shared {
+            world: n,
+            barrier: Barrier::new(n),
+            slots: Mutex::new(vec![None; n]),
+        });
+        (0..n)
+            .map(|rank| ThreadComm {
+                rank,
+                shared: shared.clone(),
+            })
+            .collect()
     }
 
     /// Publishes `t` (detached), waits for every rank, runs `f` on all ranks'
     /// tensors in rank order, and waits again: every rank has finished reading
     /// the others' tensors before any rank goes on.
     fn exchange<R>(&self, t: &Tensor, f: impl FnOnce(Vec<Tensor>) -> Result<R>) -> Result<R> {
-        let lock = || self.shared.slots.lock().map_err(|_| Error::Comm("a rank panicked".into()));
+        let lock = || {
+            self.shared
+                .slots
+                .lock()
+                .map_err(|_| Error::Comm("a rank panicked".into()))
+        };
         lock()?[self.rank] = Some(t.detach());
         self.shared.barrier.wait();
         let all = lock().and_then(|slots| {
@@ -147,7 +163,10 @@ impl ThreadComm {
         if root < self.world_size() {
             Ok(())
         } else {
-            Err(Error::Comm(format!("root {root} is not a rank of a group of {}", self.world_size())))
+            Err(Error::Comm(format!(
+                "root {root} is not a rank of a group of {}",
+                self.world_size()
+            )))
         }
     }
 }
@@ -198,7 +217,13 @@ impl Comm for ThreadComm {
         self.exchange(t, |all| {
             all.into_iter()
                 .enumerate()
-                .map(|(r, x)| if r == self.rank { Ok(x) } else { Ok(x.force_contiguous()?) })
+                .map(|(r, x)| {
+                    if r == self.rank {
+                        Ok(x)
+                    } else {
+                        Ok(x.force_contiguous()?)
+                    }
+                })
                 .collect()
         })
     }
@@ -243,7 +268,9 @@ impl TryFrom<u8> for ZeroStage {
             1 => Ok(ZeroStage::OptimizerState),
             2 => Ok(ZeroStage::Gradients),
             3 => Ok(ZeroStage::Parameters),
-            _ => Err(Error::Config(format!("ZeRO stage must be 1, 2 or 3, not {stage}"))),
+            _ => Err(Error::Config(format!(
+                "ZeRO stage must be 1, 2 or 3, not {stage}"
+            ))),
         }
     }
 }
@@ -315,17 +342,29 @@ impl<C: Comm> ShardedOptimizer<C> {
             return Err(Error::Comm(format!("rank {rank} in a group of {world}")));
         }
         if stage == ZeroStage::Parameters && !vars.iter().all(|v| v.device().is_cpu()) {
-            return Err(Error::Unsupported("ZeRO stage 3 frees parameters on the CPU only".into()));
+            return Err(Error::Unsupported(
+                "ZeRO stage 3 frees parameters on the CPU only".into(),
+            ));
         }
         check_same_vars(&comm, &vars)?;
-        let owners = partition(&vars.iter().map(|v| v.elem_count()).collect::<Vec<_>>(), world)?;
+        let owners = partition(
+            &vars.iter().map(|v| v.elem_count()).collect::<Vec<_>>(),
+            world,
+        )?;
         let owned = vars
             .iter()
             .enumerate()
             .filter(|&(i, _)| owners[i] == rank)
             .map(|(i, v)| (i.to_string(), v.clone()));
         let opt = FusedAdamW::new_named(owned.collect(), params)?;
-        let mut s = ShardedOptimizer { comm, stage, vars, owners, opt, released: false };
+        let mut s = ShardedOptimizer {
+            comm,
+            stage,
+            vars,
+            owners,
+            opt,
+            released: false,
+        };
         s.broadcast_params()?;
         s.release_params()?;
         Ok(s)
@@ -346,7 +385,9 @@ impl<C: Comm> ShardedOptimizer<C> {
         let mut mine = Vec::new();
         for (g, &owner) in grads.into_iter().zip(&self.owners) {
             let reduced = match self.stage {
-                ZeroStage::OptimizerState => Some(self.comm.all_reduce_sum(&g)?).filter(|_| owner == rank),
+                ZeroStage::OptimizerState => {
+                    Some(self.comm.all_reduce_sum(&g)?).filter(|_| owner == rank)
+                }
                 ZeroStage::Gradients | ZeroStage::Parameters => self.comm.reduce_sum(&g, owner)?,
             };
             drop(g);
@@ -411,7 +452,11 @@ impl<C: Comm> ShardedOptimizer<C> {
 
     fn non_owned(&self) -> impl Iterator<Item = &Var> {
         let rank = self.comm.rank();
-        self.vars.iter().zip(&self.owners).filter(move |&(_, &o)| o != rank).map(|(v, _)| v)
+        self.vars
+            .iter()
+            .zip(&self.owners)
+            .filter(move |&(_, &o)| o != rank)
+            .map(|(v, _)| v)
     }
 
     /// Owner rank of each var, in order.

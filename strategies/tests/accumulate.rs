@@ -9,7 +9,11 @@ use oomfix_strategies::adamw::{FusedAdamW, ParamsAdamW};
 
 /// Gradients of the mean-squared error of the linear model `x w^T + b` on (x, y).
 fn grads_on(w: &Var, b: &Var, x: &Tensor, y: &Tensor) -> Vec<Tensor> {
-    let pred = x.matmul(&w.as_tensor().t().unwrap()).unwrap().broadcast_add(b.as_tensor()).unwrap();
+    let pred = x
+        .matmul(&w.as_tensor().t().unwrap())
+        .unwrap()
+        .broadcast_add(b.as_tensor())
+        .unwrap();
     let loss = (pred - y).unwrap().sqr().unwrap().mean_all().unwrap();
     collect_grads(&loss.backward().unwrap(), &[w.clone(), b.clone()]).unwrap()
 }
@@ -25,7 +29,10 @@ fn micro_batches_average_to_the_full_batch() {
         let micro = 8 / k;
         let mut acc = GradAccumulator::new();
         for i in 0..k {
-            let (xi, yi) = (x.narrow(0, i * micro, micro).unwrap(), y.narrow(0, i * micro, micro).unwrap());
+            let (xi, yi) = (
+                x.narrow(0, i * micro, micro).unwrap(),
+                y.narrow(0, i * micro, micro).unwrap(),
+            );
             acc.add(grads_on(&w, &b, &xi, &yi)).unwrap();
         }
         assert_eq!(acc.micro_batches(), k);
@@ -40,10 +47,18 @@ fn micro_batches_average_to_the_full_batch() {
                 Var::from_tensor(&w.as_detached_tensor()).unwrap(),
                 Var::from_tensor(&b.as_detached_tensor()).unwrap(),
             ];
-            let mut opt =
-                FusedAdamW::new(vars.to_vec(), ParamsAdamW { lr: 0.1, ..Default::default() }).unwrap();
+            let mut opt = FusedAdamW::new(
+                vars.to_vec(),
+                ParamsAdamW {
+                    lr: 0.1,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
             opt.step(grads).unwrap();
-            vars.iter().map(|v| values(v.as_tensor()).unwrap()).collect()
+            vars.iter()
+                .map(|v| values(v.as_tensor()).unwrap())
+                .collect()
         };
         let (pa, pf) = (step(&avg), step(&full));
         for (a, f) in pa.iter().zip(&pf) {
@@ -73,14 +88,24 @@ fn in_place_sums_never_touch_the_callers_tensors() {
     for s in 0..3 {
         acc.add(vec![det((4, 4), s).t().unwrap()]).unwrap();
     }
-    let want = ((det((4, 4), 0) + det((4, 4), 1)).unwrap() + det((4, 4), 2)).unwrap().t().unwrap();
-    assert_close(&acc.finish(0.5).unwrap()[0], &(want * 0.5).unwrap(), 1e-7, "transposed");
+    let want = ((det((4, 4), 0) + det((4, 4), 1)).unwrap() + det((4, 4), 2))
+        .unwrap()
+        .t()
+        .unwrap();
+    assert_close(
+        &acc.finish(0.5).unwrap()[0],
+        &(want * 0.5).unwrap(),
+        1e-7,
+        "transposed",
+    );
 }
 
 #[test]
 fn bf16_grads_accumulate_in_f32() {
     // 40_000 elements: more than one chunk, so the in-place kernels run on several threads
-    let parts: Vec<Tensor> = (0..6).map(|s| det(40_000, s).to_dtype(DType::BF16).unwrap()).collect();
+    let parts: Vec<Tensor> = (0..6)
+        .map(|s| det(40_000, s).to_dtype(DType::BF16).unwrap())
+        .collect();
     let mut acc = GradAccumulator::with_dtype(DType::F32);
     for p in &parts {
         acc.add(vec![p.clone()]).unwrap();
@@ -111,7 +136,10 @@ fn rejects_mismatched_micro_batches() {
 
 #[test]
 fn missing_gradient_is_an_error() {
-    let (a, unused) = (Var::new(&[1f32], &Device::Cpu).unwrap(), Var::new(&[2f32], &Device::Cpu).unwrap());
+    let (a, unused) = (
+        Var::new(&[1f32], &Device::Cpu).unwrap(),
+        Var::new(&[2f32], &Device::Cpu).unwrap(),
+    );
     let store = a.as_tensor().sum_all().unwrap().backward().unwrap();
     assert!(collect_grads(&store, std::slice::from_ref(&a)).is_ok());
     assert!(collect_grads(&store, &[a, unused]).is_err());

@@ -8,7 +8,13 @@ use common::{assert_close, det, values};
 use oomfix_strategies::adamw::{FusedAdamW, ParamsAdamW, STEP_KEY};
 
 fn params() -> ParamsAdamW {
-    ParamsAdamW { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.05 }
+    ParamsAdamW {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.05,
+    }
 }
 
 /// Textbook AdamW over plain tensor ops, f32 state.
@@ -23,7 +29,13 @@ struct Reference {
 impl Reference {
     fn new(p: &Tensor, c: ParamsAdamW) -> Self {
         let z = p.zeros_like().unwrap().to_dtype(DType::F32).unwrap();
-        Reference { p: p.clone(), m: z.clone(), v: z, t: 0, c }
+        Reference {
+            p: p.clone(),
+            m: z.clone(),
+            v: z,
+            t: 0,
+            c,
+        }
     }
 
     /// One step; the parameter is computed in f32 and stored back in its own dtype.
@@ -32,7 +44,8 @@ impl Reference {
         self.t += 1;
         let g = g.to_dtype(DType::F32).unwrap();
         self.m = ((&self.m * c.beta1).unwrap() + (&g * (1.0 - c.beta1)).unwrap()).unwrap();
-        self.v = ((&self.v * c.beta2).unwrap() + (g.sqr().unwrap() * (1.0 - c.beta2)).unwrap()).unwrap();
+        self.v =
+            ((&self.v * c.beta2).unwrap() + (g.sqr().unwrap() * (1.0 - c.beta2)).unwrap()).unwrap();
         let m_hat = (&self.m * (1.0 / (1.0 - c.beta1.powi(self.t)))).unwrap();
         let v_hat = (&self.v * (1.0 / (1.0 - c.beta2.powi(self.t)))).unwrap();
         let update = (m_hat / (v_hat.sqrt().unwrap() + c.eps).unwrap()).unwrap();
@@ -58,14 +71,20 @@ fn against_reference(dtype: DType, grad_dtype: DType, tol: f64) {
         .enumerate()
         .map(|(i, s)| Var::from_tensor(&det(*s, 7 + i as u64).to_dtype(dtype).unwrap()).unwrap())
         .collect();
-    let mut refs: Vec<Reference> =
-        vars.iter().map(|v| Reference::new(&v.as_detached_tensor().copy().unwrap(), params())).collect();
+    let mut refs: Vec<Reference> = vars
+        .iter()
+        .map(|v| Reference::new(&v.as_detached_tensor().copy().unwrap(), params()))
+        .collect();
     let mut opt = FusedAdamW::new(vars.clone(), params()).unwrap();
     for step in 0..100 {
         let grads: Vec<Tensor> = vars
             .iter()
             .enumerate()
-            .map(|(i, v)| grad(v.as_tensor(), step, i as u64).to_dtype(grad_dtype).unwrap())
+            .map(|(i, v)| {
+                grad(v.as_tensor(), step, i as u64)
+                    .to_dtype(grad_dtype)
+                    .unwrap()
+            })
             .collect();
         opt.step(&grads).unwrap();
         for (r, g) in refs.iter_mut().zip(&grads) {
@@ -124,8 +143,12 @@ fn matches_candle_nn_adamw_over_100_steps() {
         total
     };
     for step in 0..100 {
-        fused.step_grad_store(&loss(&ours, step).backward().unwrap()).unwrap();
-        candle.step(&loss(&theirs, step).backward().unwrap()).unwrap();
+        fused
+            .step_grad_store(&loss(&ours, step).backward().unwrap())
+            .unwrap();
+        candle
+            .step(&loss(&theirs, step).backward().unwrap())
+            .unwrap();
     }
     for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
         assert_close(a.as_tensor(), b.as_tensor(), 1e-5, &format!("param {i}"));
@@ -136,12 +159,23 @@ fn matches_candle_nn_adamw_over_100_steps() {
 fn weight_decay_and_bias_correction_on_one_element() {
     // p0 = 1, lr = 0.1, weight decay 0.1, betas (0.9, 0.999), eps 1e-8;
     // expected values computed by hand in f64 from the AdamW formulas.
-    let c = ParamsAdamW { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.1 };
+    let c = ParamsAdamW {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
     let p = Var::new(&[1f32], &Device::Cpu).unwrap();
     let mut opt = FusedAdamW::new(vec![p.clone()], c).unwrap();
-    let expect = [(0.5f32, 0.890000002f64), (-1.0, 0.9177103542), (0.25, 0.9222023168)];
+    let expect = [
+        (0.5f32, 0.890000002f64),
+        (-1.0, 0.9177103542),
+        (0.25, 0.9222023168),
+    ];
     for (g, want) in expect {
-        opt.step(&[Tensor::new(&[g], &Device::Cpu).unwrap()]).unwrap();
+        opt.step(&[Tensor::new(&[g], &Device::Cpu).unwrap()])
+            .unwrap();
         let got = values(p.as_tensor()).unwrap()[0] as f64;
         assert!((got - want).abs() < 1e-6, "got {got}, want {want}");
     }
@@ -155,14 +189,20 @@ fn weight_decay_and_bias_correction_on_one_element() {
 #[test]
 fn transposed_grad_gives_the_same_step() {
     let init = det((3, 4), 1);
-    let (a, b) = (Var::from_tensor(&init).unwrap(), Var::from_tensor(&init).unwrap());
+    let (a, b) = (
+        Var::from_tensor(&init).unwrap(),
+        Var::from_tensor(&init).unwrap(),
+    );
     let mut oa = FusedAdamW::new(vec![a.clone()], params()).unwrap();
     let mut ob = FusedAdamW::new(vec![b.clone()], params()).unwrap();
     let g = det((4, 3), 2).t().unwrap(); // a (3, 4) view with transposed strides
     assert!(!g.is_contiguous());
     oa.step(std::slice::from_ref(&g)).unwrap();
     ob.step(&[g.contiguous().unwrap()]).unwrap();
-    assert_eq!(values(a.as_tensor()).unwrap(), values(b.as_tensor()).unwrap());
+    assert_eq!(
+        values(a.as_tensor()).unwrap(),
+        values(b.as_tensor()).unwrap()
+    );
 }
 
 #[test]
@@ -170,12 +210,20 @@ fn state_round_trip_continues_identically() {
     let init = [det((5, 2), 3), det(9, 4)];
     let run = |vars: &[Var], opt: &mut FusedAdamW, steps: std::ops::Range<u64>| {
         for s in steps {
-            let grads: Vec<Tensor> =
-                vars.iter().enumerate().map(|(i, v)| grad(v.as_tensor(), s, i as u64)).collect();
+            let grads: Vec<Tensor> = vars
+                .iter()
+                .enumerate()
+                .map(|(i, v)| grad(v.as_tensor(), s, i as u64))
+                .collect();
             opt.step(&grads).unwrap();
         }
     };
-    let named = |vars: &[Var]| vec![("w".to_string(), vars[0].clone()), ("b".to_string(), vars[1].clone())];
+    let named = |vars: &[Var]| {
+        vec![
+            ("w".to_string(), vars[0].clone()),
+            ("b".to_string(), vars[1].clone()),
+        ]
+    };
     let a: Vec<Var> = init.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
     let mut oa = FusedAdamW::new_named(named(&a), params()).unwrap();
     run(&a, &mut oa, 0..3);
@@ -183,14 +231,20 @@ fn state_round_trip_continues_identically() {
     assert!(state.contains_key("w.m") && state.contains_key("b.v"));
 
     // A second optimizer on copies of the parameters, restored from the checkpoint.
-    let b: Vec<Var> = a.iter().map(|v| Var::from_tensor(&v.as_detached_tensor()).unwrap()).collect();
+    let b: Vec<Var> = a
+        .iter()
+        .map(|v| Var::from_tensor(&v.as_detached_tensor()).unwrap())
+        .collect();
     let mut ob = FusedAdamW::new_named(named(&b), params()).unwrap();
     ob.load_state(&state).unwrap();
     assert_eq!(ob.step_count(), 3);
     run(&a, &mut oa, 3..6);
     run(&b, &mut ob, 3..6);
     for (x, y) in a.iter().zip(&b) {
-        assert_eq!(values(x.as_tensor()).unwrap(), values(y.as_tensor()).unwrap());
+        assert_eq!(
+            values(x.as_tensor()).unwrap(),
+            values(y.as_tensor()).unwrap()
+        );
     }
 
     // Missing or misshapen entries are rejected and change nothing.
@@ -198,24 +252,35 @@ fn state_round_trip_continues_identically() {
     bad.remove("b.v");
     assert!(ob.load_state(&bad).is_err());
     let mut bad = state.clone();
-    bad.insert("w.m".into(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap());
+    bad.insert(
+        "w.m".into(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+    );
     assert!(ob.load_state(&bad).is_err());
     assert_eq!(ob.step_count(), 6);
 }
 
 #[test]
 fn rejects_bad_input_without_partial_steps() {
-    let (a, b) = (Var::from_tensor(&det(4, 1)).unwrap(), Var::from_tensor(&det(2, 2)).unwrap());
+    let (a, b) = (
+        Var::from_tensor(&det(4, 1)).unwrap(),
+        Var::from_tensor(&det(2, 2)).unwrap(),
+    );
     let before = values(a.as_tensor()).unwrap();
     let mut opt = FusedAdamW::new(vec![a.clone(), b.clone()], params()).unwrap();
     // second gradient has the wrong shape: the first parameter must not move
     assert!(opt.step(&[det(4, 3), det(3, 3)]).is_err());
     assert!(opt.step(&[det(4, 3)]).is_err());
-    assert!(opt.step(&[det(4, 3), Tensor::new(&[1u32, 2], &Device::Cpu).unwrap()]).is_err());
+    assert!(opt
+        .step(&[det(4, 3), Tensor::new(&[1u32, 2], &Device::Cpu).unwrap()])
+        .is_err());
     assert_eq!(values(a.as_tensor()).unwrap(), before);
     assert_eq!(opt.step_count(), 0);
 
-    let bad = ParamsAdamW { beta1: 1.0, ..params() };
+    let bad = ParamsAdamW {
+        beta1: 1.0,
+        ..params()
+    };
     assert!(FusedAdamW::new(vec![a.clone()], bad).is_err());
     let ints = Var::from_tensor(&Tensor::new(&[1u32], &Device::Cpu).unwrap()).unwrap();
     assert!(FusedAdamW::new(vec![ints], params()).is_err());

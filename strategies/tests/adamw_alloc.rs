@@ -44,7 +44,10 @@ fn transient(f: impl FnOnce()) -> usize {
 fn fused_step_has_no_tensor_sized_transient() {
     const N: usize = 1 << 20; // 4 MiB of f32 parameters
     let dev = Device::Cpu;
-    let init = Tensor::arange(0f32, N as f32, &dev).unwrap().affine(1e-6, 0.0).unwrap();
+    let init = Tensor::arange(0f32, N as f32, &dev)
+        .unwrap()
+        .affine(1e-6, 0.0)
+        .unwrap();
     let grad = init.sin().unwrap();
     let grad_bf16 = grad.to_dtype(DType::BF16).unwrap();
 
@@ -67,8 +70,17 @@ fn fused_step_has_no_tensor_sized_transient() {
          candle_nn::AdamW {:.2} x the parameter's {param_bytes} B",
         unfused as f64 / param_bytes as f64
     );
-    assert!(f32_grads < param_bytes / 100, "fused step allocated {f32_grads} bytes");
-    assert!(bf16_grads < param_bytes / 100, "fused step allocated {bf16_grads} bytes");
+    assert!(
+        f32_grads < param_bytes / 100,
+        "fused step allocated {f32_grads} bytes"
+    );
+    assert!(
+        bf16_grads < param_bytes / 100,
+        "fused step allocated {bf16_grads} bytes"
+    );
     // the comparison shows the counter sees tensor allocations
-    assert!(unfused > param_bytes, "candle_nn::AdamW allocated only {unfused} bytes");
+    assert!(
+        unfused > param_bytes,
+        "candle_nn::AdamW allocated only {unfused} bytes"
+    );
 }

@@ -57,7 +57,15 @@ struct Case {
 
 impl Case {
     fn new(heads: usize, kv_heads: usize, s: usize, causal: bool) -> Self {
-        Case { b: 2, heads, kv_heads, s_q: s, s_k: s, d: 16, causal }
+        Case {
+            b: 2,
+            heads,
+            kv_heads,
+            s_q: s,
+            s_k: s,
+            d: 16,
+            causal,
+        }
     }
 
     fn inputs(&self, seed: u64) -> (Tensor, Tensor, Tensor) {
@@ -70,7 +78,11 @@ impl Case {
     }
 
     fn opts(&self, key_padding: Option<Tensor>) -> AttentionOptions {
-        AttentionOptions { causal: self.causal, scale: None, key_padding }
+        AttentionOptions {
+            causal: self.causal,
+            scale: None,
+            key_padding,
+        }
     }
 }
 
@@ -81,10 +93,15 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOptions) -> Res
     let (_, kv_heads, s_k, _) = k.dims4()?;
     let repeat = |t: &Tensor| -> Result<Tensor> {
         let g = heads / kv_heads;
-        t.unsqueeze(2)?.broadcast_as((b, kv_heads, g, s_k, d))?.reshape((b, heads, s_k, d))
+        t.unsqueeze(2)?
+            .broadcast_as((b, kv_heads, g, s_k, d))?
+            .reshape((b, heads, s_k, d))
     };
-    let (q, k, v) =
-        (q.to_dtype(DType::F32)?, repeat(&k.to_dtype(DType::F32)?)?, repeat(&v.to_dtype(DType::F32)?)?);
+    let (q, k, v) = (
+        q.to_dtype(DType::F32)?,
+        repeat(&k.to_dtype(DType::F32)?)?,
+        repeat(&v.to_dtype(DType::F32)?)?,
+    );
     let scale = opts.scale.unwrap_or(1.0 / (d as f32).sqrt()) as f64;
     let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
 
@@ -123,7 +140,11 @@ fn run(
     (q, k, v): &(Tensor, Tensor, Tensor),
     w: &Tensor,
 ) -> Result<[Tensor; 4]> {
-    let (q, k, v) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
+    let (q, k, v) = (
+        Var::from_tensor(q)?,
+        Var::from_tensor(k)?,
+        Var::from_tensor(v)?,
+    );
     let o = f(&q, &k, &v)?;
     let grads = (o.to_dtype(DType::F32)? * w)?.sum_all()?.backward()?;
     let g = |x: &Var| grads.get(x).expect("gradient").detach();
@@ -150,7 +171,10 @@ fn check(case: Case, key_padding: Option<Tensor>, dtype: DType, tol: f64) {
         case.causal,
         opts.key_padding.is_some()
     );
-    for (name, (a, b)) in ["output", "dq", "dk", "dv"].iter().zip(flash.iter().zip(&composed)) {
+    for (name, (a, b)) in ["output", "dq", "dk", "dv"]
+        .iter()
+        .zip(flash.iter().zip(&composed))
+    {
         assert_eq!(a.dtype(), dtype, "{label}: {name} dtype");
         assert_eq!(a.dims(), b.dims(), "{label}: {name} shape");
         close(a, b, tol, &format!("{label}: {name}"));
@@ -162,7 +186,11 @@ fn check(case: Case, key_padding: Option<Tensor>, dtype: DType, tol: f64) {
 fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
     let max_abs = |t: &Tensor| values(t).unwrap().iter().fold(0f32, |m, x| m.max(x.abs()));
     if max_abs(b) < 1e-6 {
-        assert!(max_abs(a) < 1e-5, "{what}: {} where the reference is zero", max_abs(a));
+        assert!(
+            max_abs(a) < 1e-5,
+            "{what}: {} where the reference is zero",
+            max_abs(a)
+        );
     } else {
         assert_close(a, b, tol, what);
     }
@@ -170,8 +198,13 @@ fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
 
 /// A `[b, s_k]` mask keeping a different prefix-free pattern per batch row.
 fn padding(b: usize, s_k: usize, dtype: DType) -> Tensor {
-    let keep: Vec<f32> = (0..b * s_k).map(|i| if (i * 7 + i / s_k) % 5 == 2 { 0.0 } else { 1.0 }).collect();
-    Tensor::from_vec(keep, (b, s_k), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    let keep: Vec<f32> = (0..b * s_k)
+        .map(|i| if (i * 7 + i / s_k) % 5 == 2 { 0.0 } else { 1.0 })
+        .collect();
+    Tensor::from_vec(keep, (b, s_k), &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
 }
 
 #[test]
@@ -209,7 +242,11 @@ fn different_query_and_key_lengths() {
     // rows see no key and must be zero
     for (s_q, s_k) in [(33, 100), (100, 33), (1, 70), (70, 1)] {
         for causal in [false, true] {
-            let case = Case { s_q, s_k, ..Case::new(4, 2, 0, causal) };
+            let case = Case {
+                s_q,
+                s_k,
+                ..Case::new(4, 2, 0, causal)
+            };
             check(case, None, DType::F32, 1e-5);
         }
     }
@@ -249,8 +286,14 @@ fn fully_masked_rows_give_zeros_and_finite_gradients() {
     for t in [&o, &dq, &dk, &dv] {
         assert!(values(t).unwrap().iter().all(|x| x.is_finite()));
     }
-    assert!(values(&o.get(1).unwrap()).unwrap().iter().all(|&x| x == 0.0));
-    assert!(values(&o.get(0).unwrap()).unwrap().iter().any(|&x| x != 0.0));
+    assert!(values(&o.get(1).unwrap())
+        .unwrap()
+        .iter()
+        .all(|&x| x == 0.0));
+    assert!(values(&o.get(0).unwrap())
+        .unwrap()
+        .iter()
+        .any(|&x| x != 0.0));
 }
 
 #[test]
@@ -258,7 +301,12 @@ fn bf16_and_f16_within_two_percent() {
     let _g = shared();
     for dtype in [DType::BF16, DType::F16] {
         check(Case::new(4, 2, 33, true), None, dtype, 2e-2);
-        check(Case::new(4, 4, 100, false), Some(padding(2, 100, DType::U8)), dtype, 2e-2);
+        check(
+            Case::new(4, 4, 100, false),
+            Some(padding(2, 100, DType::U8)),
+            dtype,
+            2e-2,
+        );
     }
 }
 
@@ -268,10 +316,20 @@ fn explicit_scale_and_non_contiguous_inputs() {
     let case = Case::new(4, 2, 33, true);
     let (q, k, v) = case.inputs(11);
     // [b, s, heads, d] transposed to [b, heads, s, d]: not contiguous
-    let strided = |t: &Tensor| t.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap();
+    let strided = |t: &Tensor| {
+        t.transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
     let inputs = (strided(&q), strided(&k), strided(&v));
     assert!(!inputs.0.is_contiguous());
-    let opts = AttentionOptions { scale: Some(0.3), ..case.opts(None) };
+    let opts = AttentionOptions {
+        scale: Some(0.3),
+        ..case.opts(None)
+    };
     let w = det((2, 4, 33, 16), 5);
     let flash = run(|q, k, v| flash_attention(q, k, v, &opts), &inputs, &w).unwrap();
     let composed = run(|q, k, v| reference(q, k, v, &opts), &inputs, &w).unwrap();
@@ -284,24 +342,41 @@ fn explicit_scale_and_non_contiguous_inputs() {
 fn sum_all_backward_gives_gradients_to_vars() {
     let _g = shared();
     let (q, k, v) = Case::new(2, 1, 10, true).inputs(1);
-    let (q, k, v) =
-        (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+    let (q, k, v) = (
+        Var::from_tensor(&q).unwrap(),
+        Var::from_tensor(&k).unwrap(),
+        Var::from_tensor(&v).unwrap(),
+    );
     let o = flash_attention(&q, &k, &v, &AttentionOptions::default()).unwrap();
     let grads = o.sum_all().unwrap().backward().unwrap();
-    for (var, dims) in [(&q, [2, 2, 10, 16]), (&k, [2, 1, 10, 16]), (&v, [2, 1, 10, 16])] {
+    for (var, dims) in [
+        (&q, [2, 2, 10, 16]),
+        (&k, [2, 1, 10, 16]),
+        (&v, [2, 1, 10, 16]),
+    ] {
         let g = grads.get(var).expect("gradient");
         assert_eq!(g.dims(), dims);
     }
     // d(sum o)/dv is the column sums of the probabilities, summed over the group:
     // every visible key gets a positive share and the total is heads × s_q per batch row.
-    let dv = grads.get(&v).unwrap().sum_keepdim(3).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+    let dv = grads
+        .get(&v)
+        .unwrap()
+        .sum_keepdim(3)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     assert!((dv - 16.0 * 2.0 * 2.0 * 10.0).abs() < 1e-2, "{dv}");
 }
 
 #[test]
 fn invalid_inputs_are_errors() {
     let _g = shared();
-    let t = |shape: (usize, usize, usize, usize)| Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap();
+    let t = |shape: (usize, usize, usize, usize)| {
+        Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap()
+    };
     let opts = AttentionOptions::default();
     let (q, k) = (t((1, 4, 8, 16)), t((1, 2, 8, 16)));
     // heads not a multiple of kv heads
@@ -315,15 +390,23 @@ fn invalid_inputs_are_errors() {
     let k16 = k.to_dtype(DType::F16).unwrap();
     assert!(flash_attention(&q, &k16, &k16, &opts).is_err());
     let qi = q.to_dtype(DType::U32).unwrap();
-    assert!(flash_attention(&qi, &k.to_dtype(DType::U32).unwrap(), &k.to_dtype(DType::U32).unwrap(), &opts)
-        .is_err());
+    assert!(flash_attention(
+        &qi,
+        &k.to_dtype(DType::U32).unwrap(),
+        &k.to_dtype(DType::U32).unwrap(),
+        &opts
+    )
+    .is_err());
     // mask shape, scale
     let bad_mask = AttentionOptions {
         key_padding: Some(Tensor::ones((1, 9), DType::U8, &Device::Cpu).unwrap()),
         ..Default::default()
     };
     assert!(flash_attention(&q, &k, &k, &bad_mask).is_err());
-    let bad_scale = AttentionOptions { scale: Some(f32::NAN), ..Default::default() };
+    let bad_scale = AttentionOptions {
+        scale: Some(f32::NAN),
+        ..Default::default()
+    };
     assert!(flash_attention(&q, &k, &k, &bad_scale).is_err());
     // the valid call works
     assert!(flash_attention(&q, &k, &k, &opts).is_ok());
@@ -332,10 +415,25 @@ fn invalid_inputs_are_errors() {
 /// Live bytes the forward of `f` leaves behind (output and graph), and the
 /// transient peak above the level at entry, for `b=1, heads=2, d=16`; the median
 /// of three runs (threads of tests that just ended may still free memory).
-fn kept_after_forward(s: usize, f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>) -> (usize, usize) {
-    let (q, k, v) = Case { b: 1, heads: 2, kv_heads: 2, s_q: s, s_k: s, d: 16, causal: true }.inputs(1);
-    let (q, k, v) =
-        (Var::from_tensor(&q).unwrap(), Var::from_tensor(&k).unwrap(), Var::from_tensor(&v).unwrap());
+fn kept_after_forward(
+    s: usize,
+    f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+) -> (usize, usize) {
+    let (q, k, v) = Case {
+        b: 1,
+        heads: 2,
+        kv_heads: 2,
+        s_q: s,
+        s_k: s,
+        d: 16,
+        causal: true,
+    }
+    .inputs(1);
+    let (q, k, v) = (
+        Var::from_tensor(&q).unwrap(),
+        Var::from_tensor(&k).unwrap(),
+        Var::from_tensor(&v).unwrap(),
+    );
     let mut runs: Vec<(usize, usize)> = (0..3)
         .map(|_| {
             let base = LIVE.load(Relaxed);
@@ -354,7 +452,10 @@ fn kept_after_forward(s: usize, f: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<
 #[test]
 fn state_kept_for_backward_grows_linearly_in_s() {
     let _g = ALONE.write().unwrap_or_else(|e| e.into_inner());
-    let opts = AttentionOptions { causal: true, ..Default::default() };
+    let opts = AttentionOptions {
+        causal: true,
+        ..Default::default()
+    };
     let flash = |q: &Tensor, k: &Tensor, v: &Tensor| flash_attention(q, k, v, &opts);
     let composed = |q: &Tensor, k: &Tensor, v: &Tensor| reference(q, k, v, &opts);
     kept_after_forward(64, flash); // warm up the thread pool
@@ -365,10 +466,19 @@ fn state_kept_for_backward_grows_linearly_in_s() {
     eprintln!("kept after forward: flash {f1} B -> {f2} B (peak {fp1} -> {fp2}), composed {c1} B -> {c2} B");
     // output (2 heads × s × 16 f32) + log-sum-exp (2 heads × s f32) + small fixed state
     let expected = |s: usize| 2 * s * 16 * 4 + 2 * s * 4;
-    assert!(f1 >= expected(1024) && f1 < expected(1024) + 4096, "flash kept {f1} B at s=1024");
-    assert!(f2 >= expected(2048) && f2 < expected(2048) + 4096, "flash kept {f2} B at s=2048");
+    assert!(
+        f1 >= expected(1024) && f1 < expected(1024) + 4096,
+        "flash kept {f1} B at s=1024"
+    );
+    assert!(
+        f2 >= expected(2048) && f2 < expected(2048) + 4096,
+        "flash kept {f2} B at s=2048"
+    );
     let ratio = f2 as f64 / f1 as f64;
-    assert!((1.8..2.2).contains(&ratio), "flash kept-bytes ratio {ratio}");
+    assert!(
+        (1.8..2.2).contains(&ratio),
+        "flash kept-bytes ratio {ratio}"
+    );
     // the transient peak is linear in s as well (per-thread block buffers, no s×s matrix)
     assert!(fp2 < 2 * 2048 * 2048, "flash forward peak {fp2} B");
     // the counter sees the composed graph's s×s tensors
@@ -379,7 +489,8 @@ fn state_kept_for_backward_grows_linearly_in_s() {
 #[test]
 fn empty_sequences_give_empty_or_zero_results() {
     let _g = shared();
-    let z = |shape: (usize, usize, usize, usize)| Var::zeros(shape, DType::F32, &Device::Cpu).unwrap();
+    let z =
+        |shape: (usize, usize, usize, usize)| Var::zeros(shape, DType::F32, &Device::Cpu).unwrap();
     for (s_q, s_k) in [(0, 5), (3, 0)] {
         let (q, k, v) = (z((1, 2, s_q, 8)), z((1, 1, s_k, 8)), z((1, 1, s_k, 8)));
         let o = flash_attention(&q, &k, &v, &AttentionOptions::default()).unwrap();

@@ -40,10 +40,21 @@ impl Stack {
         assert_eq!(vars.len(), 2 * (BLOCKS + 2));
         let input = Tensor::randn(0f32, 1.0, (4, 6, 8), &dev)?;
         let target = Tensor::randn(0f32, 1.0, (4, 6, 3), &dev)?;
-        Ok(Stack { input, target, stem, blocks, head, vars })
+        Ok(Stack {
+            input,
+            target,
+            stem,
+            blocks,
+            head,
+            vars,
+        })
     }
 
-    fn backward(&self, policy: Checkpointing, loss_scale: f64) -> oomfix_strategies::Result<Gradients> {
+    fn backward(
+        &self,
+        policy: Checkpointing,
+        loss_scale: f64,
+    ) -> oomfix_strategies::Result<Gradients> {
         let stem = self.stem.forward(&self.input)?;
         let head = |x: &Tensor| candle_nn::loss::mse(&self.head.forward(x)?, &self.target);
         checkpoint::backward(&stem, &self.blocks, head, &self.vars, policy, loss_scale)
@@ -51,13 +62,29 @@ impl Stack {
 }
 
 fn grads(g: &Gradients) -> Vec<&Tensor> {
-    g.grads.iter().map(|g| g.as_ref().expect("every parameter has a gradient")).collect()
+    g.grads
+        .iter()
+        .map(|g| g.as_ref().expect("every parameter has a gradient"))
+        .collect()
 }
 
 /// max |a - b| / max |b|
 fn relative_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-    let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let diff = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let scale = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     diff / scale
 }
 
@@ -66,12 +93,23 @@ fn checkpoint_gradients_match_plain_backward() {
     let stack = Stack::new().unwrap();
     let plain = stack.backward(Checkpointing::None, 1.0).unwrap();
     for g in grads(&plain) {
-        assert!(g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+        assert!(
+            g.abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                > 0.0
+        );
     }
     // 1: every block; 2: segments 0..2, 2..4, 4..5; 5 and 9: one segment of all blocks.
     for k in [1, 2, 5, 9] {
         let ckpt = stack.backward(Checkpointing::Every(k), 1.0).unwrap();
-        let (a, b) = (ckpt.loss.to_scalar::<f32>().unwrap(), plain.loss.to_scalar::<f32>().unwrap());
+        let (a, b) = (
+            ckpt.loss.to_scalar::<f32>().unwrap(),
+            plain.loss.to_scalar::<f32>().unwrap(),
+        );
         assert_eq!(a, b, "Every({k}) loss");
         for (i, (c, p)) in grads(&ckpt).into_iter().zip(grads(&plain)).enumerate() {
             let rel = relative_diff(c, p);
@@ -86,7 +124,10 @@ fn checkpoint_loss_scale_scales_gradients_not_the_loss() {
     let plain = stack.backward(Checkpointing::None, 1.0).unwrap();
     for policy in [Checkpointing::None, Checkpointing::Every(2)] {
         let scaled = stack.backward(policy, 1024.0).unwrap();
-        assert_eq!(scaled.loss.to_scalar::<f32>().unwrap(), plain.loss.to_scalar::<f32>().unwrap());
+        assert_eq!(
+            scaled.loss.to_scalar::<f32>().unwrap(),
+            plain.loss.to_scalar::<f32>().unwrap()
+        );
         for (s, p) in grads(&scaled).into_iter().zip(grads(&plain)) {
             let unscaled = (s / 1024.0).unwrap();
             assert!(relative_diff(&unscaled, p) < 1e-5, "{policy}");
@@ -97,7 +138,11 @@ fn checkpoint_loss_scale_scales_gradients_not_the_loss() {
 #[test]
 fn checkpoint_results_hold_no_graph() {
     let stack = Stack::new().unwrap();
-    for policy in [Checkpointing::None, Checkpointing::Every(1), Checkpointing::Every(3)] {
+    for policy in [
+        Checkpointing::None,
+        Checkpointing::Every(1),
+        Checkpointing::Every(3),
+    ] {
         let out = stack.backward(policy, 2.0).unwrap();
         assert!(!out.loss.track_op(), "{policy}: loss is attached");
         for g in grads(&out) {
@@ -131,7 +176,14 @@ fn checkpoint_head_that_ignores_the_blocks_is_an_error() {
     let stem = stack.stem.forward(&stack.input).unwrap();
     let w = stack.vars[0].as_tensor().clone();
     let head = move |_: &Tensor| w.sqr()?.sum_all();
-    let err = checkpoint::backward(&stem, &stack.blocks, head, &stack.vars, Checkpointing::Every(1), 1.0);
+    let err = checkpoint::backward(
+        &stem,
+        &stack.blocks,
+        head,
+        &stack.vars,
+        Checkpointing::Every(1),
+        1.0,
+    );
     assert!(err.is_err());
 }
 

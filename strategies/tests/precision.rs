@@ -10,11 +10,17 @@ use oomfix_strategies::precision::{cast_var_map, LossScaler, LossScalerConfig, M
 
 #[test]
 fn loss_scaler_backoff_and_growth_sequence() {
-    let mut s = LossScaler::new(LossScalerConfig { growth_interval: 3, ..Default::default() }).unwrap();
+    let mut s = LossScaler::new(LossScalerConfig {
+        growth_interval: 3,
+        ..Default::default()
+    })
+    .unwrap();
     assert_eq!(s.scale(), 65536.0);
     let mut seen = vec![];
     // finite x3 -> grow; inf -> back off; finite x2, inf -> back off (count restarts); finite x3 -> grow
-    for found_inf in [false, false, false, true, false, false, true, false, false, false] {
+    for found_inf in [
+        false, false, false, true, false, false, true, false, false, false,
+    ] {
         s.update(found_inf);
         seen.push(s.scale());
     }
@@ -25,12 +31,31 @@ fn loss_scaler_backoff_and_growth_sequence() {
     assert_eq!(s.growth_tracker(), 1);
 
     let defaults = LossScalerConfig::default();
-    assert_eq!((defaults.growth_factor, defaults.backoff_factor, defaults.growth_interval), (2.0, 0.5, 2000));
+    assert_eq!(
+        (
+            defaults.growth_factor,
+            defaults.backoff_factor,
+            defaults.growth_interval
+        ),
+        (2.0, 0.5, 2000)
+    );
     for bad in [
-        LossScalerConfig { init_scale: 0.0, ..defaults },
-        LossScalerConfig { growth_factor: 1.0, ..defaults },
-        LossScalerConfig { backoff_factor: 1.0, ..defaults },
-        LossScalerConfig { growth_interval: 0, ..defaults },
+        LossScalerConfig {
+            init_scale: 0.0,
+            ..defaults
+        },
+        LossScalerConfig {
+            growth_factor: 1.0,
+            ..defaults
+        },
+        LossScalerConfig {
+            backoff_factor: 1.0,
+            ..defaults
+        },
+        LossScalerConfig {
+            growth_interval: 0,
+            ..defaults
+        },
     ] {
         assert!(LossScaler::new(bad).is_err(), "{bad:?}");
     }
@@ -41,11 +66,18 @@ fn loss_scaler_backoff_and_growth_sequence() {
 
 #[test]
 fn unscale_divides_and_detects_inf_and_nan() {
-    let s = LossScaler::new(LossScalerConfig { init_scale: 1024.0, ..Default::default() }).unwrap();
+    let s = LossScaler::new(LossScalerConfig {
+        init_scale: 1024.0,
+        ..Default::default()
+    })
+    .unwrap();
     let dev = Device::Cpu;
     let mut grads = vec![
         Tensor::new(&[1024f32, -2048.0], &dev).unwrap(),
-        Tensor::new(&[512f32, 256.0], &dev).unwrap().to_dtype(DType::F16).unwrap(),
+        Tensor::new(&[512f32, 256.0], &dev)
+            .unwrap()
+            .to_dtype(DType::F16)
+            .unwrap(),
         det((2, 3), 1).t().unwrap(), // non-contiguous input
     ];
     let third = (grads[2].clone() / 1024.0).unwrap();
@@ -56,12 +88,20 @@ fn unscale_divides_and_detects_inf_and_nan() {
     assert_close(&grads[2], &third, 1e-7, "transposed grad");
 
     for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
-        let mut grads =
-            vec![Tensor::new(&[1f32, 2.0], &dev).unwrap(), Tensor::new(&[0f32, bad, 1.0], &dev).unwrap()];
-        assert!(!s.unscale_and_check(&mut grads).unwrap(), "{bad} not detected");
+        let mut grads = vec![
+            Tensor::new(&[1f32, 2.0], &dev).unwrap(),
+            Tensor::new(&[0f32, bad, 1.0], &dev).unwrap(),
+        ];
+        assert!(
+            !s.unscale_and_check(&mut grads).unwrap(),
+            "{bad} not detected"
+        );
         // also when the bad value is in a 16-bit tensor
         let mut grads = vec![grads[1].to_dtype(DType::BF16).unwrap()];
-        assert!(!s.unscale_and_check(&mut grads).unwrap(), "{bad} not detected in bf16");
+        assert!(
+            !s.unscale_and_check(&mut grads).unwrap(),
+            "{bad} not detected in bf16"
+        );
     }
     // f16 overflow: 60000 * 1024 does not fit, but the scaled grad already holds inf
     let mut grads = vec![Tensor::new(&[60000f32], &dev)
@@ -72,14 +112,25 @@ fn unscale_divides_and_detects_inf_and_nan() {
         .unwrap()];
     assert!(!s.unscale_and_check(&mut grads).unwrap());
     // large finite f16 values whose sum would overflow f16 are still finite
-    let one = LossScaler::new(LossScalerConfig { init_scale: 1.0, ..Default::default() }).unwrap();
-    let mut grads = vec![Tensor::full(60000f32, 64, &dev).unwrap().to_dtype(DType::F16).unwrap()];
+    let one = LossScaler::new(LossScalerConfig {
+        init_scale: 1.0,
+        ..Default::default()
+    })
+    .unwrap();
+    let mut grads = vec![Tensor::full(60000f32, 64, &dev)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap()];
     assert!(one.unscale_and_check(&mut grads).unwrap());
 }
 
 #[test]
 fn scaled_loss_scales_the_gradients() {
-    let s = LossScaler::new(LossScalerConfig { init_scale: 8.0, ..Default::default() }).unwrap();
+    let s = LossScaler::new(LossScalerConfig {
+        init_scale: 8.0,
+        ..Default::default()
+    })
+    .unwrap();
     let w = Var::new(&[3f32], &Device::Cpu).unwrap();
     let loss = w.as_tensor().sqr().unwrap().sum_all().unwrap();
     let store = s.scale_loss(&loss).unwrap().backward().unwrap();
@@ -100,11 +151,20 @@ fn master_weights_round_trip() {
     let masters = mw.master_vars();
     assert!(masters.iter().all(|m| m.dtype() == DType::F32));
     // masters start as the exact widening of the compute values
-    assert_eq!(values(masters[0].as_tensor()).unwrap(), values(bf.as_tensor()).unwrap());
-    assert_eq!(values(masters[1].as_tensor()).unwrap(), values(h.as_tensor()).unwrap());
+    assert_eq!(
+        values(masters[0].as_tensor()).unwrap(),
+        values(bf.as_tensor()).unwrap()
+    );
+    assert_eq!(
+        values(masters[1].as_tensor()).unwrap(),
+        values(h.as_tensor()).unwrap()
+    );
     // the f32 var is its own master: same storage
     masters[2].set(&det((3, 4), 6)).unwrap();
-    assert_eq!(values(f.as_tensor()).unwrap(), values(&det((3, 4), 6)).unwrap());
+    assert_eq!(
+        values(f.as_tensor()).unwrap(),
+        values(&det((3, 4), 6)).unwrap()
+    );
 
     // set the masters, sync, and the compute vars hold the rounded masters
     let y = (det((3, 4), 7) * 3.0).unwrap();
@@ -112,19 +172,37 @@ fn master_weights_round_trip() {
     masters[1].set(&y).unwrap();
     mw.sync_to_compute().unwrap();
     assert_eq!(bf.dtype(), DType::BF16);
-    assert_eq!(values(bf.as_tensor()).unwrap(), values(&y.to_dtype(DType::BF16).unwrap()).unwrap());
-    assert_eq!(values(h.as_tensor()).unwrap(), values(&y.to_dtype(DType::F16).unwrap()).unwrap());
+    assert_eq!(
+        values(bf.as_tensor()).unwrap(),
+        values(&y.to_dtype(DType::BF16).unwrap()).unwrap()
+    );
+    assert_eq!(
+        values(h.as_tensor()).unwrap(),
+        values(&y.to_dtype(DType::F16).unwrap()).unwrap()
+    );
     // the master keeps full precision
     assert_eq!(values(masters[0].as_tensor()).unwrap(), values(&y).unwrap());
 
     // grads come back in compute dtype, or widened on request
-    let loss = (bf.as_tensor().sum_all().unwrap().to_dtype(DType::F32).unwrap()
-        + h.as_tensor().sum_all().unwrap().to_dtype(DType::F32).unwrap()
+    let loss = (bf
+        .as_tensor()
+        .sum_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        + h.as_tensor()
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
         + f.as_tensor().sum_all().unwrap())
     .unwrap();
     let store = loss.backward().unwrap();
     let g = mw.grads(&store, None).unwrap();
-    assert_eq!([g[0].dtype(), g[1].dtype(), g[2].dtype()], [DType::BF16, DType::F16, DType::F32]);
+    assert_eq!(
+        [g[0].dtype(), g[1].dtype(), g[2].dtype()],
+        [DType::BF16, DType::F16, DType::F32]
+    );
     let g = mw.grads(&store, Some(DType::F32)).unwrap();
     assert!(g.iter().all(|g| g.dtype() == DType::F32));
     // a var outside the graph has no gradient: a clear error
@@ -139,7 +217,9 @@ fn cast_var_map_converts_float_vars() {
     let dev = Device::Cpu;
     let vm = VarMap::new();
     let vb = VarBuilder::from_varmap(&vm, DType::F32, &dev);
-    let w = vb.get_with_hints((2, 3), "w", candle_nn::Init::Const(0.5)).unwrap();
+    let w = vb
+        .get_with_hints((2, 3), "w", candle_nn::Init::Const(0.5))
+        .unwrap();
     assert_eq!(w.dtype(), DType::F32);
     cast_var_map(&vm, DType::BF16).unwrap();
     let vb = VarBuilder::from_varmap(&vm, DType::BF16, &dev);
@@ -158,7 +238,11 @@ fn mixed_precision_training_tracks_f32() {
     let train = |dtype: DType| -> Vec<f32> {
         let w = Var::from_tensor(&Tensor::zeros((4, 1), dtype, &Device::Cpu).unwrap()).unwrap();
         let masters = MasterWeights::new(vec![w.clone()]).unwrap();
-        let cfg = ParamsAdamW { lr: 0.05, weight_decay: 0.0, ..Default::default() };
+        let cfg = ParamsAdamW {
+            lr: 0.05,
+            weight_decay: 0.0,
+            ..Default::default()
+        };
         let mut opt = FusedAdamW::new(masters.master_vars().to_vec(), cfg).unwrap();
         let mut scaler = LossScaler::new(LossScalerConfig::default()).unwrap();
         let (xd, yd) = (x.to_dtype(dtype).unwrap(), y.to_dtype(dtype).unwrap());
@@ -180,7 +264,13 @@ fn mixed_precision_training_tracks_f32() {
     let (mixed, full) = (train(DType::BF16), train(DType::F32));
     let truth = values(&w_true).unwrap();
     for i in 0..4 {
-        assert!((full[i] - truth[i]).abs() < 1e-2, "f32 run did not converge: {full:?} vs {truth:?}");
-        assert!((mixed[i] - truth[i]).abs() < 3e-2, "bf16 run off: {mixed:?} vs {truth:?}");
+        assert!(
+            (full[i] - truth[i]).abs() < 1e-2,
+            "f32 run did not converge: {full:?} vs {truth:?}"
+        );
+        assert!(
+            (mixed[i] - truth[i]).abs() < 3e-2,
+            "bf16 run off: {mixed:?} vs {truth:?}"
+        );
     }
 }

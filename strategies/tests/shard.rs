@@ -15,10 +15,15 @@ const STEPS: u64 = 5;
 
 /// Parameters of a 4 -> 6 -> 2 MLP: w1, b1, w2, b2 (sizes 24, 6, 12, 2).
 fn init_params() -> Vec<Var> {
-    [det((6, 4), 1), (det(6, 2) * 0.1).unwrap(), det((2, 6), 3), (det(2, 4) * 0.1).unwrap()]
-        .iter()
-        .map(|t| Var::from_tensor(t).unwrap())
-        .collect()
+    [
+        det((6, 4), 1),
+        (det(6, 2) * 0.1).unwrap(),
+        det((2, 6), 3),
+        (det(2, 4) * 0.1).unwrap(),
+    ]
+    .iter()
+    .map(|t| Var::from_tensor(t).unwrap())
+    .collect()
 }
 
 /// Mean-squared error of the MLP on (x, y), mean over the rows given.
@@ -30,16 +35,27 @@ fn loss(p: &[Var], x: &Tensor, y: &Tensor) -> Tensor {
         .unwrap()
         .tanh()
         .unwrap();
-    let out = h.matmul(&p[2].as_tensor().t().unwrap()).unwrap().broadcast_add(p[3].as_tensor()).unwrap();
+    let out = h
+        .matmul(&p[2].as_tensor().t().unwrap())
+        .unwrap()
+        .broadcast_add(p[3].as_tensor())
+        .unwrap();
     (out - y).unwrap().sqr().unwrap().mean_all().unwrap()
 }
 
 fn batch(step: u64) -> (Tensor, Tensor) {
-    (det((GLOBAL_BATCH, 4), 100 + step), det((GLOBAL_BATCH, 2), 200 + step))
+    (
+        det((GLOBAL_BATCH, 4), 100 + step),
+        det((GLOBAL_BATCH, 2), 200 + step),
+    )
 }
 
 fn adamw() -> ParamsAdamW {
-    ParamsAdamW { lr: 0.05, weight_decay: 0.01, ..Default::default() }
+    ParamsAdamW {
+        lr: 0.05,
+        weight_decay: 0.01,
+        ..Default::default()
+    }
 }
 
 /// Trains on `world` threads at `stage`; every rank sees its slice of each global
@@ -53,7 +69,8 @@ fn train(world: usize, stage: ZeroStage) -> Vec<(Vec<Tensor>, HashMap<String, Te
                 s.spawn(move || {
                     let rank = comm.rank();
                     let params = init_params();
-                    let mut opt = ShardedOptimizer::new(comm, params.clone(), adamw(), stage).unwrap();
+                    let mut opt =
+                        ShardedOptimizer::new(comm, params.clone(), adamw(), stage).unwrap();
                     let rows = GLOBAL_BATCH / world;
                     for step in 0..STEPS {
                         opt.gather_params().unwrap();
@@ -71,7 +88,13 @@ fn train(world: usize, stage: ZeroStage) -> Vec<(Vec<Tensor>, HashMap<String, Te
                     }
                     opt.gather_params().unwrap();
                     let state = opt.optimizer().state_tensors().unwrap();
-                    (params.iter().map(|p| p.as_detached_tensor()).collect::<Vec<_>>(), state)
+                    (
+                        params
+                            .iter()
+                            .map(|p| p.as_detached_tensor())
+                            .collect::<Vec<_>>(),
+                        state,
+                    )
                 })
             })
             .collect();
@@ -86,9 +109,13 @@ fn reference() -> (Vec<Tensor>, HashMap<String, Tensor>) {
     let mut opt = oomfix_strategies::adamw::FusedAdamW::new(params.clone(), adamw()).unwrap();
     for step in 0..STEPS {
         let (x, y) = batch(step);
-        opt.step(&collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap()).unwrap();
+        opt.step(&collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap())
+            .unwrap();
     }
-    (params.iter().map(|p| p.as_detached_tensor()).collect(), opt.state_tensors().unwrap())
+    (
+        params.iter().map(|p| p.as_detached_tensor()).collect(),
+        opt.state_tensors().unwrap(),
+    )
 }
 
 #[test]
@@ -96,7 +123,11 @@ fn every_stage_and_world_size_matches_one_rank() {
     let (want, want_state) = reference();
     // training moved the parameters, so equality below is not trivial
     assert!(values(&want[0]).unwrap() != values(&init_params()[0].as_detached_tensor()).unwrap());
-    for stage in [ZeroStage::OptimizerState, ZeroStage::Gradients, ZeroStage::Parameters] {
+    for stage in [
+        ZeroStage::OptimizerState,
+        ZeroStage::Gradients,
+        ZeroStage::Parameters,
+    ] {
         for world in [1, 2, 4] {
             let mut state_keys = 0;
             for (rank, (got, state)) in train(world, stage).iter().enumerate() {
@@ -139,25 +170,36 @@ fn stage3_frees_non_owned_parameters_between_steps() {
                     let rank = comm.rank();
                     let params = init_params();
                     let opt =
-                        ShardedOptimizer::new(comm, params.clone(), adamw(), ZeroStage::Parameters).unwrap();
+                        ShardedOptimizer::new(comm, params.clone(), adamw(), ZeroStage::Parameters)
+                            .unwrap();
                     assert!(opt.is_released());
                     let x = Tensor::ones((1, 6), candle_core::DType::F32, &Device::Cpu).unwrap();
                     for (p, &owner) in params.iter().zip(opt.owners()) {
-                        let used =
-                            p.as_tensor().broadcast_mul(&x.narrow(1, 0, p.dims()[p.rank() - 1]).unwrap());
+                        let used = p
+                            .as_tensor()
+                            .broadcast_mul(&x.narrow(1, 0, p.dims()[p.rank() - 1]).unwrap());
                         // an owned parameter is usable; a freed one gives an error, not a value
                         assert_eq!(used.is_ok(), owner == rank, "rank {rank}, owner {owner}");
                     }
                     let mut opt = opt;
                     opt.gather_params().unwrap();
-                    params.iter().map(|p| values(p.as_tensor()).unwrap()).collect::<Vec<_>>()
+                    params
+                        .iter()
+                        .map(|p| values(p.as_tensor()).unwrap())
+                        .collect::<Vec<_>>()
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
     });
     // gathered parameters are the initial ones on both ranks
-    let init: Vec<_> = init_params().iter().map(|p| values(p.as_tensor()).unwrap()).collect();
+    let init: Vec<_> = init_params()
+        .iter()
+        .map(|p| values(p.as_tensor()).unwrap())
+        .collect();
     assert_eq!(finals, [init.clone(), init]);
 }
 
@@ -173,20 +215,30 @@ fn thread_comm_collectives() {
                     let all = values(&c.all_reduce_sum(&t).unwrap()).unwrap();
                     let reduced = c.reduce_sum(&t, 1).unwrap().map(|t| values(&t).unwrap());
                     let bcast = values(&c.broadcast(&t, 2).unwrap()).unwrap();
-                    let gathered: Vec<_> =
-                        c.all_gather(&t).unwrap().iter().map(|t| values(t).unwrap()).collect();
+                    let gathered: Vec<_> = c
+                        .all_gather(&t)
+                        .unwrap()
+                        .iter()
+                        .map(|t| values(t).unwrap())
+                        .collect();
                     let bad_root = c.broadcast(&t, 3).is_err();
                     let bad_shape = c.broadcast(
-                        &Tensor::zeros(c.rank() + 1, candle_core::DType::F32, &Device::Cpu).unwrap(),
+                        &Tensor::zeros(c.rank() + 1, candle_core::DType::F32, &Device::Cpu)
+                            .unwrap(),
                         0,
                     );
                     (all, reduced, bcast, gathered, bad_root, bad_shape.is_err())
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
     });
-    for (rank, (all, reduced, bcast, gathered, bad_root, bad_shape)) in results.into_iter().enumerate() {
+    for (rank, (all, reduced, bcast, gathered, bad_root, bad_shape)) in
+        results.into_iter().enumerate()
+    {
         assert_eq!(all, [3.0, 30.0]);
         assert_eq!(reduced, (rank == 1).then(|| vec![3.0, 30.0]));
         assert_eq!(bcast, [2.0, 20.0]);
@@ -211,7 +263,10 @@ fn mismatched_ranks_fail_on_every_rank() {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
     });
     assert_eq!(outcomes, [true, true]);
     assert!(ZeroStage::try_from(4).is_err());

@@ -70,19 +70,31 @@ pub fn write_json(path: &Path, value: &Value) {
 
 /// Writes a sharded index mapping each tensor name to its shard file.
 pub fn write_index<N: AsRef<str>, S: AsRef<str>>(path: &Path, weight_map: &[(N, S)]) {
-    let map: Map<String, Value> = weight_map.iter().map(|(n, s)| (n.as_ref().to_string(), json!(s.as_ref()))).collect();
-    write_json(path, &json!({"metadata": {"total_size": 0}, "weight_map": map}));
+    let map: Map<String, Value> = weight_map
+        .iter()
+        .map(|(n, s)| (n.as_ref().to_string(), json!(s.as_ref())))
+        .collect();
+    write_json(
+        path,
+        &json!({"metadata": {"total_size": 0}, "weight_map": map}),
+    );
 }
 
 /// `(name, shape)` pairs (as [`oomfix::ModelConfig::tensors`] gives them) with one dtype.
-pub fn with_dtype(tensors: Vec<(String, Vec<usize>)>, dtype: &'static str) -> Vec<(String, &'static str, Vec<usize>)> {
+pub fn with_dtype(
+    tensors: Vec<(String, Vec<usize>)>,
+    dtype: &'static str,
+) -> Vec<(String, &'static str, Vec<usize>)> {
     tensors.into_iter().map(|(n, s)| (n, dtype, s)).collect()
 }
 
 /// GPT-2 tensors as the Hub's `model.safetensors` stores them: F32, with each
 /// block's causal-mask buffer `h.N.attn.bias`, and every name under `prefix`
 /// (`""` or `"transformer."`).
-pub fn gpt2_hub_tensors(config: &oomfix::ModelConfig, prefix: &str) -> Vec<(String, &'static str, Vec<usize>)> {
+pub fn gpt2_hub_tensors(
+    config: &oomfix::ModelConfig,
+    prefix: &str,
+) -> Vec<(String, &'static str, Vec<usize>)> {
     let mut tensors = Vec::new();
     for (name, shape) in config.tensors() {
         tensors.push((format!("{prefix}{name}"), "F32", shape));

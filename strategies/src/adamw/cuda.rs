@@ -85,7 +85,13 @@ fn f32_slice_mut(
 
 /// Updates `p`, `m` and `v` in place from `g` on their CUDA device. All four are
 /// contiguous and of equal element count; `m` and `v` are f32.
-pub(super) fn update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, c: Coeffs) -> candle_core::Result<()> {
+pub(super) fn update(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    c: Coeffs,
+) -> candle_core::Result<()> {
     with_cuda_mut(m, |m, ml| {
         let mr = contiguous_range(ml)?;
         with_cuda_mut(v, |v, vl| {
@@ -99,14 +105,26 @@ pub(super) fn update(p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, c: Coeffs) 
                 if n == 0 {
                     return Ok(());
                 }
-                let vectorized = [pr.start, gr.start, mr.start, vr.start].iter().all(|s| s % 4 == 0);
-                let name = format!("adamw_{}_{}", dtype_name(p.dtype())?, dtype_name(g.dtype())?);
+                let vectorized = [pr.start, gr.start, mr.start, vr.start]
+                    .iter()
+                    .all(|s| s % 4 == 0);
+                let name = format!(
+                    "adamw_{}_{}",
+                    dtype_name(p.dtype())?,
+                    dtype_name(g.dtype())?
+                );
                 let func = p.device.get_or_load_custom_func(&name, MODULE, ptx()?)?;
                 let ctx = p.device.cuda_stream().context().clone();
-                let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
-                let resident = func.occupancy_max_active_blocks_per_multiprocessor(BLOCK, 0, None).w()?;
+                let sms = ctx
+                    .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                    .w()?;
+                let resident = func
+                    .occupancy_max_active_blocks_per_multiprocessor(BLOCK, 0, None)
+                    .w()?;
                 let work = if vectorized { n / 4 } else { n }.max(1) as u64;
-                let blocks = work.div_ceil(BLOCK as u64).min(sms.max(1) as u64 * resident.max(1) as u64);
+                let blocks = work
+                    .div_ceil(BLOCK as u64)
+                    .min(sms.max(1) as u64 * resident.max(1) as u64);
                 let cfg = LaunchConfig {
                     grid_dim: (blocks as u32, 1, 1),
                     block_dim: (BLOCK, 1, 1),
@@ -153,7 +171,9 @@ struct CudaMut<F>(Cell<Option<F>>);
 
 impl<F> CudaMut<F> {
     fn take(&self) -> candle_core::Result<F> {
-        self.0.take().ok_or_else(|| candle_core::Error::Msg("in-place closure ran twice".into()))
+        self.0
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("in-place closure ran twice".into()))
     }
 }
 
@@ -179,7 +199,13 @@ where
     fn name(&self) -> &'static str {
         "oomfix-cuda-mut-src"
     }
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
         candle_core::bail!("oomfix-cuda-mut-src runs on CUDA tensors only")
     }
     fn cuda_fwd(

@@ -8,8 +8,8 @@ pub fn det<S: Into<Shape>>(shape: S, seed: u64) -> Tensor {
     let shape = shape.into();
     let data: Vec<f32> = (0..shape.elem_count() as u64)
         .map(|i| {
-            let mut x =
-                (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let mut x = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                ^ seed.wrapping_mul(0xBF58_476D_1CE4_E5B9);
             x ^= x >> 31;
             x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
             x ^= x >> 29;
@@ -24,8 +24,21 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.shape(), b.shape());
     let a = a.to_dtype(DType::F64).unwrap();
     let b = b.to_dtype(DType::F64).unwrap();
-    let diff = (&a - &b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
-    let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+    let diff = (&a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    let scale = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
     diff / scale.max(1e-30)
 }
 
