@@ -45,6 +45,12 @@ mod plan;
 pub mod precision;
 pub mod shard;
 
+/// CUDA C prepended to every NVRTC kernel source of this crate and of `oomfix`:
+/// the 16-bit float types (`Bf16`, `F16`, raw bits) and their conversions to
+/// and from f32 (round to nearest even, as the `half` crate converts).
+#[cfg(feature = "cuda")]
+pub const CUDA_HALF_PRELUDE: &str = include_str!("half.cuh");
+
 pub use error::{Error, Result};
 pub use plan::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
 

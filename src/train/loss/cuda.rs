@@ -10,7 +10,7 @@ use candle_core::cuda_backend::cudarc::nvrtc::{self, CompileError, CompileOption
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Shape};
 
-/// The kernel source.
+/// The kernel source (compiled after [`oomfix_strategies::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("loss.cu");
 /// Name of the module in candle's per-device module cache.
 const MODULE: &str = "oomfix_cross_entropy";
@@ -23,7 +23,7 @@ fn ptx() -> Result<&'static str> {
             name: Some("oomfix_loss.cu".into()),
             ..Default::default()
         };
-        nvrtc::compile_ptx_with_opts(SOURCE, options).map(|ptx| ptx.to_src())
+        nvrtc::compile_ptx_with_opts(format!("{}{SOURCE}", oomfix_strategies::CUDA_HALF_PRELUDE), options).map(|ptx| ptx.to_src())
     });
     compiled.as_deref().map_err(|e| e.clone()).w()
 }

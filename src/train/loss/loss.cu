@@ -7,44 +7,12 @@
 // the backward reads the row again and writes g * (softmax - onehot) in the
 // logits' dtype.
 //
-// Self-contained: no CUDA headers, so NVRTC needs no include path. 16-bit
-// values travel as their raw bits (unsigned short).
-
-typedef unsigned short u16;
-typedef unsigned long long u64;
+// Bf16, F16, to_f32, from_f32 and the integer typedefs come from
+// oomfix-strategies' half.cuh, prepended when the source is compiled.
 
 // Negative infinity (NVRTC has no math headers to define INFINITY).
 #define NEG_INF __int_as_float(0xff800000)
 
-struct Bf16 { u16 bits; };
-struct F16 { u16 bits; };
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(Bf16 x) { return __uint_as_float(((unsigned)x.bits) << 16); }
-__device__ __forceinline__ float to_f32(F16 x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-    return f;
-}
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-// Round to nearest even; NaN stays NaN.
-template <> __device__ __forceinline__ Bf16 from_f32<Bf16>(float x) {
-    unsigned u = __float_as_uint(x);
-    Bf16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        r.bits = (u16)((u >> 16) | 0x0040u);
-    } else {
-        r.bits = (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-    return r;
-}
-template <> __device__ __forceinline__ F16 from_f32<F16>(float x) {
-    F16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
 
 // Merges the online pair (m2, s2) into (m, s): s is a sum of exp(x - m).
 __device__ __forceinline__ void merge(float &m, float &s, float m2, float s2) {

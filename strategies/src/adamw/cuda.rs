@@ -23,7 +23,7 @@ use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, InplaceOp2, Layout
 
 use super::{contiguous_range, Coeffs};
 
-/// The kernel source.
+/// The kernel source (compiled after [`crate::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("adamw.cu");
 /// Name of the module in candle's per-device module cache.
 const MODULE: &str = "oomfix_fused_adamw";
@@ -46,7 +46,7 @@ fn ptx() -> candle_core::Result<&'static str> {
             name: Some("oomfix_adamw.cu".into()),
             ..Default::default()
         };
-        nvrtc::compile_ptx_with_opts(SOURCE, options).map(|ptx| ptx.to_src())
+        nvrtc::compile_ptx_with_opts(format!("{}{SOURCE}", crate::CUDA_HALF_PRELUDE), options).map(|ptx| ptx.to_src())
     });
     compiled.as_deref().map_err(|e| e.clone()).w()
 }

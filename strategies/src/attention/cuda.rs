@@ -29,7 +29,7 @@ use half::{bf16, f16};
 
 use super::{Dims, Params};
 
-/// The kernel source.
+/// The kernel source (compiled after [`crate::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("flash.cu");
 /// Name of the module in candle's per-device module cache.
 const MODULE: &str = "oomfix_flash_attention";
@@ -66,7 +66,7 @@ fn ptx(arch: &'static str) -> candle_core::Result<&'static str> {
             name: Some("oomfix_flash.cu".into()),
             ..Default::default()
         };
-        nvrtc::compile_ptx_with_opts(SOURCE, options).map(|ptx| ptx.to_src())
+        nvrtc::compile_ptx_with_opts(format!("{}{SOURCE}", crate::CUDA_HALF_PRELUDE), options).map(|ptx| ptx.to_src())
     });
     compiled.as_deref().map_err(|e| e.clone()).w()
 }

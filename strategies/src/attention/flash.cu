@@ -19,15 +19,11 @@
 // that sums dK and dV over the query heads of its group (no atomics), one per
 // query tile for dQ; both recompute the probabilities from lse.
 //
-// Self-contained: no CUDA headers, so NVRTC needs no include path.
+// Bf16, F16, to_f32, from_f32 and u16/u32/u64 come from half.cuh, prepended
+// when the source is compiled.
 
-typedef unsigned short u16;
-typedef unsigned int u32;
 typedef unsigned char u8;
 typedef long long i64;
-
-struct Bf16 { u16 bits; };
-struct F16 { u16 bits; };
 
 // Sizes and flags; the field order matches `KernelParams` in cuda.rs.
 struct Params {
@@ -41,26 +37,6 @@ struct Params {
 #define LN2 0.6931471805599453f
 #define NEG_INF (__int_as_float(0xff800000))
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(Bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
-__device__ __forceinline__ float to_f32(F16 x) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-    return f;
-}
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ Bf16 from_f32<Bf16>(float x) {
-    Bf16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
-template <> __device__ __forceinline__ F16 from_f32<F16>(float x) {
-    F16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
-    return r;
-}
 
 // ---------------------------------------------------------------------------
 // Masks.
