@@ -2,6 +2,8 @@
 //!
 //! 1. numerical match of the CUDA fused AdamW step with the CPU one over ten
 //!    steps, per parameter/gradient dtype pair;
+//!    Then gradient accumulation on CUDA (in place) against the CPU's, four
+//!    micro-batches and the mean, per accumulator/gradient dtype pair;
 //! 2. fused AdamW bandwidth against a device-to-device copy of the same bytes,
 //!    and `candle_nn::AdamW` on the same update;
 //! 3. GPT-2 small training steps through `Trainer`: the pool's high-water
@@ -18,6 +20,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Storage, Tensor, Var};
 use oomfix::measure::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
+use oomfix::strategies::accumulate::GradAccumulator;
 use oomfix::strategies::adamw::{FusedAdamW, ParamsAdamW};
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
 use oomfix::train::data::DataSource;
@@ -43,6 +46,7 @@ fn main() -> Result<()> {
     );
 
     let numeric = numeric_match(&device)?;
+    let accumulated = accumulate_match(&device)?;
     let bandwidth = bandwidth(&device)?;
     let training = training(&device)?;
     let loss = loss_rows(&device)?;
@@ -53,6 +57,12 @@ fn main() -> Result<()> {
     println!("| param | grad | grad offset | path | max rel err p | max rel err m | max rel err v | elements differing (p, m, v) |");
     println!("|---|---|---:|---|---:|---:|---:|---|");
     numeric.iter().for_each(|r| println!("{r}"));
+    println!("\n### Gradient accumulation, CUDA in place vs CPU: 4 micro-batches of 1,000,003 elements, then the mean\n");
+    println!("| accumulator | gradient | max rel err | elements differing |");
+    println!("|---|---|---:|---:|");
+    for (acc, grad, (err, differing)) in &accumulated {
+        println!("| {acc:?} | {grad:?} | {err:.2e} | {differing} |");
+    }
     println!("\n## 2. Bandwidth (median of timed steps after one warm-up)\n");
     println!(
         "| what | elements | bytes moved / element | ms | GB/s | vs copy | pool transient GiB |"
@@ -197,6 +207,34 @@ fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
             errs: [ep, em, ev],
             differing: [dp, dm, dv],
         });
+    }
+    Ok(rows)
+}
+
+/// Sums four micro-batches of random gradients with [`GradAccumulator`] on the
+/// CPU and on `device` (its in-place CUDA kernels from the third micro-batch
+/// on), takes the mean, and compares: `(accumulator, gradient, (max relative
+/// error, elements differing))` per dtype pair.
+fn accumulate_match(device: &Device) -> Result<Vec<(DType, DType, (f64, usize))>> {
+    const N: usize = 1_000_003;
+    let pairs = [
+        (DType::F32, DType::F32),
+        (DType::F32, DType::BF16),
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F16),
+    ];
+    let mut rows = Vec::new();
+    for (acc_dtype, grad) in pairs {
+        eprintln!("accumulation match: {acc_dtype:?} sums of {grad:?} gradients");
+        let mut cpu = GradAccumulator::with_dtype(acc_dtype);
+        let mut gpu = GradAccumulator::with_dtype(acc_dtype);
+        for _ in 0..4 {
+            let g = Tensor::randn(0f32, 1.0, N, &Device::Cpu)?.to_dtype(grad)?;
+            gpu.add(vec![g.to_device(device)?])?;
+            cpu.add(vec![g])?;
+        }
+        let (c, g) = (cpu.finish(0.25)?, gpu.finish(0.25)?);
+        rows.push((acc_dtype, grad, compare(&g[0], &c[0])?));
     }
     Ok(rows)
 }

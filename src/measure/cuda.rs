@@ -71,6 +71,30 @@ impl PoolStats {
     }
 }
 
+/// With `debug` logging enabled for this module, waits for the device and logs
+/// the pool's counters and the device's free memory after `moment` (a phase of
+/// a training step); otherwise does nothing and does not synchronise.
+///
+/// `RUST_LOG=oomfix::measure::cuda=debug` shows how far the pool's reservation
+/// runs ahead of its live bytes, which a hard limit (`--enforce-budget`) feels.
+pub fn trace_pool(device: &CudaDevice, moment: &str) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    match PoolStats::read(device) {
+        Ok(s) => tracing::debug!(
+            moment,
+            used = s.used,
+            reserved = s.reserved,
+            used_high = s.used_high,
+            reserved_high = s.reserved_high,
+            device_free = s.device_free,
+            "CUDA pool"
+        ),
+        Err(e) => tracing::debug!(moment, error = %e, "CUDA pool counters unreadable"),
+    }
+}
+
 /// Waits for the device's queued work, then sets the pool's high-water marks
 /// back to zero: from here on they count up from the current values.
 pub fn reset_peaks(device: &CudaDevice) -> candle_core::Result<()> {

@@ -211,12 +211,21 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
         }))
     };
     let outcome = run();
+    // Read before trimming: the reservation at the failure says how much of
+    // the device the pool held beyond its live bytes.
+    let at_end = PoolStats::read(cuda)?;
     trim(cuda)?;
     match outcome {
         Ok(m) => m,
         Err(e) if is_out_of_memory(&e) => {
-            tracing::warn!(%plan, "CUDA out of memory while measuring");
-            let high = PoolStats::read(cuda)?.used_high;
+            tracing::warn!(
+                %plan,
+                used_high = at_end.used_high,
+                reserved_high = at_end.reserved_high,
+                device_free = at_end.device_free,
+                "CUDA out of memory while measuring"
+            );
+            let high = at_end.used_high;
             Ok(Measurement {
                 peak_bytes: high,
                 reserved_bytes: high,

@@ -438,10 +438,12 @@ impl Trainer {
                 scale,
             )?;
             alloc::set_phase(Phase::Backward);
+            self.trace_pool("backward");
             mark_tensors(&out.grads, Component::Gradients);
             loss_sum += out.loss;
             let _op = Scope::op(Op::GradAccumulate);
             acc.add(out.grads)?;
+            self.trace_pool("accumulate");
         }
         let mut grads = {
             let _op = Scope::op(Op::GradAccumulate);
@@ -469,7 +471,18 @@ impl Trainer {
         if !skipped {
             self.optimizer_step(grads)?;
         }
+        self.trace_pool("optimizer step");
         Ok((loss, forward_backward_peak, alloc::peak(), skipped))
+    }
+
+    /// Logs the CUDA pool's counters after `moment` when debug logging is on
+    /// (`measure::cuda::trace_pool` in `cuda` builds); nothing elsewhere.
+    fn trace_pool(&self, moment: &str) {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            crate::measure::cuda::trace_pool(cuda, moment);
+        }
+        let _ = moment;
     }
 
     fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<()> {

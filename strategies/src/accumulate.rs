@@ -12,6 +12,9 @@ use crate::adamw::{
 };
 use crate::{Error, Plan, Result, SearchContext, Strategy};
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// Planner half: step the micro-batch down through the divisors of the per-rank
 /// batch, raising the accumulation count so the global batch stays the same.
 #[derive(Debug, Clone, Copy, Default)]
@@ -171,17 +174,8 @@ impl GradAccumulator {
     }
 
     fn add_one(&mut self, i: usize, g: &Tensor) -> Result<()> {
-        let acc = &self.acc[i];
-        if self.owned[i] && in_place_ok(acc) && in_place_ok(g) {
-            let g = g.contiguous()?;
-            with_cpu_mut_src(acc, &g, |a, al, g, gl| {
-                let (ar, gr) = (contiguous_range(al)?, contiguous_range(gl)?);
-                with_float_vec!(a, a => with_float_vec!(g, g => {
-                    zip_in_place(&mut a[ar.clone()], &g[gr.clone()], |a, g| a + g);
-                    Ok(())
-                }))
-            })?;
-        } else {
+        if !(self.owned[i] && add_in_place(&self.acc[i], g)?) {
+            let acc = &self.acc[i];
             self.acc[i] = (acc + g.detach().to_dtype(acc.dtype())?)?;
             self.owned[i] = true;
         }
@@ -202,14 +196,7 @@ impl GradAccumulator {
             .into_iter()
             .zip(self.owned)
             .map(|(a, owned)| {
-                if owned && in_place_ok(&a) {
-                    with_cpu_mut(&a, |st, l| {
-                        let r = contiguous_range(l)?;
-                        with_float_vec!(st, v => {
-                            map_in_place(&mut v[r], |x| x * s);
-                            Ok(())
-                        })
-                    })?;
+                if owned && scale_in_place(&a, s)? {
                     Ok(a)
                 } else {
                     Ok(a.affine(scale, 0.0)?)
@@ -217,6 +204,55 @@ impl GradAccumulator {
             })
             .collect()
     }
+}
+
+/// `acc += g` in place (CPU, or CUDA with the `cuda` feature) when a kernel
+/// takes both; `false` when none does and nothing changed.
+fn add_in_place(acc: &Tensor, g: &Tensor) -> Result<bool> {
+    if in_place_ok(acc) && in_place_ok(g) {
+        let g = g.contiguous()?;
+        with_cpu_mut_src(acc, &g, |a, al, g, gl| {
+            let (ar, gr) = (contiguous_range(al)?, contiguous_range(gl)?);
+            with_float_vec!(a, a => with_float_vec!(g, g => {
+                zip_in_place(&mut a[ar.clone()], &g[gr.clone()], |a, g| a + g);
+                Ok(())
+            }))
+        })?;
+        return Ok(true);
+    }
+    #[cfg(feature = "cuda")]
+    if cuda_in_place_ok(acc) && cuda_in_place_ok(g) && acc.dims() == g.dims() {
+        cuda::add(acc, &g.contiguous()?)?;
+        return Ok(true);
+    }
+    Ok(false)
+}
+
+/// `acc *= s` in place when a kernel takes `acc`; `false` when none does.
+fn scale_in_place(acc: &Tensor, s: f32) -> Result<bool> {
+    if in_place_ok(acc) {
+        with_cpu_mut(acc, |st, l| {
+            let r = contiguous_range(l)?;
+            with_float_vec!(st, v => {
+                map_in_place(&mut v[r], |x| x * s);
+                Ok(())
+            })
+        })?;
+        return Ok(true);
+    }
+    #[cfg(feature = "cuda")]
+    if cuda_in_place_ok(acc) {
+        cuda::scale(acc, s)?;
+        return Ok(true);
+    }
+    Ok(false)
+}
+
+/// Whether the CUDA in-place kernels can take `t`: a contiguous f32, bf16 or
+/// f16 tensor on a CUDA device.
+#[cfg(feature = "cuda")]
+fn cuda_in_place_ok(t: &Tensor) -> bool {
+    t.device().is_cuda() && is_kernel_dtype(t.dtype()) && t.is_contiguous()
 }
 
 /// Whether the CPU in-place kernels can take `t`.

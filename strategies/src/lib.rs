@@ -40,6 +40,8 @@ pub mod accumulate;
 pub mod adamw;
 pub mod attention;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod plan;
 pub mod precision;

@@ -23,7 +23,11 @@ fn ptx() -> Result<&'static str> {
             name: Some("oomfix_loss.cu".into()),
             ..Default::default()
         };
-        nvrtc::compile_ptx_with_opts(format!("{}{SOURCE}", oomfix_strategies::CUDA_HALF_PRELUDE), options).map(|ptx| ptx.to_src())
+        nvrtc::compile_ptx_with_opts(
+            format!("{}{SOURCE}", oomfix_strategies::CUDA_HALF_PRELUDE),
+            options,
+        )
+        .map(|ptx| ptx.to_src())
     });
     compiled.as_deref().map_err(|e| e.clone()).w()
 }

@@ -21,7 +21,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunct
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
-use candle_core::cuda_backend::cudarc::nvrtc::{self, CompileError, CompileOptions};
+use candle_core::cuda_backend::cudarc::nvrtc::{CompileError, CompileOptions};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Shape, Storage, Tensor};
@@ -66,7 +66,7 @@ fn ptx(arch: &'static str) -> candle_core::Result<&'static str> {
             name: Some("oomfix_flash.cu".into()),
             ..Default::default()
         };
-        nvrtc::compile_ptx_with_opts(format!("{}{SOURCE}", crate::CUDA_HALF_PRELUDE), options).map(|ptx| ptx.to_src())
+        crate::cuda::compile(SOURCE, options)
     });
     compiled.as_deref().map_err(|e| e.clone()).w()
 }

@@ -1,0 +1,94 @@
+//! The CUDA kernels of [`GradAccumulator`](super::GradAccumulator): in-place
+//! `acc += g` and `acc *= s` over one tensor per launch (`accumulate.cu`,
+//! compiled once per process with NVRTC and loaded through candle's CUDA
+//! device, which keeps one module per device).
+
+use std::sync::OnceLock;
+
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::cudarc::nvrtc::{CompileError, CompileOptions};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::Tensor;
+
+use crate::adamw::contiguous_range;
+use crate::cuda::{
+    dtype_name, grid_stride_config, with_cuda_mut, with_cuda_mut_src, with_float_slice,
+};
+
+/// The kernel source (compiled after [`crate::CUDA_HALF_PRELUDE`]).
+const SOURCE: &str = include_str!("accumulate.cu");
+/// Name of the module in candle's per-device module cache.
+const MODULE: &str = "oomfix_accumulate";
+/// Threads per block.
+const BLOCK: u32 = 256;
+/// What the error messages call these kernels.
+const WHAT: &str = "gradient accumulation kernel";
+
+/// The PTX of [`SOURCE`], compiled on first use.
+fn ptx() -> candle_core::Result<&'static str> {
+    static PTX: OnceLock<Result<String, CompileError>> = OnceLock::new();
+    let compiled = PTX.get_or_init(|| {
+        let options = CompileOptions {
+            name: Some("oomfix_accumulate.cu".into()),
+            ..Default::default()
+        };
+        crate::cuda::compile(SOURCE, options)
+    });
+    compiled.as_deref().map_err(|e| e.clone()).w()
+}
+
+/// `acc += g` in place; both contiguous CUDA tensors of equal element count.
+pub(super) fn add(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
+    let name = format!(
+        "add_{}_{}",
+        dtype_name(acc.dtype(), WHAT)?,
+        dtype_name(g.dtype(), WHAT)?
+    );
+    with_cuda_mut_src(acc, g, |a, al, g, gl| {
+        let (ar, gr) = (contiguous_range(al)?, contiguous_range(gl)?);
+        if ar.len() != gr.len() {
+            candle_core::bail!("{WHAT}: operands differ in length");
+        }
+        let n = ar.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let func = a.device.get_or_load_custom_func(&name, MODULE, ptx()?)?;
+        let cfg = grid_stride_config(&a.device, &func, BLOCK, n)?;
+        let n = n as u64;
+        with_float_slice!(&mut a.slice, as_ => with_float_slice!(&g.slice, gs => {
+            let mut av = as_.slice_mut(ar.clone());
+            let gv = gs.slice(gr.clone());
+            let mut launch = func.builder();
+            launch.arg(&mut av).arg(&gv).arg(&n);
+            // SAFETY: the arguments match the kernel's signature (acc, g, n);
+            // both views hold n elements of the dtypes the name was built from.
+            unsafe { launch.launch(cfg) }.w()?;
+            Ok(())
+        }))
+    })
+}
+
+/// `acc *= s` in place; `acc` a contiguous CUDA tensor.
+pub(super) fn scale(acc: &Tensor, s: f32) -> candle_core::Result<()> {
+    let name = format!("scale_{}", dtype_name(acc.dtype(), WHAT)?);
+    with_cuda_mut(acc, |a, al| {
+        let ar = contiguous_range(al)?;
+        let n = ar.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let func = a.device.get_or_load_custom_func(&name, MODULE, ptx()?)?;
+        let cfg = grid_stride_config(&a.device, &func, BLOCK, n)?;
+        let n = n as u64;
+        with_float_slice!(&mut a.slice, as_ => {
+            let mut av = as_.slice_mut(ar.clone());
+            let mut launch = func.builder();
+            launch.arg(&mut av).arg(&s).arg(&n);
+            // SAFETY: the arguments match the kernel's signature (acc, s, n);
+            // the view holds n elements of the dtype the name was built from.
+            unsafe { launch.launch(cfg) }.w()?;
+            Ok(())
+        })
+    })
+}
