@@ -309,7 +309,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if cache_only && !cache.contains_key(&key) {
             continue;
         }
-        let est = MemoryModel.estimate(&spec, &plan, &target);
+        let breakdown = MemoryModel.estimate(&spec, &plan, &target);
+        // The measured figure is live bytes plus memory outside the pool: compare
+        // the estimate without the pool's slack.
+        let est_peak = breakdown.allocated_peak();
         let measured = |peak_bytes| oomfix::search::Measurement {
             peak_bytes,
             reserved_bytes: peak_bytes,
@@ -334,24 +337,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .open(path)?;
             writeln!(f, "{key}\t{}", m.peak_bytes)?;
         }
-        let err = (!m.out_of_memory).then(|| est.peak as f64 / m.peak_bytes as f64 - 1.0);
+        let err = (!m.out_of_memory).then(|| est_peak as f64 / m.peak_bytes as f64 - 1.0);
         match err {
             Some(err) => println!(
                 "{name:<16} {plan}\n    est {:>12} meas {:>12} err {:+6.1}%  (est phase {})",
-                est.peak,
+                est_peak,
                 m.peak_bytes,
                 100.0 * err,
-                est.peak_phase
+                breakdown.peak_phase
             ),
-            None => println!("{name:<16} {plan}\n    est {:>12} out of memory", est.peak),
+            None => println!("{name:<16} {plan}\n    est {:>12} out of memory", est_peak),
         }
         if explain {
-            print_moments(&spec, &plan, &est);
+            print_moments(&spec, &plan, &breakdown);
             let (_, timeline) = record_plan(&spec, &plan, target)?;
             explain_peak(&timeline);
         }
         rows.push(serde_json::json!({"model": name, "parameters": spec.parameters(), "plan": plan.to_string(),
-            "estimated_bytes": est.peak, "measured_bytes": (!m.out_of_memory).then_some(m.peak_bytes),
+            "estimated_bytes": est_peak, "measured_bytes": (!m.out_of_memory).then_some(m.peak_bytes),
             "relative_error": err}));
     }
     let mut md = String::from(

@@ -508,7 +508,7 @@ fn training(device: &Device) -> Result<Vec<TrainRow>> {
     for (label, plan) in plans() {
         trim(cuda)?;
         eprintln!("training: {label}");
-        let estimate = MemoryModel.estimate(&spec, &plan, &Target::Cuda(0)).peak;
+        let estimate = MemoryModel.estimate(&spec, &plan, &Target::Cuda(0)).allocated_peak();
         let result = measure_plan(device, plan).map_err(|e| {
             let oom = candle_error(&e).is_some_and(is_out_of_memory);
             eprintln!("  failed: {e}");

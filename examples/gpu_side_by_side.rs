@@ -131,7 +131,7 @@ fn run(
         "attn": if plan.attention == Attention::Flash { "flash" } else { "composed" },
         "params": spec.parameters(),
         "estimate_bytes": estimate.peak,
-        "estimate_pool_bytes": estimate.peak.saturating_sub(Target::Cuda(0).runtime_bytes()),
+        "estimate_pool_bytes": estimate.allocated_peak().saturating_sub(estimate.runtime),
         "estimate_phase": estimate.peak_phase.to_string(),
     });
     trim(cuda)?;

@@ -117,7 +117,8 @@ fi
 # measured, PyTorch at the same micro-batch, b=8 side by side, and the CLI at
 # seq 512 (its hint).
 if want medium; then
-    oomfix_side $M:1:1024:bf16:1:fused:8 $M:1:1024:bf16:1:fused $M:8:1024:bf16:1:fused
+    oomfix_side $M:1:1024:bf16:1:fused:8:flash $M:1:1024:bf16:1:fused:1:flash $M:8:1024:bf16:1:fused:1:flash \
+        $M:1:1024:bf16:1:fused $M:8:1024:bf16:1:fused
     torch_side $M:1:1024:bf16:1:sdpa $M:1:1024:bf16:1:eager $M:8:1024:bf16:1:sdpa
     cli --seq-len 512 "$WORK/gpt2-medium/model.safetensors"
 fi
@@ -126,7 +127,7 @@ if want llama; then
     torch_side $L:bf16:1:sdpa $L:bf16:0:sdpa $L:fp32:0:sdpa
     # Last: the CLI's closest TinyLlama plan at 8 GiB (1 x 8 accumulation, seq 1024).
     oomfix_side $L:bf16:1:fused:1:flash $L:bf16:0:fused:1:flash $L:bf16:1:fused $L:bf16:0:fused \
-        $L:fp32:0:fused tinyllama:1:1024:bf16:1:fused:8
+        $L:fp32:0:fused tinyllama:1:1024:bf16:1:fused:8:flash
 fi
 want eager && torch_side $L:bf16:1:eager $L:bf16:0:eager $L:fp32:0:eager
 say "runs done"

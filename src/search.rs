@@ -304,6 +304,7 @@ impl Run<'_> {
             backward_transient_bytes = estimate.backward_transient,
             optimizer_transient_bytes = estimate.optimizer_transient,
             runtime_bytes = estimate.runtime,
+            pool_slack_bytes = estimate.pool_slack,
             peak_phase = %estimate.peak_phase,
             measured_bytes = tracing::field::Empty,
             fits = tracing::field::Empty,

@@ -30,7 +30,7 @@ pub use activations::{
     ATTENTION_BACKWARD_SCORES, EMBEDDING_BACKWARD_COPIES, HEAD_WEIGHT_BACKWARD_COPIES,
     LOSS_BACKWARD_NV,
 };
-pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES};
+pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_POOL_SLACK};
 
 use crate::spec::{Family, ModelSpec};
 use oomfix_strategies::{OptimizerImpl, Plan};
@@ -83,7 +83,10 @@ pub struct Breakdown {
     pub optimizer_transient: u64,
     /// Device runtime outside the tensors (CUDA context, cuBLAS workspace).
     pub runtime: u64,
-    /// Peak live bytes over the step.
+    /// What the device's memory pool holds beyond live tensors at the peak
+    /// ([`Target::pool_slack_bytes`]).
+    pub pool_slack: u64,
+    /// Peak device bytes over the step: live bytes, runtime and pool slack.
     pub peak: u64,
     /// When the peak occurs.
     pub peak_phase: Phase,
@@ -91,7 +94,7 @@ pub struct Breakdown {
 
 impl Breakdown {
     /// The components as `(name, bytes)`, in display order.
-    pub fn components(&self) -> [(&'static str, u64); 9] {
+    pub fn components(&self) -> [(&'static str, u64); 10] {
         [
             ("weights", self.weights),
             ("master_weights", self.master_weights),
@@ -102,7 +105,14 @@ impl Breakdown {
             ("backward_transient", self.backward_transient),
             ("optimizer_transient", self.optimizer_transient),
             ("runtime", self.runtime),
+            ("pool_slack", self.pool_slack),
         ]
+    }
+
+    /// The peak without the pool's slack: the live bytes and the runtime, what
+    /// the pool's *used* high-water mark plus the memory outside it measures.
+    pub fn allocated_peak(&self) -> u64 {
+        self.peak - self.pool_slack
     }
 
     /// The components that make up the peak, largest first.
@@ -174,6 +184,7 @@ impl Estimator for MemoryModel {
         let act = activation_bytes(spec, plan);
         let optimizer_transient = optimizer_transient(spec, plan);
         let runtime = target.runtime_bytes();
+        let pool_slack = target.pool_slack_bytes();
 
         // Alive at every moment of the backward.
         let state = weights + master_weights + optimizer_state + accumulated_gradients + runtime;
@@ -215,7 +226,8 @@ impl Estimator for MemoryModel {
             backward_transient: moment.transient,
             optimizer_transient,
             runtime,
-            peak: target.round_up(peak),
+            pool_slack,
+            peak: target.round_up(peak) + pool_slack,
             peak_phase,
         }
     }

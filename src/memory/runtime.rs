@@ -13,6 +13,15 @@ pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
 /// Granularity of CUDA's stream-ordered pool reservations (2 MiB pages).
 pub const CUDA_POOL_GRANULARITY: u64 = 2 << 20;
 
+/// What a CUDA device's stream-ordered pool holds at a step's peak beyond its
+/// live allocations: blocks freed earlier in the step and not yet reused or
+/// released (it trims only at synchronisations). A device that must hold the
+/// plan needs this much above the live bytes. Measured on the H200 as the
+/// pool's reserved minus used high-water marks: 0.43–0.46 GiB for GPT-2
+/// medium under a hard 8 GiB limit (`--enforce-budget`), 0.17–0.82 GiB for
+/// GPT-2 small and medium steps without one (docs/gpu-8gib.md).
+pub const CUDA_POOL_SLACK: u64 = 512 << 20;
+
 /// Where the plan runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", content = "ordinal", rename_all = "lowercase")]
@@ -29,6 +38,15 @@ impl Target {
         match self {
             Target::Cpu => 0,
             Target::Cuda(_) => CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES,
+        }
+    }
+
+    /// Bytes the device's allocator holds beyond live tensors at the peak
+    /// ([`CUDA_POOL_SLACK`] on CUDA; the CPU's heap is measured live).
+    pub fn pool_slack_bytes(&self) -> u64 {
+        match self {
+            Target::Cpu => 0,
+            Target::Cuda(_) => CUDA_POOL_SLACK,
         }
     }
 

@@ -269,3 +269,33 @@ fn cuda_offers_flash_attention_only_for_heads_the_kernels_take() {
     assert!(!planned(ModelConfig::gpt2(2, 768, 2), Target::Cuda(0)));
     assert!(planned(ModelConfig::gpt2(2, 768, 2), Target::Cpu));
 }
+
+#[test]
+fn cuda_plans_keep_room_for_the_pools_slack() {
+    let spec = spec_for(0);
+    let plan = Plan {
+        precision: Precision::Bf16,
+        checkpoint: Checkpointing::Every(1),
+        ..Plan::baseline(8, 1024)
+    };
+    let cpu = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
+    let cuda = MemoryModel.estimate(&spec, &plan, &Target::Cuda(0));
+    assert_eq!((cpu.pool_slack, cuda.pool_slack), (0, CUDA_POOL_SLACK));
+    assert_eq!(cpu.allocated_peak(), cpu.peak);
+    assert_eq!(cuda.peak - cuda.allocated_peak(), CUDA_POOL_SLACK);
+    assert!(cuda.peak_components().contains(&("pool_slack", CUDA_POOL_SLACK)));
+    // A budget between the live bytes and live bytes + slack does not fit.
+    let fits = |budget: u64| {
+        crate::Planner::new(budget)
+            .global_batch(8)
+            .seq_len(1024)
+            .pipeline(Pipeline::new())
+            .target(Target::Cuda(0))
+            .run(&spec)
+            .unwrap()
+            .fits()
+    };
+    let baseline = MemoryModel.estimate(&spec, &Plan::baseline(8, 1024), &Target::Cuda(0));
+    assert!(!fits(baseline.allocated_peak()));
+    assert!(fits(baseline.peak));
+}
