@@ -283,7 +283,9 @@ fn cuda_plans_keep_room_for_the_pools_slack() {
     assert_eq!((cpu.pool_slack, cuda.pool_slack), (0, CUDA_POOL_SLACK));
     assert_eq!(cpu.allocated_peak(), cpu.peak);
     assert_eq!(cuda.peak - cuda.allocated_peak(), CUDA_POOL_SLACK);
-    assert!(cuda.peak_components().contains(&("pool_slack", CUDA_POOL_SLACK)));
+    assert!(cuda
+        .peak_components()
+        .contains(&("pool_slack", CUDA_POOL_SLACK)));
     // A budget between the live bytes and live bytes + slack does not fit.
     let fits = |budget: u64| {
         crate::Planner::new(budget)

@@ -61,9 +61,11 @@ pub struct StepStats {
     pub tokens: usize,
     /// Wall time of the step in seconds.
     pub seconds: f64,
-    /// Heap high-water mark during forward and backward (0 without a counting allocator).
+    /// Heap high-water mark during forward and backward (0 without a counting
+    /// allocator); on CUDA the memory pool's used high-water mark.
     pub forward_backward_peak: u64,
-    /// Heap high-water mark during the optimizer step.
+    /// Heap high-water mark during the optimizer step; on CUDA the pool's used
+    /// high-water mark over the whole step.
     pub optimizer_peak: u64,
     /// The optimizer step was skipped because fp16 gradients overflowed.
     pub skipped: bool,
@@ -91,6 +93,8 @@ pub struct Trainer {
     master: Option<MasterWeights>,
     optim: Optim,
     scaler: Option<LossScaler>,
+    /// Kept between steps so that its sums are allocated once.
+    accumulator: GradAccumulator,
     step: u64,
 }
 
@@ -175,6 +179,7 @@ impl Trainer {
             master,
             optim,
             scaler,
+            accumulator: GradAccumulator::new(),
             step: 0,
         })
     }
@@ -422,8 +427,9 @@ impl Trainer {
         let _scope = Scope::module(Module::ROOT);
         alloc::set_phase(Phase::Forward);
         alloc::reset_peak();
+        self.reset_device_peak()?;
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let mut acc = GradAccumulator::new();
+        self.accumulator.restart();
         let mut loss_sum = 0.0;
         for _ in 0..self.plan.grad_accum {
             alloc::set_phase(Phase::Forward);
@@ -442,12 +448,12 @@ impl Trainer {
             mark_tensors(&out.grads, Component::Gradients);
             loss_sum += out.loss;
             let _op = Scope::op(Op::GradAccumulate);
-            acc.add(out.grads)?;
+            self.accumulator.add(out.grads)?;
             self.trace_pool("accumulate");
         }
         let mut grads = {
             let _op = Scope::op(Op::GradAccumulate);
-            acc.finish(1.0 / self.plan.grad_accum as f64)?
+            self.accumulator.finish(1.0 / self.plan.grad_accum as f64)?
         };
         mark_tensors(&grads, Component::Gradients);
         let loss = loss_sum / self.plan.grad_accum as f32;
@@ -457,7 +463,7 @@ impl Trainer {
                 loss,
             });
         }
-        let forward_backward_peak = alloc::peak();
+        let forward_backward_peak = self.phase_peak()?;
         alloc::set_phase(Phase::OptimizerStep);
         alloc::reset_peak();
         let mut skipped = false;
@@ -472,7 +478,27 @@ impl Trainer {
             self.optimizer_step(grads)?;
         }
         self.trace_pool("optimizer step");
-        Ok((loss, forward_backward_peak, alloc::peak(), skipped))
+        Ok((loss, forward_backward_peak, self.phase_peak()?, skipped))
+    }
+
+    /// On CUDA, sets the pool's high-water marks back to the bytes in use (the
+    /// heap's is reset by the caller).
+    fn reset_device_peak(&self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            crate::measure::cuda::reset_peaks(cuda)?;
+        }
+        Ok(())
+    }
+
+    /// The peak of the phase that just ended: the heap's high-water mark, or on
+    /// CUDA the pool's used high-water mark since the step began.
+    fn phase_peak(&self) -> Result<u64> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = &self.device {
+            return Ok(crate::measure::cuda::PoolStats::read(cuda)?.used_high);
+        }
+        Ok(alloc::peak())
     }
 
     /// Logs the CUDA pool's counters after `moment` when debug logging is on

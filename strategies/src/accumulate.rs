@@ -82,10 +82,13 @@ pub fn collect_grads(store: &GradStore, vars: &[Var]) -> Result<Vec<Tensor>> {
 ///
 /// The first [`add`](Self::add) keeps the given tensors (no copy); the second
 /// replaces each by the sum `acc + g`, a tensor the accumulator owns alone; from
-/// then on, CPU tensors of dtype f32/bf16/f16 are summed in place (the incoming
-/// gradient converted while reading), other devices allocate `acc + g` and drop
-/// the old sum. [`finish`](Self::finish) scales the sum (in place where it can)
-/// and hands it out.
+/// then on, tensors of dtype f32/bf16/f16 on the CPU (or on CUDA with the
+/// `cuda` feature) are summed in place (the incoming gradient converted while
+/// reading); other devices allocate `acc + g` and drop the old sum.
+/// [`finish`](Self::finish) scales the sums (in place where it can), hands them
+/// out and starts a new round. The sums the accumulator owns stay allocated:
+/// the next round's first `add` writes into them, so a training loop that keeps
+/// one accumulator allocates its sums once, not every step.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -97,6 +100,9 @@ pub fn collect_grads(store: &GradStore, vars: &[Var]) -> Result<Vec<Tensor>> {
 /// }
 /// let mean = acc.finish(1.0 / 4.0)?; // average over the 4 micro-batches
 /// assert_eq!(mean[0].to_vec1::<f32>()?, [2.5, 5.0]);
+/// drop(mean); // the next round reuses its storage
+/// acc.add(vec![Tensor::new(&[1f32, 1.0], &Device::Cpu)?])?;
+/// assert_eq!(acc.finish(1.0)?[0].to_vec1::<f32>()?, [1.0, 1.0]);
 /// # Ok::<(), oomfix_strategies::Error>(())
 /// ```
 #[derive(Debug, Default)]
@@ -135,7 +141,11 @@ impl GradAccumulator {
     /// every time, else an error and nothing changes). Drop the `GradStore` they
     /// came from before the next forward, or it keeps the graph alive.
     pub fn add(&mut self, grads: Vec<Tensor>) -> Result<()> {
-        if self.micro_batches == 0 {
+        if self.micro_batches == 0 && self.reusable(&grads) {
+            for (a, g) in self.acc.iter().zip(&grads) {
+                combine_in_place(a, g, Combine::Assign)?;
+            }
+        } else if self.micro_batches == 0 {
             let dtype = self.dtype;
             (self.acc, self.owned) = grads
                 .into_iter()
@@ -151,6 +161,20 @@ impl GradAccumulator {
         }
         self.micro_batches += 1;
         Ok(())
+    }
+
+    /// Whether the previous round's sums can take `grads` in place: all owned
+    /// by the accumulator, in the accumulation dtype, shapes matching, and a
+    /// kernel takes each pair.
+    fn reusable(&self, grads: &[Tensor]) -> bool {
+        !self.acc.is_empty()
+            && self.owned.iter().all(|&o| o)
+            && grads.len() == self.acc.len()
+            && self.acc.iter().zip(grads).all(|(a, g)| {
+                a.dims() == g.dims()
+                    && self.dtype.unwrap_or(g.dtype()) == a.dtype()
+                    && in_place(a, g)
+            })
     }
 
     fn check(&self, grads: &[Tensor]) -> Result<()> {
@@ -174,7 +198,9 @@ impl GradAccumulator {
     }
 
     fn add_one(&mut self, i: usize, g: &Tensor) -> Result<()> {
-        if !(self.owned[i] && add_in_place(&self.acc[i], g)?) {
+        if self.owned[i] && in_place(&self.acc[i], g) {
+            combine_in_place(&self.acc[i], g, Combine::Add)?;
+        } else {
             let acc = &self.acc[i];
             self.acc[i] = (acc + g.detach().to_dtype(acc.dtype())?)?;
             self.owned[i] = true;
@@ -183,49 +209,84 @@ impl GradAccumulator {
     }
 
     /// The sums times `scale` (`1 / micro_batches` gives the mean), in the order
-    /// added. An error if nothing was added.
-    pub fn finish(self, scale: f64) -> Result<Vec<Tensor>> {
+    /// added, and a new round: the next [`add`](Self::add) starts from zero,
+    /// writing into the sums this accumulator owns (the returned tensors share
+    /// their storage: use them before that). An error if nothing was added.
+    pub fn finish(&mut self, scale: f64) -> Result<Vec<Tensor>> {
         if self.micro_batches == 0 {
             return Err(Error::Config("no gradients were accumulated".into()));
         }
-        if scale == 1.0 {
-            return Ok(self.acc);
-        }
-        let s = scale as f32;
-        self.acc
-            .into_iter()
-            .zip(self.owned)
-            .map(|(a, owned)| {
-                if owned && scale_in_place(&a, s)? {
-                    Ok(a)
-                } else {
-                    Ok(a.affine(scale, 0.0)?)
+        self.micro_batches = 0;
+        if scale != 1.0 {
+            for (a, owned) in self.acc.iter_mut().zip(&mut self.owned) {
+                if *owned && scale_in_place(a, scale as f32)? {
+                    continue;
                 }
-            })
-            .collect()
+                *a = a.affine(scale, 0.0)?;
+                *owned = true;
+            }
+        }
+        let sums = self.acc.clone();
+        if !self.owned.iter().all(|&o| o) {
+            // Sums that are the caller's gradients are not kept between rounds.
+            self.acc.clear();
+            self.owned.clear();
+        }
+        Ok(sums)
+    }
+
+    /// Forgets the current round (after a failed step): the next
+    /// [`add`](Self::add) starts from zero. Owned sums stay allocated.
+    pub fn restart(&mut self) {
+        self.micro_batches = 0;
     }
 }
 
-/// `acc += g` in place (CPU, or CUDA with the `cuda` feature) when a kernel
-/// takes both; `false` when none does and nothing changed.
-fn add_in_place(acc: &Tensor, g: &Tensor) -> Result<bool> {
-    if in_place_ok(acc) && in_place_ok(g) {
-        let g = g.contiguous()?;
-        with_cpu_mut_src(acc, &g, |a, al, g, gl| {
-            let (ar, gr) = (contiguous_range(al)?, contiguous_range(gl)?);
-            with_float_vec!(a, a => with_float_vec!(g, g => {
-                zip_in_place(&mut a[ar.clone()], &g[gr.clone()], |a, g| a + g);
-                Ok(())
-            }))
-        })?;
-        return Ok(true);
+/// What [`combine_in_place`] writes into the accumulator.
+#[derive(Debug, Clone, Copy)]
+enum Combine {
+    /// `acc = acc + g`
+    Add,
+    /// `acc = g`
+    Assign,
+}
+
+/// Whether an in-place kernel takes the pair: CPU tensors, or CUDA tensors
+/// (with the `cuda` feature), of dtype f32/bf16/f16 and equal element count.
+fn in_place(acc: &Tensor, g: &Tensor) -> bool {
+    if acc.elem_count() != g.elem_count() {
+        return false;
     }
     #[cfg(feature = "cuda")]
-    if cuda_in_place_ok(acc) && cuda_in_place_ok(g) && acc.dims() == g.dims() {
-        cuda::add(acc, &g.contiguous()?)?;
-        return Ok(true);
+    if cuda_in_place_ok(acc) && cuda_in_place_ok(g) {
+        return true;
     }
-    Ok(false)
+    in_place_ok(acc) && in_place_ok(g)
+}
+
+/// Writes `g` into `acc` by `op`, in place; the pair passed [`in_place`].
+fn combine_in_place(acc: &Tensor, g: &Tensor, op: Combine) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if acc.device().is_cuda() {
+        let g = g.contiguous()?;
+        return Ok(match op {
+            Combine::Add => cuda::add(acc, &g)?,
+            Combine::Assign => cuda::assign(acc, &g)?,
+        });
+    }
+    let g = g.contiguous()?;
+    with_cpu_mut_src(acc, &g, |a, al, g, gl| {
+        let (ar, gr) = (contiguous_range(al)?, contiguous_range(gl)?);
+        with_float_vec!(a, a => with_float_vec!(g, g => {
+            let (a, g) = (&mut a[ar.clone()], &g[gr.clone()]);
+            match op {
+                Combine::Add => zip_in_place(a, g, |a, g| a + g),
+                Combine::Assign => zip_in_place(a, g, |_, g| g),
+            }
+            Ok(())
+        }))
+    })?;
+    Ok(())
 }
 
 /// `acc *= s` in place when a kernel takes `acc`; `false` when none does.

@@ -144,3 +144,58 @@ fn missing_gradient_is_an_error() {
     assert!(collect_grads(&store, std::slice::from_ref(&a)).is_ok());
     assert!(collect_grads(&store, &[a, unused]).is_err());
 }
+
+/// Address of a CPU f32 tensor's storage.
+fn data_ptr(t: &Tensor) -> usize {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.as_ptr() as usize,
+        _ => panic!("expected a CPU f32 tensor"),
+    }
+}
+
+#[test]
+fn a_new_round_reuses_the_owned_sums() {
+    let mean = |a: u64, b: u64| ((det(5, a) + det(5, b)).unwrap() * 0.5).unwrap();
+    let mut acc = GradAccumulator::new();
+    acc.add(vec![det(5, 0)]).unwrap();
+    acc.add(vec![det(5, 1)]).unwrap();
+    let first = acc.finish(0.5).unwrap().remove(0);
+    assert_close(&first, &mean(0, 1), 1e-7, "first round");
+    let storage = data_ptr(&first);
+    drop(first);
+    // The second round starts from zero, in the same storage.
+    acc.add(vec![det(5, 2)]).unwrap();
+    acc.add(vec![det(5, 3)]).unwrap();
+    let second = acc.finish(0.5).unwrap().remove(0);
+    assert_close(&second, &mean(2, 3), 1e-7, "second round");
+    assert_eq!(data_ptr(&second), storage);
+    drop(second);
+    // A round cut short (a failed step) is forgotten after restart.
+    acc.add(vec![det(5, 4)]).unwrap();
+    acc.restart();
+    acc.add(vec![det(5, 5)]).unwrap();
+    acc.add(vec![det(5, 6)]).unwrap();
+    assert_close(
+        &acc.finish(0.5).unwrap()[0],
+        &mean(5, 6),
+        1e-7,
+        "after restart",
+    );
+}
+
+#[test]
+fn one_micro_batch_hands_back_the_gradients_and_keeps_nothing() {
+    let g = det(5, 0);
+    let before = values(&g).unwrap();
+    let mut acc = GradAccumulator::new();
+    acc.add(vec![g.clone()]).unwrap();
+    let out = acc.finish(1.0).unwrap();
+    assert_eq!(data_ptr(&out[0]), data_ptr(&g), "no copy");
+    drop(out);
+    // The next round must not write into the caller's gradient.
+    acc.add(vec![det(5, 1)]).unwrap();
+    acc.add(vec![det(5, 2)]).unwrap();
+    acc.finish(1.0).unwrap();
+    assert_eq!(values(&g).unwrap(), before);
+}

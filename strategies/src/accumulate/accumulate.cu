@@ -11,6 +11,15 @@ __device__ __forceinline__ void add(A* __restrict__ acc, const G* __restrict__ g
     }
 }
 
+// acc[i] = g[i]
+template <typename A, typename G>
+__device__ __forceinline__ void assign(A* __restrict__ acc, const G* __restrict__ g, u64 n) {
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        acc[i] = from_f32<A>(to_f32(g[i]));
+    }
+}
+
 // acc[i] = acc[i] * s
 template <typename A>
 __device__ __forceinline__ void scale(A* __restrict__ acc, float s, u64 n) {
@@ -20,11 +29,15 @@ __device__ __forceinline__ void scale(A* __restrict__ acc, float s, u64 n) {
     }
 }
 
-// Entry points: add_<acc>_<g>, scale_<acc>.
+// Entry points: add_<acc>_<g>, assign_<acc>_<g>, scale_<acc>.
 #define ADD_ENTRY(AN, A, GN, G)                                                              \
     extern "C" __global__ void add_##AN##_##GN(A* __restrict__ acc, const G* __restrict__ g, \
                                                u64 n) {                                      \
         add<A, G>(acc, g, n);                                                                \
+    }                                                                                        \
+    extern "C" __global__ void assign_##AN##_##GN(A* __restrict__ acc,                       \
+                                                  const G* __restrict__ g, u64 n) {          \
+        assign<A, G>(acc, g, n);                                                             \
     }
 #define ENTRIES(AN, A)                                                                       \
     ADD_ENTRY(AN, A, f32, float)                                                             \

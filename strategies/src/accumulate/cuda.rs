@@ -1,5 +1,5 @@
 //! The CUDA kernels of [`GradAccumulator`](super::GradAccumulator): in-place
-//! `acc += g` and `acc *= s` over one tensor per launch (`accumulate.cu`,
+//! `acc += g`, `acc = g` and `acc *= s` over one tensor per launch (`accumulate.cu`,
 //! compiled once per process with NVRTC and loaded through candle's CUDA
 //! device, which keeps one module per device).
 
@@ -39,8 +39,19 @@ fn ptx() -> candle_core::Result<&'static str> {
 
 /// `acc += g` in place; both contiguous CUDA tensors of equal element count.
 pub(super) fn add(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
+    elementwise("add", acc, g)
+}
+
+/// `acc = g` in place (converted to `acc`'s dtype); both contiguous CUDA
+/// tensors of equal element count.
+pub(super) fn assign(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
+    elementwise("assign", acc, g)
+}
+
+/// Launches `KERNEL_<acc dtype>_<g dtype>(acc, g, n)`.
+fn elementwise(kernel: &str, acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
     let name = format!(
-        "add_{}_{}",
+        "{kernel}_{}_{}",
         dtype_name(acc.dtype(), WHAT)?,
         dtype_name(g.dtype(), WHAT)?
     );
