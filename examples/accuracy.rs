@@ -293,6 +293,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
     });
     let mut rows: Vec<serde_json::Value> = Vec::new();
+    let mut measured_here = 0;
     let started = std::time::Instant::now();
     let mut past_deadline = false;
     for (name, spec, plan) in todo {
@@ -324,7 +325,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 out_of_memory: true,
                 ..measured(0)
             },
-            (None, None) => measure_plan(&spec, &plan, target)?,
+            (None, None) => {
+                measured_here += 1;
+                measure_plan(&spec, &plan, target)?
+            }
         };
         if let Some(path) = cache_path
             .as_ref()
@@ -426,9 +430,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             its threads' matrix-kernel buffers) is created before the first measurement. \
             Error = estimated / measured - 1."))
     };
+    let reused = rows.len() - measured_here;
+    let provenance = if reused > 0 {
+        format!(
+            " Estimates are this commit's; {reused} of the {} measured peaks come from an earlier run \
+             (`--resume`/`--cache`), {measured_here} were measured at this commit.",
+            rows.len()
+        )
+    } else {
+        String::new()
+    };
     std::fs::write(
         format!("{out_dir}/{stem}.md"),
-        format!("{header}\n\n{summary}\n\n{md}"),
+        format!("{header}{provenance}\n\n{summary}\n\n{md}"),
     )?;
     scatter(&format!("{out_dir}/{stem}.svg"), &rows, &summary)?;
     std::fs::write(
