@@ -378,7 +378,7 @@ pub fn mlp_backward_ni(family: Family) -> u64 {
 /// recompute only the stem remains of them; the segment's `k` blocks' tensors
 /// and the strays of all but its first block are alive with the upstream
 /// gradient `grad_y`, the surrogate's product `y·grad_y` and the surrogate's
-/// own stray ([`SURROGATE_STRAY_NH`]), and the stem's backward runs inside
+/// own stray (`SURROGATE_STRAY_NH`, 4), and the stem's backward runs inside
 /// that same recomputed graph.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let cfg = &spec.config;

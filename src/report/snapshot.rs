@@ -235,7 +235,7 @@ pub fn snapshot_value(timeline: &Timeline) -> serde_json::Value {
 }
 
 /// The snapshot as pickle bytes (protocol 3; repeated strings and frame
-/// lists are written once and referenced, see [`super::pickle`]).
+/// lists are written once and referenced, see the `pickle` module).
 pub fn snapshot_pickle(timeline: &Timeline) -> Vec<u8> {
     super::pickle::pickle_snapshot(&snapshot(timeline))
 }

@@ -248,7 +248,7 @@ impl Batch {
     ///
     /// Causal families take the first `seq` ids of a window as inputs and the last
     /// `seq` as targets. BERT takes the first `seq` ids, replaces about 15% of them
-    /// (at least one per sequence, chosen reproducibly from `seed`) by the [MASK] id
+    /// (at least one per sequence, chosen reproducibly from `seed`) by the `[MASK]` id
     /// (103, or `vocab − 1` for vocabularies of 103 tokens or fewer) and targets
     /// the originals at those positions.
     pub fn from_windows(
