@@ -4,7 +4,8 @@
 //! For each configuration on the command line, trains through `Trainer`: one
 //! warm-up step (module load and PTX JIT, state allocation; excluded), then the
 //! pool's high-water marks are reset and `--steps` steps are measured, each
-//! between device synchronisations. Prints one JSON line per configuration:
+//! between device synchronisations (`Trainer::step` resets the marks at its
+//! start on CUDA, so they are the last step's; steady-state steps are alike). Prints one JSON line per configuration:
 //! pool used/reserved high-water marks, median step time, and the memory
 //! model's estimate with and without its runtime term (the pool holds no
 //! runtime, so `estimate_pool_bytes` is the figure to compare with `peak_alloc_bytes`).

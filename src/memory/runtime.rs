@@ -18,7 +18,7 @@ pub const CUDA_POOL_GRANULARITY: u64 = 2 << 20;
 /// released (it trims only at synchronisations). A device that must hold the
 /// plan needs this much above the live bytes. Measured on the H200 as the
 /// pool's reserved minus used high-water marks: 0.43–0.46 GiB for GPT-2
-/// medium under a hard 8 GiB limit (`--enforce-budget`), 0.17–0.82 GiB for
+/// medium under a hard 8 GiB limit (`--enforce-budget`), 0.17–1.05 GiB for
 /// GPT-2 small and medium steps without one (docs/gpu-8gib.md).
 pub const CUDA_POOL_SLACK: u64 = 512 << 20;
 
