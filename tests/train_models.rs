@@ -741,3 +741,65 @@ fn out_of_vocabulary_ids_are_errors_not_panics() {
         .forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0)
         .is_err());
 }
+
+/// The whole model's gradient against a central finite difference of the loss
+/// along a direction mixing the gradient and a random vector (all parameters
+/// moved at once; the gradient part keeps the difference far above f32
+/// rounding): checks every op's backward end to end, the fused norms and
+/// linears included.
+#[test]
+fn gradients_match_finite_differences() {
+    for config in configs() {
+        let m = model(&config, DType::F32);
+        let b = batch(&config);
+        let out = step(m.as_ref(), &b, Checkpointing::None);
+        let vars: Vec<_> = m.vars().iter().map(|(_, v)| v.clone()).collect();
+        let start: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().copy().unwrap()).collect();
+        let dirs: Vec<Tensor> = start
+            .iter()
+            .zip(&out.grads)
+            .map(|(t, g)| ((g * 50.0).unwrap() + t.randn_like(0.0, 1e-2).unwrap()).unwrap())
+            .collect();
+        let norm: f64 = dirs
+            .iter()
+            .map(|d| {
+                d.sqr()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64
+            })
+            .sum::<f64>()
+            .sqrt();
+        let predicted: f64 = out
+            .grads
+            .iter()
+            .zip(&dirs)
+            .map(|(g, d)| {
+                (g * d)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64
+            })
+            .sum::<f64>()
+            / norm;
+        let eps = 1e-2;
+        let loss_at = |t: f64| {
+            for ((v, s), d) in vars.iter().zip(&start).zip(&dirs) {
+                v.set(&(s + (d * (t / norm)).unwrap()).unwrap()).unwrap();
+            }
+            step(m.as_ref(), &b, Checkpointing::None).loss as f64
+        };
+        let measured = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
+        loss_at(0.0);
+        let error = (measured - predicted).abs() / predicted.abs().max(1e-3);
+        assert!(
+            error < 2e-2,
+            "{}: directional derivative {predicted:.5e}, finite difference {measured:.5e} ({error:.1e})",
+            label(&config)
+        );
+    }
+}
