@@ -210,14 +210,12 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
             out_of_memory: false,
         }))
     };
-    let outcome = run();
-    // Read before trimming: the reservation at the failure says how much of
-    // the device the pool held beyond its live bytes.
-    let at_end = PoolStats::read(cuda)?;
-    trim(cuda)?;
-    match outcome {
+    let outcome = match run() {
         Ok(m) => m,
         Err(e) if is_out_of_memory(&e) => {
+            // Read before trimming: the reservation at the failure says how much
+            // of the device the pool held beyond its live bytes.
+            let at_end = PoolStats::read(cuda)?;
             tracing::warn!(
                 %plan,
                 used_high = at_end.used_high,
@@ -225,15 +223,16 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
                 device_free = at_end.device_free,
                 "CUDA out of memory while measuring"
             );
-            let high = at_end.used_high;
             Ok(Measurement {
-                peak_bytes: high,
-                reserved_bytes: high,
+                peak_bytes: at_end.used_high,
+                reserved_bytes: at_end.used_high,
                 out_of_memory: true,
             })
         }
         Err(e) => Err(e.into()),
-    }
+    };
+    trim(cuda)?;
+    outcome
 }
 
 /// A candle error, also one inside a strategy's error (a CUDA out-of-memory in
