@@ -6,6 +6,9 @@
 //! (with more tests, the harness and the other tests would allocate during
 //! a recording). The CLI side is in `timeline_cli.rs`.
 
+mod common;
+
+use common::tiny_gpt2;
 use oomfix::measure::alloc::Phase;
 use oomfix::measure::{record_plan, Component, CountingAlloc, Timeline};
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
@@ -13,14 +16,6 @@ use oomfix::{ModelConfig, ModelSpec, Plan, Target};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
-
-fn gpt2() -> ModelConfig {
-    ModelConfig {
-        vocab: 256,
-        max_positions: 64,
-        ..ModelConfig::gpt2(2, 32, 2)
-    }
-}
 
 fn plan(micro_batch: usize, grad_accum: usize) -> Plan {
     Plan {
@@ -63,7 +58,7 @@ fn replayed_peak(t: &Timeline) -> u64 {
 }
 
 fn gpt2_components_add_up_and_match_the_training_state() {
-    let config = gpt2();
+    let config = tiny_gpt2();
     let p = params(&config);
     let (measured, t) = record(config, plan(2, 1));
     let (_, at_peak) = t.peak();

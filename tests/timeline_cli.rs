@@ -5,22 +5,7 @@ mod common;
 
 use assert_cmd::Command;
 use common::*;
-use oomfix::ModelConfig;
 use std::path::Path;
-
-fn gpt2() -> ModelConfig {
-    ModelConfig {
-        vocab: 256,
-        max_positions: 64,
-        ..ModelConfig::gpt2(2, 32, 2)
-    }
-}
-
-fn tiny_model(dir: &Path) -> std::path::PathBuf {
-    let path = dir.join("tiny.safetensors");
-    write_safetensors(&path, &with_dtype(gpt2().tensors(), "F32"));
-    path
-}
 
 fn oomfix(model: &Path, extra: &[&std::ffi::OsStr]) -> std::process::Output {
     Command::cargo_bin("oomfix")
@@ -83,7 +68,7 @@ print(best[0])
 #[test]
 fn cli_snapshot_loads_with_python_pickle_and_plots_are_svg_and_png() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let model = tiny_gpt2_file(dir.path());
     let (snap, svg, png) = (
         dir.path().join("step.pickle"),
         dir.path().join("step.svg"),
@@ -156,7 +141,7 @@ fn cli_snapshot_loads_with_python_pickle_and_plots_are_svg_and_png() {
 #[test]
 fn cli_plot_with_another_extension_is_a_usage_error() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let model = tiny_gpt2_file(dir.path());
     let jpg = dir.path().join("step.jpg");
     let out = oomfix(&model, &["--plot".as_ref(), jpg.as_os_str()]);
     assert_eq!(out.status.code(), Some(2));

@@ -8,24 +8,9 @@ use oomfix::measure::{CountingAlloc, StepVerifier};
 use oomfix::search::{Measurement, Verifier};
 use oomfix::{Breakdown, Estimator, ModelConfig, ModelSpec, Plan, Planner, Target, Verify};
 use serde_json::Value;
-use std::path::Path;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
-
-fn tiny_config() -> ModelConfig {
-    ModelConfig {
-        vocab: 256,
-        max_positions: 64,
-        ..ModelConfig::gpt2(2, 32, 2)
-    }
-}
-
-fn tiny_model(dir: &Path) -> std::path::PathBuf {
-    let path = dir.join("tiny.safetensors");
-    write_safetensors(&path, &with_dtype(tiny_config().tensors(), "F32"));
-    path
-}
 
 /// An estimator that claims every plan needs one byte.
 struct Optimist;
@@ -40,7 +25,7 @@ impl Estimator for Optimist {
 
 #[test]
 fn a_measured_peak_over_the_budget_is_not_a_fit() {
-    let spec = ModelSpec::from_config("tiny", tiny_config());
+    let spec = ModelSpec::from_config("tiny", tiny_gpt2());
     let budget = 64 << 10; // the estimate (1 byte) fits, no real step does
     let result = Planner::new(budget)
         .global_batch(2)
@@ -73,7 +58,7 @@ fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
             })
         }
     }
-    let spec = ModelSpec::from_config("tiny", tiny_config());
+    let spec = ModelSpec::from_config("tiny", tiny_gpt2());
     let result = Planner::new(1 << 30)
         .global_batch(2)
         .seq_len(16)
@@ -102,7 +87,7 @@ fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
 #[test]
 fn cli_verify_records_measured_bytes() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let model = tiny_gpt2_file(dir.path());
     let out = Command::cargo_bin("oomfix")
         .unwrap()
         .args([
@@ -140,7 +125,7 @@ fn cli_verify_records_measured_bytes() {
 #[test]
 fn cli_verify_all_with_a_budget_too_small_for_any_real_step() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let model = tiny_gpt2_file(dir.path());
     // 300 KiB: smaller than weights + AdamW state + one step's activations
     let out = Command::cargo_bin("oomfix")
         .unwrap()
@@ -176,7 +161,7 @@ fn cli_verify_all_with_a_budget_too_small_for_any_real_step() {
 #[test]
 fn snapshot_loads_with_python_pickle_and_plot_is_svg() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let model = tiny_gpt2_file(dir.path());
     let snap = dir.path().join("step.pickle");
     let plot = dir.path().join("step.svg");
     let out = Command::cargo_bin("oomfix")
@@ -233,7 +218,7 @@ print(len(t))
 #[test]
 fn snapshot_refuses_to_overwrite_the_model() {
     let dir = tempfile::tempdir().unwrap();
-    let model = tiny_model(dir.path());
+    let model = tiny_gpt2_file(dir.path());
     let before = std::fs::read(&model).unwrap();
     Command::cargo_bin("oomfix")
         .unwrap()

@@ -5,7 +5,7 @@
 
 use std::fs::{self, File};
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 
@@ -104,4 +104,21 @@ pub fn gpt2_hub_tensors(
         tensors.push((format!("{prefix}h.{l}.attn.bias"), "F32", vec![1, 1, p, p]));
     }
     tensors
+}
+
+/// A two-layer GPT-2 small enough to train in a test (hidden 32, vocabulary
+/// 256, 64 positions).
+pub fn tiny_gpt2() -> oomfix::ModelConfig {
+    oomfix::ModelConfig {
+        vocab: 256,
+        max_positions: 64,
+        ..oomfix::ModelConfig::gpt2(2, 32, 2)
+    }
+}
+
+/// [`tiny_gpt2`]'s F32 weights as `dir/tiny.safetensors` (sparse).
+pub fn tiny_gpt2_file(dir: &Path) -> PathBuf {
+    let path = dir.join("tiny.safetensors");
+    write_safetensors(&path, &with_dtype(tiny_gpt2().tensors(), "F32"));
+    path
 }
