@@ -10,7 +10,11 @@
 //!    marks against the memory model's estimate, and the step time;
 //! 4. the fused cross-entropy on CUDA: loss and logits gradient against
 //!    candle_nn's composed loss on the CPU, then time and pool transient of
-//!    forward+backward against the composed loss at GPT-2's vocabulary.
+//!    forward+backward against the composed loss at GPT-2's vocabulary;
+//! 5. the fused layer ops (norms, biased linear, GELU, SwiGLU) on CUDA against
+//!    the same ops on the CPU (output and every input's gradient), then the
+//!    time of forward+backward against the composed candle expressions at
+//!    GPT-2 small's shapes.
 //!
 //! Build with `scripts/build-cuda.sh --features cuda --example gpu_bench`;
 //! results and the command are in docs/gpu-bench.md.
@@ -50,6 +54,7 @@ fn main() -> Result<()> {
     let bandwidth = bandwidth(&device)?;
     let training = training(&device)?;
     let loss = loss_rows(&device)?;
+    let (fused_match, fused_time) = fused_rows(&device)?;
     let stats = PoolStats::read(&cuda)?;
     let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
 
@@ -80,6 +85,14 @@ fn main() -> Result<()> {
     println!("| logits dtype | rows | loss abs err vs CPU composed | grad max abs err vs CPU composed | fused ms | composed ms | fused transient GiB | composed transient GiB |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     loss.iter().for_each(|r| println!("{r}"));
+    println!("\n## 5. Fused layer ops, CUDA vs CPU: max |difference| / max |CPU value|, inputs [4, 256, 768]\n");
+    println!("| op | dtype | output | input gradients |");
+    println!("|---|---|---:|---|");
+    fused_match.iter().for_each(|r| println!("{r}"));
+    println!("\n### Forward+backward time, fused vs composed from candle ops, bf16, n = 8192 rows (median of 5)\n");
+    println!("| op | fused ms | composed ms | composed / fused |");
+    println!("|---|---:|---:|---:|");
+    fused_time.iter().for_each(|r| println!("{r}"));
     println!(
         "\nDevice memory outside the pool at the end (context, modules, library workspaces): {:.2} GiB; the model's runtime term: {:.2} GiB",
         outside as f64 / GIB,
@@ -635,4 +648,170 @@ fn loss_rows(device: &Device) -> Result<Vec<LossRow>> {
         });
     }
     Ok(rows)
+}
+
+/// One fused op and the candle expression it replaces, on a list of inputs.
+struct FusedCase {
+    name: &'static str,
+    /// Input shapes (the first is the activation).
+    shapes: fn(rows: usize) -> Vec<Vec<usize>>,
+    fused: fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    composed: fn(&[Tensor]) -> candle_core::Result<Tensor>,
+}
+
+fn composed_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    use candle_core::D;
+    let dtype = x.dtype();
+    let x = x.to_dtype(DType::F32)?;
+    let centred = match b {
+        Some(_) => x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?,
+        None => x,
+    };
+    let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
+    let y = centred
+        .broadcast_div(&(var + 1e-5)?.sqrt()?)?
+        .to_dtype(dtype)?
+        .broadcast_mul(w)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+fn fused_cases() -> Vec<FusedCase> {
+    use oomfix::train::fused::{self, GeluForm, WeightLayout};
+    const H: usize = 768;
+    const I: usize = 3072;
+    vec![
+        FusedCase {
+            name: "layer norm",
+            shapes: |n| vec![vec![n, H], vec![H], vec![H]],
+            fused: |t| fused::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            composed: |t| composed_norm(&t[0], &t[1], Some(&t[2])),
+        },
+        FusedCase {
+            name: "RMS norm",
+            shapes: |n| vec![vec![n, H], vec![H]],
+            fused: |t| fused::rms_norm(&t[0], &t[1], 1e-5),
+            composed: |t| composed_norm(&t[0], &t[1], None),
+        },
+        FusedCase {
+            name: "linear [in,out] + bias",
+            shapes: |n| vec![vec![n, H], vec![H, I], vec![I]],
+            fused: |t| fused::linear(&t[0], &t[1], &t[2], WeightLayout::InOut),
+            composed: |t| t[0].matmul(&t[1])?.broadcast_add(&t[2]),
+        },
+        FusedCase {
+            name: "linear [out,in] + bias",
+            shapes: |n| vec![vec![n, H], vec![I, H], vec![I]],
+            fused: |t| fused::linear(&t[0], &t[1], &t[2], WeightLayout::OutIn),
+            composed: |t| t[0].matmul(&t[1].t()?)?.broadcast_add(&t[2]),
+        },
+        FusedCase {
+            name: "GELU (tanh)",
+            shapes: |n| vec![vec![n, I]],
+            fused: |t| fused::gelu(&t[0], GeluForm::Tanh),
+            composed: |t| t[0].gelu(),
+        },
+        FusedCase {
+            name: "GELU (erf)",
+            shapes: |n| vec![vec![n, I]],
+            fused: |t| fused::gelu(&t[0], GeluForm::Erf),
+            composed: |t| t[0].gelu_erf(),
+        },
+        FusedCase {
+            name: "SwiGLU",
+            shapes: |n| vec![vec![n, I], vec![n, I]],
+            fused: |t| fused::swiglu(&t[0], &t[1]),
+            composed: |t| t[0].silu()?.mul(&t[1]),
+        },
+    ]
+}
+
+/// `f`'s output and the gradients of all `inputs` (made variables) for the
+/// loss `sum(output · weights)`.
+fn output_and_grads(
+    f: fn(&[Tensor]) -> candle_core::Result<Tensor>,
+    inputs: &[Tensor],
+    weights: &Tensor,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let vars = inputs
+        .iter()
+        .map(Var::from_tensor)
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&tensors)?;
+    let grads = y
+        .mul(&weights.to_dtype(y.dtype())?)?
+        .sum_all()?
+        .backward()?;
+    let g = vars
+        .iter()
+        .map(|v| grads.get(v).cloned().context("no gradient for an input"))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((y, g))
+}
+
+/// max |a − b| / max |b|, both on the CPU in f32.
+fn scaled_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    let (a, b) = (cpu(a)?, cpu(b)?);
+    let scale = b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30);
+    Ok(((a - &b)?.abs()?.max_all()?.to_scalar::<f32>()? / scale) as f64)
+}
+
+fn fused_rows(device: &Device) -> Result<(Vec<String>, Vec<String>)> {
+    let mut matches = Vec::new();
+    for case in fused_cases() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let shapes = (case.shapes)(4 * 256);
+            let inputs = shapes
+                .iter()
+                .map(|s| Tensor::randn(0f32, 1.0, s.as_slice(), &Device::Cpu)?.to_dtype(dtype))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let out_shape = (case.fused)(&inputs)?.shape().clone();
+            let weights = Tensor::randn(0f32, 1.0, &out_shape, &Device::Cpu)?;
+            let (y_cpu, g_cpu) = output_and_grads(case.fused, &inputs, &weights)?;
+            let on_gpu = inputs
+                .iter()
+                .map(|t| t.to_device(device))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let (y_gpu, g_gpu) =
+                output_and_grads(case.fused, &on_gpu, &weights.to_device(device)?)?;
+            let grads = g_gpu
+                .iter()
+                .zip(&g_cpu)
+                .map(|(a, b)| scaled_diff(a, b).map(|e| format!("{e:.1e}")))
+                .collect::<Result<Vec<_>>>()?;
+            matches.push(format!(
+                "| {} | {dtype:?} | {:.1e} | {} |",
+                case.name,
+                scaled_diff(&y_gpu, &y_cpu)?,
+                grads.join(", ")
+            ));
+        }
+    }
+    let mut times = Vec::new();
+    for case in fused_cases() {
+        let inputs = (case.shapes)(8192)
+            .iter()
+            .map(|s| Tensor::randn(0f32, 1.0, s.as_slice(), device)?.to_dtype(DType::BF16))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let out_shape = (case.fused)(&inputs)?.shape().clone();
+        let weights = Tensor::randn(0f32, 1.0, &out_shape, device)?;
+        let mut ms = [0.0; 2];
+        for (i, f) in [case.fused, case.composed].into_iter().enumerate() {
+            let mut step = || output_and_grads(f, &inputs, &weights).map(drop);
+            step()?; // warm-up: kernel compilation and module load
+            ms[i] = median_ms(device, 5, &mut step)?;
+        }
+        times.push(format!(
+            "| {} | {:.2} | {:.2} | {:.2} |",
+            case.name,
+            ms[0],
+            ms[1],
+            ms[1] / ms[0]
+        ));
+    }
+    Ok((matches, times))
 }

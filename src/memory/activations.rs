@@ -27,7 +27,7 @@
 //! is built.
 
 use crate::spec::{Family, ModelSpec};
-use oomfix_strategies::{Attention, Checkpointing, Plan};
+use oomfix_strategies::{Attention, Checkpointing, Plan, Precision};
 
 /// Activation bytes of one micro-batch on one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -101,7 +101,6 @@ struct Dims {
     heads: u64,
     head_dim: u64,
     v: u64,
-    mixed: bool,
     flash: bool,
 }
 
@@ -117,7 +116,6 @@ impl Dims {
             heads: c.heads as u64,
             head_dim: c.head_dim() as u64,
             v: c.vocab as u64,
-            mixed: plan.precision.is_mixed(),
             flash: plan.attention == Attention::Flash,
         }
     }
@@ -125,23 +123,12 @@ impl Dims {
     fn scores(&self) -> u64 {
         self.n * self.heads * self.s
     }
-    /// Layer norm on `[n, h]`: centred, squared, normalised (f32), scaled and
-    /// shifted (c), six `[n,1]` f32 statistics; mixed adds the f32 input cast
-    /// and the cast back.
-    fn layer_norm(&self) -> Values {
-        let m = u64::from(self.mixed);
+    /// A norm (layer or RMS) on `[n, h]`: its output only (one fused op that
+    /// recomputes its row statistics in backward).
+    fn norm(&self) -> Values {
         Values {
-            c: (2 + m) * self.n * self.h,
-            f32: (3 + m) * self.n * self.h + 6 * self.n,
-        }
-    }
-    /// RMS norm on `[n, h]`: squared, normalised (f32), × weight (c), four
-    /// `[n,1]` f32 statistics; mixed adds the two casts.
-    fn rms_norm(&self) -> Values {
-        let m = u64::from(self.mixed);
-        Values {
-            c: (1 + m) * self.n * self.h,
-            f32: (2 + m) * self.n * self.h + 4 * self.n,
+            c: self.n * self.h,
+            f32: 0,
         }
     }
 }
@@ -199,43 +186,40 @@ fn block_strays(family: Family, d: &Dims) -> (Values, Values) {
 }
 
 /// What one transformer block's forward keeps.
-fn block(family: Family, qkv_bias: bool, d: &Dims) -> Values {
+fn block(family: Family, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
     let core = attention_core(family, d);
     match family {
-        // ln_1; c_attn matmul + bias [n,3h]×2; q scaled (or contiguous), k, v
-        // copies; attention core; context; merged, c_proj, bias, residual;
-        // ln_2; c_fc, bias, gelu [n,I]×3; c_proj, bias, residual.
+        // ln_1; c_attn [n,3h]; q scaled (or contiguous), k, v copies;
+        // attention core; context; merged, c_proj, residual; ln_2; c_fc, gelu
+        // [n,I]×2; c_proj, residual.
         Family::Gpt2 | Family::Generic => Values {
-            c: 17 * n * h + 3 * n * i,
+            c: 12 * n * h + 2 * n * i,
             f32: 0,
         }
         .add(core)
-        .add(d.layer_norm())
-        .add(d.layer_norm()),
-        // rms; q [n,h]; k, v [n,kv]×2; v copy; RoPE q ×4, k ×4; attention
-        // core; context; merged, o_proj, residual; rms; gate, up, silu, product
-        // [n,I]×4; down, residual.
-        Family::Llama => {
-            let bias = if qkv_bias { n * h + 2 * n * kv } else { 0 };
-            Values {
-                c: 11 * n * h + 7 * n * kv + 4 * n * i + bias,
-                f32: 0,
-            }
-            .add(core)
-            .add(d.rms_norm())
-            .add(d.rms_norm())
+        .add(d.norm())
+        .add(d.norm()),
+        // rms; q [n,h]; k, v [n,kv]×2 (biases, if any, added in place); v
+        // copy; RoPE q ×4, k ×4; attention core; context; merged, o_proj,
+        // residual; rms; gate, up, SwiGLU [n,I]×3; down, residual.
+        Family::Llama => Values {
+            c: 11 * n * h + 7 * n * kv + 3 * n * i,
+            f32: 0,
         }
-        // q/k/v matmul + bias ×6; q scaled (or contiguous), k, v copies;
-        // attention core; context; merged, dense, bias, residual; LN;
-        // intermediate, bias, gelu ×3; dense, bias, residual; LN.
+        .add(core)
+        .add(d.norm())
+        .add(d.norm()),
+        // q, k, v; q scaled (or contiguous), k, v copies; attention core;
+        // context; merged, dense, residual; LN; intermediate, gelu [n,I]×2;
+        // dense, residual; LN.
         Family::Bert => Values {
-            c: 17 * n * h + 3 * n * i,
+            c: 12 * n * h + 2 * n * i,
             f32: 0,
         }
         .add(core)
-        .add(d.layer_norm())
-        .add(d.layer_norm()),
+        .add(d.norm())
+        .add(d.norm()),
     }
 }
 
@@ -256,28 +240,25 @@ fn stem(family: Family, d: &Dims) -> Values {
             c: 2 * d.n * d.h + d.s * d.h,
             f32: 0,
         }
-        .add(d.layer_norm()),
+        .add(d.norm()),
     }
 }
 
-/// The head and the loss: final norm (BERT: the MLM transform), logits in the
-/// compute dtype (BERT: + prediction bias), and the fused cross-entropy's `[n]`
-/// f32 row losses and their masked/averaged copies (the op keeps nothing
-/// logits-sized of its own).
+/// The head and the loss: final norm (BERT: the MLM transform's dense, GELU
+/// and norm), logits in the compute dtype (BERT: with the prediction bias
+/// added in place), and the fused cross-entropy's `[n]` f32 row losses and
+/// their masked/averaged copies (the op keeps nothing logits-sized of its own).
 fn head(family: Family, d: &Dims) -> Values {
-    let nv = d.n * d.v;
     let norm = match family {
-        Family::Gpt2 | Family::Generic => d.layer_norm(),
-        Family::Llama => d.rms_norm(),
+        Family::Gpt2 | Family::Generic | Family::Llama => d.norm(),
         Family::Bert => Values {
-            c: 3 * d.n * d.h,
+            c: 2 * d.n * d.h,
             f32: d.n,
         }
-        .add(d.layer_norm()),
+        .add(d.norm()),
     };
-    let logits = if family == Family::Bert { 2 * nv } else { nv };
     norm.add(Values {
-        c: logits,
+        c: d.n * d.v,
         f32: 2 * d.n,
     })
 }
@@ -289,13 +270,6 @@ fn head(family: Family, d: &Dims) -> Values {
 /// 50,257-token head: 4.07 logits-sized tensors at the peak, the kept logits
 /// included).
 pub const LOSS_BACKWARD_NV: u64 = 3;
-
-/// Logits-sized tensors BERT's backward holds beyond [`LOSS_BACKWARD_NV`] when
-/// it crosses the decoder bias (`logits = x·Wᵀ + b`): the broadcast add gives
-/// the matmul output its zeros-plus-gradient sum, and the bias, broadcast to
-/// `[n, V]`, a logits-sized zeros and sum of its own before they are reduced
-/// to `[V]` (measured with a 30,522-token head, CPU and H200 alike).
-pub const BERT_BIAS_BACKWARD_NV: u64 = 1;
 
 /// `[n,h]` tensors the stray gradient of a checkpointed segment's surrogate
 /// `(y·grad_y).sum()` holds while the segment is differentiated: `grad_y` is
@@ -351,15 +325,36 @@ fn flash_backward(d: &Dims) -> u64 {
     4 * (6 * d.n * d.h + 2 * d.n * d.kv)
 }
 
-/// `[n, I]`-sized tensors alive at once while the backward crosses one MLP:
-/// candle's GELU (tanh form, GPT-2), SiLU-gated (Llama) and GELU (erf form,
-/// BERT) derivatives, measured on top of what the block keeps.
+/// `[n, I]`-sized tensors alive at once while the backward crosses one MLP,
+/// on top of what the block keeps. GELU (GPT-2, BERT): the activation's
+/// upstream gradient, the fused op's input gradient, and the zeros and sum
+/// that candle adds it to. SwiGLU (Llama): the upstream gradient, the stacked
+/// gate and up gradients (two), and the zeros and sums of both.
 pub fn mlp_backward_ni(family: Family) -> u64 {
     match family {
-        Family::Gpt2 | Family::Generic => 20,
-        Family::Llama => 14,
-        Family::Bert => 17,
+        Family::Gpt2 | Family::Generic | Family::Bert => 4,
+        Family::Llama => 6,
     }
+}
+
+/// Raises the loss's and the blocks' working sets to what candle's CPU backend
+/// needs to multiply bf16 matrices: it has no bf16 kernel, so it widens both
+/// operands' storages to f32, multiplies into an f32 output and narrows that
+/// back. At the loss the largest product is the head's weight gradient
+/// `xᵀ·grad` (`[n,h]`, `[n,V]` → `[h,V]`), made while the logits' gradient
+/// `[n,V]` (bf16) is alive; in a block it is the MLP's input projection's
+/// (`[n,h]`, `[n,I]`, `[h,I]`), beside the upstream `[n,I]` gradient.
+pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Plan) {
+    let c = &spec.config;
+    if plan.precision != Precision::Bf16 || c.family == Family::Generic {
+        return;
+    }
+    let d = Dims::new(spec, plan);
+    let (nh, nv, vh, ni, hi) = (d.n * d.h, d.n * d.v, d.v * d.h, d.n * d.i, d.h * d.i);
+    let loss = 2 * nv + 4 * (nv + nh + vh) + 2 * vh;
+    let block = 2 * ni + 4 * (nh + ni + hi) + 2 * hi;
+    act.loss.transient = act.loss.transient.max(loss);
+    act.blocks.transient = act.blocks.transient.max(block);
 }
 
 /// Activation bytes of one micro-batch under `plan`'s checkpointing, at each
@@ -389,7 +384,7 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let d = Dims::new(spec, plan);
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
-    let block = block(cfg.family, cfg.qkv_bias, &d).bytes(c);
+    let block = block(cfg.family, &d).bytes(c);
     let (attention_strays, rope_strays) = block_strays(cfg.family, &d);
     let (attention_strays, strays) = (
         attention_strays.bytes(c),
@@ -398,12 +393,8 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let head = head(cfg.family, &d).bytes(c);
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
-    let loss_nv = match cfg.family {
-        Family::Bert => LOSS_BACKWARD_NV + BERT_BIAS_BACKWARD_NV,
-        _ => LOSS_BACKWARD_NV,
-    };
     let loss_transient =
-        (loss_nv * d.n * d.v).max(d.n * d.v + HEAD_WEIGHT_BACKWARD_COPIES * d.v * d.h) * c;
+        (LOSS_BACKWARD_NV * d.n * d.v).max(d.n * d.v + HEAD_WEIGHT_BACKWARD_COPIES * d.v * d.h) * c;
     let attention_backward = if d.flash {
         flash_backward(&d)
     } else {

@@ -26,8 +26,8 @@ mod activations;
 mod runtime;
 
 pub use activations::{
-    activation_bytes, embedding_backward_copies, mlp_backward_ni, Activations, Moment,
-    ATTENTION_BACKWARD_SCORES, BERT_BIAS_BACKWARD_NV, EMBEDDING_BACKWARD_COPIES,
+    activation_bytes, embedding_backward_copies, mlp_backward_ni, widen_cpu_bf16_matmuls,
+    Activations, Moment, ATTENTION_BACKWARD_SCORES, EMBEDDING_BACKWARD_COPIES,
     HEAD_WEIGHT_BACKWARD_COPIES, LOSS_BACKWARD_NV,
 };
 pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_POOL_SLACK};
@@ -181,7 +181,10 @@ impl Estimator for MemoryModel {
             0
         };
         let optimizer_state = shard(8 * p, 1);
-        let act = activation_bytes(spec, plan);
+        let mut act = activation_bytes(spec, plan);
+        if *target == Target::Cpu {
+            widen_cpu_bf16_matmuls(&mut act, spec, plan);
+        }
         let optimizer_transient = optimizer_transient(spec, plan);
         let runtime = target.runtime_bytes();
         let pool_slack = target.pool_slack_bytes();

@@ -3,6 +3,7 @@
 use candle_core::{Tensor, Var};
 use oomfix_strategies::{Attention, Checkpointing};
 
+use super::fused::{self, GeluForm};
 use super::layers::{split_heads, Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::measure::tag::{Module, Op, Scope};
@@ -69,7 +70,7 @@ impl Block {
             let _m = Scope::module(intermediate);
             let inner = self.intermediate.forward(&x)?;
             let _op = Scope::op(Op::Gelu);
-            inner.gelu_erf()?
+            fused::gelu(&inner, GeluForm::Erf)?
         };
         let _m = Scope::module(output);
         let mlp = self.output.forward(&inner)?;
@@ -176,14 +177,13 @@ impl TrainableModel for Bert {
                 let x = self.transform.forward(x)?;
                 let x = {
                     let _op = Scope::op(Op::Gelu);
-                    x.gelu_erf()?
+                    fused::gelu(&x, GeluForm::Erf)?
                 };
                 self.transform_norm.forward(&x)?.reshape((b * s, h))?
             };
             let logits = {
                 let _m = Scope::new(decoder, Op::Matmul);
-                x.matmul(&self.word.t()?)?
-                    .broadcast_add(&self.decoder_bias)?
+                fused::linear(&x, &self.word, &self.decoder_bias, WeightLayout::OutIn)?
             };
             lm_loss(&logits, batch)
         };

@@ -3,6 +3,7 @@
 use candle_core::{Tensor, Var};
 use oomfix_strategies::{Attention, Checkpointing};
 
+use super::fused::{self, GeluForm};
 use super::layers::{Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::measure::tag::{Module, Op, Scope};
@@ -67,7 +68,7 @@ impl Block {
         let inner = self.c_fc.forward(&normed)?;
         let inner = {
             let _op = Scope::op(Op::Gelu);
-            inner.gelu()?
+            fused::gelu(&inner, GeluForm::Tanh)?
         };
         let mlp = self.mlp_proj.forward(&inner)?;
         let _op = Scope::op(Op::Residual);

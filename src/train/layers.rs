@@ -1,12 +1,14 @@
-//! Layers shared by the trainable families, written from differentiable candle ops.
+//! Layers shared by the trainable families.
 //!
-//! None of candle's fused fast paths appear here (they have no backward): layer
-//! norm, RMS norm, softmax and rotary embeddings are composed from elementwise
-//! ops and reductions. Every op output on the path to a parameter stays alive in
-//! candle's graph until the loss is dropped, so each function's doc lists the
-//! tensors it allocates; views (reshape of a contiguous tensor, transpose, narrow,
+//! Norms and biased projections are single graph nodes with their own backward
+//! ([`super::fused`]); softmax and rotary embeddings are composed from
+//! differentiable candle ops (candle's fused fast paths have no backward).
+//! Every op output on the path to a parameter stays alive in candle's graph
+//! until the loss is dropped, so each function's doc lists the tensors it
+//! allocates; views (reshape of a contiguous tensor, transpose, narrow,
 //! broadcast) allocate nothing.
 
+use super::fused;
 use crate::measure::tag::{Op, Scope};
 use candle_core::{DType, Device, Result, Tensor, D};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
@@ -14,7 +16,7 @@ use oomfix_strategies::Attention;
 
 /// How a projection's weight is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WeightLayout {
+pub enum WeightLayout {
     /// `[in, out]`: GPT-2's `Conv1D`, `y = x W + b`.
     InOut,
     /// `[out, in]`: `torch.nn.Linear`, `y = x Wᵀ + b`.
@@ -40,11 +42,14 @@ impl Linear {
 
     /// `x`: `[b, s, in]`, contiguous → `[b, s, out]`.
     ///
-    /// Allocates the matmul output `[b·s, out]` and, with a bias, the sum `[b·s, out]`.
-    /// `x` is flattened to 2-D (a view) so the weight gradient is one `[in, out]`
-    /// matmul rather than a per-batch product summed afterwards.
+    /// Allocates the output `[b·s, out]`: with a bias, [`fused::linear`] adds it
+    /// in place. Without, `x` is flattened to 2-D (a view) so the weight gradient
+    /// is one `[in, out]` matmul rather than a per-batch product summed afterwards.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::Matmul);
+        if let Some(bias) = &self.bias {
+            return fused::linear(x, &self.weight, bias, self.layout);
+        }
         let (b, s, d_in) = x.dims3()?;
         let w = match self.layout {
             // Used directly, a weight's gradient would stay in the gradient store
@@ -55,17 +60,12 @@ impl Linear {
             WeightLayout::InOut => self.weight.t()?.t()?,
             WeightLayout::OutIn => self.weight.t()?,
         };
-        let y = x.reshape((b * s, d_in))?.matmul(&w)?;
-        let y = match &self.bias {
-            Some(bias) => y.broadcast_add(bias)?,
-            None => y,
-        };
-        y.reshape((b, s, ()))
+        x.reshape((b * s, d_in))?.matmul(&w)?.reshape((b, s, ()))
     }
 }
 
 /// Layer normalisation with scale and bias, computed in f32 (as PyTorch autocast
-/// does) and returned in the input's dtype.
+/// does) and returned in the input's dtype: one [`fused::layer_norm`] node.
 #[derive(Debug, Clone)]
 pub(crate) struct LayerNorm {
     weight: Tensor,
@@ -78,26 +78,15 @@ impl LayerNorm {
         LayerNorm { weight, bias, eps }
     }
 
-    /// Allocates, for `x` of `n` elements over rows of `h`: (16-bit input only) the f32
-    /// copy `n`·f32; the centred values, their squares and the normalised values,
-    /// `3·n`·f32; (16-bit only) the cast back `n`·c; the scaled and the shifted output
-    /// `2·n`·c; plus six row statistics of `n/h` f32 each.
+    /// Allocates the output, the size of `x`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::LayerNorm);
-        let dtype = x.dtype();
-        let x = x.to_dtype(DType::F32)?;
-        let centred = x.broadcast_sub(&x.mean_keepdim(D::Minus1)?)?;
-        let var = centred.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = centred.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        normed
-            .to_dtype(dtype)?
-            .broadcast_mul(&self.weight)?
-            .broadcast_add(&self.bias)
+        fused::layer_norm(x, &self.weight, &self.bias, self.eps)
     }
 }
 
-/// RMS normalisation with a scale, computed in f32 and cast back before the scale
-/// (Hugging Face's `LlamaRMSNorm`).
+/// RMS normalisation with a scale, computed in f32 and returned in the input's
+/// dtype: one [`fused::rms_norm`] node.
 #[derive(Debug, Clone)]
 pub(crate) struct RmsNorm {
     weight: Tensor,
@@ -109,16 +98,10 @@ impl RmsNorm {
         RmsNorm { weight, eps }
     }
 
-    /// Allocates, for `x` of `n` elements over rows of `h`: (16-bit only) the f32 copy
-    /// `n`·f32; the squares and the normalised values `2·n`·f32; (16-bit only) the cast
-    /// back `n`·c; the scaled output `n`·c; plus four row statistics of `n/h` f32.
+    /// Allocates the output, the size of `x`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::RmsNorm);
-        let dtype = x.dtype();
-        let x = x.to_dtype(DType::F32)?;
-        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = x.broadcast_div(&(ms + self.eps)?.sqrt()?)?;
-        normed.to_dtype(dtype)?.broadcast_mul(&self.weight)
+        fused::rms_norm(x, &self.weight, self.eps)
     }
 }
 

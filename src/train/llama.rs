@@ -4,6 +4,7 @@
 use candle_core::{Tensor, Var};
 use oomfix_strategies::{Attention, Checkpointing};
 
+use super::fused;
 use super::layers::{split_heads, Attend, Linear, RmsNorm, Rope, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::measure::tag::{Module, Op, Scope};
@@ -96,7 +97,7 @@ impl Block {
         let up = self.up_proj.forward(&h)?;
         let mlp = {
             let _op = Scope::op(Op::Silu);
-            gate.silu()?.mul(&up)?
+            fused::swiglu(&gate, &up)?
         };
         let out = self.down_proj.forward(&mlp)?;
         let _op = Scope::op(Op::Residual);

@@ -12,7 +12,8 @@
 //! The models are written for training, not inference: no KV cache, no dropout
 //! (recomputation must be deterministic), and none of candle's fused fast paths
 //! (`softmax_last_dim`, `rms_norm`, `layer_norm`, `rope`, fused SDPA), which
-//! have no backward. Conventions follow Hugging Face `transformers`: GPT-2 with
+//! have no backward: norms, biased projections, GELU and SwiGLU are [`fused`]
+//! ops with their own backward, the rest is composed from candle ops. Conventions follow Hugging Face `transformers`: GPT-2 with
 //! `Conv1D` weights (`[in, out]`), tanh-approximate GELU, tied LM head; Llama with
 //! RMSNorm (ε = 1e-5), RoPE in the `rotate_half` form (θ = 10 000), SwiGLU and
 //! grouped-query attention; BERT post-LN with erf GELU and the masked-LM head
@@ -30,16 +31,10 @@
 //! entries marked *16-bit* exist only when `c` is bf16/f16 (with f32 compute
 //! the cast is a no-op), and `[n,1]` row statistics are listed together.
 //!
-//! Layer norm (LN, used by GPT-2 and BERT) on `[n, h]` input: *16-bit*: input cast
-//! `[n,h]` f32; centred `[n,h]` f32; squares `[n,h]` f32; normalised `[n,h]` f32;
-//! *16-bit*: cast back `[n,h]` c; × weight `[n,h]` c; + bias `[n,h]` c; six `[n,1]`
-//! f32 (sum and mean, sum and mean of squares, `+ε`, `sqrt`). In f32: `5·n·h + 6·n`
-//! values; 16-bit: `4·n·h + 6·n` f32 and `3·n·h` c.
-//!
-//! RMS norm (RMS, Llama) on `[n, h]`: *16-bit*: input cast `[n,h]` f32; squares
-//! `[n,h]` f32; normalised `[n,h]` f32; *16-bit*: cast back `[n,h]` c; × weight
-//! `[n,h]` c; four `[n,1]` f32 (sum, mean, `+ε`, `sqrt`). In f32: `3·n·h + 4·n`;
-//! 16-bit: `3·n·h + 4·n` f32 and `2·n·h` c.
+//! Layer norm (LN, GPT-2 and BERT) and RMS norm (RMS, Llama) on `[n, h]`: the
+//! output `[n,h]` c only (statistics in f32 inside the op, recomputed in
+//! backward). A projection with a bias keeps only its output (the bias is
+//! added in place); GELU and SwiGLU keep only their output.
 //!
 //! Softmax over rows of `s` (`m` elements in all): shifted `m` c; exp `m` c;
 //! output `m` c; detached row max and row sum (`m/s` each, c).
@@ -49,7 +44,7 @@
 //! | tensor | shape | dtype |
 //! |---|---|---|
 //! | `ln_1` | LN of `[n,h]` | as above |
-//! | `c_attn` matmul, + bias | `[n,3h]` ×2 | c |
+//! | `c_attn` (matmul + bias in place) | `[n,3h]` | c |
 //! | q × `1/√d` (strided → contiguous; flash: a plain contiguous copy) | `[b,H,s,d]` | c |
 //! | k, v contiguous copies | `[b,H,s,d]` ×2 | c |
 //! | scores `q kᵀ` | `[b,H,s,s]` | c |
@@ -57,11 +52,11 @@
 //! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
 //! | context `P v` | `[b,H,s,d]` | c |
 //! | heads merged (copy) | `[n,h]` | c |
-//! | `attn.c_proj` matmul, + bias | `[n,h]` ×2 | c |
+//! | `attn.c_proj` | `[n,h]` | c |
 //! | residual | `[n,h]` | c |
 //! | `ln_2` | LN of `[n,h]` | as above |
-//! | `c_fc` matmul, + bias, GELU | `[n,I]` ×3 | c |
-//! | `mlp.c_proj` matmul, + bias | `[n,h]` ×2 | c |
+//! | `c_fc`, GELU | `[n,I]` ×2 | c |
+//! | `mlp.c_proj` | `[n,h]` | c |
 //! | residual (block output) | `[n,h]` | c |
 //!
 //! Stem: `wte` rows `[n,h]` c; + `wpe` rows (a narrow, no copy) `[n,h]` c.
@@ -73,8 +68,8 @@
 //! | tensor | shape | dtype |
 //! |---|---|---|
 //! | `input_layernorm` | RMS of `[n,h]` | as above |
-//! | `q_proj` matmul (+ bias with `qkv_bias`) | `[n,h]` (×2) | c |
-//! | `k_proj`, `v_proj` matmul (+ bias each) | `[n,KV·d]` ×2 (×4) | c |
+//! | `q_proj` (+ bias in place with `qkv_bias`) | `[n,h]` | c |
+//! | `k_proj`, `v_proj` (+ bias each) | `[n,KV·d]` ×2 | c |
 //! | v contiguous copy | `[b,KV,s,d]` | c |
 //! | RoPE on q (attention scale folded in the tables): swapped halves, ×cos, ×sin, sum | `[b,H,s,d]` ×4 | c |
 //! | RoPE on k | `[b,KV,s,d]` ×4 | c |
@@ -86,7 +81,7 @@
 //! | `o_proj` matmul | `[n,h]` | c |
 //! | residual | `[n,h]` | c |
 //! | `post_attention_layernorm` | RMS of `[n,h]` | as above |
-//! | `gate_proj`, `up_proj` matmuls, SiLU(gate), SiLU·up | `[n,I]` ×4 | c |
+//! | `gate_proj`, `up_proj` matmuls, SwiGLU `SiLU(gate)·up` | `[n,I]` ×3 | c |
 //! | `down_proj` matmul | `[n,h]` | c |
 //! | residual (block output) | `[n,h]` | c |
 //!
@@ -100,18 +95,18 @@
 //!
 //! | tensor | shape | dtype |
 //! |---|---|---|
-//! | `query`, `key`, `value` matmul + bias | `[n,h]` ×6 | c |
+//! | `query`, `key`, `value` (matmul + bias in place) | `[n,h]` ×3 | c |
 //! | q × `1/√d` (flash: a plain copy), k and v contiguous copies | `[b,H,s,d]` ×3 | c |
 //! | scores | `[b,H,s,s]` | c |
 //! | + padding mask (only when the batch has an `attention_mask`) | `[b,H,s,s]` | c |
 //! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
 //! | context | `[b,H,s,d]` | c |
 //! | heads merged (copy) | `[n,h]` | c |
-//! | `attention.output.dense` matmul + bias | `[n,h]` ×2 | c |
+//! | `attention.output.dense` | `[n,h]` | c |
 //! | residual | `[n,h]` | c |
 //! | `attention.output.LayerNorm` | LN of `[n,h]` | as above |
-//! | `intermediate.dense` matmul + bias, GELU (erf) | `[n,I]` ×3 | c |
-//! | `output.dense` matmul + bias | `[n,h]` ×2 | c |
+//! | `intermediate.dense`, GELU (erf) | `[n,I]` ×2 | c |
+//! | `output.dense` | `[n,h]` | c |
 //! | residual | `[n,h]` | c |
 //! | `output.LayerNorm` (block output) | LN of `[n,h]` | as above |
 //!
@@ -137,10 +132,9 @@
 //! |---|---|---|---|
 //! | GPT-2 | `ln_f` | LN of `[n,h]` | as above |
 //! | Llama | `model.norm` | RMS of `[n,h]` | as above |
-//! | BERT | `transform.dense` matmul + bias, GELU (erf) | `[n,h]` ×3 | c |
+//! | BERT | `transform.dense`, GELU (erf) | `[n,h]` ×2 | c |
 //! | BERT | `transform.LayerNorm` | LN of `[n,h]` | as above |
-//! | all | logits (matmul with the tied embedding or `lm_head`) | `[n,V]` | c |
-//! | BERT | + `cls.predictions.bias` | `[n,V]` | c |
+//! | all | logits (matmul with the tied embedding or `lm_head`; BERT: + `cls.predictions.bias` in place) | `[n,V]` | c |
 //! | all | nll ([`loss::cross_entropy`]: one fused op, nothing `[n,V]` of its own) | `[n]` | f32 |
 //! | with a `loss_mask` (always for BERT) | nll × mask | `[n]` | f32 |
 //! | all | sum, mean | scalar ×2 | f32 |
@@ -148,16 +142,12 @@
 //! The loss's backward writes the logits' gradient `[n,V]` c in one pass (it
 //! recomputes each row's log-sum-exp from the kept logits).
 //!
-//! Summed, per block in f32 (elements; the row max of each softmax included):
-//! GPT-2 `27·n·h + 12·n + 3·n·I + 5·b·H·s² + 2·b·H·s`; Llama `17·n·h + 8·n +
-//! 7·n·KV·d + 4·n·I + 5·b·H·s² + 2·b·H·s` (`+ n·h + 2·n·KV·d` with `qkv_bias`);
-//! BERT `27·n·h + 12·n + 3·n·I + 4·b·H·s² + 2·b·H·s` (`+ b·H·s²` with a padding
-//! mask). These tables were checked against the graph candle builds: on small shapes
-//! the distinct non-parameter storages reachable from the loss add up to exactly
-//! these counts for all three families, in f32 and bf16 (plus the detached softmax
-//! maxima, which the graph holds off the parameter path; the once-per-forward masks
-//! and RoPE tables come on top). With flash attention the `b·H·s²` and `2·b·H·s`
-//! terms are replaced by `b·H·s` f32 values (the log-sum-exp).
+//! Summed, per block (elements; the row max of each softmax included): GPT-2
+//! `14·n·h + 2·n·I + 5·b·H·s² + 2·b·H·s`; Llama `13·n·h + 7·n·KV·d + 3·n·I +
+//! 5·b·H·s² + 2·b·H·s`; BERT `14·n·h + 2·n·I + 4·b·H·s² + 2·b·H·s` (`+ b·H·s²`
+//! with a padding mask); the once-per-forward masks and RoPE tables come on top.
+//! With flash attention the `b·H·s²` and `2·b·H·s` terms are replaced by `b·H·s`
+//! f32 values (the log-sum-exp).
 //!
 //! ## Checkpointing
 //!
@@ -174,6 +164,7 @@ mod bert;
 pub mod data;
 mod trainer;
 pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
+pub mod fused;
 mod gpt2;
 mod layers;
 mod llama;

@@ -1,0 +1,718 @@
+//! Layers as single graph nodes with their own backward: layer norm, RMS norm,
+//! biased linear maps, GELU and SwiGLU.
+//!
+//! Composed from candle ops, each of these keeps every intermediate result
+//! alive for backward, and its backward is a chain of small kernels, each
+//! followed by candle's `zeros + gradient` accumulation into the gradient
+//! store. As one custom op each, the graph keeps only the op's output (its
+//! inputs are kept anyway, by the ops that made them) and the backward is one
+//! pass over the saved inputs: norms recompute their row statistics, GELU and
+//! SwiGLU their derivative. Arithmetic is in f32 whatever the storage dtype
+//! (f32, bf16 or f16). On the CPU rows run in parallel; on CUDA (feature
+//! `cuda`) the kernels are `fused.cu`, compiled at run time with NVRTC.
+//!
+//! Every op works on the last dimension of a contiguous tensor of any rank, so
+//! no reshape node (and its backward's `zeros + gradient`) sits around it.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D,
+};
+use rayon::prelude::*;
+
+pub use super::layers::WeightLayout;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+
+/// Which GELU: the tanh approximation (GPT-2's `gelu_new`) or the exact erf form (BERT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GeluForm {
+    /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+    Tanh,
+    /// `0.5·x·(1 + erf(x/√2))`.
+    Erf,
+}
+
+/// Which normalisation a [`Norm`] op computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormKind {
+    /// `(x − mean)/√(var + eps)·w + b`.
+    Layer,
+    /// `x/√(mean(x²) + eps)·w`.
+    Rms,
+}
+
+/// `(x − mean(x))/√(var(x) + eps)·w + b` over the last dimension of `x`; `w`
+/// and `b` are `[h]` in `x`'s dtype. Keeps only its output for backward.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let op = Norm {
+        kind: NormKind::Layer,
+        eps: eps as f32,
+    };
+    x.contiguous()?
+        .apply_op3(&w.contiguous()?, &b.contiguous()?, op)
+}
+
+/// `x/√(mean(x²) + eps)·w` over the last dimension of `x`; `w` is `[h]` in
+/// `x`'s dtype. Keeps only its output for backward.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let op = Norm {
+        kind: NormKind::Rms,
+        eps: eps as f32,
+    };
+    x.contiguous()?.apply_op2(&w.contiguous()?, op)
+}
+
+/// `x·W + b` over the last dimension of `x` (`[.., in]` → `[.., out]`), with
+/// `W` stored as `layout` says and `b` `[out]`. One matrix product and the
+/// bias added in place: the graph keeps only the output.
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, layout: WeightLayout) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op3(w, &b.contiguous()?, Linear { layout })
+}
+
+/// GELU of `x` (any shape), keeping nothing but its input and output.
+pub fn gelu(x: &Tensor, form: GeluForm) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(Gelu(form))
+}
+
+/// `silu(gate)·up` (Llama's MLP), keeping nothing but its inputs and output.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.shape() != up.shape() {
+        candle_core::bail!(
+            "swiglu: gate {:?} and up {:?} differ",
+            gate.dims(),
+            up.dims()
+        );
+    }
+    gate.contiguous()?.apply_op2(&up.contiguous()?, Swiglu)
+}
+
+/// The contiguous elements of a CPU storage as a slice of `T`.
+fn cpu_slice<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused op: inputs must be contiguous".into()))?;
+    Ok(&T::cpu_storage_as_slice(s)?[a..b])
+}
+
+/// Calls the generic `$f::<T>($args)` for the element type of `$dtype`
+/// (f32, bf16 or f16); any other dtype is an error.
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::BF16 => $f::<half::bf16>($($arg),*),
+            DType::F16 => $f::<half::f16>($($arg),*),
+            other => candle_core::bail!("fused op: unsupported dtype {other:?}"),
+        }
+    };
+}
+
+/// Checks that a norm's `[h]` parameter matches `x`'s rows and dtype.
+fn check_param(x: &Layout, xd: DType, p: &Layout, pd: DType, what: &str) -> Result<usize> {
+    let h = x.shape().dims().last().copied().unwrap_or(1);
+    if p.shape().dims() != [h] || pd != xd {
+        candle_core::bail!(
+            "norm: {what} must be [{h}] {xd:?}, got {:?} {pd:?}",
+            p.shape().dims()
+        );
+    }
+    Ok(h)
+}
+
+#[inline]
+fn f(x: impl WithDType) -> f32 {
+    x.to_f64() as f32
+}
+
+/// A row's mean (0 for RMS norm) and `1/√(var + eps)` (RMS: of the mean square).
+fn row_stats<T: WithDType>(row: &[T], kind: NormKind, eps: f32) -> (f32, f32) {
+    let h = row.len().max(1) as f32;
+    let mean = match kind {
+        NormKind::Layer => row.iter().map(|&v| f(v)).sum::<f32>() / h,
+        NormKind::Rms => 0.0,
+    };
+    let var = row.iter().map(|&v| (f(v) - mean).powi(2)).sum::<f32>() / h;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// Forward: `x`, `w`, (layer norm) `b` → `y` in `x`'s dtype.
+#[derive(Debug, Clone, Copy)]
+struct Norm {
+    kind: NormKind,
+    eps: f32,
+}
+
+fn norm_cpu<T: WithDType>(
+    op: Norm,
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    b: Option<(&CpuStorage, &Layout)>,
+    h: usize,
+) -> Result<CpuStorage> {
+    let (x, w) = (cpu_slice::<T>(x.0, x.1)?, cpu_slice::<T>(w.0, w.1)?);
+    let b = b.map(|(s, l)| cpu_slice::<T>(s, l)).transpose()?;
+    let mut y = vec![T::zero(); x.len()];
+    y.par_chunks_mut(h.max(1))
+        .zip(x.par_chunks(h.max(1)))
+        .for_each(|(y, x)| {
+            let (mean, rstd) = row_stats(x, op.kind, op.eps);
+            for (j, (y, &v)) in y.iter_mut().zip(x).enumerate() {
+                let shift = b.map_or(0.0, |b| f(b[j]));
+                *y = T::from_f64(((f(v) - mean) * rstd * f(w[j]) + shift) as f64);
+            }
+        });
+    Ok(T::to_cpu_storage_owned(y))
+}
+
+impl Norm {
+    fn cpu(
+        &self,
+        x: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let h = check_param(x.1, x.0.dtype(), w.1, w.0.dtype(), "the scale")?;
+        if let Some((s, l)) = b {
+            check_param(x.1, x.0.dtype(), l, s.dtype(), "the shift")?;
+        }
+        let y = by_dtype!(x.0.dtype(), norm_cpu(*self, x, w, b, h))?;
+        Ok((y, x.1.shape().clone()))
+    }
+
+    /// Gradients of `x`, `w` and (layer norm) `b` from the output's gradient.
+    ///
+    /// With `x̂ = (x − mean)·rstd` and `g = dy·w`:
+    /// `dx = rstd·(g − mean(g) − x̂·mean(g·x̂))` (RMS: without `mean(g)`),
+    /// `dw = Σ_rows dy·x̂`, `db = Σ_rows dy`; sums in f32.
+    fn grads(&self, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (x, w, dy) = (x.detach(), w.detach(), dy.contiguous()?);
+        let dx = x.apply_op3_no_bwd(&w, &dy, &NormGrad(*self, NormGradPart::Input))?;
+        let rows = |t: Tensor| t.reshape(((), w.dim(0)?));
+        let scaled = x.apply_op3_no_bwd(&w, &dy, &NormGrad(*self, NormGradPart::Scale))?;
+        let dw = rows(scaled)?.sum(0)?.to_dtype(w.dtype())?;
+        let db = rows(dy.to_dtype(DType::F32)?)?
+            .sum(0)?
+            .to_dtype(w.dtype())?;
+        Ok((dx, dw, db))
+    }
+}
+
+impl CustomOp3 for Norm {
+    fn name(&self) -> &'static str {
+        "oomfix-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        check_param(l1, s1.dtype(), l2, s2.dtype(), "the scale")?;
+        check_param(l1, s1.dtype(), l3, s3.dtype(), "the shift")?;
+        cuda::norm(*self, (s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = self.grads(x, w, dy)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+impl CustomOp2 for Norm {
+    fn name(&self) -> &'static str {
+        "oomfix-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.cpu((s1, l1), (s2, l2), None)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        check_param(l1, s1.dtype(), l2, s2.dtype(), "the scale")?;
+        cuda::norm(*self, (s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.grads(x, w, dy)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// Which of a norm's backward results [`NormGrad`] computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NormGradPart {
+    /// `dx` in `x`'s dtype.
+    Input,
+    /// `dy·x̂` in f32, `x`'s shape (summed over rows into the scale's gradient).
+    Scale,
+}
+
+/// Backward of [`Norm`]: `x`, `w`, `dy` → one [`NormGradPart`].
+struct NormGrad(Norm, NormGradPart);
+
+fn norm_grad_cpu<T: WithDType>(
+    op: &NormGrad,
+    x: (&CpuStorage, &Layout),
+    w: (&CpuStorage, &Layout),
+    dy: (&CpuStorage, &Layout),
+) -> Result<CpuStorage> {
+    let NormGrad(Norm { kind, eps }, part) = *op;
+    let (x, w, dy) = (
+        cpu_slice::<T>(x.0, x.1)?,
+        cpu_slice::<T>(w.0, w.1)?,
+        cpu_slice::<T>(dy.0, dy.1)?,
+    );
+    let h = w.len().max(1);
+    let rows = x.par_chunks(h).zip(dy.par_chunks(h));
+    Ok(match part {
+        NormGradPart::Input => {
+            let mut dx = vec![T::zero(); x.len()];
+            dx.par_chunks_mut(h).zip(rows).for_each(|(dx, (x, dy))| {
+                let (mean, rstd) = row_stats(x, kind, eps);
+                let xhat = |j: usize| (f(x[j]) - mean) * rstd;
+                let g = |j: usize| f(dy[j]) * f(w[j]);
+                let mean_g = match kind {
+                    NormKind::Layer => (0..h).map(g).sum::<f32>() / h as f32,
+                    NormKind::Rms => 0.0,
+                };
+                let mean_gx = (0..h).map(|j| g(j) * xhat(j)).sum::<f32>() / h as f32;
+                for (j, dx) in dx.iter_mut().enumerate() {
+                    *dx = T::from_f64((rstd * (g(j) - mean_g - xhat(j) * mean_gx)) as f64);
+                }
+            });
+            T::to_cpu_storage_owned(dx)
+        }
+        NormGradPart::Scale => {
+            let mut out = vec![0f32; x.len()];
+            out.par_chunks_mut(h).zip(rows).for_each(|(out, (x, dy))| {
+                let (mean, rstd) = row_stats(x, kind, eps);
+                for ((o, &x), &dy) in out.iter_mut().zip(x).zip(dy) {
+                    *o = f(dy) * (f(x) - mean) * rstd;
+                }
+            });
+            CpuStorage::F32(out)
+        }
+    })
+}
+
+impl CustomOp3 for NormGrad {
+    fn name(&self) -> &'static str {
+        "oomfix-norm-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(
+            s1.dtype(),
+            norm_grad_cpu(self, (s1, l1), (s2, l2), (s3, l3))
+        )?;
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::norm_grad(self.0, self.1, (s1, l1), (s2, l2), (s3, l3))
+    }
+}
+
+/// `x·W + b`: one matrix product, then the bias added in place.
+struct Linear {
+    layout: WeightLayout,
+}
+
+impl Linear {
+    /// `(n, in, out)` of the product and the weight's layout as the `[in, out]`
+    /// right-hand side.
+    fn dims(&self, x: &Layout, w: &Layout) -> Result<(usize, usize, usize, Layout)> {
+        let d_in = x.shape().dims().last().copied().unwrap_or(1);
+        let (rhs, (k, out)) = match self.layout {
+            WeightLayout::InOut => (w.clone(), w.shape().dims2()?),
+            WeightLayout::OutIn => {
+                let t = w.transpose(0, 1)?;
+                let dims = t.shape().dims2()?;
+                (t, dims)
+            }
+        };
+        if k != d_in {
+            candle_core::bail!("linear: input has {d_in} features, the weight {k}");
+        }
+        Ok((x.shape().elem_count() / d_in.max(1), d_in, out, rhs))
+    }
+
+    /// The output's shape: `x`'s with the last dimension `out`.
+    fn out_shape(x: &Layout, out: usize) -> Shape {
+        let mut dims = x.shape().dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = out;
+        }
+        Shape::from(dims)
+    }
+}
+
+fn add_bias_cpu<T: WithDType>(y: CpuStorage, b: &[T]) -> Result<CpuStorage> {
+    let mut y = T::cpu_storage_as_slice(&y)?.to_vec();
+    y.par_chunks_mut(b.len().max(1)).for_each(|row| {
+        for (y, &b) in row.iter_mut().zip(b) {
+            *y = T::from_f64((f(*y) + f(b)) as f64);
+        }
+    });
+    Ok(T::to_cpu_storage_owned(y))
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "oomfix-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, d_in, out, rhs) = self.dims(l1, l2)?;
+        let lhs = Layout::contiguous_with_offset((n, d_in), l1.start_offset());
+        let y = s1.matmul(s2, (1, n, out, d_in), &lhs, &rhs)?;
+        if l3.shape().dims() != [out] {
+            candle_core::bail!("linear: the bias must be [{out}], got {:?}", l3.dims());
+        }
+        let b = s3;
+        let y = by_dtype!(s1.dtype(), add_bias_cpu(y, cpu_slice(b, l3)?))?;
+        Ok((y, Linear::out_shape(l1, out)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (n, d_in, out, rhs) = self.dims(l1, l2)?;
+        let lhs = Layout::contiguous_with_offset((n, d_in), l1.start_offset());
+        let mut y = s1.matmul(s2, (1, n, out, d_in), &lhs, &rhs)?;
+        if l3.shape().dims() != [out] {
+            candle_core::bail!("linear: the bias must be [{out}], got {:?}", l3.dims());
+        }
+        cuda::add_bias(&mut y, n, (s3, l3))?;
+        Ok((y, Linear::out_shape(l1, out)))
+    }
+
+    /// `dx = dy·Wᵀ`, `dW = xᵀ·dy` (`[out, in]` weights: `dyᵀ·x`), `db = Σ_rows dy`,
+    /// all from detached tensors so that no gradient carries a graph.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (x, w) = (x.detach(), w.detach());
+        let d_in = x.dim(D::Minus1)?;
+        let x2 = x.reshape(((), d_in))?;
+        let dy2 = dy.reshape(((), b.dim(0)?))?;
+        let (dx, dw) = match self.layout {
+            WeightLayout::InOut => (dy2.matmul(&w.t()?)?, x2.t()?.matmul(&dy2)?),
+            WeightLayout::OutIn => (dy2.matmul(&w)?, dy2.t()?.matmul(&x2)?),
+        };
+        let db = dy2.sum(0)?;
+        Ok((Some(dx.reshape(x.shape())?), Some(dw), Some(db)))
+    }
+}
+
+/// GELU: `x` → `gelu(x)`.
+struct Gelu(GeluForm);
+
+/// Backward of [`Gelu`]: `x`, `dy` → `dy·gelu'(x)`.
+struct GeluGrad(GeluForm);
+
+/// `gelu(x)` and `gelu'(x)`.
+fn gelu_and_slope(x: f32, form: GeluForm) -> (f32, f32) {
+    match form {
+        GeluForm::Tanh => {
+            const K: f32 = 0.797_884_6; // √(2/π)
+            const C: f32 = 0.044_715;
+            let t = (K * (x + C * x * x * x)).tanh();
+            let slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * K * (1.0 + 3.0 * C * x * x);
+            (0.5 * x * (1.0 + t), slope)
+        }
+        GeluForm::Erf => {
+            let cdf =
+                0.5 * (1.0 + candle_core::cpu::erf::erf_f32(x * std::f32::consts::FRAC_1_SQRT_2));
+            let pdf = (-0.5 * x * x).exp() * 0.398_942_3; // 1/√(2π)
+            (x * cdf, cdf + x * pdf)
+        }
+    }
+}
+
+fn gelu_cpu<T: WithDType>(x: &[T], dy: Option<&[T]>, form: GeluForm) -> CpuStorage {
+    let out: Vec<T> = match dy {
+        None => x
+            .par_iter()
+            .map(|&x| T::from_f64(gelu_and_slope(f(x), form).0 as f64))
+            .collect(),
+        Some(dy) => x
+            .par_iter()
+            .zip(dy)
+            .map(|(&x, &dy)| T::from_f64((f(dy) * gelu_and_slope(f(x), form).1) as f64))
+            .collect(),
+    };
+    T::to_cpu_storage_owned(out)
+}
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "oomfix-gelu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = by_dtype!(s.dtype(), gelu_slices(s, l, None, self.0))?;
+        Ok((y, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::gelu(self.0, (s, l), None)
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(
+            x.detach()
+                .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad(self.0))?,
+        ))
+    }
+}
+
+fn gelu_slices<T: WithDType>(
+    s: &CpuStorage,
+    l: &Layout,
+    dy: Option<(&CpuStorage, &Layout)>,
+    form: GeluForm,
+) -> Result<CpuStorage> {
+    let dy = dy.map(|(s, l)| cpu_slice::<T>(s, l)).transpose()?;
+    Ok(gelu_cpu(cpu_slice::<T>(s, l)?, dy, form))
+}
+
+impl CustomOp2 for GeluGrad {
+    fn name(&self) -> &'static str {
+        "oomfix-gelu-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dx = by_dtype!(s1.dtype(), gelu_slices(s1, l1, Some((s2, l2)), self.0))?;
+        Ok((dx, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::gelu(self.0, (s1, l1), Some((s2, l2)))
+    }
+}
+
+/// SwiGLU: `gate`, `up` → `silu(gate)·up`.
+struct Swiglu;
+
+/// Backward of [`Swiglu`]: `gate`, `up`, `dy` → `[2, ..]`: the gradients of
+/// `gate` and of `up`, stacked.
+struct SwigluGrad;
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn swiglu_cpu<T: WithDType>(
+    g: (&CpuStorage, &Layout),
+    u: (&CpuStorage, &Layout),
+    dy: Option<(&CpuStorage, &Layout)>,
+) -> Result<CpuStorage> {
+    let (g, u) = (cpu_slice::<T>(g.0, g.1)?, cpu_slice::<T>(u.0, u.1)?);
+    let values = g.par_iter().zip(u);
+    let out: Vec<T> = match dy {
+        None => values
+            .map(|(&g, &u)| T::from_f64((f(g) * sigmoid(f(g)) * f(u)) as f64))
+            .collect(),
+        Some((s, l)) => {
+            let dy = cpu_slice::<T>(s, l)?;
+            let (mut dg, du): (Vec<T>, Vec<T>) = values
+                .zip(dy)
+                .map(|((&g, &u), &dy)| {
+                    let (g, u, dy) = (f(g), f(u), f(dy));
+                    let sg = sigmoid(g);
+                    let dg = dy * u * sg * (1.0 + g * (1.0 - sg));
+                    (T::from_f64(dg as f64), T::from_f64((dy * g * sg) as f64))
+                })
+                .unzip();
+            dg.extend(du);
+            dg
+        }
+    };
+    Ok(T::to_cpu_storage_owned(out))
+}
+
+impl CustomOp2 for Swiglu {
+    fn name(&self) -> &'static str {
+        "oomfix-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = by_dtype!(s1.dtype(), swiglu_cpu((s1, l1), (s2, l2), None))?;
+        Ok((y, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::swiglu((s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = g
+            .detach()
+            .apply_op3_no_bwd(&u.detach(), &dy.contiguous()?, &SwigluGrad)?;
+        Ok((Some(both.get(0)?), Some(both.get(1)?)))
+    }
+}
+
+impl CustomOp3 for SwigluGrad {
+    fn name(&self) -> &'static str {
+        "oomfix-swiglu-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(s1.dtype(), swiglu_cpu((s1, l1), (s2, l2), Some((s3, l3))))?;
+        Ok((out, stacked(l1)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = cuda::swiglu((s1, l1), (s2, l2), Some((s3, l3)))?.0;
+        Ok((out, stacked(l1)))
+    }
+}
+
+/// `[2, ..]`: two tensors of `l`'s shape stacked.
+fn stacked(l: &Layout) -> Shape {
+    let mut dims = vec![2];
+    dims.extend_from_slice(l.shape().dims());
+    Shape::from(dims)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,314 @@
+//! The CUDA kernels of the fused ops (`fused.cu`): norms one thread block per
+//! row, elementwise ops grid-stride; compiled once per process with NVRTC and
+//! loaded through candle's CUDA device, which keeps one module per device.
+
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::cudarc::nvrtc::{self, CompileError, CompileOptions};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
+
+use super::{GeluForm, Norm, NormGradPart, NormKind};
+
+/// The kernel source (compiled after [`oomfix_strategies::CUDA_HALF_PRELUDE`]).
+const SOURCE: &str = include_str!("fused.cu");
+/// Name of the module in candle's per-device module cache.
+const MODULE: &str = "oomfix_fused";
+
+/// The PTX of [`SOURCE`], compiled on first use.
+fn ptx() -> Result<&'static str> {
+    static PTX: OnceLock<std::result::Result<String, CompileError>> = OnceLock::new();
+    let compiled = PTX.get_or_init(|| {
+        let options = CompileOptions {
+            name: Some("oomfix_fused.cu".into()),
+            ..Default::default()
+        };
+        nvrtc::compile_ptx_with_opts(
+            format!("{}{SOURCE}", oomfix_strategies::CUDA_HALF_PRELUDE),
+            options,
+        )
+        .map(|ptx| ptx.to_src())
+    });
+    compiled.as_deref().map_err(|e| e.clone()).w()
+}
+
+/// A storage's contiguous elements as a view of `T`.
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, T>> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused op: inputs must be contiguous".into()))?;
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// Calls the generic `$f::<T>(name, $args)` for the element type of `$dtype`,
+/// `name` being the kernels' dtype suffix.
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>("f32", $($arg),*),
+            DType::BF16 => $f::<half::bf16>("bf16", $($arg),*),
+            DType::F16 => $f::<half::f16>("f16", $($arg),*),
+            other => candle_core::bail!("fused op: unsupported dtype {other:?} on CUDA"),
+        }
+    };
+}
+
+/// One block per row, threads growing with the row length (a multiple of 32, ≤ 1024).
+fn rows_config(rows: usize, h: usize) -> Result<LaunchConfig> {
+    let rows = u32::try_from(rows)
+        .map_err(|_| candle_core::Error::Msg("norm: too many rows for one launch".into()))?;
+    Ok(LaunchConfig {
+        grid_dim: (rows, 1, 1),
+        block_dim: ((h.div_ceil(32) * 32).clamp(32, 1024) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// A grid-stride launch over `n` elements.
+fn elementwise_config(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 65_535 * 16) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// An uninitialised `n`-element output; every caller's kernel writes all of it.
+fn output<T: DeviceRepr>(
+    dev: &CudaDevice,
+    n: usize,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<T>> {
+    // SAFETY: each kernel below writes every element of its output before it is read.
+    unsafe { dev.alloc::<T>(n.max(1)) }
+}
+
+fn norm_typed<T: CudaDType + DeviceRepr>(
+    name: &str,
+    op: Norm,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    b: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let h = w.1.shape().elem_count();
+    let n = x.1.shape().elem_count();
+    let (xv, wv) = (view::<T>(x.0, x.1)?, view::<T>(w.0, w.1)?);
+    let bv = b.map(|(s, l)| view::<T>(s, l)).transpose()?;
+    let mut y = output::<T>(&dev, n)?;
+    if n > 0 {
+        let func = dev.get_or_load_custom_func(&format!("norm_{name}"), MODULE, ptx()?)?;
+        let (h64, eps, rms) = (h as u64, op.eps, i32::from(op.kind == NormKind::Rms));
+        let null = 0u64;
+        let mut launch = func.builder();
+        launch.arg(&xv).arg(&wv);
+        match &bv {
+            Some(bv) => launch.arg(bv),
+            None => launch.arg(&null),
+        };
+        launch.arg(&mut y).arg(&h64).arg(&eps).arg(&rms);
+        // SAFETY: arguments match `norm_*(x, w, b or null, y, h, eps, rms)`; x and y
+        // hold n elements, w and b h; one block per row of h.
+        unsafe { launch.launch(rows_config(n / h.max(1), h)?) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// Forward of a layer norm (`b` given) or RMS norm.
+pub(super) fn norm(
+    op: Norm,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    b: Option<(&CudaStorage, &Layout)>,
+) -> Result<(CudaStorage, Shape)> {
+    let y = by_dtype!(x.0.dtype(), norm_typed(op, x, w, b))?;
+    Ok((y, x.1.shape().clone()))
+}
+
+fn norm_grad_typed<T: CudaDType + DeviceRepr>(
+    name: &str,
+    op: Norm,
+    part: NormGradPart,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let h = w.1.shape().elem_count();
+    let n = x.1.shape().elem_count();
+    let (xv, wv, dyv) = (
+        view::<T>(x.0, x.1)?,
+        view::<T>(w.0, w.1)?,
+        view::<T>(dy.0, dy.1)?,
+    );
+    let (h64, eps, rms) = (h as u64, op.eps, i32::from(op.kind == NormKind::Rms));
+    let config = rows_config(n / h.max(1), h)?;
+    Ok(match part {
+        NormGradPart::Input => {
+            let mut dx = output::<T>(&dev, n)?;
+            if n > 0 {
+                let func =
+                    dev.get_or_load_custom_func(&format!("norm_dx_{name}"), MODULE, ptx()?)?;
+                let mut launch = func.builder();
+                launch
+                    .arg(&xv)
+                    .arg(&wv)
+                    .arg(&dyv)
+                    .arg(&mut dx)
+                    .arg(&h64)
+                    .arg(&eps)
+                    .arg(&rms);
+                // SAFETY: arguments match `norm_dx_*(x, w, dy, dx, h, eps, rms)`; x, dy
+                // and dx hold n elements, w h; one block per row.
+                unsafe { launch.launch(config) }.w()?;
+            }
+            CudaStorage::wrap_cuda_slice(dx, dev)
+        }
+        NormGradPart::Scale => {
+            let mut out = output::<f32>(&dev, n)?;
+            if n > 0 {
+                let func = dev.get_or_load_custom_func(
+                    &format!("norm_scale_grad_{name}"),
+                    MODULE,
+                    ptx()?,
+                )?;
+                let mut launch = func.builder();
+                launch
+                    .arg(&xv)
+                    .arg(&dyv)
+                    .arg(&mut out)
+                    .arg(&h64)
+                    .arg(&eps)
+                    .arg(&rms);
+                // SAFETY: arguments match `norm_scale_grad_*(x, dy, out, h, eps, rms)`;
+                // x, dy and out hold n elements; one block per row.
+                unsafe { launch.launch(config) }.w()?;
+            }
+            CudaStorage::wrap_cuda_slice(out, dev)
+        }
+    })
+}
+
+/// Backward of a norm: `dx` or the scale's per-element products.
+pub(super) fn norm_grad(
+    op: Norm,
+    part: NormGradPart,
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let out = by_dtype!(x.0.dtype(), norm_grad_typed(op, part, x, w, dy))?;
+    Ok((out, x.1.shape().clone()))
+}
+
+fn add_bias_typed<T: CudaDType + DeviceRepr>(
+    name: &str,
+    y: &mut CudaStorage,
+    rows: usize,
+    b: (&CudaStorage, &Layout),
+) -> Result<()> {
+    let dev = y.device().clone();
+    let cols = b.1.shape().elem_count();
+    let n = rows * cols;
+    let bv = view::<T>(b.0, b.1)?;
+    let func = dev.get_or_load_custom_func(&format!("add_bias_{name}"), MODULE, ptx()?)?;
+    let ys = y.as_cuda_slice_mut::<T>()?;
+    if n > 0 {
+        let (n64, cols64) = (n as u64, cols as u64);
+        let mut launch = func.builder();
+        launch.arg(ys).arg(&bv).arg(&n64).arg(&cols64);
+        // SAFETY: arguments match `add_bias_*(y, b, n, cols)`; y holds n = rows·cols
+        // elements (a fresh matrix product), b cols.
+        unsafe { launch.launch(elementwise_config(n)) }.w()?;
+    }
+    Ok(())
+}
+
+/// Adds the bias `b` (`[cols]`) to every row of the fresh `[rows, cols]` product `y`.
+pub(super) fn add_bias(y: &mut CudaStorage, rows: usize, b: (&CudaStorage, &Layout)) -> Result<()> {
+    by_dtype!(b.0.dtype(), add_bias_typed(y, rows, b))
+}
+
+fn gelu_typed<T: CudaDType + DeviceRepr>(
+    name: &str,
+    form: GeluForm,
+    x: (&CudaStorage, &Layout),
+    dy: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let n = x.1.shape().elem_count();
+    let xv = view::<T>(x.0, x.1)?;
+    let dyv = dy.map(|(s, l)| view::<T>(s, l)).transpose()?;
+    let mut out = output::<T>(&dev, n)?;
+    if n > 0 {
+        let kernel = if dyv.is_some() { "gelu_grad" } else { "gelu" };
+        let func = dev.get_or_load_custom_func(&format!("{kernel}_{name}"), MODULE, ptx()?)?;
+        let (n64, form) = (n as u64, i32::from(form == GeluForm::Erf));
+        let mut launch = func.builder();
+        launch.arg(&xv);
+        if let Some(dyv) = &dyv {
+            launch.arg(dyv);
+        }
+        launch.arg(&mut out).arg(&n64).arg(&form);
+        // SAFETY: arguments match `gelu_*(x, y, n, form)` or
+        // `gelu_grad_*(x, dy, dx, n, form)`; every tensor holds n elements.
+        unsafe { launch.launch(elementwise_config(n)) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// GELU (`dy` absent) or its backward `dy·gelu'(x)`.
+pub(super) fn gelu(
+    form: GeluForm,
+    x: (&CudaStorage, &Layout),
+    dy: Option<(&CudaStorage, &Layout)>,
+) -> Result<(CudaStorage, Shape)> {
+    let out = by_dtype!(x.0.dtype(), gelu_typed(form, x, dy))?;
+    Ok((out, x.1.shape().clone()))
+}
+
+fn swiglu_typed<T: CudaDType + DeviceRepr>(
+    name: &str,
+    g: (&CudaStorage, &Layout),
+    u: (&CudaStorage, &Layout),
+    dy: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
+    let dev = g.0.device().clone();
+    let n = g.1.shape().elem_count();
+    let (gv, uv) = (view::<T>(g.0, g.1)?, view::<T>(u.0, u.1)?);
+    let dyv = dy.map(|(s, l)| view::<T>(s, l)).transpose()?;
+    // The backward writes both gradients, stacked.
+    let mut out = output::<T>(&dev, if dyv.is_some() { 2 * n } else { n })?;
+    if n > 0 {
+        let kernel = if dyv.is_some() {
+            "swiglu_grad"
+        } else {
+            "swiglu"
+        };
+        let func = dev.get_or_load_custom_func(&format!("{kernel}_{name}"), MODULE, ptx()?)?;
+        let n64 = n as u64;
+        let mut launch = func.builder();
+        launch.arg(&gv).arg(&uv);
+        if let Some(dyv) = &dyv {
+            launch.arg(dyv);
+        }
+        launch.arg(&mut out).arg(&n64);
+        // SAFETY: arguments match `swiglu_*(g, u, y, n)` or
+        // `swiglu_grad_*(g, u, dy, out, n)`; inputs hold n elements, out n (2n).
+        unsafe { launch.launch(elementwise_config(n)) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// SwiGLU (`dy` absent) or its backward: the gate's and up's gradients stacked.
+pub(super) fn swiglu(
+    g: (&CudaStorage, &Layout),
+    u: (&CudaStorage, &Layout),
+    dy: Option<(&CudaStorage, &Layout)>,
+) -> Result<(CudaStorage, Shape)> {
+    let out = by_dtype!(g.0.dtype(), swiglu_typed(g, u, dy))?;
+    Ok((out, g.1.shape().clone()))
+}

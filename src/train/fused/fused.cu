@@ -1,0 +1,151 @@
+// Fused layer ops (fused.rs), compiled at run time with NVRTC (see cuda.rs).
+//
+// Norms: one thread block per row; each row's mean and variance are summed in
+// f32 (two passes over the row, as the CPU does) and reduced across the block
+// with warp shuffles and shared memory. Elementwise ops (bias, GELU, SwiGLU)
+// are grid-stride loops. Arithmetic is in f32 for every storage dtype.
+//
+// Bf16, F16, to_f32, from_f32 and the integer typedefs come from
+// oomfix-strategies' half.cuh, prepended when the source is compiled.
+
+// The sum of v over the block, the same value in every thread. blockDim.x is
+// a multiple of 32 and at most 1024.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    __syncthreads();  // a previous call may still be reading `partial`
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < warps ? partial[lane] : 0.0f;
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+// The row's mean (0 for RMS norm) and 1/sqrt(var + eps) (RMS: of the mean square).
+template <typename T>
+__device__ void row_stats(const T *row, u64 h, float eps, int rms, float &mean, float &rstd) {
+    mean = 0.0f;
+    if (!rms) {
+        float s = 0.0f;
+        for (u64 j = threadIdx.x; j < h; j += blockDim.x) s += to_f32(row[j]);
+        mean = block_sum(s) / (float)h;
+    }
+    float q = 0.0f;
+    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+        float d = to_f32(row[j]) - mean;
+        q += d * d;
+    }
+    rstd = rsqrtf(block_sum(q) / (float)h + eps);
+}
+
+// y = (x - mean) * rstd * w (+ b); b may be null.
+template <typename T>
+__device__ void norm(const T *x, const T *w, const T *b, T *y, u64 h, float eps, int rms) {
+    u64 base = (u64)blockIdx.x * h;
+    float mean, rstd;
+    row_stats(x + base, h, eps, rms, mean, rstd);
+    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+        float v = (to_f32(x[base + j]) - mean) * rstd * to_f32(w[j]);
+        if (b) v += to_f32(b[j]);
+        y[base + j] = from_f32<T>(v);
+    }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (RMS: no mean(g)).
+template <typename T>
+__device__ void norm_dx(const T *x, const T *w, const T *dy, T *dx, u64 h, float eps, int rms) {
+    u64 base = (u64)blockIdx.x * h;
+    float mean, rstd;
+    row_stats(x + base, h, eps, rms, mean, rstd);
+    float sg = 0.0f, sgx = 0.0f;
+    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+        float g = to_f32(dy[base + j]) * to_f32(w[j]);
+        sg += g;
+        sgx += g * (to_f32(x[base + j]) - mean) * rstd;
+    }
+    float mean_g = rms ? 0.0f : block_sum(sg) / (float)h;
+    float mean_gx = block_sum(sgx) / (float)h;
+    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+        float xhat = (to_f32(x[base + j]) - mean) * rstd;
+        float g = to_f32(dy[base + j]) * to_f32(w[j]);
+        dx[base + j] = from_f32<T>(rstd * (g - mean_g - xhat * mean_gx));
+    }
+}
+
+// out = dy * xhat in f32 (summed over rows afterwards into the scale's gradient).
+template <typename T>
+__device__ void norm_scale_grad(const T *x, const T *dy, float *out, u64 h, float eps, int rms) {
+    u64 base = (u64)blockIdx.x * h;
+    float mean, rstd;
+    row_stats(x + base, h, eps, rms, mean, rstd);
+    for (u64 j = threadIdx.x; j < h; j += blockDim.x)
+        out[base + j] = to_f32(dy[base + j]) * (to_f32(x[base + j]) - mean) * rstd;
+}
+
+#define GRID_STRIDE(i, n) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// gelu(x) and gelu'(x): tanh approximation (form 0) or erf (form 1).
+__device__ __forceinline__ void gelu_and_slope(float x, int form, float &y, float &slope) {
+    if (form == 0) {
+        const float k = 0.7978845608f, c = 0.044715f;
+        float t = tanhf(k * (x + c * x * x * x));
+        y = 0.5f * x * (1.0f + t);
+        slope = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * c * x * x);
+    } else {
+        float cdf = 0.5f * (1.0f + erff(x * 0.70710678118f));
+        y = x * cdf;
+        slope = cdf + x * expf(-0.5f * x * x) * 0.3989422804f;
+    }
+}
+
+#define KERNELS(NAME, T)                                                                         \
+    extern "C" __global__ void norm_##NAME(const T *x, const T *w, const T *b, T *y, u64 h,     \
+                                           float eps, int rms) {                                 \
+        norm<T>(x, w, b, y, h, eps, rms);                                                        \
+    }                                                                                            \
+    extern "C" __global__ void norm_dx_##NAME(const T *x, const T *w, const T *dy, T *dx, u64 h, \
+                                              float eps, int rms) {                              \
+        norm_dx<T>(x, w, dy, dx, h, eps, rms);                                                   \
+    }                                                                                            \
+    extern "C" __global__ void norm_scale_grad_##NAME(const T *x, const T *dy, float *out, u64 h, \
+                                                      float eps, int rms) {                      \
+        norm_scale_grad<T>(x, dy, out, h, eps, rms);                                             \
+    }                                                                                            \
+    extern "C" __global__ void add_bias_##NAME(T *y, const T *b, u64 n, u64 cols) {             \
+        GRID_STRIDE(i, n) y[i] = from_f32<T>(to_f32(y[i]) + to_f32(b[i % cols]));                \
+    }                                                                                            \
+    extern "C" __global__ void gelu_##NAME(const T *x, T *y, u64 n, int form) {                 \
+        GRID_STRIDE(i, n) {                                                                      \
+            float v, s;                                                                          \
+            gelu_and_slope(to_f32(x[i]), form, v, s);                                            \
+            y[i] = from_f32<T>(v);                                                               \
+        }                                                                                        \
+    }                                                                                            \
+    extern "C" __global__ void gelu_grad_##NAME(const T *x, const T *dy, T *dx, u64 n, int form) { \
+        GRID_STRIDE(i, n) {                                                                      \
+            float v, s;                                                                          \
+            gelu_and_slope(to_f32(x[i]), form, v, s);                                            \
+            dx[i] = from_f32<T>(to_f32(dy[i]) * s);                                              \
+        }                                                                                        \
+    }                                                                                            \
+    extern "C" __global__ void swiglu_##NAME(const T *g, const T *u, T *y, u64 n) {             \
+        GRID_STRIDE(i, n) {                                                                      \
+            float gv = to_f32(g[i]);                                                             \
+            y[i] = from_f32<T>(gv * sigmoid(gv) * to_f32(u[i]));                                 \
+        }                                                                                        \
+    }                                                                                            \
+    extern "C" __global__ void swiglu_grad_##NAME(const T *g, const T *u, const T *dy, T *out,  \
+                                                  u64 n) {                                       \
+        GRID_STRIDE(i, n) {                                                                      \
+            float gv = to_f32(g[i]), uv = to_f32(u[i]), d = to_f32(dy[i]), s = sigmoid(gv);      \
+            out[i] = from_f32<T>(d * uv * s * (1.0f + gv * (1.0f - s)));                         \
+            out[n + i] = from_f32<T>(d * gv * s);                                                \
+        }                                                                                        \
+    }
+
+KERNELS(f32, float)
+KERNELS(bf16, Bf16)
+KERNELS(f16, F16)

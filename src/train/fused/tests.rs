@@ -1,0 +1,223 @@
+//! Each fused op against the same expression composed from candle ops: the
+//! value and the gradient of every input, in f32 and in the 16-bit dtypes.
+
+use super::*;
+use candle_core::{Device, Var};
+
+/// Largest |a − b| relative to the largest |b| (both widened to f32).
+fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    let a = a.to_dtype(DType::F32).unwrap();
+    let b = b.to_dtype(DType::F32).unwrap();
+    assert_eq!(a.dims(), b.dims());
+    let scale = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let diff = (a - &b).unwrap().abs().unwrap().max_all().unwrap();
+    diff.to_scalar::<f32>().unwrap() / scale.max(1e-12)
+}
+
+fn randn(shape: &[usize], std: f32, offset: f32) -> Tensor {
+    (Tensor::randn(0f32, std, shape, &Device::Cpu).unwrap() + offset as f64).unwrap()
+}
+
+/// Runs `ours` and `reference` on the same inputs (cast to `dtype`), weights their
+/// outputs by one random tensor, and compares the outputs and every input's
+/// gradient. The reference runs in f32 on the f32 originals.
+fn check(
+    dtype: DType,
+    tol: f32,
+    inputs: &[Tensor],
+    ours: impl Fn(&[Tensor]) -> Tensor,
+    reference: impl Fn(&[Tensor]) -> Tensor,
+) {
+    let vars_ours: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap())
+        .collect();
+    // The reference sees the inputs after rounding to `dtype`, widened back to f32.
+    let vars_ref: Vec<Var> = vars_ours
+        .iter()
+        .map(|v| Var::from_tensor(&v.to_dtype(DType::F32).unwrap()).unwrap())
+        .collect();
+    let y = ours(
+        &vars_ours
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect::<Vec<_>>(),
+    );
+    let r = reference(
+        &vars_ref
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(y.dtype(), dtype);
+    let e = rel_diff(&y, &r);
+    assert!(e < tol, "{dtype:?} output: {e}");
+    let weights = Tensor::randn(0f32, 1.0, r.shape(), &Device::Cpu).unwrap();
+    let loss = |t: &Tensor| {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .mul(&weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap()
+    };
+    let (g, gr) = (loss(&y), loss(&r));
+    for (i, (v, vr)) in vars_ours.iter().zip(&vars_ref).enumerate() {
+        let e = rel_diff(g.get(v).unwrap(), gr.get(vr).unwrap());
+        assert!(e < tol, "{dtype:?} gradient of input {i}: {e}");
+    }
+}
+
+/// Tolerances: f32 to rounding; 16-bit to a few of their ulps (relative).
+const CASES: [(DType, f32); 3] = [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 4e-3)];
+
+fn composed_layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Tensor {
+    let centred = match b {
+        Some(_) => x
+            .broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap())
+            .unwrap(),
+        None => x.clone(),
+    };
+    let var = centred.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    let y = centred
+        .broadcast_div(&(var + eps).unwrap().sqrt().unwrap())
+        .unwrap()
+        .broadcast_mul(w)
+        .unwrap();
+    match b {
+        Some(b) => y.broadcast_add(b).unwrap(),
+        None => y,
+    }
+}
+
+#[test]
+fn layer_norm_matches_the_composed_expression() {
+    let inputs = [
+        randn(&[3, 5, 96], 2.0, 0.5),
+        randn(&[96], 1.0, 1.0),
+        randn(&[96], 1.0, 0.0),
+    ];
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &inputs,
+            |t| layer_norm(&t[0], &t[1], &t[2], 1e-5).unwrap(),
+            |t| composed_layer_norm(&t[0], &t[1], Some(&t[2]), 1e-5),
+        );
+    }
+}
+
+#[test]
+fn rms_norm_matches_the_composed_expression() {
+    let inputs = [randn(&[4, 7, 64], 1.5, 0.3), randn(&[64], 1.0, 1.0)];
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &inputs,
+            |t| rms_norm(&t[0], &t[1], 1e-6).unwrap(),
+            |t| composed_layer_norm(&t[0], &t[1], None, 1e-6),
+        );
+    }
+}
+
+#[test]
+fn linear_matches_matmul_plus_bias_in_both_weight_layouts() {
+    let x = randn(&[2, 5, 24], 1.0, 0.0);
+    let b = randn(&[40], 1.0, 0.0);
+    for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+        let w = match layout {
+            WeightLayout::InOut => randn(&[24, 40], 0.2, 0.0),
+            WeightLayout::OutIn => randn(&[40, 24], 0.2, 0.0),
+        };
+        for (dtype, tol) in CASES {
+            check(
+                dtype,
+                tol,
+                &[x.clone(), w.clone(), b.clone()],
+                |t| linear(&t[0], &t[1], &t[2], layout).unwrap(),
+                |t| {
+                    let w = match layout {
+                        WeightLayout::InOut => t[1].clone(),
+                        WeightLayout::OutIn => t[1].t().unwrap(),
+                    };
+                    t[0].broadcast_matmul(&w)
+                        .unwrap()
+                        .broadcast_add(&t[2])
+                        .unwrap()
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn gelu_matches_candles_tanh_and_erf_forms() {
+    let x = randn(&[3, 50, 33], 2.0, 0.0);
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            std::slice::from_ref(&x),
+            |t| gelu(&t[0], GeluForm::Tanh).unwrap(),
+            |t| t[0].gelu().unwrap(),
+        );
+        check(
+            dtype,
+            tol,
+            std::slice::from_ref(&x),
+            |t| gelu(&t[0], GeluForm::Erf).unwrap(),
+            |t| t[0].gelu_erf().unwrap(),
+        );
+    }
+}
+
+#[test]
+fn swiglu_matches_silu_times_up() {
+    let inputs = [randn(&[2, 9, 40], 2.0, 0.0), randn(&[2, 9, 40], 1.0, 0.0)];
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &inputs,
+            |t| swiglu(&t[0], &t[1]).unwrap(),
+            |t| t[0].silu().unwrap().mul(&t[1]).unwrap(),
+        );
+    }
+}
+
+#[test]
+fn mismatched_parameters_are_errors() {
+    let x = randn(&[2, 8], 1.0, 0.0);
+    assert!(layer_norm(&x, &randn(&[7], 1.0, 0.0), &randn(&[8], 1.0, 0.0), 1e-5).is_err());
+    assert!(rms_norm(
+        &x,
+        &randn(&[8], 1.0, 0.0).to_dtype(DType::BF16).unwrap(),
+        1e-5
+    )
+    .is_err());
+    assert!(linear(
+        &x,
+        &randn(&[7, 3], 1.0, 0.0),
+        &randn(&[3], 1.0, 0.0),
+        WeightLayout::InOut
+    )
+    .is_err());
+    assert!(linear(
+        &x,
+        &randn(&[8, 3], 1.0, 0.0),
+        &randn(&[4], 1.0, 0.0),
+        WeightLayout::InOut
+    )
+    .is_err());
+    assert!(swiglu(&x, &randn(&[2, 4], 1.0, 0.0)).is_err());
+}
