@@ -95,7 +95,8 @@ fn large_vocabulary_head_estimate_within_8_percent() {
     check_wide_vocabulary(
         "gpt2-wide-vocab",
         ModelConfig {
-            vocab: 16384,
+            // Not a multiple of the head's alignment: the padded path.
+            vocab: 16321,
             ..ModelConfig::gpt2(2, 32, 2)
         },
     );
@@ -107,7 +108,7 @@ fn large_vocabulary_bert_head_estimate_within_8_percent() {
         "bert-wide-vocab",
         ModelConfig {
             max_positions: 128,
-            ..ModelConfig::bert(2, 32, 2, 16384)
+            ..ModelConfig::bert(2, 32, 2, 16322)
         },
     );
 }

@@ -27,6 +27,7 @@
 //! is built.
 
 use crate::spec::{Family, ModelSpec};
+use crate::train::VOCAB_ALIGN;
 use oomfix_strategies::{Attention, Checkpointing, Plan, Precision};
 
 /// Activation bytes of one micro-batch on one device.
@@ -101,6 +102,9 @@ struct Dims {
     heads: u64,
     head_dim: u64,
     v: u64,
+    /// The vocabulary the head's products use, padded to a multiple of
+    /// [`VOCAB_ALIGN`].
+    p: u64,
     flash: bool,
 }
 
@@ -116,6 +120,7 @@ impl Dims {
             heads: c.heads as u64,
             head_dim: c.head_dim() as u64,
             v: c.vocab as u64,
+            p: c.vocab.next_multiple_of(VOCAB_ALIGN) as u64,
             flash: plan.attention == Attention::Flash,
         }
     }
@@ -245,9 +250,11 @@ fn stem(family: Family, d: &Dims) -> Values {
 }
 
 /// The head and the loss: final norm (BERT: the MLM transform's dense, GELU
-/// and norm), logits in the compute dtype (BERT: with the prediction bias
-/// added in place), and the fused cross-entropy's `[n]` f32 row losses and
-/// their masked/averaged copies (the op keeps nothing logits-sized of its own).
+/// and norm), the output embedding padded to `[P, h]` (when the vocabulary is
+/// not a multiple of [`VOCAB_ALIGN`]; BERT: and its bias), the padded logits
+/// `[n, P]` in the compute dtype (BERT: with the prediction bias added in
+/// place), and the fused cross-entropy's `[n]` f32 row losses and their
+/// masked/averaged copies (the op keeps nothing logits-sized of its own).
 fn head(family: Family, d: &Dims) -> Values {
     let norm = match family {
         Family::Gpt2 | Family::Generic | Family::Llama => d.norm(),
@@ -257,8 +264,9 @@ fn head(family: Family, d: &Dims) -> Values {
         }
         .add(d.norm()),
     };
+    let padded = if d.p == d.v { 0 } else { d.p * (d.h + 1) };
     norm.add(Values {
-        c: d.n * d.v,
+        c: d.n * d.p + padded,
         f32: 2 * d.n,
     })
 }
@@ -352,7 +360,7 @@ pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Pl
         return;
     }
     let d = Dims::new(spec, plan);
-    let (nh, nv, vh, ni, hi) = (d.n * d.h, d.n * d.v, d.v * d.h, d.n * d.i, d.h * d.i);
+    let (nh, nv, vh, ni, hi) = (d.n * d.h, d.n * d.p, d.p * d.h, d.n * d.i, d.h * d.i);
     let widened_grads = if c.family == Family::Bert { 2 } else { 1 };
     let loss = 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * vh;
     let block = 2 * ni + 4 * (nh + ni + hi) + 2 * hi;
@@ -397,7 +405,7 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
     let loss_transient =
-        (LOSS_BACKWARD_NV * d.n * d.v).max(d.n * d.v + HEAD_WEIGHT_BACKWARD_COPIES * d.v * d.h) * c;
+        (LOSS_BACKWARD_NV * d.n * d.p).max(d.n * d.p + HEAD_WEIGHT_BACKWARD_COPIES * d.p * d.h) * c;
     let attention_backward = if d.flash {
         flash_backward(&d)
     } else {

@@ -4,7 +4,7 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::{Attention, Checkpointing};
 
 use super::fused::{self, GeluForm};
-use super::layers::{split_heads, Attend, LayerNorm, Linear, WeightLayout};
+use super::layers::{lm_logits, split_heads, Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::measure::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -182,10 +182,10 @@ impl TrainableModel for Bert {
                 self.transform_norm.forward(&x)?.reshape((b * s, h))?
             };
             let logits = {
-                let _m = Scope::new(decoder, Op::Matmul);
-                fused::linear(&x, &self.word, &self.decoder_bias, WeightLayout::OutIn)?
+                let _m = Scope::module(decoder);
+                lm_logits(&x, &self.word, Some(&self.decoder_bias))?
             };
-            lm_loss(&logits, batch)
+            lm_loss(&logits, self.config.vocab, batch)
         };
         step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
     }

@@ -4,7 +4,7 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::{Attention, Checkpointing};
 
 use super::fused::{self, GeluForm};
-use super::layers::{Attend, LayerNorm, Linear, WeightLayout};
+use super::layers::{lm_logits, Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::measure::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -147,10 +147,10 @@ impl TrainableModel for Gpt2 {
                 self.ln_f.forward(x)?.reshape((b * s, h))?
             };
             let logits = {
-                let _m = Scope::new(lm_head, Op::Matmul);
-                x.matmul(&self.wte.t()?)?
+                let _m = Scope::module(lm_head);
+                lm_logits(&x, &self.wte, None)?
             };
-            lm_loss(&logits, batch)
+            lm_loss(&logits, self.config.vocab, batch)
         };
         step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
     }

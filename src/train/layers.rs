@@ -64,6 +64,37 @@ impl Linear {
     }
 }
 
+/// The vocabulary of the LM head's products is padded to a multiple of this
+/// many rows (zero rows, masked out of the loss): with an odd vocabulary
+/// (GPT-2's 50,257, BERT's 30,522 is only 2-aligned) each row of the logits
+/// starts at a misaligned address and cuBLAS falls back to slow kernels for
+/// the three products around them.
+pub const VOCAB_ALIGN: usize = 64;
+
+/// The LM head's logits `x·Wᵀ (+ b)`, `x` `[n, h]`, `W` `[V, h]`, `b` `[V]`,
+/// over a vocabulary padded with zero rows to `P`, the next multiple of
+/// [`VOCAB_ALIGN`]: `[n, P]`, whose first `V` columns are the logits (pass
+/// `V` to [`super::loss::cross_entropy_padded`]). When `V` is a multiple
+/// already, nothing is copied; otherwise the padded weight (and bias) is one
+/// more `[P, h]` (`[P]`) tensor.
+pub(crate) fn lm_logits(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let _op = Scope::op(Op::Matmul);
+    let (v, h) = w.dims2()?;
+    let p = v.next_multiple_of(VOCAB_ALIGN);
+    let pad = |t: &Tensor, shape: &[usize]| -> Result<Tensor> {
+        if p == v {
+            return Ok(t.clone());
+        }
+        let zeros = Tensor::zeros(shape, t.dtype(), t.device())?;
+        Tensor::cat(&[t, &zeros], 0)
+    };
+    let w = pad(w, &[p - v, h])?;
+    match b {
+        Some(b) => fused::linear(x, &w, &pad(b, &[p - v])?, WeightLayout::OutIn),
+        None => x.matmul(&w.t()?),
+    }
+}
+
 /// Layer normalisation with scale and bias, computed in f32 (as PyTorch autocast
 /// does) and returned in the input's dtype: one [`fused::layer_norm`] node.
 #[derive(Debug, Clone)]

@@ -5,7 +5,7 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::{Attention, Checkpointing};
 
 use super::fused;
-use super::layers::{split_heads, Attend, Linear, RmsNorm, Rope, WeightLayout};
+use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm, Rope, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::measure::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -192,9 +192,9 @@ impl TrainableModel for Llama {
             };
             let logits = {
                 let _m = Scope::new(lm_head, Op::Matmul);
-                x.matmul(&self.lm_head.t()?)?
+                lm_logits(&x, &self.lm_head, None)?
             };
-            lm_loss(&logits, batch)
+            lm_loss(&logits, self.config.vocab, batch)
         };
         step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
     }

@@ -32,8 +32,21 @@ mod cuda;
 /// (`[n, V]` in the logits' dtype) in backward; nothing logits-sized is kept.
 /// A target outside `0..V` is an error on the CPU and gives a NaN loss on CUDA.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+    cross_entropy_padded(logits, logits.dim(1)?, targets, mask)
+}
+
+/// [`cross_entropy`] over the first `classes` columns of `logits` (`[n, P]`,
+/// `P ≥ classes`); the other columns are padding (a vocabulary rounded up so
+/// that the matrix products around the logits are aligned) and get a zero
+/// gradient.
+pub fn cross_entropy_padded(
+    logits: &Tensor,
+    classes: usize,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
     let _op = crate::measure::tag::Scope::op(crate::measure::tag::Op::Loss);
-    let nll = row_nll(logits, targets)?;
+    let nll = row_nll(logits, classes, targets)?;
     match mask {
         None => nll.mean_all(),
         Some(mask) => {
@@ -46,9 +59,13 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>) -
     }
 }
 
-/// Per-row negative log-likelihood `[n]` (f32) of `logits` `[n, V]` at `targets` `[n]`.
-pub fn row_nll(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let (n, _) = logits.dims2()?;
+/// Per-row negative log-likelihood `[n]` (f32) of the first `classes` columns
+/// of `logits` `[n, P]` at `targets` `[n]`.
+pub fn row_nll(logits: &Tensor, classes: usize, targets: &Tensor) -> Result<Tensor> {
+    let (n, p) = logits.dims2()?;
+    if classes == 0 || classes > p {
+        candle_core::bail!("cross_entropy: {classes} classes in logits of {p} columns");
+    }
     if targets.dims() != [n] || targets.dtype() != DType::U32 {
         candle_core::bail!(
             "cross_entropy: targets must be [{n}] u32, got {:?} {:?}",
@@ -58,7 +75,7 @@ pub fn row_nll(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     }
     logits
         .contiguous()?
-        .apply_op2(&targets.contiguous()?, RowNll)
+        .apply_op2(&targets.contiguous()?, RowNll { classes })
 }
 
 /// Evaluates `$body` with `$x` bound to the contiguous slice of f32, bf16 or
@@ -89,12 +106,17 @@ macro_rules! with_cpu_logits {
     }};
 }
 
-/// Forward: `[n, V]` logits and `[n]` targets → `[n]` f32 losses.
-struct RowNll;
+/// Forward: `[n, P]` logits and `[n]` targets → `[n]` f32 losses over the
+/// first `classes` columns.
+struct RowNll {
+    classes: usize,
+}
 
 /// Backward: logits, targets and the losses' gradient `[n]` (f32) → the
-/// logits' gradient `[n, V]` in the logits' dtype.
-struct RowNllGrad;
+/// logits' gradient `[n, P]` in the logits' dtype (zero in the padding).
+struct RowNllGrad {
+    classes: usize,
+}
 
 impl CustomOp2 for RowNll {
     fn name(&self) -> &'static str {
@@ -108,9 +130,9 @@ impl CustomOp2 for RowNll {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, v) = l1.shape().dims2()?;
-        let targets = checked_targets(s2, l2, v)?;
-        let nll = with_cpu_logits!(s1, l1, x => nll_rows(x, v, targets));
+        let (n, p) = l1.shape().dims2()?;
+        let targets = checked_targets(s2, l2, self.classes)?;
+        let nll = with_cpu_logits!(s1, l1, x => nll_rows(x, p, self.classes, targets));
         Ok((CpuStorage::F32(nll), Shape::from(n)))
     }
 
@@ -122,7 +144,7 @@ impl CustomOp2 for RowNll {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::nll(s1, l1, s2, l2)
+        cuda::nll(s1, l1, s2, l2, self.classes)
     }
 
     fn bwd(
@@ -135,7 +157,13 @@ impl CustomOp2 for RowNll {
         // The gradient of a mean arrives broadcast (stride 0): make it a real [n] vector.
         let grad = grad.to_dtype(DType::F32)?.contiguous()?;
         Ok((
-            Some(logits.apply_op3_no_bwd(targets, &grad, &RowNllGrad)?),
+            Some(logits.apply_op3_no_bwd(
+                targets,
+                &grad,
+                &RowNllGrad {
+                    classes: self.classes,
+                },
+            )?),
             None,
         ))
     }
@@ -155,15 +183,15 @@ impl CustomOp3 for RowNllGrad {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, v) = l1.shape().dims2()?;
-        let targets = checked_targets(s2, l2, v)?;
+        let (n, p) = l1.shape().dims2()?;
+        let targets = checked_targets(s2, l2, self.classes)?;
         let grad = match (s3, l3.contiguous_offsets()) {
             (CpuStorage::F32(g), Some((a, b))) if b - a == n => &g[a..b],
             _ => candle_core::bail!(
                 "cross_entropy backward: the gradient must be a contiguous [{n}] f32 vector"
             ),
         };
-        let out = with_cpu_logits!(s1, l1, x => grad_rows(x, v, targets, grad));
+        let out = with_cpu_logits!(s1, l1, x => grad_rows(x, p, self.classes, targets, grad));
         Ok((out, l1.shape().clone()))
     }
 
@@ -177,7 +205,7 @@ impl CustomOp3 for RowNllGrad {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::grad(s1, l1, s2, l2, s3, l3)
+        cuda::grad(s1, l1, s2, l2, s3, l3, self.classes)
     }
 }
 
@@ -205,19 +233,28 @@ fn row_lse<T: WithDType>(row: &[T]) -> f32 {
     max + sum.ln()
 }
 
-fn nll_rows<T: WithDType>(x: &[T], v: usize, targets: &[u32]) -> Vec<f32> {
-    x.par_chunks(v.max(1))
+/// Losses of rows of `p` logits, the first `classes` of them real.
+fn nll_rows<T: WithDType>(x: &[T], p: usize, classes: usize, targets: &[u32]) -> Vec<f32> {
+    x.par_chunks(p.max(1))
         .zip(targets.par_iter())
-        .map(|(row, &t)| row_lse(row) - row[t as usize].to_f64() as f32)
+        .map(|(row, &t)| row_lse(&row[..classes]) - row[t as usize].to_f64() as f32)
         .collect()
 }
 
-fn grad_rows<T: WithDType>(x: &[T], v: usize, targets: &[u32], grad: &[f32]) -> CpuStorage {
+/// Gradients of rows of `p` logits, zero past the first `classes`.
+fn grad_rows<T: WithDType>(
+    x: &[T],
+    p: usize,
+    classes: usize,
+    targets: &[u32],
+    grad: &[f32],
+) -> CpuStorage {
     let mut out = vec![T::from_f64(0.0); x.len()];
-    out.par_chunks_mut(v.max(1))
-        .zip(x.par_chunks(v.max(1)))
+    out.par_chunks_mut(p.max(1))
+        .zip(x.par_chunks(p.max(1)))
         .zip(targets.par_iter().zip(grad.par_iter()))
         .for_each(|((o, row), (&t, &g))| {
+            let row = &row[..classes];
             let lse = row_lse(row);
             for (j, (o, &x)) in o.iter_mut().zip(row).enumerate() {
                 let p = (x.to_f64() as f32 - lse).exp();
@@ -306,6 +343,37 @@ mod tests {
         assert!((masked - expected).abs() < 1e-6);
         let none = Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap();
         assert!(cross_entropy(&logits, &targets, Some(&none)).is_err());
+    }
+
+    #[test]
+    fn padded_columns_are_ignored_and_get_no_gradient() {
+        let (n, classes, pitch) = (7, 11, 16);
+        let x = Tensor::randn(0f32, 2.0, (n, pitch), &Device::Cpu).unwrap();
+        let targets = Tensor::new(&[0u32, 10, 3, 5, 7, 9, 1], &Device::Cpu).unwrap();
+        let padded = Var::from_tensor(&x).unwrap();
+        let first =
+            Var::from_tensor(&x.narrow(1, 0, classes).unwrap().contiguous().unwrap()).unwrap();
+        let ours = cross_entropy_padded(padded.as_tensor(), classes, &targets, None).unwrap();
+        let reference = cross_entropy(first.as_tensor(), &targets, None).unwrap();
+        assert!(max_diff(&ours, &reference) < 1e-6);
+        let g = ours.backward().unwrap();
+        let g = g.get(&padded).unwrap();
+        let r = reference.backward().unwrap();
+        assert!(max_diff(&g.narrow(1, 0, classes).unwrap(), r.get(&first).unwrap()) < 1e-7);
+        let pad = g.narrow(1, classes, pitch - classes).unwrap();
+        assert_eq!(
+            pad.abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+        // A target in the padding is out of range.
+        let bad = Tensor::new(&[0u32, 11, 3, 5, 7, 9, 1], &Device::Cpu).unwrap();
+        assert!(cross_entropy_padded(&x, classes, &bad, None).is_err());
+        assert!(cross_entropy_padded(&x, pitch + 1, &targets, None).is_err());
     }
 
     #[test]

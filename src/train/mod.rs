@@ -167,6 +167,7 @@ pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
 pub mod fused;
 mod gpt2;
 mod layers;
+pub use layers::VOCAB_ALIGN;
 mod llama;
 pub mod loss;
 
@@ -605,13 +606,14 @@ pub(crate) fn step<B: Block>(
 
 /// The cross-entropy of `logits` (`[b·s, V]`) against the batch's targets, over
 /// the batch's `loss_mask` positions or all positions.
-pub(crate) fn lm_loss(logits: &Tensor, batch: &Batch) -> candle_core::Result<Tensor> {
+pub(crate) fn lm_loss(logits: &Tensor, vocab: usize, batch: &Batch) -> candle_core::Result<Tensor> {
     let _scope = Scope::new(Module::intern("loss"), Op::Loss);
     let mask = match &batch.loss_mask {
         Some(m) => Some(m.flatten_all()?.to_dtype(DType::F32)?),
         None => None,
     };
-    loss::cross_entropy(logits, &batch.targets.flatten_all()?, mask.as_ref())
+    let targets = batch.targets.flatten_all()?;
+    loss::cross_entropy_padded(logits, vocab, &targets, mask.as_ref())
 }
 
 /// `(b, s)` of `batch`, checked against the model's position limit.

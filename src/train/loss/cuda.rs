@@ -95,8 +95,9 @@ pub(super) fn nll(
     l1: &Layout,
     s2: &CudaStorage,
     l2: &Layout,
+    classes: usize,
 ) -> Result<(CudaStorage, Shape)> {
-    let (n, v) = l1.shape().dims2()?;
+    let (n, pitch) = l1.shape().dims2()?;
     let dev = s1.device().clone();
     let targets = targets_slice(s2, l2)?;
     // SAFETY: the kernel writes every one of the n elements before they are read.
@@ -104,12 +105,12 @@ pub(super) fn nll(
     if n > 0 {
         with_logits!(s1, range(l1, "logits")?, (x, T, name) => {
             let func = dev.get_or_load_custom_func(&format!("nll_{name}"), MODULE, ptx()?)?;
-            let v64 = v as u64;
+            let (v64, pitch64) = (classes as u64, pitch as u64);
             let mut launch = func.builder();
-            launch.arg(&x).arg(&targets).arg(&mut out).arg(&v64);
-            // SAFETY: arguments match `nll_*(logits, targets, out, v)`; logits hold n·v
-            // elements, targets and out n; one block per row.
-            unsafe { launch.launch(launch_config(n, v)?) }.w()?;
+            launch.arg(&x).arg(&targets).arg(&mut out).arg(&v64).arg(&pitch64);
+            // SAFETY: arguments match `nll_*(logits, targets, out, v, pitch)`; logits
+            // hold n·pitch elements (v ≤ pitch), targets and out n; one block per row.
+            unsafe { launch.launch(launch_config(n, classes)?) }.w()?;
         });
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
@@ -123,6 +124,7 @@ pub(super) fn grad(
     l2: &Layout,
     s3: &CudaStorage,
     l3: &Layout,
+    classes: usize,
 ) -> Result<(CudaStorage, Shape)> {
     let (n, v) = l1.shape().dims2()?;
     let dev = s1.device().clone();
@@ -136,11 +138,12 @@ pub(super) fn grad(
         let mut out = unsafe { dev.alloc::<T>(n * v) }?;
         if n * v > 0 {
             let func = dev.get_or_load_custom_func(&format!("nll_grad_{name}"), MODULE, ptx()?)?;
-            let v64 = v as u64;
+            let (classes64, v64) = (classes as u64, v as u64);
             let mut launch = func.builder();
-            launch.arg(&x).arg(&targets).arg(&grad).arg(&mut out).arg(&v64);
-            // SAFETY: arguments match `nll_grad_*(logits, targets, grad, out, v)`;
-            // logits and out hold n·v elements, targets and grad n; one block per row.
+            launch.arg(&x).arg(&targets).arg(&grad).arg(&mut out).arg(&classes64).arg(&v64);
+            // SAFETY: arguments match `nll_grad_*(logits, targets, grad, out, v, pitch)`;
+            // logits and out hold n·pitch elements (v ≤ pitch), targets and grad n;
+            // one block per row.
             unsafe { launch.launch(launch_config(n, v)?) }.w()?;
         }
         Ok((CudaStorage::wrap_cuda_slice(out, dev), l1.shape().clone()))

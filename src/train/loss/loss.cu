@@ -55,9 +55,10 @@ __device__ float block_lse(const T *row, u64 v) {
     return m == NEG_INF ? NEG_INF : m + logf(s);
 }
 
+// Rows are `pitch` apart; the first v columns are classes, the rest padding.
 template <typename T>
-__device__ void nll(const T *logits, const unsigned *targets, float *out, u64 v) {
-    const T *row = logits + (u64)blockIdx.x * v;
+__device__ void nll(const T *logits, const unsigned *targets, float *out, u64 v, u64 pitch) {
+    const T *row = logits + (u64)blockIdx.x * pitch;
     float lse = block_lse(row, v);
     if (threadIdx.x == 0) {
         unsigned t = targets[blockIdx.x];
@@ -66,25 +67,27 @@ __device__ void nll(const T *logits, const unsigned *targets, float *out, u64 v)
 }
 
 template <typename T>
-__device__ void nll_grad(const T *logits, const unsigned *targets, const float *grad, T *out, u64 v) {
-    u64 base = (u64)blockIdx.x * v;
+__device__ void nll_grad(const T *logits, const unsigned *targets, const float *grad, T *out, u64 v,
+                         u64 pitch) {
+    u64 base = (u64)blockIdx.x * pitch;
     const T *row = logits + base;
     float lse = block_lse(row, v);
     unsigned t = targets[blockIdx.x];
     float g = t < v ? grad[blockIdx.x] : __int_as_float(0x7fc00000);
-    for (u64 j = threadIdx.x; j < v; j += blockDim.x) {
-        float p = expf(to_f32(row[j]) - lse);
-        out[base + j] = from_f32<T>(g * (j == t ? p - 1.0f : p));
+    for (u64 j = threadIdx.x; j < pitch; j += blockDim.x) {
+        float p = j < v ? expf(to_f32(row[j]) - lse) : 0.0f;
+        out[base + j] = from_f32<T>(j < v ? g * (j == t ? p - 1.0f : p) : 0.0f);
     }
 }
 
 #define KERNELS(NAME, T)                                                                              \
-    extern "C" __global__ void nll_##NAME(const T *logits, const unsigned *targets, float *out, u64 v) { \
-        nll<T>(logits, targets, out, v);                                                              \
+    extern "C" __global__ void nll_##NAME(const T *logits, const unsigned *targets, float *out, u64 v, \
+                                          u64 pitch) {                                                \
+        nll<T>(logits, targets, out, v, pitch);                                                       \
     }                                                                                                 \
     extern "C" __global__ void nll_grad_##NAME(const T *logits, const unsigned *targets,              \
-                                               const float *grad, T *out, u64 v) {                    \
-        nll_grad<T>(logits, targets, grad, out, v);                                                   \
+                                               const float *grad, T *out, u64 v, u64 pitch) {         \
+        nll_grad<T>(logits, targets, grad, out, v, pitch);                                            \
     }
 
 KERNELS(f32, float)
