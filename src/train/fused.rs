@@ -411,7 +411,7 @@ impl Linear {
 }
 
 fn add_bias_cpu<T: WithDType>(y: CpuStorage, b: &[T]) -> Result<CpuStorage> {
-    let mut y = T::cpu_storage_as_slice(&y)?.to_vec();
+    let mut y = T::cpu_storage_data(y)?;
     y.par_chunks_mut(b.len().max(1)).for_each(|row| {
         for (y, &b) in row.iter_mut().zip(b) {
             *y = T::from_f64((f(*y) + f(b)) as f64);
@@ -440,8 +440,7 @@ impl CustomOp3 for Linear {
         if l3.shape().dims() != [out] {
             candle_core::bail!("linear: the bias must be [{out}], got {:?}", l3.dims());
         }
-        let b = s3;
-        let y = by_dtype!(s1.dtype(), add_bias_cpu(y, cpu_slice(b, l3)?))?;
+        let y = by_dtype!(s1.dtype(), add_bias_cpu(y, cpu_slice(s3, l3)?))?;
         Ok((y, Linear::out_shape(l1, out)))
     }
 

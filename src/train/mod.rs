@@ -134,13 +134,17 @@
 //! | Llama | `model.norm` | RMS of `[n,h]` | as above |
 //! | BERT | `transform.dense`, GELU (erf) | `[n,h]` ×2 | c |
 //! | BERT | `transform.LayerNorm` | LN of `[n,h]` | as above |
-//! | all | logits (matmul with the tied embedding or `lm_head`; BERT: + `cls.predictions.bias` in place) | `[n,V]` | c |
+//! | all, `V` not a multiple of 64 | the output embedding padded with zero rows (BERT: and its bias) | `[P,h]` | c |
+//! | all | logits (matmul with the tied embedding or `lm_head`; BERT: + `cls.predictions.bias` in place) | `[n,P]` | c |
 //! | all | nll ([`loss::cross_entropy`]: one fused op, nothing `[n,V]` of its own) | `[n]` | f32 |
 //! | with a `loss_mask` (always for BERT) | nll × mask | `[n]` | f32 |
 //! | all | sum, mean | scalar ×2 | f32 |
 //!
-//! The loss's backward writes the logits' gradient `[n,V]` c in one pass (it
-//! recomputes each row's log-sum-exp from the kept logits).
+//! `P` is `V` rounded up to a multiple of [`VOCAB_ALIGN`] (64): the padded
+//! columns are masked out of the loss, and the products around the logits run
+//! on aligned kernels. The loss's backward writes the logits' gradient `[n,P]`
+//! c in one pass (it recomputes each row's log-sum-exp from the kept logits;
+//! zero in the padding).
 //!
 //! Summed, per block (elements; the row max of each softmax included): GPT-2
 //! `14·n·h + 2·n·I + 5·b·H·s² + 2·b·H·s`; Llama `13·n·h + 7·n·KV·d + 3·n·I +
@@ -167,6 +171,8 @@ pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
 pub mod fused;
 mod gpt2;
 mod layers;
+#[cfg(feature = "cuda")]
+mod nvrtc;
 pub use layers::VOCAB_ALIGN;
 mod llama;
 pub mod loss;

@@ -2,17 +2,15 @@
 //! row, elementwise ops grid-stride; compiled once per process with NVRTC and
 //! loaded through candle's CUDA device, which keeps one module per device.
 
-use std::sync::OnceLock;
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
     CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use candle_core::cuda_backend::cudarc::nvrtc::{self, CompileError, CompileOptions};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
 
 use super::{GeluForm, Norm, NormGradPart, NormKind};
+use crate::train::nvrtc::{self, row_blocks, Ptx};
 
 /// The kernel source (compiled after [`oomfix_strategies::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("fused.cu");
@@ -21,19 +19,8 @@ const MODULE: &str = "oomfix_fused";
 
 /// The PTX of [`SOURCE`], compiled on first use.
 fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, CompileError>> = OnceLock::new();
-    let compiled = PTX.get_or_init(|| {
-        let options = CompileOptions {
-            name: Some("oomfix_fused.cu".into()),
-            ..Default::default()
-        };
-        nvrtc::compile_ptx_with_opts(
-            format!("{}{SOURCE}", oomfix_strategies::CUDA_HALF_PRELUDE),
-            options,
-        )
-        .map(|ptx| ptx.to_src())
-    });
-    compiled.as_deref().map_err(|e| e.clone()).w()
+    static PTX: Ptx = Ptx::new();
+    nvrtc::ptx(&PTX, SOURCE, "oomfix_fused.cu")
 }
 
 /// A storage's contiguous elements as a view of `T`.
@@ -55,17 +42,6 @@ macro_rules! by_dtype {
             other => candle_core::bail!("fused op: unsupported dtype {other:?} on CUDA"),
         }
     };
-}
-
-/// One block per row, threads growing with the row length (a multiple of 32, ≤ 1024).
-fn rows_config(rows: usize, h: usize) -> Result<LaunchConfig> {
-    let rows = u32::try_from(rows)
-        .map_err(|_| candle_core::Error::Msg("norm: too many rows for one launch".into()))?;
-    Ok(LaunchConfig {
-        grid_dim: (rows, 1, 1),
-        block_dim: ((h.div_ceil(32) * 32).clamp(32, 1024) as u32, 1, 1),
-        shared_mem_bytes: 0,
-    })
 }
 
 /// A grid-stride launch over `n` elements.
@@ -112,7 +88,7 @@ fn norm_typed<T: CudaDType + DeviceRepr>(
         launch.arg(&mut y).arg(&h64).arg(&eps).arg(&rms);
         // SAFETY: arguments match `norm_*(x, w, b or null, y, h, eps, rms)`; x and y
         // hold n elements, w and b h; one block per row of h.
-        unsafe { launch.launch(rows_config(n / h.max(1), h)?) }.w()?;
+        unsafe { launch.launch(row_blocks(n / h.max(1), h, "norm")?) }.w()?;
     }
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
@@ -145,7 +121,7 @@ fn norm_grad_typed<T: CudaDType + DeviceRepr>(
         view::<T>(dy.0, dy.1)?,
     );
     let (h64, eps, rms) = (h as u64, op.eps, i32::from(op.kind == NormKind::Rms));
-    let config = rows_config(n / h.max(1), h)?;
+    let config = row_blocks(n / h.max(1), h, "norm")?;
     Ok(match part {
         NormGradPart::Input => {
             let mut dx = output::<T>(&dev, n)?;

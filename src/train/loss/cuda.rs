@@ -2,13 +2,12 @@
 //! block per row, compiled once per process with NVRTC (`loss.cu`) and loaded
 //! through candle's CUDA device, which keeps one module per device.
 
-use std::sync::OnceLock;
-
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::cudarc::nvrtc::{self, CompileError, CompileOptions};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Shape};
+
+use crate::train::nvrtc::{self, row_blocks, Ptx};
 
 /// The kernel source (compiled after [`oomfix_strategies::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("loss.cu");
@@ -17,31 +16,8 @@ const MODULE: &str = "oomfix_cross_entropy";
 
 /// The PTX of [`SOURCE`], compiled on first use.
 fn ptx() -> Result<&'static str> {
-    static PTX: OnceLock<std::result::Result<String, CompileError>> = OnceLock::new();
-    let compiled = PTX.get_or_init(|| {
-        let options = CompileOptions {
-            name: Some("oomfix_loss.cu".into()),
-            ..Default::default()
-        };
-        nvrtc::compile_ptx_with_opts(
-            format!("{}{SOURCE}", oomfix_strategies::CUDA_HALF_PRELUDE),
-            options,
-        )
-        .map(|ptx| ptx.to_src())
-    });
-    compiled.as_deref().map_err(|e| e.clone()).w()
-}
-
-/// One block per row; threads per block grow with the row length (a multiple of 32, ≤ 1024).
-fn launch_config(rows: usize, v: usize) -> Result<LaunchConfig> {
-    let rows = u32::try_from(rows)
-        .map_err(|_| candle_core::Error::Msg("cross_entropy: too many rows".into()))?;
-    let threads = (v.div_ceil(32) * 32).clamp(32, 1024) as u32;
-    Ok(LaunchConfig {
-        grid_dim: (rows, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    })
+    static PTX: Ptx = Ptx::new();
+    nvrtc::ptx(&PTX, SOURCE, "oomfix_loss.cu")
 }
 
 /// The contiguous element range of a layout.
@@ -110,7 +86,7 @@ pub(super) fn nll(
             launch.arg(&x).arg(&targets).arg(&mut out).arg(&v64).arg(&pitch64);
             // SAFETY: arguments match `nll_*(logits, targets, out, v, pitch)`; logits
             // hold n·pitch elements (v ≤ pitch), targets and out n; one block per row.
-            unsafe { launch.launch(launch_config(n, classes)?) }.w()?;
+            unsafe { launch.launch(row_blocks(n, classes, "cross_entropy")?) }.w()?;
         });
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev), Shape::from(n)))
@@ -144,7 +120,7 @@ pub(super) fn grad(
             // SAFETY: arguments match `nll_grad_*(logits, targets, grad, out, v, pitch)`;
             // logits and out hold n·pitch elements (v ≤ pitch), targets and grad n;
             // one block per row.
-            unsafe { launch.launch(launch_config(n, v)?) }.w()?;
+            unsafe { launch.launch(row_blocks(n, classes, "cross_entropy")?) }.w()?;
         }
         Ok((CudaStorage::wrap_cuda_slice(out, dev), l1.shape().clone()))
     })
