@@ -191,7 +191,7 @@ impl TrainableModel for Llama {
                 self.norm.forward(x)?.reshape((b * s, h))?
             };
             let logits = {
-                let _m = Scope::new(lm_head, Op::Matmul);
+                let _m = Scope::module(lm_head);
                 lm_logits(&x, &self.lm_head, None)?
             };
             lm_loss(&logits, self.config.vocab, batch)
