@@ -13,6 +13,19 @@
 //!
 //! Every op works on the last dimension of a contiguous tensor of any rank, so
 //! no reshape node (and its backward's `zeros + gradient`) sits around it.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor, Var};
+//! use oomfix::train::fused::{gelu, layer_norm, GeluForm};
+//!
+//! let x = Var::randn(0f32, 1.0, (2, 3, 8), &Device::Cpu)?;
+//! let w = Tensor::ones(8, DType::F32, &Device::Cpu)?;
+//! let b = Tensor::zeros(8, DType::F32, &Device::Cpu)?;
+//! let y = gelu(&layer_norm(x.as_tensor(), &w, &b, 1e-5)?, GeluForm::Tanh)?;
+//! let grads = y.sum_all()?.backward()?;
+//! assert_eq!(grads.get(&x).unwrap().dims(), &[2, 3, 8]);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
