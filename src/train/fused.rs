@@ -413,13 +413,26 @@ impl Linear {
         Ok((x.shape().elem_count() / d_in.max(1), d_in, out, rhs))
     }
 
-    /// The output's shape: `x`'s with the last dimension `out`.
-    fn out_shape(x: &Layout, out: usize) -> Shape {
-        let mut dims = x.shape().dims().to_vec();
+    /// The matrix product `x·W` on either device, after checking the bias's
+    /// layout `b`: the `[n, out]` storage, `n`, and the output's shape (`x`'s
+    /// with the last dimension `out`).
+    fn product<S: BackendStorage>(
+        &self,
+        (x, xl): (&S, &Layout),
+        (w, wl): (&S, &Layout),
+        b: &Layout,
+    ) -> Result<(S, usize, Shape)> {
+        let (n, d_in, out, rhs) = self.dims(xl, wl)?;
+        if b.shape().dims() != [out] {
+            candle_core::bail!("linear: the bias must be [{out}], got {:?}", b.dims());
+        }
+        let lhs = Layout::contiguous_with_offset((n, d_in), xl.start_offset());
+        let y = x.matmul(w, (1, n, out, d_in), &lhs, &rhs)?;
+        let mut dims = xl.shape().dims().to_vec();
         if let Some(last) = dims.last_mut() {
             *last = out;
         }
-        Shape::from(dims)
+        Ok((y, n, Shape::from(dims)))
     }
 }
 
@@ -447,14 +460,9 @@ impl CustomOp3 for Linear {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (n, d_in, out, rhs) = self.dims(l1, l2)?;
-        let lhs = Layout::contiguous_with_offset((n, d_in), l1.start_offset());
-        let y = s1.matmul(s2, (1, n, out, d_in), &lhs, &rhs)?;
-        if l3.shape().dims() != [out] {
-            candle_core::bail!("linear: the bias must be [{out}], got {:?}", l3.dims());
-        }
+        let (y, _, shape) = self.product((s1, l1), (s2, l2), l3)?;
         let y = by_dtype!(s1.dtype(), add_bias_cpu(y, cpu_slice(s3, l3)?))?;
-        Ok((y, Linear::out_shape(l1, out)))
+        Ok((y, shape))
     }
 
     #[cfg(feature = "cuda")]
@@ -467,14 +475,9 @@ impl CustomOp3 for Linear {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (n, d_in, out, rhs) = self.dims(l1, l2)?;
-        let lhs = Layout::contiguous_with_offset((n, d_in), l1.start_offset());
-        let mut y = s1.matmul(s2, (1, n, out, d_in), &lhs, &rhs)?;
-        if l3.shape().dims() != [out] {
-            candle_core::bail!("linear: the bias must be [{out}], got {:?}", l3.dims());
-        }
+        let (mut y, n, shape) = self.product((s1, l1), (s2, l2), l3)?;
         cuda::add_bias(&mut y, n, (s3, l3))?;
-        Ok((y, Linear::out_shape(l1, out)))
+        Ok((y, shape))
     }
 
     /// `dx = dy·Wᵀ`, `dW = xᵀ·dy` (`[out, in]` weights: `dyᵀ·x`), `db = Σ_rows dy`,
