@@ -4,9 +4,10 @@
 //! candle keeps every op output on the path from a parameter to the loss until
 //! the loss is dropped. The counts below follow the op-by-op tables in
 //! [`crate::train`] (`n = b·s` tokens, `h` hidden, `I` MLP size, `H` heads,
-//! `kv = kv_heads·head_dim`, `V` vocabulary). Values are in the compute dtype
-//! `c` unless marked f32: norms and the loss run in f32, so under mixed
-//! precision they add cast copies.
+//! `kv = kv_heads·head_dim`, `V` vocabulary, `P` the vocabulary padded to a
+//! multiple of [`VOCAB_ALIGN`]). Values are in the compute dtype `c` unless
+//! marked f32: the fused norms compute in f32 inside the op and keep only
+//! their output in `c`; the loss's per-row values are f32.
 //!
 //! The backward does not hold all of this at once with all gradients. It
 //! crosses three moments that can each hold the step's peak (see
