@@ -353,8 +353,9 @@ pub fn mlp_backward_ni(family: Family) -> u64 {
 /// `xᵀ·grad` (`[n,h]`, `[n,V]` → `[h,V]`), made while the logits' gradient
 /// `[n,V]` (bf16) is alive (BERT's decoder, one fused op, makes both of its
 /// products in one step: two f32 copies of the gradient are alive at once);
-/// in a block it is the MLP's input projection's (`[n,h]`, `[n,I]`,
-/// `[h,I]`), beside the upstream `[n,I]` gradient.
+/// in a block it is an MLP projection's weight gradient (`[n,h]`, `[n,I]`,
+/// `[h,I]`), beside the `[n,I]` input gradient, with one more f32 `[n,I]`:
+/// the matrix kernel's packed copy of the transposed `[n,I]` operand.
 pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Plan) {
     let c = &spec.config;
     if plan.precision != Precision::Bf16 || c.family == Family::Generic {
@@ -364,7 +365,7 @@ pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Pl
     let (nh, nv, vh, ni, hi) = (d.n * d.h, d.n * d.p, d.p * d.h, d.n * d.i, d.h * d.i);
     let widened_grads = if c.family == Family::Bert { 2 } else { 1 };
     let loss = 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * vh;
-    let block = 2 * ni + 4 * (nh + ni + hi) + 2 * hi;
+    let block = 2 * ni + 4 * (nh + 2 * ni + hi) + 2 * hi;
     act.loss.transient = act.loss.transient.max(loss);
     act.blocks.transient = act.blocks.transient.max(block);
 }
