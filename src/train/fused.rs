@@ -59,6 +59,8 @@ enum NormKind {
 /// `(x − mean(x))/√(var(x) + eps)·w + b` over the last dimension of `x`; `w`
 /// and `b` are `[h]` in `x`'s dtype. Keeps only its output for backward.
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    check_param(x, w, "the scale")?;
+    check_param(x, b, "the shift")?;
     let op = Norm {
         kind: NormKind::Layer,
         eps: eps as f32,
@@ -70,6 +72,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
 /// `x/√(mean(x²) + eps)·w` over the last dimension of `x`; `w` is `[h]` in
 /// `x`'s dtype. Keeps only its output for backward.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    check_param(x, w, "the scale")?;
     let op = Norm {
         kind: NormKind::Rms,
         eps: eps as f32,
@@ -124,15 +127,17 @@ macro_rules! by_dtype {
 }
 
 /// Checks that a norm's `[h]` parameter matches `x`'s rows and dtype.
-fn check_param(x: &Layout, xd: DType, p: &Layout, pd: DType, what: &str) -> Result<usize> {
-    let h = x.shape().dims().last().copied().unwrap_or(1);
-    if p.shape().dims() != [h] || pd != xd {
+fn check_param(x: &Tensor, p: &Tensor, what: &str) -> Result<()> {
+    let h = x.dims().last().copied().unwrap_or(1);
+    if p.dims() != [h] || p.dtype() != x.dtype() {
         candle_core::bail!(
-            "norm: {what} must be [{h}] {xd:?}, got {:?} {pd:?}",
-            p.shape().dims()
+            "norm: {what} must be [{h}] {:?}, got {:?} {:?}",
+            x.dtype(),
+            p.dims(),
+            p.dtype()
         );
     }
-    Ok(h)
+    Ok(())
 }
 
 #[inline]
@@ -187,28 +192,32 @@ impl Norm {
         w: (&CpuStorage, &Layout),
         b: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
-        let h = check_param(x.1, x.0.dtype(), w.1, w.0.dtype(), "the scale")?;
-        if let Some((s, l)) = b {
-            check_param(x.1, x.0.dtype(), l, s.dtype(), "the shift")?;
-        }
+        let h = w.1.shape().elem_count();
         let y = by_dtype!(x.0.dtype(), norm_cpu(*self, x, w, b, h))?;
         Ok((y, x.1.shape().clone()))
     }
 
-    /// Gradients of `x`, `w` and (layer norm) `b` from the output's gradient.
+    /// Gradients of `x` and `w` from the output's gradient, and of `b` when
+    /// the norm has one (`shift`).
     ///
     /// With `x̂ = (x − mean)·rstd` and `g = dy·w`:
     /// `dx = rstd·(g − mean(g) − x̂·mean(g·x̂))` (RMS: without `mean(g)`),
     /// `dw = Σ_rows dy·x̂`, `db = Σ_rows dy`; sums in f32.
-    fn grads(&self, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn grads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+        shift: bool,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let (x, w, dy) = (x.detach(), w.detach(), dy.contiguous()?);
         let dx = x.apply_op3_no_bwd(&w, &dy, &NormGrad(*self, NormGradPart::Input))?;
         let rows = |t: Tensor| t.reshape(((), w.dim(0)?));
         let scaled = x.apply_op3_no_bwd(&w, &dy, &NormGrad(*self, NormGradPart::Scale))?;
         let dw = rows(scaled)?.sum(0)?.to_dtype(w.dtype())?;
-        let db = rows(dy.to_dtype(DType::F32)?)?
-            .sum(0)?
-            .to_dtype(w.dtype())?;
+        let db = shift
+            .then(|| rows(dy.to_dtype(DType::F32)?)?.sum(0)?.to_dtype(w.dtype()))
+            .transpose()?;
         Ok((dx, dw, db))
     }
 }
@@ -240,8 +249,6 @@ impl CustomOp3 for Norm {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        check_param(l1, s1.dtype(), l2, s2.dtype(), "the scale")?;
-        check_param(l1, s1.dtype(), l3, s3.dtype(), "the shift")?;
         cuda::norm(*self, (s1, l1), (s2, l2), Some((s3, l3)))
     }
 
@@ -253,8 +260,8 @@ impl CustomOp3 for Norm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.grads(x, w, dy)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let (dx, dw, db) = self.grads(x, w, dy, true)?;
+        Ok((Some(dx), Some(dw), db))
     }
 }
 
@@ -281,7 +288,6 @@ impl CustomOp2 for Norm {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        check_param(l1, s1.dtype(), l2, s2.dtype(), "the scale")?;
         cuda::norm(*self, (s1, l1), (s2, l2), None)
     }
 
@@ -292,7 +298,7 @@ impl CustomOp2 for Norm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.grads(x, w, dy)?;
+        let (dx, dw, _) = self.grads(x, w, dy, false)?;
         Ok((Some(dx), Some(dw)))
     }
 }
