@@ -725,7 +725,29 @@ fn fused_cases() -> Vec<FusedCase> {
             fused: |t| fused::swiglu(&t[0], &t[1]),
             composed: |t| t[0].silu()?.mul(&t[1]),
         },
+        FusedCase {
+            name: "RoPE, heads first",
+            shapes: |n| vec![vec![n / 256, 256, H]],
+            fused: |t| {
+                let tables = fused::RopeTables::new(t[0].dim(1)?, 64, 1e4, 1.0, t[0].device())?;
+                fused::rope(&t[0], H / 64, &tables)
+            },
+            composed: |t| composed_rope(&t[0]),
+        },
     ]
+}
+
+/// Llama's RoPE on `[b, s, H]` split into heads of 64, composed from candle
+/// ops (candle's `rope_slow` after moving the heads first).
+fn composed_rope(x: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, s, h) = x.dims3()?;
+    let angles: Vec<f32> = (0..s)
+        .flat_map(|p| (0..32).map(move |i| p as f32 * 1e4f32.powf(-(i as f32) / 32.0)))
+        .collect();
+    let angles = Tensor::from_vec(angles, (s, 32), x.device())?;
+    let x = x.reshape((b, s, h / 64, 64))?.transpose(1, 2)?.contiguous()?;
+    let table = |t: Tensor| t.to_dtype(x.dtype());
+    candle_nn::rotary_emb::rope_slow(&x, &table(angles.cos()?)?, &table(angles.sin()?)?)
 }
 
 /// `f`'s output and the gradients of all `inputs` (made variables) for the

@@ -16,7 +16,7 @@
 //! the embedding lookup, when every other gradient exists. Besides the forward's
 //! tensors, the backward leaves *stray gradients* in candle's gradient store:
 //! the gradient of an operand that is broadcast from a tensor off the parameter
-//! path (the causal mask, a detached row maximum, a RoPE table) is made, filled
+//! path (the causal mask, a detached row maximum) is made, filled
 //! and never consumed, so it lives until the store is dropped. A block's strays
 //! appear when its backward runs, so they are absent at the loss's moment.
 //!
@@ -158,37 +158,18 @@ fn attention_core(family: Family, d: &Dims) -> Values {
     }
 }
 
-/// The stray gradients one block's backward leaves in the gradient store, as
-/// `(made in the attention core's backward, made after it)`.
-///
-/// Attention core (composed only: flash attention builds no mask and no row
-/// maximum): the broadcast causal mask's and the broadcast detached row
-/// maximum's, score-sized (BERT: the maximum's only); each is `zeros + grad`
-/// of two tensors off the graph, so it holds nothing else.
-///
-/// After it, Llama's RoPE: the four broadcast tables' (q and k, cos and sin).
-/// A table multiplies a tensor on the parameter path, so its stray is
-/// `zeros + grad·x` with a graph of its own that keeps the zeros, the product
-/// and the upstream gradient: four tensors the size of `x` per table.
-fn block_strays(family: Family, d: &Dims) -> (Values, Values) {
+/// The stray gradients one block's backward leaves in the gradient store, all
+/// made in its attention core's backward (composed only: flash attention
+/// builds no mask and no row maximum): the broadcast causal mask's and the
+/// broadcast detached row maximum's, score-sized (BERT: the maximum's only).
+/// Fused ops (norms, RoPE) keep their constants out of the graph and leave
+/// none.
+fn block_strays(family: Family, d: &Dims) -> Values {
     let masked = u64::from(family != Family::Bert);
-    let attention = if d.flash {
-        0
-    } else {
-        (1 + masked) * d.scores()
-    };
-    let rope = if family == Family::Llama {
-        4 * (2 * d.n * d.h + 2 * d.n * d.kv)
-    } else {
-        0
-    };
-    (
-        Values {
-            c: attention,
-            f32: 0,
-        },
-        Values { c: rope, f32: 0 },
-    )
+    Values {
+        c: if d.flash { 0 } else { (1 + masked) * d.scores() },
+        f32: 0,
+    }
 }
 
 /// What one transformer block's forward keeps.
@@ -207,10 +188,11 @@ fn block(family: Family, d: &Dims) -> Values {
         .add(d.norm())
         .add(d.norm()),
         // rms; q [n,h]; k, v [n,kv]×2 (biases, if any, added in place); v
-        // copy; RoPE q ×4, k ×4; attention core; context; merged, o_proj,
-        // residual; rms; gate, up, SwiGLU [n,I]×3; down, residual.
+        // copy; RoPE q, k (fused, heads first); attention core; context;
+        // merged, o_proj, residual; rms; gate, up, SwiGLU [n,I]×3; down,
+        // residual.
         Family::Llama => Values {
-            c: 11 * n * h + 7 * n * kv + 3 * n * i,
+            c: 8 * n * h + 4 * n * kv + 3 * n * i,
             f32: 0,
         }
         .add(core)
@@ -239,8 +221,8 @@ fn stem(family: Family, d: &Dims) -> Values {
             f32: 0,
         },
         Family::Llama => Values {
-            c: d.n * d.h + mask + 4 * d.s * d.head_dim,
-            f32: 0,
+            c: d.n * d.h + mask,
+            f32: 4 * d.s * d.head_dim,
         },
         Family::Bert => Values {
             c: 2 * d.n * d.h + d.s * d.h,
@@ -274,29 +256,24 @@ fn head(family: Family, d: &Dims) -> Values {
 
 /// Logits-sized tensors in the compute dtype alive at once while the backward
 /// crosses the loss, on top of the logits the head keeps: the fused
-/// cross-entropy's gradient of the logits, the zeros candle's backward adds a
-/// tensor's first gradient to, and their sum (measured on the CPU with a
-/// 50,257-token head: 4.07 logits-sized tensors at the peak, the kept logits
-/// included).
-pub const LOSS_BACKWARD_NV: u64 = 3;
+/// cross-entropy's gradient of the logits, stored as it is (the vendored
+/// candle-core stores a first gradient without adding it to zeros).
+pub const LOSS_BACKWARD_NV: u64 = 1;
 
-/// `[n,h]` tensors the stray gradient of a checkpointed segment's surrogate
-/// `(y·grad_y).sum()` holds while the segment is differentiated: `grad_y` is
-/// off the graph and multiplies `y`, which is on it, so its gradient is
-/// `zeros + grad·y` with a graph of its own keeping the zeros, the product and
-/// the upstream gradient (the sum's broadcast ones, made into a tensor).
+/// `[n,h]` tensors a checkpointed segment's surrogate `(y·grad_y).sum()` adds
+/// while the segment is differentiated, besides `grad_y` and the product: the
+/// sum's broadcast ones made into a tensor, `grad_y`'s stray gradient
+/// (`grad_y` is off the graph but multiplies `y`, so candle makes its gradient
+/// and keeps it in the store), and `y`'s gradient (measured on the CPU).
 pub const SURROGATE_STRAY_NH: u64 = 4;
 
 /// Output-embedding-sized (`[V,h]`) tensors alive at once while the backward
 /// makes the LM head's weight gradient, in the compute dtype.
 ///
-/// candle differentiates `x · Wᵀ` in two steps, and each keeps what it made
-/// until the step ends. The matrix product's step makes `xᵀ·grad` `[h,V]`,
-/// which depends on `x` (on the parameter path) and so carries a graph, and
-/// adds it to a zero `[h,V]` tensor: the sum keeps both alive. The transpose's
-/// step then holds that sum (and its graph) while it adds its transpose to a
-/// zero `[V,h]` tensor: three plus two.
-pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 5;
+/// candle differentiates `x · Wᵀ` in two steps: the matrix product's makes
+/// `xᵀ·grad` `[h,V]` and stores it; the transpose's step holds it while it
+/// stores a contiguous copy of its transpose, `[V,h]`.
+pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 2;
 
 /// Token-embedding-sized tensors alive at the end of the embedding lookup's
 /// backward besides every parameter gradient.
@@ -322,9 +299,9 @@ pub fn embedding_backward_copies(spec: &ModelSpec, plan: &Plan) -> u64 {
 }
 
 /// Score-sized tensors alive at once while the backward crosses one composed
-/// attention (the softmax's quotient rule and exp terms; measured: 8 on top of
+/// attention (the softmax's quotient rule and exp terms; measured: 5 on top of
 /// what the block keeps).
-pub const ATTENTION_BACKWARD_SCORES: u64 = 8;
+pub const ATTENTION_BACKWARD_SCORES: u64 = 5;
 
 /// Bytes alive at once while the backward crosses one flash attention, on top
 /// of what the block keeps: the op's f32 copies of q, o and the output's
@@ -336,13 +313,12 @@ fn flash_backward(d: &Dims) -> u64 {
 
 /// `[n, I]`-sized tensors alive at once while the backward crosses one MLP,
 /// on top of what the block keeps. GELU (GPT-2, BERT): the activation's
-/// upstream gradient, the fused op's input gradient, and the zeros and sum
-/// that candle adds it to. SwiGLU (Llama): the upstream gradient, the stacked
-/// gate and up gradients (two), and the zeros and sums of both.
+/// upstream gradient and the fused op's input gradient. SwiGLU (Llama): the
+/// upstream gradient and the stacked gate and up gradients (two).
 pub fn mlp_backward_ni(family: Family) -> u64 {
     match family {
-        Family::Gpt2 | Family::Generic | Family::Bert => 4,
-        Family::Llama => 6,
+        Family::Gpt2 | Family::Generic | Family::Bert => 2,
+        Family::Llama => 3,
     }
 }
 
@@ -398,11 +374,7 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
     let block = block(cfg.family, &d).bytes(c);
-    let (attention_strays, rope_strays) = block_strays(cfg.family, &d);
-    let (attention_strays, strays) = (
-        attention_strays.bytes(c),
-        attention_strays.add(rope_strays).bytes(c),
-    );
+    let strays = block_strays(cfg.family, &d).bytes(c);
     let head = head(cfg.family, &d).bytes(c);
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
@@ -414,10 +386,9 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
         ATTENTION_BACKWARD_SCORES * d.scores() * c
     };
     // The backward crosses a block's MLP, then its attention core (which
-    // makes the core's strays), then RoPE (whose strays come after the
-    // core's working set is gone).
+    // makes the block's strays).
     let block_transient =
-        (attention_strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
+        (strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
     let embedding_transient = embedding_backward_copies(spec, plan) * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {

@@ -1,5 +1,5 @@
 //! Layers as single graph nodes with their own backward: layer norm, RMS norm,
-//! biased linear maps, GELU and SwiGLU.
+//! biased linear maps, GELU, SwiGLU and rotary position embedding.
 //!
 //! Composed from candle ops, each of these keeps every intermediate result
 //! alive for backward, and its backward is a chain of small kernels, each
@@ -103,6 +103,74 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         );
     }
     gate.contiguous()?.apply_op2(&up.contiguous()?, Swiglu)
+}
+
+/// Rotary position embedding of `x` (`[b, s, n·d]` or `[b, s, n, d]`,
+/// `n` = `heads`) with the heads moved first: `[b, n, s, d]`, contiguous, ready
+/// for attention. Element `i < d/2` of a head becomes `x_i·cos_i + x_{i+d/2}·sin_i`
+/// and element `i + d/2` becomes `x_{i+d/2}·cos_{i+d/2} + x_i·sin_{i+d/2}`, with
+/// `cos` and `sin` the `[s, d]` rows of `tables` (a [`RopeTables`]).
+///
+/// One graph node that keeps nothing (its backward is the transposed map of
+/// the output's gradient), instead of the composed form's half-swapped copy,
+/// two products, sum and head transpose, and the table gradients candle's
+/// backward computes for each broadcast product.
+pub fn rope(x: &Tensor, heads: usize, tables: &RopeTables) -> Result<Tensor> {
+    let (b, s) = (x.dim(0)?, x.dim(1)?);
+    let d = tables.cos.dim(1)?;
+    if x.elem_count() != b * s * heads * d || d % 2 != 0 || tables.cos.dim(0)? < s {
+        candle_core::bail!(
+            "rope: x {:?} is not [b, s, {heads}·{d}] for tables of {:?} positions (even d)",
+            x.dims(),
+            tables.cos.dims()
+        );
+    }
+    let op = Rope {
+        tables: tables.narrow(s)?,
+        dims: [b, s, heads, d],
+        back: false,
+    };
+    x.contiguous()?.apply_op1(op)
+}
+
+/// The `[positions, d]` f32 cosine and signed-sine tables of [`rope`].
+#[derive(Debug, Clone)]
+pub struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RopeTables {
+    /// Tables for positions `0..s` and heads of `head_dim` (even), with the
+    /// frequencies `theta^(-2i/head_dim)` of Llama's `rotate_half` form, every
+    /// entry multiplied by `scale` (an attention scale folded into the queries'
+    /// tables costs no tensor).
+    pub fn new(s: usize, head_dim: usize, theta: f64, scale: f64, device: &candle_core::Device) -> Result<Self> {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(s * head_dim);
+        let mut sin = Vec::with_capacity(s * head_dim);
+        for p in 0..s {
+            let angles: Vec<f64> = (0..half)
+                .map(|i| p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64))
+                .collect();
+            cos.extend(angles.iter().chain(&angles).map(|a| (a.cos() * scale) as f32));
+            // rotate_half(x) = [-x2, x1]: the first half's sines carry the minus sign.
+            sin.extend(angles.iter().map(|a| (-a.sin() * scale) as f32));
+            sin.extend(angles.iter().map(|a| (a.sin() * scale) as f32));
+        }
+        Ok(RopeTables {
+            cos: Tensor::from_vec(cos, (s, head_dim), device)?,
+            sin: Tensor::from_vec(sin, (s, head_dim), device)?,
+        })
+    }
+
+    /// The first `s` positions' rows.
+    fn narrow(&self, s: usize) -> Result<Self> {
+        Ok(RopeTables {
+            cos: self.cos.narrow(0, 0, s)?.contiguous()?,
+            sin: self.sin.narrow(0, 0, s)?.contiguous()?,
+        })
+    }
 }
 
 /// The contiguous elements of a CPU storage as a slice of `T`.
@@ -733,6 +801,112 @@ fn stacked(l: &Layout) -> Shape {
     let mut dims = vec![2];
     dims.extend_from_slice(l.shape().dims());
     Shape::from(dims)
+}
+
+/// [`rope`]'s map (`back`: its transpose, `[b, n, s, d]` → `[b, s, n, d]`).
+struct Rope {
+    tables: RopeTables,
+    /// `[b, s, n, d]`.
+    dims: [usize; 4],
+    back: bool,
+}
+
+fn rope_cpu<T: WithDType>(
+    x: &[T],
+    cos: &[f32],
+    sin: &[f32],
+    [_, s, n, d]: [usize; 4],
+    back: bool,
+) -> CpuStorage {
+    let half = d / 2;
+    let mut y = vec![T::zero(); x.len()];
+    // One output row (batch, head, position) per chunk, in the output's order.
+    y.par_chunks_mut(d.max(1)).enumerate().for_each(|(row, y)| {
+        let (bb, rest) = (row / (s * n), row % (s * n));
+        // The position and the input row's offset; output rows are [b, s, n]
+        // backward, [b, n, s] forward.
+        let (p, input) = if back {
+            let (p, hh) = (rest / n, rest % n);
+            (p, ((bb * n + hh) * s + p) * d)
+        } else {
+            let (hh, p) = (rest / s, rest % s);
+            (p, ((bb * s + p) * n + hh) * d)
+        };
+        let (x, c, sn) = (&x[input..input + d], &cos[p * d..], &sin[p * d..]);
+        for i in 0..half {
+            let (lo, hi) = (f(x[i]), f(x[i + half]));
+            let (s_lo, s_hi) = if back {
+                (sn[i + half], sn[i])
+            } else {
+                (sn[i], sn[i + half])
+            };
+            y[i] = T::from_f64((lo * c[i] + hi * s_lo) as f64);
+            y[i + half] = T::from_f64((hi * c[i + half] + lo * s_hi) as f64);
+        }
+    });
+    T::to_cpu_storage_owned(y)
+}
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "oomfix-rope"
+    }
+
+    fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (cos, sin) = (self.tables.cos.storage_and_layout(), self.tables.sin.storage_and_layout());
+        let (candle_core::Storage::Cpu(cs), candle_core::Storage::Cpu(ss)) = (&*cos.0, &*sin.0) else {
+            candle_core::bail!("rope: the tables are not on the CPU");
+        };
+        let (cos, sin) = (cpu_slice::<f32>(cs, cos.1)?, cpu_slice::<f32>(ss, sin.1)?);
+        let y = by_dtype!(
+            st.dtype(),
+            rope_slices(st, l, cos, sin, self.dims, self.back)
+        )?;
+        Ok((y, self.out_shape()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        st: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = cuda::rope((st, l), &self.tables.cos, &self.tables.sin, self.dims, self.back)?;
+        Ok((y, self.out_shape()))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let back = Rope {
+            tables: self.tables.clone(),
+            dims: self.dims,
+            back: true,
+        };
+        let dx = dy.contiguous()?.apply_op1_no_bwd(&back)?;
+        Ok(Some(dx.reshape(x.shape())?))
+    }
+}
+
+impl Rope {
+    /// `[b, n, s, d]` forward, `[b, s, n, d]` backward.
+    fn out_shape(&self) -> Shape {
+        let [b, s, n, d] = self.dims;
+        if self.back {
+            Shape::from((b, s, n, d))
+        } else {
+            Shape::from((b, n, s, d))
+        }
+    }
+}
+
+fn rope_slices<T: WithDType>(
+    st: &CpuStorage,
+    l: &Layout,
+    cos: &[f32],
+    sin: &[f32],
+    dims: [usize; 4],
+    back: bool,
+) -> Result<CpuStorage> {
+    Ok(rope_cpu(cpu_slice::<T>(st, l)?, cos, sin, dims, back))
 }
 
 #[cfg(test)]

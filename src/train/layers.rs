@@ -181,67 +181,6 @@ fn padding_mask(keep: &Tensor, dtype: DType) -> Result<Tensor> {
         .reshape((b, 1, 1, 1, s))
 }
 
-/// Rotary position embedding tables (Hugging Face's `rotate_half` convention).
-#[derive(Debug, Clone)]
-pub(crate) struct Rope {
-    cos: Tensor,
-    sin: Tensor,
-}
-
-impl Rope {
-    /// Tables for positions `0..s` and heads of `head_dim`, with frequencies
-    /// `theta^(-2i/head_dim)`, all multiplied by `scale` (the attention scale is
-    /// folded into the query's table, so scaling the queries costs no tensor).
-    pub(crate) fn new(
-        s: usize,
-        head_dim: usize,
-        theta: f64,
-        scale: f64,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(s * head_dim);
-        let mut sin = Vec::with_capacity(s * head_dim);
-        for p in 0..s {
-            let angles: Vec<f64> = (0..half)
-                .map(|i| p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64))
-                .collect();
-            cos.extend(
-                angles
-                    .iter()
-                    .chain(&angles)
-                    .map(|a| (a.cos() * scale) as f32),
-            );
-            // rotate_half(x) = [-x2, x1], so [x2, x1] * [-sin, sin] = rotate_half(x) * sin.
-            sin.extend(angles.iter().map(|a| (-a.sin() * scale) as f32));
-            sin.extend(angles.iter().map(|a| (a.sin() * scale) as f32));
-        }
-        let table = |v: Vec<f32>| Tensor::from_vec(v, (s, head_dim), device)?.to_dtype(dtype);
-        Ok(Rope {
-            cos: table(cos)?,
-            sin: table(sin)?,
-        })
-    }
-
-    /// `x`: `[b, n, s, d]` (any strides) → `x·cos + rotate_half(x)·sin`, contiguous.
-    /// Allocates the half-swapped copy, the two products and the sum: four tensors
-    /// the size of `x`.
-    pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
-        let _op = Scope::op(Op::Rope);
-        let d = x.dim(D::Minus1)?;
-        let swapped = Tensor::cat(
-            &[
-                x.narrow(D::Minus1, d / 2, d / 2)?,
-                x.narrow(D::Minus1, 0, d / 2)?,
-            ],
-            D::Minus1,
-        )?;
-        x.broadcast_mul(&self.cos)?
-            .add(&swapped.broadcast_mul(&self.sin)?)
-    }
-}
-
 /// `[b, s, n·d]` → `[b, n, s, d]` as a view (strided).
 pub(crate) fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, s, _) = x.dims3()?;
@@ -385,25 +324,6 @@ mod tests {
             .backward()
             .unwrap();
         assert!(max_diff(g1.get(&x).unwrap(), g2.get(&x).unwrap()) < 1e-5);
-    }
-
-    #[test]
-    fn rope_matches_rotate_half() {
-        let (s, d) = (5, 8);
-        let x = Tensor::randn(0f32, 1.0, (2, 3, s, d), &Device::Cpu).unwrap();
-        let rope = Rope::new(s, d, 10000.0, 0.5, DType::F32, &Device::Cpu).unwrap();
-        let ours = rope.apply(&x).unwrap();
-        // Reference: candle's rope_slow takes [b, h, s, d] and half-size tables.
-        let half: Vec<f32> = (0..s)
-            .flat_map(|p| {
-                (0..d / 2).map(move |i| p as f32 * 10000f32.powf(-2.0 * i as f32 / d as f32))
-            })
-            .collect();
-        let angles = Tensor::from_vec(half, (s, d / 2), &Device::Cpu).unwrap();
-        let reference =
-            candle_nn::rotary_emb::rope_slow(&x, &angles.cos().unwrap(), &angles.sin().unwrap())
-                .unwrap();
-        assert!(max_diff(&ours, &(reference * 0.5).unwrap()) < 1e-5);
     }
 
     #[test]

@@ -5,7 +5,8 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::{Attention, Checkpointing};
 
 use super::fused;
-use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm, Rope, WeightLayout};
+use super::fused::RopeTables;
+use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::measure::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -35,8 +36,8 @@ struct Block {
 struct Context {
     attend: Attend,
     /// Tables for the queries, scaled by `1/√d`.
-    rope_q: Rope,
-    rope_k: Rope,
+    rope_q: RopeTables,
+    rope_k: RopeTables,
 }
 
 impl Block {
@@ -76,12 +77,13 @@ impl Block {
         };
         let x = {
             let _m = Scope::module(attn);
-            let q = ctx
-                .rope_q
-                .apply(&split_heads(&self.q_proj.forward(&h)?, self.heads)?)?;
-            let k = ctx
-                .rope_k
-                .apply(&split_heads(&self.k_proj.forward(&h)?, self.kv_heads)?)?;
+            let (q, k) = {
+                let _op = Scope::op(Op::Rope);
+                (
+                    fused::rope(&self.q_proj.forward(&h)?, self.heads, &ctx.rope_q)?,
+                    fused::rope(&self.k_proj.forward(&h)?, self.kv_heads, &ctx.rope_k)?,
+                )
+            };
             let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
             // The queries' RoPE tables already carry the attention scale.
             let out = self.o_proj.forward(&ctx.attend.forward(&q, &k, &v, 1.0)?)?;
@@ -169,8 +171,8 @@ impl TrainableModel for Llama {
             let _m = Scope::new(rotary, Op::Rope);
             Context {
                 attend: Attend::causal(attention, s, dtype, device)?,
-                rope_q: Rope::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), dtype, device)?,
-                rope_k: Rope::new(s, d, ROPE_THETA, 1.0, dtype, device)?,
+                rope_q: RopeTables::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), device)?,
+                rope_k: RopeTables::new(s, d, ROPE_THETA, 1.0, device)?,
             }
         };
         let ctx = &ctx;

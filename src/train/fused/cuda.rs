@@ -7,7 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{
     CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::{GeluForm, Norm, NormGradPart, NormKind};
 use crate::train::nvrtc::{self, row_blocks, Ptx};
@@ -287,4 +287,54 @@ pub(super) fn swiglu(
 ) -> Result<(CudaStorage, Shape)> {
     let out = by_dtype!(g.0.dtype(), swiglu_typed(g, u, dy))?;
     Ok((out, g.1.shape().clone()))
+}
+
+fn rope_typed<T: CudaDType + DeviceRepr>(
+    name: &str,
+    x: (&CudaStorage, &Layout),
+    cos: &Tensor,
+    sin: &Tensor,
+    [b, s, n, d]: [usize; 4],
+    back: bool,
+) -> Result<CudaStorage> {
+    let dev = x.0.device().clone();
+    let len = x.1.shape().elem_count();
+    let xv = view::<T>(x.0, x.1)?;
+    let (cos, sin) = (cos.storage_and_layout(), sin.storage_and_layout());
+    let (Storage::Cuda(cs), Storage::Cuda(ss)) = (&*cos.0, &*sin.0) else {
+        candle_core::bail!("rope: the tables are not on the CUDA device");
+    };
+    let (cv, sv) = (view::<f32>(cs, cos.1)?, view::<f32>(ss, sin.1)?);
+    let mut y = output::<T>(&dev, len)?;
+    if len > 0 {
+        let func = dev.get_or_load_custom_func(&format!("rope_{name}"), MODULE, ptx()?)?;
+        let [b, s, n, d] = [b, s, n, d].map(|v| v as u64);
+        let back = i32::from(back);
+        let mut launch = func.builder();
+        launch
+            .arg(&xv)
+            .arg(&mut y)
+            .arg(&cv)
+            .arg(&sv)
+            .arg(&b)
+            .arg(&s)
+            .arg(&n)
+            .arg(&d)
+            .arg(&back);
+        // SAFETY: arguments match `rope_*(src, dst, cos, sin, b, s, n, d, back)`; src
+        // and dst hold b·s·n·d elements, cos and sin s·d.
+        unsafe { launch.launch(elementwise_config(len / 2)) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// [`super::rope`]'s map, or (`back`) its transpose, of `x`.
+pub(super) fn rope(
+    x: (&CudaStorage, &Layout),
+    cos: &Tensor,
+    sin: &Tensor,
+    dims: [usize; 4],
+    back: bool,
+) -> Result<CudaStorage> {
+    by_dtype!(x.0.dtype(), rope_typed(x, cos, sin, dims, back))
 }

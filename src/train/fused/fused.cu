@@ -101,6 +101,28 @@ __device__ __forceinline__ void gelu_and_slope(float x, int form, float &y, floa
     }
 }
 
+// Rotary position embedding with the heads moved first. One thread per pair
+// (i, i + d/2) of one row; a row is (batch bb, head hh, position p). Forward
+// (back = 0): x [b, s, n, d] -> y [b, n, s, d], y_i = x_i cos_i + x_{i+d/2} sin_i,
+// y_{i+d/2} = x_{i+d/2} cos_{i+d/2} + x_i sin_{i+d/2}. Backward (back = 1): the
+// transposed map, dy [b, n, s, d] -> dx [b, s, n, d]. cos, sin: [s, d] f32.
+template <typename T>
+__device__ void rope(const T *src, T *dst, const float *cos, const float *sin, u64 b, u64 s, u64 n,
+                     u64 d, int back) {
+    u64 half = d / 2;
+    GRID_STRIDE(t, b * n * s * half) {
+        u64 i = t % half, row = t / half;
+        u64 p = row % s, hh = (row / s) % n, bb = row / (s * n);
+        u64 heads_first = ((bb * n + hh) * s + p) * d, seq_first = ((bb * s + p) * n + hh) * d;
+        u64 in = back ? heads_first : seq_first, out = back ? seq_first : heads_first;
+        const float *c = cos + p * d, *sn = sin + p * d;
+        float lo = to_f32(src[in + i]), hi = to_f32(src[in + i + half]);
+        float s_lo = back ? sn[i + half] : sn[i], s_hi = back ? sn[i] : sn[i + half];
+        dst[out + i] = from_f32<T>(lo * c[i] + hi * s_lo);
+        dst[out + i + half] = from_f32<T>(hi * c[i + half] + lo * s_hi);
+    }
+}
+
 #define KERNELS(NAME, T)                                                                         \
     extern "C" __global__ void norm_##NAME(const T *x, const T *w, const T *b, T *y, u64 h,     \
                                            float eps, int rms) {                                 \
@@ -144,6 +166,11 @@ __device__ __forceinline__ void gelu_and_slope(float x, int form, float &y, floa
             out[i] = from_f32<T>(d * uv * s * (1.0f + gv * (1.0f - s)));                         \
             out[n + i] = from_f32<T>(d * gv * s);                                                \
         }                                                                                        \
+    }                                                                                            \
+    extern "C" __global__ void rope_##NAME(const T *src, T *dst, const float *cos,               \
+                                           const float *sin, u64 b, u64 s, u64 n, u64 d,         \
+                                           int back) {                                           \
+        rope<T>(src, dst, cos, sin, b, s, n, d, back);                                           \
     }
 
 KERNELS(f32, float)

@@ -196,6 +196,33 @@ fn swiglu_matches_silu_times_up() {
 }
 
 #[test]
+fn rope_matches_candles_rotate_half_with_heads_moved_first() {
+    let (b, s, n, d) = (2, 7, 3, 8);
+    let tables = RopeTables::new(s + 2, d, 10_000.0, 0.5, &Device::Cpu).unwrap();
+    // Reference: candle's rope_slow on [b, n, s, d] with half-width tables.
+    let angles: Vec<f32> = (0..s)
+        .flat_map(|p| (0..d / 2).map(move |i| p as f32 * 10_000f32.powf(-2.0 * i as f32 / d as f32)))
+        .collect();
+    let angles = Tensor::from_vec(angles, (s, d / 2), &Device::Cpu).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &[randn(&[b, s, n * d], 1.0, 0.0)],
+            |t| rope(&t[0], n, &tables).unwrap(),
+            |t| {
+                let heads_first = t[0].reshape((b, s, n, d)).unwrap().transpose(1, 2).unwrap();
+                let y = candle_nn::rotary_emb::rope_slow(&heads_first.contiguous().unwrap(), &cos, &sin);
+                (y.unwrap() * 0.5).unwrap()
+            },
+        );
+    }
+    assert!(rope(&randn(&[b, s, n * d + 1], 1.0, 0.0), n, &tables).is_err());
+    assert!(rope(&randn(&[b, s + 3, n * d], 1.0, 0.0), n, &tables).is_err());
+}
+
+#[test]
 fn mismatched_parameters_are_errors() {
     let x = randn(&[2, 8], 1.0, 0.0);
     assert!(layer_norm(&x, &randn(&[7], 1.0, 0.0), &randn(&[8], 1.0, 0.0), 1e-5).is_err());
