@@ -745,7 +745,10 @@ fn composed_rope(x: &Tensor) -> candle_core::Result<Tensor> {
         .flat_map(|p| (0..32).map(move |i| p as f32 * 1e4f32.powf(-(i as f32) / 32.0)))
         .collect();
     let angles = Tensor::from_vec(angles, (s, 32), x.device())?;
-    let x = x.reshape((b, s, h / 64, 64))?.transpose(1, 2)?.contiguous()?;
+    let x = x
+        .reshape((b, s, h / 64, 64))?
+        .transpose(1, 2)?
+        .contiguous()?;
     let table = |t: Tensor| t.to_dtype(x.dtype());
     candle_nn::rotary_emb::rope_slow(&x, &table(angles.cos()?)?, &table(angles.sin()?)?)
 }

@@ -167,7 +167,11 @@ fn attention_core(family: Family, d: &Dims) -> Values {
 fn block_strays(family: Family, d: &Dims) -> Values {
     let masked = u64::from(family != Family::Bert);
     Values {
-        c: if d.flash { 0 } else { (1 + masked) * d.scores() },
+        c: if d.flash {
+            0
+        } else {
+            (1 + masked) * d.scores()
+        },
         f32: 0,
     }
 }

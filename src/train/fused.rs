@@ -145,7 +145,13 @@ impl RopeTables {
     /// frequencies `theta^(-2i/head_dim)` of Llama's `rotate_half` form, every
     /// entry multiplied by `scale` (an attention scale folded into the queries'
     /// tables costs no tensor).
-    pub fn new(s: usize, head_dim: usize, theta: f64, scale: f64, device: &candle_core::Device) -> Result<Self> {
+    pub fn new(
+        s: usize,
+        head_dim: usize,
+        theta: f64,
+        scale: f64,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(s * head_dim);
         let mut sin = Vec::with_capacity(s * head_dim);
@@ -153,7 +159,12 @@ impl RopeTables {
             let angles: Vec<f64> = (0..half)
                 .map(|i| p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64))
                 .collect();
-            cos.extend(angles.iter().chain(&angles).map(|a| (a.cos() * scale) as f32));
+            cos.extend(
+                angles
+                    .iter()
+                    .chain(&angles)
+                    .map(|a| (a.cos() * scale) as f32),
+            );
             // rotate_half(x) = [-x2, x1]: the first half's sines carry the minus sign.
             sin.extend(angles.iter().map(|a| (-a.sin() * scale) as f32));
             sin.extend(angles.iter().map(|a| (a.sin() * scale) as f32));
@@ -853,8 +864,12 @@ impl CustomOp1 for Rope {
     }
 
     fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (cos, sin) = (self.tables.cos.storage_and_layout(), self.tables.sin.storage_and_layout());
-        let (candle_core::Storage::Cpu(cs), candle_core::Storage::Cpu(ss)) = (&*cos.0, &*sin.0) else {
+        let (cos, sin) = (
+            self.tables.cos.storage_and_layout(),
+            self.tables.sin.storage_and_layout(),
+        );
+        let (candle_core::Storage::Cpu(cs), candle_core::Storage::Cpu(ss)) = (&*cos.0, &*sin.0)
+        else {
             candle_core::bail!("rope: the tables are not on the CPU");
         };
         let (cos, sin) = (cpu_slice::<f32>(cs, cos.1)?, cpu_slice::<f32>(ss, sin.1)?);
@@ -871,7 +886,13 @@ impl CustomOp1 for Rope {
         st: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let y = cuda::rope((st, l), &self.tables.cos, &self.tables.sin, self.dims, self.back)?;
+        let y = cuda::rope(
+            (st, l),
+            &self.tables.cos,
+            &self.tables.sin,
+            self.dims,
+            self.back,
+        )?;
         Ok((y, self.out_shape()))
     }
 

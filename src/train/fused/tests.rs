@@ -201,7 +201,9 @@ fn rope_matches_candles_rotate_half_with_heads_moved_first() {
     let tables = RopeTables::new(s + 2, d, 10_000.0, 0.5, &Device::Cpu).unwrap();
     // Reference: candle's rope_slow on [b, n, s, d] with half-width tables.
     let angles: Vec<f32> = (0..s)
-        .flat_map(|p| (0..d / 2).map(move |i| p as f32 * 10_000f32.powf(-2.0 * i as f32 / d as f32)))
+        .flat_map(|p| {
+            (0..d / 2).map(move |i| p as f32 * 10_000f32.powf(-2.0 * i as f32 / d as f32))
+        })
         .collect();
     let angles = Tensor::from_vec(angles, (s, d / 2), &Device::Cpu).unwrap();
     let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
@@ -213,7 +215,11 @@ fn rope_matches_candles_rotate_half_with_heads_moved_first() {
             |t| rope(&t[0], n, &tables).unwrap(),
             |t| {
                 let heads_first = t[0].reshape((b, s, n, d)).unwrap().transpose(1, 2).unwrap();
-                let y = candle_nn::rotary_emb::rope_slow(&heads_first.contiguous().unwrap(), &cos, &sin);
+                let y = candle_nn::rotary_emb::rope_slow(
+                    &heads_first.contiguous().unwrap(),
+                    &cos,
+                    &sin,
+                );
                 (y.unwrap() * 0.5).unwrap()
             },
         );
