@@ -3,16 +3,15 @@
 //!
 //! Composed from candle ops, each of these keeps every intermediate result
 //! alive for backward, and its backward is a chain of small kernels, each
-//! followed by candle's `zeros + gradient` accumulation into the gradient
-//! store. As one custom op each, the graph keeps only the op's output (its
+//! storing its result in candle's gradient store. As one custom op each, the graph keeps only the op's output (its
 //! inputs are kept anyway, by the ops that made them) and the backward is one
 //! pass over the saved inputs: norms recompute their row statistics, GELU and
 //! SwiGLU their derivative. Arithmetic is in f32 whatever the storage dtype
 //! (f32, bf16 or f16). On the CPU rows run in parallel; on CUDA (feature
 //! `cuda`) the kernels are `fused.cu`, compiled at run time with NVRTC.
 //!
-//! Every op works on the last dimension of a contiguous tensor of any rank, so
-//! no reshape node (and its backward's `zeros + gradient`) sits around it.
+//! Every op but RoPE works on the last dimension of a contiguous tensor of any
+//! rank, so no reshape node sits around it.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor, Var};
@@ -109,7 +108,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// `n` = `heads`) with the heads moved first: `[b, n, s, d]`, contiguous, ready
 /// for attention. Element `i < d/2` of a head becomes `x_i·cos_i + x_{i+d/2}·sin_i`
 /// and element `i + d/2` becomes `x_{i+d/2}·cos_{i+d/2} + x_i·sin_{i+d/2}`, with
-/// `cos` and `sin` the `[s, d]` rows of `tables` (a [`RopeTables`]).
+/// `cos` and `sin` the first `s` rows of `tables` (a [`RopeTables`]).
 ///
 /// One graph node that keeps nothing (its backward is the transposed map of
 /// the output's gradient), instead of the composed form's half-swapped copy,
@@ -126,7 +125,7 @@ pub fn rope(x: &Tensor, heads: usize, tables: &RopeTables) -> Result<Tensor> {
         );
     }
     let op = Rope {
-        tables: tables.narrow(s)?,
+        tables: tables.clone(),
         dims: [b, s, heads, d],
         back: false,
     };
@@ -172,14 +171,6 @@ impl RopeTables {
         Ok(RopeTables {
             cos: Tensor::from_vec(cos, (s, head_dim), device)?,
             sin: Tensor::from_vec(sin, (s, head_dim), device)?,
-        })
-    }
-
-    /// The first `s` positions' rows.
-    fn narrow(&self, s: usize) -> Result<Self> {
-        Ok(RopeTables {
-            cos: self.cos.narrow(0, 0, s)?.contiguous()?,
-            sin: self.sin.narrow(0, 0, s)?.contiguous()?,
         })
     }
 }

@@ -52,12 +52,7 @@ impl Linear {
         }
         let (b, s, d_in) = x.dims3()?;
         let w = match self.layout {
-            // Used directly, a weight's gradient would stay in the gradient store
-            // as `zeros + grad`, with its op holding both operands until the store
-            // is dropped (two extra weight-sized tensors per matrix). Through a
-            // graph node of its own (a no-op double transpose, a view), the
-            // gradient is detached when that node is processed.
-            WeightLayout::InOut => self.weight.t()?.t()?,
+            WeightLayout::InOut => self.weight.clone(),
             WeightLayout::OutIn => self.weight.t()?,
         };
         x.reshape((b * s, d_in))?.matmul(&w)?.reshape((b, s, ()))

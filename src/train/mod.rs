@@ -12,8 +12,8 @@
 //! The models are written for training, not inference: no KV cache, no dropout
 //! (recomputation must be deterministic), and none of candle's fused fast paths
 //! (`softmax_last_dim`, `rms_norm`, `layer_norm`, `rope`, fused SDPA), which
-//! have no backward: norms, biased projections, GELU and SwiGLU are [`fused`]
-//! ops with their own backward, the rest is composed from candle ops. Conventions follow Hugging Face `transformers`: GPT-2 with
+//! have no backward: norms, biased projections, GELU, SwiGLU and RoPE are
+//! [`fused`] ops with their own backward, the rest is composed from candle ops. Conventions follow Hugging Face `transformers`: GPT-2 with
 //! `Conv1D` weights (`[in, out]`), tanh-approximate GELU, tied LM head; Llama with
 //! RMSNorm (ε = 1e-5), RoPE in the `rotate_half` form (θ = 10 000), SwiGLU and
 //! grouped-query attention; BERT post-LN with erf GELU and the masked-LM head
@@ -71,8 +71,8 @@
 //! | `q_proj` (+ bias in place with `qkv_bias`) | `[n,h]` | c |
 //! | `k_proj`, `v_proj` (+ bias each) | `[n,KV·d]` ×2 | c |
 //! | v contiguous copy | `[b,KV,s,d]` | c |
-//! | RoPE on q (attention scale folded in the tables): swapped halves, ×cos, ×sin, sum | `[b,H,s,d]` ×4 | c |
-//! | RoPE on k | `[b,KV,s,d]` ×4 | c |
+//! | RoPE on q (attention scale folded in the tables; fused, heads moved first) | `[b,H,s,d]` | c |
+//! | RoPE on k | `[b,KV,s,d]` | c |
 //! | scores (grouped: `[b,KV,(H/KV)·s,s]`) | `[b,H,s,s]` | c |
 //! | + causal mask | `[b,H,s,s]` | c |
 //! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
@@ -88,7 +88,7 @@
 //! Keys and values are never repeated for grouped-query attention: each group's
 //! queries are multiplied with the shared key/value head directly.
 //! Stem: `embed_tokens` rows `[n,h]` c. Once per forward: causal mask `[s,s]` c
-//! (composed attention only); RoPE tables `[s,d]` ×4 c (cos/sin, and both scaled
+//! (composed attention only); RoPE tables `[s,d]` ×4 f32 (cos/sin, and both scaled
 //! for the queries: flash attention is then called with scale 1).
 //!
 //! ## BERT (per block)
