@@ -124,6 +124,11 @@ struct Variant {
     dtype: DType,
 }
 
+/// Tuning experiment: `OOMFIX_FLASH_EXP` = `fwd_rg1` and/or `bwd_bq32` (bf16, d = 64).
+fn experiment(what: &str) -> bool {
+    std::env::var("OOMFIX_FLASH_EXP").is_ok_and(|v| v.split(',').any(|x| x == what))
+}
+
 impl Variant {
     fn of(dims: &Dims, dtype: DType, info: &DeviceInfo) -> candle_core::Result<Self> {
         if dims.d > MAX_HEAD_DIM {
@@ -140,10 +145,19 @@ impl Variant {
         })
     }
 
+    fn exp(&self, what: &str) -> bool {
+        self.mma && self.d == 64 && self.dtype == DType::BF16 && experiment(what)
+    }
+
     fn name(&self, kernel: &str) -> candle_core::Result<String> {
         let family = if self.mma { "mma" } else { "simt" };
+        let suffix = match kernel {
+            "fwd" if self.exp("fwd_rg1") => "_rg1",
+            "bwd" if self.exp("bwd_bq32") => "_bq32",
+            _ => "",
+        };
         Ok(format!(
-            "flash_{kernel}_{family}_{}_{}",
+            "flash_{kernel}_{family}_{}_{}{suffix}",
             dtype_name(self.dtype)?,
             self.d
         ))
@@ -158,26 +172,36 @@ impl Variant {
         }
     }
 
-    /// Rows of the inner tile of the backward kernels (tensor-core kernels
-    /// with d = 128 use 32 to stay in registers).
+    /// Query rows of a forward block: the tensor-core kernel with d = 64
+    /// gives each warp two groups of 16 rows.
+    fn fwd_rows(&self) -> usize {
+        if self.mma && self.d == 64 && !self.exp("fwd_rg1") {
+            2 * TILE
+        } else {
+            TILE
+        }
+    }
+
+    /// Query rows of the tiles the backward kernels stream (tensor-core
+    /// kernels with d = 128 use 32 to stay in registers).
     fn inner(&self) -> usize {
-        if self.mma && self.d == 128 {
+        if self.mma && (self.d == 128 || self.exp("bwd_bq32")) {
             32
         } else {
             TILE
         }
     }
 
-    /// Dynamic shared memory of `kernel` (`fwd`, `dkdv`, `dq`), as `flash.cu` lays it out.
+    /// Dynamic shared memory of `kernel` (`fwd`, `bwd`; SIMT: `dkdv`, `dq`), as `flash.cu` lays it out.
     fn smem(&self, kernel: &str) -> usize {
         let (d, t, inner) = (self.d, TILE, self.inner());
         if self.mma {
             // The tiles streamed through the loop are double-buffered.
             let row = (d + 8) * 2;
             match kernel {
-                "fwd" => t * row + 2 * 2 * t * row,
-                "dkdv" => 2 * t * row + 2 * (2 * inner * row + 2 * inner * 4),
-                _ => 2 * t * row + 2 * 2 * inner * row,
+                "fwd" => self.fwd_rows() * row + 2 * 2 * t * row,
+                // K, V; Q, dO (two each); dS transposed; lse and delta rows (two each).
+                _ => 2 * t * row + 2 * 2 * inner * row + t * (inner + 8) * 2 + 2 * 2 * inner * 4,
             }
         } else {
             let (row, prow) = ((d + 1) * 4, (t + 1) * 4);
@@ -335,7 +359,10 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             &[ql.start_offset(), kl.start_offset(), vl.start_offset()],
         );
         let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
-        let grid = ((dims.b * dims.heads) as u32, dims.s_q.div_ceil(TILE) as u32);
+        let grid = (
+            (dims.b * dims.heads) as u32,
+            dims.s_q.div_ceil(var.fwd_rows()) as u32,
+        );
         let (func, cfg) = var.launch(dev, info, "fwd", grid)?;
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&func);
@@ -450,38 +477,71 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             // SAFETY: o and grad_o hold `rows * d` elements, delta `rows`.
             unsafe { b.launch(cfg) }.w()?;
         }
-        // SAFETY: the kernels write every element of dq, dk and dv.
+        // SAFETY: the kernels write every element of dk and dv, and of dq
+        // (the SIMT kernel directly, the tensor-core path through `dq_acc`).
         let mut dq = unsafe { dev.alloc::<T>(rows * dims.d) }?;
         let mut dk = unsafe { dev.alloc::<T>(kv_len) }?;
         let mut dv = unsafe { dev.alloc::<T>(kv_len) }?;
-        if kv_len > 0 {
-            let grid = (
-                (dims.b * dims.kv_heads) as u32,
-                dims.s_k.div_ceil(TILE) as u32,
-            );
-            let (func, cfg) = var.launch(&dev, info, "dkdv", grid)?;
-            let stream = dev.cuda_stream();
-            let mut b = stream.launch_builder(&func);
-            b.arg(&qv)
-                .arg(&kv)
-                .arg(&vv)
-                .arg(&gv)
-                .arg(lse)
-                .arg(&delta)
-                .arg(&keep)
-                .arg(&mut dk)
-                .arg(&mut dv)
-                .arg(&p);
-            if var.mma {
-                b.arg(&vec);
+        let stream = dev.cuda_stream();
+        let kv_grid = (
+            (dims.b * dims.kv_heads) as u32,
+            dims.s_k.div_ceil(TILE) as u32,
+        );
+        if var.mma {
+            // One kernel for dK, dV and dQ; dQ summed over the key tiles in f32.
+            let mut dq_acc = dev.alloc_zeros::<f32>(rows * dims.d)?;
+            if kv_len > 0 {
+                let (func, cfg) = var.launch(&dev, info, "bwd", kv_grid)?;
+                let mut b = stream.launch_builder(&func);
+                b.arg(&qv)
+                    .arg(&kv)
+                    .arg(&vv)
+                    .arg(&gv)
+                    .arg(lse)
+                    .arg(&delta)
+                    .arg(&keep)
+                    .arg(&mut dk)
+                    .arg(&mut dv)
+                    .arg(&mut dq_acc)
+                    .arg(&p)
+                    .arg(&vec);
+                // SAFETY: the arguments match the kernel's signature and sizes in `p`.
+                unsafe { b.launch(cfg) }.w()?;
             }
-            // SAFETY: the arguments match the kernel's signature and sizes in `p`.
+            let func = dev.get_or_load_custom_func(
+                &format!("flash_dq_convert_{}", dtype_name(q.dtype())?),
+                MODULE,
+                ptx(info.arch)?,
+            )?;
+            let n = (rows * dims.d) as i64;
+            let cfg = LaunchConfig {
+                grid_dim: ((n as u64).div_ceil(256).min(65535 * 8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&func);
+            b.arg(&dq_acc).arg(&mut dq).arg(&n);
+            // SAFETY: dq_acc and dq hold `n` elements.
             unsafe { b.launch(cfg) }.w()?;
-        }
-        {
+        } else {
+            if kv_len > 0 {
+                let (func, cfg) = var.launch(&dev, info, "dkdv", kv_grid)?;
+                let mut b = stream.launch_builder(&func);
+                b.arg(&qv)
+                    .arg(&kv)
+                    .arg(&vv)
+                    .arg(&gv)
+                    .arg(lse)
+                    .arg(&delta)
+                    .arg(&keep)
+                    .arg(&mut dk)
+                    .arg(&mut dv)
+                    .arg(&p);
+                // SAFETY: the arguments match the kernel's signature and sizes in `p`.
+                unsafe { b.launch(cfg) }.w()?;
+            }
             let grid = ((dims.b * dims.heads) as u32, dims.s_q.div_ceil(TILE) as u32);
             let (func, cfg) = var.launch(&dev, info, "dq", grid)?;
-            let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&func);
             b.arg(&qv)
                 .arg(&kv)
@@ -492,9 +552,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
                 .arg(&keep)
                 .arg(&mut dq)
                 .arg(&p);
-            if var.mma {
-                b.arg(&vec);
-            }
             // SAFETY: as above.
             unsafe { b.launch(cfg) }.w()?;
         }

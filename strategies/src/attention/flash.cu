@@ -521,6 +521,26 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 r[4], const u16* p) {
 #endif
 }
 
+// Four 8x8 16-bit matrices: rows are given by lanes 0-7 (matrix 0), 8-15
+// (1), 16-23 (2), 24-31 (3); lane l receives row l / 4, columns 2(l % 4) and
+// 2(l % 4) + 1 of each.
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const u16* p) {
+#if __CUDA_ARCH__ >= 750
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+#else
+    __trap();
+#endif
+}
+
+// This lane's row address, relative to a 16 x 16 block of a tile with row
+// stride LD, for ldmatrix_x4_trans reading B fragments of a [k][n] tile:
+// b[0], b[1] of columns 0-7 and b[2], b[3] of columns 8-15.
+template <int LD> __device__ __forceinline__ int lm_trans_off(int lane) {
+    return ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+}
+
 __device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
 
 // 2^x with the hardware approximation (2 ulp; -inf gives 0).
@@ -583,6 +603,15 @@ __device__ __forceinline__ void load_a(u32 a[4], const u16* tile, int row0, int 
     a[3] = lds32(base + 8 * LD + 8);
 }
 
+// The A fragment of a 16 x 16 block from the two adjacent C tiles holding it.
+template <typename T>
+__device__ __forceinline__ void pack_a(u32 a[4], const float c0[4], const float c1[4]) {
+    a[0] = Mma<T>::pack(c0[0], c0[1]);
+    a[1] = Mma<T>::pack(c0[2], c0[3]);
+    a[2] = Mma<T>::pack(c1[0], c1[1]);
+    a[3] = Mma<T>::pack(c1[2], c1[3]);
+}
+
 // Stores a row-major fragment row (two values at columns col, col+1) of a [.., d] matrix.
 template <typename T>
 __device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, float x1) {
@@ -599,18 +628,21 @@ __device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, flo
     }
 }
 
-template <typename T, int D>
+// The forward of one tile of 64 * RG queries: warp w owns rows
+// 16 * RG * w .. 16 * RG * (w + 1) - 1 as RG groups of 16, which share every
+// key and value fragment loaded from shared memory.
+template <typename T, int D, int RG>
 __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p,
                         int vec) {
-    const int LD = D + MPAD, KS = D / 16, NO = D / 8;
+    constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, BM = MB * RG;
     extern __shared__ __align__(16) u16 hsmem[];
     u16* Qs = hsmem;
-    u16* Kb = Qs + MB * LD;      // two K tiles
+    u16* Kb = Qs + BM * LD;      // two K tiles
     u16* Vb = Kb + 2 * MB * LD;  // two V tiles
     const int bh = blockIdx.x;
-    const int tiles = (p.s_q + MB - 1) / MB;
-    const int i0 = (tiles - 1 - (int)blockIdx.y) * MB;
+    const int tiles = (p.s_q + BM - 1) / BM;
+    const int i0 = (tiles - 1 - (int)blockIdx.y) * BM;
     const int bb = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -619,9 +651,9 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const u8* keep_row = keep + (i64)bb * p.s_k;
     const float sl2 = p.scale * LOG2E;
 
-    const int last = min(i0 + MB, p.s_q) - 1;
+    const int last = min(i0 + BM, p.s_q) - 1;
     const int kend = key_end(p, last);
-    load_tile16<MB, D>(Qs, reinterpret_cast<const u16*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+    load_tile16<BM, D>(Qs, reinterpret_cast<const u16*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
     if (kend > 0) {
         load_tile16<MB, D>(Kb, kh, 0, p.s_k, p.d, vec);
         load_tile16<MB, D>(Vb, vh, 0, p.s_k, p.d, vec);
@@ -629,17 +661,27 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    u32 qa[KS][4];
+    u32 qa[RG][KS][4];
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) load_a<LD>(qa[kk], Qs, warp * 16, kk * 16, lane);
+    for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) load_a<LD>(qa[rg][kk], Qs, (warp * RG + rg) * 16, kk * 16, lane);
 
-    float acc[NO][4];
+    float acc[RG][NO][4];
+    float m[RG][2], l[RG][2];
 #pragma unroll
-    for (int n = 0; n < NO; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-    const int row_a = i0 + warp * 16 + g;  // this thread's two rows: row_a, row_a + 8
+    for (int rg = 0; rg < RG; ++rg) {
+#pragma unroll
+        for (int n = 0; n < NO; ++n) acc[rg][n][0] = acc[rg][n][1] = acc[rg][n][2] = acc[rg][n][3] = 0.f;
+        m[rg][0] = m[rg][1] = NEG_INF;
+        l[rg][0] = l[rg][1] = 0.f;
+    }
+    // This thread's rows: row_a + 16 * rg and row_a + 16 * rg + 8.
+    const int row_a = i0 + warp * 16 * RG + g;
     // Key tiles from `full_end` on may hide keys from some rows of the block.
     const int full_end = p.has_keep ? 0 : key_end(p, i0);
+    // ldmatrix row address of this lane in a 16-row, 16-column block.
+    const int lm_off = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
     for (int j0 = 0, it = 0; j0 < kend; j0 += MB, ++it) {
         // Fetch the next key tile while this one is used (the barrier at the
         // end of the last iteration freed its buffer).
@@ -652,98 +694,121 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        float s[8][4];
+        float s[RG][8][4];
 #pragma unroll
-        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+            for (int n = 0; n < 8; ++n) s[rg][n][0] = s[rg][n][1] = s[rg][n][2] = s[rg][n][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
 #pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                const u16* kb = Ks + (n * 8 + g) * LD + kk * 16 + 2 * t;
-                Mma<T>::run(s[n], qa[kk], lds32(kb), lds32(kb + 8));
+            for (int np = 0; np < 4; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, Ks + np * 16 * LD + kk * 16 + lm_off);
+#pragma unroll
+                for (int rg = 0; rg < RG; ++rg) {
+                    Mma<T>::run(s[rg][2 * np], qa[rg][kk], b[0], b[1]);
+                    Mma<T>::run(s[rg][2 * np + 1], qa[rg][kk], b[2], b[3]);
+                }
             }
         }
         const bool masked = j0 + MB > full_end;
-        float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+        for (int rg = 0; rg < RG; ++rg) {
+            float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[n][e] * sl2;
-                if (masked && !visible(p, keep_row, row_a + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1))) x = NEG_INF;
-                s[n][e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[rg][n][e] * sl2;
+                    if (masked && !visible(p, keep_row, row_a + rg * 16 + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1)))
+                        x = NEG_INF;
+                    s[rg][n][e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            float m_use[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m[rg][r], mx[r]);
+                m_use[r] = m_new == NEG_INF ? 0.f : m_new;
+                const float alpha = fast_exp2(m[rg][r] - m_use[r]);
+                m[rg][r] = m_new;
+                l[rg][r] *= alpha;
+#pragma unroll
+                for (int n = 0; n < NO; ++n) {
+                    acc[rg][n][2 * r] *= alpha;
+                    acc[rg][n][2 * r + 1] *= alpha;
+                }
             }
-        float m_use[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m[r], mx[r]);
-            m_use[r] = m_new == NEG_INF ? 0.f : m_new;
-            const float alpha = fast_exp2(m[r] - m_use[r]);
-            m[r] = m_new;
-            l[r] *= alpha;
+            for (int n = 0; n < 8; ++n)
 #pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                acc[n][2 * r] *= alpha;
-                acc[n][2 * r + 1] *= alpha;
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const float x = fast_exp2(s[rg][n][e] - m_use[e >> 1]);
+                    s[rg][n][e] = x;
+                    l[rg][e >> 1] += x;
+                }
         }
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float x = fast_exp2(s[n][e] - m_use[e >> 1]);
-                s[n][e] = x;
-                l[e >> 1] += x;
-            }
-#pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            u32 pa[4];
-            pa[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const u16* vb = Vs + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
+            u32 pa[RG][4];
+#pragma unroll
+            for (int rg = 0; rg < RG; ++rg) pack_a<T>(pa[rg], s[rg][2 * kk], s[rg][2 * kk + 1]);
+            const u16* vb = Vs + kk * 16 * LD + lm_trans_off<LD>(lane);
 #pragma unroll
             for (int n2 = 0; n2 < D / 16; ++n2) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, vb + n2 * 16);
-                Mma<T>::run(acc[2 * n2], pa, b[0], b[1]);
-                Mma<T>::run(acc[2 * n2 + 1], pa, b[2], b[3]);
+#pragma unroll
+                for (int rg = 0; rg < RG; ++rg) {
+                    Mma<T>::run(acc[rg][2 * n2], pa[rg], b[0], b[1]);
+                    Mma<T>::run(acc[rg][2 * n2 + 1], pa[rg], b[2], b[3]);
+                }
             }
         }
         __syncthreads();
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int i = row_a + r * 8;
-        if (i >= p.s_q) continue;
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        T* orow = o + ((i64)bh * p.s_q + i) * p.d;
+    for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
-        for (int n = 0; n < NO; ++n) store_pair<T>(orow, n * 8 + 2 * t, p.d, acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if (t == 0) lse[(i64)bh * p.s_q + i] = sum > 0.f ? (m[r] + log2f(sum)) * LN2 : NEG_INF;
-    }
+        for (int r = 0; r < 2; ++r) {
+            float sum = l[rg][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int i = row_a + rg * 16 + r * 8;
+            if (i >= p.s_q) continue;
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            T* orow = o + ((i64)bh * p.s_q + i) * p.d;
+#pragma unroll
+            for (int n = 0; n < NO; ++n)
+                store_pair<T>(orow, n * 8 + 2 * t, p.d, acc[rg][n][2 * r] * inv, acc[rg][n][2 * r + 1] * inv);
+            if (t == 0) lse[(i64)bh * p.s_q + i] = sum > 0.f ? (m[rg][r] + log2f(sum)) * LN2 : NEG_INF;
+        }
 }
 
-// dK, dV of one 64-key tile; the queries go by in tiles of BQ.
+// The backward of one 64-key tile (FlashAttention-2's scheme, five products
+// per tile pair): dK and dV summed over the query heads of the key head's
+// group, whose query tiles of BQ rows go by; for each, dS (transposed, 16-bit)
+// goes through shared memory to dQ = dS K, which the block adds to the f32
+// accumulator `dq_acc` [b, heads, s_q, d] with atomics.
 template <typename T, int D, int BQ>
-__device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                         const T* __restrict__ dout, const float* __restrict__ lse,
-                         const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
-                         T* __restrict__ dv, Params p, int vec) {
-    const int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8;
+__device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                        const T* __restrict__ dout, const float* __restrict__ lse,
+                        const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
+                        T* __restrict__ dv, float* __restrict__ dq_acc, Params p, int vec) {
+    constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD;
+    // dQ = dS K: the warps as QW groups of 16 queries times DW groups of columns.
+    constexpr int QW = BQ / 16, DW = 4 / QW, NT = NO / DW;
+    static_assert(QW * DW == 4 && NT % 2 == 0, "dQ warp layout");
     extern __shared__ __align__(16) u16 hsmem[];
     u16* Ks = hsmem;
     u16* Vs = Ks + MB * LD;
     u16* Qb = Vs + MB * LD;       // two Q tiles
     u16* Db = Qb + 2 * BQ * LD;   // two dO tiles
-    float* Lb = reinterpret_cast<float*>(Db + 2 * BQ * LD);  // two lse * log2(e) rows
+    u16* Ss = Db + 2 * BQ * LD;   // dS transposed: [key][query]
+    float* Lb = reinterpret_cast<float*>(Ss + MB * LDS);  // two lse * log2(e) rows
     float* Eb = Lb + 2 * BQ;      // two delta rows
     const int bkv = blockIdx.x;
     const int j0 = blockIdx.y * MB;
@@ -767,8 +832,9 @@ __device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const
     // next tiles are fetched while the current ones are used.
     const int nq = qstart < p.s_q ? (p.s_q - qstart + BQ - 1) / BQ : 0;
     const int total = group * nq;
+    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + it / nq; };
     auto fetch = [&](int it, int buf) {
-        const i64 bh = (i64)bb * p.heads + kvh * group + it / nq;
+        const i64 bh = head_of(it);
         const int i0 = qstart + (it % nq) * BQ;
         load_tile16<BQ, D>(Qb + buf * BQ * LD, reinterpret_cast<const u16*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
         load_tile16<BQ, D>(Db + buf * BQ * LD, reinterpret_cast<const u16*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d,
@@ -781,73 +847,110 @@ __device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const
     };
     if (total > 0) fetch(0, 0);
     cp_async_commit();
+    // ldmatrix row addresses of this lane in a 16 x 16 block.
+    const int lm_off = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
+    const int lt_off = lm_trans_off<LD>(lane);
+    const int ls_off = ((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 8;
+    const int qg = warp % QW, dg = warp / QW;
     for (int it = 0; it < total; ++it) {
-        {
-            const int i0 = qstart + (it % nq) * BQ;
-            const u16* Qs = Qb + (it & 1) * BQ * LD;
-            const u16* Ds = Db + (it & 1) * BQ * LD;
-            const float* Ls = Lb + (it & 1) * BQ;
-            const float* Es = Eb + (it & 1) * BQ;
-            if (it + 1 < total) fetch(it + 1, (it + 1) & 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-            __syncthreads();
-            float s[NQ][4], dp[NQ][4];
+        const int i0 = qstart + (it % nq) * BQ;
+        const u16* Qs = Qb + (it & 1) * BQ * LD;
+        const u16* Ds = Db + (it & 1) * BQ * LD;
+        const float* Ls = Lb + (it & 1) * BQ;
+        const float* Es = Eb + (it & 1) * BQ;
+        if (it + 1 < total) fetch(it + 1, (it + 1) & 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys.
+        float s[NQ][4], dp[NQ][4];
 #pragma unroll
-            for (int n = 0; n < NQ; ++n)
+        for (int n = 0; n < NQ; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                u32 ka[4], va[4];
-                load_a<LD>(ka, Ks, warp * 16, kk * 16, lane);
-                load_a<LD>(va, Vs, warp * 16, kk * 16, lane);
+        for (int kk = 0; kk < KS; ++kk) {
+            u32 ka[4], va[4];
+            load_a<LD>(ka, Ks, warp * 16, kk * 16, lane);
+            load_a<LD>(va, Vs, warp * 16, kk * 16, lane);
 #pragma unroll
-                for (int n = 0; n < NQ; ++n) {
-                    const u16* qb = Qs + (n * 8 + g) * LD + kk * 16 + 2 * t;
-                    const u16* db = Ds + (n * 8 + g) * LD + kk * 16 + 2 * t;
-                    Mma<T>::run(s[n], ka, lds32(qb), lds32(qb + 8));
-                    Mma<T>::run(dp[n], va, lds32(db), lds32(db + 8));
-                }
+            for (int np = 0; np < NQ / 2; ++np) {
+                u32 bq[4], bd[4];
+                ldmatrix_x4(bq, Qs + np * 16 * LD + kk * 16 + lm_off);
+                ldmatrix_x4(bd, Ds + np * 16 * LD + kk * 16 + lm_off);
+                Mma<T>::run(s[2 * np], ka, bq[0], bq[1]);
+                Mma<T>::run(s[2 * np + 1], ka, bq[2], bq[3]);
+                Mma<T>::run(dp[2 * np], va, bd[0], bd[1]);
+                Mma<T>::run(dp[2 * np + 1], va, bd[2], bd[3]);
             }
-            const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
-#pragma unroll
-            for (int n = 0; n < NQ; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qi = n * 8 + 2 * t + (e & 1);
-                    const float ls = Ls[qi];
-                    float pe = 0.f;
-                    if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
-                        pe = fast_exp2(s[n][e] * sl2 - ls);
-                    s[n][e] = pe;
-                    dp[n][e] = pe * (dp[n][e] - Es[qi]);
-                }
-#pragma unroll
-            for (int kk = 0; kk < BQ / 16; ++kk) {
-                u32 pa[4], sa[4];
-                pa[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
-                pa[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
-                pa[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pa[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                sa[0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
-                sa[1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
-                sa[2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-                sa[3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-                const int rowoff = (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
-#pragma unroll
-                for (int n2 = 0; n2 < D / 16; ++n2) {
-                    u32 b[4];
-                    ldmatrix_x4_trans(b, Ds + rowoff + n2 * 16);
-                    Mma<T>::run(gv[2 * n2], pa, b[0], b[1]);
-                    Mma<T>::run(gv[2 * n2 + 1], pa, b[2], b[3]);
-                    ldmatrix_x4_trans(b, Qs + rowoff + n2 * 16);
-                    Mma<T>::run(gk[2 * n2], sa, b[0], b[1]);
-                    Mma<T>::run(gk[2 * n2 + 1], sa, b[2], b[3]);
-                }
-            }
-            __syncthreads();
         }
+        const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = n * 8 + 2 * t + (e & 1);
+                const float ls = Ls[qi];
+                float pe = 0.f;
+                if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
+                    pe = fast_exp2(s[n][e] * sl2 - ls);
+                s[n][e] = pe;
+                dp[n][e] = pe * (dp[n][e] - Es[qi]);
+            }
+        // dV += P^T dO, dK += dS^T Q; dS^T to shared memory for dQ.
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) {
+            u32 pa[4], sa[4];
+            pack_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
+            pack_a<T>(sa, dp[2 * kk], dp[2 * kk + 1]);
+            u16* srow = Ss + (warp * 16 + g) * LDS + kk * 16 + 2 * t;
+            *reinterpret_cast<u32*>(srow) = sa[0];
+            *reinterpret_cast<u32*>(srow + 8 * LDS) = sa[1];
+            *reinterpret_cast<u32*>(srow + 8) = sa[2];
+            *reinterpret_cast<u32*>(srow + 8 * LDS + 8) = sa[3];
+#pragma unroll
+            for (int n2 = 0; n2 < D / 16; ++n2) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, Ds + kk * 16 * LD + lt_off + n2 * 16);
+                Mma<T>::run(gv[2 * n2], pa, b[0], b[1]);
+                Mma<T>::run(gv[2 * n2 + 1], pa, b[2], b[3]);
+                ldmatrix_x4_trans(b, Qs + kk * 16 * LD + lt_off + n2 * 16);
+                Mma<T>::run(gk[2 * n2], sa, b[0], b[1]);
+                Mma<T>::run(gk[2 * n2 + 1], sa, b[2], b[3]);
+            }
+        }
+        __syncthreads();
+        // dQ of queries qg*16 .. +15, columns dg*NT*8 .. +NT*8-1, over the tile's 64 keys.
+        {
+            float gq[NT][4];
+#pragma unroll
+            for (int n = 0; n < NT; ++n) gq[n][0] = gq[n][1] = gq[n][2] = gq[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < MB / 16; ++kk) {
+                u32 a[4];
+                ldmatrix_x4_trans(a, Ss + kk * 16 * LDS + qg * 16 + ls_off);
+#pragma unroll
+                for (int n2 = 0; n2 < NT / 2; ++n2) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, Ks + kk * 16 * LD + lt_off + dg * NT * 8 + n2 * 16);
+                    Mma<T>::run(gq[2 * n2], a, b[0], b[1]);
+                    Mma<T>::run(gq[2 * n2 + 1], a, b[2], b[3]);
+                }
+            }
+            float* acc = dq_acc + head_of(it) * p.s_q * p.d;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int i = i0 + qg * 16 + g + r * 8;
+                if (i >= p.s_q) continue;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const int c = dg * NT * 8 + n * 8 + 2 * t;
+                    if (c < p.d) atomicAdd(acc + (i64)i * p.d + c, gq[n][2 * r] * p.scale);
+                    if (c + 1 < p.d) atomicAdd(acc + (i64)i * p.d + c + 1, gq[n][2 * r + 1] * p.scale);
+                }
+            }
+        }
+        __syncthreads();
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -863,112 +966,11 @@ __device__ void dkdv_mma(const T* __restrict__ q, const T* __restrict__ k, const
     }
 }
 
-// dQ of one 64-query tile; the keys go by in tiles of BK.
-template <typename T, int D, int BK>
-__device__ void dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                       const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                       const u8* __restrict__ keep, T* __restrict__ dq, Params p, int vec) {
-    const int LD = D + MPAD, KS = D / 16, NO = D / 8, NK = BK / 8;
-    extern __shared__ __align__(16) u16 hsmem[];
-    u16* Qs = hsmem;
-    u16* Ds = Qs + MB * LD;
-    u16* Kb = Ds + MB * LD;      // two K tiles
-    u16* Vb = Kb + 2 * BK * LD;  // two V tiles
-    const int bh = blockIdx.x;
-    const int tiles = (p.s_q + MB - 1) / MB;
-    const int i0 = (tiles - 1 - (int)blockIdx.y) * MB;
-    const int bb = bh / p.heads, h = bh % p.heads;
-    const int kvh = h / (p.heads / p.kv_heads);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const u16* kh = reinterpret_cast<const u16*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
-    const u16* vh = reinterpret_cast<const u16*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
-    const u8* keep_row = keep + (i64)bb * p.s_k;
-    const float sl2 = p.scale * LOG2E;
-    const int kend = key_end(p, min(i0 + MB, p.s_q) - 1);
-    load_tile16<MB, D>(Qs, reinterpret_cast<const u16*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
-    load_tile16<MB, D>(Ds, reinterpret_cast<const u16*>(dout) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
-    if (kend > 0) {
-        load_tile16<BK, D>(Kb, kh, 0, p.s_k, p.d, vec);
-        load_tile16<BK, D>(Vb, vh, 0, p.s_k, p.d, vec);
-    }
-    cp_async_commit();
-    const int row_a = i0 + warp * 16 + g;
-    float ls[2], es[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = row_a + r * 8;
-        ls[r] = i < p.s_q ? lse[(i64)bh * p.s_q + i] * LOG2E : NEG_INF;
-        es[r] = i < p.s_q ? delta[(i64)bh * p.s_q + i] : 0.f;
-    }
-    float gq[NO][4];
-#pragma unroll
-    for (int n = 0; n < NO; ++n) gq[n][0] = gq[n][1] = gq[n][2] = gq[n][3] = 0.f;
-    const int full_end = p.has_keep ? 0 : key_end(p, i0);
-    for (int j0 = 0, it = 0; j0 < kend; j0 += BK, ++it) {
-        const u16* Ks = Kb + (it & 1) * BK * LD;
-        const u16* Vs = Vb + (it & 1) * BK * LD;
-        if (j0 + BK < kend) {
-            load_tile16<BK, D>(Kb + ((it + 1) & 1) * BK * LD, kh, j0 + BK, p.s_k, p.d, vec);
-            load_tile16<BK, D>(Vb + ((it + 1) & 1) * BK * LD, vh, j0 + BK, p.s_k, p.d, vec);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        float s[NK][4], dp[NK][4];
-#pragma unroll
-        for (int n = 0; n < NK; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            u32 qa[4], da[4];
-            load_a<LD>(qa, Qs, warp * 16, kk * 16, lane);
-            load_a<LD>(da, Ds, warp * 16, kk * 16, lane);
-#pragma unroll
-            for (int n = 0; n < NK; ++n) {
-                const u16* kb = Ks + (n * 8 + g) * LD + kk * 16 + 2 * t;
-                const u16* vb = Vs + (n * 8 + g) * LD + kk * 16 + 2 * t;
-                Mma<T>::run(s[n], qa, lds32(kb), lds32(kb + 8));
-                Mma<T>::run(dp[n], da, lds32(vb), lds32(vb + 8));
-            }
-        }
-        const bool masked = j0 + BK > full_end;
-#pragma unroll
-        for (int n = 0; n < NK; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1;
-                float pe = 0.f;
-                if (ls[r] != NEG_INF && (!masked || visible(p, keep_row, row_a + r * 8, j0 + n * 8 + 2 * t + (e & 1))))
-                    pe = fast_exp2(s[n][e] * sl2 - ls[r]);
-                dp[n][e] = pe * (dp[n][e] - es[r]);
-            }
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            u32 sa[4];
-            sa[0] = Mma<T>::pack(dp[2 * kk][0], dp[2 * kk][1]);
-            sa[1] = Mma<T>::pack(dp[2 * kk][2], dp[2 * kk][3]);
-            sa[2] = Mma<T>::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            sa[3] = Mma<T>::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-            const u16* kb = Ks + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
-#pragma unroll
-            for (int n2 = 0; n2 < D / 16; ++n2) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, kb + n2 * 16);
-                Mma<T>::run(gq[2 * n2], sa, b[0], b[1]);
-                Mma<T>::run(gq[2 * n2 + 1], sa, b[2], b[3]);
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int i = row_a + r * 8;
-        if (i >= p.s_q) continue;
-        T* row = dq + ((i64)bh * p.s_q + i) * p.d;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) store_pair<T>(row, n * 8 + 2 * t, p.d, gq[n][2 * r] * p.scale, gq[n][2 * r + 1] * p.scale);
-    }
+// dq = dq_acc in the output type (n elements).
+template <typename T>
+__device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        dq[i] = from_f32<T>(acc[i]);
 }
 
 // ===========================================================================
@@ -990,25 +992,23 @@ __device__ void dq_mma(const T* __restrict__ q, const T* __restrict__ k, const T
         dq_simt<T, D>(q, k, v, dout, lse, delta, keep, dq, p);                                               \
     }
 
-#define MMA_ENTRIES(TN, T, D, BB)                                                                             \
+#define MMA_ENTRIES(TN, T, D, RG, BQ)                                                                         \
     extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##TN##_##D(                                  \
         const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p, int vec) {              \
-        fwd_mma<T, D>(q, k, v, o, lse, keep, p, vec);                                                         \
+        fwd_mma<T, D, RG>(q, k, v, o, lse, keep, p, vec);                                                     \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) flash_dkdv_mma_##TN##_##D(                                 \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_##TN##_##D(                                  \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
-        T* dk, T* dv, Params p, int vec) {                                                                    \
-        dkdv_mma<T, D, BB>(q, k, v, dout, lse, delta, keep, dk, dv, p, vec);                                 \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(128) flash_dq_mma_##TN##_##D(                                   \
-        const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
-        T* dq, Params p, int vec) {                                                                           \
-        dq_mma<T, D, BB>(q, k, v, dout, lse, delta, keep, dq, p, vec);                                       \
+        T* dk, T* dv, float* dq_acc, Params p, int vec) {                                                     \
+        bwd_mma<T, D, BQ>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);                          \
     }
 
 #define DELTA_ENTRY(TN, T)                                                                                    \
     extern "C" __global__ void flash_delta_##TN(const T* o, const T* dout, float* delta, i64 rows, int d) {     \
         delta_kernel<T>(o, dout, delta, rows, d);                                                             \
+    }                                                                                                         \
+    extern "C" __global__ void flash_dq_convert_##TN(const float* acc, T* dq, i64 n) {                         \
+        dq_convert<T>(acc, dq, n);                                                                            \
     }
 
 SIMT_ENTRIES(f32, float, 64)
@@ -1017,10 +1017,20 @@ SIMT_ENTRIES(bf16, Bf16, 64)
 SIMT_ENTRIES(bf16, Bf16, 128)
 SIMT_ENTRIES(f16, F16, 64)
 SIMT_ENTRIES(f16, F16, 128)
-MMA_ENTRIES(bf16, Bf16, 64, 64)
-MMA_ENTRIES(bf16, Bf16, 128, 32)
-MMA_ENTRIES(f16, F16, 64, 64)
-MMA_ENTRIES(f16, F16, 128, 32)
+MMA_ENTRIES(bf16, Bf16, 64, 2, 64)
+MMA_ENTRIES(bf16, Bf16, 128, 1, 32)
+MMA_ENTRIES(f16, F16, 64, 2, 64)
+MMA_ENTRIES(f16, F16, 128, 1, 32)
+// Tuning variants (experiment).
+extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_bf16_64_rg1(
+    const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, float* lse, const u8* keep, Params p, int vec) {
+    fwd_mma<Bf16, 64, 1>(q, k, v, o, lse, keep, p, vec);
+}
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_bf16_64_bq32(
+    const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* dout, const float* lse, const float* delta,
+    const u8* keep, Bf16* dk, Bf16* dv, float* dq_acc, Params p, int vec) {
+    bwd_mma<Bf16, 64, 32>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);
+}
 DELTA_ENTRY(f32, float)
 DELTA_ENTRY(bf16, Bf16)
 DELTA_ENTRY(f16, F16)
