@@ -6,7 +6,10 @@ synchronising around each; peak = torch.cuda.max_memory_allocated during one
 forward+backward (inputs included).
 
 Prints one line per shape: PERF dtype seq fwd_ms fwd_bwd_ms peak_alloc_MiB
-usage: sdpa_bench.py [--seqs 1024,2048,4096,8192]
+(PyTorch's choice of backend); with --backends, also one line per backend
+forced through torch.nn.attention.sdpa_kernel: PERF-<backend> ... (a backend
+that rejects the inputs prints PERF-<backend> dtype seq - - -).
+usage: sdpa_bench.py [--seqs 1024,2048,4096,8192] [--backends]
 """
 import argparse, statistics, sys, time
 
@@ -30,7 +33,11 @@ def timed(fn, warm=3, reps=10):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="1024,2048,4096,8192")
+    ap.add_argument("--backends", action="store_true")
     args = ap.parse_args()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    forced = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+              ("efficient", SDPBackend.EFFICIENT_ATTENTION)] if args.backends else []
     dev = torch.device("cuda:0")
     print(f"# sdpa_bench: torch {torch.__version__}, {torch.cuda.get_device_name(0)}; "
           f"backends flash={torch.backends.cuda.flash_sdp_enabled()} "
@@ -51,15 +58,23 @@ def main():
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 (o * w).sum().backward()
 
-            f_ms = timed(fwd)
-            fb_ms = timed(step)
-            q.grad = k.grad = v.grad = None
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() / 2**20
-            print(f"PERF {name} {s} {f_ms:.3f} {fb_ms:.3f} {peak:.0f}", flush=True)
+            def measure():
+                f_ms = timed(fwd)
+                fb_ms = timed(step)
+                q.grad = k.grad = v.grad = None
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                return f"{f_ms:.3f} {fb_ms:.3f} {torch.cuda.max_memory_allocated() / 2**20:.0f}"
+
+            print(f"PERF {name} {s} {measure()}", flush=True)
+            for label, backend in forced:
+                try:
+                    with sdpa_kernel(backend):
+                        print(f"PERF-{label} {name} {s} {measure()}", flush=True)
+                except RuntimeError:
+                    print(f"PERF-{label} {name} {s} - - -", flush=True)
             del q, k, v, w
             torch.cuda.empty_cache()
 

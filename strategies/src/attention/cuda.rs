@@ -9,7 +9,9 @@
 //!   accumulation; probabilities and their gradients are rounded to the input
 //!   type before their products, as FlashAttention-2 does) on compute
 //!   capability 8.0 and newer, the SIMT kernels elsewhere or when
-//!   `OOMFIX_FLASH_SIMT=1` is set.
+//!   `OOMFIX_FLASH_SIMT=1` is set. Their backward adds dQ up over key tiles
+//!   with atomics into an f32 `[b, heads, s_q, d]` buffer (the order of the
+//!   additions varies from run to run, so dQ is not bit-reproducible).
 //!
 //! Head dimensions up to 128 are supported (kernels for 64 and 128, the tail
 //! zero-filled).
@@ -124,7 +126,7 @@ struct Variant {
     dtype: DType,
 }
 
-/// Tuning experiment: `OOMFIX_FLASH_EXP` = `fwd_rg1` and/or `bwd_bq32` (bf16, d = 64).
+/// Tuning experiment: `OOMFIX_FLASH_EXP` = `bwd_bq64` or `bwd_w8` (bf16, d = 64).
 fn experiment(what: &str) -> bool {
     std::env::var("OOMFIX_FLASH_EXP").is_ok_and(|v| v.split(',').any(|x| x == what))
 }
@@ -152,8 +154,8 @@ impl Variant {
     fn name(&self, kernel: &str) -> candle_core::Result<String> {
         let family = if self.mma { "mma" } else { "simt" };
         let suffix = match kernel {
-            "fwd" if self.exp("fwd_rg1") => "_rg1",
-            "bwd" if self.exp("bwd_bq32") => "_bq32",
+            "bwd" if self.exp("bwd_bq64") => "_bq64",
+            "bwd" if self.exp("bwd_w8") => "_w8",
             _ => "",
         };
         Ok(format!(
@@ -164,28 +166,37 @@ impl Variant {
     }
 
     /// Threads per block.
-    fn threads(&self) -> u32 {
-        if self.mma {
-            128
-        } else {
+    fn threads(&self, kernel: &str) -> u32 {
+        if !self.mma || (kernel == "bwd" && self.exp("bwd_w8")) {
             256
+        } else {
+            128
         }
     }
 
-    /// Query rows of a forward block: the tensor-core kernel with d = 64
-    /// gives each warp two groups of 16 rows.
-    fn fwd_rows(&self) -> usize {
-        if self.mma && self.d == 64 && !self.exp("fwd_rg1") {
+    /// Keys of a backward block.
+    fn bwd_keys(&self) -> usize {
+        if self.exp("bwd_w8") {
             2 * TILE
         } else {
             TILE
         }
     }
 
-    /// Query rows of the tiles the backward kernels stream (tensor-core
-    /// kernels with d = 128 use 32 to stay in registers).
+    /// Query rows of a forward block: the tensor-core kernel with d = 64
+    /// gives each warp two groups of 16 rows.
+    fn fwd_rows(&self) -> usize {
+        if self.mma && self.d == 64 {
+            2 * TILE
+        } else {
+            TILE
+        }
+    }
+
+    /// Query rows of the tiles the backward kernels stream (32 for the
+    /// tensor-core kernel).
     fn inner(&self) -> usize {
-        if self.mma && (self.d == 128 || self.exp("bwd_bq32")) {
+        if self.mma && !self.exp("bwd_bq64") {
             32
         } else {
             TILE
@@ -201,7 +212,10 @@ impl Variant {
             match kernel {
                 "fwd" => self.fwd_rows() * row + 2 * 2 * t * row,
                 // K, V; Q, dO (two each); dS transposed; lse and delta rows (two each).
-                _ => 2 * t * row + 2 * 2 * inner * row + t * (inner + 8) * 2 + 2 * 2 * inner * 4,
+                _ => {
+                    let keys = self.bwd_keys();
+                    2 * keys * row + 2 * 2 * inner * row + keys * (inner + 8) * 2 + 2 * 2 * inner * 4
+                }
             }
         } else {
             let (row, prow) = ((d + 1) * 4, (t + 1) * 4);
@@ -213,13 +227,14 @@ impl Variant {
         }
     }
 
-    /// The loaded kernel and its launch configuration over `grid`.
+    /// The loaded kernel and its launch configuration over `grid`: (tiles,
+    /// heads, batch), see [`grid`].
     fn launch(
         &self,
         dev: &CudaDevice,
         info: &DeviceInfo,
         kernel: &str,
-        grid: (u32, u32),
+        grid: (u32, u32, u32),
     ) -> candle_core::Result<(impl std::ops::Deref<Target = CudaFunction>, LaunchConfig)> {
         let func = dev.get_or_load_custom_func(&self.name(kernel)?, MODULE, ptx(info.arch)?)?;
         let smem = self.smem(kernel);
@@ -236,8 +251,8 @@ impl Variant {
         )
         .w()?;
         let cfg = LaunchConfig {
-            grid_dim: (grid.0, grid.1, 1),
-            block_dim: (self.threads(), 1, 1),
+            grid_dim: grid,
+            block_dim: (self.threads(kernel), 1, 1),
             shared_mem_bytes: smem as u32,
         };
         Ok((func, cfg))
@@ -277,15 +292,12 @@ fn kernel_params(
             candle_core::Error::Msg(format!("flash_attention: {what} {x} is too large"))
         })
     };
-    // The tiles of a sequence are the grid's y dimension (at most 65535).
-    let most = 65535 * TILE;
-    if dims.s_q.max(dims.s_k) > most {
-        bail!("flash_attention on CUDA supports sequences of up to {most} positions");
-    }
-    if u32::try_from(dims.b * dims.heads).is_err() {
+    // Grids are (tiles, heads, batch); the y and z dimensions stop at 65535.
+    if dims.b > 65535 || dims.heads > 65535 {
         bail!(
-            "flash_attention on CUDA: batch x heads {} is too large",
-            dims.b * dims.heads
+            "flash_attention on CUDA supports up to 65535 sequences and 65535 heads, got {} and {}",
+            dims.b,
+            dims.heads
         );
     }
     Ok(KernelParams {
@@ -299,6 +311,13 @@ fn kernel_params(
         causal: params.causal as i32,
         has_keep: has_keep as i32,
     })
+}
+
+/// A kernel grid: tiles of `rows` over a sequence of `len` positions, then
+/// heads, then batch (the blocks of one head run side by side and share its
+/// tiles in L2). Sizes were checked by [`kernel_params`].
+fn grid(len: usize, rows: usize, heads: usize, b: usize) -> (u32, u32, u32) {
+    (len.div_ceil(rows) as u32, heads as u32, b as u32)
 }
 
 /// Whether 16-byte loads are safe: rows of `d` elements start on 8-element
@@ -359,11 +378,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             &[ql.start_offset(), kl.start_offset(), vl.start_offset()],
         );
         let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
-        let grid = (
-            (dims.b * dims.heads) as u32,
-            dims.s_q.div_ceil(var.fwd_rows()) as u32,
-        );
-        let (func, cfg) = var.launch(dev, info, "fwd", grid)?;
+        let g = grid(dims.s_q, var.fwd_rows(), dims.heads, dims.b);
+        let (func, cfg) = var.launch(dev, info, "fwd", g)?;
         let stream = dev.cuda_stream();
         let mut b = stream.launch_builder(&func);
         b.arg(&qv)
@@ -483,11 +499,8 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let mut dk = unsafe { dev.alloc::<T>(kv_len) }?;
         let mut dv = unsafe { dev.alloc::<T>(kv_len) }?;
         let stream = dev.cuda_stream();
-        let kv_grid = (
-            (dims.b * dims.kv_heads) as u32,
-            dims.s_k.div_ceil(TILE) as u32,
-        );
         if var.mma {
+            let kv_grid = grid(dims.s_k, var.bwd_keys(), dims.kv_heads, dims.b);
             // One kernel for dK, dV and dQ; dQ summed over the key tiles in f32.
             let mut dq_acc = dev.alloc_zeros::<f32>(rows * dims.d)?;
             if kv_len > 0 {
@@ -525,6 +538,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             unsafe { b.launch(cfg) }.w()?;
         } else {
             if kv_len > 0 {
+                let kv_grid = grid(dims.s_k, TILE, dims.kv_heads, dims.b);
                 let (func, cfg) = var.launch(&dev, info, "dkdv", kv_grid)?;
                 let mut b = stream.launch_builder(&func);
                 b.arg(&qv)
@@ -540,8 +554,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
                 // SAFETY: the arguments match the kernel's signature and sizes in `p`.
                 unsafe { b.launch(cfg) }.w()?;
             }
-            let grid = ((dims.b * dims.heads) as u32, dims.s_q.div_ceil(TILE) as u32);
-            let (func, cfg) = var.launch(&dev, info, "dq", grid)?;
+            let (func, cfg) = var.launch(&dev, info, "dq", grid(dims.s_q, TILE, dims.heads, dims.b))?;
             let mut b = stream.launch_builder(&func);
             b.arg(&qv)
                 .arg(&kv)

@@ -13,11 +13,18 @@
 //   *_simt: plain f32 arithmetic on CUDA cores, for every dtype (f32 inputs
 //           always take it: its results match the CPU op to f32 rounding);
 //   *_mma:  bf16/f16 tensor-core kernels (mma.sync m16n8k16, f32
-//           accumulation), four warps per block, each owning 16 rows.
-// Forward: one block per (64-query tile, batch x head), online softmax over
-// the key tiles. Backward: `delta` = rowsum(dO * O); one kernel per key tile
-// that sums dK and dV over the query heads of its group (no atomics), one per
-// query tile for dQ; both recompute the probabilities from lse.
+//           accumulation), four warps per block, each owning 16 rows (32 in
+//           the forward with d <= 64: two groups sharing each K/V fragment).
+// Grids are (tiles, heads, batch), so that the blocks of one head run side by
+// side and share its K/V (forward) or Q/dO (backward) tiles in L2.
+// Forward: one block per query tile, online softmax over the key tiles.
+// Backward: `delta` = rowsum(dO * O), then
+//   SIMT: one kernel per key tile that sums dK and dV over the query heads of
+//         its group, one per query tile for dQ; both recompute the
+//         probabilities from lse (seven products per tile pair);
+//   mma:  one kernel per key tile for dK, dV and its share of dQ, added to an
+//         f32 accumulator with vector atomics (FlashAttention-2's five
+//         products per tile pair), then converted to T.
 //
 // Bf16, F16, to_f32, from_f32 and u16/u32/u64 come from half.cuh, prepended
 // when the source is compiled.
@@ -54,6 +61,11 @@ __device__ __forceinline__ int first_query(const Params& p, int j) {
     int i = j - p.s_k + p.s_q;
     return i < 0 ? 0 : i;
 }
+
+// Grids are (tiles, heads, batch): the blocks of one head run side by side
+// and share its tiles in L2. The block's batch x head index (query heads for
+// the forward and dQ kernels, key/value heads for dK/dV).
+__device__ __forceinline__ int block_head() { return blockIdx.z * gridDim.y + blockIdx.y; }
 
 __device__ __forceinline__ bool visible(const Params& p, const u8* keep_row, int i, int j) {
     if (i >= p.s_q || j >= p.s_k) return false;
@@ -110,9 +122,9 @@ __device__ void fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const
     float* Ks = Qs + SB * LD;
     float* Vs = Ks + SB * LD;
     float* Ps = Vs + SB * LD;
-    const int bh = blockIdx.x;
+    const int bh = block_head();
     const int tiles = (p.s_q + SB - 1) / SB;
-    const int i0 = (tiles - 1 - (int)blockIdx.y) * SB;
+    const int i0 = (tiles - 1 - (int)blockIdx.x) * SB;
     const int bb = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -229,8 +241,8 @@ __device__ void dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, cons
     float* St = Pt + SB * PLD; // dS^T
     float* Ls = St + SB * PLD; // lse * log2(e) of the query tile
     float* Es = Ls + SB;       // delta of the query tile
-    const int bkv = blockIdx.x;
-    const int j0 = blockIdx.y * SB;
+    const int bkv = block_head();
+    const int j0 = blockIdx.x * SB;
     const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
     const int group = p.heads / p.kv_heads;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -347,9 +359,9 @@ __device__ void dq_simt(const T* __restrict__ q, const T* __restrict__ k, const 
     float* Ks = Ds + SB * LD;
     float* Vs = Ks + SB * LD;
     float* Ss = Vs + SB * LD;  // dS [query][key]
-    const int bh = blockIdx.x;
+    const int bh = block_head();
     const int tiles = (p.s_q + SB - 1) / SB;
-    const int i0 = (tiles - 1 - (int)blockIdx.y) * SB;
+    const int i0 = (tiles - 1 - (int)blockIdx.x) * SB;
     const int bb = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
@@ -603,6 +615,23 @@ __device__ __forceinline__ void load_a(u32 a[4], const u16* tile, int row0, int 
     a[3] = lds32(base + 8 * LD + 8);
 }
 
+// dst[0..3] += (a, b, c, d) in global memory, atomically; `left` columns
+// remain in the row from dst on (one vector reduction when all four are in
+// and dst is 16-byte aligned).
+__device__ __forceinline__ void red_add4(float* dst, int left, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+    if (left >= 4 && (reinterpret_cast<size_t>(dst) & 15) == 0) {
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
+                     : "memory");
+        return;
+    }
+#endif
+    if (left > 0) atomicAdd(dst, a);
+    if (left > 1) atomicAdd(dst + 1, b);
+    if (left > 2) atomicAdd(dst + 2, c);
+    if (left > 3) atomicAdd(dst + 3, d);
+}
+
 // The A fragment of a 16 x 16 block from the two adjacent C tiles holding it.
 template <typename T>
 __device__ __forceinline__ void pack_a(u32 a[4], const float c0[4], const float c1[4]) {
@@ -640,9 +669,9 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     u16* Qs = hsmem;
     u16* Kb = Qs + BM * LD;      // two K tiles
     u16* Vb = Kb + 2 * MB * LD;  // two V tiles
-    const int bh = blockIdx.x;
+    const int bh = block_head();
     const int tiles = (p.s_q + BM - 1) / BM;
-    const int i0 = (tiles - 1 - (int)blockIdx.y) * BM;
+    const int i0 = (tiles - 1 - (int)blockIdx.x) * BM;
     const int bb = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -793,32 +822,33 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 // group, whose query tiles of BQ rows go by; for each, dS (transposed, 16-bit)
 // goes through shared memory to dQ = dS K, which the block adds to the f32
 // accumulator `dq_acc` [b, heads, s_q, d] with atomics.
-template <typename T, int D, int BQ>
+template <typename T, int D, int BQ, int W>
 __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ dout, const float* __restrict__ lse,
                         const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
                         T* __restrict__ dv, float* __restrict__ dq_acc, Params p, int vec) {
-    constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD;
+    // KB keys per block, 16 per warp.
+    constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD, KB = 16 * W;
     // dQ = dS K: the warps as QW groups of 16 queries times DW groups of columns.
-    constexpr int QW = BQ / 16, DW = 4 / QW, NT = NO / DW;
-    static_assert(QW * DW == 4 && NT % 2 == 0, "dQ warp layout");
+    constexpr int QW = BQ / 16, DW = W / QW, NT = NO / DW;
+    static_assert(QW * DW == W && NT % 2 == 0, "dQ warp layout");
     extern __shared__ __align__(16) u16 hsmem[];
     u16* Ks = hsmem;
-    u16* Vs = Ks + MB * LD;
-    u16* Qb = Vs + MB * LD;       // two Q tiles
+    u16* Vs = Ks + KB * LD;
+    u16* Qb = Vs + KB * LD;       // two Q tiles
     u16* Db = Qb + 2 * BQ * LD;   // two dO tiles
     u16* Ss = Db + 2 * BQ * LD;   // dS transposed: [key][query]
-    float* Lb = reinterpret_cast<float*>(Ss + MB * LDS);  // two lse * log2(e) rows
+    float* Lb = reinterpret_cast<float*>(Ss + KB * LDS);  // two lse * log2(e) rows
     float* Eb = Lb + 2 * BQ;      // two delta rows
-    const int bkv = blockIdx.x;
-    const int j0 = blockIdx.y * MB;
+    const int bkv = block_head();
+    const int j0 = blockIdx.x * KB;
     const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
     const int group = p.heads / p.kv_heads;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u8* keep_row = keep + (i64)bb * p.s_k;
     const float sl2 = p.scale * LOG2E;
-    load_tile16<MB, D>(Ks, reinterpret_cast<const u16*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
-    load_tile16<MB, D>(Vs, reinterpret_cast<const u16*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
+    load_tile16<KB, D>(Ks, reinterpret_cast<const u16*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
+    load_tile16<KB, D>(Vs, reinterpret_cast<const u16*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
     float gk[NO][4], gv[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; ++n)
@@ -827,7 +857,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int key_a = j0 + warp * 16 + g;  // this thread's keys: key_a, key_a + 8
     const int qstart = (first_query(p, j0) / BQ) * BQ;
     // Query tiles from `full_from` on see every key of this tile.
-    const int full_from = first_query(p, j0 + MB - 1);
+    const int full_from = first_query(p, j0 + KB - 1);
     // The (query head of the group, query tile) pairs, in one sequence whose
     // next tiles are fetched while the current ones are used.
     const int nq = qstart < p.s_q ? (p.s_q - qstart + BQ - 1) / BQ : 0;
@@ -884,7 +914,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                 Mma<T>::run(dp[2 * np + 1], va, bd[2], bd[3]);
             }
         }
-        const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
+        const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + KB > p.s_k;
 #pragma unroll
         for (int n = 0; n < NQ; ++n)
 #pragma unroll
@@ -920,13 +950,13 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             }
         }
         __syncthreads();
-        // dQ of queries qg*16 .. +15, columns dg*NT*8 .. +NT*8-1, over the tile's 64 keys.
+        // dQ of queries qg*16 .. +15, columns dg*NT*8 .. +NT*8-1, over the tile's KB keys.
         {
             float gq[NT][4];
 #pragma unroll
             for (int n = 0; n < NT; ++n) gq[n][0] = gq[n][1] = gq[n][2] = gq[n][3] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < MB / 16; ++kk) {
+            for (int kk = 0; kk < KB / 16; ++kk) {
                 u32 a[4];
                 ldmatrix_x4_trans(a, Ss + kk * 16 * LDS + qg * 16 + ls_off);
 #pragma unroll
@@ -938,16 +968,18 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                 }
             }
             float* acc = dq_acc + head_of(it) * p.s_q * p.d;
+            // Lanes t and t ^ 1 swap halves so that each adds four adjacent
+            // columns of one row: even t row g, odd t row g + 8.
+            const int r = t & 1, i = i0 + qg * 16 + g + r * 8;
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int i = i0 + qg * 16 + g + r * 8;
-                if (i >= p.s_q) continue;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) {
-                    const int c = dg * NT * 8 + n * 8 + 2 * t;
-                    if (c < p.d) atomicAdd(acc + (i64)i * p.d + c, gq[n][2 * r] * p.scale);
-                    if (c + 1 < p.d) atomicAdd(acc + (i64)i * p.d + c + 1, gq[n][2 * r + 1] * p.scale);
-                }
+            for (int n = 0; n < NT; ++n) {
+                const float x0 = gq[n][0] * p.scale, x1 = gq[n][1] * p.scale;
+                const float x2 = gq[n][2] * p.scale, x3 = gq[n][3] * p.scale;
+                const float y0 = __shfl_xor_sync(0xffffffffu, r ? x0 : x2, 1);
+                const float y1 = __shfl_xor_sync(0xffffffffu, r ? x1 : x3, 1);
+                const int c = dg * NT * 8 + n * 8 + 2 * (t & ~1);
+                if (i < p.s_q)
+                    red_add4(acc + (i64)i * p.d + c, p.d - c, r ? y0 : x0, r ? y1 : x1, r ? x2 : y0, r ? x3 : y1);
             }
         }
         __syncthreads();
@@ -1000,7 +1032,7 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
     extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_##TN##_##D(                                  \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
         T* dk, T* dv, float* dq_acc, Params p, int vec) {                                                     \
-        bwd_mma<T, D, BQ>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);                          \
+        bwd_mma<T, D, BQ, 4>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);                          \
     }
 
 #define DELTA_ENTRY(TN, T)                                                                                    \
@@ -1017,19 +1049,20 @@ SIMT_ENTRIES(bf16, Bf16, 64)
 SIMT_ENTRIES(bf16, Bf16, 128)
 SIMT_ENTRIES(f16, F16, 64)
 SIMT_ENTRIES(f16, F16, 128)
-MMA_ENTRIES(bf16, Bf16, 64, 2, 64)
+MMA_ENTRIES(bf16, Bf16, 64, 2, 32)
 MMA_ENTRIES(bf16, Bf16, 128, 1, 32)
-MMA_ENTRIES(f16, F16, 64, 2, 64)
+MMA_ENTRIES(f16, F16, 64, 2, 32)
 MMA_ENTRIES(f16, F16, 128, 1, 32)
 // Tuning variants (experiment).
-extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_bf16_64_rg1(
-    const Bf16* q, const Bf16* k, const Bf16* v, Bf16* o, float* lse, const u8* keep, Params p, int vec) {
-    fwd_mma<Bf16, 64, 1>(q, k, v, o, lse, keep, p, vec);
-}
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_bf16_64_bq32(
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_bf16_64_bq64(
     const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* dout, const float* lse, const float* delta,
     const u8* keep, Bf16* dk, Bf16* dv, float* dq_acc, Params p, int vec) {
-    bwd_mma<Bf16, 64, 32>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);
+    bwd_mma<Bf16, 64, 64, 4>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);
+}
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_mma_bf16_64_w8(
+    const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* dout, const float* lse, const float* delta,
+    const u8* keep, Bf16* dk, Bf16* dv, float* dq_acc, Params p, int vec) {
+    bwd_mma<Bf16, 64, 32, 8>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);
 }
 DELTA_ENTRY(f32, float)
 DELTA_ENTRY(bf16, Bf16)
