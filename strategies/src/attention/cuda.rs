@@ -126,11 +126,6 @@ struct Variant {
     dtype: DType,
 }
 
-/// Tuning experiment: `OOMFIX_FLASH_EXP` = `bwd_bq64` or `bwd_w8` (bf16, d = 64).
-fn experiment(what: &str) -> bool {
-    std::env::var("OOMFIX_FLASH_EXP").is_ok_and(|v| v.split(',').any(|x| x == what))
-}
-
 impl Variant {
     fn of(dims: &Dims, dtype: DType, info: &DeviceInfo) -> candle_core::Result<Self> {
         if dims.d > MAX_HEAD_DIM {
@@ -147,39 +142,21 @@ impl Variant {
         })
     }
 
-    fn exp(&self, what: &str) -> bool {
-        self.mma && self.d == 64 && self.dtype == DType::BF16 && experiment(what)
-    }
-
     fn name(&self, kernel: &str) -> candle_core::Result<String> {
         let family = if self.mma { "mma" } else { "simt" };
-        let suffix = match kernel {
-            "bwd" if self.exp("bwd_bq64") => "_bq64",
-            "bwd" if self.exp("bwd_w8") => "_w8",
-            _ => "",
-        };
         Ok(format!(
-            "flash_{kernel}_{family}_{}_{}{suffix}",
+            "flash_{kernel}_{family}_{}_{}",
             dtype_name(self.dtype)?,
             self.d
         ))
     }
 
     /// Threads per block.
-    fn threads(&self, kernel: &str) -> u32 {
-        if !self.mma || (kernel == "bwd" && self.exp("bwd_w8")) {
-            256
-        } else {
+    fn threads(&self) -> u32 {
+        if self.mma {
             128
-        }
-    }
-
-    /// Keys of a backward block.
-    fn bwd_keys(&self) -> usize {
-        if self.exp("bwd_w8") {
-            2 * TILE
         } else {
-            TILE
+            256
         }
     }
 
@@ -196,7 +173,7 @@ impl Variant {
     /// Query rows of the tiles the backward kernels stream (32 for the
     /// tensor-core kernel).
     fn inner(&self) -> usize {
-        if self.mma && !self.exp("bwd_bq64") {
+        if self.mma {
             32
         } else {
             TILE
@@ -212,10 +189,7 @@ impl Variant {
             match kernel {
                 "fwd" => self.fwd_rows() * row + 2 * 2 * t * row,
                 // K, V; Q, dO (two each); dS transposed; lse and delta rows (two each).
-                _ => {
-                    let keys = self.bwd_keys();
-                    2 * keys * row + 2 * 2 * inner * row + keys * (inner + 8) * 2 + 2 * 2 * inner * 4
-                }
+                _ => 2 * t * row + 2 * 2 * inner * row + t * (inner + 8) * 2 + 2 * 2 * inner * 4,
             }
         } else {
             let (row, prow) = ((d + 1) * 4, (t + 1) * 4);
@@ -252,7 +226,7 @@ impl Variant {
         .w()?;
         let cfg = LaunchConfig {
             grid_dim: grid,
-            block_dim: (self.threads(kernel), 1, 1),
+            block_dim: (self.threads(), 1, 1),
             shared_mem_bytes: smem as u32,
         };
         Ok((func, cfg))
@@ -500,7 +474,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let mut dv = unsafe { dev.alloc::<T>(kv_len) }?;
         let stream = dev.cuda_stream();
         if var.mma {
-            let kv_grid = grid(dims.s_k, var.bwd_keys(), dims.kv_heads, dims.b);
+            let kv_grid = grid(dims.s_k, TILE, dims.kv_heads, dims.b);
             // One kernel for dK, dV and dQ; dQ summed over the key tiles in f32.
             let mut dq_acc = dev.alloc_zeros::<f32>(rows * dims.d)?;
             if kv_len > 0 {

@@ -822,16 +822,16 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 // group, whose query tiles of BQ rows go by; for each, dS (transposed, 16-bit)
 // goes through shared memory to dQ = dS K, which the block adds to the f32
 // accumulator `dq_acc` [b, heads, s_q, d] with atomics.
-template <typename T, int D, int BQ, int W>
+template <typename T, int D, int BQ>
 __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ dout, const float* __restrict__ lse,
                         const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
                         T* __restrict__ dv, float* __restrict__ dq_acc, Params p, int vec) {
     // KB keys per block, 16 per warp.
-    constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD, KB = 16 * W;
-    // dQ = dS K: the warps as QW groups of 16 queries times DW groups of columns.
-    constexpr int QW = BQ / 16, DW = W / QW, NT = NO / DW;
-    static_assert(QW * DW == W && NT % 2 == 0, "dQ warp layout");
+    constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD, KB = MB;
+    // dQ = dS K: the four warps as QW groups of 16 queries times DW groups of columns.
+    constexpr int QW = BQ / 16, DW = 4 / QW, NT = NO / DW;
+    static_assert(QW * DW == 4 && NT % 2 == 0, "dQ warp layout");
     extern __shared__ __align__(16) u16 hsmem[];
     u16* Ks = hsmem;
     u16* Vs = Ks + KB * LD;
@@ -1032,7 +1032,7 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
     extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_##TN##_##D(                                  \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
         T* dk, T* dv, float* dq_acc, Params p, int vec) {                                                     \
-        bwd_mma<T, D, BQ, 4>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);                          \
+        bwd_mma<T, D, BQ>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);                          \
     }
 
 #define DELTA_ENTRY(TN, T)                                                                                    \
@@ -1053,17 +1053,6 @@ MMA_ENTRIES(bf16, Bf16, 64, 2, 32)
 MMA_ENTRIES(bf16, Bf16, 128, 1, 32)
 MMA_ENTRIES(f16, F16, 64, 2, 32)
 MMA_ENTRIES(f16, F16, 128, 1, 32)
-// Tuning variants (experiment).
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_bf16_64_bq64(
-    const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* dout, const float* lse, const float* delta,
-    const u8* keep, Bf16* dk, Bf16* dv, float* dq_acc, Params p, int vec) {
-    bwd_mma<Bf16, 64, 64, 4>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);
-}
-extern "C" __global__ void __launch_bounds__(256) flash_bwd_mma_bf16_64_w8(
-    const Bf16* q, const Bf16* k, const Bf16* v, const Bf16* dout, const float* lse, const float* delta,
-    const u8* keep, Bf16* dk, Bf16* dv, float* dq_acc, Params p, int vec) {
-    bwd_mma<Bf16, 64, 32, 8>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);
-}
 DELTA_ENTRY(f32, float)
 DELTA_ENTRY(bf16, Bf16)
 DELTA_ENTRY(f16, F16)
