@@ -224,11 +224,14 @@ fn numeric_match(device: &Device) -> Result<Vec<MatchRow>> {
     Ok(rows)
 }
 
+/// Accumulator dtype, gradient dtype, and (max relative error, elements differing).
+type AccumulateRow = (DType, DType, (f64, usize));
+
 /// Sums four micro-batches of random gradients with [`GradAccumulator`] on the
 /// CPU and on `device`, takes the mean, twice (the second round runs in the
-/// first one's sums: CUDA kernels assign, add, scale), and compares: `(accumulator, gradient, (max relative
-/// error, elements differing))` per dtype pair.
-fn accumulate_match(device: &Device) -> Result<Vec<(DType, DType, (f64, usize))>> {
+/// first one's sums: CUDA kernels assign, add, scale), and compares, per dtype
+/// pair.
+fn accumulate_match(device: &Device) -> Result<Vec<AccumulateRow>> {
     const N: usize = 1_000_003;
     let pairs = [
         (DType::F32, DType::F32),

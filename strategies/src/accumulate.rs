@@ -269,10 +269,11 @@ fn combine_in_place(acc: &Tensor, g: &Tensor, op: Combine) -> Result<()> {
     #[cfg(feature = "cuda")]
     if acc.device().is_cuda() {
         let g = g.contiguous()?;
-        return Ok(match op {
+        match op {
             Combine::Add => cuda::add(acc, &g)?,
             Combine::Assign => cuda::assign(acc, &g)?,
-        });
+        }
+        return Ok(());
     }
     let g = g.contiguous()?;
     with_cpu_mut_src(acc, &g, |a, al, g, gl| {
