@@ -473,27 +473,25 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let mut dk = unsafe { dev.alloc::<T>(kv_len) }?;
         let mut dv = unsafe { dev.alloc::<T>(kv_len) }?;
         let stream = dev.cuda_stream();
+        let kv_grid = grid(dims.s_k, TILE, dims.kv_heads, dims.b);
+        // Launches `kernel` over `grid` with the arguments every backward
+        // kernel starts with, then `rest`.
+        macro_rules! launch_backward {
+            ($kernel:expr, $grid:expr, $($rest:expr),+) => {{
+                let (func, cfg) = var.launch(&dev, info, $kernel, $grid)?;
+                let mut b = stream.launch_builder(&func);
+                b.arg(&qv).arg(&kv).arg(&vv).arg(&gv).arg(lse).arg(&delta).arg(&keep);
+                $(b.arg($rest);)+
+                // SAFETY: the arguments match the kernel's signature; every
+                // index it forms stays inside the sizes given in `p`.
+                unsafe { b.launch(cfg) }.w()?;
+            }};
+        }
         if var.mma {
-            let kv_grid = grid(dims.s_k, TILE, dims.kv_heads, dims.b);
             // One kernel for dK, dV and dQ; dQ summed over the key tiles in f32.
             let mut dq_acc = dev.alloc_zeros::<f32>(rows * dims.d)?;
             if kv_len > 0 {
-                let (func, cfg) = var.launch(&dev, info, "bwd", kv_grid)?;
-                let mut b = stream.launch_builder(&func);
-                b.arg(&qv)
-                    .arg(&kv)
-                    .arg(&vv)
-                    .arg(&gv)
-                    .arg(lse)
-                    .arg(&delta)
-                    .arg(&keep)
-                    .arg(&mut dk)
-                    .arg(&mut dv)
-                    .arg(&mut dq_acc)
-                    .arg(&p)
-                    .arg(&vec);
-                // SAFETY: the arguments match the kernel's signature and sizes in `p`.
-                unsafe { b.launch(cfg) }.w()?;
+                launch_backward!("bwd", kv_grid, &mut dk, &mut dv, &mut dq_acc, &p, &vec);
             }
             let func = dev.get_or_load_custom_func(
                 &format!("flash_dq_convert_{}", dtype_name(q.dtype())?),
@@ -512,35 +510,10 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             unsafe { b.launch(cfg) }.w()?;
         } else {
             if kv_len > 0 {
-                let kv_grid = grid(dims.s_k, TILE, dims.kv_heads, dims.b);
-                let (func, cfg) = var.launch(&dev, info, "dkdv", kv_grid)?;
-                let mut b = stream.launch_builder(&func);
-                b.arg(&qv)
-                    .arg(&kv)
-                    .arg(&vv)
-                    .arg(&gv)
-                    .arg(lse)
-                    .arg(&delta)
-                    .arg(&keep)
-                    .arg(&mut dk)
-                    .arg(&mut dv)
-                    .arg(&p);
-                // SAFETY: the arguments match the kernel's signature and sizes in `p`.
-                unsafe { b.launch(cfg) }.w()?;
+                launch_backward!("dkdv", kv_grid, &mut dk, &mut dv, &p);
             }
-            let (func, cfg) = var.launch(&dev, info, "dq", grid(dims.s_q, TILE, dims.heads, dims.b))?;
-            let mut b = stream.launch_builder(&func);
-            b.arg(&qv)
-                .arg(&kv)
-                .arg(&vv)
-                .arg(&gv)
-                .arg(lse)
-                .arg(&delta)
-                .arg(&keep)
-                .arg(&mut dq)
-                .arg(&p);
-            // SAFETY: as above.
-            unsafe { b.launch(cfg) }.w()?;
+            let q_grid = grid(dims.s_q, TILE, dims.heads, dims.b);
+            launch_backward!("dq", q_grid, &mut dq, &p);
         }
         (dq, dk, dv)
     };
