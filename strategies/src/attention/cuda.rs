@@ -266,7 +266,9 @@ fn kernel_params(
             candle_core::Error::Msg(format!("flash_attention: {what} {x} is too large"))
         })
     };
-    // Grids are (tiles, heads, batch); the y and z dimensions stop at 65535.
+    // Grids are (tiles, heads, batch); the y and z dimensions stop at 65535,
+    // and the kernels index batch x head with an int.
+    int(dims.b * dims.heads, "batch x heads")?;
     if dims.b > 65535 || dims.heads > 65535 {
         bail!(
             "flash_attention on CUDA supports up to 65535 sequences and 65535 heads, got {} and {}",

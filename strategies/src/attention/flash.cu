@@ -62,9 +62,8 @@ __device__ __forceinline__ int first_query(const Params& p, int j) {
     return i < 0 ? 0 : i;
 }
 
-// Grids are (tiles, heads, batch): the blocks of one head run side by side
-// and share its tiles in L2. The block's batch x head index (query heads for
-// the forward and dQ kernels, key/value heads for dK/dV).
+// The block's batch x head index in a (tiles, heads, batch) grid (query
+// heads for the forward and dQ kernels, key/value heads for dK/dV).
 __device__ __forceinline__ int block_head() { return blockIdx.z * gridDim.y + blockIdx.y; }
 
 __device__ __forceinline__ bool visible(const Params& p, const u8* keep_row, int i, int j) {
