@@ -552,6 +552,14 @@ template <int LD> __device__ __forceinline__ int lm_trans_off(int lane) {
     return ((lane & 7) + ((lane >> 3) & 1) * 8) * LD + (lane >> 4) * 8;
 }
 
+// This lane's row address, relative to a 16 x 16 block of a tile with row
+// stride LD, for ldmatrix_x4 reading B fragments of an [n][k] tile (b[0],
+// b[1] of rows 0-7 and b[2], b[3] of rows 8-15), or, with ldmatrix_x4_trans,
+// the A fragment of the transpose of a [k][m] tile.
+template <int LD> __device__ __forceinline__ int lm_off(int lane) {
+    return ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
+}
+
 __device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
 
 // 2^x with the hardware approximation (2 ulp; -inf gives 0).
@@ -708,8 +716,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int row_a = i0 + warp * 16 * RG + g;
     // Key tiles from `full_end` on may hide keys from some rows of the block.
     const int full_end = p.has_keep ? 0 : key_end(p, i0);
-    // ldmatrix row address of this lane in a 16-row, 16-column block.
-    const int lm_off = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
+    const int kb_off = lm_off<LD>(lane);
     for (int j0 = 0, it = 0; j0 < kend; j0 += MB, ++it) {
         // Fetch the next key tile while this one is used (the barrier at the
         // end of the last iteration freed its buffer).
@@ -732,7 +739,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 u32 b[4];
-                ldmatrix_x4(b, Ks + np * 16 * LD + kk * 16 + lm_off);
+                ldmatrix_x4(b, Ks + np * 16 * LD + kk * 16 + kb_off);
 #pragma unroll
                 for (int rg = 0; rg < RG; ++rg) {
                     Mma<T>::run(s[rg][2 * np], qa[rg][kk], b[0], b[1]);
@@ -826,28 +833,28 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                         const T* __restrict__ dout, const float* __restrict__ lse,
                         const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
                         T* __restrict__ dv, float* __restrict__ dq_acc, Params p, int vec) {
-    // KB keys per block, 16 per warp.
-    constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD, KB = MB;
+    // MB keys per block, 16 per warp.
+    constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD;
     // dQ = dS K: the four warps as QW groups of 16 queries times DW groups of columns.
     constexpr int QW = BQ / 16, DW = 4 / QW, NT = NO / DW;
     static_assert(QW * DW == 4 && NT % 2 == 0, "dQ warp layout");
     extern __shared__ __align__(16) u16 hsmem[];
     u16* Ks = hsmem;
-    u16* Vs = Ks + KB * LD;
-    u16* Qb = Vs + KB * LD;       // two Q tiles
+    u16* Vs = Ks + MB * LD;
+    u16* Qb = Vs + MB * LD;       // two Q tiles
     u16* Db = Qb + 2 * BQ * LD;   // two dO tiles
     u16* Ss = Db + 2 * BQ * LD;   // dS transposed: [key][query]
-    float* Lb = reinterpret_cast<float*>(Ss + KB * LDS);  // two lse * log2(e) rows
+    float* Lb = reinterpret_cast<float*>(Ss + MB * LDS);  // two lse * log2(e) rows
     float* Eb = Lb + 2 * BQ;      // two delta rows
     const int bkv = block_head();
-    const int j0 = blockIdx.x * KB;
+    const int j0 = blockIdx.x * MB;
     const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
     const int group = p.heads / p.kv_heads;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u8* keep_row = keep + (i64)bb * p.s_k;
     const float sl2 = p.scale * LOG2E;
-    load_tile16<KB, D>(Ks, reinterpret_cast<const u16*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
-    load_tile16<KB, D>(Vs, reinterpret_cast<const u16*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
+    load_tile16<MB, D>(Ks, reinterpret_cast<const u16*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
+    load_tile16<MB, D>(Vs, reinterpret_cast<const u16*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
     float gk[NO][4], gv[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; ++n)
@@ -856,7 +863,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int key_a = j0 + warp * 16 + g;  // this thread's keys: key_a, key_a + 8
     const int qstart = (first_query(p, j0) / BQ) * BQ;
     // Query tiles from `full_from` on see every key of this tile.
-    const int full_from = first_query(p, j0 + KB - 1);
+    const int full_from = first_query(p, j0 + MB - 1);
     // The (query head of the group, query tile) pairs, in one sequence whose
     // next tiles are fetched while the current ones are used.
     const int nq = qstart < p.s_q ? (p.s_q - qstart + BQ - 1) / BQ : 0;
@@ -877,9 +884,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     if (total > 0) fetch(0, 0);
     cp_async_commit();
     // ldmatrix row addresses of this lane in a 16 x 16 block.
-    const int lm_off = ((lane >> 4) * 8 + (lane & 7)) * LD + ((lane >> 3) & 1) * 8;
-    const int lt_off = lm_trans_off<LD>(lane);
-    const int ls_off = ((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 8;
+    const int lb_off = lm_off<LD>(lane), lt_off = lm_trans_off<LD>(lane), ls_off = lm_off<LDS>(lane);
     const int qg = warp % QW, dg = warp / QW;
     for (int it = 0; it < total; ++it) {
         const int i0 = qstart + (it % nq) * BQ;
@@ -905,15 +910,15 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 #pragma unroll
             for (int np = 0; np < NQ / 2; ++np) {
                 u32 bq[4], bd[4];
-                ldmatrix_x4(bq, Qs + np * 16 * LD + kk * 16 + lm_off);
-                ldmatrix_x4(bd, Ds + np * 16 * LD + kk * 16 + lm_off);
+                ldmatrix_x4(bq, Qs + np * 16 * LD + kk * 16 + lb_off);
+                ldmatrix_x4(bd, Ds + np * 16 * LD + kk * 16 + lb_off);
                 Mma<T>::run(s[2 * np], ka, bq[0], bq[1]);
                 Mma<T>::run(s[2 * np + 1], ka, bq[2], bq[3]);
                 Mma<T>::run(dp[2 * np], va, bd[0], bd[1]);
                 Mma<T>::run(dp[2 * np + 1], va, bd[2], bd[3]);
             }
         }
-        const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + KB > p.s_k;
+        const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
 #pragma unroll
         for (int n = 0; n < NQ; ++n)
 #pragma unroll
@@ -949,13 +954,13 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             }
         }
         __syncthreads();
-        // dQ of queries qg*16 .. +15, columns dg*NT*8 .. +NT*8-1, over the tile's KB keys.
+        // dQ of queries qg*16 .. +15, columns dg*NT*8 .. +NT*8-1, over the tile's MB keys.
         {
             float gq[NT][4];
 #pragma unroll
             for (int n = 0; n < NT; ++n) gq[n][0] = gq[n][1] = gq[n][2] = gq[n][3] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < KB / 16; ++kk) {
+            for (int kk = 0; kk < MB / 16; ++kk) {
                 u32 a[4];
                 ldmatrix_x4_trans(a, Ss + kk * 16 * LDS + qg * 16 + ls_off);
 #pragma unroll
