@@ -11,7 +11,8 @@
 //!    and f32, with the pool's peak; one `PERF` row each.
 //!
 //! Usage: `gpu_attention [--check-only | --perf-only]`. Exits 1 when a check
-//! fails. Build with `scripts/build-cuda.sh --features cuda --example
+//! fails. `HEAD_DIM=128` times another head dimension (heads × head dim stays
+//! 768; the heading says which). Build with `scripts/build-cuda.sh --features cuda --example
 //! gpu_attention`; `scripts/bench-attention-gpu.sh` runs it next to PyTorch's
 //! SDPA (docs/attention-gpu.md).
 
@@ -396,11 +397,15 @@ fn time<F: FnMut() -> Result<()>>(
 
 fn timings(device: &Device) -> Result<()> {
     let cuda = device.as_cuda_device()?;
+    let d: usize = match std::env::var("HEAD_DIM") {
+        Ok(v) => v.parse().context("HEAD_DIM")?,
+        Err(_) => 64,
+    };
+    let (b, h) = (8, 768 / d.max(1));
     println!(
-        "\n## timing: batch 8, 12 heads, head dim 64, causal; median of 10 after 3 warm-up runs"
+        "\n## timing: batch 8, {h} heads, head dim {d}, causal; median of 10 after 3 warm-up runs"
     );
     println!("## PERF dtype seq fwd_ms fwd_bwd_ms peak_alloc_MiB (pool high-water during fwd+bwd, inputs included)\n");
-    let (b, h, d) = (8, 12, 64);
     for dtype in [DType::BF16, DType::F32] {
         for s in [1024, 2048, 4096, 8192] {
             let mk = || -> Result<Tensor> {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CUDA flash_attention vs PyTorch's scaled_dot_product_attention, side by side,
 # on the GPU machine: runs examples/gpu_attention (checks, then timings), the
-# checks again on the SIMT kernels for 16-bit inputs (OOMFIX_FLASH_SIMT=1),
+# checks and timings again on the SIMT kernels (OOMFIX_FLASH_SIMT=1),
 # scripts/sdpa_bench.py with the same shapes (PyTorch's choice of backend, and
 # its FlashAttention-2 backend forced), and prints a table.
 #
@@ -29,10 +29,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 
 status=0
 "$WORK/gpu_attention" 2>&1 | tee "$OUT_DIR/oomfix.txt" || status=1
-OOMFIX_FLASH_SIMT=1 "$WORK/gpu_attention" --check-only 2>&1 | tee "$OUT_DIR/oomfix-simt.txt" || status=1
+OOMFIX_FLASH_SIMT=1 "$WORK/gpu_attention" 2>&1 | tee "$OUT_DIR/oomfix-simt.txt" || status=1
 python3 "$HERE/sdpa_bench.py" --backends --seqs "${SEQS:-1024,2048,4096,8192}" 2>&1 | tee "$OUT_DIR/sdpa.txt" || status=1
 
-python3 - "$OUT_DIR/oomfix.txt" "$OUT_DIR/sdpa.txt" <<'PY' | tee "$OUT_DIR/table.md"
+python3 - "$OUT_DIR/oomfix.txt" "$OUT_DIR/sdpa.txt" "$OUT_DIR/oomfix-simt.txt" <<'PY' | tee "$OUT_DIR/table.md"
 import sys
 def rows(path, tag):
     out = {}
@@ -42,14 +42,15 @@ def rows(path, tag):
             out[(f[1], int(f[2]))] = tuple(float(x) for x in f[3:])
     return out
 ours, sdpa, fa2 = rows(sys.argv[1], "PERF"), rows(sys.argv[2], "PERF"), rows(sys.argv[2], "PERF-flash")
-print("| dtype | b×h×s×d | oomfix fwd ms | SDPA fwd ms | fwd ratio | oomfix fwd+bwd ms | SDPA fwd+bwd ms | fwd+bwd ratio | FA2 fwd+bwd ms | ratio to FA2 | oomfix peak MiB | SDPA peak MiB |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+simt = rows(sys.argv[3], "PERF")
+print("| dtype | b×h×s×d | oomfix fwd ms | SDPA fwd ms | fwd ratio | oomfix fwd+bwd ms | SDPA fwd+bwd ms | fwd+bwd ratio | FA2 fwd+bwd ms | ratio to FA2 | oomfix SIMT fwd+bwd ms | oomfix peak MiB | SDPA peak MiB |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for key in sorted(set(ours) | set(sdpa), key=lambda k: (k[0] != "bf16", k[1])):
-    o, s, f = ours.get(key), sdpa.get(key), fa2.get(key)
+    o, s, f, m = ours.get(key), sdpa.get(key), fa2.get(key), simt.get(key)
     cell = lambda t, i: f"{t[i]:.2f}" if t else "-"
     ratio = lambda a, b, i: f"{a[i] / b[i]:.2f}" if a and b and b[i] > 0 else "-"
     peak = lambda t: f"{t[2]:.0f}" if t else "-"
-    print(f"| {key[0]} | 8×12×{key[1]}×64 | {cell(o, 0)} | {cell(s, 0)} | {ratio(o, s, 0)} | {cell(o, 1)} | {cell(s, 1)} | {ratio(o, s, 1)} | {cell(f, 1)} | {ratio(o, f, 1)} | {peak(o)} | {peak(s)} |")
+    print(f"| {key[0]} | 8×12×{key[1]}×64 | {cell(o, 0)} | {cell(s, 0)} | {ratio(o, s, 0)} | {cell(o, 1)} | {cell(s, 1)} | {ratio(o, s, 1)} | {cell(f, 1)} | {ratio(o, f, 1)} | {cell(m, 1)} | {peak(o)} | {peak(s)} |")
 PY
 grep -h "^FAIL\|FAILED" "$OUT_DIR/oomfix.txt" "$OUT_DIR/oomfix-simt.txt"
 exit $status

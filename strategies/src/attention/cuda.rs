@@ -4,14 +4,20 @@
 //! the first device's compute capability and loaded through candle's CUDA
 //! device, which keeps one module per device.
 //!
-//! * f32 inputs run the SIMT kernels (f32 arithmetic on CUDA cores);
-//! * bf16 and f16 inputs run the tensor-core kernels (`mma.sync`, f32
-//!   accumulation; probabilities and their gradients are rounded to the input
-//!   type before their products, as FlashAttention-2 does) on compute
-//!   capability 8.0 and newer, the SIMT kernels elsewhere or when
-//!   `OOMFIX_FLASH_SIMT=1` is set. Their backward adds dQ up over key tiles
-//!   with atomics into an f32 `[b, heads, s_q, d]` buffer (the order of the
-//!   additions varies from run to run, so dQ is not bit-reproducible).
+//! On compute capability 8.0 and newer the tensor-core kernels run
+//! (`mma.sync`, f32 accumulation):
+//! * bf16 and f16 multiply the 16-bit values (probabilities and their
+//!   gradients are rounded to the input type before their products, as
+//!   FlashAttention-2 does);
+//! * f32 multiplies with three tf32 products per pair of operands (3xTF32:
+//!   each operand split into its tf32 rounding and the tf32 rounding of the
+//!   remainder), which keeps f32 accuracy; PyTorch's memory-efficient f32
+//!   kernel does the same.
+//!
+//! Their backward adds dQ up over key tiles with atomics into an f32
+//! `[b, heads, s_q, d]` buffer (the order of the additions varies from run to
+//! run, so dQ is not bit-reproducible). Older devices, or `OOMFIX_FLASH_SIMT=1`,
+//! run the SIMT kernels (f32 arithmetic on CUDA cores, deterministic).
 //!
 //! Head dimensions up to 128 are supported (kernels for 64 and 128, the tail
 //! zero-filled).
@@ -136,7 +142,7 @@ impl Variant {
         }
         let d = if dims.d <= 64 { 64 } else { 128 };
         Ok(Variant {
-            mma: info.mma && dtype != DType::F32,
+            mma: info.mma,
             d,
             dtype,
         })
@@ -160,10 +166,10 @@ impl Variant {
         }
     }
 
-    /// Query rows of a forward block: the tensor-core kernel with d = 64
-    /// gives each warp two groups of 16 rows.
+    /// Query rows of a forward block: the 16-bit tensor-core kernel with
+    /// d = 64 gives each warp two groups of 16 rows.
     fn fwd_rows(&self) -> usize {
-        if self.mma && self.d == 64 {
+        if self.mma && self.d == 64 && self.dtype != DType::F32 {
             2 * TILE
         } else {
             TILE
@@ -184,12 +190,14 @@ impl Variant {
     fn smem(&self, kernel: &str) -> usize {
         let (d, t, inner) = (self.d, TILE, self.inner());
         if self.mma {
-            // The tiles streamed through the loop are double-buffered.
-            let row = (d + 8) * 2;
+            // Tiles hold the input type; the ones streamed through the loop
+            // are double-buffered.
+            let size = self.dtype.size_in_bytes();
+            let row = (d + 8) * size;
             match kernel {
                 "fwd" => self.fwd_rows() * row + 2 * 2 * t * row,
                 // K, V; Q, dO (two each); dS transposed; lse and delta rows (two each).
-                _ => 2 * t * row + 2 * 2 * inner * row + t * (inner + 8) * 2 + 2 * 2 * inner * 4,
+                _ => 2 * t * row + 2 * 2 * inner * row + t * (inner + 8) * size + 2 * 2 * inner * 4,
             }
         } else {
             let (row, prow) = ((d + 1) * 4, (t + 1) * 4);

@@ -10,11 +10,11 @@
 //
 // Two families of kernels, each templated on the element type T and on
 // D, the head dimension rounded up to 64 or 128 (the tail is zero-filled):
-//   *_simt: plain f32 arithmetic on CUDA cores, for every dtype (f32 inputs
-//           always take it: its results match the CPU op to f32 rounding);
-//   *_mma:  bf16/f16 tensor-core kernels (mma.sync m16n8k16, f32
-//           accumulation), four warps per block, each owning 16 rows (32 in
-//           the forward with d <= 64: two groups sharing each K/V fragment).
+//   *_simt: plain f32 arithmetic on CUDA cores, for every dtype (devices
+//           older than compute capability 8.0);
+//   *_mma:  tensor-core kernels (mma.sync, f32 accumulation; f32 inputs as
+//           3xTF32), four warps per block, each owning 16 rows (32 in the
+//           16-bit forward with d <= 64: two groups sharing each K/V fragment).
 // Grids are (tiles, heads, batch), so that the blocks of one head run side by
 // side and share its K/V (forward) or Q/dO (backward) tiles in L2.
 // Forward: one block per query tile, online softmax over the key tiles.
@@ -450,69 +450,29 @@ __device__ void dq_simt(const T* __restrict__ q, const T* __restrict__ k, const 
 }
 
 // ===========================================================================
-// Tensor-core kernels for bf16 / f16: 128 threads = 4 warps, warp w owns rows
-// 16w .. 16w+15 of a 64-row tile. Tiles live in shared memory as 16-bit values
-// with row stride D + 8 (16-byte aligned rows, no bank conflicts for the
-// 32-bit fragment loads and ldmatrix).
+// Tensor-core kernels: 128 threads = 4 warps, warp w owns rows 16w .. 16w+15
+// of a 64-row tile. Tiles live in shared memory as the input type with row
+// stride D + 8 elements (16-byte aligned rows; no bank conflicts for the
+// fragment loads along rows). The kernels are written against a fragment
+// policy `Frag<T>` that loads, multiplies and stores 16 x 16 blocks:
+//   bf16 / f16: mma.sync m16n8k16 on the 16-bit values (f32 accumulation);
+//   f32:        three mma.sync m16n8k8 tf32 products per k = 8 step (3xTF32:
+//               each operand is split into a tf32 part and a tf32 remainder,
+//               and big.big + big.small + small.big keeps ~f32 accuracy).
 //
 // mma.sync m16n8k16 fragments (g = lane / 4, t = lane % 4):
 //   A (16 x 16, row-major): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
 //   B (16 x 8, k x n):      b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
 //   C (16 x 8):             c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1]
 // so two adjacent C tiles of one row block are the A fragment of the next
-// product (P or dS feed P.V, dS.K, ... straight from registers).
+// product (P or dS feed P.V, dS.K, ... straight from registers). The tf32
+// fragments (A: a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4];
+// B: b0 = B[t][g], b1 = B[t+4][g]) are used with the reduction index of each
+// k = 8 step permuted (slot t is column 2t, slot t + 4 column 2t + 1), which
+// makes C tiles A fragments there too, and row loads 64-bit wide.
 
 #define MB 64     // rows per block tile
 #define MPAD 8
-
-template <typename T> struct Mma;
-template <> struct Mma<Bf16> {
-    static __device__ __forceinline__ void run(float c[4], const u32 a[4], u32 b0, u32 b1) {
-#if __CUDA_ARCH__ >= 800
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-        __trap();
-#endif
-    }
-    // Two f32 values as one register of two bf16 (lo in the low half).
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        u32 r;
-#if __CUDA_ARCH__ >= 800
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-        r = 0;
-        __trap();
-#endif
-        return r;
-    }
-};
-template <> struct Mma<F16> {
-    static __device__ __forceinline__ void run(float c[4], const u32 a[4], u32 b0, u32 b1) {
-#if __CUDA_ARCH__ >= 800
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-        __trap();
-#endif
-    }
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        u32 r;
-#if __CUDA_ARCH__ >= 800
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-        r = 0;
-        __trap();
-#endif
-        return r;
-    }
-};
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 r;
@@ -562,6 +522,213 @@ template <int LD> __device__ __forceinline__ int lm_off(int lane) {
 
 __device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
 
+template <typename T> struct Cvt16;
+template <> struct Cvt16<Bf16> {
+    static __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+        __trap();
+#endif
+    }
+    // Two f32 values as one register of two bf16 (lo in the low half).
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+#if __CUDA_ARCH__ >= 800
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+        r = 0;
+        __trap();
+#endif
+        return r;
+    }
+};
+template <> struct Cvt16<F16> {
+    static __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+        __trap();
+#endif
+    }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        u32 r;
+#if __CUDA_ARCH__ >= 800
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+        r = 0;
+        __trap();
+#endif
+        return r;
+    }
+};
+
+// The fragment policy of the tensor-core kernels. Every 16 x 16 block is
+// addressed by a pointer to its first element in a tile of row stride LD:
+//   load_a    the A fragment of a row-major [m][k] block;
+//   load_a_t  the A fragment of the transpose of a [k][m] block;
+//   load_b    the B fragments (columns 0-7, 8-15) of the transpose of an [n][k] block;
+//   load_b_t  the B fragments of a [k][n] block;
+//   pack_a    the A fragment of the block held by two adjacent C tiles;
+//   store_a   an A fragment back into a row-major block;
+//   mma2      c0 += A B[:, 0:8], c1 += A B[:, 8:16];
+//   store2    two adjacent output values.
+template <typename T> struct Frag {
+    typedef u16 E;
+    struct A { u32 r[4]; };
+    struct B { u32 r[4]; };
+    template <int LD> static __device__ __forceinline__ void load_a(A& a, const E* p, int lane) {
+        const E* base = p + (lane / 4) * LD + 2 * (lane % 4);
+        a.r[0] = lds32(base);
+        a.r[1] = lds32(base + 8 * LD);
+        a.r[2] = lds32(base + 8);
+        a.r[3] = lds32(base + 8 * LD + 8);
+    }
+    template <int LD> static __device__ __forceinline__ void load_a_t(A& a, const E* p, int lane) {
+        ldmatrix_x4_trans(a.r, p + lm_off<LD>(lane));
+    }
+    template <int LD> static __device__ __forceinline__ void load_b(B& b, const E* p, int lane) {
+        ldmatrix_x4(b.r, p + lm_off<LD>(lane));
+    }
+    template <int LD> static __device__ __forceinline__ void load_b_t(B& b, const E* p, int lane) {
+        ldmatrix_x4_trans(b.r, p + lm_trans_off<LD>(lane));
+    }
+    static __device__ __forceinline__ void pack_a(A& a, const float c0[4], const float c1[4]) {
+        a.r[0] = Cvt16<T>::pack(c0[0], c0[1]);
+        a.r[1] = Cvt16<T>::pack(c0[2], c0[3]);
+        a.r[2] = Cvt16<T>::pack(c1[0], c1[1]);
+        a.r[3] = Cvt16<T>::pack(c1[2], c1[3]);
+    }
+    template <int LD> static __device__ __forceinline__ void store_a(E* p, const A& a, int lane) {
+        E* row = p + (lane / 4) * LD + 2 * (lane % 4);
+        *reinterpret_cast<u32*>(row) = a.r[0];
+        *reinterpret_cast<u32*>(row + 8 * LD) = a.r[1];
+        *reinterpret_cast<u32*>(row + 8) = a.r[2];
+        *reinterpret_cast<u32*>(row + 8 * LD + 8) = a.r[3];
+    }
+    static __device__ __forceinline__ void mma2(float c0[4], float c1[4], const A& a, const B& b) {
+        Cvt16<T>::mma(c0, a.r, b.r[0], b.r[1]);
+        Cvt16<T>::mma(c1, a.r, b.r[2], b.r[3]);
+    }
+    static __device__ __forceinline__ void store2(T* p, float x0, float x1) {
+        *reinterpret_cast<u32*>(p) = Cvt16<T>::pack(x0, x1);
+    }
+};
+
+struct __align__(8) F2 { float x, y; };
+
+template <> struct Frag<float> {
+    typedef float E;
+    // Per k = 8 half h: the tf32 parts (hi) and remainders (lo).
+    struct A { u32 hi[2][4], lo[2][4]; };
+    // Per column half j and k half h.
+    struct B { u32 hi[2][2][2], lo[2][2][2]; };
+    static __device__ __forceinline__ void split(float x, u32& hi, u32& lo) {
+#if __CUDA_ARCH__ >= 800
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+#else
+        hi = lo = 0;
+        __trap();
+#endif
+    }
+    // Slots a0..a3 of half h: (g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1).
+    static __device__ __forceinline__ void set_a(A& a, int h, float x0, float x1, float x2, float x3) {
+        split(x0, a.hi[h][0], a.lo[h][0]);
+        split(x1, a.hi[h][1], a.lo[h][1]);
+        split(x2, a.hi[h][2], a.lo[h][2]);
+        split(x3, a.hi[h][3], a.lo[h][3]);
+    }
+    template <int LD> static __device__ __forceinline__ void load_a(A& a, const E* p, int lane) {
+        const E* base = p + (lane / 4) * LD + 2 * (lane % 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const F2 u = *reinterpret_cast<const F2*>(base + 8 * h);
+            const F2 w = *reinterpret_cast<const F2*>(base + 8 * LD + 8 * h);
+            set_a(a, h, u.x, w.x, u.y, w.y);
+        }
+    }
+    template <int LD> static __device__ __forceinline__ void load_a_t(A& a, const E* p, int lane) {
+        const E* base = p + 2 * (lane % 4) * LD + lane / 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const E* r = base + 8 * h * LD;
+            set_a(a, h, r[0], r[8], r[LD], r[LD + 8]);
+        }
+    }
+    template <int LD> static __device__ __forceinline__ void load_b(B& b, const E* p, int lane) {
+        const E* base = p + (lane / 4) * LD + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const F2 u = *reinterpret_cast<const F2*>(base + 8 * j * LD + 8 * h);
+                split(u.x, b.hi[j][h][0], b.lo[j][h][0]);
+                split(u.y, b.hi[j][h][1], b.lo[j][h][1]);
+            }
+    }
+    template <int LD> static __device__ __forceinline__ void load_b_t(B& b, const E* p, int lane) {
+        const E* base = p + 2 * (lane % 4) * LD + lane / 4;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const E* r = base + 8 * h * LD + 8 * j;
+                split(r[0], b.hi[j][h][0], b.lo[j][h][0]);
+                split(r[LD], b.hi[j][h][1], b.lo[j][h][1]);
+            }
+    }
+    static __device__ __forceinline__ void pack_a(A& a, const float c0[4], const float c1[4]) {
+        set_a(a, 0, c0[0], c0[2], c0[1], c0[3]);
+        set_a(a, 1, c1[0], c1[2], c1[1], c1[3]);
+    }
+    template <int LD> static __device__ __forceinline__ void store_a(E* p, const A& a, int lane) {
+        E* base = p + (lane / 4) * LD + 2 * (lane % 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float x[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[e] = __uint_as_float(a.hi[h][e]) + __uint_as_float(a.lo[h][e]);
+            *reinterpret_cast<F2*>(base + 8 * h) = F2{x[0], x[2]};
+            *reinterpret_cast<F2*>(base + 8 * LD + 8 * h) = F2{x[1], x[3]};
+        }
+    }
+    static __device__ __forceinline__ void mma(float c[4], const u32 a[4], const u32 b[2]) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+        __trap();
+#endif
+    }
+    static __device__ __forceinline__ void mma2(float c0[4], float c1[4], const A& a, const B& b) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            float* c = j ? c1 : c0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                mma(c, a.lo[h], b.hi[j][h]);
+                mma(c, a.hi[h], b.lo[j][h]);
+                mma(c, a.hi[h], b.hi[j][h]);
+            }
+        }
+    }
+    static __device__ __forceinline__ void store2(float* p, float x0, float x1) {
+        *reinterpret_cast<F2*>(p) = F2{x0, x1};
+    }
+};
+
 // 2^x with the hardware approximation (2 ulp; -inf gives 0).
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -570,7 +737,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 // 16 bytes from global to shared memory without waiting; zeros when !ok.
-__device__ __forceinline__ void cp_async16(u16* dst, const u16* src, bool ok) {
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 16 : 0));
 #else
@@ -589,37 +756,26 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Loads rows r0 .. r0+R-1 of a row-major [rows, d] 16-bit matrix into a
-// [R][D+8] tile, zero outside. With `vec` (d % 8 == 0 and an aligned base) as
+// Loads rows r0 .. r0+R-1 of a row-major [rows, d] matrix into a [R][D+8]
+// tile, zero outside. With `vec` (d % 8 == 0 and an aligned base) as
 // asynchronous 16-byte copies: the caller commits them as a group and waits
 // (cp_async_wait) before a barrier; otherwise with plain loads and stores.
-template <int R, int D>
-__device__ __forceinline__ void load_tile16(u16* tile, const u16* src, int r0, int rows, int d, int vec) {
+template <int R, int D, typename E>
+__device__ __forceinline__ void load_tile(E* tile, const E* src, int r0, int rows, int d, int vec) {
     const int LD = D + MPAD;
     if (vec) {
-        const int CH = D / 8;
+        const int W = 16 / sizeof(E), CH = D / W;
         for (int idx = threadIdx.x; idx < R * CH; idx += blockDim.x) {
-            const int r = idx / CH, c = (idx % CH) * 8;
+            const int r = idx / CH, c = (idx % CH) * W;
             const bool ok = r0 + r < rows && c < d;
             cp_async16(tile + r * LD + c, ok ? src + (i64)(r0 + r) * d + c : src, ok);
         }
     } else {
         for (int idx = threadIdx.x; idx < R * D; idx += blockDim.x) {
             const int r = idx / D, c = idx % D;
-            tile[r * LD + c] = (r0 + r < rows && c < d) ? src[(i64)(r0 + r) * d + c] : (u16)0;
+            tile[r * LD + c] = (r0 + r < rows && c < d) ? src[(i64)(r0 + r) * d + c] : (E)0;
         }
     }
-}
-
-// A fragment of rows row0 .. row0+15, columns col0 .. col0+15 of a tile.
-template <int LD>
-__device__ __forceinline__ void load_a(u32 a[4], const u16* tile, int row0, int col0, int lane) {
-    const int g = lane / 4, t = lane % 4;
-    const u16* base = tile + (row0 + g) * LD + col0 + 2 * t;
-    a[0] = lds32(base);
-    a[1] = lds32(base + 8 * LD);
-    a[2] = lds32(base + 8);
-    a[3] = lds32(base + 8 * LD + 8);
 }
 
 // dst[0..3] += (a, b, c, d) in global memory, atomically; `left` columns
@@ -639,22 +795,12 @@ __device__ __forceinline__ void red_add4(float* dst, int left, float a, float b,
     if (left > 3) atomicAdd(dst + 3, d);
 }
 
-// The A fragment of a 16 x 16 block from the two adjacent C tiles holding it.
-template <typename T>
-__device__ __forceinline__ void pack_a(u32 a[4], const float c0[4], const float c1[4]) {
-    a[0] = Mma<T>::pack(c0[0], c0[1]);
-    a[1] = Mma<T>::pack(c0[2], c0[3]);
-    a[2] = Mma<T>::pack(c1[0], c1[1]);
-    a[3] = Mma<T>::pack(c1[2], c1[3]);
-}
-
 // Stores a row-major fragment row (two values at columns col, col+1) of a [.., d] matrix.
 template <typename T>
 __device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, float x1) {
     if (col + 1 < d) {
         if ((d & 1) == 0) {
-            u32 packed = Mma<T>::pack(x0, x1);
-            *reinterpret_cast<u32*>(row + col) = packed;
+            Frag<T>::store2(row + col, x0, x1);
         } else {
             row[col] = from_f32<T>(x0);
             row[col + 1] = from_f32<T>(x1);
@@ -671,37 +817,40 @@ template <typename T, int D, int RG>
 __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p,
                         int vec) {
+    typedef Frag<T> M;
+    typedef typename M::E E;
     constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, BM = MB * RG;
-    extern __shared__ __align__(16) u16 hsmem[];
-    u16* Qs = hsmem;
-    u16* Kb = Qs + BM * LD;      // two K tiles
-    u16* Vb = Kb + 2 * MB * LD;  // two V tiles
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    E* Qs = reinterpret_cast<E*>(tc_smem);
+    E* Kb = Qs + BM * LD;      // two K tiles
+    E* Vb = Kb + 2 * MB * LD;  // two V tiles
     const int bh = block_head();
     const int tiles = (p.s_q + BM - 1) / BM;
     const int i0 = (tiles - 1 - (int)blockIdx.x) * BM;
     const int bb = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const u16* kh = reinterpret_cast<const u16*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
-    const u16* vh = reinterpret_cast<const u16*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const E* kh = reinterpret_cast<const E*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const E* vh = reinterpret_cast<const E*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
     const u8* keep_row = keep + (i64)bb * p.s_k;
     const float sl2 = p.scale * LOG2E;
 
     const int last = min(i0 + BM, p.s_q) - 1;
     const int kend = key_end(p, last);
-    load_tile16<BM, D>(Qs, reinterpret_cast<const u16*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+    load_tile<BM, D>(Qs, reinterpret_cast<const E*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
     if (kend > 0) {
-        load_tile16<MB, D>(Kb, kh, 0, p.s_k, p.d, vec);
-        load_tile16<MB, D>(Vb, vh, 0, p.s_k, p.d, vec);
+        load_tile<MB, D>(Kb, kh, 0, p.s_k, p.d, vec);
+        load_tile<MB, D>(Vb, vh, 0, p.s_k, p.d, vec);
     }
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    u32 qa[RG][KS][4];
+    typename M::A qa[RG][KS];
 #pragma unroll
     for (int rg = 0; rg < RG; ++rg)
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) load_a<LD>(qa[rg][kk], Qs, (warp * RG + rg) * 16, kk * 16, lane);
+        for (int kk = 0; kk < KS; ++kk)
+            M::template load_a<LD>(qa[rg][kk], Qs + (warp * RG + rg) * 16 * LD + kk * 16, lane);
 
     float acc[RG][NO][4];
     float m[RG][2], l[RG][2];
@@ -716,15 +865,14 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int row_a = i0 + warp * 16 * RG + g;
     // Key tiles from `full_end` on may hide keys from some rows of the block.
     const int full_end = p.has_keep ? 0 : key_end(p, i0);
-    const int kb_off = lm_off<LD>(lane);
     for (int j0 = 0, it = 0; j0 < kend; j0 += MB, ++it) {
         // Fetch the next key tile while this one is used (the barrier at the
         // end of the last iteration freed its buffer).
-        const u16* Ks = Kb + (it & 1) * MB * LD;
-        const u16* Vs = Vb + (it & 1) * MB * LD;
+        const E* Ks = Kb + (it & 1) * MB * LD;
+        const E* Vs = Vb + (it & 1) * MB * LD;
         if (j0 + MB < kend) {
-            load_tile16<MB, D>(Kb + ((it + 1) & 1) * MB * LD, kh, j0 + MB, p.s_k, p.d, vec);
-            load_tile16<MB, D>(Vb + ((it + 1) & 1) * MB * LD, vh, j0 + MB, p.s_k, p.d, vec);
+            load_tile<MB, D>(Kb + ((it + 1) & 1) * MB * LD, kh, j0 + MB, p.s_k, p.d, vec);
+            load_tile<MB, D>(Vb + ((it + 1) & 1) * MB * LD, vh, j0 + MB, p.s_k, p.d, vec);
         }
         cp_async_commit();
         cp_async_wait<1>();
@@ -738,13 +886,10 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         for (int kk = 0; kk < KS; ++kk) {
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
-                u32 b[4];
-                ldmatrix_x4(b, Ks + np * 16 * LD + kk * 16 + kb_off);
+                typename M::B b;
+                M::template load_b<LD>(b, Ks + np * 16 * LD + kk * 16, lane);
 #pragma unroll
-                for (int rg = 0; rg < RG; ++rg) {
-                    Mma<T>::run(s[rg][2 * np], qa[rg][kk], b[0], b[1]);
-                    Mma<T>::run(s[rg][2 * np + 1], qa[rg][kk], b[2], b[3]);
-                }
+                for (int rg = 0; rg < RG; ++rg) M::mma2(s[rg][2 * np], s[rg][2 * np + 1], qa[rg][kk], b);
             }
         }
         const bool masked = j0 + MB > full_end;
@@ -788,19 +933,15 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            u32 pa[RG][4];
+            typename M::A pa[RG];
 #pragma unroll
-            for (int rg = 0; rg < RG; ++rg) pack_a<T>(pa[rg], s[rg][2 * kk], s[rg][2 * kk + 1]);
-            const u16* vb = Vs + kk * 16 * LD + lm_trans_off<LD>(lane);
+            for (int rg = 0; rg < RG; ++rg) M::pack_a(pa[rg], s[rg][2 * kk], s[rg][2 * kk + 1]);
 #pragma unroll
             for (int n2 = 0; n2 < D / 16; ++n2) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, vb + n2 * 16);
+                typename M::B b;
+                M::template load_b_t<LD>(b, Vs + kk * 16 * LD + n2 * 16, lane);
 #pragma unroll
-                for (int rg = 0; rg < RG; ++rg) {
-                    Mma<T>::run(acc[rg][2 * n2], pa[rg], b[0], b[1]);
-                    Mma<T>::run(acc[rg][2 * n2 + 1], pa[rg], b[2], b[3]);
-                }
+                for (int rg = 0; rg < RG; ++rg) M::mma2(acc[rg][2 * n2], acc[rg][2 * n2 + 1], pa[rg], b);
             }
         }
         __syncthreads();
@@ -838,12 +979,14 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     // dQ = dS K: the four warps as QW groups of 16 queries times DW groups of columns.
     constexpr int QW = BQ / 16, DW = 4 / QW, NT = NO / DW;
     static_assert(QW * DW == 4 && NT % 2 == 0, "dQ warp layout");
-    extern __shared__ __align__(16) u16 hsmem[];
-    u16* Ks = hsmem;
-    u16* Vs = Ks + MB * LD;
-    u16* Qb = Vs + MB * LD;       // two Q tiles
-    u16* Db = Qb + 2 * BQ * LD;   // two dO tiles
-    u16* Ss = Db + 2 * BQ * LD;   // dS transposed: [key][query]
+    typedef Frag<T> M;
+    typedef typename M::E E;
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    E* Ks = reinterpret_cast<E*>(tc_smem);
+    E* Vs = Ks + MB * LD;
+    E* Qb = Vs + MB * LD;       // two Q tiles
+    E* Db = Qb + 2 * BQ * LD;   // two dO tiles
+    E* Ss = Db + 2 * BQ * LD;   // dS transposed: [key][query]
     float* Lb = reinterpret_cast<float*>(Ss + MB * LDS);  // two lse * log2(e) rows
     float* Eb = Lb + 2 * BQ;      // two delta rows
     const int bkv = block_head();
@@ -853,8 +996,8 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u8* keep_row = keep + (i64)bb * p.s_k;
     const float sl2 = p.scale * LOG2E;
-    load_tile16<MB, D>(Ks, reinterpret_cast<const u16*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
-    load_tile16<MB, D>(Vs, reinterpret_cast<const u16*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
+    load_tile<MB, D>(Ks, reinterpret_cast<const E*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
+    load_tile<MB, D>(Vs, reinterpret_cast<const E*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
     float gk[NO][4], gv[NO][4];
 #pragma unroll
     for (int n = 0; n < NO; ++n)
@@ -872,9 +1015,9 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     auto fetch = [&](int it, int buf) {
         const i64 bh = head_of(it);
         const int i0 = qstart + (it % nq) * BQ;
-        load_tile16<BQ, D>(Qb + buf * BQ * LD, reinterpret_cast<const u16*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
-        load_tile16<BQ, D>(Db + buf * BQ * LD, reinterpret_cast<const u16*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d,
-                           vec);
+        load_tile<BQ, D>(Qb + buf * BQ * LD, reinterpret_cast<const E*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
+        load_tile<BQ, D>(Db + buf * BQ * LD, reinterpret_cast<const E*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d,
+                         vec);
         for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
             const bool in = i0 + r < p.s_q;
             Lb[buf * BQ + r] = in ? lse[bh * p.s_q + i0 + r] * LOG2E : NEG_INF;
@@ -883,13 +1026,11 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     };
     if (total > 0) fetch(0, 0);
     cp_async_commit();
-    // ldmatrix row addresses of this lane in a 16 x 16 block.
-    const int lb_off = lm_off<LD>(lane), lt_off = lm_trans_off<LD>(lane), ls_off = lm_off<LDS>(lane);
     const int qg = warp % QW, dg = warp / QW;
     for (int it = 0; it < total; ++it) {
         const int i0 = qstart + (it % nq) * BQ;
-        const u16* Qs = Qb + (it & 1) * BQ * LD;
-        const u16* Ds = Db + (it & 1) * BQ * LD;
+        const E* Qs = Qb + (it & 1) * BQ * LD;
+        const E* Ds = Db + (it & 1) * BQ * LD;
         const float* Ls = Lb + (it & 1) * BQ;
         const float* Es = Eb + (it & 1) * BQ;
         if (it + 1 < total) fetch(it + 1, (it + 1) & 1);
@@ -904,18 +1045,16 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
-            u32 ka[4], va[4];
-            load_a<LD>(ka, Ks, warp * 16, kk * 16, lane);
-            load_a<LD>(va, Vs, warp * 16, kk * 16, lane);
+            typename M::A ka, va;
+            M::template load_a<LD>(ka, Ks + warp * 16 * LD + kk * 16, lane);
+            M::template load_a<LD>(va, Vs + warp * 16 * LD + kk * 16, lane);
 #pragma unroll
             for (int np = 0; np < NQ / 2; ++np) {
-                u32 bq[4], bd[4];
-                ldmatrix_x4(bq, Qs + np * 16 * LD + kk * 16 + lb_off);
-                ldmatrix_x4(bd, Ds + np * 16 * LD + kk * 16 + lb_off);
-                Mma<T>::run(s[2 * np], ka, bq[0], bq[1]);
-                Mma<T>::run(s[2 * np + 1], ka, bq[2], bq[3]);
-                Mma<T>::run(dp[2 * np], va, bd[0], bd[1]);
-                Mma<T>::run(dp[2 * np + 1], va, bd[2], bd[3]);
+                typename M::B bq, bd;
+                M::template load_b<LD>(bq, Qs + np * 16 * LD + kk * 16, lane);
+                M::template load_b<LD>(bd, Ds + np * 16 * LD + kk * 16, lane);
+                M::mma2(s[2 * np], s[2 * np + 1], ka, bq);
+                M::mma2(dp[2 * np], dp[2 * np + 1], va, bd);
             }
         }
         const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
@@ -934,23 +1073,17 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         // dV += P^T dO, dK += dS^T Q; dS^T to shared memory for dQ.
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk) {
-            u32 pa[4], sa[4];
-            pack_a<T>(pa, s[2 * kk], s[2 * kk + 1]);
-            pack_a<T>(sa, dp[2 * kk], dp[2 * kk + 1]);
-            u16* srow = Ss + (warp * 16 + g) * LDS + kk * 16 + 2 * t;
-            *reinterpret_cast<u32*>(srow) = sa[0];
-            *reinterpret_cast<u32*>(srow + 8 * LDS) = sa[1];
-            *reinterpret_cast<u32*>(srow + 8) = sa[2];
-            *reinterpret_cast<u32*>(srow + 8 * LDS + 8) = sa[3];
+            typename M::A pa, sa;
+            M::pack_a(pa, s[2 * kk], s[2 * kk + 1]);
+            M::pack_a(sa, dp[2 * kk], dp[2 * kk + 1]);
+            M::template store_a<LDS>(Ss + warp * 16 * LDS + kk * 16, sa, lane);
 #pragma unroll
             for (int n2 = 0; n2 < D / 16; ++n2) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, Ds + kk * 16 * LD + lt_off + n2 * 16);
-                Mma<T>::run(gv[2 * n2], pa, b[0], b[1]);
-                Mma<T>::run(gv[2 * n2 + 1], pa, b[2], b[3]);
-                ldmatrix_x4_trans(b, Qs + kk * 16 * LD + lt_off + n2 * 16);
-                Mma<T>::run(gk[2 * n2], sa, b[0], b[1]);
-                Mma<T>::run(gk[2 * n2 + 1], sa, b[2], b[3]);
+                typename M::B b;
+                M::template load_b_t<LD>(b, Ds + kk * 16 * LD + n2 * 16, lane);
+                M::mma2(gv[2 * n2], gv[2 * n2 + 1], pa, b);
+                M::template load_b_t<LD>(b, Qs + kk * 16 * LD + n2 * 16, lane);
+                M::mma2(gk[2 * n2], gk[2 * n2 + 1], sa, b);
             }
         }
         __syncthreads();
@@ -961,14 +1094,13 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             for (int n = 0; n < NT; ++n) gq[n][0] = gq[n][1] = gq[n][2] = gq[n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < MB / 16; ++kk) {
-                u32 a[4];
-                ldmatrix_x4_trans(a, Ss + kk * 16 * LDS + qg * 16 + ls_off);
+                typename M::A a;
+                M::template load_a_t<LDS>(a, Ss + kk * 16 * LDS + qg * 16, lane);
 #pragma unroll
                 for (int n2 = 0; n2 < NT / 2; ++n2) {
-                    u32 b[4];
-                    ldmatrix_x4_trans(b, Ks + kk * 16 * LD + lt_off + dg * NT * 8 + n2 * 16);
-                    Mma<T>::run(gq[2 * n2], a, b[0], b[1]);
-                    Mma<T>::run(gq[2 * n2 + 1], a, b[2], b[3]);
+                    typename M::B b;
+                    M::template load_b_t<LD>(b, Ks + kk * 16 * LD + dg * NT * 8 + n2 * 16, lane);
+                    M::mma2(gq[2 * n2], gq[2 * n2 + 1], a, b);
                 }
             }
             float* acc = dq_acc + head_of(it) * p.s_q * p.d;
@@ -1053,6 +1185,8 @@ SIMT_ENTRIES(bf16, Bf16, 64)
 SIMT_ENTRIES(bf16, Bf16, 128)
 SIMT_ENTRIES(f16, F16, 64)
 SIMT_ENTRIES(f16, F16, 128)
+MMA_ENTRIES(f32, float, 64, 1, 32)
+MMA_ENTRIES(f32, float, 128, 1, 32)
 MMA_ENTRIES(bf16, Bf16, 64, 2, 32)
 MMA_ENTRIES(bf16, Bf16, 128, 1, 32)
 MMA_ENTRIES(f16, F16, 64, 2, 32)
