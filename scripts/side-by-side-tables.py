@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Markdown tables from scripts/side-by-side.sh's results.
 
+A configuration measured in several rounds (ROUNDS > 1) gets one row: the
+median of its rounds' step times, the largest peaks, and the range of the
+per-round time ratios.
+
 usage: side-by-side-tables.py TORCH_JSONL OOMFIX_JSONL CLI_TXT
 """
 import json, statistics, sys
@@ -15,10 +19,31 @@ def load(path):
             pass
     return rows
 
+key = lambda r: (r["model"], r["batch"], r["seq"], r["precision"], r["ckpt"], r.get("accum", 1))
+
+def merge(rows):
+    """One row per configuration and attention; rounds keep their step times in `rounds_ms`."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((key(r), r.get("attn", "composed")), []).append(r)
+    out = []
+    for g in groups.values():
+        ok = [r for r in g if r.get("status") == "ok"]
+        if not ok:
+            out.append(g[-1])
+            continue
+        m = dict(ok[0])
+        for f in ("peak_alloc_bytes", "peak_reserved_bytes"):
+            m[f] = max(r[f] for r in ok)
+        m["rounds_ms"] = [r["step_ms"] for r in ok]
+        m["failed_rounds"] = len(g) - len(ok)
+        m["step_ms"] = statistics.median(m["rounds_ms"])
+        out.append(m)
+    return out
+
 ORDER = {"gpt2": 0, "gpt2-medium": 1, "tinyllama": 2}
 by_model = lambda rows: sorted(rows, key=lambda r: ORDER.get(r["model"], 3))
-torch_rows, oomfix_rows = by_model(load(sys.argv[1])), by_model(load(sys.argv[2]))
-key = lambda r: (r["model"], r["batch"], r["seq"], r["precision"], r["ckpt"], r.get("accum", 1))
+torch_rows, oomfix_rows = by_model(merge(load(sys.argv[1]))), by_model(merge(load(sys.argv[2])))
 # oomfix's attention per row: composed (eager-style) or flash. PyTorch's eager
 # rows compare with composed; its SDPA rows with flash where it ran, else composed.
 ours = {(key(r), r.get("attn", "composed")): r for r in oomfix_rows}
@@ -37,14 +62,22 @@ def ratio(a, b, field):
     if a is None or b is None or a.get("status") != "ok" or b.get("status") != "ok":
         return ""
     return f"{a[field] / b[field]:.2f}"
+def spread(o, t):
+    """min–max of the per-round time ratios, when both sides ran more than one round."""
+    if o is None or t is None or len(o.get("rounds_ms", [])) < 2 or len(t.get("rounds_ms", [])) < 2:
+        return ""
+    rs = [a / b for a, b in zip(o["rounds_ms"], t["rounds_ms"])]
+    failed = o.get("failed_rounds", 0) + t.get("failed_rounds", 0)
+    return f"{min(rs):.2f}–{max(rs):.2f}" + (f" ({failed} round(s) failed)" if failed else "")
 plan = lambda r: f'{r["model"]} | {r["batch"]}×{r["seq"]} | {r["precision"]} | {"every block" if r["ckpt"] else "no"}'
 
 print("## oomfix vs PyTorch 2.11, same plan, fused AdamW\n")
 print("Peaks in GiB (oomfix: CUDA pool used/reserved high-water; PyTorch: max_memory_allocated/reserved); "
-      "step ms: median of 5 steady-state steps. Ratios are oomfix / PyTorch.\n")
+      "step ms: median of 5 steady-state steps (over several rounds: the median of the rounds, the two sides "
+      "alternating; the last column gives the range of the per-round time ratios). Ratios are oomfix / PyTorch.\n")
 print("| model | b×s | precision | ckpt | PyTorch attn | oomfix attn | PyTorch alloc | PyTorch reserved | PyTorch ms "
-      "| oomfix alloc | oomfix reserved | oomfix ms | alloc ratio | reserved ratio | time ratio |")
-print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+      "| oomfix alloc | oomfix reserved | oomfix ms | alloc ratio | reserved ratio | time ratio | per-round time ratios |")
+print("|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 seen = set()
 for t in torch_rows:
     o = match(t)
@@ -53,12 +86,12 @@ for t in torch_rows:
     print(f'| {plan(t)} | {t["attn"]} | {o.get("attn", "composed") if o else ""} | {cell(t, "peak_alloc_bytes", gib)} | {cell(t, "peak_reserved_bytes", gib)} '
           f'| {cell(t, "step_ms", "{:.0f}".format)} | {cell(o, "peak_alloc_bytes", gib)} '
           f'| {cell(o, "peak_reserved_bytes", gib)} | {cell(o, "step_ms", "{:.0f}".format)} '
-          f'| {ratio(o, t, "peak_alloc_bytes")} | {ratio(o, t, "peak_reserved_bytes")} | {ratio(o, t, "step_ms")} |')
+          f'| {ratio(o, t, "peak_alloc_bytes")} | {ratio(o, t, "peak_reserved_bytes")} | {ratio(o, t, "step_ms")} | {spread(o, t)} |')
 for o in oomfix_rows:
     if (key(o), o.get("attn", "composed")) not in seen:
         print(f'| {plan(o)}{" ×" + str(o.get("accum")) + " accum" if o.get("accum", 1) > 1 else ""} | not run | {o.get("attn", "composed")} | | | '
               f'| {cell(o, "peak_alloc_bytes", gib)} | {cell(o, "peak_reserved_bytes", gib)} '
-              f'| {cell(o, "step_ms", "{:.0f}".format)} | | | |')
+              f'| {cell(o, "step_ms", "{:.0f}".format)} | | | | |')
 
 print("\n## Memory model vs measured GPU peak (oomfix)\n")
 print("estimate − runtime (context and cuBLAS workspace, outside the pool) against the pool's used high-water mark.\n")

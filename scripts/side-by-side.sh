@@ -10,7 +10,9 @@
 #            cli.txt (the two CLI runs), log.txt (progress, stderr), tables.md
 # Environment: DEADLINE (seconds from start after which no new run starts; 480),
 #   CAP (seconds one configuration may take; 100), PHASES (which runs, in this
-#   order: default "gpt2 cli medium llama eager").
+#   order: default "gpt2 cli medium llama eager"), ROUNDS (how many times the
+#   gpt2 and llama phases run, the two sides alternating; 1): the tables give
+#   the median over rounds and the range of the per-round time ratios.
 #
 # Runs in order of importance, so a cut-off loses the least: GPT-2 small both
 # sides (gpt2), the two 8 GiB CLI runs (cli), GPT-2 medium at the CLI's plan
@@ -24,6 +26,7 @@ OUT_DIR=${2:-${OUT:-side-by-side-out}}
 DEADLINE=${DEADLINE:-480}
 CAP=${CAP:-100}
 PHASES=${PHASES:-gpt2 cli medium llama eager}
+ROUNDS=${ROUNDS:-1}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 mkdir -p "$OUT_DIR"
@@ -99,9 +102,11 @@ want() { [[ " $PHASES " == *" $1 "* ]]; }
 
 G=gpt2:8:1024 L=tinyllama:4:2048 M=gpt2-medium
 if want gpt2; then
-    torch_side $G:fp32:0:sdpa $G:bf16:0:sdpa $G:bf16:1:sdpa $G:fp32:0:eager $G:bf16:0:eager $G:bf16:1:eager
-    oomfix_side $G:fp32:0:fused:1:flash $G:bf16:0:fused:1:flash $G:bf16:1:fused:1:flash \
-        $G:fp32:0:fused $G:bf16:0:fused $G:bf16:1:fused
+    for ((round = 1; round <= ROUNDS; round++)); do
+        torch_side $G:fp32:0:sdpa $G:bf16:0:sdpa $G:bf16:1:sdpa $G:fp32:0:eager $G:bf16:0:eager $G:bf16:1:eager
+        oomfix_side $G:fp32:0:fused:1:flash $G:bf16:0:fused:1:flash $G:bf16:1:fused:1:flash \
+            $G:fp32:0:fused $G:bf16:0:fused $G:bf16:1:fused
+    done
 fi
 
 mkdir -p "$WORK/gpt2-medium" "$WORK/tinyllama"
@@ -124,10 +129,12 @@ if want medium; then
 fi
 
 if want llama; then
-    torch_side $L:bf16:1:sdpa $L:bf16:0:sdpa $L:fp32:0:sdpa
-    # Last: the CLI's closest TinyLlama plan at 8 GiB (1 x 8 accumulation, seq 1024).
-    oomfix_side $L:bf16:1:fused:1:flash $L:bf16:0:fused:1:flash $L:bf16:1:fused $L:bf16:0:fused \
-        $L:fp32:0:fused tinyllama:1:1024:bf16:1:fused:8:flash
+    for ((round = 1; round <= ROUNDS; round++)); do
+        torch_side $L:bf16:1:sdpa $L:bf16:0:sdpa $L:fp32:0:sdpa
+        # Last: the CLI's closest TinyLlama plan at 8 GiB (1 x 8 accumulation, seq 1024).
+        oomfix_side $L:bf16:1:fused:1:flash $L:bf16:0:fused:1:flash $L:bf16:1:fused $L:bf16:0:fused \
+            $L:fp32:0:fused tinyllama:1:1024:bf16:1:fused:8:flash
+    done
 fi
 want eager && torch_side $L:bf16:1:eager $L:bf16:0:eager $L:fp32:0:eager
 say "runs done"
