@@ -8,7 +8,9 @@
 //!    precision that dtype can reach. One `PASS`/`FAIL` row per case;
 //! 2. timing: forward and forward+backward (loss = sum(o · w)) for GPT-2-like
 //!    shapes (batch 8, 12 heads, head dim 64, causal) at s = 1024 … 8192, bf16
-//!    and f32, with the pool's peak; one `PERF` row each.
+//!    and f32, with the pool's peak; one `PERF` row each; and TinyLlama-1.1B's
+//!    grouped-query shape (batch 4, 32 query and 4 key/value heads, s = 2048,
+//!    bf16), one `PERF-gqa` row.
 //!
 //! Usage: `gpu_attention [--check-only | --perf-only]`. Exits 1 when a check
 //! fails. `HEAD_DIM=128` times another head dimension (heads × head dim stays
@@ -395,8 +397,44 @@ fn time<F: FnMut() -> Result<()>>(
     Ok(ms[reps / 2])
 }
 
-fn timings(device: &Device) -> Result<()> {
+/// Forward ms, forward+backward ms and the pool's peak (MiB) of causal
+/// attention over `(batch, heads, kv_heads, seq, head_dim)`.
+fn time_shape(
+    device: &Device,
+    dtype: DType,
+    (b, h, kv, s, d): (usize, usize, usize, usize, usize),
+) -> Result<(f64, f64, f64)> {
+    let mk = |heads: usize| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, (b, heads, s, d), device)?.to_dtype(dtype)?)
+    };
+    let (q, k, v, w) = (
+        Var::from_tensor(&mk(h)?)?,
+        Var::from_tensor(&mk(kv)?)?,
+        Var::from_tensor(&mk(kv)?)?,
+        mk(h)?,
+    );
+    let opts = AttentionOptions {
+        causal: true,
+        ..Default::default()
+    };
+    let fwd = time(device, 3, 10, || {
+        flash_attention(&q, &k, &v, &opts)?;
+        Ok(())
+    })?;
+    let step = || -> Result<()> {
+        let o = flash_attention(&q, &k, &v, &opts)?;
+        let grads = (&o * &w)?.sum_all()?.backward()?;
+        drop(grads);
+        Ok(())
+    };
+    let fwd_bwd = time(device, 3, 10, step)?;
     let cuda = device.as_cuda_device()?;
+    reset_peaks(cuda)?;
+    step()?;
+    Ok((fwd, fwd_bwd, PoolStats::read(cuda)?.used_high as f64 / MIB))
+}
+
+fn timings(device: &Device) -> Result<()> {
     let d: usize = match std::env::var("HEAD_DIM") {
         Ok(v) => v.parse().context("HEAD_DIM")?,
         Err(_) => 64,
@@ -406,40 +444,20 @@ fn timings(device: &Device) -> Result<()> {
         "\n## timing: batch 8, {h} heads, head dim {d}, causal; median of 10 after 3 warm-up runs"
     );
     println!("## PERF dtype seq fwd_ms fwd_bwd_ms peak_alloc_MiB (pool high-water during fwd+bwd, inputs included)\n");
+    // PERF_DTYPES=bf16 (or f32) times one of the two.
+    let only = std::env::var("PERF_DTYPES").unwrap_or_default();
     for dtype in [DType::BF16, DType::F32] {
+        let name = format!("{dtype:?}").to_lowercase();
+        if !only.is_empty() && !only.split(',').any(|d| d == name) {
+            continue;
+        }
         for s in [1024, 2048, 4096, 8192] {
-            let mk = || -> Result<Tensor> {
-                Ok(Tensor::randn(0f32, 1.0, (b, h, s, d), device)?.to_dtype(dtype)?)
-            };
-            let (q, k, v, w) = (
-                Var::from_tensor(&mk()?)?,
-                Var::from_tensor(&mk()?)?,
-                Var::from_tensor(&mk()?)?,
-                mk()?,
-            );
-            let opts = AttentionOptions {
-                causal: true,
-                ..Default::default()
-            };
-            let fwd = time(device, 3, 10, || {
-                flash_attention(&q, &k, &v, &opts)?;
-                Ok(())
-            })?;
-            let step = || -> Result<()> {
-                let o = flash_attention(&q, &k, &v, &opts)?;
-                let grads = (&o * &w)?.sum_all()?.backward()?;
-                drop(grads);
-                Ok(())
-            };
-            let fwd_bwd = time(device, 3, 10, step)?;
-            reset_peaks(cuda)?;
-            step()?;
-            let peak = PoolStats::read(cuda)?.used_high as f64 / MIB;
-            println!(
-                "PERF {} {s} {fwd:.3} {fwd_bwd:.3} {peak:.0}",
-                format!("{dtype:?}").to_lowercase()
-            );
+            let (fwd, fwd_bwd, peak) = time_shape(device, dtype, (b, h, h, s, d))?;
+            println!("PERF {name} {s} {fwd:.3} {fwd_bwd:.3} {peak:.0}");
         }
     }
+    // TinyLlama-1.1B's attention: batch 4, 32 query heads on 4 key/value heads.
+    let (fwd, fwd_bwd, peak) = time_shape(device, DType::BF16, (4, 32, 4, 2048, 64))?;
+    println!("PERF-gqa bf16 2048 {fwd:.3} {fwd_bwd:.3} {peak:.0}");
     Ok(())
 }

@@ -8,7 +8,10 @@ forward+backward (inputs included).
 Prints one line per shape: PERF dtype seq fwd_ms fwd_bwd_ms peak_alloc_MiB
 (PyTorch's choice of backend); with --backends, also one line per backend
 forced through torch.nn.attention.sdpa_kernel: PERF-<backend> ... (a backend
-that rejects the inputs prints PERF-<backend> dtype seq - - -).
+that rejects the inputs prints PERF-<backend> dtype seq - - -). Last,
+TinyLlama-1.1B's grouped-query shape (batch 4, 32 query and 4 key/value heads,
+s = 2048, bf16) as transformers runs it: PERF-gqa-repeat (keys and values
+repeated to 32 heads, then SDPA) and PERF-gqa (SDPA's enable_gqa).
 usage: sdpa_bench.py [--seqs 1024,2048,4096,8192] [--backends]
 """
 import argparse, statistics, sys, time
@@ -77,6 +80,31 @@ def main():
                     print(f"PERF-{label} {name} {s} - - -", flush=True)
             del q, k, v, w
             torch.cuda.empty_cache()
+
+    b, h, kv, s = 4, 32, 4, 2048
+    mk = lambda heads, grad: torch.randn(b, heads, s, d, device=dev, dtype=torch.bfloat16, requires_grad=grad)
+    q, k, v, w = mk(h, True), mk(kv, True), mk(kv, True), mk(h, False)
+    for label, attend in [
+        ("gqa-repeat", lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(h // kv, dim=1), v.repeat_interleave(h // kv, dim=1), is_causal=True)),
+        ("gqa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
+    ]:
+        def fwd():
+            with torch.no_grad():
+                attend()
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            (attend() * w).sum().backward()
+
+        f_ms, fb_ms = timed(fwd), timed(step)
+        q.grad = k.grad = v.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        print(f"PERF-{label} bf16 {s} {f_ms:.3f} {fb_ms:.3f} {torch.cuda.max_memory_allocated() / 2**20:.0f}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@
 #   CAP (seconds one configuration may take; 100), PHASES (which runs, in this
 #   order: default "gpt2 cli medium llama eager"), ROUNDS (how many times the
 #   gpt2 and llama phases run, the two sides alternating; 1): the tables give
-#   the median over rounds and the range of the per-round time ratios.
+#   the median over rounds and the range of the per-round time ratios;
+#   ROWS=flash runs only the memory-efficient attention rows (PyTorch's SDPA,
+#   oomfix's flash attention).
 #
 # Runs in order of importance, so a cut-off loses the least: GPT-2 small both
 # sides (gpt2), the two 8 GiB CLI runs (cli), GPT-2 medium at the CLI's plan
@@ -27,6 +29,7 @@ DEADLINE=${DEADLINE:-480}
 CAP=${CAP:-100}
 PHASES=${PHASES:-gpt2 cli medium llama eager}
 ROUNDS=${ROUNDS:-1}
+ROWS=${ROWS:-all}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 mkdir -p "$OUT_DIR"
@@ -54,9 +57,19 @@ for name in gpu_side_by_side oomfix; do
 done
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv >>"$LOG" 2>&1
 
+# The configurations among "$@" that ROWS selects, one per line.
+rows() {
+    local c
+    for c in "$@"; do
+        [[ $ROWS != flash || $c == *:sdpa || $c == *:flash ]] && printf '%s\n' "$c"
+    done
+}
+
 # PyTorch configurations MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN, one process.
 torch_side() {
     local t
+    set -- $(rows "$@")
+    (($# > 0)) || return 0
     t=$(budget $((CAP * $#)))
     ((t > 0)) || { say "skipped (deadline): pytorch $*"; return; }
     say "pytorch: $*"
@@ -67,7 +80,7 @@ torch_side() {
 # oomfix configurations MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM[:ATTN]], one process each.
 oomfix_side() {
     local c t rc line
-    for c in "$@"; do
+    for c in $(rows "$@"); do
         t=$(budget)
         if ((t == 0)); then
             say "skipped (deadline): oomfix $c"

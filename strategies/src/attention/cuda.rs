@@ -16,7 +16,10 @@
 //!
 //! Their backward adds dQ up over key tiles with atomics into an f32
 //! `[b, heads, s_q, d]` buffer (the order of the additions varies from run to
-//! run, so dQ is not bit-reproducible). Older devices, or `OOMFIX_FLASH_SIMT=1`,
+//! run, so dQ is not bit-reproducible). With grouped-query heads and too few
+//! key tiles x key/value heads to fill the device, the query heads of a group
+//! are split over several blocks ([`kv_splits`]), which add dK and dV into f32
+//! buffers the same way. Older devices, or `OOMFIX_FLASH_SIMT=1`,
 //! run the SIMT kernels (f32 arithmetic on CUDA cores, deterministic).
 //!
 //! Head dimensions up to 128 are supported (kernels for 64 and 128, the tail
@@ -59,6 +62,7 @@ struct KernelParams {
     scale: f32,
     causal: i32,
     has_keep: i32,
+    kv_splits: i32,
 }
 
 // SAFETY: `KernelParams` is `#[repr(C)]` with the field types and order of the
@@ -87,6 +91,8 @@ struct DeviceInfo {
     mma: bool,
     /// Largest dynamic shared memory a block may opt in to.
     max_smem: usize,
+    /// Streaming multiprocessors.
+    sms: usize,
 }
 
 fn device_info(dev: &CudaDevice) -> candle_core::Result<&'static DeviceInfo> {
@@ -104,11 +110,15 @@ fn device_info(dev: &CudaDevice) -> candle_core::Result<&'static DeviceInfo> {
     let max_smem = ctx
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .w()?;
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .w()?;
     let simt_forced = std::env::var("OOMFIX_FLASH_SIMT").is_ok_and(|v| v == "1");
     let info = DeviceInfo {
         arch: Box::leak(format!("compute_{major}{minor}").into_boxed_str()),
         mma: major >= 8 && !simt_forced,
         max_smem: max_smem.max(0) as usize,
+        sms: sms.max(1) as usize,
     };
     Ok(INFO.get_or_init(|| info))
 }
@@ -294,7 +304,29 @@ fn kernel_params(
         scale: params.scale,
         causal: params.causal as i32,
         has_keep: has_keep as i32,
+        kv_splits: 1,
     })
+}
+
+/// Blocks per key tile and key/value head in the tensor-core backward: the
+/// smallest divisor of the group size that gives about four waves of blocks
+/// (three per multiprocessor), so that grouped-query models with few
+/// key/value heads fill the device. `OOMFIX_FLASH_KV_SPLITS=N` sets it to the
+/// largest divisor of the group size not above N (1: never split).
+fn kv_splits(dims: &Dims, info: &DeviceInfo) -> candle_core::Result<usize> {
+    let group = dims.heads / dims.kv_heads.max(1);
+    if let Ok(v) = std::env::var("OOMFIX_FLASH_KV_SPLITS") {
+        let cap = match v.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => bail!("OOMFIX_FLASH_KV_SPLITS={v} is not a positive integer"),
+        };
+        return Ok((1..=cap.min(group)).rev().find(|n| group % n == 0).unwrap_or(1));
+    }
+    let blocks = dims.s_k.div_ceil(TILE) * dims.kv_heads * dims.b;
+    let want = 4 * 3 * info.sms;
+    Ok((1..=group)
+        .find(|n| group % n == 0 && blocks * n >= want)
+        .unwrap_or(group))
 }
 
 /// A kernel grid: tiles of `rows` over a sequence of `len` positions, then
@@ -483,7 +515,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         let mut dk = unsafe { dev.alloc::<T>(kv_len) }?;
         let mut dv = unsafe { dev.alloc::<T>(kv_len) }?;
         let stream = dev.cuda_stream();
-        let kv_grid = grid(dims.s_k, TILE, dims.kv_heads, dims.b);
         // Launches `kernel` over `grid` with the arguments every backward
         // kernel starts with, then `rest`.
         macro_rules! launch_backward {
@@ -498,29 +529,46 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             }};
         }
         if var.mma {
-            // One kernel for dK, dV and dQ; dQ summed over the key tiles in f32.
+            // One kernel for dK, dV and dQ; dQ summed over the key tiles in
+            // f32, dK and dV too when the group's heads are split.
+            let splits = kv_splits(dims, info)?;
+            let p = KernelParams {
+                kv_splits: splits as i32,
+                ..p
+            };
             let mut dq_acc = dev.alloc_zeros::<f32>(rows * dims.d)?;
+            let mut dkv_acc = dev.alloc_zeros::<f32>(if splits > 1 { 2 * kv_len } else { 1 })?;
             if kv_len > 0 {
-                launch_backward!("bwd", kv_grid, &mut dk, &mut dv, &mut dq_acc, &p, &vec);
+                let g = grid(dims.s_k, TILE, dims.kv_heads * splits, dims.b);
+                launch_backward!("bwd", g, &mut dk, &mut dv, &mut dq_acc, &mut dkv_acc, &p, &vec);
             }
             let func = dev.get_or_load_custom_func(
                 &format!("flash_dq_convert_{}", dtype_name(q.dtype())?),
                 MODULE,
                 ptx(info.arch)?,
             )?;
-            let n = (rows * dims.d) as i64;
-            let cfg = LaunchConfig {
-                grid_dim: ((n as u64).div_ceil(256).min(65535 * 8) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
+            // dst = src in T (f32 accumulators to the gradients).
+            let convert = |src: CudaView<f32>, dst: &mut CudaSlice<T>| {
+                let n = src.len() as i64;
+                let cfg = LaunchConfig {
+                    grid_dim: ((n as u64).div_ceil(256).min(65535 * 8) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut b = stream.launch_builder(&func);
+                b.arg(&src).arg(dst).arg(&n);
+                // SAFETY: src and dst hold `n` elements.
+                unsafe { b.launch(cfg) }.w()
             };
-            let mut b = stream.launch_builder(&func);
-            b.arg(&dq_acc).arg(&mut dq).arg(&n);
-            // SAFETY: dq_acc and dq hold `n` elements.
-            unsafe { b.launch(cfg) }.w()?;
+            convert(dq_acc.slice(..), &mut dq)?;
+            if splits > 1 && kv_len > 0 {
+                convert(dkv_acc.slice(..kv_len), &mut dk)?;
+                convert(dkv_acc.slice(kv_len..), &mut dv)?;
+            }
         } else {
             if kv_len > 0 {
-                launch_backward!("dkdv", kv_grid, &mut dk, &mut dv, &p);
+                let g = grid(dims.s_k, TILE, dims.kv_heads, dims.b);
+                launch_backward!("dkdv", g, &mut dk, &mut dv, &p);
             }
             let q_grid = grid(dims.s_q, TILE, dims.heads, dims.b);
             launch_backward!("dq", q_grid, &mut dq, &p);

@@ -38,6 +38,10 @@ struct Params {
     float scale;  // applied to q.k
     int causal;
     int has_keep;
+    // Tensor-core backward: blocks per key tile and key/value head, each
+    // taking heads / kv_heads / kv_splits query heads of the group (with more
+    // than one, dK and dV are added into f32 accumulators).
+    int kv_splits;
 };
 
 #define LOG2E 1.4426950408889634f
@@ -795,6 +799,25 @@ __device__ __forceinline__ void red_add4(float* dst, int left, float a, float b,
     if (left > 3) atomicAdd(dst + 3, d);
 }
 
+// acc[row0 + r][col0 + c] += mul * frags (N C tiles side by side: 16 rows
+// from row0, 8 N columns from col0) of an f32 [rows, d] matrix, atomically.
+// Lanes t and t ^ 1 swap halves so that each adds four adjacent columns of
+// one row: even t row g, odd t row g + 8.
+template <int N>
+__device__ __forceinline__ void red_add_frags(float* acc, int row0, int rows, int col0, int d,
+                                              const float frags[N][4], float mul, int lane) {
+    const int g = lane / 4, t = lane % 4, r = t & 1, i = row0 + g + r * 8;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const float x0 = frags[n][0] * mul, x1 = frags[n][1] * mul;
+        const float x2 = frags[n][2] * mul, x3 = frags[n][3] * mul;
+        const float y0 = __shfl_xor_sync(0xffffffffu, r ? x0 : x2, 1);
+        const float y1 = __shfl_xor_sync(0xffffffffu, r ? x1 : x3, 1);
+        const int c = col0 + n * 8 + 2 * (t & ~1);
+        if (i < rows) red_add4(acc + (i64)i * d + c, d - c, r ? y0 : x0, r ? y1 : x1, r ? x2 : y0, r ? x3 : y1);
+    }
+}
+
 // Stores a row-major fragment row (two values at columns col, col+1) of a [.., d] matrix.
 template <typename T>
 __device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, float x1) {
@@ -966,14 +989,17 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 
 // The backward of one 64-key tile (FlashAttention-2's scheme, five products
 // per tile pair): dK and dV summed over the query heads of the key head's
-// group, whose query tiles of BQ rows go by; for each, dS (transposed, 16-bit)
-// goes through shared memory to dQ = dS K, which the block adds to the f32
-// accumulator `dq_acc` [b, heads, s_q, d] with atomics.
+// group (or their share of them, see Params::kv_splits), whose query tiles
+// of BQ rows go by; for each, dS (transposed) goes through shared memory to
+// dQ = dS K, which the block adds to the f32 accumulator `dq_acc`
+// [b, heads, s_q, d] with atomics. With kv_splits > 1, dK and dV are added to
+// the f32 accumulators `dkv_acc` (dK then dV, each [b, kv_heads, s_k, d]).
 template <typename T, int D, int BQ>
 __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ dout, const float* __restrict__ lse,
                         const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
-                        T* __restrict__ dv, float* __restrict__ dq_acc, Params p, int vec) {
+                        T* __restrict__ dv, float* __restrict__ dq_acc, float* __restrict__ dkv_acc, Params p,
+                        int vec) {
     // MB keys per block, 16 per warp.
     constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD;
     // dQ = dS K: the four warps as QW groups of 16 queries times DW groups of columns.
@@ -989,10 +1015,10 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     E* Ss = Db + 2 * BQ * LD;   // dS transposed: [key][query]
     float* Lb = reinterpret_cast<float*>(Ss + MB * LDS);  // two lse * log2(e) rows
     float* Eb = Lb + 2 * BQ;      // two delta rows
-    const int bkv = block_head();
+    const int bkv = block_head() / p.kv_splits, part = block_head() % p.kv_splits;
     const int j0 = blockIdx.x * MB;
     const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
-    const int group = p.heads / p.kv_heads;
+    const int group = p.heads / p.kv_heads, share = group / p.kv_splits;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u8* keep_row = keep + (i64)bb * p.s_k;
     const float sl2 = p.scale * LOG2E;
@@ -1010,8 +1036,8 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     // The (query head of the group, query tile) pairs, in one sequence whose
     // next tiles are fetched while the current ones are used.
     const int nq = qstart < p.s_q ? (p.s_q - qstart + BQ - 1) / BQ : 0;
-    const int total = group * nq;
-    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + it / nq; };
+    const int total = share * nq;
+    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + part * share + it / nq; };
     auto fetch = [&](int it, int buf) {
         const i64 bh = head_of(it);
         const int i0 = qstart + (it % nq) * BQ;
@@ -1103,22 +1129,17 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                     M::mma2(gq[2 * n2], gq[2 * n2 + 1], a, b);
                 }
             }
-            float* acc = dq_acc + head_of(it) * p.s_q * p.d;
-            // Lanes t and t ^ 1 swap halves so that each adds four adjacent
-            // columns of one row: even t row g, odd t row g + 8.
-            const int r = t & 1, i = i0 + qg * 16 + g + r * 8;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const float x0 = gq[n][0] * p.scale, x1 = gq[n][1] * p.scale;
-                const float x2 = gq[n][2] * p.scale, x3 = gq[n][3] * p.scale;
-                const float y0 = __shfl_xor_sync(0xffffffffu, r ? x0 : x2, 1);
-                const float y1 = __shfl_xor_sync(0xffffffffu, r ? x1 : x3, 1);
-                const int c = dg * NT * 8 + n * 8 + 2 * (t & ~1);
-                if (i < p.s_q)
-                    red_add4(acc + (i64)i * p.d + c, p.d - c, r ? y0 : x0, r ? y1 : x1, r ? x2 : y0, r ? x3 : y1);
-            }
+            red_add_frags<NT>(dq_acc + head_of(it) * p.s_q * p.d, i0 + qg * 16, p.s_q, dg * NT * 8, p.d, gq, p.scale,
+                              lane);
         }
         __syncthreads();
+    }
+    if (p.kv_splits > 1) {
+        const i64 n = (i64)p.b * p.kv_heads * p.s_k * p.d;
+        float* kacc = dkv_acc + (i64)bkv * p.s_k * p.d;
+        red_add_frags<NO>(kacc, warp * 16 + j0, p.s_k, 0, p.d, gk, p.scale, lane);
+        red_add_frags<NO>(kacc + n, warp * 16 + j0, p.s_k, 0, p.d, gv, 1.f, lane);
+        return;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -1167,8 +1188,8 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
     }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_##TN##_##D(                                  \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
-        T* dk, T* dv, float* dq_acc, Params p, int vec) {                                                     \
-        bwd_mma<T, D, BQ>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, p, vec);                          \
+        T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                                     \
+        bwd_mma<T, D, BQ>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, dkv_acc, p, vec);                 \
     }
 
 #define DELTA_ENTRY(TN, T)                                                                                    \
