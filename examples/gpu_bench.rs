@@ -11,12 +11,13 @@
 //! 4. the fused cross-entropy on CUDA: loss and logits gradient against
 //!    candle_nn's composed loss on the CPU, then time and pool transient of
 //!    forward+backward against the composed loss at GPT-2's vocabulary;
-//! 5. the fused layer ops (norms, biased linear, GELU, SwiGLU) on CUDA against
-//!    the same ops on the CPU (output and every input's gradient), then the
-//!    time of forward+backward against the composed candle expressions at
-//!    GPT-2 small's shapes.
+//! 5. the fused layer ops (norms, biased linear, GELU, SwiGLU, RoPE, the
+//!    embedding lookup) on CUDA against the same ops on the CPU (output and
+//!    every input's gradient), then the time of forward+backward against the
+//!    composed candle expressions at GPT-2 small's shapes.
 //!
-//! Build with `scripts/build-cuda.sh --features cuda --example gpu_bench`;
+//! `SECTIONS=5` (a comma list) runs only those sections. Build with
+//! `scripts/build-cuda.sh --features cuda --example gpu_bench`;
 //! results and the command are in docs/gpu-bench.md.
 
 use std::time::Instant;
@@ -49,12 +50,39 @@ fn main() -> Result<()> {
         "RUST_BACKTRACE: {backtrace:?} (unset it: candle captures a backtrace into every error)\n"
     );
 
-    let numeric = numeric_match(&device)?;
-    let accumulated = accumulate_match(&device)?;
-    let bandwidth = bandwidth(&device)?;
-    let training = training(&device)?;
-    let loss = loss_rows(&device)?;
-    let (fused_match, fused_time) = fused_rows(&device)?;
+    // SECTIONS=5 (a comma list) runs only those sections; the others print empty.
+    let sections = std::env::var("SECTIONS").unwrap_or_default();
+    let want = |n: &str| sections.is_empty() || sections.split(',').any(|s| s.trim() == n);
+    let numeric = if want("1") {
+        numeric_match(&device)?
+    } else {
+        Vec::new()
+    };
+    let accumulated = if want("1") {
+        accumulate_match(&device)?
+    } else {
+        Vec::new()
+    };
+    let bandwidth = if want("2") {
+        bandwidth(&device)?
+    } else {
+        Vec::new()
+    };
+    let training = if want("3") {
+        training(&device)?
+    } else {
+        Vec::new()
+    };
+    let loss = if want("4") {
+        loss_rows(&device)?
+    } else {
+        Vec::new()
+    };
+    let (fused_match, fused_time) = if want("5") {
+        fused_rows(&device)?
+    } else {
+        Default::default()
+    };
     let stats = PoolStats::read(&cuda)?;
     let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
 
@@ -729,6 +757,12 @@ fn fused_cases() -> Vec<FusedCase> {
             composed: |t| t[0].silu()?.mul(&t[1]),
         },
         FusedCase {
+            name: "embedding lookup, 8192 ids into [8192, 768]",
+            shapes: |_| vec![vec![8192, H]],
+            fused: |t| fused::embedding(&t[0], &bench_ids(t[0].device())?),
+            composed: |t| t[0].index_select(&bench_ids(t[0].device())?, 0),
+        },
+        FusedCase {
             name: "RoPE, heads first",
             shapes: |n| vec![vec![n / 256, 256, H]],
             fused: |t| {
@@ -738,6 +772,12 @@ fn fused_cases() -> Vec<FusedCase> {
             composed: |t| composed_rope(&t[0]),
         },
     ]
+}
+
+/// 8192 ids of the embedding case, each of 1000 rows used about eight times.
+fn bench_ids(device: &Device) -> candle_core::Result<Tensor> {
+    let ids: Vec<u32> = (0..8192u32).map(|i| i * 7 % 1000).collect();
+    Tensor::from_vec(ids, 8192, device)
 }
 
 /// Llama's RoPE on `[b, s, H]` split into heads of 64, composed from candle

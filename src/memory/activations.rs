@@ -279,27 +279,27 @@ pub const SURROGATE_STRAY_NH: u64 = 4;
 /// stores a contiguous copy of its transpose, `[V,h]`.
 pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 2;
 
-/// Token-embedding-sized tensors alive at the end of the embedding lookup's
-/// backward besides every parameter gradient.
+/// Token-embedding-sized tensors alive at the end of a tied embedding
+/// lookup's backward besides every parameter gradient.
 ///
-/// candle's `index_add` copies the gradient so far (zeros for an untied
-/// embedding, the head's gradient for a tied one) and scatters into the copy,
-/// which becomes the gradient: the tensor it copied is one extra. With
-/// checkpointing, the stem's backward runs in a gradient store of its own, so
-/// a tied embedding's scattered gradient is then added to the head's: the sum
-/// is a second extra ([`embedding_backward_copies`]).
-pub const EMBEDDING_BACKWARD_COPIES: u64 = 1;
+/// The lookup's backward ([`crate::train::fused::embedding`]) makes the
+/// scattered gradient `[V,h]`; an untied table takes it as its gradient (no
+/// extra), a tied one's gradient store adds it to the output head's: the
+/// head's gradient and the scattered one are alive beside the sum.
+pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
 
-/// [`EMBEDDING_BACKWARD_COPIES`], plus one for a tied embedding under
-/// checkpointing.
-pub fn embedding_backward_copies(spec: &ModelSpec, plan: &Plan) -> u64 {
+/// [`EMBEDDING_BACKWARD_COPIES`] for a tied embedding, none for an untied one.
+pub fn embedding_backward_copies(spec: &ModelSpec) -> u64 {
     let tied = match spec.config.family {
         Family::Gpt2 | Family::Bert => true,
         Family::Llama => spec.config.tied_embeddings,
         Family::Generic => false,
     };
-    let checkpointed = matches!(plan.checkpoint, Checkpointing::Every(k) if k > 0);
-    EMBEDDING_BACKWARD_COPIES + u64::from(tied && checkpointed)
+    if tied {
+        EMBEDDING_BACKWARD_COPIES
+    } else {
+        0
+    }
 }
 
 /// Score-sized tensors alive at once while the backward crosses one composed
@@ -393,7 +393,7 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     // makes the block's strays).
     let block_transient =
         (strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
-    let embedding_transient = embedding_backward_copies(spec, plan) * d.v * d.h * c;
+    let embedding_transient = embedding_backward_copies(spec) * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);

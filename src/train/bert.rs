@@ -147,9 +147,7 @@ impl TrainableModel for Bert {
         let [embeddings, mask, transform, decoder] = self.tags;
         let stem = {
             let _m = Scope::new(embeddings, Op::Embedding);
-            let words = self
-                .word
-                .index_select(&batch.input_ids.flatten_all()?, 0)?
+            let words = fused::embedding(&self.word, &batch.input_ids.flatten_all()?)?
                 .reshape((b, s, h))?;
             // Every token is in segment A: token type 0 for all positions.
             let position_and_type = self

@@ -1,5 +1,6 @@
 //! Layers as single graph nodes with their own backward: layer norm, RMS norm,
-//! biased linear maps, GELU, SwiGLU and rotary position embedding.
+//! biased linear maps, GELU, SwiGLU, rotary position embedding and the token
+//! embedding lookup.
 //!
 //! Composed from candle ops, each of these keeps every intermediate result
 //! alive for backward, and its backward is a chain of small kernels, each
@@ -210,6 +211,23 @@ fn check_param(x: &Tensor, p: &Tensor, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// The sum of the rows of a `[n, c]` tensor, `[c]` in its dtype.
+///
+/// On CUDA as the product `1ᵀ·t` (cuBLAS, f32 accumulation): candle's
+/// reduction over the first dimension gives each block one column, read with
+/// a stride (on the H200, 80 µs a call on average over GPT-2 small's bias
+/// and norm gradients at n = 8192, fp32: 3% of a step's kernel time); on the
+/// CPU, `sum(0)`.
+fn column_sum(t: &Tensor) -> Result<Tensor> {
+    let (n, c) = t.dims2()?;
+    if !t.device().is_cuda() || n == 0 {
+        return t.sum(0);
+    }
+    Tensor::ones((1, n), t.dtype(), t.device())?
+        .matmul(t)?
+        .reshape(c)
+}
+
 #[inline]
 fn f(x: impl WithDType) -> f32 {
     x.to_f64() as f32
@@ -284,9 +302,9 @@ impl Norm {
         let dx = x.apply_op3_no_bwd(&w, &dy, &NormGrad(*self, NormGradPart::Input))?;
         let rows = |t: Tensor| t.reshape(((), w.dim(0)?));
         let scaled = x.apply_op3_no_bwd(&w, &dy, &NormGrad(*self, NormGradPart::Scale))?;
-        let dw = rows(scaled)?.sum(0)?.to_dtype(w.dtype())?;
+        let dw = column_sum(&rows(scaled)?)?.to_dtype(w.dtype())?;
         let db = shift
-            .then(|| rows(dy.to_dtype(DType::F32)?)?.sum(0)?.to_dtype(w.dtype()))
+            .then(|| column_sum(&rows(dy.to_dtype(DType::F32)?)?)?.to_dtype(w.dtype()))
             .transpose()?;
         Ok((dx, dw, db))
     }
@@ -574,7 +592,7 @@ impl CustomOp3 for Linear {
             WeightLayout::InOut => (dy2.matmul(&w.t()?)?, x2.t()?.matmul(&dy2)?),
             WeightLayout::OutIn => (dy2.matmul(&w)?, dy2.t()?.matmul(&x2)?),
         };
-        let db = dy2.sum(0)?;
+        let db = column_sum(&dy2)?;
         Ok((Some(dx.reshape(x.shape())?), Some(dw), Some(db)))
     }
 }
@@ -920,6 +938,9 @@ fn rope_slices<T: WithDType>(
 ) -> Result<CpuStorage> {
     Ok(rope_cpu(cpu_slice::<T>(st, l)?, cos, sin, dims, back))
 }
+
+mod embedding;
+pub use embedding::embedding;
 
 #[cfg(test)]
 mod tests;

@@ -125,10 +125,8 @@ impl TrainableModel for Gpt2 {
         let [wte, mask, ln_f, lm_head] = self.tags;
         let stem = {
             let _m = Scope::new(wte, Op::Embedding);
-            let tokens = self
-                .wte
-                .index_select(&batch.input_ids.flatten_all()?, 0)?
-                .reshape((b, s, h))?;
+            let tokens =
+                fused::embedding(&self.wte, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
             tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
         };
         let attend = {

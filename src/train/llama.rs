@@ -178,9 +178,7 @@ impl TrainableModel for Llama {
         let ctx = &ctx;
         let stem = {
             let _m = Scope::new(embed, Op::Embedding);
-            self.embed
-                .index_select(&batch.input_ids.flatten_all()?, 0)?
-                .reshape((b, s, h))?
+            fused::embedding(&self.embed, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?
         };
         let blocks: Vec<_> = self
             .blocks

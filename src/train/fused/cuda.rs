@@ -4,7 +4,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
@@ -337,4 +337,45 @@ pub(super) fn rope(
     back: bool,
 ) -> Result<CudaStorage> {
     by_dtype!(x.0.dtype(), rope_typed(x, cos, sin, dims, back))
+}
+
+fn embedding_grad_typed<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+    name: &str,
+    dy: (&CudaStorage, &Layout),
+    ids: (&CudaStorage, &Layout),
+    vocab: usize,
+) -> Result<CudaStorage> {
+    let dev = dy.0.device().clone();
+    let len = dy.1.shape().elem_count();
+    let n = ids.1.shape().elem_count();
+    let (dyv, idv) = (view::<T>(dy.0, dy.1)?, view::<u32>(ids.0, ids.1)?);
+    let (_, h) = dy.1.shape().dims2()?;
+    let mut out = dev.alloc_zeros::<T>((vocab * h).max(1))?;
+    if len > 0 {
+        let func =
+            dev.get_or_load_custom_func(&format!("embedding_grad_{name}"), MODULE, ptx()?)?;
+        let (n, h, vocab) = (n as u64, h as u64, vocab as u64);
+        let mut launch = func.builder();
+        launch
+            .arg(&dyv)
+            .arg(&idv)
+            .arg(&mut out)
+            .arg(&n)
+            .arg(&h)
+            .arg(&vocab);
+        // SAFETY: arguments match `embedding_grad_*(src, ids, dst, n, h, vocab)`; src
+        // holds n·h elements, ids n, dst vocab·h (ids at or past vocab are skipped).
+        unsafe { launch.launch(elementwise_config(len)) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
+
+/// The embedding lookup's backward: the rows of `dy` `[n, h]` summed into a
+/// `[vocab, h]` table by `ids` (u32).
+pub(super) fn embedding_grad(
+    dy: (&CudaStorage, &Layout),
+    ids: (&CudaStorage, &Layout),
+    vocab: usize,
+) -> Result<CudaStorage> {
+    by_dtype!(dy.0.dtype(), embedding_grad_typed(dy, ids, vocab))
 }

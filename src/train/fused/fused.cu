@@ -123,6 +123,33 @@ __device__ void rope(const T *src, T *dst, const float *cos, const float *sin, u
     }
 }
 
+// *p += v atomically: f32 with the hardware add, 16-bit values by
+// compare-and-swap on the aligned 32-bit word that holds them.
+__device__ __forceinline__ void atomic_add(float *p, float v) { atomicAdd(p, v); }
+template <typename T>
+__device__ __forceinline__ void atomic_add(T *p, float v) {
+    u32 *word = reinterpret_cast<u32 *>(reinterpret_cast<size_t>(p) & ~(size_t)3);
+    const int shift = (reinterpret_cast<size_t>(p) & 2) ? 16 : 0;
+    u32 old = *word, seen;
+    do {
+        seen = old;
+        T cur;
+        cur.bits = (u16)(seen >> shift);
+        const u32 bits = from_f32<T>(to_f32(cur) + v).bits;
+        old = atomicCAS(word, seen, (seen & ~(0xffffu << shift)) | (bits << shift));
+    } while (old != seen);
+}
+
+// The embedding lookup's backward: dst[ids[r], c] += src[r, c] for the rows r
+// of src [n, h]; dst [vocab, h] starts at zero. Ids at or past vocab are skipped.
+template <typename T>
+__device__ void embedding_grad(const T *src, const u32 *ids, T *dst, u64 n, u64 h, u64 vocab) {
+    GRID_STRIDE(i, n * h) {
+        const u64 id = ids[i / h];
+        if (id < vocab) atomic_add(dst + id * h + i % h, to_f32(src[i]));
+    }
+}
+
 #define KERNELS(NAME, T)                                                                         \
     extern "C" __global__ void norm_##NAME(const T *x, const T *w, const T *b, T *y, u64 h,     \
                                            float eps, int rms) {                                 \
@@ -171,6 +198,10 @@ __device__ void rope(const T *src, T *dst, const float *cos, const float *sin, u
                                            const float *sin, u64 b, u64 s, u64 n, u64 d,         \
                                            int back) {                                           \
         rope<T>(src, dst, cos, sin, b, s, n, d, back);                                           \
+    }                                                                                            \
+    extern "C" __global__ void embedding_grad_##NAME(const T *src, const u32 *ids, T *dst, u64 n, \
+                                                     u64 h, u64 vocab) {                         \
+        embedding_grad<T>(src, ids, dst, n, h, vocab);                                           \
     }
 
 KERNELS(f32, float)

@@ -254,3 +254,44 @@ fn mismatched_parameters_are_errors() {
     .is_err());
     assert!(swiglu(&x, &randn(&[2, 4], 1.0, 0.0)).is_err());
 }
+
+#[test]
+fn embedding_matches_index_select_with_repeated_ids_and_a_tied_use() {
+    let ids = Tensor::new(&[3u32, 0, 3, 5, 3, 1, 0], &Device::Cpu).unwrap();
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &[randn(&[6, 4], 1.0, 0.0)],
+            |t| embedding(&t[0], &ids).unwrap(),
+            |t| t[0].index_select(&ids, 0).unwrap(),
+        );
+        // Tied: the table's gradient also has a product's share.
+        check(
+            dtype,
+            tol,
+            &[randn(&[6, 4], 1.0, 0.0)],
+            |t| {
+                embedding(&t[0], &ids)
+                    .unwrap()
+                    .matmul(&t[0].t().unwrap())
+                    .unwrap()
+            },
+            |t| {
+                t[0].index_select(&ids, 0)
+                    .unwrap()
+                    .matmul(&t[0].t().unwrap())
+                    .unwrap()
+            },
+        );
+    }
+    let table = randn(&[6, 4], 1.0, 0.0);
+    let i64_ids = Tensor::new(&[5i64, 2], &Device::Cpu).unwrap();
+    let rows = embedding(&table, &i64_ids).unwrap();
+    assert_eq!(
+        rel_diff(&rows, &table.index_select(&i64_ids, 0).unwrap()),
+        0.0
+    );
+    assert!(embedding(&table, &Tensor::new(&[6u32], &Device::Cpu).unwrap()).is_err());
+    assert!(embedding(&table, &Tensor::new(&[[1u32]], &Device::Cpu).unwrap()).is_err());
+}

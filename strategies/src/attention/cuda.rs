@@ -320,7 +320,10 @@ fn kv_splits(dims: &Dims, info: &DeviceInfo) -> candle_core::Result<usize> {
             Ok(n) if n > 0 => n,
             _ => bail!("OOMFIX_FLASH_KV_SPLITS={v} is not a positive integer"),
         };
-        return Ok((1..=cap.min(group)).rev().find(|n| group % n == 0).unwrap_or(1));
+        return Ok((1..=cap.min(group))
+            .rev()
+            .find(|n| group % n == 0)
+            .unwrap_or(1));
     }
     let blocks = dims.s_k.div_ceil(TILE) * dims.kv_heads * dims.b;
     let want = 4 * 3 * info.sms;
@@ -540,7 +543,16 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             let mut dkv_acc = dev.alloc_zeros::<f32>(if splits > 1 { 2 * kv_len } else { 1 })?;
             if kv_len > 0 {
                 let g = grid(dims.s_k, TILE, dims.kv_heads * splits, dims.b);
-                launch_backward!("bwd", g, &mut dk, &mut dv, &mut dq_acc, &mut dkv_acc, &p, &vec);
+                launch_backward!(
+                    "bwd",
+                    g,
+                    &mut dk,
+                    &mut dv,
+                    &mut dq_acc,
+                    &mut dkv_acc,
+                    &p,
+                    &vec
+                );
             }
             let func = dev.get_or_load_custom_func(
                 &format!("flash_dq_convert_{}", dtype_name(q.dtype())?),
