@@ -1,4 +1,4 @@
-//! The CUDA kernels of the fused ops (`fused.cu`): norms one thread block per
+//! The CUDA kernels of the fused ops (`fused.cu`): norms one warp per
 //! row, elementwise ops grid-stride; compiled once per process with NVRTC and
 //! loaded through candle's CUDA device, which keeps one module per device.
 
@@ -10,7 +10,7 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::{GeluForm, Norm, NormGradPart, NormKind};
-use crate::train::nvrtc::{self, row_blocks, Ptx};
+use crate::train::nvrtc::{self, Ptx};
 
 /// The kernel source (compiled after [`oomfix_strategies::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("fused.cu");
@@ -53,6 +53,17 @@ fn elementwise_config(n: usize) -> LaunchConfig {
     }
 }
 
+/// Norm kernels: one warp per row, eight rows per block.
+fn warp_rows(rows: usize) -> Result<LaunchConfig> {
+    let blocks = u32::try_from(rows.div_ceil(8))
+        .map_err(|_| candle_core::Error::Msg("norm: too many rows for one launch".into()))?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks.max(1), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 /// An uninitialised `n`-element output; every caller's kernel writes all of it.
 fn output<T: DeviceRepr>(
     dev: &CudaDevice,
@@ -85,10 +96,11 @@ fn norm_typed<T: CudaDType + DeviceRepr>(
             Some(bv) => launch.arg(bv),
             None => launch.arg(&null),
         };
-        launch.arg(&mut y).arg(&h64).arg(&eps).arg(&rms);
-        // SAFETY: arguments match `norm_*(x, w, b or null, y, h, eps, rms)`; x and y
-        // hold n elements, w and b h; one block per row of h.
-        unsafe { launch.launch(row_blocks(n / h.max(1), h, "norm")?) }.w()?;
+        let rows = (n / h.max(1)) as u64;
+        launch.arg(&mut y).arg(&rows).arg(&h64).arg(&eps).arg(&rms);
+        // SAFETY: arguments match `norm_*(x, w, b or null, y, rows, h, eps, rms)`; x
+        // and y hold rows·h elements, w and b h; one warp per row.
+        unsafe { launch.launch(warp_rows(rows as usize)?) }.w()?;
     }
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
@@ -121,7 +133,8 @@ fn norm_grad_typed<T: CudaDType + DeviceRepr>(
         view::<T>(dy.0, dy.1)?,
     );
     let (h64, eps, rms) = (h as u64, op.eps, i32::from(op.kind == NormKind::Rms));
-    let config = row_blocks(n / h.max(1), h, "norm")?;
+    let rows = n / h.max(1);
+    let (config, rows64) = (warp_rows(rows)?, rows as u64);
     Ok(match part {
         NormGradPart::Input => {
             let mut dx = output::<T>(&dev, n)?;
@@ -134,11 +147,12 @@ fn norm_grad_typed<T: CudaDType + DeviceRepr>(
                     .arg(&wv)
                     .arg(&dyv)
                     .arg(&mut dx)
+                    .arg(&rows64)
                     .arg(&h64)
                     .arg(&eps)
                     .arg(&rms);
-                // SAFETY: arguments match `norm_dx_*(x, w, dy, dx, h, eps, rms)`; x, dy
-                // and dx hold n elements, w h; one block per row.
+                // SAFETY: arguments match `norm_dx_*(x, w, dy, dx, rows, h, eps, rms)`;
+                // x, dy and dx hold rows·h elements, w h; one warp per row.
                 unsafe { launch.launch(config) }.w()?;
             }
             CudaStorage::wrap_cuda_slice(dx, dev)
@@ -156,11 +170,12 @@ fn norm_grad_typed<T: CudaDType + DeviceRepr>(
                     .arg(&xv)
                     .arg(&dyv)
                     .arg(&mut out)
+                    .arg(&rows64)
                     .arg(&h64)
                     .arg(&eps)
                     .arg(&rms);
-                // SAFETY: arguments match `norm_scale_grad_*(x, dy, out, h, eps, rms)`;
-                // x, dy and out hold n elements; one block per row.
+                // SAFETY: arguments match `norm_scale_grad_*(x, dy, out, rows, h, eps,
+                // rms)`; x, dy and out hold rows·h elements; one warp per row.
                 unsafe { launch.launch(config) }.w()?;
             }
             CudaStorage::wrap_cuda_slice(out, dev)

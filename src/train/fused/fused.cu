@@ -1,26 +1,28 @@
 // Fused layer ops (fused.rs), compiled at run time with NVRTC (see cuda.rs).
 //
-// Norms: one thread block per row; each row's mean and variance are summed in
-// f32 (two passes over the row, as the CPU does) and reduced across the block
-// with warp shuffles and shared memory. Elementwise ops (bias, GELU, SwiGLU)
-// are grid-stride loops. Arithmetic is in f32 for every storage dtype.
+// Norms: one warp per row (no block barriers); each row's mean and variance
+// are summed in f32 (two passes over the row, as the CPU does) and reduced
+// with warp shuffles. Elementwise ops (bias, GELU, SwiGLU) are grid-stride
+// loops. Arithmetic is in f32 for every storage dtype.
 //
 // Bf16, F16, to_f32, from_f32 and the integer typedefs come from
 // oomfix-strategies' half.cuh, prepended when the source is compiled.
 
-// The sum of v over the block, the same value in every thread. blockDim.x is
-// a multiple of 32 and at most 1024.
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    __syncthreads();  // a previous call may still be reading `partial`
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    v = lane < warps ? partial[lane] : 0.0f;
+// The sum of v over the warp, the same value in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
     return v;
 }
+
+// The first element of this warp's row of h (one row per warp), or false
+// past the last of `rows`.
+__device__ __forceinline__ bool warp_row(u64 rows, u64 h, u64 &base) {
+    const u64 row = (u64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    base = row * h;
+    return row < rows;
+}
+
+#define LANE_STRIDE(j, h) for (u64 j = threadIdx.x % 32; j < (h); j += 32)
 
 // The row's mean (0 for RMS norm) and 1/sqrt(var + eps) (RMS: of the mean square).
 template <typename T>
@@ -28,24 +30,25 @@ __device__ void row_stats(const T *row, u64 h, float eps, int rms, float &mean, 
     mean = 0.0f;
     if (!rms) {
         float s = 0.0f;
-        for (u64 j = threadIdx.x; j < h; j += blockDim.x) s += to_f32(row[j]);
-        mean = block_sum(s) / (float)h;
+        LANE_STRIDE(j, h) s += to_f32(row[j]);
+        mean = warp_sum(s) / (float)h;
     }
     float q = 0.0f;
-    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+    LANE_STRIDE(j, h) {
         float d = to_f32(row[j]) - mean;
         q += d * d;
     }
-    rstd = rsqrtf(block_sum(q) / (float)h + eps);
+    rstd = rsqrtf(warp_sum(q) / (float)h + eps);
 }
 
 // y = (x - mean) * rstd * w (+ b); b may be null.
 template <typename T>
-__device__ void norm(const T *x, const T *w, const T *b, T *y, u64 h, float eps, int rms) {
-    u64 base = (u64)blockIdx.x * h;
+__device__ void norm(const T *x, const T *w, const T *b, T *y, u64 rows, u64 h, float eps, int rms) {
+    u64 base;
+    if (!warp_row(rows, h, base)) return;
     float mean, rstd;
     row_stats(x + base, h, eps, rms, mean, rstd);
-    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+    LANE_STRIDE(j, h) {
         float v = (to_f32(x[base + j]) - mean) * rstd * to_f32(w[j]);
         if (b) v += to_f32(b[j]);
         y[base + j] = from_f32<T>(v);
@@ -54,19 +57,20 @@ __device__ void norm(const T *x, const T *w, const T *b, T *y, u64 h, float eps,
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (RMS: no mean(g)).
 template <typename T>
-__device__ void norm_dx(const T *x, const T *w, const T *dy, T *dx, u64 h, float eps, int rms) {
-    u64 base = (u64)blockIdx.x * h;
+__device__ void norm_dx(const T *x, const T *w, const T *dy, T *dx, u64 rows, u64 h, float eps, int rms) {
+    u64 base;
+    if (!warp_row(rows, h, base)) return;
     float mean, rstd;
     row_stats(x + base, h, eps, rms, mean, rstd);
     float sg = 0.0f, sgx = 0.0f;
-    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+    LANE_STRIDE(j, h) {
         float g = to_f32(dy[base + j]) * to_f32(w[j]);
         sg += g;
         sgx += g * (to_f32(x[base + j]) - mean) * rstd;
     }
-    float mean_g = rms ? 0.0f : block_sum(sg) / (float)h;
-    float mean_gx = block_sum(sgx) / (float)h;
-    for (u64 j = threadIdx.x; j < h; j += blockDim.x) {
+    float mean_g = rms ? 0.0f : warp_sum(sg) / (float)h;
+    float mean_gx = warp_sum(sgx) / (float)h;
+    LANE_STRIDE(j, h) {
         float xhat = (to_f32(x[base + j]) - mean) * rstd;
         float g = to_f32(dy[base + j]) * to_f32(w[j]);
         dx[base + j] = from_f32<T>(rstd * (g - mean_g - xhat * mean_gx));
@@ -75,12 +79,12 @@ __device__ void norm_dx(const T *x, const T *w, const T *dy, T *dx, u64 h, float
 
 // out = dy * xhat in f32 (summed over rows afterwards into the scale's gradient).
 template <typename T>
-__device__ void norm_scale_grad(const T *x, const T *dy, float *out, u64 h, float eps, int rms) {
-    u64 base = (u64)blockIdx.x * h;
+__device__ void norm_scale_grad(const T *x, const T *dy, float *out, u64 rows, u64 h, float eps, int rms) {
+    u64 base;
+    if (!warp_row(rows, h, base)) return;
     float mean, rstd;
     row_stats(x + base, h, eps, rms, mean, rstd);
-    for (u64 j = threadIdx.x; j < h; j += blockDim.x)
-        out[base + j] = to_f32(dy[base + j]) * (to_f32(x[base + j]) - mean) * rstd;
+    LANE_STRIDE(j, h) out[base + j] = to_f32(dy[base + j]) * (to_f32(x[base + j]) - mean) * rstd;
 }
 
 #define GRID_STRIDE(i, n) for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
@@ -151,17 +155,17 @@ __device__ void embedding_grad(const T *src, const u32 *ids, T *dst, u64 n, u64 
 }
 
 #define KERNELS(NAME, T)                                                                         \
-    extern "C" __global__ void norm_##NAME(const T *x, const T *w, const T *b, T *y, u64 h,     \
-                                           float eps, int rms) {                                 \
-        norm<T>(x, w, b, y, h, eps, rms);                                                        \
+    extern "C" __global__ void norm_##NAME(const T *x, const T *w, const T *b, T *y, u64 rows,  \
+                                           u64 h, float eps, int rms) {                          \
+        norm<T>(x, w, b, y, rows, h, eps, rms);                                                  \
     }                                                                                            \
-    extern "C" __global__ void norm_dx_##NAME(const T *x, const T *w, const T *dy, T *dx, u64 h, \
-                                              float eps, int rms) {                              \
-        norm_dx<T>(x, w, dy, dx, h, eps, rms);                                                   \
+    extern "C" __global__ void norm_dx_##NAME(const T *x, const T *w, const T *dy, T *dx,       \
+                                              u64 rows, u64 h, float eps, int rms) {             \
+        norm_dx<T>(x, w, dy, dx, rows, h, eps, rms);                                             \
     }                                                                                            \
-    extern "C" __global__ void norm_scale_grad_##NAME(const T *x, const T *dy, float *out, u64 h, \
-                                                      float eps, int rms) {                      \
-        norm_scale_grad<T>(x, dy, out, h, eps, rms);                                             \
+    extern "C" __global__ void norm_scale_grad_##NAME(const T *x, const T *dy, float *out,      \
+                                                      u64 rows, u64 h, float eps, int rms) {     \
+        norm_scale_grad<T>(x, dy, out, rows, h, eps, rms);                                       \
     }                                                                                            \
     extern "C" __global__ void add_bias_##NAME(T *y, const T *b, u64 n, u64 cols) {             \
         GRID_STRIDE(i, n) y[i] = from_f32<T>(to_f32(y[i]) + to_f32(b[i % cols]));                \
