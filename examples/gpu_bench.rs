@@ -53,36 +53,12 @@ fn main() -> Result<()> {
     // SECTIONS=5 (a comma list) runs only those sections; the others print empty.
     let sections = std::env::var("SECTIONS").unwrap_or_default();
     let want = |n: &str| sections.is_empty() || sections.split(',').any(|s| s.trim() == n);
-    let numeric = if want("1") {
-        numeric_match(&device)?
-    } else {
-        Vec::new()
-    };
-    let accumulated = if want("1") {
-        accumulate_match(&device)?
-    } else {
-        Vec::new()
-    };
-    let bandwidth = if want("2") {
-        bandwidth(&device)?
-    } else {
-        Vec::new()
-    };
-    let training = if want("3") {
-        training(&device)?
-    } else {
-        Vec::new()
-    };
-    let loss = if want("4") {
-        loss_rows(&device)?
-    } else {
-        Vec::new()
-    };
-    let (fused_match, fused_time) = if want("5") {
-        fused_rows(&device)?
-    } else {
-        Default::default()
-    };
+    let numeric = when(want("1"), || numeric_match(&device))?;
+    let accumulated = when(want("1"), || accumulate_match(&device))?;
+    let bandwidth = when(want("2"), || bandwidth(&device))?;
+    let training = when(want("3"), || training(&device))?;
+    let loss = when(want("4"), || loss_rows(&device))?;
+    let (fused_match, fused_time) = when(want("5"), || fused_rows(&device))?;
     let stats = PoolStats::read(&cuda)?;
     let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
 
@@ -127,6 +103,15 @@ fn main() -> Result<()> {
         Target::Cuda(0).runtime_bytes() as f64 / GIB
     );
     Ok(())
+}
+
+/// `f()` for a wanted section, else its empty result.
+fn when<T: Default>(wanted: bool, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    if wanted {
+        f()
+    } else {
+        Ok(T::default())
+    }
 }
 
 fn sync(device: &Device) -> Result<()> {
