@@ -14,7 +14,8 @@
 //!
 //! Usage: `gpu_attention [--check-only | --perf-only]`. Exits 1 when a check
 //! fails. `HEAD_DIM=128` times another head dimension (heads × head dim stays
-//! 768; the heading says which). Build with `scripts/build-cuda.sh --features cuda --example
+//! 768; the heading says which); `PERF_DTYPES=bf16` (or `f32`) times one dtype
+//! of the two. Build with `scripts/build-cuda.sh --features cuda --example
 //! gpu_attention`; `scripts/bench-attention-gpu.sh` runs it next to PyTorch's
 //! SDPA (docs/attention-gpu.md).
 
@@ -444,7 +445,6 @@ fn timings(device: &Device) -> Result<()> {
         "\n## timing: batch 8, {h} heads, head dim {d}, causal; median of 10 after 3 warm-up runs"
     );
     println!("## PERF dtype seq fwd_ms fwd_bwd_ms peak_alloc_MiB (pool high-water during fwd+bwd, inputs included)\n");
-    // PERF_DTYPES=bf16 (or f32) times one of the two.
     let only = std::env::var("PERF_DTYPES").unwrap_or_default();
     for dtype in [DType::BF16, DType::F32] {
         let name = format!("{dtype:?}").to_lowercase();

@@ -96,11 +96,17 @@ fn norm_typed<T: CudaDType + DeviceRepr>(
             Some(bv) => launch.arg(bv),
             None => launch.arg(&null),
         };
-        let rows = (n / h.max(1)) as u64;
-        launch.arg(&mut y).arg(&rows).arg(&h64).arg(&eps).arg(&rms);
+        let rows = n / h.max(1);
+        let rows64 = rows as u64;
+        launch
+            .arg(&mut y)
+            .arg(&rows64)
+            .arg(&h64)
+            .arg(&eps)
+            .arg(&rms);
         // SAFETY: arguments match `norm_*(x, w, b or null, y, rows, h, eps, rms)`; x
         // and y hold rows·h elements, w and b h; one warp per row.
-        unsafe { launch.launch(warp_rows(rows as usize)?) }.w()?;
+        unsafe { launch.launch(warp_rows(rows)?) }.w()?;
     }
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
