@@ -12,7 +12,7 @@
 //!    candle_nn's composed loss on the CPU, then time and pool transient of
 //!    forward+backward against the composed loss at GPT-2's vocabulary;
 //! 5. the fused layer ops (norms, biased linear, GELU, SwiGLU, RoPE, the
-//!    embedding lookup) on CUDA against the same ops on the CPU (output and
+//!    embedding lookup, the attention probabilities) on CUDA against the same ops on the CPU (output and
 //!    every input's gradient), then the time of forward+backward against the
 //!    composed candle expressions at GPT-2 small's shapes.
 //!
@@ -748,6 +748,18 @@ fn fused_cases() -> Vec<FusedCase> {
             composed: |t| t[0].index_select(&bench_ids(t[0].device())?, 0),
         },
         FusedCase {
+            name: "attention probabilities, causal, q and k [8, 12, 1024, 64]",
+            shapes: |n| vec![vec![(n / 1024).max(1), 12, 1024, 64]; 2],
+            fused: |t| {
+                let opts = fused::ProbsOptions {
+                    scale: 0.125,
+                    causal: true,
+                };
+                fused::attention_probs(&t[0], &t[1], None, opts)
+            },
+            composed: |t| composed_probs(&t[0], &t[1]),
+        },
+        FusedCase {
             name: "RoPE, heads first",
             shapes: |n| vec![vec![n / 256, 256, H]],
             fused: |t| {
@@ -757,6 +769,15 @@ fn fused_cases() -> Vec<FusedCase> {
             composed: |t| composed_rope(&t[0]),
         },
     ]
+}
+
+/// Causal `softmax(q·kᵀ/8)` composed from candle ops (the mask built on the
+/// device from `tril2`).
+fn composed_probs(q: &Tensor, k: &Tensor) -> candle_core::Result<Tensor> {
+    let s = q.dim(2)?;
+    let mask = ((Tensor::tril2(s, DType::F32, q.device())? - 1.0)? * 1e9)?.to_dtype(q.dtype())?;
+    let scores = (q.matmul(&k.t()?)? * 0.125)?.broadcast_add(&mask)?;
+    candle_nn::ops::softmax(&scores, candle_core::D::Minus1)
 }
 
 /// 8192 ids of the embedding case, each of 1000 rows used about eight times.

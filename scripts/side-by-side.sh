@@ -14,7 +14,8 @@
 #   gpt2 and llama phases run, the two sides alternating; 1): the tables give
 #   the median over rounds and the range of the per-round time ratios;
 #   ROWS=flash runs only the memory-efficient attention rows (PyTorch's SDPA,
-#   oomfix's flash attention).
+#   oomfix's flash attention), ROWS=composed only the others (PyTorch's eager
+#   attention, oomfix's composed attention).
 #
 # Runs in order of importance, so a cut-off loses the least: GPT-2 small both
 # sides (gpt2), the two 8 GiB CLI runs (cli), GPT-2 medium at the CLI's plan
@@ -61,7 +62,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,cl
 rows() {
     local c
     for c in "$@"; do
-        [[ $ROWS != flash || $c == *:sdpa || $c == *:flash ]] && printf '%s\n' "$c"
+        case $ROWS in
+            flash) [[ $c == *:sdpa || $c == *:flash ]] ;;
+            composed) [[ $c != *:sdpa && $c != *:flash ]] ;;
+        esac && printf '%s\n' "$c"
     done
 }
 

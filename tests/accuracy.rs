@@ -112,3 +112,28 @@ fn large_vocabulary_bert_head_estimate_within_8_percent() {
         },
     );
 }
+
+/// A sequence far longer than the hidden size makes the attention
+/// probabilities (`[b,H,s,s]` per block) most of the activations: the
+/// composed attention's kept and backward terms decide the estimate.
+#[test]
+fn long_sequence_composed_attention_estimate_within_8_percent() {
+    let plans = [
+        Plan::baseline(2, 512),
+        Plan {
+            precision: Precision::Bf16,
+            ..Plan::baseline(2, 512)
+        },
+    ];
+    let gpt2 = ModelConfig {
+        vocab: 512,
+        max_positions: 512,
+        ..ModelConfig::gpt2(2, 64, 4)
+    };
+    check_plans("gpt2-long", gpt2, &plans);
+    let llama = ModelConfig {
+        max_positions: 512,
+        ..ModelConfig::llama(2, 64, 4, 2, 128, 512, true)
+    };
+    check_plans("llama-long", llama, &plans);
+}

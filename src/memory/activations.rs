@@ -13,19 +13,14 @@
 //! crosses three moments that can each hold the step's peak (see
 //! [`Activations`]): the loss and the head first, when no parameter gradient
 //! exists yet; then the blocks, last to first, each adding its gradients; then
-//! the embedding lookup, when every other gradient exists. Besides the forward's
-//! tensors, the backward leaves *stray gradients* in candle's gradient store:
-//! the gradient of an operand that is broadcast from a tensor off the parameter
-//! path (the causal mask, a detached row maximum) is made, filled
-//! and never consumed, so it lives until the store is dropped. A block's strays
-//! appear when its backward runs, so they are absent at the loss's moment.
+//! the embedding lookup, when every other gradient exists.
 //!
-//! The plan's [`Attention`] decides what a block's attention keeps. Composed
-//! from candle ops it keeps several `[b,H,s,s]` tensors; with
-//! [`Attention::Flash`] it keeps none: the op holds its inputs (the same q, k, v
-//! copies the composed form makes), its output (the same size as the composed
-//! context) and one f32 log-sum-exp per query row and head, and no causal mask
-//! is built.
+//! The plan's [`Attention`] decides what a block's attention keeps. Composed,
+//! it keeps the probabilities, one `[b,H,s,s]` tensor
+//! ([`crate::train::fused::attention_probs`]); with [`Attention::Flash`] it
+//! keeps none: the op holds its inputs (the same q, k, v copies the composed
+//! form makes), its output (the same size as the composed context) and one
+//! f32 log-sum-exp per query row and head. Neither builds a mask.
 
 use crate::spec::{Family, ModelSpec};
 use crate::train::VOCAB_ALIGN;
@@ -142,44 +137,25 @@ impl Dims {
 /// What one block's attention keeps between its q, k, v copies and its context
 /// (or the flash op's output), both counted in [`block`].
 ///
-/// Composed: the scores, the masked scores (BERT: no mask), the softmax's three
-/// tensors and its row maximum and sum. Flash: the log-sum-exp `[b,H,s]` f32.
-fn attention_core(family: Family, d: &Dims) -> Values {
+/// Composed: the probabilities `[b,H,s,s]`. Flash: the log-sum-exp `[b,H,s]` f32.
+fn attention_core(d: &Dims) -> Values {
     if d.flash {
-        return Values {
+        Values {
             c: 0,
             f32: d.n * d.heads,
-        };
-    }
-    let masked = u64::from(family != Family::Bert);
-    Values {
-        c: (4 + masked) * d.scores() + 2 * d.n * d.heads,
-        f32: 0,
-    }
-}
-
-/// The stray gradients one block's backward leaves in the gradient store, all
-/// made in its attention core's backward (composed only: flash attention
-/// builds no mask and no row maximum): the broadcast causal mask's and the
-/// broadcast detached row maximum's, score-sized (BERT: the maximum's only).
-/// Fused ops (norms, RoPE) keep their constants out of the graph and leave
-/// none.
-fn block_strays(family: Family, d: &Dims) -> Values {
-    let masked = u64::from(family != Family::Bert);
-    Values {
-        c: if d.flash {
-            0
-        } else {
-            (1 + masked) * d.scores()
-        },
-        f32: 0,
+        }
+    } else {
+        Values {
+            c: d.scores(),
+            f32: 0,
+        }
     }
 }
 
 /// What one transformer block's forward keeps.
 fn block(family: Family, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
-    let core = attention_core(family, d);
+    let core = attention_core(d);
     match family {
         // ln_1; c_attn [n,3h]; q scaled (or contiguous), k, v copies;
         // attention core; context; merged, c_proj, residual; ln_2; c_fc, gelu
@@ -216,16 +192,15 @@ fn block(family: Family, d: &Dims) -> Values {
 }
 
 /// The embedding stem, plus what one forward builds once and every block holds
-/// (the composed attention's causal mask, RoPE tables).
+/// (Llama's RoPE tables).
 fn stem(family: Family, d: &Dims) -> Values {
-    let mask = if d.flash { 0 } else { d.s * d.s };
     match family {
         Family::Gpt2 | Family::Generic => Values {
-            c: 2 * d.n * d.h + mask,
+            c: 2 * d.n * d.h,
             f32: 0,
         },
         Family::Llama => Values {
-            c: d.n * d.h + mask,
+            c: d.n * d.h,
             f32: 4 * d.s * d.head_dim,
         },
         Family::Bert => Values {
@@ -303,9 +278,20 @@ pub fn embedding_backward_copies(spec: &ModelSpec) -> u64 {
 }
 
 /// Score-sized tensors alive at once while the backward crosses one composed
-/// attention (the softmax's quotient rule and exp terms; measured: 5 on top of
-/// what the block keeps).
-pub const ATTENTION_BACKWARD_SCORES: u64 = 5;
+/// attention, on top of what the block keeps: the probabilities' gradient
+/// `dP` (from `P·v`'s backward) and the scores' `dS`.
+pub const ATTENTION_BACKWARD_SCORES: u64 = 2;
+
+/// Bytes alive at once while the backward crosses one composed attention, on
+/// top of what the block keeps: [`ATTENTION_BACKWARD_SCORES`], and beside
+/// them gradients of the block's output, of the merged heads and of q
+/// `[n,h]` ×3, and of k and v `[n,kv]` ×2 (on the CPU, a tiny GPT-2's
+/// attention backward holds 2 scores and 6–7 `[n,h]`; 3 + 2 fits the whole
+/// CPU accuracy matrix best, checkpointed segments' surrogate terms
+/// overlapping the rest).
+fn composed_backward(d: &Dims) -> u64 {
+    ATTENTION_BACKWARD_SCORES * d.scores() + 3 * d.n * d.h + 2 * d.n * d.kv
+}
 
 /// Bytes alive at once while the backward crosses one flash attention, on top
 /// of what the block keeps: the op's f32 copies of q, o and the output's
@@ -345,7 +331,11 @@ pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Pl
     let (nh, nv, vh, ni, hi) = (d.n * d.h, d.n * d.p, d.p * d.h, d.n * d.i, d.h * d.i);
     let widened_grads = if c.family == Family::Bert { 2 } else { 1 };
     let loss = 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * vh;
-    let block = 2 * ni + 4 * (nh + 2 * ni + hi) + 2 * hi;
+    let mut block = 2 * ni + 4 * (nh + 2 * ni + hi) + 2 * hi;
+    if !d.flash {
+        // The attention core's backward, with an f32 copy of `dS` for its products.
+        block = block.max(2 * composed_backward(&d) + 4 * d.scores());
+    }
     act.loss.transient = act.loss.transient.max(loss);
     act.blocks.transient = act.blocks.transient.max(block);
 }
@@ -355,17 +345,15 @@ pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Pl
 ///
 /// Without checkpointing the forward's tensors stay until the backward ends.
 /// At the loss, the backward adds its working set (the logits' gradient, then
-/// the head's weight gradient). At the first block, every later block's
-/// strays exist too; the block's working set is the larger of its MLP's
-/// backward and its attention core's (with the core's strays, made there). At
-/// the embedding, every block's strays exist.
+/// the head's weight gradient). At the first block, the working set is the
+/// larger of its MLP's backward and its attention core's; at the embedding,
+/// the lookup's.
 ///
 /// With segments of `k` blocks, the forward keeps the stem and one `[n,h]`
 /// tensor per segment. The loss's moment holds those and the head's tensors
 /// (the segment outputs are all still there). At the first segment's
 /// recompute only the stem remains of them; the segment's `k` blocks' tensors
-/// and the strays of all but its first block are alive with the upstream
-/// gradient `grad_y`, the surrogate's product `y·grad_y` and the surrogate's
+/// are alive with the upstream gradient `grad_y`, the surrogate's product `y·grad_y` and the surrogate's
 /// own stray (`SURROGATE_STRAY_NH`, 4), and the stem's backward runs inside
 /// that same recomputed graph.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
@@ -378,7 +366,6 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
     let block = block(cfg.family, &d).bytes(c);
-    let strays = block_strays(cfg.family, &d).bytes(c);
     let head = head(cfg.family, &d).bytes(c);
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
@@ -387,19 +374,17 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let attention_backward = if d.flash {
         flash_backward(&d)
     } else {
-        ATTENTION_BACKWARD_SCORES * d.scores() * c
+        composed_backward(&d) * c
     };
-    // The backward crosses a block's MLP, then its attention core (which
-    // makes the block's strays).
-    let block_transient =
-        (strays + attention_backward).max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
+    // The backward crosses a block's MLP, then its attention core.
+    let block_transient = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
     let embedding_transient = embedding_backward_copies(spec) * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
             let segment_outputs = layers.div_ceil(k) * d.n * d.h * c;
             let surrogate = (2 + SURROGATE_STRAY_NH) * d.n * d.h * c;
-            let recomputed = stem + k * block + (k - 1) * strays + surrogate;
+            let recomputed = stem + k * block + surrogate;
             Activations {
                 kept: stem + segment_outputs,
                 loss: Moment {
@@ -411,14 +396,13 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
                     transient: block_transient,
                 },
                 embedding: Moment {
-                    activations: recomputed + strays,
+                    activations: recomputed,
                     transient: embedding_transient,
                 },
             }
         }
         _ => {
             let kept = stem + layers * block + head;
-            let later_strays = kept + (layers - 1) * strays;
             Activations {
                 kept,
                 loss: Moment {
@@ -426,11 +410,11 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
                     transient: loss_transient,
                 },
                 blocks: Moment {
-                    activations: later_strays,
+                    activations: kept,
                     transient: block_transient,
                 },
                 embedding: Moment {
-                    activations: later_strays + strays,
+                    activations: kept,
                     transient: embedding_transient,
                 },
             }

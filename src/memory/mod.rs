@@ -12,7 +12,7 @@
 //!   the loss, whose working set (several `[n,V]` f32 tensors) is often the
 //!   largest of the step. No parameter gradient exists yet.
 //! * **end of backward**: the first block's backward (every gradient but the
-//!   embedding lookup's exists, and every block has left its stray gradients)
+//!   embedding lookup's exists)
 //!   and the embedding lookup's (every gradient exists), with the forward's
 //!   tensors still alive.
 //! * **optimizer step**: gradients plus the optimizer's temporaries.
@@ -74,8 +74,7 @@ pub struct Breakdown {
     pub accumulated_gradients: u64,
     /// AdamW first and second moments.
     pub optimizer_state: u64,
-    /// Forward intermediates and stray gradients alive at the backward's
-    /// largest moment.
+    /// Forward intermediates alive at the backward's largest moment.
     pub activations: u64,
     /// The backward's working tensors at that moment.
     pub backward_transient: u64,

@@ -245,19 +245,6 @@ fn the_loss_backward_holds_no_gradient() {
 }
 
 #[test]
-fn block_strays_accumulate_through_the_backward() {
-    // Without checkpointing, every block leaves its stray gradients until the
-    // end: the embedding's moment holds more than the loss's besides the
-    // working sets, by at least one block's score-sized strays per block.
-    let spec = spec_for(1);
-    let plan = Plan::baseline(1, 512);
-    let a = activation_bytes(&spec, &plan);
-    let c = &spec.config;
-    let scores = (c.heads * 512 * 512 * 4) as u64;
-    assert!(a.embedding.activations >= a.loss.activations + c.layers as u64 * 2 * scores);
-}
-
-#[test]
 fn cuda_offers_flash_attention_only_for_heads_the_kernels_take() {
     let planned = |config: ModelConfig, target: Target| {
         let spec = ModelSpec::from_config("m", config);

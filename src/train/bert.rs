@@ -161,7 +161,7 @@ impl TrainableModel for Bert {
         };
         let attend = {
             let _m = Scope::new(mask, Op::Attention);
-            Attend::padded(attention, batch.attention_mask.as_ref(), self.word.dtype())?
+            Attend::padded(attention, batch.attention_mask.as_ref())?
         };
         let attend = &attend;
         let blocks: Vec<_> = self

@@ -942,5 +942,8 @@ fn rope_slices<T: WithDType>(
 mod embedding;
 pub use embedding::embedding;
 
+mod attention_probs;
+pub use attention_probs::{attention_probs, ProbsOptions};
+
 #[cfg(test)]
 mod tests;

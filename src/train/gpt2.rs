@@ -84,8 +84,8 @@ pub(crate) struct Gpt2 {
     blocks: Vec<Block>,
     ln_f: LayerNorm,
     vars: Vec<(String, Var)>,
-    /// `wte`, `attn_mask`, `ln_f`, `lm_head`.
-    tags: [Module; 4],
+    /// `wte`, `ln_f`, `lm_head`.
+    tags: [Module; 3],
 }
 
 impl Gpt2 {
@@ -99,7 +99,7 @@ impl Gpt2 {
                 .collect::<Result<_>>()?,
             ln_f: p.layer_norm("ln_f", EPS)?,
             vars: p.into_vars(),
-            tags: ["wte", "attn_mask", "ln_f", "lm_head"].map(Module::intern),
+            tags: ["wte", "ln_f", "lm_head"].map(Module::intern),
         })
     }
 }
@@ -122,18 +122,14 @@ impl TrainableModel for Gpt2 {
     ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
-        let [wte, mask, ln_f, lm_head] = self.tags;
+        let [wte, ln_f, lm_head] = self.tags;
         let stem = {
             let _m = Scope::new(wte, Op::Embedding);
             let tokens =
                 fused::embedding(&self.wte, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
             tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
         };
-        let attend = {
-            let _m = Scope::new(mask, Op::Attention);
-            Attend::causal(attention, s, self.wte.dtype(), self.wte.device())?
-        };
-        let attend = &attend;
+        let attend = &Attend::causal(attention);
         let blocks: Vec<_> = self
             .blocks
             .iter()

@@ -1,8 +1,8 @@
 //! Layers shared by the trainable families.
 //!
-//! Norms and biased projections are single graph nodes with their own backward
-//! ([`super::fused`]); softmax and rotary embeddings are composed from
-//! differentiable candle ops (candle's fused fast paths have no backward).
+//! Norms, biased projections and the attention probabilities are single graph
+//! nodes with their own backward ([`super::fused`]; candle's fused fast paths
+//! have no backward).
 //! Every op output on the path to a parameter stays alive in candle's graph
 //! until the loss is dropped, so each function's doc lists the tensors it
 //! allocates; views (reshape of a contiguous tensor, transpose, narrow,
@@ -10,7 +10,7 @@
 
 use super::fused;
 use crate::measure::tag::{Op, Scope};
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{Result, Tensor};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
 use oomfix_strategies::Attention;
 
@@ -131,166 +131,89 @@ impl RmsNorm {
     }
 }
 
-/// Softmax over the last dimension.
-///
-/// The row maximum is subtracted for stability and detached: softmax does not
-/// depend on the shift, so the gradient is exact and the backward skips the
-/// maximum's mask. Allocates the shifted values, their exponentials and the
-/// output (three tensors the size of `x`) plus the row sums.
-pub(crate) fn softmax(x: &Tensor) -> Result<Tensor> {
-    let _op = Scope::op(Op::Softmax);
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let exp = x.broadcast_sub(&max)?.exp()?;
-    exp.broadcast_div(&exp.sum_keepdim(D::Minus1)?)
-}
-
-/// A large negative score for masked attention positions in `dtype`, finite so that a
-/// fully masked row gives uniform weights rather than NaN.
-fn masked_score(dtype: DType) -> f64 {
-    if dtype == DType::F16 {
-        -65504.0
-    } else {
-        -1e9
-    }
-}
-
-/// The additive causal mask `[s, s]` in `dtype`: 0 on and below the diagonal,
-/// a large negative value above. Built once per forward and broadcast over batch
-/// and heads.
-fn causal_mask(s: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let neg = masked_score(dtype) as f32;
-    let values: Vec<f32> = (0..s)
-        .flat_map(|i| (0..s).map(move |j| if j <= i { 0.0 } else { neg }))
-        .collect();
-    Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)
-}
-
-/// The additive padding mask `[b, 1, 1, 1, s]` in `dtype` from `keep` (`[b, s]`,
-/// nonzero = a real token), shaped to broadcast over [`attention`]'s grouped scores.
-fn padding_mask(keep: &Tensor, dtype: DType) -> Result<Tensor> {
-    let (b, s) = keep.dims2()?;
-    let neg = masked_score(dtype);
-    let keep = keep.ne(0u32)?.to_dtype(DType::F32)?;
-    keep.affine(-neg, neg)?
-        .to_dtype(dtype)?
-        .reshape((b, 1, 1, 1, s))
-}
-
 /// `[b, s, n·d]` → `[b, n, s, d]` as a view (strided).
 pub(crate) fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     let (b, s, _) = x.dims3()?;
     x.reshape((b, s, heads, ()))?.transpose(1, 2)
 }
 
-/// A block's attention as the plan chooses it, with what one forward shares
-/// between blocks (the composed form's additive mask, the flash op's options).
+/// A block's attention as the plan chooses it: the form and the masking
+/// (the scale is set per call).
 #[derive(Debug, Clone)]
-pub(crate) enum Attend {
-    /// [`attention`], composed from candle ops, adding this mask (if any) to the scores.
-    Composed(Option<Tensor>),
-    /// [`flash_attention`] with these options (the scale is set per call).
-    Flash(AttentionOptions),
+pub(crate) struct Attend {
+    kind: Attention,
+    opts: AttentionOptions,
 }
 
 impl Attend {
-    /// Causal attention over `s` positions; the composed form builds its
-    /// [`causal_mask`] once here.
-    pub(crate) fn causal(kind: Attention, s: usize, dtype: DType, device: &Device) -> Result<Self> {
-        Ok(match kind {
-            Attention::Composed => Attend::Composed(Some(causal_mask(s, dtype, device)?)),
-            Attention::Flash => Attend::Flash(AttentionOptions {
+    /// Causal attention.
+    pub(crate) fn causal(kind: Attention) -> Self {
+        Attend {
+            kind,
+            opts: AttentionOptions {
                 causal: true,
                 ..Default::default()
-            }),
-        })
+            },
+        }
     }
 
     /// Bidirectional attention that ignores the keys where `keep` (`[b, s]`, any
-    /// dtype) is zero; `None`: every key counts. The composed form builds its
-    /// [`padding_mask`] once here.
-    pub(crate) fn padded(kind: Attention, keep: Option<&Tensor>, dtype: DType) -> Result<Self> {
-        Ok(match kind {
-            Attention::Composed => {
-                Attend::Composed(keep.map(|k| padding_mask(k, dtype)).transpose()?)
-            }
-            Attention::Flash => Attend::Flash(AttentionOptions {
-                key_padding: keep.cloned(),
+    /// dtype) is zero; `None`: every key counts. The flags are converted to
+    /// bytes once here.
+    pub(crate) fn padded(kind: Attention, keep: Option<&Tensor>) -> Result<Self> {
+        Ok(Attend {
+            kind,
+            opts: AttentionOptions {
+                key_padding: keep.map(|k| k.ne(0u32)).transpose()?,
                 ..Default::default()
-            }),
+            },
         })
     }
 
     /// `softmax(q·kᵀ·scale + mask)·v` with heads merged: `q` `[b, H, s, d]` (any
     /// strides), `k`, `v` `[b, KV, s, d]` contiguous → `[b, s, H·d]`.
     ///
-    /// Composed: `q` is multiplied by `scale` into a contiguous copy (none when
-    /// `scale` is 1 and `q` is contiguous), then [`attention`]. Flash: the op
-    /// makes `q` contiguous (a copy when it is strided) and keeps its output
-    /// `[b, H, s, d]` and one f32 log-sum-exp per query row; merging the heads
-    /// copies the output to `[b, s, H·d]`.
+    /// Both forms make `q` contiguous (a copy when it is strided). Composed:
+    /// [`fused::attention_probs`] keeps the probabilities `[b, H, s, s]`, then
+    /// `P·v` (grouped-query heads share `v` with no copy). Flash: the op keeps
+    /// its output `[b, H, s, d]` and one f32 log-sum-exp per query row. Merging
+    /// the heads copies the output to `[b, s, H·d]`.
     pub(crate) fn forward(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
         let _op = Scope::op(Op::Attention);
-        match self {
-            Attend::Composed(mask) => {
-                let q = if scale == 1.0 {
-                    q.contiguous()?
-                } else {
-                    q.affine(scale, 0.0)?
+        let (b, h, s, d) = q.dims4()?;
+        let out = match self.kind {
+            Attention::Composed => {
+                let opts = fused::ProbsOptions {
+                    scale: scale as f32,
+                    causal: self.opts.causal,
                 };
-                attention(&q, k, v, mask.as_ref())
+                let probs = {
+                    let _op = Scope::op(Op::Softmax);
+                    fused::attention_probs(q, k, self.opts.key_padding.as_ref(), opts)?
+                };
+                let kv = k.dim(1)?;
+                let _op = Scope::op(Op::Matmul);
+                probs
+                    .reshape((b, kv, h / kv * s, s))?
+                    .matmul(v)?
+                    .reshape((b, h, s, d))?
             }
-            Attend::Flash(opts) => {
+            Attention::Flash => {
                 let opts = AttentionOptions {
                     scale: Some(scale as f32),
-                    ..opts.clone()
+                    ..self.opts.clone()
                 };
-                let (b, h, s, d) = q.dims4()?;
                 flash_attention(q, k, v, &opts)?
-                    .transpose(1, 2)?
-                    .reshape((b, s, h * d))
             }
-        }
+        };
+        out.transpose(1, 2)?.reshape((b, s, h * d))
     }
-}
-
-/// Scaled dot-product attention with grouped-query heads, without repeating keys
-/// and values.
-///
-/// `q`: `[b, H, s, d]` contiguous and already multiplied by the attention scale;
-/// `k`, `v`: `[b, KV, s, d]` contiguous with `H` a multiple of `KV` (query head `i`
-/// uses key/value head `i / (H/KV)`, as Hugging Face's `repeat_kv`). The queries of
-/// one key/value group are viewed as one `[g·s, d]` matrix, so the scores are
-/// `[b, KV, g·s, s]` = `[b, H, s, s]` elements with no copy of `k` or `v`.
-/// `mask` is added to the scores viewed as `[b, KV, g, s, s]` (a causal `[s, s]`
-/// or a padding `[b, 1, 1, 1, s]` mask).
-///
-/// Allocates the scores, (with a mask) the masked scores, the softmax's three
-/// tensors (all `[b, H, s, s]`), the context `[b, H, s, d]` and the merged output
-/// `[b, s, H·d]` (a copy, since the heads are transposed back).
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-    let (b, h, s, d) = q.dims4()?;
-    let kv = k.dim(1)?;
-    let g = h / kv;
-    let matmul = |a: &Tensor, b: &Tensor| {
-        let _op = Scope::op(Op::Matmul);
-        a.matmul(b)
-    };
-    let scores = matmul(&q.reshape((b, kv, g * s, d))?, &k.t()?)?;
-    let scores = match mask {
-        Some(mask) => scores.reshape((b, kv, g, s, s))?.broadcast_add(mask)?,
-        None => scores,
-    };
-    let probs = softmax(&scores)?.reshape((b, kv, g * s, s))?;
-    matmul(&probs, v)?
-        .reshape((b, h, s, d))?
-        .transpose(1, 2)?
-        .reshape((b, s, h * d))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Var;
+    use candle_core::{Device, Var, D};
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
@@ -303,34 +226,11 @@ mod tests {
             .unwrap()
     }
 
-    #[test]
-    fn softmax_matches_candle_in_value_and_gradient() {
-        let x = Var::randn(0f32, 3.0, (3, 5, 7), &Device::Cpu).unwrap();
-        let w = Tensor::randn(0f32, 1.0, (3, 5, 7), &Device::Cpu).unwrap();
-        let ours = softmax(x.as_tensor()).unwrap();
-        let theirs = candle_nn::ops::softmax(x.as_tensor(), D::Minus1).unwrap();
-        assert!(max_diff(&ours, &theirs) < 1e-6);
-        let g1 = ours.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-        let g2 = theirs
-            .mul(&w)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .backward()
-            .unwrap();
-        assert!(max_diff(g1.get(&x).unwrap(), g2.get(&x).unwrap()) < 1e-5);
-    }
-
-    #[test]
-    fn grouped_attention_equals_repeated_kv_heads() {
-        let dev = Device::Cpu;
-        let (b, h, kv, s, d) = (2, 4, 2, 5, 3);
-        let q = Tensor::randn(0f32, 1.0, (b, h, s, d), &dev).unwrap();
-        let k = Tensor::randn(0f32, 1.0, (b, kv, s, d), &dev).unwrap();
-        let v = Tensor::randn(0f32, 1.0, (b, kv, s, d), &dev).unwrap();
-        let mask = causal_mask(s, DType::F32, &dev).unwrap();
-        let ours = attention(&q, &k, &v, Some(&mask)).unwrap();
-        // Reference: repeat each kv head h/kv times, plain multi-head attention.
+    /// softmax(q·kᵀ·scale + mask)·v with each kv head repeated for its query
+    /// heads, from candle ops; `mask` is additive, `[b, 1, s, s]`.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> Tensor {
+        let (b, h, s, d) = q.dims4().unwrap();
+        let kv = k.dim(1).unwrap();
         let repeat = |t: &Tensor| {
             t.unsqueeze(2)
                 .unwrap()
@@ -339,19 +239,80 @@ mod tests {
                 .reshape((b, h, s, d))
                 .unwrap()
         };
-        let scores = q
-            .matmul(&repeat(&k).t().unwrap())
+        let scores = (q
+            .contiguous()
             .unwrap()
-            .broadcast_add(&mask)
+            .matmul(&repeat(k).t().unwrap())
+            .unwrap()
+            * scale)
+            .unwrap()
+            .broadcast_add(mask)
             .unwrap();
-        let probs = candle_nn::ops::softmax(&scores, D::Minus1).unwrap();
-        let reference = probs
-            .matmul(&repeat(&v))
+        candle_nn::ops::softmax(&scores, D::Minus1)
+            .unwrap()
+            .matmul(&repeat(v))
             .unwrap()
             .transpose(1, 2)
             .unwrap()
             .reshape((b, s, h * d))
-            .unwrap();
-        assert!(max_diff(&ours, &reference) < 1e-5);
+            .unwrap()
+    }
+
+    /// The composed and flash forms against [`reference`], in value and in the
+    /// gradients of q, k and v, with grouped-query heads, a strided q, an odd
+    /// length, a causal mask and key padding.
+    #[test]
+    fn composed_and_flash_attention_match_repeated_kv_heads() {
+        let dev = Device::Cpu;
+        let (b, h, kv, s, d) = (2, 4, 2, 7, 3);
+        let scale = 0.6;
+        // q strided as split_heads makes it.
+        let q = Var::randn(0f32, 1.0, (b, s, h, d), &dev).unwrap();
+        let k = Var::randn(0f32, 1.0, (b, kv, s, d), &dev).unwrap();
+        let v = Var::randn(0f32, 1.0, (b, kv, s, d), &dev).unwrap();
+        let w = Tensor::randn(0f32, 1.0, (b, s, h * d), &dev).unwrap();
+        let keep = Tensor::new(&[[1u32, 1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 1, 1, 1]], &dev).unwrap();
+        let neg = |allowed: Vec<bool>| -> Vec<f32> {
+            allowed
+                .into_iter()
+                .map(|a| if a { 0.0 } else { -1e9 })
+                .collect()
+        };
+        let causal = neg((0..s).flat_map(|i| (0..s).map(move |j| j <= i)).collect());
+        let causal = Tensor::from_vec(causal, (1, 1, s, s), &dev).unwrap();
+        let keep_flags = keep.to_vec2::<u32>().unwrap();
+        let padding = neg(keep_flags
+            .iter()
+            .flat_map(|row| (0..s).flat_map(move |_| row.iter().map(|&f| f != 0)))
+            .collect());
+        let padding = Tensor::from_vec(padding, (b, 1, s, s), &dev).unwrap();
+        let cases = [("causal", causal, None), ("padded", padding, Some(&keep))];
+        for (name, mask, keep) in cases {
+            let qh = q.transpose(1, 2).unwrap();
+            let expected = reference(&qh, &k, &v, &mask, scale);
+            let want = expected
+                .mul(&w)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            for kind in [Attention::Composed, Attention::Flash] {
+                let attend = match keep {
+                    None => Attend::causal(kind),
+                    Some(keep) => Attend::padded(kind, Some(keep)).unwrap(),
+                };
+                let out = attend.forward(&qh, &k, &v, scale).unwrap();
+                let got = out.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+                assert!(max_diff(&out, &expected) < 1e-5, "{name} {kind:?}: output");
+                for (var, what) in [(&q, "q"), (&k, "k"), (&v, "v")] {
+                    let diff = max_diff(got.get(var).unwrap(), want.get(var).unwrap());
+                    assert!(
+                        diff < 1e-5,
+                        "{name} {kind:?}: gradient of {what} off by {diff}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -165,12 +165,12 @@ impl TrainableModel for Llama {
     ) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, false)?;
         let (h, d) = (self.config.hidden, self.config.head_dim());
-        let (dtype, device) = (self.embed.dtype(), self.embed.device());
+        let device = self.embed.device();
         let [embed, rotary, norm, lm_head] = self.tags;
         let ctx = {
             let _m = Scope::new(rotary, Op::Rope);
             Context {
-                attend: Attend::causal(attention, s, dtype, device)?,
+                attend: Attend::causal(attention),
                 rope_q: RopeTables::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), device)?,
                 rope_k: RopeTables::new(s, d, ROPE_THETA, 1.0, device)?,
             }

@@ -5,15 +5,17 @@
 //! compute dtype (f32, bf16, f16) on a device. [`TrainableModel::forward_backward`]
 //! runs one forward and backward pass on a [`Batch`] under an activation
 //! checkpointing policy ([`oomfix_strategies::checkpoint::backward`]), with attention
-//! composed from candle ops or computed by
+//! composed (the probabilities as one [`fused::attention_probs`] node, then
+//! `P·v`) or computed by
 //! [`oomfix_strategies::attention::flash_attention`] ([`Attention`]), and returns the
 //! loss and detached gradients aligned with [`TrainableModel::vars`].
 //!
 //! The models are written for training, not inference: no KV cache, no dropout
 //! (recomputation must be deterministic), and none of candle's fused fast paths
 //! (`softmax_last_dim`, `rms_norm`, `layer_norm`, `rope`, fused SDPA), which
-//! have no backward: norms, biased projections, GELU, SwiGLU and RoPE are
-//! [`fused`] ops with their own backward, the rest is composed from candle ops. Conventions follow Hugging Face `transformers`: GPT-2 with
+//! have no backward: norms, biased projections, GELU, SwiGLU, RoPE, the
+//! embedding lookup and the attention probabilities are [`fused`] ops with
+//! their own backward, the rest is composed from candle ops. Conventions follow Hugging Face `transformers`: GPT-2 with
 //! `Conv1D` weights (`[in, out]`), tanh-approximate GELU, tied LM head; Llama with
 //! RMSNorm (ε = 1e-5), RoPE in the `rotate_half` form (θ = 10 000), SwiGLU and
 //! grouped-query attention; BERT post-LN with erf GELU and the masked-LM head
@@ -36,8 +38,10 @@
 //! backward). A projection with a bias keeps only its output (the bias is
 //! added in place); GELU and SwiGLU keep only their output.
 //!
-//! Softmax over rows of `s` (`m` elements in all): shifted `m` c; exp `m` c;
-//! output `m` c; detached row max and row sum (`m/s` each, c).
+//! Attention probabilities ([`fused::attention_probs`]): the scores `q·kᵀ`
+//! are made into `softmax(scores·scale + mask)` in place, so the op keeps one
+//! `[b,H,s,s]` tensor; the mask is applied by position (causal) or by the
+//! batch's key flags, never built.
 //!
 //! ## GPT-2 (per block)
 //!
@@ -45,11 +49,8 @@
 //! |---|---|---|
 //! | `ln_1` | LN of `[n,h]` | as above |
 //! | `c_attn` (matmul + bias in place) | `[n,3h]` | c |
-//! | q × `1/√d` (strided → contiguous; flash: a plain contiguous copy) | `[b,H,s,d]` | c |
-//! | k, v contiguous copies | `[b,H,s,d]` ×2 | c |
-//! | scores `q kᵀ` | `[b,H,s,s]` | c |
-//! | + causal mask | `[b,H,s,s]` | c |
-//! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
+//! | q, k, v contiguous copies | `[b,H,s,d]` ×3 | c |
+//! | probabilities (scale `1/√d` and causal mask inside) | `[b,H,s,s]` | c |
 //! | context `P v` | `[b,H,s,d]` | c |
 //! | heads merged (copy) | `[n,h]` | c |
 //! | `attn.c_proj` | `[n,h]` | c |
@@ -60,8 +61,6 @@
 //! | residual (block output) | `[n,h]` | c |
 //!
 //! Stem: `wte` rows `[n,h]` c; + `wpe` rows (a narrow, no copy) `[n,h]` c.
-//! Once per forward: causal mask `[s,s]` c (not on the parameter path, but held by
-//! every block's mask add; not built for flash attention).
 //!
 //! ## Llama (per block)
 //!
@@ -73,9 +72,7 @@
 //! | v contiguous copy | `[b,KV,s,d]` | c |
 //! | RoPE on q (attention scale folded in the tables; fused, heads moved first) | `[b,H,s,d]` | c |
 //! | RoPE on k | `[b,KV,s,d]` | c |
-//! | scores (grouped: `[b,KV,(H/KV)·s,s]`) | `[b,H,s,s]` | c |
-//! | + causal mask | `[b,H,s,s]` | c |
-//! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
+//! | probabilities (grouped: `[b,KV,(H/KV)·s,s]`; causal mask inside) | `[b,H,s,s]` | c |
 //! | context | `[b,H,s,d]` | c |
 //! | heads merged (copy) | `[n,h]` | c |
 //! | `o_proj` matmul | `[n,h]` | c |
@@ -87,8 +84,7 @@
 //!
 //! Keys and values are never repeated for grouped-query attention: each group's
 //! queries are multiplied with the shared key/value head directly.
-//! Stem: `embed_tokens` rows `[n,h]` c. Once per forward: causal mask `[s,s]` c
-//! (composed attention only); RoPE tables `[s,d]` ×4 f32 (cos/sin, and both scaled
+//! Stem: `embed_tokens` rows `[n,h]` c. Once per forward: RoPE tables `[s,d]` ×4 f32 (cos/sin, and both scaled
 //! for the queries: flash attention is then called with scale 1).
 //!
 //! ## BERT (per block)
@@ -96,10 +92,8 @@
 //! | tensor | shape | dtype |
 //! |---|---|---|
 //! | `query`, `key`, `value` (matmul + bias in place) | `[n,h]` ×3 | c |
-//! | q × `1/√d` (flash: a plain copy), k and v contiguous copies | `[b,H,s,d]` ×3 | c |
-//! | scores | `[b,H,s,s]` | c |
-//! | + padding mask (only when the batch has an `attention_mask`) | `[b,H,s,s]` | c |
-//! | softmax | `[b,H,s,s]` ×3, `[b,H,s,1]` ×2 | c |
+//! | q, k, v contiguous copies | `[b,H,s,d]` ×3 | c |
+//! | probabilities (scale `1/√d` and key padding inside) | `[b,H,s,s]` | c |
 //! | context | `[b,H,s,d]` | c |
 //! | heads merged (copy) | `[n,h]` | c |
 //! | `attention.output.dense` | `[n,h]` | c |
@@ -112,15 +106,15 @@
 //!
 //! Stem: word rows `[n,h]` c; position rows + token-type row (`[s,h]` c, not
 //! `[n,h]`); sum `[n,h]` c; embeddings LN of `[n,h]`. Once per forward, with an
-//! `attention_mask`: padding mask `[b,1,1,1,s]` c.
+//! `attention_mask`: its key flags `[b,s]` as bytes.
 //!
 //! ## Flash attention
 //!
-//! With [`Attention::Flash`] the rows from the scores to the context (scores,
-//! mask, softmax, context `P v`) become one op: it keeps its inputs (the q, k, v
+//! With [`Attention::Flash`] the rows from the probabilities to the context
+//! (`P v`) become one op: it keeps its inputs (the q, k, v
 //! copies above), its output `[b,H,s,d]` c (in place of the context) and a
 //! log-sum-exp `[b,H,s]` f32 (plus, with a padding mask, one byte per key). No
-//! `[b,H,s,s]` tensor exists, and no mask is built: GPT-2 and Llama attend
+//! `[b,H,s,s]` tensor exists: GPT-2 and Llama attend
 //! causally, BERT passes the batch's `attention_mask` as key padding. Its
 //! backward recomputes the probabilities block by block; its working set is
 //! f32 copies of q, k, v, the output and its gradient, the f32 gradient of q,

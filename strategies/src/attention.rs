@@ -12,8 +12,8 @@
 //! probabilities block by block from that log-sum-exp. What the autograd graph
 //! keeps for backward is therefore the inputs, the output and
 //! `4 · batch · heads · s_q` bytes (plus one byte per key when a padding mask is
-//! given), instead of the several `batch · heads · s_q · s_k`
-//! tensors of the composed expression.
+//! given), instead of the `batch · heads · s_q · s_k` probabilities that
+//! composed attention keeps.
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};

@@ -132,8 +132,9 @@ impl fmt::Display for OptimizerImpl {
 /// How the attention of each transformer block is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Attention {
-    /// Composed from candle ops (scores, mask, softmax, product with the values):
-    /// autograd keeps several `batch × heads × seq × seq` tensors per block.
+    /// The probabilities `softmax(q·kᵀ·scale + mask)` as one op (scores made
+    /// into probabilities in place), then their product with the values:
+    /// autograd keeps one `batch × heads × seq × seq` tensor per block.
     Composed,
     /// [`attention::flash_attention`](crate::attention::flash_attention): blocked,
     /// with the probabilities recomputed in backward; nothing of size `seq × seq` is kept.

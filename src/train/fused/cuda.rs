@@ -400,3 +400,103 @@ pub(super) fn embedding_grad(
 ) -> Result<CudaStorage> {
     by_dtype!(dy.0.dtype(), embedding_grad_typed(dy, ids, vocab))
 }
+
+/// The rows of an attention-probabilities buffer (see `attention_probs` in
+/// `fused.cu`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ProbsGeometry {
+    /// Rows of `s_k` scores (`b·H·s_q`).
+    pub rows: usize,
+    /// Query positions: a row's position is its index modulo `s_q`.
+    pub s_q: usize,
+    /// Keys per row.
+    pub s_k: usize,
+    /// Rows per batch row (`H·s_q`), which share one row of keep flags.
+    pub rows_per_batch: usize,
+}
+
+fn attention_probs_typed<T: CudaDType + DeviceRepr>(
+    name: &str,
+    scores: &mut CudaStorage,
+    keep: Option<(&CudaStorage, &Layout)>,
+    g: ProbsGeometry,
+    opts: super::ProbsOptions,
+) -> Result<()> {
+    let dev = scores.device().clone();
+    let keep = keep.map(|(s, l)| view::<u8>(s, l)).transpose()?;
+    if g.rows * g.s_k == 0 {
+        return Ok(());
+    }
+    let func = dev.get_or_load_custom_func(&format!("attention_probs_{name}"), MODULE, ptx()?)?;
+    let p = scores.as_cuda_slice_mut::<T>()?;
+    let [rows, s_k, s_q, per_batch] = [g.rows, g.s_k, g.s_q, g.rows_per_batch].map(|v| v as u64);
+    let (null, causal) = (0u64, i32::from(opts.causal));
+    let mut launch = func.builder();
+    launch.arg(p);
+    match &keep {
+        Some(k) => launch.arg(k),
+        None => launch.arg(&null),
+    };
+    launch
+        .arg(&rows)
+        .arg(&s_k)
+        .arg(&s_q)
+        .arg(&per_batch)
+        .arg(&opts.scale)
+        .arg(&causal);
+    // SAFETY: arguments match `attention_probs_*(p, keep or null, rows, n, s_q,
+    // rows_per_batch, scale, causal)`; p holds rows·n elements, keep
+    // rows/rows_per_batch·n; one warp per row.
+    unsafe { launch.launch(warp_rows(g.rows)?) }.w()?;
+    Ok(())
+}
+
+/// Turns the scores `q·kᵀ` in `scores` into attention probabilities in place.
+pub(super) fn attention_probs(
+    scores: &mut CudaStorage,
+    keep: Option<(&CudaStorage, &Layout)>,
+    g: ProbsGeometry,
+    opts: super::ProbsOptions,
+) -> Result<()> {
+    by_dtype!(scores.dtype(), attention_probs_typed(scores, keep, g, opts))
+}
+
+fn attention_probs_grad_typed<T: CudaDType + DeviceRepr>(
+    name: &str,
+    p: (&CudaStorage, &Layout),
+    dp: (&CudaStorage, &Layout),
+    scale: f32,
+) -> Result<CudaStorage> {
+    let dev = p.0.device().clone();
+    let len = p.1.shape().elem_count();
+    let n = p.1.dims().last().copied().unwrap_or(1);
+    let (pv, dpv) = (view::<T>(p.0, p.1)?, view::<T>(dp.0, dp.1)?);
+    let mut ds = output::<T>(&dev, len)?;
+    if len > 0 {
+        let func =
+            dev.get_or_load_custom_func(&format!("attention_probs_grad_{name}"), MODULE, ptx()?)?;
+        let rows = len / n;
+        let (rows64, n64) = (rows as u64, n as u64);
+        let mut launch = func.builder();
+        launch
+            .arg(&pv)
+            .arg(&dpv)
+            .arg(&mut ds)
+            .arg(&rows64)
+            .arg(&n64)
+            .arg(&scale);
+        // SAFETY: arguments match `attention_probs_grad_*(p, dp, ds, rows, n, scale)`;
+        // p, dp and ds hold rows·n elements; one warp per row.
+        unsafe { launch.launch(warp_rows(rows)?) }.w()?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(ds, dev))
+}
+
+/// The softmax's backward `scale·p∘(dp − rowsum(p∘dp))` over the last dimension.
+pub(super) fn attention_probs_grad(
+    p: (&CudaStorage, &Layout),
+    dp: (&CudaStorage, &Layout),
+    scale: f32,
+) -> Result<CudaStorage> {
+    by_dtype!(p.0.dtype(), attention_probs_grad_typed(p, dp, scale))
+}

@@ -154,6 +154,58 @@ __device__ void embedding_grad(const T *src, const u32 *ids, T *dst, u64 n, u64 
     }
 }
 
+// Attention probabilities, in place: each row of n scores (one query's) becomes
+// softmax(scale * score) over the keys it sees, zero elsewhere. Row r is query
+// i = r % s_q of batch r / rows_per_batch; causal: key j is seen when
+// j <= i + n - s_q; keep (null: every key) is [batch, n], zero masking key j.
+// One warp per row: an online max and sum, then the normalised write. A row
+// that sees no key is all zeros.
+template <typename T>
+__device__ void attention_probs(T *p, const unsigned char *keep, u64 rows, u64 n, u64 s_q,
+                                u64 rows_per_batch, float scale, int causal) {
+    u64 base;
+    if (!warp_row(rows, n, base)) return;
+    const u64 row = base / n;
+    const unsigned char *kp = keep ? keep + (row / rows_per_batch) * n : nullptr;
+    const u64 last = row % s_q + n + 1;  // causal: keys [0, last - s_q) are seen
+    const u64 seen = !causal ? n : last > s_q ? min(n, last - s_q) : 0;
+    float m = -INFINITY, l = 0.0f;
+    LANE_STRIDE(j, seen) {
+        if (kp && !kp[j]) continue;
+        const float x = to_f32(p[base + j]) * scale;
+        if (x > m) {
+            l = l * expf(m - x) + 1.0f;
+            m = x;
+        } else {
+            l += expf(x - m);
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, off), l2 = __shfl_xor_sync(0xffffffffu, l, off);
+        const float mm = fmaxf(m, m2);
+        if (mm != -INFINITY)
+            l = (m == -INFINITY ? 0.0f : l * expf(m - mm)) + (m2 == -INFINITY ? 0.0f : l2 * expf(m2 - mm));
+        m = mm;
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    LANE_STRIDE(j, n) {
+        float v = 0.0f;
+        if (j < seen && (!kp || kp[j])) v = expf(to_f32(p[base + j]) * scale - m) * inv;
+        p[base + j] = from_f32<T>(v);
+    }
+}
+
+// The probabilities' backward: ds = scale * p * (dp - sum_j p_j dp_j), one warp per row.
+template <typename T>
+__device__ void attention_probs_grad(const T *p, const T *dp, T *ds, u64 rows, u64 n, float scale) {
+    u64 base;
+    if (!warp_row(rows, n, base)) return;
+    float dot = 0.0f;
+    LANE_STRIDE(j, n) dot += to_f32(p[base + j]) * to_f32(dp[base + j]);
+    dot = warp_sum(dot);
+    LANE_STRIDE(j, n) ds[base + j] = from_f32<T>(scale * to_f32(p[base + j]) * (to_f32(dp[base + j]) - dot));
+}
+
 #define KERNELS(NAME, T)                                                                         \
     extern "C" __global__ void norm_##NAME(const T *x, const T *w, const T *b, T *y, u64 rows,  \
                                            u64 h, float eps, int rms) {                          \
@@ -206,6 +258,15 @@ __device__ void embedding_grad(const T *src, const u32 *ids, T *dst, u64 n, u64 
     extern "C" __global__ void embedding_grad_##NAME(const T *src, const u32 *ids, T *dst, u64 n, \
                                                      u64 h, u64 vocab) {                         \
         embedding_grad<T>(src, ids, dst, n, h, vocab);                                           \
+    }                                                                                            \
+    extern "C" __global__ void attention_probs_##NAME(T *p, const unsigned char *keep, u64 rows, \
+                                                      u64 n, u64 s_q, u64 rows_per_batch,        \
+                                                      float scale, int causal) {                 \
+        attention_probs<T>(p, keep, rows, n, s_q, rows_per_batch, scale, causal);                \
+    }                                                                                            \
+    extern "C" __global__ void attention_probs_grad_##NAME(const T *p, const T *dp, T *ds,       \
+                                                           u64 rows, u64 n, float scale) {       \
+        attention_probs_grad<T>(p, dp, ds, rows, n, scale);                                      \
     }
 
 KERNELS(f32, float)

@@ -295,3 +295,108 @@ fn embedding_matches_index_select_with_repeated_ids_and_a_tied_use() {
     assert!(embedding(&table, &Tensor::new(&[6u32], &Device::Cpu).unwrap()).is_err());
     assert!(embedding(&table, &Tensor::new(&[[1u32]], &Device::Cpu).unwrap()).is_err());
 }
+
+/// softmax(q·kᵀ·scale + mask) from candle ops, with each key head repeated
+/// for its query heads; `allowed(batch, i, j)` says whether query `i` sees key `j`.
+fn composed_probs(
+    q: &Tensor,
+    k: &Tensor,
+    scale: f64,
+    allowed: impl Fn(usize, usize, usize) -> bool,
+) -> Tensor {
+    let (b, h, s_q, d) = q.dims4().unwrap();
+    let (_, kv, s_k, _) = k.dims4().unwrap();
+    let k = k
+        .unsqueeze(2)
+        .unwrap()
+        .broadcast_as((b, kv, h / kv, s_k, d))
+        .unwrap()
+        .reshape((b, h, s_k, d))
+        .unwrap();
+    let mask: Vec<f32> = (0..b)
+        .flat_map(|bb| (0..s_q).flat_map(move |i| (0..s_k).map(move |j| (bb, i, j))))
+        .map(|(bb, i, j)| if allowed(bb, i, j) { 0.0 } else { -1e9 })
+        .collect();
+    let mask = Tensor::from_vec(mask, (b, 1, s_q, s_k), &Device::Cpu).unwrap();
+    let scores = (q.matmul(&k.t().unwrap()).unwrap() * scale).unwrap();
+    candle_nn::ops::softmax(&scores.broadcast_add(&mask).unwrap(), D::Minus1).unwrap()
+}
+
+#[test]
+fn attention_probs_match_the_composed_softmax() {
+    // Grouped heads (4 query heads on 2 key heads), odd lengths, fewer queries
+    // than keys (the causal mask aligned to the last key), and key padding.
+    let (b, h, kv, s_q, s_k, d) = (2, 4, 2, 5, 9, 8);
+    let keep = Tensor::new(
+        &[
+            [1f32, 1., 0., 1., 1., 1., 1., 0., 1.],
+            [1., 1., 1., 1., 1., 1., 1., 1., 0.],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let flags = keep.to_vec2::<f32>().unwrap();
+    let inputs = [
+        randn(&[b, h, s_q, d], 1.0, 0.0),
+        randn(&[b, kv, s_k, d], 1.0, 0.0),
+    ];
+    let causal = |_: usize, i: usize, j: usize| j <= i + s_k - s_q;
+    let padded = |bb: usize, _: usize, j: usize| flags[bb][j] != 0.0;
+    for (dtype, tol) in CASES {
+        for is_causal in [false, true] {
+            let opts = ProbsOptions {
+                scale: 0.35,
+                causal: is_causal,
+            };
+            let pad = !is_causal;
+            check(
+                dtype,
+                tol,
+                &inputs,
+                |t| attention_probs(&t[0], &t[1], pad.then_some(&keep), opts).unwrap(),
+                |t| {
+                    let allowed = |bb, i, j| {
+                        if pad {
+                            padded(bb, i, j)
+                        } else {
+                            causal(bb, i, j)
+                        }
+                    };
+                    composed_probs(&t[0], &t[1], 0.35, allowed)
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_probs_of_a_query_that_sees_no_key_are_zero() {
+    let q = Var::randn(0f32, 1.0, (1, 1, 3, 4), &Device::Cpu).unwrap();
+    let k = Var::randn(0f32, 1.0, (1, 1, 3, 4), &Device::Cpu).unwrap();
+    let keep = Tensor::zeros((1, 3), DType::U8, &Device::Cpu).unwrap();
+    let opts = ProbsOptions {
+        scale: 1.0,
+        causal: false,
+    };
+    let p = attention_probs(q.as_tensor(), k.as_tensor(), Some(&keep), opts).unwrap();
+    assert_eq!(p.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [0.0; 9]);
+    let grads = p.sum_all().unwrap().backward().unwrap();
+    for var in [&q, &k] {
+        let g = grads.get(var).unwrap().abs().unwrap().sum_all().unwrap();
+        assert_eq!(g.to_scalar::<f32>().unwrap(), 0.0);
+    }
+}
+
+#[test]
+fn attention_probs_reject_mismatched_inputs() {
+    let q = randn(&[1, 3, 4, 8], 1.0, 0.0);
+    let opts = ProbsOptions {
+        scale: 1.0,
+        causal: true,
+    };
+    // 3 query heads on 2 key heads; a head size that differs; padding of the wrong shape.
+    assert!(attention_probs(&q, &randn(&[1, 2, 4, 8], 1.0, 0.0), None, opts).is_err());
+    assert!(attention_probs(&q, &randn(&[1, 1, 4, 4], 1.0, 0.0), None, opts).is_err());
+    let keep = Tensor::ones((1, 3), DType::U8, &Device::Cpu).unwrap();
+    assert!(attention_probs(&q, &randn(&[1, 1, 4, 8], 1.0, 0.0), Some(&keep), opts).is_err());
+}
