@@ -6,9 +6,11 @@
 #   1. install a CUDA 13.0 toolkit from PyPI wheels into a venv in the cache;
 #   2. assemble a CUDA_HOME of symlinks to it, plus a stub libcuda.so.1 so
 #      that `-lcuda` resolves at link time (the real one loads at run time);
-#   3. `cargo build --release` into target-cuda/, with an rpath to the GPU
+#   3. compile the kernel sources that run-time NVRTC compiles (fused.cu,
+#      flash.cu, adamw.cu, accumulate.cu) with the toolkit's libnvrtc;
+#   4. `cargo build --release` into target-cuda/, with an rpath to the GPU
 #      machine's library folders;
-#   4. strip the binary and write an xz-compressed copy to carry over.
+#   5. strip the binary and write an xz-compressed copy to carry over.
 #
 # Usage: scripts/build-cuda.sh [--features LIST] [--example NAME] [--compute-cap N] [--cache DIR]
 #   --features LIST    cargo features (default: cuda,nccl; e.g. `cuda`)
@@ -180,7 +182,18 @@ assemble_cuda_home() {
     printf '%s' "$stamp" >"$home/.oomfix-stamp"
 }
 
-# Step 3: the release build, with the environment cudarc and cudaforge read.
+# Step 3: the kernels compiled at run time with NVRTC, compiled once here with
+# the toolkit's libnvrtc so that a source error fails the build, not the GPU run.
+check_kernels() {
+    local lib=$CACHE/cuda-home/lib64
+    say "NVRTC check of the run-time kernel sources"
+    LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} python3 scripts/nvrtc-check.py \
+        "$lib/libnvrtc.so" strategies/src/half.cuh "strategies/src/attention/flash.cu@compute_$COMPUTE_CAP" \
+        strategies/src/adamw/adamw.cu strategies/src/accumulate/accumulate.cu src/train/fused/fused.cu >&2 ||
+        die "a run-time kernel source does not compile with NVRTC (log above)"
+}
+
+# Step 4: the release build, with the environment cudarc and cudaforge read.
 cargo_build() {
     local home=$CACHE/cuda-home rpath start
     rpath=$(IFS=:; printf '%s' "${GPU_LIB_DIRS[*]}")
@@ -194,7 +207,7 @@ cargo_build() {
     say "cargo build took $((SECONDS - start)) s"
 }
 
-# Step 4: strip and compress; then check what the binary needs at run time.
+# Step 5: strip and compress; then check what the binary needs at run time.
 package_binary() {
     local bin=$BUILT out=$PACKAGED glibc
     say "Stripping $bin to $out"
@@ -225,6 +238,7 @@ install_toolkit
 nv=$(wheel_root)
 bindings=$(cudarc_driver_bindings)
 assemble_cuda_home "$nv" "$bindings"
+check_kernels
 cargo_build
 package_binary
 say "Done: copy $PACKAGED.xz to the GPU machine and unpack it with xz -d"

@@ -154,6 +154,8 @@ __device__ void embedding_grad(const T *src, const u32 *ids, T *dst, u64 n, u64 
     }
 }
 
+#define NEG_INF (__int_as_float(0xff800000))
+
 // Attention probabilities, in place: each row of n scores (one query's) becomes
 // softmax(scale * score) over the keys it sees, zero elsewhere. Row r is query
 // i = r % s_q of batch r / rows_per_batch; causal: key j is seen when
@@ -168,8 +170,8 @@ __device__ void attention_probs(T *p, const unsigned char *keep, u64 rows, u64 n
     const u64 row = base / n;
     const unsigned char *kp = keep ? keep + (row / rows_per_batch) * n : nullptr;
     const u64 last = row % s_q + n + 1;  // causal: keys [0, last - s_q) are seen
-    const u64 seen = !causal ? n : last > s_q ? min(n, last - s_q) : 0;
-    float m = -INFINITY, l = 0.0f;
+    const u64 seen = !causal ? n : last <= s_q ? 0 : last - s_q < n ? last - s_q : n;
+    float m = NEG_INF, l = 0.0f;
     LANE_STRIDE(j, seen) {
         if (kp && !kp[j]) continue;
         const float x = to_f32(p[base + j]) * scale;
@@ -183,8 +185,8 @@ __device__ void attention_probs(T *p, const unsigned char *keep, u64 rows, u64 n
     for (int off = 16; off > 0; off >>= 1) {
         const float m2 = __shfl_xor_sync(0xffffffffu, m, off), l2 = __shfl_xor_sync(0xffffffffu, l, off);
         const float mm = fmaxf(m, m2);
-        if (mm != -INFINITY)
-            l = (m == -INFINITY ? 0.0f : l * expf(m - mm)) + (m2 == -INFINITY ? 0.0f : l2 * expf(m2 - mm));
+        if (mm != NEG_INF)
+            l = (m == NEG_INF ? 0.0f : l * expf(m - mm)) + (m2 == NEG_INF ? 0.0f : l2 * expf(m2 - mm));
         m = mm;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
