@@ -748,7 +748,7 @@ fn fused_cases() -> Vec<FusedCase> {
             composed: |t| t[0].index_select(&bench_ids(t[0].device())?, 0),
         },
         FusedCase {
-            name: "attention probabilities, causal, q and k [8, 12, 1024, 64]",
+            name: "attention probabilities, causal, q and k [rows / 1024, 12, 1024, 64]",
             shapes: |n| vec![vec![(n / 1024).max(1), 12, 1024, 64]; 2],
             fused: |t| {
                 let opts = fused::ProbsOptions {
