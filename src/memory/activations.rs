@@ -46,7 +46,7 @@ pub struct Activations {
 /// and parameter gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Moment {
-    /// Forward tensors still alive, plus the stray gradients made so far.
+    /// Forward tensors still alive.
     pub activations: u64,
     /// The backward's working tensors at that moment.
     pub transient: u64,
@@ -157,7 +157,7 @@ fn block(family: Family, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
     let core = attention_core(d);
     match family {
-        // ln_1; c_attn [n,3h]; q scaled (or contiguous), k, v copies;
+        // ln_1; c_attn [n,3h]; q, k, v contiguous copies;
         // attention core; context; merged, c_proj, residual; ln_2; c_fc, gelu
         // [n,I]×2; c_proj, residual.
         Family::Gpt2 | Family::Generic => Values {
@@ -178,7 +178,7 @@ fn block(family: Family, d: &Dims) -> Values {
         .add(core)
         .add(d.norm())
         .add(d.norm()),
-        // q, k, v; q scaled (or contiguous), k, v copies; attention core;
+        // q, k, v; q, k, v contiguous copies; attention core;
         // context; merged, dense, residual; LN; intermediate, gelu [n,I]×2;
         // dense, residual; LN.
         Family::Bert => Values {
@@ -353,9 +353,9 @@ pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Pl
 /// tensor per segment. The loss's moment holds those and the head's tensors
 /// (the segment outputs are all still there). At the first segment's
 /// recompute only the stem remains of them; the segment's `k` blocks' tensors
-/// are alive with the upstream gradient `grad_y`, the surrogate's product `y·grad_y` and the surrogate's
-/// own stray (`SURROGATE_STRAY_NH`, 4), and the stem's backward runs inside
-/// that same recomputed graph.
+/// are alive with the upstream gradient `grad_y`, the surrogate's product
+/// `y·grad_y` and the surrogate's own stray (`SURROGATE_STRAY_NH`, 4), and the
+/// stem's backward runs inside that same recomputed graph.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let cfg = &spec.config;
     if cfg.family == Family::Generic || cfg.layers == 0 {
