@@ -1,18 +1,20 @@
 //! Layers as single graph nodes with their own backward: layer norm, RMS norm,
-//! biased linear maps, GELU, SwiGLU, rotary position embedding and the token
-//! embedding lookup.
+//! biased linear maps, GELU, SwiGLU, rotary position embedding, the token
+//! embedding lookup and the attention probabilities.
 //!
 //! Composed from candle ops, each of these keeps every intermediate result
 //! alive for backward, and its backward is a chain of small kernels, each
-//! storing its result in candle's gradient store. As one custom op each, the graph keeps only the op's output (its
-//! inputs are kept anyway, by the ops that made them) and the backward is one
-//! pass over the saved inputs: norms recompute their row statistics, GELU and
-//! SwiGLU their derivative. Arithmetic is in f32 whatever the storage dtype
-//! (f32, bf16 or f16). On the CPU rows run in parallel; on CUDA (feature
-//! `cuda`) the kernels are `fused.cu`, compiled at run time with NVRTC.
+//! storing its result in candle's gradient store. As one custom op each, the
+//! graph keeps only the op's output (its inputs are kept anyway, by the ops
+//! that made them) and the backward is one pass over the saved inputs: norms
+//! recompute their row statistics, GELU and SwiGLU their derivative.
+//! Arithmetic is in f32 whatever the storage dtype (f32, bf16 or f16). On the
+//! CPU rows run in parallel; on CUDA (feature `cuda`) the kernels are
+//! `fused.cu`, compiled at run time with NVRTC.
 //!
-//! Every op but RoPE works on the last dimension of a contiguous tensor of any
-//! rank, so no reshape node sits around it.
+//! Every op but RoPE and the attention probabilities (`[b, heads, s, d]`
+//! inputs) works on the last dimension of a contiguous tensor of any rank, so
+//! no reshape node sits around it.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor, Var};
