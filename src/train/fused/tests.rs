@@ -400,3 +400,79 @@ fn attention_probs_reject_mismatched_inputs() {
     let keep = Tensor::ones((1, 3), DType::U8, &Device::Cpu).unwrap();
     assert!(attention_probs(&q, &randn(&[1, 1, 4, 8], 1.0, 0.0), Some(&keep), opts).is_err());
 }
+
+/// softmax(q·kᵀ·scale) over the keys each query sees, in f64 loops: `[b, H,
+/// s_q, s_k]` row-major; a row that sees no key is zeros.
+fn probs_reference(
+    q: &[f32],
+    k: &[f32],
+    [b, h, kv, s_q, s_k, d]: [usize; 6],
+    keep: Option<&[u8]>,
+    opts: ProbsOptions,
+) -> Vec<f64> {
+    let mut out = vec![0f64; b * h * s_q * s_k];
+    for (bb, hh, i) in
+        (0..b).flat_map(|bb| (0..h).flat_map(move |hh| (0..s_q).map(move |i| (bb, hh, i))))
+    {
+        let kh = hh / (h / kv);
+        let seen = |j: usize| {
+            (!opts.causal || j + s_q <= i + s_k) && keep.is_none_or(|f| f[bb * s_k + j] != 0)
+        };
+        let score = |j: usize| {
+            let qi = &q[((bb * h + hh) * s_q + i) * d..][..d];
+            let kj = &k[((bb * kv + kh) * s_k + j) * d..][..d];
+            qi.iter()
+                .zip(kj)
+                .map(|(&a, &c)| a as f64 * c as f64)
+                .sum::<f64>()
+                * opts.scale as f64
+        };
+        let js: Vec<usize> = (0..s_k).filter(|&j| seen(j)).collect();
+        let m = js
+            .iter()
+            .map(|&j| score(j))
+            .fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = js.iter().map(|&j| (score(j) - m).exp()).sum();
+        let row = &mut out[((bb * h + hh) * s_q + i) * s_k..][..s_k];
+        for &j in &js {
+            row[j] = (score(j) - m).exp() / sum;
+        }
+    }
+    out
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(48))]
+    /// f32 probabilities within 1e-5 of the f64 reference for any shape,
+    /// group size, causal or not, and random key padding (rows that see no
+    /// key, e.g. more queries than keys under the causal mask, included).
+    #[test]
+    fn attention_probs_match_an_f64_reference(
+        (b, kv, g, s_q, s_k, d) in (1usize..3, 1usize..3, 1usize..4, 1usize..9, 1usize..9, 1usize..6),
+        causal in proptest::bool::ANY,
+        padded in proptest::bool::ANY,
+        seed in 0u64..1000,
+    ) {
+        let h = kv * g;
+        let mut next = seed;
+        let mut rand = move || {
+            next = next.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((next >> 33) as f32 / (1u64 << 31) as f32) * 4.0 - 2.0
+        };
+        let q: Vec<f32> = (0..b * h * s_q * d).map(|_| rand()).collect();
+        let k: Vec<f32> = (0..b * kv * s_k * d).map(|_| rand()).collect();
+        let flags: Vec<u8> = (0..b * s_k).map(|_| u8::from(rand() > -1.0)).collect();
+        let keep = padded.then_some(flags.as_slice());
+        let opts = ProbsOptions { scale: 0.7, causal };
+        let dev = Device::Cpu;
+        let qt = Tensor::from_vec(q.clone(), (b, h, s_q, d), &dev).unwrap();
+        let kt = Tensor::from_vec(k.clone(), (b, kv, s_k, d), &dev).unwrap();
+        let keep_t = keep.map(|f| Tensor::from_vec(f.to_vec(), (b, s_k), &dev).unwrap());
+        let p = attention_probs(&qt, &kt, keep_t.as_ref(), opts).unwrap();
+        let got = p.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let want = probs_reference(&q, &k, [b, h, kv, s_q, s_k, d], keep, opts);
+        for (x, y) in got.iter().zip(&want) {
+            proptest::prop_assert!((*x as f64 - y).abs() < 1e-5, "{x} vs {y}");
+        }
+    }
+}
