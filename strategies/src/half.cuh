@@ -6,6 +6,9 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// Minus infinity (NVRTC has no math headers, so no INFINITY).
+#define NEG_INF (__int_as_float(0xff800000))
+
 struct Bf16 { u16 bits; };
 struct F16 { u16 bits; };
 

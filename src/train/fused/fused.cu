@@ -154,8 +154,6 @@ __device__ void embedding_grad(const T *src, const u32 *ids, T *dst, u64 n, u64 
     }
 }
 
-#define NEG_INF (__int_as_float(0xff800000))
-
 // Attention probabilities, in place: each row of n scores (one query's) becomes
 // softmax(scale * score) over the keys it sees, zero elsewhere. Row r is query
 // i = r % s_q of batch r / rows_per_batch; causal: key j is seen when
