@@ -114,6 +114,10 @@ pub enum HalfArg {
     Fp16,
 }
 
+/// `--strategies`' default: [`Pipeline::DEFAULT_ORDER`](oomfix_strategies::Pipeline::DEFAULT_ORDER), comma-separated.
+pub const DEFAULT_STRATEGIES: &str =
+    "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard,offload";
+
 /// Options of `oomfix plan`.
 #[derive(Debug, Clone, Args)]
 pub struct PlanArgs {
@@ -140,7 +144,7 @@ pub struct PlanArgs {
         long,
         value_delimiter = ',',
         value_name = "LIST",
-        default_value = "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard"
+        default_value = DEFAULT_STRATEGIES
     )]
     pub strategies: Vec<String>,
     /// 16-bit type used by the precision fix.
@@ -217,4 +221,15 @@ fn parse_lr(s: &str) -> Result<f64, String> {
 
 fn parse_target(s: &str) -> Result<Target, String> {
     s.parse()
+}
+
+#[cfg(test)]
+mod default_tests {
+    #[test]
+    fn default_strategies_are_the_pipelines_default_order() {
+        assert_eq!(
+            super::DEFAULT_STRATEGIES,
+            oomfix_strategies::Pipeline::DEFAULT_ORDER.join(",")
+        );
+    }
 }

@@ -217,6 +217,7 @@ impl Planner {
             },
             flash_attention: self.target.has_flash_attention(spec.config.head_dim()),
             layers: spec.config.layers,
+            host_offload: self.target.has_host_memory(),
         };
         let mut run = Run {
             planner: self,

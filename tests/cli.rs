@@ -115,12 +115,32 @@ fn nothing_fits_exits_1_with_the_closest_attempt() {
 
 #[test]
 fn sharding_over_gpus_makes_a_small_budget_fit() {
-    let (code, _) = json_of(&["--budget", "3GiB"]);
+    let no_offload = "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard";
+    let (code, _) = json_of(&["--budget", "3GiB", "--strategies", no_offload]);
     assert_eq!(code, 1);
     let (code, v) = json_of(&["--budget", "3GiB", "--gpus", "8"]);
     assert_eq!(code, 0, "{v:#}");
     assert_eq!(v["plan"]["world_size"], 8);
     assert!(v["plan"]["shard_stage"].as_u64().unwrap() >= 1);
+    assert_eq!(v["plan"]["optimizer"], "fused-adamw");
+}
+
+#[test]
+fn offloading_the_optimizer_makes_a_small_budget_fit_one_gpu_not_the_cpu() {
+    let (code, v) = json_of(&["--budget", "3GiB"]);
+    assert_eq!(code, 0, "{v:#}");
+    assert_eq!(v["plan"]["optimizer"], "cpu-adamw");
+    assert_eq!(v["plan"]["world_size"], 1);
+    assert_eq!(v["estimate"]["optimizer_state_bytes"], 0);
+    // 12 bytes per parameter of GPT-2 small's 124M move to the host
+    assert!(v["estimate"]["host_bytes"].as_u64().unwrap() > 12 * 124_000_000);
+    // the CPU's memory is the host's: nothing to offload to (its closest plan needs 2.55 GiB)
+    let (code, v) = json_of(&["--budget", "2GiB", "--device", "cpu"]);
+    assert_eq!(code, 1, "{v:#}");
+    let optimizers: Vec<&str> = (v["attempts"].as_array().unwrap().iter())
+        .map(|a| a["optimizer"].as_str().unwrap())
+        .collect();
+    assert!(!optimizers.contains(&"cpu-adamw"), "{optimizers:?}");
 }
 
 #[test]

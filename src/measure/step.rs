@@ -369,11 +369,7 @@ pub fn parse_plan_arg(s: &str) -> Result<Plan> {
             0 => oomfix_strategies::Checkpointing::None,
             k => oomfix_strategies::Checkpointing::Every(k),
         },
-        optimizer: match f[5] {
-            "adamw" => oomfix_strategies::OptimizerImpl::CandleAdamW,
-            "fused-adamw" => oomfix_strategies::OptimizerImpl::FusedAdamW,
-            _ => return Err(bad()),
-        },
+        optimizer: f[5].parse().map_err(|_| bad())?,
         attention: match f[6] {
             "composed" => oomfix_strategies::Attention::Composed,
             "flash" => oomfix_strategies::Attention::Flash,

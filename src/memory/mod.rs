@@ -20,7 +20,9 @@
 //!   one of those.
 //!
 //! Weights, master weights, optimizer state and the gradients accumulated from
-//! earlier micro-batches are alive at every moment.
+//! earlier micro-batches are alive at every moment. With the optimizer
+//! offloaded, master weights and optimizer state are host memory
+//! ([`Breakdown::host`]), outside the device's peak.
 
 mod activations;
 mod runtime;
@@ -89,6 +91,10 @@ pub struct Breakdown {
     pub peak: u64,
     /// When the peak occurs.
     pub peak_phase: Phase,
+    /// Host memory the plan needs besides the device's, not part of `peak`:
+    /// with the optimizer offloaded, the fp32 master weights and moments, plus
+    /// the gradients copied over during the step; 0 otherwise.
+    pub host: u64,
 }
 
 impl Breakdown {
@@ -168,7 +174,8 @@ impl Estimator for MemoryModel {
         // (stage 3 gathers them all before the forward); between steps and in the
         // optimizer step only its shard.
         let weights = p * cb;
-        let master_weights = if plan.precision.is_mixed() {
+        let offloaded = plan.optimizer.is_offloaded();
+        let master_weights = if plan.precision.is_mixed() && !offloaded {
             shard(4 * p, 1)
         } else {
             0
@@ -179,7 +186,12 @@ impl Estimator for MemoryModel {
         } else {
             0
         };
-        let optimizer_state = shard(8 * p, 1);
+        let optimizer_state = if offloaded { 0 } else { shard(8 * p, 1) };
+        let host = if offloaded {
+            shard(12 * p, 1) + shard(gradients, 2)
+        } else {
+            0
+        };
         let mut act = activation_bytes(spec, plan);
         if *target == Target::Cpu {
             widen_cpu_bf16_matmuls(&mut act, spec, plan);
@@ -207,12 +219,15 @@ impl Estimator for MemoryModel {
                 }
             });
         let step_weights = shard(weights, 3);
-        let step = step_weights
-            + master_weights
-            + optimizer_state
-            + shard(gradients, 2)
-            + optimizer_transient
-            + runtime;
+        // Offloaded, the gradients leave the device before the first weight
+        // comes back: the two never coexist.
+        let step_grads = shard(gradients, 2);
+        let step_working = if offloaded {
+            step_grads.max(optimizer_transient)
+        } else {
+            step_grads + optimizer_transient
+        };
+        let step = step_weights + master_weights + optimizer_state + step_working + runtime;
         let (peak, peak_phase) = if step > backward {
             (step, Phase::OptimizerStep)
         } else {
@@ -231,6 +246,7 @@ impl Estimator for MemoryModel {
             pool_slack,
             peak: target.round_up(peak) + pool_slack,
             peak_phase,
+            host,
         }
     }
 }
@@ -257,9 +273,12 @@ pub fn stem_only_parameters(spec: &ModelSpec) -> u64 {
 ///   under mixed precision, the fp32 copy of the one 16-bit gradient being
 ///   stepped (the trainer steps one tensor at a time and upcasts just its grad).
 /// * fused AdamW: updates in place and reads 16-bit gradients directly: nothing.
+/// * offloaded AdamW: each updated weight on its way up, one at a time (the
+///   largest tensor in the compute dtype), once the gradients have left the device.
 pub fn optimizer_transient(spec: &ModelSpec, plan: &Plan) -> u64 {
     match plan.optimizer {
         OptimizerImpl::FusedAdamW => 0,
+        OptimizerImpl::OffloadedAdamW => plan.precision.compute_bytes() * spec.largest_tensor(),
         OptimizerImpl::CandleAdamW => {
             let upcast = if plan.precision.is_mixed() {
                 4 * spec.largest_tensor()

@@ -72,6 +72,12 @@ impl Target {
     pub fn supports_bf16(&self) -> bool {
         true
     }
+
+    /// Whether the device's memory is apart from the host's, so that the
+    /// optimizer can be offloaded to the host (CUDA devices; not the CPU).
+    pub fn has_host_memory(&self) -> bool {
+        matches!(self, Target::Cuda(_))
+    }
 }
 
 impl std::fmt::Display for Target {

@@ -22,36 +22,38 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
         0usize..3,
         0usize..4,
         any::<bool>(),
-        any::<bool>(),
+        0usize..3,
         1usize..5,
         0u8..4,
     )
-        .prop_map(|(mb, acc, s, prec, ck, flash, fused, world, stage)| Plan {
-            micro_batch: mb,
-            grad_accum: acc,
-            seq_len: 64 * s,
-            precision: [Precision::F32, Precision::Bf16, Precision::F16][prec],
-            checkpoint: [
-                Checkpointing::None,
-                Checkpointing::Every(4),
-                Checkpointing::Every(2),
-                Checkpointing::Every(1),
-            ][ck],
-            attention: if flash {
-                Attention::Flash
-            } else {
-                Attention::Composed
+        .prop_map(
+            |(mb, acc, s, prec, ck, flash, optimizer, world, stage)| Plan {
+                micro_batch: mb,
+                grad_accum: acc,
+                seq_len: 64 * s,
+                precision: [Precision::F32, Precision::Bf16, Precision::F16][prec],
+                checkpoint: [
+                    Checkpointing::None,
+                    Checkpointing::Every(4),
+                    Checkpointing::Every(2),
+                    Checkpointing::Every(1),
+                ][ck],
+                attention: if flash {
+                    Attention::Flash
+                } else {
+                    Attention::Composed
+                },
+                optimizer: [
+                    OptimizerImpl::CandleAdamW,
+                    OptimizerImpl::FusedAdamW,
+                    OptimizerImpl::OffloadedAdamW,
+                ][optimizer],
+                shard: Sharding {
+                    world_size: world,
+                    stage: if world > 1 { stage } else { 0 },
+                },
             },
-            optimizer: if fused {
-                OptimizerImpl::FusedAdamW
-            } else {
-                OptimizerImpl::CandleAdamW
-            },
-            shard: Sharding {
-                world_size: world,
-                stage: if world > 1 { stage } else { 0 },
-            },
-        })
+        )
 }
 
 proptest! {
@@ -71,7 +73,7 @@ proptest! {
     #[test]
     fn tightening_never_raises_the_estimate(plan in arb_plan(), i in 0usize..3, target in prop_oneof![Just(Target::Cpu), Just(Target::Cuda(0))]) {
         let spec = spec_for(i);
-        let ctx = SearchContext { global_batch: plan.global_batch(), gpus: 4, supports_bf16: true, flash_attention: true, layers: spec.config.layers };
+        let ctx = SearchContext { global_batch: plan.global_batch(), gpus: 4, supports_bf16: true, flash_attention: true, layers: spec.config.layers, host_offload: target.has_host_memory() };
         let estimate = MemoryModel.estimate(&spec, &plan, &target);
         let before = estimate.peak;
         for s in Pipeline::default().strategies() {
@@ -294,4 +296,38 @@ fn cuda_plans_keep_room_for_the_pools_slack() {
     let baseline = MemoryModel.estimate(&spec, &Plan::baseline(8, 1024), &Target::Cuda(0));
     assert!(!fits(baseline.allocated_peak()));
     assert!(fits(baseline.peak));
+}
+
+#[test]
+fn offloading_moves_master_weights_and_optimizer_state_to_the_host() {
+    for i in 0..3 {
+        let spec = spec_for(i);
+        let p = spec.parameters();
+        for precision in [Precision::F32, Precision::Bf16] {
+            let fused = Plan {
+                precision,
+                checkpoint: Checkpointing::Every(1),
+                optimizer: OptimizerImpl::FusedAdamW,
+                ..Plan::baseline(2, 256)
+            };
+            let offloaded = Plan {
+                optimizer: OptimizerImpl::OffloadedAdamW,
+                ..fused
+            };
+            // the CPU's estimate is not rounded to pool pages: exact differences
+            let a = MemoryModel.estimate(&spec, &fused, &Target::Cpu);
+            let b = MemoryModel.estimate(&spec, &offloaded, &Target::Cpu);
+            let cb = precision.compute_bytes();
+            assert_eq!((a.host, b.host), (0, 12 * p + cb * p));
+            assert_eq!((b.master_weights, b.optimizer_state), (0, 0));
+            assert_eq!(b.optimizer_transient, cb * spec.largest_tensor());
+            assert_eq!(
+                (b.weights, b.gradients, b.activations),
+                (a.weights, a.gradients, a.activations)
+            );
+            assert_ne!(a.peak_phase, Phase::OptimizerStep);
+            assert_eq!(b.peak_phase, a.peak_phase);
+            assert_eq!(a.peak - b.peak, a.master_weights + a.optimizer_state);
+        }
+    }
 }

@@ -34,6 +34,7 @@ fn estimate(b: &Breakdown) -> Value {
     }
     v.insert("peak_bytes".into(), json!(b.peak));
     v.insert("peak_phase".into(), json!(b.peak_phase));
+    v.insert("host_bytes".into(), json!(b.host));
     Value::Object(v)
 }
 

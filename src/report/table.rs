@@ -71,6 +71,13 @@ fn breakdown(out: &mut String, a: &Attempt) {
             format_bytes(bytes)
         );
     }
+    if a.estimate.host > 0 {
+        let _ = writeln!(
+            out,
+            "host memory {} besides (master weights and AdamW state offloaded, gradients during the step)",
+            format_bytes(a.estimate.host)
+        );
+    }
 }
 
 /// The attempts table, the chosen plan (or the closest attempt) and its breakdown.

@@ -4,9 +4,10 @@
 //! forward and backward (with the plan's checkpointing and attention), sums their gradients
 //! ([`GradAccumulator`]), unscales and checks them under fp16 loss scaling, and
 //! steps the optimizer: `candle_nn::AdamW` one tensor at a time (each gradient
-//! dropped as soon as its tensor is updated), or [`FusedAdamW`] in place. Under
-//! mixed precision the optimizer updates fp32 master weights, copied back into
-//! the 16-bit compute weights after the step.
+//! dropped as soon as its tensor is updated), [`FusedAdamW`] in place, or
+//! [`OffloadedAdamW`] on the host. Under mixed precision the optimizer updates
+//! fp32 master weights, copied back into the 16-bit compute weights after the
+//! step; offloaded, the masters always live on the host.
 //!
 //! [`Trainer::save`] writes the whole training state to a checkpoint
 //! ([`crate::checkpoint_file`]) and [`Trainer::resume`] restores it, so a resumed
@@ -22,6 +23,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::FusedAdamW;
+use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
 use oomfix_strategies::{Attention, OptimizerImpl, Plan, Precision};
 use std::collections::HashMap;
@@ -83,6 +85,27 @@ enum Optim {
     /// stepped and its gradient freed in turn.
     Candle(Vec<(AdamW, Var)>),
     Fused(FusedAdamW),
+    /// Masters and state in host memory; it writes the compute weights itself.
+    Offloaded(OffloadedAdamW),
+}
+
+impl Optim {
+    /// The fused optimizer whose state a checkpoint holds (none for candle's).
+    fn fused(&self) -> Option<&FusedAdamW> {
+        match self {
+            Optim::Candle(_) => None,
+            Optim::Fused(opt) => Some(opt),
+            Optim::Offloaded(opt) => Some(opt.optimizer()),
+        }
+    }
+
+    fn fused_mut(&mut self) -> Option<&mut FusedAdamW> {
+        match self {
+            Optim::Candle(_) => None,
+            Optim::Fused(opt) => Some(opt),
+            Optim::Offloaded(opt) => Some(opt.optimizer_mut()),
+        }
+    }
 }
 
 /// Runs training steps of a plan.
@@ -144,9 +167,7 @@ impl Trainer {
             options.seed,
         )?;
         let compute: Vec<Var> = model.vars().iter().map(|(_, v)| v.clone()).collect();
-        let master = plan
-            .precision
-            .is_mixed()
+        let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded())
             .then(|| MasterWeights::new(compute.clone()))
             .transpose()?;
         drop(scope);
@@ -154,6 +175,7 @@ impl Trainer {
             .as_ref()
             .map_or(compute, |m| m.master_vars().to_vec());
         let _scope = Scope::new(Module::intern("optimizer"), Op::InitOptimizer);
+        let names = model.vars().iter().map(|(n, _)| n.clone());
         let optim = match plan.optimizer {
             OptimizerImpl::CandleAdamW => Optim::Candle(
                 opt_vars
@@ -161,13 +183,14 @@ impl Trainer {
                     .map(|v| Ok((AdamW::new(vec![v.clone()], options.adamw.clone())?, v)))
                     .collect::<Result<_>>()?,
             ),
-            OptimizerImpl::FusedAdamW => {
-                let names = model.vars().iter().map(|(n, _)| n.clone());
-                Optim::Fused(FusedAdamW::new_named(
-                    names.zip(opt_vars).collect(),
-                    options.adamw.clone(),
-                )?)
-            }
+            OptimizerImpl::FusedAdamW => Optim::Fused(FusedAdamW::new_named(
+                names.zip(opt_vars).collect(),
+                options.adamw.clone(),
+            )?),
+            OptimizerImpl::OffloadedAdamW => Optim::Offloaded(OffloadedAdamW::new(
+                names.zip(opt_vars).collect(),
+                options.adamw.clone(),
+            )?),
         };
         let scaler = (plan.precision == Precision::F16)
             .then(|| LossScaler::new(LossScalerConfig::default()))
@@ -194,17 +217,30 @@ impl Trainer {
         &self.plan
     }
 
-    /// The parameters' tensors with their Hub names, and with mixed precision
-    /// the fp32 master weights as `master.<name>` (for naming recorded blocks).
+    /// The fp32 master weights in the order of the model's vars: under mixed
+    /// precision, or with the optimizer offloaded (then on the host, always
+    /// copies of their own).
+    fn masters(&self) -> Option<&[Var]> {
+        match (&self.master, &self.optim) {
+            (Some(m), _) => Some(m.master_vars()),
+            (None, Optim::Offloaded(opt)) => Some(opt.master_vars()),
+            _ => None,
+        }
+    }
+
+    /// The parameters' tensors with their Hub names, and the fp32 master
+    /// weights that are buffers of their own as `master.<name>` (for naming
+    /// recorded blocks).
     pub fn parameter_buffers(&self) -> Vec<(String, Tensor)> {
         let vars = self.model.vars();
         let mut out: Vec<(String, Tensor)> = vars
             .iter()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
-        if let Some(m) = &self.master {
-            for ((name, c), v) in vars.iter().zip(m.master_vars()) {
-                if c.dtype() != v.dtype() {
+        let offloaded = self.plan.optimizer.is_offloaded();
+        if let Some(masters) = self.masters() {
+            for ((name, c), v) in vars.iter().zip(masters) {
+                if offloaded || c.dtype() != v.dtype() {
                     out.push((format!("master.{name}"), v.as_tensor().clone()));
                 }
             }
@@ -218,17 +254,18 @@ impl Trainer {
     }
 
     /// Whether [`save`](Self::save) includes the optimizer's moments: with
-    /// fused AdamW it does; `candle_nn::AdamW` keeps them out of reach, so a run
-    /// resumed from its checkpoint restarts them from zero.
+    /// fused AdamW (offloaded or not) it does; `candle_nn::AdamW` keeps them
+    /// out of reach, so a run resumed from its checkpoint restarts them from zero.
     pub fn saves_optimizer_state(&self) -> bool {
-        matches!(self.optim, Optim::Fused(_))
+        self.optim.fused().is_some()
     }
 
     /// Writes the training state to `path` atomically (an existing file is
     /// replaced only once the new one is complete).
     ///
     /// Tensors: the parameters under their Hub names in the compute dtype; with
-    /// mixed precision the fp32 master weights as `master.<name>`; with fused
+    /// mixed precision or an offloaded optimizer the fp32 master weights as
+    /// `master.<name>`; with fused (or offloaded)
     /// AdamW its moments as `optim.<name>.m`, `optim.<name>.v` and its step count
     /// `optim.step`; with fp16 the loss scaler's `scaler.scale` (f64) and
     /// `scaler.growth_tracker`; `trainer.step`; the data position as
@@ -241,14 +278,14 @@ impl Trainer {
             .iter()
             .map(|(name, v)| (name.clone(), v.as_tensor().clone()))
             .collect();
-        if let Some(m) = &self.master {
+        if let Some(masters) = self.masters() {
             tensors.extend(
                 vars.iter()
-                    .zip(m.master_vars())
+                    .zip(masters)
                     .map(|((name, _), v)| (format!("master.{name}"), v.as_tensor().clone())),
             );
         }
-        if let Optim::Fused(opt) = &self.optim {
+        if let Some(opt) = self.optim.fused() {
             tensors.extend(
                 opt.state_tensors()?
                     .into_iter()
@@ -366,12 +403,12 @@ impl Trainer {
         for (name, var) in vars {
             set(name, var)?;
         }
-        if let Some(m) = &self.master {
-            for ((name, _), var) in vars.iter().zip(m.master_vars()) {
+        if let Some(masters) = self.masters() {
+            for ((name, _), var) in vars.iter().zip(masters) {
                 set(&format!("master.{name}"), var)?;
             }
         }
-        if let Optim::Fused(opt) = &mut self.optim {
+        if let Some(opt) = self.optim.fused_mut() {
             let keys = vars
                 .iter()
                 .flat_map(|(n, _)| [format!("{n}.m"), format!("{n}.v")]);
@@ -475,7 +512,14 @@ impl Trainer {
             skipped = !finite;
         }
         if !skipped {
+            let start = Instant::now();
             self.optimizer_step(grads)?;
+            let seconds = start.elapsed().as_secs_f64();
+            tracing::debug!(
+                seconds,
+                optimizer = self.plan.optimizer.as_str(),
+                "optimizer step"
+            );
         }
         self.trace_pool("optimizer step");
         Ok((loss, forward_backward_peak, self.phase_peak()?, skipped))
@@ -515,6 +559,7 @@ impl Trainer {
         let _scope = Scope::new(Module::intern("optimizer"), Op::AdamW);
         match &mut self.optim {
             Optim::Fused(opt) => opt.step(&grads)?,
+            Optim::Offloaded(opt) => opt.step(grads)?,
             Optim::Candle(opts) => {
                 for ((opt, var), g) in opts.iter_mut().zip(grads) {
                     // candle_nn::AdamW reads a GradStore: make one holding this gradient only.

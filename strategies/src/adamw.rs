@@ -20,7 +20,8 @@ use crate::{Error, OptimizerImpl, Plan, Result, SearchContext, Strategy};
 #[cfg(feature = "cuda")]
 mod cuda;
 
-/// Planner half: replace `candle_nn::AdamW` with the fused in-place step.
+/// Planner half: replace `candle_nn::AdamW` with the fused in-place step (an
+/// already offloaded optimizer is left as it is).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FusedAdamWStrategy;
 
@@ -29,7 +30,7 @@ impl Strategy for FusedAdamWStrategy {
         "fused-adamw"
     }
     fn tighten(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
-        (plan.optimizer != OptimizerImpl::FusedAdamW).then_some(Plan {
+        (plan.optimizer == OptimizerImpl::CandleAdamW).then_some(Plan {
             optimizer: OptimizerImpl::FusedAdamW,
             ..*plan
         })

@@ -8,7 +8,7 @@
 //! * the candle mechanism that executes that part of the plan in a real training
 //!   loop (gradient accumulation, mixed precision with loss scaling,
 //!   memory-efficient attention, activation checkpointing, a fused in-place
-//!   AdamW, ZeRO-style sharding).
+//!   AdamW, ZeRO-style sharding, AdamW offloaded to the host).
 //!
 //! A [`Pipeline`] is an ordered list of strategies. The order is the product: the
 //! default order applies the cheapest fix first.
@@ -19,11 +19,13 @@
 //! let pipeline = Pipeline::default();
 //! assert_eq!(
 //!     pipeline.names(),
-//!     ["accumulate", "precision", "flash-attention", "checkpoint", "fused-adamw", "shard"]
+//!     ["accumulate", "precision", "flash-attention", "checkpoint", "fused-adamw", "shard", "offload"]
 //! );
 //!
 //! // Tighten a plan step by step with the first fix: micro-batch 8 -> 4 -> 2 -> 1.
-//! let ctx = SearchContext { global_batch: 8, gpus: 1, supports_bf16: true, flash_attention: true, layers: 12 };
+//! let ctx = SearchContext {
+//!     global_batch: 8, gpus: 1, supports_bf16: true, flash_attention: true, layers: 12, host_offload: true,
+//! };
 //! let mut plan = Plan::baseline(8, 1024);
 //! let mut seen = vec![plan.micro_batch];
 //! while let Some(next) = pipeline.strategies()[0].tighten(&plan, &ctx) {
@@ -43,6 +45,7 @@ pub mod checkpoint;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+pub mod offload;
 mod plan;
 pub mod precision;
 pub mod shard;
@@ -69,6 +72,9 @@ pub struct SearchContext {
     pub flash_attention: bool,
     /// Number of transformer blocks (bounds the checkpointing interval).
     pub layers: usize,
+    /// Whether the device's memory is apart from the host's, so that optimizer
+    /// state can move to the host ([`offload`]): GPUs, not the CPU.
+    pub host_offload: bool,
 }
 
 /// One memory fix, seen from the planner's side.
@@ -96,7 +102,7 @@ pub struct Pipeline {
 
 impl Default for Pipeline {
     /// The default order: accumulate, precision, flash-attention, checkpoint,
-    /// fused-adamw, shard.
+    /// fused-adamw, shard, offload.
     fn default() -> Self {
         Pipeline::from_names(&Self::DEFAULT_ORDER).expect("default names are valid")
     }
@@ -110,13 +116,14 @@ impl std::fmt::Debug for Pipeline {
 
 impl Pipeline {
     /// Names of the built-in strategies in their default order.
-    pub const DEFAULT_ORDER: [&'static str; 6] = [
+    pub const DEFAULT_ORDER: [&'static str; 7] = [
         "accumulate",
         "precision",
         "flash-attention",
         "checkpoint",
         "fused-adamw",
         "shard",
+        "offload",
     ];
 
     /// An empty pipeline (the identity: the baseline plan is the only attempt).
@@ -175,6 +182,7 @@ fn builtin(name: &str) -> Option<Box<dyn Strategy>> {
         "checkpoint" => Box::new(checkpoint::Checkpoint),
         "fused-adamw" => Box::new(adamw::FusedAdamWStrategy),
         "shard" => Box::new(shard::Shard),
+        "offload" => Box::new(offload::Offload),
         _ => return None,
     })
 }

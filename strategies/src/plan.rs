@@ -111,15 +111,41 @@ pub enum OptimizerImpl {
     CandleAdamW,
     /// [`adamw::FusedAdamW`](crate::adamw::FusedAdamW): fp32 state, updated in place.
     FusedAdamW,
+    /// [`offload::OffloadedAdamW`](crate::offload::OffloadedAdamW): the fused
+    /// step run by the CPU on fp32 master weights and state kept in host
+    /// memory; the device holds only compute weights and gradients.
+    OffloadedAdamW,
 }
 
 impl OptimizerImpl {
-    /// Name used in output (`adamw`, `fused-adamw`).
+    /// Name used in output (`adamw`, `fused-adamw`, `cpu-adamw`).
     pub fn as_str(self) -> &'static str {
         match self {
             OptimizerImpl::CandleAdamW => "adamw",
             OptimizerImpl::FusedAdamW => "fused-adamw",
+            OptimizerImpl::OffloadedAdamW => "cpu-adamw",
         }
+    }
+
+    /// Whether master weights and optimizer state live in host memory, off the device.
+    pub fn is_offloaded(self) -> bool {
+        self == OptimizerImpl::OffloadedAdamW
+    }
+}
+
+impl std::str::FromStr for OptimizerImpl {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        [
+            OptimizerImpl::CandleAdamW,
+            OptimizerImpl::FusedAdamW,
+            OptimizerImpl::OffloadedAdamW,
+        ]
+        .into_iter()
+        .find(|o| o.as_str() == s)
+        .ok_or_else(|| {
+            format!("unknown optimizer `{s}` (expected adamw, fused-adamw or cpu-adamw)")
+        })
     }
 }
 
