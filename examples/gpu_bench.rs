@@ -14,7 +14,10 @@
 //! 5. the fused layer ops (norms, biased linear, GELU, SwiGLU, RoPE, the
 //!    embedding lookup, the attention probabilities) on CUDA against the same ops on the CPU (output and
 //!    every input's gradient), then the time of forward+backward against the
-//!    composed candle expressions at GPT-2 small's shapes.
+//!    composed candle expressions at GPT-2 small's shapes;
+//! 6. the offloaded AdamW (`cpu-adamw`) with its vars on CUDA against the same
+//!    optimizer with its vars on the CPU (bit for bit), then its step time at
+//!    TinyLlama-1.1B's parameter shapes against the fused AdamW on the device.
 //!
 //! `SECTIONS=5` (a comma list) runs only those sections. Build with
 //! `scripts/build-cuda.sh --features cuda --example gpu_bench`;
@@ -27,6 +30,7 @@ use candle_core::{DType, Device, Storage, Tensor, Var};
 use oomfix::measure::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
 use oomfix::strategies::accumulate::GradAccumulator;
 use oomfix::strategies::adamw::{FusedAdamW, ParamsAdamW};
+use oomfix::strategies::offload::OffloadedAdamW;
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
 use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
@@ -59,6 +63,7 @@ fn main() -> Result<()> {
     let training = when(want("3"), || training(&device))?;
     let loss = when(want("4"), || loss_rows(&device))?;
     let (fused_match, fused_time) = when(want("5"), || fused_rows(&device))?;
+    let (offload_match, offload_time) = when(want("6"), || offload_rows(&device))?;
     let stats = PoolStats::read(&cuda)?;
     let outside = (stats.device_total - stats.device_free).saturating_sub(stats.reserved);
 
@@ -97,6 +102,16 @@ fn main() -> Result<()> {
     println!("| op | fused ms | composed ms | composed / fused |");
     println!("|---|---:|---:|---:|");
     fused_time.iter().for_each(|r| println!("{r}"));
+    println!(
+        "\n## 6. Offloaded AdamW: vars on CUDA vs vars on the CPU, 3 steps, transposed gradients\n"
+    );
+    println!("| dtype | elements | weights differing | masters differing |");
+    println!("|---|---:|---:|---:|");
+    offload_match.iter().for_each(|r| println!("{r}"));
+    println!("\n### Step time at TinyLlama-1.1B's parameter shapes, bf16 vars on CUDA (median of 3 after one warm-up)\n");
+    println!("| optimizer | parameters | step ms | of which weights back up (convert + copy) ms |");
+    println!("|---|---:|---:|---:|");
+    offload_time.iter().for_each(|r| println!("{r}"));
     println!(
         "\nDevice memory outside the pool at the end (context, modules, library workspaces): {:.2} GiB; the model's runtime term: {:.2} GiB",
         outside as f64 / GIB,
@@ -885,6 +900,109 @@ fn fused_rows(device: &Device) -> Result<(Vec<String>, Vec<String>)> {
             ms[0],
             ms[1],
             ms[1] / ms[0]
+        ));
+    }
+    Ok((matches, times))
+}
+
+/// Vars with their names, as optimizers take them.
+type NamedVars = Vec<(String, Var)>;
+
+/// Section 6: the offloaded AdamW with CUDA vars against itself with CPU vars
+/// (same values and gradients: the same host arithmetic, so equal bit for bit),
+/// then step times at TinyLlama-1.1B's shapes against the fused AdamW on the device.
+fn offload_rows(device: &Device) -> Result<(Vec<String>, Vec<String>)> {
+    let params = ParamsAdamW {
+        lr: 1e-2,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let shapes: [&[usize]; 3] = [&[512, 384], &[384], &[1000, 64]];
+    let mut matches = Vec::new();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        eprintln!("offload match: {dtype:?}");
+        let init: Vec<Tensor> = (shapes.iter())
+            .map(|&s| Tensor::randn(0f32, 1.0, s, &Device::Cpu)?.to_dtype(dtype))
+            .collect::<candle_core::Result<_>>()?;
+        let vars = |d: &Device| -> Result<NamedVars> {
+            (init.iter().enumerate())
+                .map(|(i, t)| Ok((format!("p{i}"), Var::from_tensor(&t.to_device(d)?)?)))
+                .collect()
+        };
+        let (on_cpu, on_gpu) = (vars(&Device::Cpu)?, vars(device)?);
+        let mut cpu = OffloadedAdamW::new(on_cpu.clone(), params.clone())?;
+        let mut gpu = OffloadedAdamW::new(on_gpu.clone(), params.clone())?;
+        for _ in 0..3 {
+            // matrices' gradients as transposed views, as the backward gives them
+            let grads: Vec<Tensor> = (shapes.iter())
+                .map(|&s| {
+                    let g = match s {
+                        [r, c] => Tensor::randn(0f32, 1.0, (*c, *r), &Device::Cpu)?.t()?,
+                        _ => Tensor::randn(0f32, 1.0, s, &Device::Cpu)?,
+                    };
+                    g.to_dtype(dtype)
+                })
+                .collect::<candle_core::Result<_>>()?;
+            let on_device = (grads.iter())
+                .map(|g| g.to_device(device))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            cpu.step(grads)?;
+            gpu.step(on_device)?;
+        }
+        let (mut weights, mut masters, mut elements) = (0, 0, 0);
+        for ((_, c), (_, g)) in on_cpu.iter().zip(&on_gpu) {
+            weights += compare(g.as_tensor(), c.as_tensor())?.1;
+            elements += c.elem_count();
+        }
+        for (c, g) in cpu.master_vars().iter().zip(gpu.master_vars()) {
+            masters += compare(g.as_tensor(), c.as_tensor())?.1;
+        }
+        matches.push(format!(
+            "| {dtype:?} | {elements} | {weights} | {masters} |"
+        ));
+    }
+
+    let config = ModelConfig::tinyllama_1_1b();
+    let make = || -> Result<(NamedVars, Vec<Tensor>)> {
+        let mut vars = Vec::new();
+        let mut grads = Vec::new();
+        for (name, shape) in config.tensors() {
+            vars.push((name, Var::zeros(shape.as_slice(), DType::BF16, device)?));
+            let g = match shape[..] {
+                [r, c] => Tensor::randn(0f32, 1.0, (c, r), device)?
+                    .to_dtype(DType::BF16)?
+                    .t()?,
+                _ => Tensor::randn(0f32, 1.0, shape.as_slice(), device)?.to_dtype(DType::BF16)?,
+            };
+            grads.push(g);
+        }
+        Ok((vars, grads))
+    };
+    let mut times = Vec::new();
+    {
+        eprintln!("offload timing: offloaded AdamW at TinyLlama's shapes");
+        let (vars, grads) = make()?;
+        let count: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
+        let mut opt = OffloadedAdamW::new(vars, params.clone())?;
+        opt.step(grads.clone())?;
+        let step = median_ms(device, 3, || Ok(opt.step(grads.clone())?))?;
+        let up = median_ms(device, 3, || Ok(opt.sync_to_compute()?))?;
+        times.push(format!(
+            "| offloaded (cpu-adamw) | {count} | {step:.0} | {up:.0} |"
+        ));
+    }
+    {
+        eprintln!("offload timing: fused AdamW on the device at TinyLlama's shapes");
+        let (vars, grads) = make()?;
+        let count: usize = vars.iter().map(|(_, v)| v.elem_count()).sum();
+        let masters: NamedVars = (vars.into_iter())
+            .map(|(n, v)| Ok((n, Var::from_tensor(&v.to_dtype(DType::F32)?)?)))
+            .collect::<Result<_>>()?;
+        let mut opt = FusedAdamW::new_named(masters, params)?;
+        opt.step(&grads)?;
+        let step = median_ms(device, 3, || Ok(opt.step(&grads)?))?;
+        times.push(format!(
+            "| fused, on the device (fp32 masters there) | {count} | {step:.1} | – |"
         ));
     }
     Ok((matches, times))

@@ -14,7 +14,7 @@
 //! Usage: `gpu_side_by_side [--steps N] CONFIG...`, CONFIG =
 //! `MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM[:ATTN]]`, e.g. `gpt2:8:1024:bf16:1:fused:1:flash`:
 //! MODEL gpt2 | gpt2-medium | tinyllama; PRECISION fp32 | bf16; CKPT 0 (none) or
-//! k (checkpoint every k blocks); OPTIMIZER fused | candle; ACCUM micro-batches
+//! k (checkpoint every k blocks); OPTIMIZER fused | candle | cpu (offloaded); ACCUM micro-batches
 //! per step (default 1); ATTN composed (default) | flash.
 //!
 //! Build with `scripts/build-cuda.sh --example gpu_side_by_side`.
@@ -88,7 +88,8 @@ fn parse(arg: &str) -> Result<(String, ModelConfig, Plan)> {
     let optimizer = match optimizer {
         "fused" => OptimizerImpl::FusedAdamW,
         "candle" => OptimizerImpl::CandleAdamW,
-        _ => bail!("unknown optimizer `{optimizer}` (fused, candle)"),
+        "cpu" => OptimizerImpl::OffloadedAdamW,
+        _ => bail!("unknown optimizer `{optimizer}` (fused, candle, cpu)"),
     };
     let plan = Plan {
         micro_batch: batch.parse().with_context(|| format!("batch `{batch}`"))?,

@@ -19,7 +19,8 @@ def load(path):
             pass
     return rows
 
-key = lambda r: (r["model"], r["batch"], r["seq"], r["precision"], r["ckpt"], r.get("accum", 1))
+key = lambda r: (r["model"], r["batch"], r["seq"], r["precision"], r["ckpt"], r.get("accum", 1),
+                 r.get("optimizer", "fused-adamw"))
 
 def merge(rows):
     """One row per configuration and attention; rounds keep their step times in `rounds_ms`."""
@@ -69,9 +70,10 @@ def spread(o, t):
     rs = [a / b for a, b in zip(o["rounds_ms"], t["rounds_ms"])]
     failed = o.get("failed_rounds", 0) + t.get("failed_rounds", 0)
     return f"{min(rs):.2f}–{max(rs):.2f}" + (f" ({failed} round(s) failed)" if failed else "")
-plan = lambda r: f'{r["model"]} | {r["batch"]}×{r["seq"]} | {r["precision"]} | {"every block" if r["ckpt"] else "no"}'
+plan = lambda r: (f'{r["model"]} | {r["batch"]}×{r["seq"]} | {r["precision"]}'
+                  f'{" offloaded" if r.get("optimizer") == "cpu-adamw" else ""} | {"every block" if r["ckpt"] else "no"}')
 
-print("## oomfix vs PyTorch 2.11, same plan, fused AdamW\n")
+print("## oomfix vs PyTorch 2.11, same plan, fused AdamW (offloaded: AdamW on the CPU, both sides)\n")
 print("Peaks in GiB (oomfix: CUDA pool used/reserved high-water; PyTorch: max_memory_allocated/reserved); "
       "step ms: median of 5 steady-state steps (over several rounds: the median of the rounds, the two sides "
       "alternating; the last column gives the range of the per-round time ratios). Ratios are oomfix / PyTorch.\n")

@@ -10,7 +10,7 @@
 #            cli.txt (the two CLI runs), log.txt (progress, stderr), tables.md
 # Environment: DEADLINE (seconds from start after which no new run starts; 480),
 #   CAP (seconds one configuration may take; 100), PHASES (which runs, in this
-#   order: default "gpt2 cli medium llama eager"), ROUNDS (how many times the
+#   order: default "gpt2 cli medium llama eager offload"), ROUNDS (how many times the
 #   gpt2 and llama phases run, the two sides alternating; 1): the tables give
 #   the median over rounds and the range of the per-round time ratios;
 #   ROWS=flash runs only the memory-efficient attention rows (PyTorch's SDPA,
@@ -20,7 +20,8 @@
 # Runs in order of importance, so a cut-off loses the least: GPT-2 small both
 # sides (gpt2), the two 8 GiB CLI runs (cli), GPT-2 medium at the CLI's plan
 # (medium), TinyLlama both sides (llama), PyTorch eager rows for TinyLlama
-# (eager). The tables (scripts/side-by-side-tables.py) are printed last from
+# (eager), the optimizer offloaded to the CPU on both sides (offload: GPT-2
+# small, and TinyLlama at the plan `oomfix --budget 8GiB` finds). The tables (scripts/side-by-side-tables.py) are printed last from
 # whatever finished.
 set -uo pipefail
 
@@ -28,7 +29,7 @@ BIN_DIR=${1:-.gpu}
 OUT_DIR=${2:-${OUT:-side-by-side-out}}
 DEADLINE=${DEADLINE:-480}
 CAP=${CAP:-100}
-PHASES=${PHASES:-gpt2 cli medium llama eager}
+PHASES=${PHASES:-gpt2 cli medium llama eager offload}
 ROUNDS=${ROUNDS:-1}
 ROWS=${ROWS:-all}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -72,13 +73,13 @@ rows() {
     local c
     for c in "$@"; do
         case $ROWS in
-            flash) [[ $c == *:sdpa || $c == *:flash ]] ;;
-            composed) [[ $c != *:sdpa && $c != *:flash ]] ;;
+            flash) [[ $c == *:sdpa* || $c == *:flash ]] ;;
+            composed) [[ $c != *:sdpa* && $c != *:flash ]] ;;
         esac && printf '%s\n' "$c"
     done
 }
 
-# PyTorch configurations MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN, one process.
+# PyTorch configurations MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN[:OPT], one process.
 torch_side() {
     local t
     set -- $(rows "$@")
@@ -163,6 +164,10 @@ if want llama; then
     done
 fi
 want eager && torch_side $L:bf16:1:eager $L:bf16:0:eager $L:fp32:0:eager
+if want offload; then
+    torch_side $G:bf16:1:sdpa:offload tinyllama:8:1024:bf16:1:sdpa:offload
+    oomfix_side $G:bf16:1:cpu:1:flash tinyllama:8:1024:bf16:1:cpu:1:flash
+fi
 say "runs done"
 
 python3 "$HERE/side-by-side-tables.py" "$TORCH" "$OOMFIX" "$CLI" | tee "$OUT_DIR/tables.md"

@@ -4,11 +4,16 @@ models built from config with random init, trained on cuda:0 with
 torch.optim.AdamW(fused=True); one JSON line per configuration.
 
 usage: torch_step.py [--steps N] [--cap SECONDS] CONFIG...
-  CONFIG = MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN
+  CONFIG = MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN[:OPT]
   MODEL gpt2 (GPT2Config(), dropout off) | gpt2-medium | tinyllama (TinyLlama-1.1B shape)
   PRECISION fp32 | bf16 (torch.autocast, fp32 weights and optimizer state)
   CKPT 0 | 1 (model.gradient_checkpointing_enable(): every block)
   ATTN sdpa | eager (attn_implementation)
+  OPT fused (default: torch.optim.AdamW(fused=True) on the GPU) | offload (the
+      optimizer half of ZeRO-Offload in plain PyTorch: the model's weights in
+      the PRECISION dtype on the GPU, no autocast; fp32 masters and gradient
+      buffers in pinned host memory, torch.optim.AdamW(fused=True) on the CPU;
+      each step copies the gradients down and the updated weights back up)
 
 Step 1 is a warm-up (optimizer state, cuBLAS handles); the peak statistics are
 reset before step 2 and cover steps 2..N+1; step time is the median of those
@@ -51,11 +56,38 @@ def build(model, attn):
     return m.to(torch.float32), cfg.vocab_size
 
 
+def offloaded_adamw(params):
+    """A step function: gradients to pinned fp32 host buffers, AdamW on fp32 host
+    masters, updated weights back into the GPU parameters."""
+    params = list(params)
+    masters = [p.detach().to("cpu", torch.float32).pin_memory() for p in params]
+    for m in masters:
+        m.grad = torch.empty(m.shape, dtype=torch.float32, pin_memory=True)
+    try:
+        opt, kind = torch.optim.AdamW(masters, lr=3e-4, fused=True), "fused"
+    except (RuntimeError, ValueError):
+        opt, kind = torch.optim.AdamW(masters, lr=3e-4, foreach=True), "foreach"
+
+    def step():
+        for p, m in zip(params, masters):
+            m.grad.copy_(p.grad, non_blocking=True)
+            p.grad = None
+        torch.cuda.synchronize()
+        opt.step()
+        for p, m in zip(params, masters):
+            p.data.copy_(m, non_blocking=True)
+    return step, kind
+
+
 def run(spec, steps):
-    model_name, batch, seq, precision, ckpt, attn = spec.split(":")
+    fields = spec.split(":")
+    model_name, batch, seq, precision, ckpt, attn = fields[:6]
+    offload = fields[6:] == ["offload"]
+    if fields[6:] not in ([], ["fused"], ["offload"]):
+        raise SystemExit(f"unknown optimizer in {spec!r} (fused, offload)")
     batch, seq, ckpt = int(batch), int(seq), int(ckpt)
     line = dict(side="pytorch", model=model_name, batch=batch, seq=seq, precision=precision,
-                ckpt=ckpt, optimizer="fused-adamw", attn=attn)
+                ckpt=ckpt, optimizer="cpu-adamw" if offload else "fused-adamw", attn=attn)
     model = opt = None
     try:
         model, vocab = build(model_name, attn)
@@ -65,17 +97,24 @@ def run(spec, steps):
         model.train()
         if ckpt:
             model.gradient_checkpointing_enable()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
         gen = torch.Generator(device="cuda").manual_seed(0)
         ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        if offload:
+            model.to(dtype)
+            opt, line["cpu_adamw"] = offloaded_adamw(model.parameters())
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
 
         def step():
-            with torch.autocast("cuda", dtype=dtype, enabled=precision == "bf16"):
+            with torch.autocast("cuda", dtype=dtype, enabled=precision == "bf16" and not offload):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if offload:
+                opt()
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             return loss.detach()
 
         torch.cuda.synchronize()

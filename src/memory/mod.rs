@@ -93,7 +93,8 @@ pub struct Breakdown {
     pub peak_phase: Phase,
     /// Host memory the plan needs besides the device's, not part of `peak`:
     /// with the optimizer offloaded, the fp32 master weights and moments, plus
-    /// the gradients copied over during the step; 0 otherwise.
+    /// staging tensors in the compute dtype (gradients down, weights back up);
+    /// 0 otherwise.
     pub host: u64,
 }
 
@@ -219,15 +220,12 @@ impl Estimator for MemoryModel {
                 }
             });
         let step_weights = shard(weights, 3);
-        // Offloaded, the gradients leave the device before the first weight
-        // comes back: the two never coexist.
-        let step_grads = shard(gradients, 2);
-        let step_working = if offloaded {
-            step_grads.max(optimizer_transient)
-        } else {
-            step_grads + optimizer_transient
-        };
-        let step = step_weights + master_weights + optimizer_state + step_working + runtime;
+        let step = step_weights
+            + master_weights
+            + optimizer_state
+            + shard(gradients, 2)
+            + optimizer_transient
+            + runtime;
         let (peak, peak_phase) = if step > backward {
             (step, Phase::OptimizerStep)
         } else {
@@ -273,8 +271,9 @@ pub fn stem_only_parameters(spec: &ModelSpec) -> u64 {
 ///   under mixed precision, the fp32 copy of the one 16-bit gradient being
 ///   stepped (the trainer steps one tensor at a time and upcasts just its grad).
 /// * fused AdamW: updates in place and reads 16-bit gradients directly: nothing.
-/// * offloaded AdamW: each updated weight on its way up, one at a time (the
-///   largest tensor in the compute dtype), once the gradients have left the device.
+/// * offloaded AdamW: a strided gradient made contiguous on the device before
+///   its copy to the host, one at a time (the largest tensor in the compute
+///   dtype); the weights come back into their own storage.
 pub fn optimizer_transient(spec: &ModelSpec, plan: &Plan) -> u64 {
     match plan.optimizer {
         OptimizerImpl::FusedAdamW => 0,

@@ -74,7 +74,7 @@ fn breakdown(out: &mut String, a: &Attempt) {
     if a.estimate.host > 0 {
         let _ = writeln!(
             out,
-            "host memory {} besides (master weights and AdamW state offloaded, gradients during the step)",
+            "host memory {} besides (master weights and AdamW state offloaded, staging for gradients and weights)",
             format_bytes(a.estimate.host)
         );
     }

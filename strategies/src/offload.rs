@@ -7,13 +7,16 @@
 //! their gradients: 12 bytes per parameter (4 of master weight, 8 of moments)
 //! move to the host. Each step copies the gradients to the host, updates there
 //! with [`FusedAdamW`]'s CPU kernel, and copies the new weights back in the
-//! compute dtype. The price is time: two transfers of the model across the bus
+//! compute dtype, through host staging tensors allocated once. The price is time: two transfers of the model across the bus
 //! and a CPU pass over the state, every optimizer step.
 
-use candle_core::{DType, Device, Layout, Tensor, Var};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, Layout, Tensor, Var};
 use rayon::prelude::*;
 
-use crate::adamw::{FusedAdamW, ParamsAdamW};
+use crate::adamw::{
+    contiguous_range, with_cpu_mut_src, with_float_vec, Float, FusedAdamW, ParamsAdamW, CHUNK,
+};
 use crate::{Error, OptimizerImpl, Plan, Result, SearchContext, Strategy};
 
 /// Planner half: move master weights and optimizer state to host memory
@@ -58,27 +61,31 @@ impl Strategy for Offload {
 // ---------------------------------------------------------------------------
 // Mechanism: AdamW on the host for weights on a device.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// AdamW for a model on a device, with its fp32 master weights and moments in
 /// host memory.
 ///
-/// The compute vars (f32, bf16 or f16, on any device) are what the model
-/// computes with. [`step`](Self::step) takes their gradients, copies each to
-/// the host (the device copy is dropped as soon as it is read), runs
-/// [`FusedAdamW`] on the host masters, and writes the masters back into the
-/// compute vars, converted to their dtype (on the host, in parallel) and
-/// uploaded one tensor at a time.
+/// The compute vars (f32, bf16 or f16, on the CPU or a CUDA device) are what
+/// the model computes with. [`step`](Self::step) copies each gradient into a
+/// host staging tensor of its own (allocated once, in the compute dtype; the
+/// device gradient is dropped as soon as it is copied), runs [`FusedAdamW`]'s
+/// CPU kernel on the host masters, then converts each master into its staging
+/// tensor (in parallel) and copies that into the compute var's storage in place.
 ///
-/// Memory: on the device, during the step, the gradients until each is on the
-/// host, then one compute-dtype weight at a time on its way up; on the host,
-/// 12 bytes per parameter element (master and two moments), plus the
-/// gradients, then the converted weights, during a step.
+/// Memory: on the device, nothing but a gradient made contiguous before its
+/// copy when the backward left it strided (`Linear` weights' gradients are
+/// transposed views), one at a time; on the host, 12 bytes per parameter
+/// element (master and two moments) plus the staging tensors (the compute
+/// dtype's size).
 ///
 /// For the same gradients the weights come out exactly as from [`FusedAdamW`]
-/// over [`MasterWeights`](crate::precision::MasterWeights) on the device's own
-/// memory: the arithmetic is the same f32 kernel.
+/// over [`MasterWeights`](crate::precision::MasterWeights) in the device's own
+/// memory on the CPU: the arithmetic is the same f32 kernel.
 ///
 /// ```
-/// use candle_core::{DType, Device, Layout, Tensor, Var};
+/// use candle_core::{DType, Device, Tensor, Var};
 /// use oomfix_strategies::adamw::ParamsAdamW;
 /// use oomfix_strategies::offload::OffloadedAdamW;
 ///
@@ -96,16 +103,20 @@ impl Strategy for Offload {
 pub struct OffloadedAdamW {
     compute: Vec<Var>,
     masters: Vec<Var>,
+    /// Host tensors in the compute dtype: each step's gradients, then the weights on their way back.
+    staging: Vec<Tensor>,
     optim: FusedAdamW,
 }
 
 impl OffloadedAdamW {
     /// An optimizer over named compute vars (names key the state, as in
     /// [`FusedAdamW::new_named`]). Copies each var to the host as an f32 master
-    /// and allocates the moments there. Fails on invalid hyper-parameters,
-    /// repeated names, or a var that is not f32, bf16 or f16.
+    /// and allocates the moments and the staging tensors there. Fails on
+    /// invalid hyper-parameters, repeated names, a var that is not f32, bf16
+    /// or f16, or one that is not contiguous.
     pub fn new(vars: Vec<(String, Var)>, params: ParamsAdamW) -> Result<Self> {
         let mut compute = Vec::with_capacity(vars.len());
+        let mut staging = Vec::with_capacity(vars.len());
         let mut named_masters = Vec::with_capacity(vars.len());
         for (name, var) in vars {
             if !matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16) {
@@ -114,13 +125,16 @@ impl OffloadedAdamW {
                     var.dtype()
                 )));
             }
+            if !var.is_contiguous() {
+                return Err(Error::Unsupported(format!(
+                    "parameter `{name}` is not contiguous"
+                )));
+            }
             // A detached view is not a var, so `from_tensor` gives the master
             // storage of its own even for an f32 var already on the host.
-            let host = var
-                .as_detached_tensor()
-                .to_device(&Device::Cpu)?
-                .to_dtype(DType::F32)?;
-            named_masters.push((name, Var::from_tensor(&host)?));
+            let host = var.as_detached_tensor().to_device(&Device::Cpu)?;
+            staging.push(Tensor::zeros(var.shape(), var.dtype(), &Device::Cpu)?);
+            named_masters.push((name, Var::from_tensor(&host.to_dtype(DType::F32)?)?));
             compute.push(var);
         }
         let masters = named_masters.iter().map(|(_, v)| v.clone()).collect();
@@ -128,14 +142,16 @@ impl OffloadedAdamW {
         Ok(OffloadedAdamW {
             compute,
             masters,
+            staging,
             optim,
         })
     }
 
-    /// One step with `grads[i]` the gradient of the `i`-th compute var (any
-    /// device; f32, bf16 or f16). The gradients are consumed: each one's device
-    /// memory is released once it is on the host. On an error from the
-    /// gradients' checks (count, shape, dtype) nothing has changed.
+    /// One step with `grads[i]` the gradient of the `i`-th compute var (same
+    /// shape, dtype and device). The gradients are consumed: each one's device
+    /// memory is released once it is on the host. Every gradient is checked
+    /// before anything is copied: on error, weights, state and step count are
+    /// unchanged.
     pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
         if grads.len() != self.compute.len() {
             return Err(Error::Config(format!(
@@ -144,21 +160,36 @@ impl OffloadedAdamW {
                 self.compute.len()
             )));
         }
-        let host = grads.into_iter().map(to_host).collect::<Result<Vec<_>>>()?;
-        self.optim.step(&host)?;
-        drop(host);
+        for (i, (g, c)) in grads.iter().zip(&self.compute).enumerate() {
+            if g.shape() != c.shape()
+                || g.dtype() != c.dtype()
+                || !g.device().same_device(c.device())
+            {
+                return Err(Error::Config(format!(
+                    "gradient {i} is {:?} {:?} on {:?}; its parameter is {:?} {:?} on {:?}",
+                    g.dtype(),
+                    g.dims(),
+                    g.device().location(),
+                    c.dtype(),
+                    c.dims(),
+                    c.device().location()
+                )));
+            }
+        }
+        for (g, staged) in grads.into_iter().zip(&self.staging) {
+            download(&g, staged)?;
+        }
+        self.optim.step(&self.staging)?;
         self.sync_to_compute()
     }
 
     /// Writes every master into its compute var: converted to the compute
-    /// dtype on the host (tensors in parallel), then uploaded one at a time.
-    /// [`step`](Self::step) calls it; call it after loading masters by hand.
+    /// dtype into its staging tensor, then copied into the var's storage.
+    /// [`step`](Self::step) calls it; call it after changing masters by hand.
     pub fn sync_to_compute(&self) -> Result<()> {
-        let converted = (self.compute.par_iter().zip(&self.masters))
-            .map(|(c, m)| Ok(m.as_tensor().to_dtype(c.dtype())?))
-            .collect::<Result<Vec<Tensor>>>()?;
-        for (c, h) in self.compute.iter().zip(converted) {
-            c.set(&h.to_device(c.device())?)?;
+        for ((c, m), staged) in self.compute.iter().zip(&self.masters).zip(&self.staging) {
+            narrow_into(m.as_tensor(), staged)?;
+            upload(staged, c.as_tensor())?;
         }
         Ok(())
     }
@@ -184,57 +215,68 @@ impl OffloadedAdamW {
     }
 }
 
-/// `g` on the host, with its layout. candle copies a tensor's whole storage
-/// between devices, which is exact for a tensor that covers its storage from
-/// the start in some order of its dimensions (what the backward gives: fresh
-/// buffers, transposed for `Linear` weights); other views are made contiguous
-/// on their device first.
-fn to_host(g: Tensor) -> Result<Tensor> {
-    if g.device().is_cpu() {
-        return Ok(g);
+/// Copies gradient `g` (any device) into the host tensor `staged` (same dtype
+/// and element count, contiguous). A strided `g` is made contiguous on its
+/// device first.
+fn download(g: &Tensor, staged: &Tensor) -> candle_core::Result<()> {
+    let g = g.contiguous()?;
+    match g.device() {
+        Device::Cpu => with_cpu_mut_src(staged, &g, copy_host),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::download(&g, staged),
+        other => candle_core::bail!(
+            "the offloaded AdamW has no copy from {:?}",
+            other.location()
+        ),
     }
-    let g = if covers_from_start(g.layout()) {
-        g
-    } else {
-        g.contiguous()?
-    };
-    Ok(g.to_device(&Device::Cpu)?)
 }
 
-/// Whether `l` addresses exactly the elements `0..n` of its storage (`n` its
-/// element count): contiguous or a permutation of the dimensions of a
-/// contiguous layout, at offset 0.
-fn covers_from_start(l: &Layout) -> bool {
-    let mut dims: Vec<(usize, usize)> = (l.stride().iter().copied())
-        .zip(l.dims().iter().copied())
-        .filter(|&(_, d)| d > 1)
-        .collect();
-    dims.sort_unstable();
-    let mut next = 1;
-    for (stride, dim) in dims {
-        if stride != next {
-            return false;
-        }
-        next *= dim;
+/// Copies the host tensor `staged` into the storage of `var` (any device, same
+/// dtype and element count, contiguous).
+fn upload(staged: &Tensor, var: &Tensor) -> candle_core::Result<()> {
+    match var.device() {
+        Device::Cpu => with_cpu_mut_src(var, staged, copy_host),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::upload(staged, var),
+        other => candle_core::bail!("the offloaded AdamW has no copy to {:?}", other.location()),
     }
-    l.start_offset() == 0
 }
 
-#[cfg(test)]
-mod tests {
-    use super::covers_from_start;
-    use candle_core::{Device, Tensor};
-
-    #[test]
-    fn layouts_that_cover_their_storage_from_the_start() {
-        let t = Tensor::zeros((4, 3, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
-        let covers = |t: &Tensor| covers_from_start(t.layout());
-        assert!(covers(&t));
-        assert!(covers(&t.t().unwrap()));
-        assert!(covers(&t.permute((2, 0, 1)).unwrap()));
-        assert!(covers(&t.narrow(0, 0, 1).unwrap()));
-        assert!(!covers(&t.narrow(0, 1, 2).unwrap()));
-        assert!(!covers(&t.narrow(1, 0, 2).unwrap()));
-        assert!(!covers(&t.narrow(2, 1, 1).unwrap()));
+/// `dst = src` between contiguous host storages of one dtype.
+fn copy_host(
+    dst: &mut CpuStorage,
+    dl: &Layout,
+    src: &CpuStorage,
+    sl: &Layout,
+) -> candle_core::Result<()> {
+    let (dr, sr) = (contiguous_range(dl)?, contiguous_range(sl)?);
+    match (dst, src) {
+        (CpuStorage::F32(d), CpuStorage::F32(s)) => d[dr].copy_from_slice(&s[sr]),
+        (CpuStorage::BF16(d), CpuStorage::BF16(s)) => d[dr].copy_from_slice(&s[sr]),
+        (CpuStorage::F16(d), CpuStorage::F16(s)) => d[dr].copy_from_slice(&s[sr]),
+        (d, s) => candle_core::bail!(
+            "host copy from {:?} to {:?}",
+            BackendStorage::dtype(s),
+            BackendStorage::dtype(d)
+        ),
     }
+    Ok(())
+}
+
+/// Rounds the f32 host tensor `master` into the host tensor `staged` (f32,
+/// bf16 or f16; contiguous, same element count), in chunks across the rayon pool.
+fn narrow_into(master: &Tensor, staged: &Tensor) -> candle_core::Result<()> {
+    with_cpu_mut_src(staged, master, |s, sl, m, ml| {
+        let CpuStorage::F32(m) = m else {
+            candle_core::bail!("master weights must be f32")
+        };
+        let m = &m[contiguous_range(ml)?];
+        let r = contiguous_range(sl)?;
+        with_float_vec!(s, s => {
+            s[r].par_chunks_mut(CHUNK)
+                .zip(m.par_chunks(CHUNK))
+                .for_each(|(s, m)| s.iter_mut().zip(m).for_each(|(s, &m)| *s = Float::from_f32(m)));
+            Ok(())
+        })
+    })
 }
