@@ -951,11 +951,11 @@ fn offload_rows(device: &Device) -> Result<(Vec<String>, Vec<String>)> {
         }
         let (mut weights, mut masters, mut elements) = (0, 0, 0);
         for ((_, c), (_, g)) in on_cpu.iter().zip(&on_gpu) {
-            weights += compare(g.as_tensor(), c.as_tensor())?.1;
+            weights += compare(&g.flatten_all()?, &c.flatten_all()?)?.1;
             elements += c.elem_count();
         }
         for (c, g) in cpu.master_vars().iter().zip(gpu.master_vars()) {
-            masters += compare(g.as_tensor(), c.as_tensor())?.1;
+            masters += compare(&g.flatten_all()?, &c.flatten_all()?)?.1;
         }
         matches.push(format!(
             "| {dtype:?} | {elements} | {weights} | {masters} |"

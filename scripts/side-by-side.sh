@@ -11,7 +11,7 @@
 # Environment: DEADLINE (seconds from start after which no new run starts; 480),
 #   CAP (seconds one configuration may take; 100), PHASES (which runs, in this
 #   order: default "gpt2 cli medium llama eager offload"), ROUNDS (how many times the
-#   gpt2 and llama phases run, the two sides alternating; 1): the tables give
+#   gpt2, llama and offload phases run, the two sides alternating; 1): the tables give
 #   the median over rounds and the range of the per-round time ratios;
 #   ROWS=flash runs only the memory-efficient attention rows (PyTorch's SDPA,
 #   oomfix's flash attention), ROWS=composed only the others (PyTorch's eager
@@ -165,8 +165,10 @@ if want llama; then
 fi
 want eager && torch_side $L:bf16:1:eager $L:bf16:0:eager $L:fp32:0:eager
 if want offload; then
-    torch_side $G:bf16:1:sdpa:offload tinyllama:8:1024:bf16:1:sdpa:offload
-    oomfix_side $G:bf16:1:cpu:1:flash tinyllama:8:1024:bf16:1:cpu:1:flash
+    for ((round = 1; round <= ROUNDS; round++)); do
+        torch_side $G:bf16:1:sdpa:offload tinyllama:8:1024:bf16:1:sdpa:offload
+        oomfix_side $G:bf16:1:cpu:1:flash tinyllama:8:1024:bf16:1:cpu:1:flash
+    done
 fi
 say "runs done"
 

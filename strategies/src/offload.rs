@@ -78,7 +78,9 @@ mod cuda;
 /// copy when the backward left it strided (`Linear` weights' gradients are
 /// transposed views), one at a time; on the host, 12 bytes per parameter
 /// element (master and two moments) plus the staging tensors (the compute
-/// dtype's size).
+/// dtype's size). For CUDA vars the staging tensors of 1 MiB and more are
+/// page-locked (`cuMemHostRegister`) while the optimizer lives, so the copies
+/// run asynchronously at the bus's speed.
 ///
 /// For the same gradients the weights come out exactly as from [`FusedAdamW`]
 /// over [`MasterWeights`](crate::precision::MasterWeights) in the device's own
@@ -103,6 +105,10 @@ mod cuda;
 pub struct OffloadedAdamW {
     compute: Vec<Var>,
     masters: Vec<Var>,
+    /// Page-locks the staging tensors of CUDA vars; declared before `staging`
+    /// so that it is dropped (unlocked) first.
+    #[cfg(feature = "cuda")]
+    _pinned: Vec<cuda::Pinned>,
     /// Host tensors in the compute dtype: each step's gradients, then the weights on their way back.
     staging: Vec<Tensor>,
     optim: FusedAdamW,
@@ -139,9 +145,18 @@ impl OffloadedAdamW {
         }
         let masters = named_masters.iter().map(|(_, v)| v.clone()).collect();
         let optim = FusedAdamW::new_named(named_masters, params)?;
+        #[cfg(feature = "cuda")]
+        let _pinned = (compute.iter().zip(&staging))
+            .filter_map(|(c, s)| match c.device() {
+                Device::Cuda(d) => cuda::Pinned::new(s, d),
+                _ => None,
+            })
+            .collect();
         Ok(OffloadedAdamW {
             compute,
             masters,
+            #[cfg(feature = "cuda")]
+            _pinned,
             staging,
             optim,
         })
@@ -179,19 +194,35 @@ impl OffloadedAdamW {
         for (g, staged) in grads.into_iter().zip(&self.staging) {
             download(&g, staged)?;
         }
+        self.synchronize()?;
         self.optim.step(&self.staging)?;
         self.sync_to_compute()
     }
 
+    /// Waits for the copies queued on the compute vars' devices (copies with
+    /// page-locked staging tensors return before they are done).
+    fn synchronize(&self) -> Result<()> {
+        let mut done: Vec<&Device> = Vec::new();
+        for c in &self.compute {
+            if !done.iter().any(|d| d.same_device(c.device())) {
+                c.device().synchronize()?;
+                done.push(c.device());
+            }
+        }
+        Ok(())
+    }
+
     /// Writes every master into its compute var: converted to the compute
-    /// dtype into its staging tensor, then copied into the var's storage.
-    /// [`step`](Self::step) calls it; call it after changing masters by hand.
+    /// dtype into its staging tensor, then copied into the var's storage (the
+    /// copy of one tensor overlaps the conversion of the next; returns when
+    /// all are done). [`step`](Self::step) calls it; call it after changing
+    /// masters by hand.
     pub fn sync_to_compute(&self) -> Result<()> {
         for ((c, m), staged) in self.compute.iter().zip(&self.masters).zip(&self.staging) {
             narrow_into(m.as_tensor(), staged)?;
             upload(staged, c.as_tensor())?;
         }
-        Ok(())
+        self.synchronize()
     }
 
     /// The f32 master weights on the host, in the order of the compute vars.
