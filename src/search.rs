@@ -307,6 +307,7 @@ impl Run<'_> {
             runtime_bytes = estimate.runtime,
             pool_slack_bytes = estimate.pool_slack,
             peak_phase = %estimate.peak_phase,
+            host_bytes = estimate.host,
             measured_bytes = tracing::field::Empty,
             fits = tracing::field::Empty,
         );

@@ -79,6 +79,17 @@ impl Float for f16 {
     }
 }
 
+/// An error unless there are as many gradients as parameters.
+pub(crate) fn one_gradient_each(grads: usize, params: usize) -> Result<()> {
+    if grads == params {
+        Ok(())
+    } else {
+        Err(Error::Config(format!(
+            "{grads} gradients for {params} parameters"
+        )))
+    }
+}
+
 /// Whether the CPU kernels handle `dtype` (f32, bf16, f16).
 pub(crate) fn is_kernel_dtype(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
@@ -398,13 +409,7 @@ impl FusedAdamW {
     /// dtype, device) before anything is updated: on error, parameters, state
     /// and step count are unchanged.
     pub fn step(&mut self, grads: &[Tensor]) -> Result<()> {
-        if grads.len() != self.slots.len() {
-            return Err(Error::Config(format!(
-                "{} gradients for {} parameters",
-                grads.len(),
-                self.slots.len()
-            )));
-        }
+        one_gradient_each(grads.len(), self.slots.len())?;
         let pairs: Vec<_> = grads.iter().enumerate().collect();
         self.apply(&pairs)
     }

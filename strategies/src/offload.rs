@@ -7,15 +7,17 @@
 //! their gradients: 12 bytes per parameter (4 of master weight, 8 of moments)
 //! move to the host. Each step copies the gradients to the host, updates there
 //! with [`FusedAdamW`]'s CPU kernel, and copies the new weights back in the
-//! compute dtype, through host staging tensors allocated once. The price is time: two transfers of the model across the bus
-//! and a CPU pass over the state, every optimizer step.
+//! compute dtype, through host staging tensors allocated once. The price is
+//! time: two transfers of the model across the bus and a CPU pass over the
+//! state, every optimizer step.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::adamw::{
-    contiguous_range, with_cpu_mut_src, with_float_vec, Float, FusedAdamW, ParamsAdamW, CHUNK,
+    contiguous_range, is_kernel_dtype, one_gradient_each, with_cpu_mut_src, with_float_vec, Float,
+    FusedAdamW, ParamsAdamW, CHUNK,
 };
 use crate::{Error, OptimizerImpl, Plan, Result, SearchContext, Strategy};
 
@@ -82,9 +84,10 @@ mod cuda;
 /// page-locked (`cuMemHostRegister`) while the optimizer lives, so the copies
 /// run asynchronously at the bus's speed.
 ///
-/// For the same gradients the weights come out exactly as from [`FusedAdamW`]
-/// over [`MasterWeights`](crate::precision::MasterWeights) in the device's own
-/// memory on the CPU: the arithmetic is the same f32 kernel.
+/// The arithmetic is [`FusedAdamW`]'s CPU kernel on f32 masters: with vars on
+/// the CPU the weights come out bit for bit as from [`FusedAdamW`] over
+/// [`MasterWeights`](crate::precision::MasterWeights), and with vars on a CUDA
+/// device bit for bit as with the same vars on the CPU.
 ///
 /// ```
 /// use candle_core::{DType, Device, Tensor, Var};
@@ -125,7 +128,7 @@ impl OffloadedAdamW {
         let mut staging = Vec::with_capacity(vars.len());
         let mut named_masters = Vec::with_capacity(vars.len());
         for (name, var) in vars {
-            if !matches!(var.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            if !is_kernel_dtype(var.dtype()) {
                 return Err(Error::Unsupported(format!(
                     "parameter `{name}` has dtype {:?}; the offloaded AdamW takes f32, bf16 or f16",
                     var.dtype()
@@ -168,13 +171,7 @@ impl OffloadedAdamW {
     /// before anything is copied: on error, weights, state and step count are
     /// unchanged.
     pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
-        if grads.len() != self.compute.len() {
-            return Err(Error::Config(format!(
-                "{} gradients for {} parameters",
-                grads.len(),
-                self.compute.len()
-            )));
-        }
+        one_gradient_each(grads.len(), self.compute.len())?;
         for (i, (g, c)) in grads.iter().zip(&self.compute).enumerate() {
             if g.shape() != c.shape()
                 || g.dtype() != c.dtype()

@@ -12,7 +12,7 @@ use candle_core::cpu_backend::CpuDevice;
 use candle_core::{CpuStorage, Device, Tensor, Var};
 
 use crate::accumulate::divisors;
-use crate::adamw::{with_cpu_mut, FusedAdamW, ParamsAdamW};
+use crate::adamw::{one_gradient_each, with_cpu_mut, FusedAdamW, ParamsAdamW};
 use crate::{Error, Plan, Result, SearchContext, Sharding, Strategy};
 
 /// Planner half: spread training over `gpus` ranks, sharding optimizer state
@@ -373,13 +373,7 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// One optimizer step from this rank's gradients (one per var, in order;
     /// collective). Stage 3 leaves non-owned parameters freed.
     pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
-        if grads.len() != self.vars.len() {
-            return Err(Error::Config(format!(
-                "{} gradients for {} parameters",
-                grads.len(),
-                self.vars.len()
-            )));
-        }
+        one_gradient_each(grads.len(), self.vars.len())?;
         let rank = self.comm.rank();
         let inv_world = 1.0 / self.comm.world_size() as f64;
         let mut mine = Vec::new();

@@ -8,13 +8,7 @@ use common::{assert_close, det, values};
 use oomfix_strategies::adamw::{FusedAdamW, ParamsAdamW, STEP_KEY};
 
 fn params() -> ParamsAdamW {
-    ParamsAdamW {
-        lr: 0.01,
-        beta1: 0.9,
-        beta2: 0.99,
-        eps: 1e-8,
-        weight_decay: 0.05,
-    }
+    common::adamw_params()
 }
 
 /// Textbook AdamW over plain tensor ops, f32 state.

@@ -9,13 +9,7 @@ use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::MasterWeights;
 
 fn params() -> ParamsAdamW {
-    ParamsAdamW {
-        lr: 0.01,
-        beta1: 0.9,
-        beta2: 0.99,
-        eps: 1e-8,
-        weight_decay: 0.05,
-    }
+    common::adamw_params()
 }
 
 fn vars(dtype: DType) -> Vec<Var> {

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Result, Shape, Tensor};
+use oomfix_strategies::adamw::ParamsAdamW;
 
 /// Deterministic pseudo-random values in [-1, 1) (a hash of index and seed).
 pub fn det<S: Into<Shape>>(shape: S, seed: u64) -> Tensor {
@@ -51,4 +52,15 @@ pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
 /// Flattened f32 values.
 pub fn values(t: &Tensor) -> Result<Vec<f32>> {
     t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+}
+
+/// AdamW hyper-parameters of the optimizer tests: every term of the update matters.
+pub fn adamw_params() -> ParamsAdamW {
+    ParamsAdamW {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.05,
+    }
 }
