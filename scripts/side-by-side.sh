@@ -21,8 +21,8 @@
 # sides (gpt2), the two 8 GiB CLI runs (cli), GPT-2 medium at the CLI's plan
 # (medium), TinyLlama both sides (llama), PyTorch eager rows for TinyLlama
 # (eager), the optimizer offloaded to the CPU on both sides (offload: GPT-2
-# small, and TinyLlama at the plan `oomfix --budget 8GiB` finds). The tables (scripts/side-by-side-tables.py) are printed last from
-# whatever finished.
+# small, and TinyLlama at the plan `oomfix --budget 8GiB` finds). The tables
+# (scripts/side-by-side-tables.py) are printed last from whatever finished.
 set -uo pipefail
 
 BIN_DIR=${1:-.gpu}
