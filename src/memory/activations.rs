@@ -23,6 +23,7 @@
 //! f32 log-sum-exp per query row and head. Neither builds a mask.
 
 use crate::spec::{Family, ModelSpec};
+use crate::train::fused::PROBS_BACKWARD_CHUNKS;
 use crate::train::VOCAB_ALIGN;
 use oomfix_strategies::{Attention, Checkpointing, Plan, Precision};
 
@@ -277,20 +278,32 @@ pub fn embedding_backward_copies(spec: &ModelSpec) -> u64 {
     }
 }
 
-/// Score-sized tensors alive at once while the backward crosses one composed
-/// attention, on top of what the block keeps: the probabilities' gradient
-/// `dP` (from `P·v`'s backward) and the scores' `dS`.
-pub const ATTENTION_BACKWARD_SCORES: u64 = 2;
+/// The part of the scores whose `dS` the composed attention's backward holds
+/// at once: the `b·KV` key heads go in
+/// [`PROBS_BACKWARD_CHUNKS`](crate::train::fused::PROBS_BACKWARD_CHUNKS)
+/// groups; the first (largest) group's share of `[b,H,s,s]`.
+fn scores_chunk(d: &Dims) -> u64 {
+    let heads = ((d.n / d.s.max(1)) * (d.kv / d.head_dim.max(1))).max(1);
+    d.scores() / heads * heads.div_ceil(PROBS_BACKWARD_CHUNKS as u64)
+}
 
 /// Bytes alive at once while the backward crosses one composed attention, on
-/// top of what the block keeps: [`ATTENTION_BACKWARD_SCORES`], and beside
-/// them gradients of the block's output, of the merged heads and of q
+/// top of what the block keeps: the probabilities' gradient `dP` (from
+/// `P·v`'s backward, score-sized) and one group's `dS` ([`scores_chunk`]);
+/// beside them gradients of the block's output, of the merged heads and of q
 /// `[n,h]` ×3, and of k and v `[n,kv]` ×2 (on the CPU, a tiny GPT-2's
 /// attention backward holds 2 scores and 6–7 `[n,h]`; 3 + 2 fits the whole
 /// CPU accuracy matrix best, checkpointed segments' surrogate terms
-/// overlapping the rest).
+/// overlapping the rest), and, when there are several groups, their `dq`
+/// and `dk` beside the joined ones (`[n,h]` and `[n,kv]` once more).
 fn composed_backward(d: &Dims) -> u64 {
-    ATTENTION_BACKWARD_SCORES * d.scores() + 3 * d.n * d.h + 2 * d.n * d.kv
+    let chunk = scores_chunk(d);
+    let joined = if chunk < d.scores() {
+        d.n * d.h + d.n * d.kv
+    } else {
+        0
+    };
+    d.scores() + chunk + 3 * d.n * d.h + 2 * d.n * d.kv + joined
 }
 
 /// Bytes alive at once while the backward crosses one flash attention, on top
@@ -333,8 +346,14 @@ pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Pl
     let loss = 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * vh;
     let mut block = 2 * ni + 4 * (nh + 2 * ni + hi) + 2 * hi;
     if !d.flash {
-        // The attention core's backward, with an f32 copy of `dS` for its products.
-        block = block.max(2 * composed_backward(&d) + 4 * d.scores());
+        // The attention core's backward: `P·v`'s backward makes `dP` as an
+        // f32 product beside its bf16 copy (no `dS` yet); then each group's
+        // `dS` gets an f32 copy for its products.
+        let chunk = scores_chunk(&d);
+        let backward = composed_backward(&d);
+        block = block
+            .max(2 * (backward - chunk) + 4 * d.scores())
+            .max(2 * backward + 4 * chunk);
     }
     act.loss.transient = act.loss.transient.max(loss);
     act.blocks.transient = act.blocks.transient.max(block);

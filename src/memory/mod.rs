@@ -29,8 +29,7 @@ mod runtime;
 
 pub use activations::{
     activation_bytes, embedding_backward_copies, mlp_backward_ni, widen_cpu_bf16_matmuls,
-    Activations, Moment, ATTENTION_BACKWARD_SCORES, EMBEDDING_BACKWARD_COPIES,
-    HEAD_WEIGHT_BACKWARD_COPIES, LOSS_BACKWARD_NV,
+    Activations, Moment, EMBEDDING_BACKWARD_COPIES, HEAD_WEIGHT_BACKWARD_COPIES, LOSS_BACKWARD_NV,
 };
 pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_POOL_SLACK};
 

@@ -945,7 +945,7 @@ mod embedding;
 pub use embedding::embedding;
 
 mod attention_probs;
-pub use attention_probs::{attention_probs, ProbsOptions};
+pub use attention_probs::{attention_probs, ProbsOptions, PROBS_BACKWARD_CHUNKS};
 
 #[cfg(test)]
 mod tests;

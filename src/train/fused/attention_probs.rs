@@ -10,7 +10,8 @@
 //! (causal) and by flag (key padding), not built. The graph keeps the output
 //! `P` (which `P·v` keeps anyway) and the inputs `q`, `k` (kept by the ops
 //! that made them). Backward: `dS = scale·P∘(dP − rowsum(P∘dP))` in one pass,
-//! then `dq = dS·k` and `dk = dSᵀ·q`; at most `dP` and `dS` are score-sized.
+//! then `dq = dS·k` and `dk = dSᵀ·q`, a quarter of the key heads at a time
+//! ([`PROBS_BACKWARD_CHUNKS`]): beside `dP`, a quarter of `dS` is alive.
 //! This is what PyTorch's eager attention keeps (the softmax's output).
 
 use candle_core::backend::BackendStorage;
@@ -20,6 +21,10 @@ use candle_core::{
 use rayon::prelude::*;
 
 use super::{cpu_slice, f};
+
+/// Groups the backward splits the key heads into (fewer when there are
+/// fewer heads): `dS` is made for one group at a time.
+pub const PROBS_BACKWARD_CHUNKS: usize = 4;
 
 /// The masking and scale of [`attention_probs`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -259,19 +264,40 @@ impl Probs {
         Ok((scores, dims.shape()))
     }
 
-    /// `dq`, `dk` from the probabilities `p` and their gradient `dp`.
+    /// `dq`, `dk` from the probabilities `p` and their gradient `dp`, made
+    /// for the `b·KV` key heads in [`PROBS_BACKWARD_CHUNKS`] groups, one after
+    /// the other, so that one group's `dS` is alive at a time. The inputs are
+    /// detached first: a product with a tensor that tracks gradients would
+    /// keep its group's `dS` in the graph until the groups are joined.
     fn grads(&self, q: &Tensor, k: &Tensor, p: &Tensor, dp: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, h, s_q, d) = q.dims4()?;
         let (_, kv, s_k, _) = k.dims4()?;
+        let (heads, rows) = (b * kv, h / kv * s_q);
         let grad = ProbsGrad {
             scale: self.opts.scale,
         };
-        let ds =
-            p.apply_op2_no_bwd(&dp.contiguous()?, &grad)?
-                .reshape((b, kv, h / kv * s_q, s_k))?;
-        let dq = ds.matmul(k)?.reshape((b, h, s_q, d))?;
-        let dk = ds.t()?.matmul(&q.reshape((b, kv, h / kv * s_q, d))?)?;
-        Ok((dq, dk))
+        let p = p.detach().reshape((heads, rows, s_k))?;
+        let dp = dp.detach().contiguous()?.reshape((heads, rows, s_k))?;
+        let q = q.detach().reshape((heads, rows, d))?;
+        let k = k.detach().reshape((heads, s_k, d))?;
+        let per = heads.div_ceil(PROBS_BACKWARD_CHUNKS).max(1);
+        let (mut dq, mut dk) = (Vec::new(), Vec::new());
+        for start in (0..heads).step_by(per) {
+            let len = per.min(heads - start);
+            let ds = p
+                .narrow(0, start, len)?
+                .apply_op2_no_bwd(&dp.narrow(0, start, len)?, &grad)?;
+            dq.push(ds.matmul(&k.narrow(0, start, len)?)?);
+            dk.push(ds.t()?.matmul(&q.narrow(0, start, len)?)?);
+        }
+        let join = |parts: Vec<Tensor>| match parts.len() {
+            1 => Ok(parts.into_iter().next().expect("one part")),
+            _ => Tensor::cat(&parts, 0),
+        };
+        Ok((
+            join(dq)?.reshape((b, h, s_q, d))?,
+            join(dk)?.reshape((b, kv, s_k, d))?,
+        ))
     }
 }
 

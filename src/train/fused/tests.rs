@@ -370,6 +370,30 @@ fn attention_probs_match_the_composed_softmax() {
 }
 
 #[test]
+fn attention_probs_backward_in_uneven_groups_of_key_heads() {
+    // 5 key heads (3 query heads each): the backward makes dS for groups of
+    // 2, 2 and 1 key heads; 1 key head: a single group.
+    for (h, kv) in [(15, 5), (3, 1)] {
+        let (s_q, s_k, d) = (6, 7, 4);
+        let inputs = [
+            randn(&[1, h, s_q, d], 1.0, 0.0),
+            randn(&[1, kv, s_k, d], 1.0, 0.0),
+        ];
+        let opts = ProbsOptions {
+            scale: 0.5,
+            causal: true,
+        };
+        check(
+            DType::F32,
+            1e-5,
+            &inputs,
+            |t| attention_probs(&t[0], &t[1], None, opts).unwrap(),
+            |t| composed_probs(&t[0], &t[1], 0.5, |_, i, j| j <= i + s_k - s_q),
+        );
+    }
+}
+
+#[test]
 fn attention_probs_of_a_query_that_sees_no_key_are_zero() {
     let q = Var::randn(0f32, 1.0, (1, 1, 3, 4), &Device::Cpu).unwrap();
     let k = Var::randn(0f32, 1.0, (1, 1, 3, 4), &Device::Cpu).unwrap();
