@@ -90,6 +90,23 @@ pub(crate) fn one_gradient_each(grads: usize, params: usize) -> Result<()> {
     }
 }
 
+/// An error unless parameter `name` can be updated in place by the kernels of
+/// `optimizer`: f32, bf16 or f16, and contiguous.
+pub(crate) fn check_param(name: &str, var: &Var, optimizer: &str) -> Result<()> {
+    if !is_kernel_dtype(var.dtype()) {
+        return Err(Error::Unsupported(format!(
+            "parameter `{name}` has dtype {:?}; {optimizer} takes f32, bf16 or f16",
+            var.dtype()
+        )));
+    }
+    if !var.is_contiguous() {
+        return Err(Error::Unsupported(format!(
+            "parameter `{name}` is not contiguous"
+        )));
+    }
+    Ok(())
+}
+
 /// Whether the CPU kernels handle `dtype` (f32, bf16, f16).
 pub(crate) fn is_kernel_dtype(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
@@ -381,17 +398,7 @@ impl FusedAdamW {
                         "parameter name `{name}` is used twice"
                     )));
                 }
-                if !is_kernel_dtype(var.dtype()) {
-                    return Err(Error::Unsupported(format!(
-                        "parameter `{name}` has dtype {:?}; fused AdamW takes f32, bf16 or f16",
-                        var.dtype()
-                    )));
-                }
-                if !var.is_contiguous() {
-                    return Err(Error::Unsupported(format!(
-                        "parameter `{name}` is not contiguous"
-                    )));
-                }
+                check_param(&name, &var, "fused AdamW")?;
                 let m = Var::zeros(var.shape(), DType::F32, var.device())?;
                 let v = Var::zeros(var.shape(), DType::F32, var.device())?;
                 Ok(Slot { name, var, m, v })

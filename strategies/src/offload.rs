@@ -16,7 +16,7 @@ use candle_core::{CpuStorage, DType, Device, Layout, Tensor, Var};
 use rayon::prelude::*;
 
 use crate::adamw::{
-    contiguous_range, is_kernel_dtype, one_gradient_each, with_cpu_mut_src, with_float_vec, Float,
+    check_param, contiguous_range, one_gradient_each, with_cpu_mut_src, with_float_vec, Float,
     FusedAdamW, ParamsAdamW, CHUNK,
 };
 use crate::{Error, OptimizerImpl, Plan, Result, SearchContext, Strategy};
@@ -128,17 +128,7 @@ impl OffloadedAdamW {
         let mut staging = Vec::with_capacity(vars.len());
         let mut named_masters = Vec::with_capacity(vars.len());
         for (name, var) in vars {
-            if !is_kernel_dtype(var.dtype()) {
-                return Err(Error::Unsupported(format!(
-                    "parameter `{name}` has dtype {:?}; the offloaded AdamW takes f32, bf16 or f16",
-                    var.dtype()
-                )));
-            }
-            if !var.is_contiguous() {
-                return Err(Error::Unsupported(format!(
-                    "parameter `{name}` is not contiguous"
-                )));
-            }
+            check_param(&name, &var, "the offloaded AdamW")?;
             // A detached view is not a var, so `from_tensor` gives the master
             // storage of its own even for an f32 var already on the host.
             let host = var.as_detached_tensor().to_device(&Device::Cpu)?;
