@@ -294,16 +294,10 @@ fn scores_chunk(d: &Dims) -> u64 {
 /// `[n,h]` ×3, and of k and v `[n,kv]` ×2 (on the CPU, a tiny GPT-2's
 /// attention backward holds 2 scores and 6–7 `[n,h]`; 3 + 2 fits the whole
 /// CPU accuracy matrix best, checkpointed segments' surrogate terms
-/// overlapping the rest), and, when there are several groups, their `dq`
-/// and `dk` beside the joined ones (`[n,h]` and `[n,kv]` once more).
+/// overlapping the rest; the groups' `dq` and `dk` are among those, and are
+/// joined once the last group's `dS` is gone).
 fn composed_backward(d: &Dims) -> u64 {
-    let chunk = scores_chunk(d);
-    let joined = if chunk < d.scores() {
-        d.n * d.h + d.n * d.kv
-    } else {
-        0
-    };
-    d.scores() + chunk + 3 * d.n * d.h + 2 * d.n * d.kv + joined
+    d.scores() + scores_chunk(d) + 3 * d.n * d.h + 2 * d.n * d.kv
 }
 
 /// Bytes alive at once while the backward crosses one flash attention, on top
