@@ -93,7 +93,9 @@ pub struct Breakdown {
     /// Host memory the plan needs besides the device's, not part of `peak`:
     /// with the optimizer offloaded, the fp32 master weights and moments, plus
     /// staging tensors in the compute dtype (gradients down, weights back up);
-    /// 0 otherwise.
+    /// 0 otherwise. On [`Target::Cpu`] this is the same memory as the peak's
+    /// (the planner does not offload there; an offloaded plan estimated for
+    /// the CPU needs `peak + host`).
     pub host: u64,
 }
 
