@@ -137,3 +137,30 @@ fn long_sequence_composed_attention_estimate_within_8_percent() {
     };
     check_plans("llama-long", llama, &plans);
 }
+
+#[test]
+fn an_offloaded_plan_on_the_cpu_needs_the_peak_and_the_host_bytes() {
+    // On the CPU the host memory the offloaded optimizer moves state to is the
+    // same memory: what a step measures is the estimate's peak plus `host`.
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let spec = ModelSpec::from_config("llama", ModelConfig::llama(4, 256, 8, 2, 688, 4096, true));
+    for precision in [Precision::F32, Precision::Bf16] {
+        let plan = Plan {
+            micro_batch: 1,
+            grad_accum: 2,
+            precision,
+            checkpoint: Checkpointing::Every(1),
+            optimizer: OptimizerImpl::OffloadedAdamW,
+            ..Plan::baseline(2, 64)
+        };
+        let estimate = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
+        let estimated = (estimate.peak + estimate.host) as f64;
+        let measured = measure_plan(&spec, &plan, Target::Cpu).unwrap().peak_bytes as f64;
+        let error = estimated / measured - 1.0;
+        eprintln!(
+            "{plan}: estimated {estimated} measured {measured} error {:+.1}%",
+            100.0 * error
+        );
+        assert!(error.abs() <= 0.08, "{plan}: {:+.1}%", 100.0 * error);
+    }
+}
