@@ -2,7 +2,10 @@
 //! has memory apart from the host's, and a trainer with the optimizer offloaded
 //! takes exactly the steps of one with the fused AdamW on the device.
 
+mod common;
+
 use candle_core::Device;
+use common::values;
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
 use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
@@ -44,14 +47,7 @@ fn train(trainer: &mut Trainer, data: &mut DataSource, steps: usize) -> (Vec<f32
         .model()
         .vars()
         .iter()
-        .map(|(_, v)| {
-            v.to_dtype(candle_core::DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
-        })
+        .map(|(_, v)| values(v))
         .collect();
     (losses, params)
 }

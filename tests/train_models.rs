@@ -3,7 +3,10 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+mod common;
+
 use candle_core::{DType, Device, Tensor};
+use common::values;
 use oomfix::strategies::{Attention, Checkpointing};
 use oomfix::train::{build_model, Batch, StepOutput, TrainableModel};
 use oomfix::{Error, Family, ModelConfig};
@@ -53,15 +56,6 @@ fn batch(config: &ModelConfig) -> Batch {
 fn step(model: &dyn TrainableModel, batch: &Batch, policy: Checkpointing) -> StepOutput {
     model
         .forward_backward(batch, policy, Attention::Composed, 1.0)
-        .unwrap()
-}
-
-fn values(t: &Tensor) -> Vec<f32> {
-    t.flatten_all()
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_vec1()
         .unwrap()
 }
 

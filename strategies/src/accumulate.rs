@@ -333,7 +333,11 @@ fn take_first(g: Tensor, dtype: Option<DType>) -> Result<(Tensor, bool)> {
 }
 
 /// `a[i] = f(a[i], b[i])` computed in f32, chunked across rayon for large slices.
-fn zip_in_place<A: Float, B: Float>(a: &mut [A], b: &[B], f: impl Fn(f32, f32) -> f32 + Sync) {
+pub(crate) fn zip_in_place<A: Float, B: Float>(
+    a: &mut [A],
+    b: &[B],
+    f: impl Fn(f32, f32) -> f32 + Sync,
+) {
     let serial = |a: &mut [A], b: &[B]| {
         for (a, b) in a.iter_mut().zip(b) {
             *a = A::from_f32(f(a.to_f32(), b.to_f32()));

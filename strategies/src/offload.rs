@@ -13,11 +13,11 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Tensor, Var};
-use rayon::prelude::*;
 
+use crate::accumulate::zip_in_place;
 use crate::adamw::{
-    check_param, contiguous_range, one_gradient_each, with_cpu_mut_src, with_float_vec, Float,
-    FusedAdamW, ParamsAdamW, CHUNK,
+    check_param, contiguous_range, one_gradient_each, with_cpu_mut_src, with_float_vec, FusedAdamW,
+    ParamsAdamW,
 };
 use crate::{Error, OptimizerImpl, Plan, Result, SearchContext, Strategy};
 
@@ -291,9 +291,7 @@ fn narrow_into(master: &Tensor, staged: &Tensor) -> candle_core::Result<()> {
         let m = &m[contiguous_range(ml)?];
         let r = contiguous_range(sl)?;
         with_float_vec!(s, s => {
-            s[r].par_chunks_mut(CHUNK)
-                .zip(m.par_chunks(CHUNK))
-                .for_each(|(s, m)| s.iter_mut().zip(m).for_each(|(s, &m)| *s = Float::from_f32(m)));
+            zip_in_place(&mut s[r], m, |_, m| m);
             Ok(())
         })
     })

@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests: safetensors files of any size
 //! (written sparse, so a multi-GB model costs a few kilobytes of disk), raw
-//! malformed files, and the JSON side files of a Hub checkout.
+//! malformed files, the JSON side files of a Hub checkout, and tensor values.
 #![allow(dead_code)] // each test crate uses a subset
 
 use std::fs::{self, File};
@@ -121,4 +121,14 @@ pub fn tiny_gpt2_file(dir: &Path) -> PathBuf {
     let path = dir.join("tiny.safetensors");
     write_safetensors(&path, &with_dtype(tiny_gpt2().tensors(), "F32"));
     path
+}
+
+/// A tensor's elements as f32, flattened.
+pub fn values(t: &candle_core::Tensor) -> Vec<f32> {
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(candle_core::DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }

@@ -290,13 +290,9 @@ impl Probs {
             dq.push(ds.matmul(&k.narrow(0, start, len)?)?);
             dk.push(ds.t()?.matmul(&q.narrow(0, start, len)?)?);
         }
-        let join = |parts: Vec<Tensor>| match parts.len() {
-            1 => Ok(parts.into_iter().next().expect("one part")),
-            _ => Tensor::cat(&parts, 0),
-        };
         Ok((
-            join(dq)?.reshape((b, h, s_q, d))?,
-            join(dk)?.reshape((b, kv, s_k, d))?,
+            Tensor::cat(&dq, 0)?.reshape((b, h, s_q, d))?,
+            Tensor::cat(&dk, 0)?.reshape((b, kv, s_k, d))?,
         ))
     }
 }
