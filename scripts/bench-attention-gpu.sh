@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # CUDA flash_attention vs PyTorch's scaled_dot_product_attention, side by side,
 # on the GPU machine: runs examples/gpu_attention (checks, then timings), the
-# checks and timings again on the SIMT kernels (OOMFIX_FLASH_SIMT=1), the
-# checks with grouped-query heads never split over blocks (OOMFIX_FLASH_KV_SPLITS=1),
+# checks and timings again with the mma.sync backward instead of the warpgroup
+# one on Hopper (OOMFIX_FLASH_WGMMA=0), the checks on the SIMT kernels
+# (OOMFIX_FLASH_SIMT=1) and with grouped-query heads never split over blocks
+# (OOMFIX_FLASH_KV_SPLITS=1),
 # scripts/sdpa_bench.py with the same shapes (PyTorch's choice of backend, and
 # its FlashAttention-2 backend forced), and prints a table.
 #
@@ -10,7 +12,8 @@
 #   BIN_DIR  holds gpu_attention-cuda.xz from
 #            `scripts/build-cuda.sh --features cuda --example gpu_attention`
 #            (default: .gpu/cuda)
-#   OUT_DIR  logs: oomfix.txt, oomfix-simt.txt, oomfix-nosplit.txt, sdpa.txt, table.md
+#   OUT_DIR  logs: oomfix.txt, oomfix-mma.txt, oomfix-simt.txt, oomfix-nosplit.txt, sdpa.txt,
+#            table.md
 #            (default: $OUT, else attention-gpu-out)
 # Environment: SEQS (default 1024,2048,4096,8192; the SDPA side only).
 set -uo pipefail
@@ -30,11 +33,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 
 status=0
 "$WORK/gpu_attention" 2>&1 | tee "$OUT_DIR/oomfix.txt" || status=1
-OOMFIX_FLASH_SIMT=1 "$WORK/gpu_attention" 2>&1 | tee "$OUT_DIR/oomfix-simt.txt" || status=1
+OOMFIX_FLASH_WGMMA=0 "$WORK/gpu_attention" 2>&1 | tee "$OUT_DIR/oomfix-mma.txt" || status=1
+OOMFIX_FLASH_SIMT=1 "$WORK/gpu_attention" --check-only 2>&1 | tee "$OUT_DIR/oomfix-simt.txt" || status=1
 OOMFIX_FLASH_KV_SPLITS=1 "$WORK/gpu_attention" --check-only 2>&1 | tee "$OUT_DIR/oomfix-nosplit.txt" || status=1
 python3 "$HERE/sdpa_bench.py" --backends --seqs "${SEQS:-1024,2048,4096,8192}" 2>&1 | tee "$OUT_DIR/sdpa.txt" || status=1
 
-python3 - "$OUT_DIR/oomfix.txt" "$OUT_DIR/sdpa.txt" "$OUT_DIR/oomfix-simt.txt" <<'PY' | tee "$OUT_DIR/table.md"
+python3 - "$OUT_DIR/oomfix.txt" "$OUT_DIR/sdpa.txt" "$OUT_DIR/oomfix-mma.txt" <<'PY' | tee "$OUT_DIR/table.md"
 import sys
 def rows(path, tag):
     out = {}
@@ -44,23 +48,24 @@ def rows(path, tag):
             out[(f[1], int(f[2]))] = tuple(float(x) for x in f[3:])
     return out
 ours, sdpa, fa2 = rows(sys.argv[1], "PERF"), rows(sys.argv[2], "PERF"), rows(sys.argv[2], "PERF-flash")
-simt = rows(sys.argv[3], "PERF")
-print("| dtype | b×h×s×d | oomfix fwd ms | SDPA fwd ms | fwd ratio | oomfix fwd+bwd ms | SDPA fwd+bwd ms | fwd+bwd ratio | FA2 fwd+bwd ms | ratio to FA2 | oomfix SIMT fwd+bwd ms | oomfix peak MiB | SDPA peak MiB |")
+mma = rows(sys.argv[3], "PERF")
+print("| dtype | b×h×s×d | oomfix fwd ms | SDPA fwd ms | fwd ratio | oomfix fwd+bwd ms | SDPA fwd+bwd ms | fwd+bwd ratio | FA2 fwd+bwd ms | ratio to FA2 | oomfix fwd+bwd ms, mma.sync backward | oomfix peak MiB | SDPA peak MiB |")
 print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for key in sorted(set(ours) | set(sdpa), key=lambda k: (k[0] != "bf16", k[1])):
-    o, s, f, m = ours.get(key), sdpa.get(key), fa2.get(key), simt.get(key)
+    o, s, f, m = ours.get(key), sdpa.get(key), fa2.get(key), mma.get(key)
     cell = lambda t, i: f"{t[i]:.2f}" if t else "-"
     ratio = lambda a, b, i: f"{a[i] / b[i]:.2f}" if a and b and b[i] > 0 else "-"
     peak = lambda t: f"{t[2]:.0f}" if t else "-"
     print(f"| {key[0]} | 8×12×{key[1]}×64 | {cell(o, 0)} | {cell(s, 0)} | {ratio(o, s, 0)} | {cell(o, 1)} | {cell(s, 1)} | {ratio(o, s, 1)} | {cell(f, 1)} | {ratio(o, f, 1)} | {cell(m, 1)} | {peak(o)} | {peak(s)} |")
 print()
 print("TinyLlama-1.1B attention (4×32/4 heads×2048×64, bf16, causal), fwd / fwd+bwd ms:")
-for path, tag, who in [(sys.argv[1], "PERF-gqa", "oomfix"), (sys.argv[2], "PERF-gqa-repeat", "SDPA, keys repeated"),
+for path, tag, who in [(sys.argv[1], "PERF-gqa", "oomfix"), (sys.argv[3], "PERF-gqa", "oomfix, mma.sync backward"),
+                       (sys.argv[2], "PERF-gqa-repeat", "SDPA, keys repeated"),
                        (sys.argv[2], "PERF-gqa", "SDPA, enable_gqa")]:
     for line in open(path):
         f = line.split()
         if len(f) == 6 and f[0] == tag:
             print(f"- {who}: {f[3]} / {f[4]}")
 PY
-grep -h "^FAIL\|FAILED" "$OUT_DIR/oomfix.txt" "$OUT_DIR/oomfix-simt.txt" "$OUT_DIR/oomfix-nosplit.txt"
+grep -h "^FAIL\|FAILED" "$OUT_DIR"/oomfix*.txt
 exit $status

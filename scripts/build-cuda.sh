@@ -185,10 +185,13 @@ assemble_cuda_home() {
 # Step 3: the kernels compiled at run time with NVRTC, compiled once here with
 # the toolkit's libnvrtc so that a source error fails the build, not the GPU run.
 check_kernels() {
-    local lib=$CACHE/cuda-home/lib64
+    local lib=$CACHE/cuda-home/lib64 flash_arch=compute_$COMPUTE_CAP
+    # flash.cu's warpgroup kernels compile for the architecture-specific 9.0
+    # target, as the run-time compile does on such a device.
+    [[ $COMPUTE_CAP == 90 ]] && flash_arch=compute_90a
     say "NVRTC check of the run-time kernel sources"
     LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} python3 scripts/nvrtc-check.py \
-        "$lib/libnvrtc.so" strategies/src/half.cuh "strategies/src/attention/flash.cu@compute_$COMPUTE_CAP" \
+        "$lib/libnvrtc.so" strategies/src/half.cuh "strategies/src/attention/flash.cu@$flash_arch" \
         strategies/src/adamw/adamw.cu strategies/src/accumulate/accumulate.cu src/train/fused/fused.cu >&2 ||
         die "a run-time kernel source does not compile with NVRTC (log above)"
 }

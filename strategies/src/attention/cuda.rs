@@ -14,6 +14,13 @@
 //!   remainder), which keeps f32 accuracy; PyTorch's memory-efficient f32
 //!   kernel does the same.
 //!
+//! On Hopper (compute capability 9.0, where the source is compiled for
+//! `compute_90a`) the 16-bit backward with head dimension up to 64 runs a
+//! warpgroup kernel instead (`wgmma.mma_async`: two warpgroups per 128-key
+//! tile, 64-query tiles, the key and value fragments held in registers, the
+//! tiles in shared memory with the 128-byte swizzle); `OOMFIX_FLASH_WGMMA=0`
+//! keeps the `mma.sync` one.
+//!
 //! Their backward adds dQ up over key tiles with atomics into an f32
 //! `[b, heads, s_q, d]` buffer (the order of the additions varies from run to
 //! run, so dQ is not bit-reproducible). With grouped-query heads and too few
@@ -89,6 +96,8 @@ struct DeviceInfo {
     arch: &'static str,
     /// Whether the tensor-core kernels run (compute capability 8.0 or newer).
     mma: bool,
+    /// Whether the warpgroup backward runs (compute capability 9.0).
+    wgmma: bool,
     /// Largest dynamic shared memory a block may opt in to.
     max_smem: usize,
     /// Streaming multiprocessors.
@@ -114,9 +123,14 @@ fn device_info(dev: &CudaDevice) -> candle_core::Result<&'static DeviceInfo> {
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .w()?;
     let simt_forced = std::env::var("OOMFIX_FLASH_SIMT").is_ok_and(|v| v == "1");
+    let wgmma_off = std::env::var("OOMFIX_FLASH_WGMMA").is_ok_and(|v| v == "0");
+    // wgmma needs the architecture-specific target of compute capability 9.0.
+    let hopper = (major, minor) == (9, 0);
+    let suffix = if hopper { "a" } else { "" };
     let info = DeviceInfo {
-        arch: Box::leak(format!("compute_{major}{minor}").into_boxed_str()),
+        arch: Box::leak(format!("compute_{major}{minor}{suffix}").into_boxed_str()),
         mma: major >= 8 && !simt_forced,
+        wgmma: hopper && !simt_forced && !wgmma_off,
         max_smem: max_smem.max(0) as usize,
         sms: sms.max(1) as usize,
     };
@@ -137,6 +151,8 @@ fn dtype_name(dtype: DType) -> candle_core::Result<&'static str> {
 #[derive(Debug, Clone, Copy)]
 struct Variant {
     mma: bool,
+    /// The warpgroup backward (16-bit, d <= 64, 16-byte loads).
+    wgmma: bool,
     /// Head dimension the kernel is compiled for (64 or 128).
     d: usize,
     dtype: DType,
@@ -153,13 +169,18 @@ impl Variant {
         let d = if dims.d <= 64 { 64 } else { 128 };
         Ok(Variant {
             mma: info.mma,
+            wgmma: info.wgmma && d == 64 && dtype != DType::F32,
             d,
             dtype,
         })
     }
 
     fn name(&self, kernel: &str) -> candle_core::Result<String> {
-        let family = if self.mma { "mma" } else { "simt" };
+        let family = match (self.mma, self.wgmma && kernel == "bwd") {
+            (_, true) => "wgmma",
+            (true, false) => "mma",
+            (false, false) => "simt",
+        };
         Ok(format!(
             "flash_{kernel}_{family}_{}_{}",
             dtype_name(self.dtype)?,
@@ -168,8 +189,10 @@ impl Variant {
     }
 
     /// Threads per block.
-    fn threads(&self) -> u32 {
-        if self.mma {
+    fn threads(&self, kernel: &str) -> u32 {
+        if self.wgmma && kernel == "bwd" {
+            256
+        } else if self.mma {
             128
         } else {
             256
@@ -187,10 +210,20 @@ impl Variant {
     }
 
     /// Query rows of the tiles the backward kernels stream (32 for the
-    /// tensor-core kernel).
+    /// `mma.sync` kernel).
     fn inner(&self) -> usize {
-        if self.mma {
+        if self.mma && !self.wgmma {
             32
+        } else {
+            TILE
+        }
+    }
+
+    /// Keys per block of the backward (two warpgroups of 64 for the
+    /// warpgroup kernel).
+    fn bwd_keys(&self) -> usize {
+        if self.wgmma {
+            2 * TILE
         } else {
             TILE
         }
@@ -199,7 +232,11 @@ impl Variant {
     /// Dynamic shared memory of `kernel` (`fwd`, `bwd`; SIMT: `dkdv`, `dq`), as `flash.cu` lays it out.
     fn smem(&self, kernel: &str) -> usize {
         let (d, t, inner) = (self.d, TILE, self.inner());
-        if self.mma {
+        if self.wgmma && kernel == "bwd" {
+            // K, V, dS^T; Q, dO (two each), unpadded; lse and delta rows (two
+            // each); 1024 bytes to align the tiles.
+            3 * self.bwd_keys() * d * 2 + 2 * 2 * inner * d * 2 + 2 * 2 * inner * 4 + 1024
+        } else if self.mma {
             // Tiles hold the input type; the ones streamed through the loop
             // are double-buffered.
             let size = self.dtype.size_in_bytes();
@@ -244,7 +281,7 @@ impl Variant {
         .w()?;
         let cfg = LaunchConfig {
             grid_dim: grid,
-            block_dim: (self.threads(), 1, 1),
+            block_dim: (self.threads(kernel), 1, 1),
             shared_mem_bytes: smem as u32,
         };
         Ok((func, cfg))
@@ -310,10 +347,10 @@ fn kernel_params(
 
 /// Blocks per key tile and key/value head in the tensor-core backward: the
 /// smallest divisor of the group size that gives about four waves of blocks
-/// (three per multiprocessor), so that grouped-query models with few
+/// (as many per multiprocessor as fit), so that grouped-query models with few
 /// key/value heads fill the device. `OOMFIX_FLASH_KV_SPLITS=N` sets it to the
 /// largest divisor of the group size not above N (1: never split).
-fn kv_splits(dims: &Dims, info: &DeviceInfo) -> candle_core::Result<usize> {
+fn kv_splits(dims: &Dims, info: &DeviceInfo, var: &Variant) -> candle_core::Result<usize> {
     let group = dims.heads / dims.kv_heads.max(1);
     if let Ok(v) = std::env::var("OOMFIX_FLASH_KV_SPLITS") {
         let cap = match v.parse::<usize>() {
@@ -325,8 +362,10 @@ fn kv_splits(dims: &Dims, info: &DeviceInfo) -> candle_core::Result<usize> {
             .find(|n| group % n == 0)
             .unwrap_or(1));
     }
-    let blocks = dims.s_k.div_ceil(TILE) * dims.kv_heads * dims.b;
-    let want = 4 * 3 * info.sms;
+    let blocks = dims.s_k.div_ceil(var.bwd_keys()) * dims.kv_heads * dims.b;
+    // Blocks that fit on a multiprocessor at once (by registers).
+    let resident = if var.wgmma { 1 } else { 3 };
+    let want = 4 * resident * info.sms;
     Ok((1..=group)
         .find(|n| group % n == 0 && blocks * n >= want)
         .unwrap_or(group))
@@ -489,6 +528,11 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
                 gl.start_offset(),
             ],
         );
+        // The warpgroup kernel loads its tiles 16 bytes at a time only.
+        let var = Variant {
+            wgmma: var.wgmma && vec == 1,
+            ..var
+        };
         let (qv, kv, vv) = (view::<T>(qs, ql)?, view::<T>(ks, kl)?, view::<T>(vs, vl)?);
         let (ov, gv) = (view::<T>(os, ol)?, view::<T>(gs, gl)?);
         // D_i = dO_i . O_i
@@ -534,7 +578,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         if var.mma {
             // One kernel for dK, dV and dQ; dQ summed over the key tiles in
             // f32, dK and dV too when the group's heads are split.
-            let splits = kv_splits(dims, info)?;
+            let splits = kv_splits(dims, info, &var)?;
             let p = KernelParams {
                 kv_splits: splits as i32,
                 ..p
@@ -542,7 +586,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             let mut dq_acc = dev.alloc_zeros::<f32>(rows * dims.d)?;
             let mut dkv_acc = dev.alloc_zeros::<f32>(if splits > 1 { 2 * kv_len } else { 1 })?;
             if kv_len > 0 {
-                let g = grid(dims.s_k, TILE, dims.kv_heads * splits, dims.b);
+                let g = grid(dims.s_k, var.bwd_keys(), dims.kv_heads * splits, dims.b);
                 launch_backward!(
                     "bwd",
                     g,

@@ -1154,6 +1154,293 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     }
 }
 
+// ===========================================================================
+// Warpgroup kernels (Hopper, compute_90a: `wgmma.mma_async`, f32
+// accumulation) for 16-bit inputs and d <= 64: the backward of a tile of
+// 64 keys per warpgroup, query tiles of 64 rows. Tiles live in shared memory
+// as rows of 64 elements (128 bytes) with the 128-byte swizzle (`swz`: the
+// 16-byte chunks of row r permuted by r % 8, tiles 1024-byte aligned), which
+// wgmma reads without bank conflicts and as either operand order: a tile is a
+// K-major operand when its columns are the reduction and an MN-major one
+// when its rows are. Per query tile:
+//   S^T = K Q^T, dP^T = V dO^T   A: K, V fragments held in registers
+//   dV += P^T dO, dK += dS^T Q    A: P^T, dS^T from the accumulators
+//   dQ = dS K                     A: dS^T stored to shared memory
+// then dQ is added to the f32 accumulator as in bwd_mma.
+
+#define WG 64     // keys per warpgroup, queries per tile, columns (d <= 64)
+
+// Element index of (r, c) in a swizzled tile of 64-element rows.
+__device__ __forceinline__ int swz(int r, int c) { return (r << 6) + (((c >> 3) ^ (r & 7)) << 3) + (c & 7); }
+
+// Loads rows r0 .. r0+R-1 (columns 0 .. 63) of a row-major [rows, d] matrix
+// into a swizzled [R][64] tile with asynchronous 16-byte copies, zero outside
+// (d % 8 == 0).
+template <int R, typename E>
+__device__ __forceinline__ void load_swz(E* tile, const E* src, int r0, int rows, int d) {
+    for (int idx = threadIdx.x; idx < R * 8; idx += blockDim.x) {
+        const int r = idx >> 3, cc = idx & 7, c = cc * 8;
+        const bool ok = r0 + r < rows && c < d;
+        cp_async16(tile + (r << 6) + ((cc ^ (r & 7)) << 3), ok ? src + (i64)(r0 + r) * d + c : src, ok);
+    }
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WGMMA_OK 1
+
+// Shared memory descriptor of an operand starting at p in a swizzled tile:
+// 128-byte swizzle, 1024 bytes between groups of 8 rows (the leading offset
+// is unused: every operand spans at most one 64-element row).
+__device__ __forceinline__ unsigned long long wg_desc(const void* p) {
+    return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Shared memory written by ordinary stores or cp.async, read next by wgmma.
+__device__ __forceinline__ void fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Keeps the compiler from moving uses of accumulators across a wait.
+template <int N> __device__ __forceinline__ void wg_pin(float (&d)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e])::"memory");
+}
+
+#define WG_D32(d)                                                                                             \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),   \
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]),             \
+        "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]),             \
+        "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),             \
+        "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define WG_REGS32                                                                                             \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "    \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+#define WG_D16(d)                                                                                             \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),   \
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]),             \
+        "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define WG_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+
+template <typename T> struct Wg;
+#define WG_POLICY(T, TY)                                                                                      \
+    template <> struct Wg<T> {                                                                                \
+        /* d (64 x 64) = (acc ? d : 0) + A B, A (64 x 16) from registers, B (16 x 64) from the   */          \
+        /* descriptor `b`, K-major (TB = 0) or N-major (TB = 1).                                     */          \
+        template <int TB>                                                                                     \
+        static __device__ __forceinline__ void rs(float (&d)[8][4], const u32 a[4], unsigned long long b, int acc) { \
+            asm volatile("{ .reg .pred p; setp.ne.b32 p, %38, 0;\n"                                           \
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WG_REGS32                 \
+                         ", {%32, %33, %34, %35}, %36, p, 1, 1, %37; }"                                       \
+                         : WG_D32(d)                                                                          \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(TB), "r"(acc));            \
+        }                                                                                                     \
+        /* d (64 x 32) = (acc ? d : 0) + A B, both from shared memory: A K-major (TA = 0) or     */          \
+        /* M-major (TA = 1), B as in rs.                                                             */          \
+        template <int TA, int TB>                                                                             \
+        static __device__ __forceinline__ void ss(float (&d)[4][4], unsigned long long a, unsigned long long b, int acc) { \
+            asm volatile("{ .reg .pred p; setp.ne.b32 p, %20, 0;\n"                                           \
+                         "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " " WG_REGS16                 \
+                         ", %16, %17, p, 1, 1, %18, %19; }"                                                   \
+                         : WG_D16(d)                                                                          \
+                         : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));                                       \
+        }                                                                                                     \
+    };
+WG_POLICY(Bf16, "bf16")
+WG_POLICY(F16, "f16")
+#else
+#define WGMMA_OK 0
+#endif
+
+// The backward of one tile of 128 keys on two warpgroups (warpgroup w owns
+// keys 64w .. 64w + 63), which share each query tile; the arguments, outputs
+// and the split of the group's query heads are those of bwd_mma. dQ = dS K
+// over the block's keys: warpgroup w makes columns 32w .. 32w + 31 of it, so
+// that the block adds each query tile's dQ once.
+template <typename T>
+__device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          const T* __restrict__ dout, const float* __restrict__ lse,
+                          const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
+                          T* __restrict__ dv, float* __restrict__ dq_acc, float* __restrict__ dkv_acc, Params p) {
+#if WGMMA_OK
+    typedef Frag<T> M;
+    typedef u16 E;
+    constexpr int NW = 2;                      // warpgroups
+    constexpr int BK = WG * NW;                // keys per block
+    constexpr int TILE_E = WG * WG;            // elements of a 64 x 64 tile
+    constexpr int NC = 8 / NW;                 // dQ column blocks of 8 per warpgroup
+    extern __shared__ __align__(1024) unsigned char tc_smem[];
+    // Swizzled tiles start on 1024-byte boundaries (the host adds 1024 bytes).
+    E* Ks = reinterpret_cast<E*>(tc_smem + ((1024 - (smem_addr(tc_smem) & 1023)) & 1023));  // [BK][64]
+    E* Vs = Ks + NW * TILE_E;                  // [BK][64]
+    E* Qb = Vs + NW * TILE_E;                  // two Q tiles
+    E* Db = Qb + 2 * TILE_E;                   // two dO tiles
+    E* Ss = Db + 2 * TILE_E;                   // dS^T: [BK keys][64 queries]
+    float* Lb = reinterpret_cast<float*>(Ss + NW * TILE_E);  // two lse * log2(e) rows
+    float* Eb = Lb + 2 * WG;                                 // two delta rows
+    const int bkv = block_head() / p.kv_splits, part = block_head() % p.kv_splits;
+    const int j0 = blockIdx.x * BK;
+    const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
+    const int group = p.heads / p.kv_heads, share = group / p.kv_splits;
+    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int jw = j0 + wg * WG;               // this warpgroup's first key
+    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const float sl2 = p.scale * LOG2E;
+    load_swz<BK>(Ks, reinterpret_cast<const E*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d);
+    load_swz<BK>(Vs, reinterpret_cast<const E*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d);
+    const int key_a = jw + warp * 16 + g;
+    const int qstart = (first_query(p, j0) / WG) * WG;
+    const int full_from = first_query(p, jw + WG - 1);
+    const int nq = qstart < p.s_q ? (p.s_q - qstart + WG - 1) / WG : 0;
+    const int total = share * nq;
+    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + part * share + it / nq; };
+    auto fetch = [&](int it, int buf) {
+        const i64 bh = head_of(it);
+        const int i0 = qstart + (it % nq) * WG;
+        load_swz<WG>(Qb + buf * TILE_E, reinterpret_cast<const E*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d);
+        load_swz<WG>(Db + buf * TILE_E, reinterpret_cast<const E*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d);
+        for (int r = threadIdx.x; r < WG; r += blockDim.x) {
+            const bool in = i0 + r < p.s_q;
+            Lb[buf * WG + r] = in ? lse[bh * p.s_q + i0 + r] * LOG2E : NEG_INF;
+            Eb[buf * WG + r] = in ? delta[bh * p.s_q + i0 + r] : 0.f;
+        }
+    };
+    if (total > 0) fetch(0, 0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    // This warp's 16 keys of K and V as A fragments (64 x 16 per k-step).
+    u32 ka[4][4], va[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const int r = wg * WG + warp * 16 + g, c = kk * 16 + 2 * t;
+        ka[kk][0] = lds32(Ks + swz(r, c));
+        ka[kk][1] = lds32(Ks + swz(r + 8, c));
+        ka[kk][2] = lds32(Ks + swz(r, c + 8));
+        ka[kk][3] = lds32(Ks + swz(r + 8, c + 8));
+        va[kk][0] = lds32(Vs + swz(r, c));
+        va[kk][1] = lds32(Vs + swz(r + 8, c));
+        va[kk][2] = lds32(Vs + swz(r, c + 8));
+        va[kk][3] = lds32(Vs + swz(r + 8, c + 8));
+    }
+    float gk[8][4], gv[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) gk[n][e] = gv[n][e] = 0.f;
+    for (int it = 0; it < total; ++it) {
+        const int i0 = qstart + (it % nq) * WG;
+        const E* Qs = Qb + (it & 1) * TILE_E;
+        const E* Ds = Db + (it & 1) * TILE_E;
+        const float* Ls = Lb + (it & 1) * WG;
+        const float* Es = Eb + (it & 1) * WG;
+        if (it + 1 < total) fetch(it + 1, (it + 1) & 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_async_smem();
+        __syncthreads();
+        // S^T = K Q^T, dP^T = V dO^T: B is Q (dO) as K-major [query][d].
+        float s[8][4], dp[8][4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<0>(s, ka[kk], wg_desc(Qs + kk * 16), kk);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<0>(dp, va[kk], wg_desc(Ds + kk * 16), kk);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(s);
+        wg_pin(dp);
+        const bool masked = p.has_keep || i0 < full_from || i0 + WG > p.s_q || jw + WG > p.s_k;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = n * 8 + 2 * t + (e & 1);
+                const float ls = Ls[qi];
+                float pe = 0.f;
+                if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
+                    pe = fast_exp2(s[n][e] * sl2 - ls);
+                s[n][e] = pe;
+                dp[n][e] = pe * (dp[n][e] - Es[qi]);
+            }
+        u32 pa[4][4], sa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            typename M::A x;
+            M::pack_a(x, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pa[kk][r] = x.r[r];
+            M::pack_a(x, dp[2 * kk], dp[2 * kk + 1]);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) sa[kk][r] = x.r[r];
+            // dS^T rows key_a, key_a + 8 (of the block); columns 16 kk + 2t (+1), + 8.
+            const int r = wg * WG + warp * 16 + g, c = kk * 16 + 2 * t;
+            *reinterpret_cast<u32*>(Ss + swz(r, c)) = x.r[0];
+            *reinterpret_cast<u32*>(Ss + swz(r + 8, c)) = x.r[1];
+            *reinterpret_cast<u32*>(Ss + swz(r, c + 8)) = x.r[2];
+            *reinterpret_cast<u32*>(Ss + swz(r + 8, c + 8)) = x.r[3];
+        }
+        // dV += P^T dO, dK += dS^T Q: B is dO (Q) as N-major [query][d].
+        wg_pin(gk);
+        wg_pin(gv);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(gv, pa[kk], wg_desc(Ds + kk * 16 * WG), 1);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(gk, sa[kk], wg_desc(Qs + kk * 16 * WG), 1);
+        wg_commit();
+        fence_async_smem();
+        __syncthreads();
+        // dQ = dS K over the block's keys: A is dS^T as M-major [key][query],
+        // B is K as N-major [key][d], this warpgroup's columns.
+        float gq[NC][4];
+#pragma unroll
+        for (int kk = 0; kk < 4 * NW; ++kk)
+            Wg<T>::template ss<1, 1>(gq, wg_desc(Ss + kk * 16 * WG), wg_desc(Ks + kk * 16 * WG + wg * NC * 8), kk);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(gq);
+        wg_pin(gk);
+        wg_pin(gv);
+        red_add_frags<NC>(dq_acc + head_of(it) * p.s_q * p.d, i0 + warp * 16, p.s_q, wg * NC * 8, p.d, gq, p.scale,
+                          lane);
+        __syncthreads();
+    }
+    if (p.kv_splits > 1) {
+        const i64 n = (i64)p.b * p.kv_heads * p.s_k * p.d;
+        float* kacc = dkv_acc + (i64)bkv * p.s_k * p.d;
+        red_add_frags<8>(kacc, jw + warp * 16, p.s_k, 0, p.d, gk, p.scale, lane);
+        red_add_frags<8>(kacc + n, jw + warp * 16, p.s_k, 0, p.d, gv, 1.f, lane);
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = key_a + r * 8;
+        if (j >= p.s_k) continue;
+        T* krow = dk + ((i64)bkv * p.s_k + j) * p.d;
+        T* vrow = dv + ((i64)bkv * p.s_k + j) * p.d;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            store_pair<T>(krow, n * 8 + 2 * t, p.d, gk[n][2 * r] * p.scale, gk[n][2 * r + 1] * p.scale);
+            store_pair<T>(vrow, n * 8 + 2 * t, p.d, gv[n][2 * r], gv[n][2 * r + 1]);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
 // dq = dq_acc in the output type (n elements).
 template <typename T>
 __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i64 n) {
@@ -1191,6 +1478,13 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
         bwd_mma<T, D, BQ>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, dkv_acc, p, vec);                 \
     }
 
+#define WGMMA_ENTRY(TN, T)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) flash_bwd_wgmma_##TN##_64(                               \
+        const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
+        T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                                     \
+        bwd_wgmma<T>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, dkv_acc, p);                        \
+    }
+
 #define DELTA_ENTRY(TN, T)                                                                                    \
     extern "C" __global__ void flash_delta_##TN(const T* o, const T* dout, float* delta, i64 rows, int d) {     \
         delta_kernel<T>(o, dout, delta, rows, d);                                                             \
@@ -1211,6 +1505,8 @@ MMA_ENTRIES(bf16, Bf16, 64, 2, 32)
 MMA_ENTRIES(bf16, Bf16, 128, 1, 32)
 MMA_ENTRIES(f16, F16, 64, 2, 32)
 MMA_ENTRIES(f16, F16, 128, 1, 32)
+WGMMA_ENTRY(bf16, Bf16)
+WGMMA_ENTRY(f16, F16)
 DELTA_ENTRY(f32, float)
 DELTA_ENTRY(bf16, Bf16)
 DELTA_ENTRY(f16, F16)
