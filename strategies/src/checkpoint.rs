@@ -159,7 +159,7 @@ pub fn backward<B: Block>(
     // Segments, last to first, each recomputed from its input.
     for (i, (segment, input)) in segments.iter().zip(inputs).enumerate().rev() {
         let y = run(&blocks[segment.clone()], &input)?;
-        let mut store = y.mul(&grad_y)?.sum_all()?.backward()?;
+        let mut store = crate::reduce::sum_all(&y.mul(&grad_y)?)?.backward()?;
         accumulate(&mut grads, &mut store, vars)?;
         if i > 0 {
             grad_y = input_grad(&mut store, &input)?;

@@ -48,6 +48,7 @@ mod error;
 pub mod offload;
 mod plan;
 pub mod precision;
+mod reduce;
 pub mod shard;
 
 /// CUDA C prepended to every NVRTC kernel source of this crate and of `oomfix`:

@@ -197,9 +197,7 @@ fn all_finite(t: &Tensor) -> Result<bool> {
             return Ok(cpu_all_finite(s, layout)?);
         }
     }
-    let zero_or_nan = t
-        .affine(0.0, 0.0)?
-        .sum_all()?
+    let zero_or_nan = crate::reduce::sum_all(&t.affine(0.0, 0.0)?)?
         .to_dtype(DType::F32)?
         .to_scalar::<f32>()?;
     Ok(zero_or_nan.is_finite())
