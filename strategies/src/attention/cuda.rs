@@ -15,7 +15,7 @@
 //!   kernel does the same.
 //!
 //! On Hopper (compute capability 9.0, where the source is compiled for
-//! `compute_90a`) the 16-bit backward with head dimension up to 64 runs a
+//! `compute_90a` when NVRTC is 12.0 or newer) the 16-bit backward with head dimension up to 64 runs a
 //! warpgroup kernel instead (`wgmma.mma_async`: two warpgroups per 128-key
 //! tile, 64-query tiles, the key and value fragments held in registers, the
 //! tiles in shared memory with the 128-byte swizzle); `OOMFIX_FLASH_WGMMA=0`
@@ -125,7 +125,7 @@ fn device_info(dev: &CudaDevice) -> candle_core::Result<&'static DeviceInfo> {
     let simt_forced = std::env::var("OOMFIX_FLASH_SIMT").is_ok_and(|v| v == "1");
     let wgmma_off = std::env::var("OOMFIX_FLASH_WGMMA").is_ok_and(|v| v == "0");
     // wgmma needs the architecture-specific target of compute capability 9.0.
-    let hopper = (major, minor) == (9, 0);
+    let hopper = (major, minor) == (9, 0) && nvrtc_knows_sm90a();
     let suffix = if hopper { "a" } else { "" };
     let info = DeviceInfo {
         arch: Box::leak(format!("compute_{major}{minor}{suffix}").into_boxed_str()),
@@ -135,6 +135,16 @@ fn device_info(dev: &CudaDevice) -> candle_core::Result<&'static DeviceInfo> {
         sms: sms.max(1) as usize,
     };
     Ok(INFO.get_or_init(|| info))
+}
+
+/// Whether the run-time compiler knows the `compute_90a` target (NVRTC 12.0
+/// and newer).
+fn nvrtc_knows_sm90a() -> bool {
+    use candle_core::cuda_backend::cudarc::nvrtc::sys;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints through the pointers it is given.
+    let status = unsafe { sys::nvrtcVersion(&mut major, &mut minor) };
+    status == sys::nvrtcResult::NVRTC_SUCCESS && major >= 12
 }
 
 /// The kernels' name suffix of a dtype.
