@@ -986,6 +986,69 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         }
 }
 
+// The backward kernels' shared steps. Rows of a query tile: lse * log2(e)
+// into Ls and delta into Es, for rows i0 .. i0 + R - 1 of head bh.
+template <int R>
+__device__ __forceinline__ void load_rows(float* Ls, float* Es, const float* __restrict__ lse,
+                                          const float* __restrict__ delta, i64 bh, int i0, int s_q) {
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const bool in = i0 + r < s_q;
+        Ls[r] = in ? lse[bh * s_q + i0 + r] * LOG2E : NEG_INF;
+        Es[r] = in ? delta[bh * s_q + i0 + r] : 0.f;
+    }
+}
+
+// From this thread's scores s (S^T: its keys key_a and key_a + 8 as rows, N
+// chunks of 8 queries from i0 as columns) and dp (dP^T), the probabilities
+// P^T (into s) and dS^T = P^T * (dP^T - delta) (into dp); masked entries and
+// rows that see no key give 0.
+template <int N>
+__device__ __forceinline__ void probs_and_ds(float (&s)[N][4], float (&dp)[N][4], const float* Ls, const float* Es,
+                                             const Params& p, const u8* keep_row, bool masked, int i0, int key_a,
+                                             int t) {
+    const float sl2 = p.scale * LOG2E;
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qi = n * 8 + 2 * t + (e & 1);
+            const float ls = Ls[qi];
+            float pe = 0.f;
+            if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
+                pe = fast_exp2(s[n][e] * sl2 - ls);
+            s[n][e] = pe;
+            dp[n][e] = pe * (dp[n][e] - Es[qi]);
+        }
+}
+
+// Writes a warp's dK and dV (16 keys from key0, N column chunks of 8) of
+// key/value head bkv: into dk and dv, or with kv_splits > 1 added to the f32
+// accumulators dkv_acc (dK then dV).
+template <typename T, int N>
+__device__ __forceinline__ void store_dkdv(const float (&gk)[N][4], const float (&gv)[N][4], T* dk, T* dv,
+                                           float* dkv_acc, const Params& p, int bkv, int key0, int lane) {
+    if (p.kv_splits > 1) {
+        const i64 n = (i64)p.b * p.kv_heads * p.s_k * p.d;
+        float* kacc = dkv_acc + (i64)bkv * p.s_k * p.d;
+        red_add_frags<N>(kacc, key0, p.s_k, 0, p.d, gk, p.scale, lane);
+        red_add_frags<N>(kacc + n, key0, p.s_k, 0, p.d, gv, 1.f, lane);
+        return;
+    }
+    const int t = lane % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = key0 + lane / 4 + r * 8;
+        if (j >= p.s_k) continue;
+        T* krow = dk + ((i64)bkv * p.s_k + j) * p.d;
+        T* vrow = dv + ((i64)bkv * p.s_k + j) * p.d;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            store_pair<T>(krow, n * 8 + 2 * t, p.d, gk[n][2 * r] * p.scale, gk[n][2 * r + 1] * p.scale);
+            store_pair<T>(vrow, n * 8 + 2 * t, p.d, gv[n][2 * r], gv[n][2 * r + 1]);
+        }
+    }
+}
+
 // The backward of one 64-key tile (FlashAttention-2's scheme, five products
 // per tile pair): dK and dV summed over the query heads of the key head's
 // group (or their share of them, see Params::kv_splits), whose query tiles
@@ -1020,7 +1083,6 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int group = p.heads / p.kv_heads, share = group / p.kv_splits;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const u8* keep_row = keep + (i64)bb * p.s_k;
-    const float sl2 = p.scale * LOG2E;
     load_tile<MB, D>(Ks, reinterpret_cast<const E*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
     load_tile<MB, D>(Vs, reinterpret_cast<const E*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
     float gk[NO][4], gv[NO][4];
@@ -1043,11 +1105,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         load_tile<BQ, D>(Qb + buf * BQ * LD, reinterpret_cast<const E*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
         load_tile<BQ, D>(Db + buf * BQ * LD, reinterpret_cast<const E*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d,
                          vec);
-        for (int r = threadIdx.x; r < BQ; r += blockDim.x) {
-            const bool in = i0 + r < p.s_q;
-            Lb[buf * BQ + r] = in ? lse[bh * p.s_q + i0 + r] * LOG2E : NEG_INF;
-            Eb[buf * BQ + r] = in ? delta[bh * p.s_q + i0 + r] : 0.f;
-        }
+        load_rows<BQ>(Lb + buf * BQ, Eb + buf * BQ, lse, delta, bh, i0, p.s_q);
     };
     if (total > 0) fetch(0, 0);
     cp_async_commit();
@@ -1083,18 +1141,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             }
         }
         const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
-#pragma unroll
-        for (int n = 0; n < NQ; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = n * 8 + 2 * t + (e & 1);
-                const float ls = Ls[qi];
-                float pe = 0.f;
-                if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
-                    pe = fast_exp2(s[n][e] * sl2 - ls);
-                s[n][e] = pe;
-                dp[n][e] = pe * (dp[n][e] - Es[qi]);
-            }
+        probs_and_ds<NQ>(s, dp, Ls, Es, p, keep_row, masked, i0, key_a, t);
         // dV += P^T dO, dK += dS^T Q; dS^T to shared memory for dQ.
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk) {
@@ -1133,25 +1180,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         }
         __syncthreads();
     }
-    if (p.kv_splits > 1) {
-        const i64 n = (i64)p.b * p.kv_heads * p.s_k * p.d;
-        float* kacc = dkv_acc + (i64)bkv * p.s_k * p.d;
-        red_add_frags<NO>(kacc, warp * 16 + j0, p.s_k, 0, p.d, gk, p.scale, lane);
-        red_add_frags<NO>(kacc + n, warp * 16 + j0, p.s_k, 0, p.d, gv, 1.f, lane);
-        return;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = key_a + r * 8;
-        if (j >= p.s_k) continue;
-        T* krow = dk + ((i64)bkv * p.s_k + j) * p.d;
-        T* vrow = dv + ((i64)bkv * p.s_k + j) * p.d;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            store_pair<T>(krow, n * 8 + 2 * t, p.d, gk[n][2 * r] * p.scale, gk[n][2 * r + 1] * p.scale);
-            store_pair<T>(vrow, n * 8 + 2 * t, p.d, gv[n][2 * r], gv[n][2 * r + 1]);
-        }
-    }
+    store_dkdv<T, NO>(gk, gv, dk, dv, dkv_acc, p, bkv, j0 + warp * 16, lane);
 }
 
 // ===========================================================================
@@ -1296,7 +1325,6 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     const int g = lane / 4, t = lane % 4;
     const int jw = j0 + wg * WG;               // this warpgroup's first key
     const u8* keep_row = keep + (i64)bb * p.s_k;
-    const float sl2 = p.scale * LOG2E;
     load_swz<BK>(Ks, reinterpret_cast<const E*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d);
     load_swz<BK>(Vs, reinterpret_cast<const E*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d);
     const int key_a = jw + warp * 16 + g;
@@ -1310,11 +1338,7 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         const int i0 = qstart + (it % nq) * WG;
         load_swz<WG>(Qb + buf * TILE_E, reinterpret_cast<const E*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d);
         load_swz<WG>(Db + buf * TILE_E, reinterpret_cast<const E*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d);
-        for (int r = threadIdx.x; r < WG; r += blockDim.x) {
-            const bool in = i0 + r < p.s_q;
-            Lb[buf * WG + r] = in ? lse[bh * p.s_q + i0 + r] * LOG2E : NEG_INF;
-            Eb[buf * WG + r] = in ? delta[bh * p.s_q + i0 + r] : 0.f;
-        }
+        load_rows<WG>(Lb + buf * WG, Eb + buf * WG, lse, delta, bh, i0, p.s_q);
     };
     if (total > 0) fetch(0, 0);
     cp_async_commit();
@@ -1362,18 +1386,7 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         wg_pin(s);
         wg_pin(dp);
         const bool masked = p.has_keep || i0 < full_from || i0 + WG > p.s_q || jw + WG > p.s_k;
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = n * 8 + 2 * t + (e & 1);
-                const float ls = Ls[qi];
-                float pe = 0.f;
-                if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
-                    pe = fast_exp2(s[n][e] * sl2 - ls);
-                s[n][e] = pe;
-                dp[n][e] = pe * (dp[n][e] - Es[qi]);
-            }
+        probs_and_ds<8>(s, dp, Ls, Es, p, keep_row, masked, i0, key_a, t);
         u32 pa[4][4], sa[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -1417,25 +1430,7 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
                           lane);
         __syncthreads();
     }
-    if (p.kv_splits > 1) {
-        const i64 n = (i64)p.b * p.kv_heads * p.s_k * p.d;
-        float* kacc = dkv_acc + (i64)bkv * p.s_k * p.d;
-        red_add_frags<8>(kacc, jw + warp * 16, p.s_k, 0, p.d, gk, p.scale, lane);
-        red_add_frags<8>(kacc + n, jw + warp * 16, p.s_k, 0, p.d, gv, 1.f, lane);
-        return;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = key_a + r * 8;
-        if (j >= p.s_k) continue;
-        T* krow = dk + ((i64)bkv * p.s_k + j) * p.d;
-        T* vrow = dv + ((i64)bkv * p.s_k + j) * p.d;
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-            store_pair<T>(krow, n * 8 + 2 * t, p.d, gk[n][2 * r] * p.scale, gk[n][2 * r + 1] * p.scale);
-            store_pair<T>(vrow, n * 8 + 2 * t, p.d, gv[n][2 * r], gv[n][2 * r + 1]);
-        }
-    }
+    store_dkdv<T, 8>(gk, gv, dk, dv, dkv_acc, p, bkv, jw + warp * 16, lane);
 #else
     __trap();
 #endif
