@@ -15,11 +15,12 @@
 //!   kernel does the same.
 //!
 //! On Hopper (compute capability 9.0, where the source is compiled for
-//! `compute_90a` when NVRTC is 12.0 or newer) the 16-bit backward with head dimension up to 64 runs a
-//! warpgroup kernel instead (`wgmma.mma_async`: two warpgroups per 128-key
-//! tile, 64-query tiles, the key and value fragments held in registers, the
-//! tiles in shared memory with the 128-byte swizzle); `OOMFIX_FLASH_WGMMA=0`
-//! keeps the `mma.sync` one.
+//! `compute_90a` when NVRTC is 12.0 or newer) the 16-bit backward with head
+//! dimension up to 64 runs a warpgroup kernel instead (`wgmma.mma_async`: two
+//! warpgroups per 128-key tile, 64-query tiles, the key and value fragments
+//! held in registers, the tiles in shared memory with the 128-byte swizzle);
+//! it is as fast as the `mma.sync` one, the base for overlapping its steps.
+//! `OOMFIX_FLASH_WGMMA=0` runs the `mma.sync` one.
 //!
 //! Their backward adds dQ up over key tiles with atomics into an f32
 //! `[b, heads, s_q, d]` buffer (the order of the additions varies from run to

@@ -25,6 +25,8 @@
 //   mma:  one kernel per key tile for dK, dV and its share of dQ, added to an
 //         f32 accumulator with vector atomics (FlashAttention-2's five
 //         products per tile pair), then converted to T.
+// A third backward, *_wgmma (16-bit, d <= 64, compute_90a), does the mma one's
+// work on Hopper's warpgroup instructions, two warpgroups per 128-key tile.
 //
 // Bf16, F16, to_f32, from_f32 and u16/u32/u64 come from half.cuh, prepended
 // when the source is compiled.
