@@ -188,7 +188,7 @@ check_kernels() {
     local lib=$CACHE/cuda-home/lib64 flash_arch=compute_$COMPUTE_CAP
     # flash.cu's warpgroup kernels compile for the architecture-specific 9.0
     # target, as the run-time compile does on such a device.
-    [[ $COMPUTE_CAP == 90 ]] && flash_arch=compute_90a
+    if [[ $COMPUTE_CAP == 90 ]]; then flash_arch=compute_90a; fi
     say "NVRTC check of the run-time kernel sources"
     LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} python3 scripts/nvrtc-check.py \
         "$lib/libnvrtc.so" strategies/src/half.cuh "strategies/src/attention/flash.cu@$flash_arch" \
