@@ -905,6 +905,17 @@ fn fused_rows(device: &Device) -> Result<(Vec<String>, Vec<String>)> {
     Ok((matches, times))
 }
 
+/// A random gradient of `shape` in `dtype` on `device`; a matrix's as a
+/// transposed view, as the backward gives `Linear` weights' gradients.
+fn random_grad(shape: &[usize], dtype: DType, device: &Device) -> candle_core::Result<Tensor> {
+    match shape {
+        [r, c] => Tensor::randn(0f32, 1.0, (*c, *r), device)?
+            .to_dtype(dtype)?
+            .t(),
+        _ => Tensor::randn(0f32, 1.0, shape, device)?.to_dtype(dtype),
+    }
+}
+
 /// Vars with their names, as optimizers take them.
 type NamedVars = Vec<(String, Var)>;
 
@@ -933,15 +944,8 @@ fn offload_rows(device: &Device) -> Result<(Vec<String>, Vec<String>)> {
         let mut cpu = OffloadedAdamW::new(on_cpu.clone(), params.clone())?;
         let mut gpu = OffloadedAdamW::new(on_gpu.clone(), params.clone())?;
         for _ in 0..3 {
-            // matrices' gradients as transposed views, as the backward gives them
             let grads: Vec<Tensor> = (shapes.iter())
-                .map(|&s| {
-                    let g = match s {
-                        [r, c] => Tensor::randn(0f32, 1.0, (*c, *r), &Device::Cpu)?.t()?,
-                        _ => Tensor::randn(0f32, 1.0, s, &Device::Cpu)?,
-                    };
-                    g.to_dtype(dtype)
-                })
+                .map(|&s| random_grad(s, dtype, &Device::Cpu))
                 .collect::<candle_core::Result<_>>()?;
             let on_device = (grads.iter())
                 .map(|g| g.to_device(device))
@@ -968,13 +972,7 @@ fn offload_rows(device: &Device) -> Result<(Vec<String>, Vec<String>)> {
         let mut grads = Vec::new();
         for (name, shape) in config.tensors() {
             vars.push((name, Var::zeros(shape.as_slice(), DType::BF16, device)?));
-            let g = match shape[..] {
-                [r, c] => Tensor::randn(0f32, 1.0, (c, r), device)?
-                    .to_dtype(DType::BF16)?
-                    .t()?,
-                _ => Tensor::randn(0f32, 1.0, shape.as_slice(), device)?.to_dtype(DType::BF16)?,
-            };
-            grads.push(g);
+            grads.push(random_grad(&shape, DType::BF16, device)?);
         }
         Ok((vars, grads))
     };
