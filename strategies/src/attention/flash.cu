@@ -749,6 +749,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) 
     __trap();
 #endif
 }
+// 4 bytes likewise (zeros when !ok).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool ok) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(ok ? 4 : 0));
+#else
+    __trap();
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;");
@@ -916,7 +924,17 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                 for (int rg = 0; rg < RG; ++rg) M::mma2(s[rg][2 * np], s[rg][2 * np + 1], qa[rg][kk], b);
             }
         }
-        const bool masked = j0 + MB > full_end;
+        // Masking apart, so that the softmax below has no branches.
+        if (j0 + MB > full_end) {
+#pragma unroll
+            for (int rg = 0; rg < RG; ++rg)
+#pragma unroll
+                for (int n = 0; n < 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!visible(p, keep_row, row_a + rg * 16 + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1)))
+                            s[rg][n][e] = NEG_INF;
+        }
 #pragma unroll
         for (int rg = 0; rg < RG; ++rg) {
             float mx[2] = {NEG_INF, NEG_INF};
@@ -924,9 +942,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
             for (int n = 0; n < 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float x = s[rg][n][e] * sl2;
-                    if (masked && !visible(p, keep_row, row_a + rg * 16 + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1)))
-                        x = NEG_INF;
+                    const float x = s[rg][n][e] * sl2;
                     s[rg][n][e] = x;
                     mx[e >> 1] = fmaxf(mx[e >> 1], x);
                 }
@@ -988,39 +1004,51 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         }
 }
 
-// The backward kernels' shared steps. Rows of a query tile: lse * log2(e)
-// into Ls and delta into Es, for rows i0 .. i0 + R - 1 of head bh.
+// The backward kernels' shared steps. Rows of a query tile: lse into Ls and
+// delta into Es, for rows i0 .. i0 + R - 1 of head bh, as asynchronous copies
+// in the caller's group (zeros past the end: such rows are in masked tiles).
 template <int R>
 __device__ __forceinline__ void load_rows(float* Ls, float* Es, const float* __restrict__ lse,
                                           const float* __restrict__ delta, i64 bh, int i0, int s_q) {
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        const bool in = i0 + r < s_q;
-        Ls[r] = in ? lse[bh * s_q + i0 + r] * LOG2E : NEG_INF;
-        Es[r] = in ? delta[bh * s_q + i0 + r] : 0.f;
+    for (int r = threadIdx.x; r < 2 * R; r += blockDim.x) {
+        const int i = i0 + r % R;
+        const bool ok = i < s_q;
+        cp_async4((r < R ? Ls : Es) + r % R, (r < R ? lse : delta) + bh * s_q + (ok ? i : 0), ok);
     }
 }
 
-// From this thread's scores s (S^T: its keys key_a and key_a + 8 as rows, N
-// chunks of 8 queries from i0 as columns) and dp (dP^T), the probabilities
 // P^T (into s) and dS^T = P^T * (dP^T - delta) (into dp); masked entries and
-// rows that see no key give 0.
+// rows that see no key give 0. MASKED = false (a tile that hides no entry)
+// has no branches, so that the tile's exponentials overlap.
+template <int N, bool MASKED>
+__device__ __forceinline__ void probs_and_ds_tile(float (&s)[N][4], float (&dp)[N][4], const float* Ls,
+                                                  const float* Es, const Params& p, const u8* keep_row, int i0,
+                                                  int key_a, int t) {
+    const float sl2 = p.scale * LOG2E;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+        const float2 ls = *reinterpret_cast<const float2*>(Ls + n * 8 + 2 * t);
+        const float2 es = *reinterpret_cast<const float2*>(Es + n * 8 + 2 * t);
+        const float l2[2] = {-ls.x * LOG2E, -ls.y * LOG2E};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            // A row that sees no key (lse = -inf) is in a masked tile.
+            float pe = fast_exp2(fmaf(s[n][e], sl2, l2[e & 1]));
+            if (MASKED && !visible(p, keep_row, i0 + n * 8 + 2 * t + (e & 1), key_a + (e >> 1) * 8)) pe = 0.f;
+            s[n][e] = pe;
+            dp[n][e] = pe * (dp[n][e] - (e & 1 ? es.y : es.x));
+        }
+    }
+}
+
 template <int N>
 __device__ __forceinline__ void probs_and_ds(float (&s)[N][4], float (&dp)[N][4], const float* Ls, const float* Es,
                                              const Params& p, const u8* keep_row, bool masked, int i0, int key_a,
                                              int t) {
-    const float sl2 = p.scale * LOG2E;
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int qi = n * 8 + 2 * t + (e & 1);
-            const float ls = Ls[qi];
-            float pe = 0.f;
-            if (ls != NEG_INF && (!masked || visible(p, keep_row, i0 + qi, key_a + (e >> 1) * 8)))
-                pe = fast_exp2(s[n][e] * sl2 - ls);
-            s[n][e] = pe;
-            dp[n][e] = pe * (dp[n][e] - Es[qi]);
-        }
+    if (masked)
+        probs_and_ds_tile<N, true>(s, dp, Ls, Es, p, keep_row, i0, key_a, t);
+    else
+        probs_and_ds_tile<N, false>(s, dp, Ls, Es, p, keep_row, i0, key_a, t);
 }
 
 // Writes a warp's dK and dV (16 keys from key0, N column chunks of 8) of
@@ -1365,30 +1393,42 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) gk[n][e] = gv[n][e] = 0.f;
-    for (int it = 0; it < total; ++it) {
-        const int i0 = qstart + (it % nq) * WG;
+    // S^T = K Q^T, dP^T = V dO^T of query tile `it` (in buffer it & 1): B is
+    // Q (dO) as K-major [query][d]. Issued, not waited for.
+    float s[8][4], dp[8][4], gq[NC][4];
+    auto scores = [&](int it) {
         const E* Qs = Qb + (it & 1) * TILE_E;
         const E* Ds = Db + (it & 1) * TILE_E;
-        const float* Ls = Lb + (it & 1) * WG;
-        const float* Es = Eb + (it & 1) * WG;
-        if (it + 1 < total) fetch(it + 1, (it + 1) & 1);
-        cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();
-        // S^T = K Q^T, dP^T = V dO^T: B is Q (dO) as K-major [query][d].
-        float s[8][4], dp[8][4];
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<0>(s, ka[kk], wg_desc(Qs + kk * 16), kk);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<0>(dp, va[kk], wg_desc(Ds + kk * 16), kk);
         wg_commit();
+    };
+    auto add_dq = [&](int it) {
+        wg_pin(gq);
+        red_add_frags<NC>(dq_acc + head_of(it) * p.s_q * p.d, qstart + (it % nq) * WG + warp * 16, p.s_q,
+                          wg * NC * 8, p.d, gq, p.scale, lane);
+    };
+    if (total > 0) {
+        scores(0);
+        __syncthreads();
+        if (total > 1) fetch(1, 1);
+        cp_async_commit();
         wg_wait<0>();
+    }
+    for (int it = 0; it < total; ++it) {
+        const int i0 = qstart + (it % nq) * WG;
+        const E* Qs = Qb + (it & 1) * TILE_E;
+        const E* Ds = Db + (it & 1) * TILE_E;
         wg_pin(s);
         wg_pin(dp);
         const bool masked = p.has_keep || i0 < full_from || i0 + WG > p.s_q || jw + WG > p.s_k;
-        probs_and_ds<8>(s, dp, Ls, Es, p, keep_row, masked, i0, key_a, t);
+        probs_and_ds<8>(s, dp, Lb + (it & 1) * WG, Eb + (it & 1) * WG, p, keep_row, masked, i0, key_a, t);
         u32 pa[4][4], sa[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -1414,24 +1454,31 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(gv, pa[kk], wg_desc(Ds + kk * 16 * WG), 1);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(gk, sa[kk], wg_desc(Qs + kk * 16 * WG), 1);
-        wg_commit();
         fence_async_smem();
         __syncthreads();
         // dQ = dS K over the block's keys: A is dS^T as M-major [key][query],
         // B is K as N-major [key][d], this warpgroup's columns.
-        float gq[NC][4];
 #pragma unroll
         for (int kk = 0; kk < 4 * NW; ++kk)
             Wg<T>::template ss<1, 1>(gq, wg_desc(Ss + kk * 16 * WG), wg_desc(Ks + kk * 16 * WG + wg * NC * 8), kk);
         wg_commit();
-        wg_wait<0>();
-        wg_pin(gq);
-        wg_pin(gk);
-        wg_pin(gv);
-        red_add_frags<NC>(dq_acc + head_of(it) * p.s_q * p.d, i0 + warp * 16, p.s_q, wg * NC * 8, p.d, gq, p.scale,
-                          lane);
-        __syncthreads();
+        if (it + 1 < total) {
+            // The next tile's scores run while this tile's dQ is added.
+            scores(it + 1);
+            wg_wait<1>();
+            add_dq(it);
+            // Every warpgroup is done with buffer it & 1 and with Ss.
+            __syncthreads();
+            if (it + 2 < total) fetch(it + 2, it & 1);
+            cp_async_commit();
+            wg_wait<0>();
+        } else {
+            wg_wait<0>();
+            add_dq(it);
+        }
     }
+    wg_pin(gk);
+    wg_pin(gv);
     store_dkdv<T, 8>(gk, gv, dk, dv, dkv_acc, p, bkv, jw + warp * 16, lane);
 #else
     __trap();
