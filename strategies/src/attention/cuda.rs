@@ -15,12 +15,13 @@
 //!   kernel does the same.
 //!
 //! On Hopper (compute capability 9.0, where the source is compiled for
-//! `compute_90a` when NVRTC is 12.0 or newer) the 16-bit backward with head
-//! dimension up to 64 runs a warpgroup kernel instead (`wgmma.mma_async`: two
-//! warpgroups per 128-key tile, 64-query tiles, the key and value fragments
-//! held in registers, the tiles in shared memory with the 128-byte swizzle);
-//! it is as fast as the `mma.sync` one, the base for overlapping its steps.
-//! `OOMFIX_FLASH_WGMMA=0` runs the `mma.sync` one.
+//! `compute_90a` when NVRTC is 12.0 or newer) 16-bit attention with head
+//! dimension up to 64 runs warpgroup kernels instead (`wgmma.mma_async`, tiles
+//! in shared memory with the 128-byte swizzle): the forward on two warpgroups
+//! per 128-query tile with the query fragments in registers; the backward on
+//! two warpgroups per 128-key tile with the key and value fragments in
+//! registers, adding each query tile's dQ while the next tile's products run.
+//! `OOMFIX_FLASH_WGMMA=0` runs the `mma.sync` kernels.
 //!
 //! Their backward adds dQ up over key tiles with atomics into an f32
 //! `[b, heads, s_q, d]` buffer (the order of the additions varies from run to
@@ -97,7 +98,7 @@ struct DeviceInfo {
     arch: &'static str,
     /// Whether the tensor-core kernels run (compute capability 8.0 or newer).
     mma: bool,
-    /// Whether the warpgroup backward runs (compute capability 9.0).
+    /// Whether the warpgroup kernels run (compute capability 9.0).
     wgmma: bool,
     /// Largest dynamic shared memory a block may opt in to.
     max_smem: usize,
@@ -162,7 +163,7 @@ fn dtype_name(dtype: DType) -> candle_core::Result<&'static str> {
 #[derive(Debug, Clone, Copy)]
 struct Variant {
     mma: bool,
-    /// The warpgroup backward (16-bit, d <= 64, 16-byte loads).
+    /// The warpgroup forward and backward (16-bit, d <= 64, 16-byte loads).
     wgmma: bool,
     /// Head dimension the kernel is compiled for (64 or 128).
     d: usize,
@@ -187,7 +188,7 @@ impl Variant {
     }
 
     fn name(&self, kernel: &str) -> candle_core::Result<String> {
-        let family = match (self.mma, self.wgmma && kernel == "bwd") {
+        let family = match (self.mma, self.wgmma) {
             (_, true) => "wgmma",
             (true, false) => "mma",
             (false, false) => "simt",
@@ -200,8 +201,8 @@ impl Variant {
     }
 
     /// Threads per block.
-    fn threads(&self, kernel: &str) -> u32 {
-        if self.wgmma && kernel == "bwd" {
+    fn threads(&self) -> u32 {
+        if self.wgmma {
             256
         } else if self.mma {
             128
@@ -210,8 +211,9 @@ impl Variant {
         }
     }
 
-    /// Query rows of a forward block: the 16-bit tensor-core kernel with
-    /// d = 64 gives each warp two groups of 16 rows.
+    /// Query rows of a forward block: the 16-bit tensor-core kernels with
+    /// d = 64 give each warp two groups of 16 rows (`mma.sync`) or each of
+    /// two warpgroups 64 rows (`wgmma`).
     fn fwd_rows(&self) -> usize {
         if self.mma && self.d == 64 && self.dtype != DType::F32 {
             2 * TILE
@@ -243,7 +245,10 @@ impl Variant {
     /// Dynamic shared memory of `kernel` (`fwd`, `bwd`; SIMT: `dkdv`, `dq`), as `flash.cu` lays it out.
     fn smem(&self, kernel: &str) -> usize {
         let (d, t, inner) = (self.d, TILE, self.inner());
-        if self.wgmma && kernel == "bwd" {
+        if self.wgmma && kernel == "fwd" {
+            // Q, K (two), V (three), unpadded; 1024 bytes to align the tiles.
+            (self.fwd_rows() + 5 * TILE) * d * 2 + 1024
+        } else if self.wgmma {
             // K, V, dS^T; Q, dO (two each), unpadded; lse and delta rows (two
             // each); 1024 bytes to align the tiles.
             3 * self.bwd_keys() * d * 2 + 2 * 2 * inner * d * 2 + 2 * 2 * inner * 4 + 1024
@@ -292,7 +297,7 @@ impl Variant {
         .w()?;
         let cfg = LaunchConfig {
             grid_dim: grid,
-            block_dim: (self.threads(kernel), 1, 1),
+            block_dim: (self.threads(), 1, 1),
             shared_mem_bytes: smem as u32,
         };
         Ok((func, cfg))
@@ -446,6 +451,11 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             dims.d,
             &[ql.start_offset(), kl.start_offset(), vl.start_offset()],
         );
+        // The warpgroup kernels load their tiles 16 bytes at a time only.
+        let var = Variant {
+            wgmma: var.wgmma && vec == 1,
+            ..var
+        };
         let (qv, kv, vv) = (view::<T>(q, ql)?, view::<T>(k, kl)?, view::<T>(v, vl)?);
         let g = grid(dims.s_q, var.fwd_rows(), dims.heads, dims.b);
         let (func, cfg) = var.launch(dev, info, "fwd", g)?;
@@ -539,7 +549,6 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
                 gl.start_offset(),
             ],
         );
-        // The warpgroup kernel loads its tiles 16 bytes at a time only.
         let var = Variant {
             wgmma: var.wgmma && vec == 1,
             ..var

@@ -1314,6 +1314,15 @@ template <typename T> struct Wg;
                          : WG_D16(d)                                                                          \
                          : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));                                       \
         }                                                                                                     \
+        /* As ss, 64 columns.                                                                        */          \
+        template <int TA, int TB>                                                                             \
+        static __device__ __forceinline__ void ss64(float (&d)[8][4], unsigned long long a, unsigned long long b, int acc) { \
+            asm volatile("{ .reg .pred p; setp.ne.b32 p, %36, 0;\n"                                           \
+                         "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " WG_REGS32                 \
+                         ", %32, %33, p, 1, 1, %34, %35; }"                                                   \
+                         : WG_D32(d)                                                                          \
+                         : "l"(a), "l"(b), "n"(TA), "n"(TB), "r"(acc));                                       \
+        }                                                                                                     \
     };
 WG_POLICY(Bf16, "bf16")
 WG_POLICY(F16, "f16")
@@ -1485,6 +1494,148 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
 #endif
 }
 
+// The forward of one tile of 128 queries on two warpgroups (warpgroup w owns
+// queries 64w .. 64w + 63), as fwd_mma, on wgmma: S = Q K^T from shared
+// memory, O += P V with P from registers; tiles of 64 keys
+// (K double-, V triple-buffered, so that the next tiles load while this
+// one's P V runs) in swizzled shared memory.
+template <typename T>
+__device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                          T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p) {
+#if WGMMA_OK
+    typedef Frag<T> M;
+    typedef u16 E;
+    constexpr int NW = 2, BM = WG * NW, TILE_E = WG * WG;
+    extern __shared__ __align__(1024) unsigned char tc_smem[];
+    E* Qs = reinterpret_cast<E*>(tc_smem + ((1024 - (smem_addr(tc_smem) & 1023)) & 1023));  // [BM][64]
+    E* Kb = Qs + NW * TILE_E;  // two K tiles
+    E* Vb = Kb + 2 * TILE_E;   // three V tiles
+    const int bh = block_head();
+    const int tiles = (p.s_q + BM - 1) / BM;
+    const int i0 = (tiles - 1 - (int)blockIdx.x) * BM;
+    const int bb = bh / p.heads, h = bh % p.heads;
+    const int kvh = h / (p.heads / p.kv_heads);
+    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const E* kh = reinterpret_cast<const E*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const E* vh = reinterpret_cast<const E*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
+    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const float sl2 = p.scale * LOG2E;
+
+    const int last = min(i0 + BM, p.s_q) - 1;
+    const int kend = key_end(p, last);
+    load_swz<BM>(Qs, reinterpret_cast<const E*>(q) + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d);
+    if (kend > 0) {
+        load_swz<WG>(Kb, kh, 0, p.s_k, p.d);
+        load_swz<WG>(Vb, vh, 0, p.s_k, p.d);
+    }
+    cp_async_commit();
+    const E* Qw = Qs + wg * TILE_E;  // this warpgroup's queries
+    float acc[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+    // This thread's rows: row_a and row_a + 8.
+    const int row_a = i0 + wg * WG + warp * 16 + g;
+    // Key tiles from `full_end` on may hide keys from some rows of the block.
+    const int full_end = p.has_keep ? 0 : key_end(p, i0);
+    for (int j0 = 0, it = 0; j0 < kend; j0 += WG, ++it) {
+        const E* Ks = Kb + (it & 1) * TILE_E;
+        const E* Vs = Vb + (it % 3) * TILE_E;
+        // Tile `it` has arrived; every warpgroup is done with tile it - 1's K
+        // and tile it - 2's V, whose buffers the next tile takes.
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();
+        if (j0 + WG < kend) {
+            load_swz<WG>(Kb + ((it + 1) & 1) * TILE_E, kh, j0 + WG, p.s_k, p.d);
+            load_swz<WG>(Vb + ((it + 1) % 3) * TILE_E, vh, j0 + WG, p.s_k, p.d);
+        }
+        cp_async_commit();
+        // S = Q K^T: A is Q as K-major [query][d], B is K as K-major [key][d].
+        float s[8][4];
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            Wg<T>::template ss64<0, 0>(s, wg_desc(Qw + kk * 16), wg_desc(Ks + kk * 16), kk);
+        wg_commit();
+        wg_wait<0>();  // also the last tile's P V
+        wg_pin(s);
+        wg_pin(acc);
+        if (j0 + WG > full_end) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!visible(p, keep_row, row_a + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1))) s[n][e] = NEG_INF;
+        }
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] *= sl2;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            }
+        float m_use[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);
+            m_use[r] = m_new == NEG_INF ? 0.f : m_new;
+            const float alpha = fast_exp2(m[r] - m_use[r]);
+            m[r] = m_new;
+            l[r] *= alpha;
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                acc[n][2 * r] *= alpha;
+                acc[n][2 * r + 1] *= alpha;
+            }
+        }
+        u32 pa[4][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[n][e] = fast_exp2(s[n][e] - m_use[e >> 1]);
+                l[e >> 1] += s[n][e];
+            }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            typename M::A x;
+            M::pack_a(x, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pa[kk][r] = x.r[r];
+        }
+        // O += P V: B is V as N-major [key][d].
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(acc, pa[kk], wg_desc(Vs + kk * 16 * WG), 1);
+        wg_commit();
+        wg_wait<0>();
+        wg_pin(acc);
+    }
+    cp_async_wait<0>();  // Q's copy when no key is seen
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int i = row_a + r * 8;
+        if (i >= p.s_q) continue;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        T* orow = o + ((i64)bh * p.s_q + i) * p.d;
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+            store_pair<T>(orow, n * 8 + 2 * t, p.d, acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        if (t == 0) lse[(i64)bh * p.s_q + i] = sum > 0.f ? (m[r] + log2f(sum)) * LN2 : NEG_INF;
+    }
+#else
+    __trap();
+#endif
+}
+
 // dq = dq_acc in the output type (n elements).
 template <typename T>
 __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i64 n) {
@@ -1523,6 +1674,10 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
     }
 
 #define WGMMA_ENTRY(TN, T)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) flash_fwd_wgmma_##TN##_64(                               \
+        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p, int vec) {              \
+        fwd_wgmma<T>(q, k, v, o, lse, keep, p);                                                               \
+    }                                                                                                         \
     extern "C" __global__ void __launch_bounds__(256) flash_bwd_wgmma_##TN##_64(                               \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
         T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                                     \
