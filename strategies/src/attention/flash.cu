@@ -842,6 +842,81 @@ __device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, flo
     }
 }
 
+// The forward's masking, a pass of its own so that the softmax after it has
+// no branches: scores of a thread's two fragment rows (row_a, row_a + 8) and
+// keys j0 + 8n + 2t (+1) that the row may not see become -inf.
+__device__ __forceinline__ void mask_tile(float (&s)[8][4], const Params& p, const u8* keep_row, int row_a, int j0,
+                                          int t) {
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (!visible(p, keep_row, row_a + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1))) s[n][e] = NEG_INF;
+}
+
+// One key tile's step of the online softmax for a thread's two fragment rows
+// (g and g + 8 of its 16): the scores s (-inf where masked) are scaled by
+// sl2 = scale * log2(e) and become the tile's unnormalised probabilities; the
+// running max m and sum l are updated and the output accumulator acc is
+// rescaled to the new max.
+template <int NO>
+__device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NO][4], float (&m)[2], float (&l)[2],
+                                             float sl2) {
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[n][e] *= sl2;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+        }
+    float m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float m_new = fmaxf(m[r], mx[r]);
+        m_use[r] = m_new == NEG_INF ? 0.f : m_new;
+        const float alpha = fast_exp2(m[r] - m_use[r]);
+        m[r] = m_new;
+        l[r] *= alpha;
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            acc[n][2 * r] *= alpha;
+            acc[n][2 * r + 1] *= alpha;
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[n][e] = fast_exp2(s[n][e] - m_use[e >> 1]);
+            l[e >> 1] += s[n][e];
+        }
+}
+
+// Writes a thread's two output rows (row_a and row_a + 8 of head bh: acc over
+// the row sums of l, whose other parts lanes t ^ 1 and t ^ 2 hold) and their
+// log-sum-exp (zeros and -inf for a row that sees no key).
+template <typename T, int NO>
+__device__ __forceinline__ void store_rows(const float (&acc)[NO][4], const float (&m)[2], const float (&l)[2], T* o,
+                                           float* lse, const Params& p, i64 bh, int row_a, int t) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = l[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const int i = row_a + r * 8;
+        if (i >= p.s_q) continue;
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        T* orow = o + (bh * p.s_q + i) * p.d;
+#pragma unroll
+        for (int n = 0; n < NO; ++n)
+            store_pair<T>(orow, n * 8 + 2 * t, p.d, acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
+        if (t == 0) lse[bh * p.s_q + i] = sum > 0.f ? (m[r] + log2f(sum)) * LN2 : NEG_INF;
+    }
+}
+
 // The forward of one tile of 64 * RG queries: warp w owns rows
 // 16 * RG * w .. 16 * RG * (w + 1) - 1 as RG groups of 16, which share every
 // key and value fragment loaded from shared memory.
@@ -924,53 +999,12 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                 for (int rg = 0; rg < RG; ++rg) M::mma2(s[rg][2 * np], s[rg][2 * np + 1], qa[rg][kk], b);
             }
         }
-        // Masking apart, so that the softmax below has no branches.
         if (j0 + MB > full_end) {
 #pragma unroll
-            for (int rg = 0; rg < RG; ++rg)
-#pragma unroll
-                for (int n = 0; n < 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!visible(p, keep_row, row_a + rg * 16 + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1)))
-                            s[rg][n][e] = NEG_INF;
+            for (int rg = 0; rg < RG; ++rg) mask_tile(s[rg], p, keep_row, row_a + rg * 16, j0, t);
         }
 #pragma unroll
-        for (int rg = 0; rg < RG; ++rg) {
-            float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float x = s[rg][n][e] * sl2;
-                    s[rg][n][e] = x;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
-                }
-            float m_use[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float m_new = fmaxf(m[rg][r], mx[r]);
-                m_use[r] = m_new == NEG_INF ? 0.f : m_new;
-                const float alpha = fast_exp2(m[rg][r] - m_use[r]);
-                m[rg][r] = m_new;
-                l[rg][r] *= alpha;
-#pragma unroll
-                for (int n = 0; n < NO; ++n) {
-                    acc[rg][n][2 * r] *= alpha;
-                    acc[rg][n][2 * r + 1] *= alpha;
-                }
-            }
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float x = fast_exp2(s[rg][n][e] - m_use[e >> 1]);
-                    s[rg][n][e] = x;
-                    l[rg][e >> 1] += x;
-                }
-        }
+        for (int rg = 0; rg < RG; ++rg) softmax_tile<NO>(s[rg], acc[rg], m[rg], l[rg], sl2);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             typename M::A pa[RG];
@@ -987,21 +1021,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         __syncthreads();
     }
 #pragma unroll
-    for (int rg = 0; rg < RG; ++rg)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float sum = l[rg][r];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const int i = row_a + rg * 16 + r * 8;
-            if (i >= p.s_q) continue;
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            T* orow = o + ((i64)bh * p.s_q + i) * p.d;
-#pragma unroll
-            for (int n = 0; n < NO; ++n)
-                store_pair<T>(orow, n * 8 + 2 * t, p.d, acc[rg][n][2 * r] * inv, acc[rg][n][2 * r + 1] * inv);
-            if (t == 0) lse[(i64)bh * p.s_q + i] = sum > 0.f ? (m[rg][r] + log2f(sum)) * LN2 : NEG_INF;
-        }
+    for (int rg = 0; rg < RG; ++rg) store_rows<T, NO>(acc[rg], m[rg], l[rg], o, lse, p, bh, row_a + rg * 16, t);
 }
 
 // The backward kernels' shared steps. Rows of a query tile: lse into Ls and
@@ -1562,45 +1582,9 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         wg_wait<0>();  // also the last tile's P V
         wg_pin(s);
         wg_pin(acc);
-        if (j0 + WG > full_end) {
-#pragma unroll
-            for (int n = 0; n < 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!visible(p, keep_row, row_a + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1))) s[n][e] = NEG_INF;
-        }
-        float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] *= sl2;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-            }
-        float m_use[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m[r], mx[r]);
-            m_use[r] = m_new == NEG_INF ? 0.f : m_new;
-            const float alpha = fast_exp2(m[r] - m_use[r]);
-            m[r] = m_new;
-            l[r] *= alpha;
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-                acc[n][2 * r] *= alpha;
-                acc[n][2 * r + 1] *= alpha;
-            }
-        }
+        if (j0 + WG > full_end) mask_tile(s, p, keep_row, row_a, j0, t);
+        softmax_tile<8>(s, acc, m, l, sl2);
         u32 pa[4][4];
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[n][e] = fast_exp2(s[n][e] - m_use[e >> 1]);
-                l[e >> 1] += s[n][e];
-            }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             typename M::A x;
@@ -1617,20 +1601,7 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         wg_pin(acc);
     }
     cp_async_wait<0>();  // Q's copy when no key is seen
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int i = row_a + r * 8;
-        if (i >= p.s_q) continue;
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        T* orow = o + ((i64)bh * p.s_q + i) * p.d;
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-            store_pair<T>(orow, n * 8 + 2 * t, p.d, acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if (t == 0) lse[(i64)bh * p.s_q + i] = sum > 0.f ? (m[r] + log2f(sum)) * LN2 : NEG_INF;
-    }
+    store_rows<T, 8>(acc, m, l, o, lse, p, bh, row_a, t);
 #else
     __trap();
 #endif
