@@ -22,6 +22,8 @@
 //! two warpgroups per 128-key tile with the key and value fragments in
 //! registers, adding each query tile's dQ while the next tile's products run.
 //! `OOMFIX_FLASH_WGMMA=0` runs the `mma.sync` kernels.
+//! `OOMFIX_FLASH_SOURCE=path` compiles that file instead of the built-in
+//! `flash.cu` (kernel development: variants side by side in one run).
 //!
 //! Their backward adds dQ up over key tiles with atomics into an f32
 //! `[b, heads, s_q, d]` buffer (the order of the additions varies from run to
@@ -78,18 +80,31 @@ struct KernelParams {
 // kernel's `struct Params`.
 unsafe impl DeviceRepr for KernelParams {}
 
-/// The PTX of [`SOURCE`], compiled on first use for `arch`.
+/// The PTX of [`SOURCE`], compiled on first use for `arch`; for kernel
+/// development, of the file `OOMFIX_FLASH_SOURCE` names instead (same entry
+/// points and parameters), so that variants of the kernels run without a
+/// rebuild.
 fn ptx(arch: &'static str) -> candle_core::Result<&'static str> {
-    static PTX: OnceLock<Result<String, CompileError>> = OnceLock::new();
+    static PTX: OnceLock<Result<String, String>> = OnceLock::new();
     let compiled = PTX.get_or_init(|| {
+        let source = match std::env::var_os("OOMFIX_FLASH_SOURCE") {
+            Some(path) => std::fs::read_to_string(&path)
+                .map_err(|e| format!("OOMFIX_FLASH_SOURCE={}: {e}", path.to_string_lossy()))?,
+            None => SOURCE.to_owned(),
+        };
         let options = CompileOptions {
             arch: Some(arch),
             name: Some("oomfix_flash.cu".into()),
             ..Default::default()
         };
-        crate::cuda::compile(SOURCE, options)
+        crate::cuda::compile(&source, options).map_err(|e| match e {
+            CompileError::CompileError { log, .. } => format!("NVRTC:\n{}", log.to_string_lossy()),
+            other => format!("{other:?}"),
+        })
     });
-    compiled.as_deref().map_err(|e| e.clone()).w()
+    compiled
+        .as_deref()
+        .map_err(|e| candle_core::Error::Msg(format!("flash_attention kernels: {e}")))
 }
 
 /// What the launches need to know about the device.
