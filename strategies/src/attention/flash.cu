@@ -230,6 +230,39 @@ __device__ void fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const
 }
 
 // dK and dV of one key tile: a thread owns keys ty*4 .. ty*4+3 of the tile.
+// The SIMT backward's two products for a thread's 4 x 4 block of a pair of
+// 64 x 64 tiles: s = A1 B1^T and dp = A2 B2^T over rows ty * 4 + a of A1, A2
+// and rows tx + 16 b of B1, B2 (row-major f32 tiles, rows of LD, D columns).
+template <int D, int LD>
+__device__ __forceinline__ void products2(float (&s)[4][4], float (&dp)[4][4], const float* A1, const float* A2,
+                                          const float* B1, const float* B2, int ty, int tx) {
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) s[a][b] = dp[a][b] = 0.f;
+#pragma unroll 4
+    for (int kk = 0; kk < D; ++kk) {
+        float a1[4], a2[4], b1[4], b2[4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            a1[a] = A1[(ty * 4 + a) * LD + kk];
+            a2[a] = A2[(ty * 4 + a) * LD + kk];
+        }
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            b1[b] = B1[(tx + 16 * b) * LD + kk];
+            b2[b] = B2[(tx + 16 * b) * LD + kk];
+        }
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                s[a][b] += a1[a] * b1[b];
+                dp[a][b] += a2[a] * b2[b];
+            }
+    }
+}
+
 template <typename T, int D>
 __device__ void dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                           const T* __restrict__ dout, const float* __restrict__ lse,
@@ -275,31 +308,7 @@ __device__ void dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, cons
             }
             __syncthreads();
             float s[4][4], dp[4][4];
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int b = 0; b < 4; ++b) s[a][b] = dp[a][b] = 0.f;
-#pragma unroll 4
-            for (int kk = 0; kk < D; ++kk) {
-                float kv[4], vv[4], qv[4], dv_[4];
-#pragma unroll
-                for (int a = 0; a < 4; ++a) {
-                    kv[a] = Ks[(ty * 4 + a) * LD + kk];
-                    vv[a] = Vs[(ty * 4 + a) * LD + kk];
-                }
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    qv[b] = Qs[(tx + 16 * b) * LD + kk];
-                    dv_[b] = Ds[(tx + 16 * b) * LD + kk];
-                }
-#pragma unroll
-                for (int a = 0; a < 4; ++a)
-#pragma unroll
-                    for (int b = 0; b < 4; ++b) {
-                        s[a][b] += kv[a] * qv[b];
-                        dp[a][b] += vv[a] * dv_[b];
-                    }
-            }
+            products2<D, D + SPAD>(s, dp, Ks, Vs, Qs, Ds, ty, tx);  // S^T, dP^T
 #pragma unroll
             for (int a = 0; a < 4; ++a) {
                 const int j = j0 + ty * 4 + a;
@@ -391,31 +400,7 @@ __device__ void dq_simt(const T* __restrict__ q, const T* __restrict__ k, const 
         load_tile_f32<T, D>(Vs, vh, j0, p.s_k, p.d, 1.f);
         __syncthreads();
         float s[4][4], dp[4][4];
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-#pragma unroll
-            for (int b = 0; b < 4; ++b) s[a][b] = dp[a][b] = 0.f;
-#pragma unroll 4
-        for (int kk = 0; kk < D; ++kk) {
-            float qv[4], dv_[4], kv[4], vv[4];
-#pragma unroll
-            for (int a = 0; a < 4; ++a) {
-                qv[a] = Qs[(ty * 4 + a) * LD + kk];
-                dv_[a] = Ds[(ty * 4 + a) * LD + kk];
-            }
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                kv[b] = Ks[(tx + 16 * b) * LD + kk];
-                vv[b] = Vs[(tx + 16 * b) * LD + kk];
-            }
-#pragma unroll
-            for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int b = 0; b < 4; ++b) {
-                    s[a][b] += qv[a] * kv[b];
-                    dp[a][b] += dv_[a] * vv[b];
-                }
-        }
+        products2<D, D + SPAD>(s, dp, Qs, Ds, Ks, Vs, ty, tx);  // S, dP
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
             const int i = i0 + ty * 4 + a;
