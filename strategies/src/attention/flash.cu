@@ -512,54 +512,36 @@ template <int LD> __device__ __forceinline__ int lm_off(int lane) {
 
 __device__ __forceinline__ u32 lds32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
 
+// The 16-bit types' m16n8k16 product (f32 accumulation) and packing.
 template <typename T> struct Cvt16;
-template <> struct Cvt16<Bf16> {
-    static __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#define CVT16_POLICY(T, TY)                                                                                   \
+    template <> struct Cvt16<T> {                                                                             \
+        static __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {               \
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, "             \
+                         "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"                                               \
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                       \
+        }                                                                                                     \
+        /* Two f32 values as one register of two 16-bit values (lo in the low half). */                       \
+        static __device__ __forceinline__ u32 pack(float lo, float hi) {                                      \
+            u32 r;                                                                                            \
+            asm("cvt.rn." TY "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));                               \
+            return r;                                                                                         \
+        }                                                                                                     \
+    };
 #else
-        __trap();
+#define CVT16_POLICY(T, TY)                                                                                   \
+    template <> struct Cvt16<T> {                                                                             \
+        static __device__ __forceinline__ void mma(float*, const u32*, u32, u32) { __trap(); }                \
+        static __device__ __forceinline__ u32 pack(float, float) {                                            \
+            __trap();                                                                                         \
+            return 0;                                                                                         \
+        }                                                                                                     \
+    };
 #endif
-    }
-    // Two f32 values as one register of two bf16 (lo in the low half).
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        u32 r;
-#if __CUDA_ARCH__ >= 800
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-        r = 0;
-        __trap();
-#endif
-        return r;
-    }
-};
-template <> struct Cvt16<F16> {
-    static __device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
-#if __CUDA_ARCH__ >= 800
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-        __trap();
-#endif
-    }
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        u32 r;
-#if __CUDA_ARCH__ >= 800
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-        r = 0;
-        __trap();
-#endif
-        return r;
-    }
-};
+CVT16_POLICY(Bf16, "bf16")
+CVT16_POLICY(F16, "f16")
 
 // The fragment policy of the tensor-core kernels. Every 16 x 16 block is
 // addressed by a pointer to its first element in a tile of row stride LD:
