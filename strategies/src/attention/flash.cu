@@ -117,6 +117,24 @@ __device__ __forceinline__ void load_tile_f32(float* tile, const T* src, int r0,
     }
 }
 
+// acc[a][c] += sum over j of P[ty * 4 + a][j] B[j][tx + 16 c] for a thread's
+// rows of a 64-row tile P (rows of PLD) and columns of B (64 rows of LD).
+template <int NC, int LD, int PLD>
+__device__ __forceinline__ void product_add(float (&acc)[4][NC], const float* P, const float* B, int ty, int tx) {
+#pragma unroll 4
+    for (int j = 0; j < SB; ++j) {
+        float bv[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) bv[c] = B[j * LD + tx + 16 * c];
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const float pe = P[(ty * 4 + a) * PLD + j];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) acc[a][c] += pe * bv[c];
+        }
+    }
+}
+
 template <typename T, int D>
 __device__ void fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                          T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p) {
@@ -198,18 +216,7 @@ __device__ void fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const
             for (int c = 0; c < NC; ++c) acc[a][c] *= alpha;
         }
         __syncthreads();
-#pragma unroll 4
-        for (int jk = 0; jk < SB; ++jk) {
-            float vv[NC];
-#pragma unroll
-            for (int c = 0; c < NC; ++c) vv[c] = Vs[jk * LD + tx + 16 * c];
-#pragma unroll
-            for (int a = 0; a < 4; ++a) {
-                const float pe = Ps[(ty * 4 + a) * PLD + jk];
-#pragma unroll
-                for (int c = 0; c < NC; ++c) acc[a][c] += pe * vv[c];
-            }
-        }
+        product_add<NC, LD, PLD>(acc, Ps, Vs, ty, tx);
     }
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
@@ -413,18 +420,7 @@ __device__ void dq_simt(const T* __restrict__ q, const T* __restrict__ k, const 
             }
         }
         __syncthreads();
-#pragma unroll 4
-        for (int jk = 0; jk < SB; ++jk) {
-            float kv[NC];
-#pragma unroll
-            for (int c = 0; c < NC; ++c) kv[c] = Ks[jk * LD + tx + 16 * c];
-#pragma unroll
-            for (int a = 0; a < 4; ++a) {
-                const float se = Ss[(ty * 4 + a) * PLD + jk];
-#pragma unroll
-                for (int c = 0; c < NC; ++c) gq[a][c] += se * kv[c];
-            }
-        }
+        product_add<NC, LD, PLD>(gq, Ss, Ks, ty, tx);
     }
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
