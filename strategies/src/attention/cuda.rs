@@ -17,10 +17,11 @@
 //! On Hopper (compute capability 9.0, where the source is compiled for
 //! `compute_90a` when NVRTC is 12.0 or newer) 16-bit attention with head
 //! dimension up to 64 runs warpgroup kernels instead (`wgmma.mma_async`, tiles
-//! in shared memory with the 128-byte swizzle): the forward on two warpgroups
-//! per 128-query tile with the query fragments in registers; the backward on
-//! two warpgroups per 128-key tile with the key and value fragments in
-//! registers, adding each query tile's dQ while the next tile's products run.
+//! in shared memory with the 128-byte swizzle): the forward on two
+//! warpgroups per 128-query tile (S = Q·Kᵀ from shared memory, P from
+//! registers); the backward on two warpgroups per 128-key tile with the key
+//! and value fragments in registers, adding each query tile's dQ while the
+//! next tile's products run.
 //! `OOMFIX_FLASH_WGMMA=0` runs the `mma.sync` kernels.
 //! `OOMFIX_FLASH_SOURCE=path` compiles that file instead of the built-in
 //! `flash.cu` (kernel development: variants side by side in one run).
