@@ -1408,8 +1408,7 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     };
     if (total > 0) {
         scores(0);
-        __syncthreads();
-        if (total > 1) fetch(1, 1);
+        if (total > 1) fetch(1, 1);  // buffer 1 is not read before scores(1)
         cp_async_commit();
         wg_wait<0>();
     }
