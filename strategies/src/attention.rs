@@ -98,7 +98,8 @@ pub struct AttentionOptions {
     /// the queries are the last `s_q` positions; with `s_q == s_k` it is the usual
     /// lower triangle).
     pub causal: bool,
-    /// Factor applied to `q·kᵀ`; `None` means `1 / sqrt(d)`.
+    /// Factor applied to `q·kᵀ`, positive and finite (the kernels take row
+    /// maxima before scaling); `None` means `1 / sqrt(d)`.
     pub scale: Option<f32>,
     /// Key padding mask of shape `[b, s_k]`, any dtype: non-zero keeps a key,
     /// zero masks it out for every query and head of that batch row.
@@ -125,8 +126,8 @@ pub fn flash_attention(
 ) -> candle_core::Result<Tensor> {
     let dims = Dims::of(q, k, v)?;
     let scale = opts.scale.unwrap_or(1.0 / (dims.d as f32).sqrt());
-    if !scale.is_finite() {
-        bail!("flash_attention: scale must be finite, got {scale}");
+    if !(scale.is_finite() && scale > 0.0) {
+        bail!("flash_attention: scale must be positive and finite, got {scale}");
     }
     let (keep, keep_device) = match &opts.key_padding {
         Some(mask) if q.device().is_cuda() => {

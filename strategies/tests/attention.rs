@@ -403,11 +403,16 @@ fn invalid_inputs_are_errors() {
         ..Default::default()
     };
     assert!(flash_attention(&q, &k, &k, &bad_mask).is_err());
-    let bad_scale = AttentionOptions {
-        scale: Some(f32::NAN),
-        ..Default::default()
-    };
-    assert!(flash_attention(&q, &k, &k, &bad_scale).is_err());
+    for scale in [f32::NAN, f32::INFINITY, 0.0, -0.5] {
+        let bad_scale = AttentionOptions {
+            scale: Some(scale),
+            ..Default::default()
+        };
+        assert!(
+            flash_attention(&q, &k, &k, &bad_scale).is_err(),
+            "scale {scale}"
+        );
+    }
     // the valid call works
     assert!(flash_attention(&q, &k, &k, &opts).is_ok());
 }

@@ -756,10 +756,10 @@ __device__ __forceinline__ void load_tile(E* tile, const E* src, int r0, int row
 
 // dst[0..3] += (a, b, c, d) in global memory, atomically; `left` columns
 // remain in the row from dst on (one vector reduction when all four are in
-// and dst is 16-byte aligned).
-__device__ __forceinline__ void red_add4(float* dst, int left, float a, float b, float c, float d) {
+// and `vec`: dst 16-byte aligned).
+__device__ __forceinline__ void red_add4(float* dst, int left, bool vec, float a, float b, float c, float d) {
 #if __CUDA_ARCH__ >= 900
-    if (left >= 4 && (reinterpret_cast<size_t>(dst) & 15) == 0) {
+    if (vec && left >= 4) {
         asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
                      : "memory");
         return;
@@ -779,15 +779,24 @@ template <int N>
 __device__ __forceinline__ void red_add_frags(float* acc, int row0, int rows, int col0, int d,
                                               const float frags[N][4], float mul, int lane) {
     const int g = lane / 4, t = lane % 4, r = t & 1, i = row0 + g + r * 8;
+    float x[N][4];
 #pragma unroll
     for (int n = 0; n < N; ++n) {
         const float x0 = frags[n][0] * mul, x1 = frags[n][1] * mul;
         const float x2 = frags[n][2] * mul, x3 = frags[n][3] * mul;
         const float y0 = __shfl_xor_sync(0xffffffffu, r ? x0 : x2, 1);
         const float y1 = __shfl_xor_sync(0xffffffffu, r ? x1 : x3, 1);
-        const int c = col0 + n * 8 + 2 * (t & ~1);
-        if (i < rows) red_add4(acc + (i64)i * d + c, d - c, r ? y0 : x0, r ? y1 : x1, r ? x2 : y0, r ? x3 : y1);
+        x[n][0] = r ? y0 : x0;
+        x[n][1] = r ? y1 : x1;
+        x[n][2] = r ? x2 : y0;
+        x[n][3] = r ? x3 : y1;
     }
+    if (i >= rows) return;
+    const int c0 = col0 + 2 * (t & ~1);
+    float* row = acc + (i64)i * d + c0;
+    const bool vec = (reinterpret_cast<size_t>(row) & 15) == 0 && (d & 3) == 0;
+#pragma unroll
+    for (int n = 0; n < N; ++n) red_add4(row + n * 8, d - c0 - n * 8, vec, x[n][0], x[n][1], x[n][2], x[n][3]);
 }
 
 // Stores a row-major fragment row (two values at columns col, col+1) of a [.., d] matrix.
@@ -819,7 +828,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[8][4], const Params& p, con
 
 // One key tile's step of the online softmax for a thread's two fragment rows
 // (g and g + 8 of its 16): the scores s (-inf where masked) are scaled by
-// sl2 = scale * log2(e) and become the tile's unnormalised probabilities; the
+// sl2 = scale * log2(e) > 0 and become the tile's unnormalised probabilities; the
 // running max m and sum l are updated and the output accumulator acc is
 // rescaled to the new max.
 template <int NO>
@@ -829,16 +838,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NO][
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[n][e] *= sl2;
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-        }
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
     float m_use[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m[r], mx[r]);
+        const float m_new = fmaxf(m[r], mx[r] * sl2);  // sl2 > 0
         m_use[r] = m_new == NEG_INF ? 0.f : m_new;
         const float alpha = fast_exp2(m[r] - m_use[r]);
         m[r] = m_new;
@@ -853,7 +859,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NO][
     for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[n][e] = fast_exp2(s[n][e] - m_use[e >> 1]);
+            s[n][e] = fast_exp2(fmaf(s[n][e], sl2, -m_use[e >> 1]));
             l[e >> 1] += s[n][e];
         }
 }
@@ -987,6 +993,16 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     for (int rg = 0; rg < RG; ++rg) store_rows<T, NO>(acc[rg], m[rg], l[rg], o, lse, p, bh, row_a + rg * 16, t);
 }
 
+// The backward kernels' walk over query tiles: tile `it` of a block's
+// sequence is tile it % nq of query head it / nq of the block's share of the
+// group (no division without grouped-query heads): that head's index in the
+// share, and the tile's first row (tiles of R rows from qstart).
+template <int R>
+__device__ __forceinline__ int2 query_tile(int it, int nq, int share, int qstart) {
+    const int h = share == 1 ? 0 : it / nq;
+    return make_int2(h, qstart + (it - h * nq) * R);
+}
+
 // The backward kernels' shared steps. Rows of a query tile: lse into Ls and
 // delta into Es, for rows i0 .. i0 + R - 1 of head bh, as asynchronous copies
 // in the caller's group (zeros past the end: such rows are in masked tiles).
@@ -1111,10 +1127,10 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     // next tiles are fetched while the current ones are used.
     const int nq = qstart < p.s_q ? (p.s_q - qstart + BQ - 1) / BQ : 0;
     const int total = share * nq;
-    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + part * share + it / nq; };
+    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + part * share + query_tile<BQ>(it, nq, share, qstart).x; };
     auto fetch = [&](int it, int buf) {
         const i64 bh = head_of(it);
-        const int i0 = qstart + (it % nq) * BQ;
+        const int i0 = query_tile<BQ>(it, nq, share, qstart).y;
         load_tile<BQ, D>(Qb + buf * BQ * LD, reinterpret_cast<const E*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d, vec);
         load_tile<BQ, D>(Db + buf * BQ * LD, reinterpret_cast<const E*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d,
                          vec);
@@ -1124,7 +1140,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     cp_async_commit();
     const int qg = warp % QW, dg = warp / QW;
     for (int it = 0; it < total; ++it) {
-        const int i0 = qstart + (it % nq) * BQ;
+        const int i0 = query_tile<BQ>(it, nq, share, qstart).y;
         const E* Qs = Qb + (it & 1) * BQ * LD;
         const E* Ds = Db + (it & 1) * BQ * LD;
         const float* Ls = Lb + (it & 1) * BQ;
@@ -1215,15 +1231,24 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
 // Element index of (r, c) in a swizzled tile of 64-element rows.
 __device__ __forceinline__ int swz(int r, int c) { return (r << 6) + (((c >> 3) ^ (r & 7)) << 3) + (c & 7); }
 
+#define WG_THREADS 256  // threads of a warpgroup kernel's block
+
 // Loads rows r0 .. r0+R-1 (columns 0 .. 63) of a row-major [rows, d] matrix
 // into a swizzled [R][64] tile with asynchronous 16-byte copies, zero outside
-// (d % 8 == 0).
+// (d % 8 == 0). Thread x copies chunk x % 8 of rows x / 8, x / 8 + 32, ...:
+// the same swizzled column in each.
 template <int R, typename E>
 __device__ __forceinline__ void load_swz(E* tile, const E* src, int r0, int rows, int d) {
-    for (int idx = threadIdx.x; idx < R * 8; idx += blockDim.x) {
-        const int r = idx >> 3, cc = idx & 7, c = cc * 8;
-        const bool ok = r0 + r < rows && c < d;
-        cp_async16(tile + (r << 6) + ((cc ^ (r & 7)) << 3), ok ? src + (i64)(r0 + r) * d + c : src, ok);
+    constexpr int STEP = WG_THREADS / 8;
+    static_assert(R % STEP == 0 && STEP % 8 == 0, "rows per pass");
+    const int r = threadIdx.x / 8, cc = threadIdx.x % 8, c = cc * 8;
+    E* dst = tile + (r << 6) + ((cc ^ (r & 7)) << 3);
+    src += (i64)r0 * d + c;
+#pragma unroll
+    for (int k = 0; k < R / STEP; ++k) {
+        const int rr = r + k * STEP;
+        const bool ok = r0 + rr < rows && c < d;
+        cp_async16(dst + k * STEP * 64, ok ? src + rr * d : src, ok);
     }
 }
 
@@ -1236,6 +1261,11 @@ __device__ __forceinline__ void load_swz(E* tile, const E* src, int r0, int rows
 __device__ __forceinline__ unsigned long long wg_desc(const void* p) {
     return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
+// The descriptor of the operand `e` 16-bit elements on from the one that d
+// describes, in the same tile (the start address is in 16-byte units in the
+// low bits, which the tile's offsets never carry out of): computed once per
+// tile, a descriptor then costs one addition per wgmma.
+__device__ __forceinline__ unsigned long long wg_at(unsigned long long d, int e) { return d + (unsigned)(e >> 3); }
 
 __device__ __forceinline__ void wg_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -1354,10 +1384,10 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     const int full_from = first_query(p, jw + WG - 1);
     const int nq = qstart < p.s_q ? (p.s_q - qstart + WG - 1) / WG : 0;
     const int total = share * nq;
-    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + part * share + it / nq; };
+    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + part * share + query_tile<WG>(it, nq, share, qstart).x; };
     auto fetch = [&](int it, int buf) {
         const i64 bh = head_of(it);
-        const int i0 = qstart + (it % nq) * WG;
+        const int i0 = query_tile<WG>(it, nq, share, qstart).y;
         load_swz<WG>(Qb + buf * TILE_E, reinterpret_cast<const E*>(q) + bh * p.s_q * p.d, i0, p.s_q, p.d);
         load_swz<WG>(Db + buf * TILE_E, reinterpret_cast<const E*>(dout) + bh * p.s_q * p.d, i0, p.s_q, p.d);
         load_rows<WG>(Lb + buf * WG, Eb + buf * WG, lse, delta, bh, i0, p.s_q);
@@ -1388,22 +1418,22 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     // S^T = K Q^T, dP^T = V dO^T of query tile `it` (in buffer it & 1): B is
     // Q (dO) as K-major [query][d]. Issued, not waited for.
     float s[8][4], dp[8][4], gq[NC][4];
+    const unsigned long long q_desc = wg_desc(Qb), do_desc = wg_desc(Db), k_desc = wg_desc(Ks), ds_desc = wg_desc(Ss);
     auto scores = [&](int it) {
-        const E* Qs = Qb + (it & 1) * TILE_E;
-        const E* Ds = Db + (it & 1) * TILE_E;
+        const unsigned long long qd = wg_at(q_desc, (it & 1) * TILE_E), dd = wg_at(do_desc, (it & 1) * TILE_E);
         cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<0>(s, ka[kk], wg_desc(Qs + kk * 16), kk);
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<0>(s, ka[kk], wg_at(qd, kk * 16), kk);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<0>(dp, va[kk], wg_desc(Ds + kk * 16), kk);
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<0>(dp, va[kk], wg_at(dd, kk * 16), kk);
         wg_commit();
     };
     auto add_dq = [&](int it) {
         wg_pin(gq);
-        red_add_frags<NC>(dq_acc + head_of(it) * p.s_q * p.d, qstart + (it % nq) * WG + warp * 16, p.s_q,
+        red_add_frags<NC>(dq_acc + head_of(it) * p.s_q * p.d, query_tile<WG>(it, nq, share, qstart).y + warp * 16, p.s_q,
                           wg * NC * 8, p.d, gq, p.scale, lane);
     };
     if (total > 0) {
@@ -1413,9 +1443,8 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         wg_wait<0>();
     }
     for (int it = 0; it < total; ++it) {
-        const int i0 = qstart + (it % nq) * WG;
-        const E* Qs = Qb + (it & 1) * TILE_E;
-        const E* Ds = Db + (it & 1) * TILE_E;
+        const int i0 = query_tile<WG>(it, nq, share, qstart).y;
+        const unsigned long long qd = wg_at(q_desc, (it & 1) * TILE_E), dd = wg_at(do_desc, (it & 1) * TILE_E);
         wg_pin(s);
         wg_pin(dp);
         const bool masked = p.has_keep || i0 < full_from || i0 + WG > p.s_q || jw + WG > p.s_k;
@@ -1442,16 +1471,16 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         wg_pin(gv);
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(gv, pa[kk], wg_desc(Ds + kk * 16 * WG), 1);
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(gv, pa[kk], wg_at(dd, kk * 16 * WG), 1);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(gk, sa[kk], wg_desc(Qs + kk * 16 * WG), 1);
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(gk, sa[kk], wg_at(qd, kk * 16 * WG), 1);
         fence_async_smem();
         __syncthreads();
         // dQ = dS K over the block's keys: A is dS^T as M-major [key][query],
         // B is K as N-major [key][d], this warpgroup's columns.
 #pragma unroll
         for (int kk = 0; kk < 4 * NW; ++kk)
-            Wg<T>::template ss<1, 1>(gq, wg_desc(Ss + kk * 16 * WG), wg_desc(Ks + kk * 16 * WG + wg * NC * 8), kk);
+            Wg<T>::template ss<1, 1>(gq, wg_at(ds_desc, kk * 16 * WG), wg_at(k_desc, kk * 16 * WG + wg * NC * 8), kk);
         wg_commit();
         if (it + 1 < total) {
             // The next tile's scores run while this tile's dQ is added.
@@ -1512,7 +1541,8 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         load_swz<WG>(Vb, vh, 0, p.s_k, p.d);
     }
     cp_async_commit();
-    const E* Qw = Qs + wg * TILE_E;  // this warpgroup's queries
+    const unsigned long long q_desc = wg_desc(Qs + wg * TILE_E);  // this warpgroup's queries
+    const unsigned long long k_desc = wg_desc(Kb), v_desc = wg_desc(Vb);
     float acc[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -1522,8 +1552,7 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     // Key tiles from `full_end` on may hide keys from some rows of the block.
     const int full_end = p.has_keep ? 0 : key_end(p, i0);
     for (int j0 = 0, it = 0; j0 < kend; j0 += WG, ++it) {
-        const E* Ks = Kb + (it & 1) * TILE_E;
-        const E* Vs = Vb + (it % 3) * TILE_E;
+        const unsigned long long kd = wg_at(k_desc, (it & 1) * TILE_E), vd = wg_at(v_desc, (it % 3) * TILE_E);
         // Tile `it` has arrived; every warpgroup is done with tile it - 1's K
         // and tile it - 2's V, whose buffers the next tile takes.
         cp_async_wait<0>();
@@ -1539,7 +1568,7 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
-            Wg<T>::template ss64<0, 0>(s, wg_desc(Qw + kk * 16), wg_desc(Ks + kk * 16), kk);
+            Wg<T>::template ss64<0, 0>(s, wg_at(q_desc, kk * 16), wg_at(kd, kk * 16), kk);
         wg_commit();
         wg_wait<0>();  // also the last tile's P V
         wg_pin(s);
@@ -1557,7 +1586,7 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         // O += P V: B is V as N-major [key][d].
         wg_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(acc, pa[kk], wg_desc(Vs + kk * 16 * WG), 1);
+        for (int kk = 0; kk < 4; ++kk) Wg<T>::template rs<1>(acc, pa[kk], wg_at(vd, kk * 16 * WG), 1);
         wg_commit();
         wg_wait<0>();
         wg_pin(acc);
@@ -1607,11 +1636,11 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
     }
 
 #define WGMMA_ENTRY(TN, T)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) flash_fwd_wgmma_##TN##_64(                               \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_fwd_wgmma_##TN##_64(                               \
         const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p, int vec) {              \
         fwd_wgmma<T>(q, k, v, o, lse, keep, p);                                                               \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(256) flash_bwd_wgmma_##TN##_64(                               \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_bwd_wgmma_##TN##_64(                               \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
         T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                                     \
         bwd_wgmma<T>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, dkv_acc, p);                        \
