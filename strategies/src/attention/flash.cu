@@ -1252,6 +1252,26 @@ __device__ __forceinline__ void load_swz(E* tile, const E* src, int r0, int rows
     }
 }
 
+// The thread's warpgroup, broadcast from lane 0 so that the compiler knows
+// it is the same across the warp (descriptors built from it stay in uniform
+// registers).
+__device__ __forceinline__ int warpgroup() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
+
+// Stores four 8 x 8 matrices of 16-bit elements from A-fragment registers
+// (r[0] rows 0-7 / columns 0-7, r[1] rows 8-15, r[2] columns 8-15, r[3] both)
+// of a 16 x 16 block at rows r0.., columns c0.. (c0 % 8 == 0) of a swizzled tile.
+__device__ __forceinline__ void stmatrix_swz(u16* tile, int r0, int c0, const u32 r[4], int lane) {
+#if __CUDA_ARCH__ >= 900
+    const int m = lane / 8, row = r0 + lane % 8 + (m & 1) * 8, col = c0 + (m >> 1) * 8;
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                     smem_addr(tile + swz(row, col))),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+#else
+    __trap();
+#endif
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define WGMMA_OK 1
 
@@ -1373,7 +1393,7 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     const int j0 = blockIdx.x * BK;
     const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
     const int group = p.heads / p.kv_heads, share = group / p.kv_splits;
-    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int wg = warpgroup(), warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int jw = j0 + wg * WG;               // this warpgroup's first key
     const u8* keep_row = keep + (i64)bb * p.s_k;
@@ -1459,12 +1479,8 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
             M::pack_a(x, dp[2 * kk], dp[2 * kk + 1]);
 #pragma unroll
             for (int r = 0; r < 4; ++r) sa[kk][r] = x.r[r];
-            // dS^T rows key_a, key_a + 8 (of the block); columns 16 kk + 2t (+1), + 8.
-            const int r = wg * WG + warp * 16 + g, c = kk * 16 + 2 * t;
-            *reinterpret_cast<u32*>(Ss + swz(r, c)) = x.r[0];
-            *reinterpret_cast<u32*>(Ss + swz(r + 8, c)) = x.r[1];
-            *reinterpret_cast<u32*>(Ss + swz(r, c + 8)) = x.r[2];
-            *reinterpret_cast<u32*>(Ss + swz(r + 8, c + 8)) = x.r[3];
+            // dS^T: this warp's 16 keys (rows of the block's 128), queries 16 kk ...
+            stmatrix_swz(Ss, wg * WG + warp * 16, kk * 16, x.r, lane);
         }
         // dV += P^T dO, dK += dS^T Q: B is dO (Q) as N-major [query][d].
         wg_pin(gk);
@@ -1526,7 +1542,7 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     const int i0 = (tiles - 1 - (int)blockIdx.x) * BM;
     const int bb = bh / p.heads, h = bh % p.heads;
     const int kvh = h / (p.heads / p.kv_heads);
-    const int wg = threadIdx.x / 128, warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int wg = warpgroup(), warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const E* kh = reinterpret_cast<const E*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
     const E* vh = reinterpret_cast<const E*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
