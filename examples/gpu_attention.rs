@@ -10,7 +10,10 @@
 //!    shapes (batch 8, 12 heads, head dim 64, causal) at s = 1024 … 8192, bf16
 //!    and f32, with the pool's peak; one `PERF` row each; and TinyLlama-1.1B's
 //!    grouped-query shape (batch 4, 32 query and 4 key/value heads, s = 2048,
-//!    bf16), one `PERF-gqa` row.
+//!    bf16), one `PERF-gqa` row. Each shape also gets a `LOSS` (`LOSS-gqa`)
+//!    row: the step's loss and its backward alone (`o` a variable of the
+//!    output's shape, no attention), which the benchmark subtracts on both
+//!    sides to compare the attention itself.
 //!
 //! Usage: `gpu_attention [--check-only | --perf-only]`. Exits 1 when a check
 //! fails. `HEAD_DIM=128` times another head dimension (heads × head dim stays
@@ -438,6 +441,17 @@ fn time_shape(
     Ok((fwd, fwd_bwd, PoolStats::read(cuda)?.used_high as f64 / MIB))
 }
 
+/// Milliseconds of the timed step's loss alone: sum(o · w) and its backward,
+/// with `o` a variable of the attention output's shape `(b, heads, s, d)`.
+fn time_loss(device: &Device, dtype: DType, shape: (usize, usize, usize, usize)) -> Result<f64> {
+    let o = Var::from_tensor(&Tensor::randn(0f32, 1.0, shape, device)?.to_dtype(dtype)?)?;
+    let w = Tensor::randn(0f32, 1.0, shape, device)?.to_dtype(dtype)?;
+    time(device, 3, 10, || {
+        drop((o.as_tensor() * &w)?.sum_keepdim((2, 3))?.sum_all()?.backward()?);
+        Ok(())
+    })
+}
+
 fn timings(device: &Device) -> Result<()> {
     let d: usize = match std::env::var("HEAD_DIM") {
         Ok(v) => v.parse().context("HEAD_DIM")?,
@@ -457,10 +471,14 @@ fn timings(device: &Device) -> Result<()> {
         for s in [1024, 2048, 4096, 8192] {
             let (fwd, fwd_bwd, peak) = time_shape(device, dtype, (b, h, h, s, d))?;
             println!("PERF {name} {s} {fwd:.3} {fwd_bwd:.3} {peak:.0}");
+            let loss = time_loss(device, dtype, (b, h, s, d))?;
+            println!("LOSS {name} {s} {loss:.3}");
         }
     }
     // TinyLlama-1.1B's attention: batch 4, 32 query heads on 4 key/value heads.
     let (fwd, fwd_bwd, peak) = time_shape(device, DType::BF16, (4, 32, 4, 2048, 64))?;
     println!("PERF-gqa bf16 2048 {fwd:.3} {fwd_bwd:.3} {peak:.0}");
+    let loss = time_loss(device, DType::BF16, (4, 32, 2048, 64))?;
+    println!("LOSS-gqa bf16 2048 {loss:.3}");
     Ok(())
 }

@@ -11,7 +11,10 @@ forced through torch.nn.attention.sdpa_kernel: PERF-<backend> ... (a backend
 that rejects the inputs prints PERF-<backend> dtype seq - - -). Last,
 TinyLlama-1.1B's grouped-query shape (batch 4, 32 query and 4 key/value heads,
 s = 2048, bf16) as transformers runs it: PERF-gqa-repeat (keys and values
-repeated to 32 heads, then SDPA) and PERF-gqa (SDPA's enable_gqa).
+repeated to 32 heads, then SDPA) and PERF-gqa (SDPA's enable_gqa). After each
+shape a line LOSS dtype seq ms (LOSS-gqa): the step's loss and its backward
+alone, o a leaf of the output's shape, which the benchmark subtracts to
+compare the attention itself.
 usage: sdpa_bench.py [--seqs 1024,2048,4096,8192] [--backends]
 """
 import argparse, statistics, sys, time
@@ -31,6 +34,18 @@ def timed(fn, warm=3, reps=10):
         torch.cuda.synchronize()
         ms.append((time.perf_counter() - t) * 1e3)
     return statistics.median(ms)
+
+
+def loss_ms(mk):
+    """The timed step's loss alone: sum(o * w) and its backward, o a leaf of
+    the attention output's shape (no attention)."""
+    o, w = mk(True), mk(False)
+
+    def step():
+        o.grad = None
+        (o * w).sum().backward()
+
+    return timed(step)
 
 
 def main():
@@ -72,6 +87,7 @@ def main():
                 return f"{f_ms:.3f} {fb_ms:.3f} {torch.cuda.max_memory_allocated() / 2**20:.0f}"
 
             print(f"PERF {name} {s} {measure()}", flush=True)
+            print(f"LOSS {name} {s} {loss_ms(mk):.3f}", flush=True)
             for label, backend in forced:
                 try:
                     with sdpa_kernel(backend):
@@ -105,6 +121,7 @@ def main():
         torch.cuda.synchronize()
         print(f"PERF-{label} bf16 {s} {f_ms:.3f} {fb_ms:.3f} {torch.cuda.max_memory_allocated() / 2**20:.0f}",
               flush=True)
+    print(f"LOSS-gqa bf16 {s} {loss_ms(lambda grad: mk(h, grad)):.3f}", flush=True)
 
 
 if __name__ == "__main__":

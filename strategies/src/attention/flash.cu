@@ -828,9 +828,12 @@ __device__ __forceinline__ void mask_tile(float (&s)[8][4], const Params& p, con
 
 // One key tile's step of the online softmax for a thread's two fragment rows
 // (g and g + 8 of its 16): the scores s (-inf where masked) are scaled by
-// sl2 = scale * log2(e) > 0 and become the tile's unnormalised probabilities; the
-// running max m and sum l are updated and the output accumulator acc is
-// rescaled to the new max.
+// sl2 = scale * log2(e) > 0 and become the tile's unnormalised probabilities
+// exp2(s sl2 - m), and their sum is added to l. The running max m moves (and
+// l and the output accumulator acc are rescaled to it) only when a row of
+// the warp sees a score above m + 8: below that, probabilities stay under
+// 2^8, which f32 sums and 16-bit P carry as well as values under 1, and the
+// tiles of a long row mostly skip the rescaling (FlashAttention-4's trick).
 template <int NO>
 __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NO][4], float (&m)[2], float (&l)[2],
                                              float sl2) {
@@ -839,22 +842,27 @@ __device__ __forceinline__ void softmax_tile(float (&s)[8][4], float (&acc)[NO][
     for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-    float m_use[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m[r], mx[r] * sl2);  // sl2 > 0
-        m_use[r] = m_new == NEG_INF ? 0.f : m_new;
-        const float alpha = fast_exp2(m[r] - m_use[r]);
-        m[r] = m_new;
-        l[r] *= alpha;
+        mx[r] *= sl2;  // sl2 > 0
+    }
+    if (__any_sync(0xffffffffu, mx[0] > m[0] + 8.f || mx[1] > m[1] + 8.f)) {
 #pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            acc[n][2 * r] *= alpha;
-            acc[n][2 * r + 1] *= alpha;
+        for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(m[r], mx[r]);
+            const float alpha = fast_exp2(m[r] - (m_new == NEG_INF ? 0.f : m_new));
+            m[r] = m_new;
+            l[r] *= alpha;
+#pragma unroll
+            for (int n = 0; n < NO; ++n) {
+                acc[n][2 * r] *= alpha;
+                acc[n][2 * r + 1] *= alpha;
+            }
         }
     }
+    const float m_use[2] = {m[0] == NEG_INF ? 0.f : m[0], m[1] == NEG_INF ? 0.f : m[1]};
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
