@@ -447,7 +447,12 @@ fn time_loss(device: &Device, dtype: DType, shape: (usize, usize, usize, usize))
     let o = Var::from_tensor(&Tensor::randn(0f32, 1.0, shape, device)?.to_dtype(dtype)?)?;
     let w = Tensor::randn(0f32, 1.0, shape, device)?.to_dtype(dtype)?;
     time(device, 3, 10, || {
-        drop((o.as_tensor() * &w)?.sum_keepdim((2, 3))?.sum_all()?.backward()?);
+        drop(
+            (o.as_tensor() * &w)?
+                .sum_keepdim((2, 3))?
+                .sum_all()?
+                .backward()?,
+        );
         Ok(())
     })
 }

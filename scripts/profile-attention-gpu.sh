@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Where the CUDA attention's time goes, on the GPU machine, with Nsight
 # Compute (ncu, clocks left alone):
-#   kernels.txt   every kernel of the bf16 timing steps of examples/gpu_attention
-#                 with its duration (ncu --print-summary per-kernel), so that the
-#                 attention kernels can be told from the loss, delta, dQ
-#                 conversion and candle's own ops in a forward+backward step;
+#   kernels.txt   every kernel of the bf16 timings of examples/gpu_attention
+#                 (forward, forward+backward and the loss alone) with its
+#                 duration (ncu --print-summary per-kernel), so that the
+#                 attention kernels can be told from the loss and candle's own
+#                 ops in a forward+backward step;
 #   KERNEL.txt    for each warpgroup kernel (flash_fwd_wgmma, flash_bwd_wgmma),
 #                 one launch at s = SEQ: speed of light, occupancy, scheduler
 #                 and warp-state (stall reason) sections;

@@ -1135,7 +1135,9 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     // next tiles are fetched while the current ones are used.
     const int nq = qstart < p.s_q ? (p.s_q - qstart + BQ - 1) / BQ : 0;
     const int total = share * nq;
-    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + part * share + query_tile<BQ>(it, nq, share, qstart).x; };
+    auto head_of = [&](int it) {
+        return (i64)bb * p.heads + kvh * group + part * share + query_tile<BQ>(it, nq, share, qstart).x;
+    };
     auto fetch = [&](int it, int buf) {
         const i64 bh = head_of(it);
         const int i0 = query_tile<BQ>(it, nq, share, qstart).y;
@@ -1412,7 +1414,9 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     const int full_from = first_query(p, jw + WG - 1);
     const int nq = qstart < p.s_q ? (p.s_q - qstart + WG - 1) / WG : 0;
     const int total = share * nq;
-    auto head_of = [&](int it) { return (i64)bb * p.heads + kvh * group + part * share + query_tile<WG>(it, nq, share, qstart).x; };
+    auto head_of = [&](int it) {
+        return (i64)bb * p.heads + kvh * group + part * share + query_tile<WG>(it, nq, share, qstart).x;
+    };
     auto fetch = [&](int it, int buf) {
         const i64 bh = head_of(it);
         const int i0 = query_tile<WG>(it, nq, share, qstart).y;
@@ -1461,8 +1465,8 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     };
     auto add_dq = [&](int it) {
         wg_pin(gq);
-        red_add_frags<NC>(dq_acc + head_of(it) * p.s_q * p.d, query_tile<WG>(it, nq, share, qstart).y + warp * 16, p.s_q,
-                          wg * NC * 8, p.d, gq, p.scale, lane);
+        const int row0 = query_tile<WG>(it, nq, share, qstart).y + warp * 16;
+        red_add_frags<NC>(dq_acc + head_of(it) * p.s_q * p.d, row0, p.s_q, wg * NC * 8, p.d, gq, p.scale, lane);
     };
     if (total > 0) {
         scores(0);
@@ -1504,7 +1508,8 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         // B is K as N-major [key][d], this warpgroup's columns.
 #pragma unroll
         for (int kk = 0; kk < 4 * NW; ++kk)
-            Wg<T>::template ss<1, 1>(gq, wg_at(ds_desc, kk * 16 * WG), wg_at(k_desc, kk * 16 * WG + wg * NC * 8), kk);
+            Wg<T>::template ss<1, 1>(gq, wg_at(ds_desc, kk * 16 * WG), wg_at(k_desc, kk * 16 * WG + wg * NC * 8),
+                                     kk);
         wg_commit();
         if (it + 1 < total) {
             // The next tile's scores run while this tile's dQ is added.
@@ -1660,11 +1665,11 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
     }
 
 #define WGMMA_ENTRY(TN, T)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_fwd_wgmma_##TN##_64(                               \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_fwd_wgmma_##TN##_64(                        \
         const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p, int vec) {              \
         fwd_wgmma<T>(q, k, v, o, lse, keep, p);                                                               \
     }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_bwd_wgmma_##TN##_64(                               \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_bwd_wgmma_##TN##_64(                        \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
         T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                                     \
         bwd_wgmma<T>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, dkv_acc, p);                        \
