@@ -18,7 +18,7 @@
 //! Usage: `gpu_attention [--check-only | --perf-only]`. Exits 1 when a check
 //! fails. `HEAD_DIM=128` times another head dimension (heads × head dim stays
 //! 768; the heading says which); `PERF_DTYPES=bf16` (or `f32`) times one dtype
-//! of the two. Build with `scripts/build-cuda.sh --features cuda --example
+//! of the two, `PERF_SEQS=2048,gqa` some lengths (`gqa`: TinyLlama's shape). Build with `scripts/build-cuda.sh --features cuda --example
 //! gpu_attention`; `scripts/bench-attention-gpu.sh` runs it next to PyTorch's
 //! SDPA (docs/attention-gpu.md).
 
@@ -467,18 +467,28 @@ fn timings(device: &Device) -> Result<()> {
         "\n## timing: batch 8, {h} heads, head dim {d}, causal; median of 10 after 3 warm-up runs"
     );
     println!("## PERF dtype seq fwd_ms fwd_bwd_ms peak_alloc_MiB (pool high-water during fwd+bwd, inputs included)\n");
-    let only = std::env::var("PERF_DTYPES").unwrap_or_default();
+    // A comma-separated list from the environment, or everything.
+    let picked = |var: &str, item: &str| match std::env::var(var) {
+        Ok(list) if !list.is_empty() => list.split(',').any(|x| x == item),
+        _ => true,
+    };
     for dtype in [DType::BF16, DType::F32] {
         let name = format!("{dtype:?}").to_lowercase();
-        if !only.is_empty() && !only.split(',').any(|d| d == name) {
+        if !picked("PERF_DTYPES", &name) {
             continue;
         }
         for s in [1024, 2048, 4096, 8192] {
+            if !picked("PERF_SEQS", &s.to_string()) {
+                continue;
+            }
             let (fwd, fwd_bwd, peak) = time_shape(device, dtype, (b, h, h, s, d))?;
             println!("PERF {name} {s} {fwd:.3} {fwd_bwd:.3} {peak:.0}");
             let loss = time_loss(device, dtype, (b, h, s, d))?;
             println!("LOSS {name} {s} {loss:.3}");
         }
+    }
+    if !picked("PERF_SEQS", "gqa") {
+        return Ok(());
     }
     // TinyLlama-1.1B's attention: batch 4, 32 query heads on 4 key/value heads.
     let (fwd, fwd_bwd, peak) = time_shape(device, DType::BF16, (4, 32, 4, 2048, 64))?;

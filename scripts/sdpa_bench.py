@@ -15,7 +15,7 @@ repeated to 32 heads, then SDPA) and PERF-gqa (SDPA's enable_gqa). After each
 shape a line LOSS dtype seq ms (LOSS-gqa): the step's loss and its backward
 alone, o a leaf of the output's shape, which the benchmark subtracts to
 compare the attention itself.
-usage: sdpa_bench.py [--seqs 1024,2048,4096,8192] [--backends]
+usage: sdpa_bench.py [--seqs 1024,2048,4096,8192] [--dtypes bf16,f32] [--no-gqa] [--backends]
 """
 import argparse, statistics, sys, time
 
@@ -51,6 +51,8 @@ def loss_ms(mk):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", default="1024,2048,4096,8192")
+    ap.add_argument("--dtypes", default="bf16,f32")
+    ap.add_argument("--no-gqa", action="store_true", help="leave out TinyLlama's shape")
     ap.add_argument("--backends", action="store_true")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -62,7 +64,10 @@ def main():
           f"mem_efficient={torch.backends.cuda.mem_efficient_sdp_enabled()} "
           f"cudnn={torch.backends.cuda.cudnn_sdp_enabled()} math={torch.backends.cuda.math_sdp_enabled()}")
     b, h, d = 8, 12, 64
+    dtypes = args.dtypes.split(",")
     for dtype, name in [(torch.bfloat16, "bf16"), (torch.float32, "f32")]:
+        if name not in dtypes:
+            continue
         for s in (int(x) for x in args.seqs.split(",")):
             mk = lambda grad: torch.randn(b, h, s, d, device=dev, dtype=dtype, requires_grad=grad)
             q, k, v, w = mk(True), mk(True), mk(True), mk(False)
@@ -97,6 +102,8 @@ def main():
             del q, k, v, w
             torch.cuda.empty_cache()
 
+    if args.no_gqa:
+        return 0
     b, h, kv, s = 4, 32, 4, 2048
     mk = lambda heads, grad: torch.randn(b, heads, s, d, device=dev, dtype=torch.bfloat16, requires_grad=grad)
     q, k, v, w = mk(h, True), mk(kv, True), mk(kv, True), mk(h, False)

@@ -580,15 +580,29 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
                 MODULE,
                 ptx(info.arch)?,
             )?;
-            let warps = 8u32;
+            // 16-byte vectors where the rows allow, as many threads per row
+            // as a row has vectors (a power of two, at most a warp).
+            let width = 16 / q.dtype().size_in_bytes();
+            let dvec = (dims.d % width == 0
+                && [ol.start_offset(), gl.start_offset()]
+                    .iter()
+                    .all(|o| o % width == 0)) as i32;
+            let per_row = if dvec == 1 { dims.d / width } else { 32 };
+            let lg = per_row.clamp(1, 32).ilog2() as i32;
             let cfg = LaunchConfig {
-                grid_dim: ((rows as u64).div_ceil(warps as u64) as u32, 1, 1),
-                block_dim: (32 * warps, 1, 1),
+                grid_dim: (((rows as u64) << lg).div_ceil(256) as u32, 1, 1),
+                block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
             let (n, d) = (rows as i64, dims.d as i32);
             let mut b = func.builder();
-            b.arg(&ov).arg(&gv).arg(&mut delta).arg(&n).arg(&d);
+            b.arg(&ov)
+                .arg(&gv)
+                .arg(&mut delta)
+                .arg(&n)
+                .arg(&d)
+                .arg(&lg)
+                .arg(&dvec);
             // SAFETY: o and grad_o hold `rows * d` elements, delta `rows`.
             unsafe { b.launch(cfg) }.w()?;
         }
@@ -639,11 +653,12 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
                 MODULE,
                 ptx(info.arch)?,
             )?;
-            // dst = src in T (f32 accumulators to the gradients).
+            // dst = src in T (f32 accumulators to the gradients), four
+            // elements per thread.
             let convert = |src: CudaView<f32>, dst: &mut CudaSlice<T>| {
                 let n = src.len() as i64;
                 let cfg = LaunchConfig {
-                    grid_dim: ((n as u64).div_ceil(256).min(65535 * 8) as u32, 1, 1),
+                    grid_dim: ((n as u64).div_ceil(4 * 256).min(65535 * 8) as u32, 1, 1),
                     block_dim: (256, 1, 1),
                     shared_mem_bytes: 0,
                 };

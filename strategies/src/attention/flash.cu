@@ -79,21 +79,40 @@ __device__ __forceinline__ bool visible(const Params& p, const u8* keep_row, int
 }
 
 // ---------------------------------------------------------------------------
-// Backward preprocessing: delta[row] = sum_c dO[row, c] * O[row, c] (one warp per row).
+// Backward preprocessing: delta[row] = sum_c dO[row, c] * O[row, c].
 
+// The sum of the products of two 32-bit words' elements of T.
+template <typename T> __device__ __forceinline__ float dot_word(u32 x, u32 y) {
+    return to_f32(T{(u16)x}) * to_f32(T{(u16)y}) + to_f32(T{(u16)(x >> 16)}) * to_f32(T{(u16)(y >> 16)});
+}
+template <> __device__ __forceinline__ float dot_word<float>(u32 x, u32 y) {
+    return __uint_as_float(x) * __uint_as_float(y);
+}
+
+// 2^lg threads per row (at most a warp, aligned in it), each over columns
+// part, part + 2^lg, ...: 16-byte vectors when `vec` (d and the rows' starts
+// multiples of 16 bytes), else single elements.
 template <typename T>
 __device__ void delta_kernel(const T* __restrict__ o, const T* __restrict__ dout, float* __restrict__ delta,
-                             i64 rows, int d) {
-    i64 row = (i64)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const T* a = o + row * d;
-    const T* b = dout + row * d;
+                             i64 rows, int d, int lg, int vec) {
+    const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x, row = gid >> lg;
+    const int tpr = 1 << lg, part = (int)(gid & (tpr - 1));
     float acc = 0.f;
-    for (int c = lane; c < d; c += 32) acc += to_f32(a[c]) * to_f32(b[c]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) delta[row] = acc;
+    if (row < rows) {
+        const T* a = o + row * d;
+        const T* b = dout + row * d;
+        if (vec) {
+            constexpr int W = 16 / sizeof(T);
+            for (int c = part * W; c < d; c += tpr * W) {
+                const uint4 x = *reinterpret_cast<const uint4*>(a + c), y = *reinterpret_cast<const uint4*>(b + c);
+                acc += dot_word<T>(x.x, y.x) + dot_word<T>(x.y, y.y) + dot_word<T>(x.z, y.z) + dot_word<T>(x.w, y.w);
+            }
+        } else {
+            for (int c = part; c < d; c += tpr) acc += to_f32(a[c]) * to_f32(b[c]);
+        }
+    }
+    for (int off = tpr / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (row < rows && part == 0) delta[row] = acc;
 }
 
 // ===========================================================================
@@ -1627,11 +1646,24 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
 #endif
 }
 
-// dq = dq_acc in the output type (n elements).
+// Four values into dst in T, as one store (dst aligned to four elements).
+__device__ __forceinline__ void store4(float* dst, float4 x) { *reinterpret_cast<float4*>(dst) = x; }
+template <typename T> __device__ __forceinline__ u32 bits2(float lo, float hi) {
+    return (u32)from_f32<T>(lo).bits | ((u32)from_f32<T>(hi).bits << 16);
+}
+template <typename T> __device__ __forceinline__ void store4(T* dst, float4 x) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(bits2<T>(x.x, x.y), bits2<T>(x.z, x.w));
+}
+
+// dq = dq_acc in the output type (n elements; both from cudaMalloc): four
+// at a time, then the tail.
 template <typename T>
 __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        dq[i] = from_f32<T>(acc[i]);
+    const i64 step = (i64)gridDim.x * blockDim.x, first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (i64 i = first; i < n / 4; i += step) {
+        store4(dq + 4 * i, reinterpret_cast<const float4*>(acc)[i]);
+    }
+    for (i64 i = n / 4 * 4 + first; i < n; i += step) dq[i] = from_f32<T>(acc[i]);
 }
 
 // ===========================================================================
@@ -1676,8 +1708,9 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
     }
 
 #define DELTA_ENTRY(TN, T)                                                                                    \
-    extern "C" __global__ void flash_delta_##TN(const T* o, const T* dout, float* delta, i64 rows, int d) {     \
-        delta_kernel<T>(o, dout, delta, rows, d);                                                             \
+    extern "C" __global__ void flash_delta_##TN(const T* o, const T* dout, float* delta, i64 rows, int d, int lg, \
+                                                int vec) {                                                    \
+        delta_kernel<T>(o, dout, delta, rows, d, lg, vec);                                                    \
     }                                                                                                         \
     extern "C" __global__ void flash_dq_convert_##TN(const float* acc, T* dq, i64 n) {                         \
         dq_convert<T>(acc, dq, n);                                                                            \
