@@ -18,9 +18,10 @@
 //! Usage: `gpu_attention [--check-only | --perf-only]`. Exits 1 when a check
 //! fails. `HEAD_DIM=128` times another head dimension (heads × head dim stays
 //! 768; the heading says which); `PERF_DTYPES=bf16` (or `f32`) times one dtype
-//! of the two, `PERF_SEQS=2048,gqa` some lengths (`gqa`: TinyLlama's shape). Build with `scripts/build-cuda.sh --features cuda --example
-//! gpu_attention`; `scripts/bench-attention-gpu.sh` runs it next to PyTorch's
-//! SDPA (docs/attention-gpu.md).
+//! of the two, `PERF_SEQS=2048,gqa` some lengths (`gqa`: TinyLlama's shape).
+//! Build with `scripts/build-cuda.sh --features cuda --example gpu_attention`;
+//! `scripts/bench-attention-gpu.sh` runs it next to PyTorch's SDPA
+//! (docs/attention-gpu.md).
 
 use std::time::Instant;
 

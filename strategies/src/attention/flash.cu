@@ -1655,15 +1655,17 @@ template <typename T> __device__ __forceinline__ void store4(T* dst, float4 x) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(bits2<T>(x.x, x.y), bits2<T>(x.z, x.w));
 }
 
-// dq = dq_acc in the output type (n elements; both from cudaMalloc): four
-// at a time, then the tail.
+// dq = dq_acc in the output type (n elements): four at a time where both
+// are aligned to four elements (a split dK/dV accumulator's second half may
+// not be), then the rest one at a time.
 template <typename T>
 __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i64 n) {
     const i64 step = (i64)gridDim.x * blockDim.x, first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    for (i64 i = first; i < n / 4; i += step) {
-        store4(dq + 4 * i, reinterpret_cast<const float4*>(acc)[i]);
-    }
-    for (i64 i = n / 4 * 4 + first; i < n; i += step) dq[i] = from_f32<T>(acc[i]);
+    const bool vec =
+        (reinterpret_cast<size_t>(acc) & 15) == 0 && (reinterpret_cast<size_t>(dq) & (4 * sizeof(T) - 1)) == 0;
+    const i64 quads = vec ? n / 4 : 0;
+    for (i64 i = first; i < quads; i += step) store4(dq + 4 * i, reinterpret_cast<const float4*>(acc)[i]);
+    for (i64 i = quads * 4 + first; i < n; i += step) dq[i] = from_f32<T>(acc[i]);
 }
 
 // ===========================================================================
