@@ -410,10 +410,16 @@ fn grid(len: usize, rows: usize, heads: usize, b: usize) -> (u32, u32, u32) {
     (len.div_ceil(rows) as u32, heads as u32, b as u32)
 }
 
-/// Whether 16-byte loads are safe: rows of `d` elements start on 8-element
-/// boundaries, and so do the operands.
+/// Whether rows of `d` elements start on `width`-element boundaries, and so
+/// do the operands (at `offsets` elements into their storage).
+fn rows_aligned(width: usize, d: usize, offsets: &[usize]) -> bool {
+    d % width == 0 && offsets.iter().all(|o| o % width == 0)
+}
+
+/// Whether the kernels' 16-byte loads are safe: rows of `d` elements start on
+/// 8-element boundaries, and so do the operands.
 fn vectorizable(d: usize, offsets: &[usize]) -> i32 {
-    (d % 8 == 0 && offsets.iter().all(|o| o % 8 == 0)) as i32
+    rows_aligned(8, d, offsets) as i32
 }
 
 /// A view of a contiguous storage from its layout's start.
@@ -583,10 +589,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             // 16-byte vectors where the rows allow, as many threads per row
             // as a row has vectors (a power of two, at most a warp).
             let width = 16 / q.dtype().size_in_bytes();
-            let dvec = (dims.d % width == 0
-                && [ol.start_offset(), gl.start_offset()]
-                    .iter()
-                    .all(|o| o % width == 0)) as i32;
+            let dvec = rows_aligned(width, dims.d, &[ol.start_offset(), gl.start_offset()]) as i32;
             let per_row = if dvec == 1 { dims.d / width } else { 32 };
             let lg = per_row.clamp(1, 32).ilog2() as i32;
             let cfg = LaunchConfig {
