@@ -485,9 +485,7 @@ fn checkpoint_comparison(
             let t = Instant::now();
             let out = model.forward_backward(
                 &batch,
-                *policy,
-                oomfix::strategies::Attention::Composed,
-                1.0,
+                &oomfix::strategies::Execution::default().checkpoint(*policy),
             )?;
             let secs = t.elapsed().as_secs_f64();
             let p = (alloc::peak() - before) as f64;

@@ -83,7 +83,7 @@ pub struct TrainArgs {
 /// Options of the hidden `measure-step` command.
 #[derive(Debug, Clone, Args)]
 pub struct MeasureStepArgs {
-    /// The plan, as `mb,accum,seq,precision,checkpoint,optimizer,attention`.
+    /// The plan as JSON (a serialized `Plan`).
     #[arg(long)]
     pub plan: String,
     /// The model's shape as JSON (a `ModelConfig`).
@@ -114,7 +114,7 @@ pub enum HalfArg {
     Fp16,
 }
 
-/// `--strategies`' default: [`Pipeline::DEFAULT_ORDER`](oomfix_strategies::Pipeline::DEFAULT_ORDER), comma-separated.
+/// `--strategies`' default: the names of [`oomfix_strategies::builtins`] in order, comma-separated (a test checks it).
 pub const DEFAULT_STRATEGIES: &str =
     "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard,offload";
 
@@ -229,7 +229,7 @@ mod default_tests {
     fn default_strategies_are_the_pipelines_default_order() {
         assert_eq!(
             super::DEFAULT_STRATEGIES,
-            oomfix_strategies::Pipeline::DEFAULT_ORDER.join(",")
+            oomfix_strategies::Pipeline::default().names().join(",")
         );
     }
 }

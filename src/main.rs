@@ -262,14 +262,10 @@ fn train(args: &TrainArgs) -> oomfix::Result<u8> {
         (true, None) => return Err(Error::Usage("--pretrained needs a model file".into())),
         _ => None,
     };
-    let options = TrainOptions {
-        adamw: candle_nn::ParamsAdamW {
-            lr: args.lr,
-            ..Default::default()
-        },
-        seed: args.seed,
-        weights,
-    };
+    let mut options = TrainOptions::default();
+    options.adamw.lr = args.lr;
+    options.seed = args.seed;
+    options.weights = weights;
     let mut trainer = Trainer::new(&spec.config, chosen.plan, &device, &options)?;
     let mut data = data_source(args, spec.config.vocab)?;
     if let Some(path) = &args.resume {
@@ -424,7 +420,8 @@ fn measure_step(args: &MeasureStepArgs) -> oomfix::Result<bool> {
     if let Some(limit) = args.address_space {
         oomfix::measure::limit_address_space(limit)?;
     }
-    let plan = oomfix::measure::parse_plan_arg(&args.plan)?;
+    let plan: oomfix::Plan = serde_json::from_str(&args.plan)
+        .map_err(|e| Error::Usage(format!("--plan is not a plan ({e}): {}", args.plan)))?;
     let config: oomfix::ModelConfig =
         serde_json::from_str(&args.config).map_err(|e| Error::Usage(format!("--config: {e}")))?;
     let spec = ModelSpec::from_config("measured", config);

@@ -116,7 +116,8 @@ pub struct Planner {
     target: Target,
     gpus: usize,
     pipeline: Pipeline,
-    estimator: Box<dyn Estimator>,
+    /// `None`: [`MemoryModel`] with the hooks of the pipeline's fixes.
+    estimator: Option<Box<dyn Estimator>>,
     verifier: Option<Box<dyn Verifier>>,
     verify: Verify,
     half: Option<oomfix_strategies::Precision>,
@@ -133,7 +134,7 @@ impl Planner {
             target: Target::Cuda(0),
             gpus: 1,
             pipeline: Pipeline::default(),
-            estimator: Box::new(MemoryModel),
+            estimator: None,
             verifier: None,
             verify: Verify::Off,
             half: None,
@@ -171,7 +172,7 @@ impl Planner {
     }
     /// Replaces the analytic memory model.
     pub fn estimator(mut self, estimator: impl Estimator + 'static) -> Self {
-        self.estimator = Box::new(estimator);
+        self.estimator = Some(Box::new(estimator));
         self
     }
     /// Measures attempts with real steps (`mode` says which).
@@ -219,8 +220,17 @@ impl Planner {
             layers: spec.config.layers,
             host_offload: self.target.has_host_memory(),
         };
+        let registered;
+        let estimator: &dyn Estimator = match &self.estimator {
+            Some(e) => e.as_ref(),
+            None => {
+                registered = MemoryModel::registered(&self.pipeline);
+                &registered
+            }
+        };
         let mut run = Run {
             planner: self,
+            estimator,
             spec,
             attempts: Vec::new(),
         };
@@ -272,6 +282,7 @@ impl Planner {
 /// State of one search.
 struct Run<'a> {
     planner: &'a Planner,
+    estimator: &'a dyn Estimator,
     spec: &'a ModelSpec,
     attempts: Vec<Attempt>,
 }
@@ -280,20 +291,12 @@ impl Run<'_> {
     /// Estimates (and, as configured, measures) `plan`; records and logs the attempt.
     fn evaluate(&mut self, strategy: &str, plan: Plan) -> Result<bool> {
         let p = self.planner;
-        let estimate = p.estimator.estimate(self.spec, &plan, &p.target);
+        let estimate = self.estimator.estimate(self.spec, &plan, &p.target);
         let span = tracing::info_span!(
             "attempt",
             index = self.attempts.len(),
             strategy,
-            micro_batch = plan.micro_batch,
-            grad_accum = plan.grad_accum,
-            seq_len = plan.seq_len,
-            precision = plan.precision.as_str(),
-            checkpoint = %plan.checkpoint,
-            attention = plan.attention.as_str(),
-            optimizer = plan.optimizer.as_str(),
-            world_size = plan.shard.world_size,
-            shard_stage = plan.shard.stage,
+            plan = %serde_json::to_string(&plan).expect("a plan serialises"),
             budget_bytes = p.budget,
             estimated_bytes = estimate.peak,
             weights_bytes = estimate.weights,
@@ -359,7 +362,8 @@ impl Run<'_> {
                 crate::units::format_bytes(closest.peak())
             )
         }];
-        let fits = |plan: &Plan| p.estimator.estimate(self.spec, plan, &p.target).peak <= p.budget;
+        let fits =
+            |plan: &Plan| self.estimator.estimate(self.spec, plan, &p.target).peak <= p.budget;
         let base = closest.plan;
         let divisors_of_batch = oomfix_strategies::accumulate::divisors(ctx.global_batch);
         if let Some(n) = divisors_of_batch

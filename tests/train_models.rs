@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::values;
-use oomfix::strategies::{Attention, Checkpointing};
+use oomfix::strategies::{Attention, Checkpointing, Execution};
 use oomfix::train::{build_model, Batch, StepOutput, TrainableModel};
 use oomfix::{Error, Family, ModelConfig};
 
@@ -55,7 +55,12 @@ fn batch(config: &ModelConfig) -> Batch {
 
 fn step(model: &dyn TrainableModel, batch: &Batch, policy: Checkpointing) -> StepOutput {
     model
-        .forward_backward(batch, policy, Attention::Composed, 1.0)
+        .forward_backward(
+            batch,
+            &Execution::default()
+                .checkpoint(policy)
+                .attention(Attention::Composed),
+        )
         .unwrap()
 }
 
@@ -198,7 +203,12 @@ fn flash_attention_gives_the_composed_loss_and_gradients() {
             Checkpointing::Every(2),
         ] {
             let flash = model
-                .forward_backward(&batch, policy, Attention::Flash, 1.0)
+                .forward_backward(
+                    &batch,
+                    &Execution::default()
+                        .checkpoint(policy)
+                        .attention(Attention::Flash),
+                )
                 .unwrap();
             let rel = (flash.loss - composed.loss).abs() / composed.loss;
             assert!(
@@ -234,7 +244,12 @@ fn loss_scale_multiplies_the_gradients_only() {
     let batch = batch(&config);
     let plain = step(model.as_ref(), &batch, Checkpointing::None);
     let scaled = model
-        .forward_backward(&batch, Checkpointing::Every(1), Attention::Composed, 256.0)
+        .forward_backward(
+            &batch,
+            &Execution::default()
+                .checkpoint(Checkpointing::Every(1))
+                .loss_scale(256.0),
+        )
         .unwrap();
     assert_eq!(scaled.loss, plain.loss);
     for (s, p) in scaled.grads.iter().zip(&plain.grads) {
@@ -544,14 +559,24 @@ fn unusable_requests_are_usage_errors() {
     let model = model(&config, DType::F32);
     let long = Batch::synthetic(Family::Gpt2, VOCAB, 1, 17, 0, &Device::Cpu).unwrap();
     let err = model
-        .forward_backward(&long, Checkpointing::None, Attention::Composed, 1.0)
+        .forward_backward(
+            &long,
+            &Execution::default()
+                .checkpoint(Checkpointing::None)
+                .attention(Attention::Composed),
+        )
         .err()
         .unwrap();
     assert!(matches!(err, Error::Usage(_)), "{err}");
     let mut mismatched = batch(&config);
     mismatched.targets = mismatched.targets.narrow(1, 0, 4).unwrap();
     assert!(matches!(
-        model.forward_backward(&mismatched, Checkpointing::None, Attention::Composed, 1.0),
+        model.forward_backward(
+            &mismatched,
+            &Execution::default()
+                .checkpoint(Checkpointing::None)
+                .attention(Attention::Composed)
+        ),
         Err(Error::Usage(_))
     ));
 }
@@ -607,7 +632,10 @@ fn sixteen_bit_losses_are_close_to_f32() {
                 (Checkpointing::Every(1), Attention::Flash),
             ] {
                 let out = model
-                    .forward_backward(&batch, policy, attention, 1.0)
+                    .forward_backward(
+                        &batch,
+                        &Execution::default().checkpoint(policy).attention(attention),
+                    )
                     .unwrap();
                 let rel = (out.loss - reference).abs() / reference;
                 assert!(
@@ -725,14 +753,24 @@ fn out_of_vocabulary_ids_are_errors_not_panics() {
     let mut batch = batch(&config);
     batch.input_ids = too_big.clone();
     let err = model
-        .forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0)
+        .forward_backward(
+            &batch,
+            &Execution::default()
+                .checkpoint(Checkpointing::None)
+                .attention(Attention::Composed),
+        )
         .err()
         .unwrap();
     assert!(err.to_string().contains("index"), "{err}");
     let mut batch = self::batch(&config);
     batch.targets = too_big;
     assert!(model
-        .forward_backward(&batch, Checkpointing::None, Attention::Composed, 1.0)
+        .forward_backward(
+            &batch,
+            &Execution::default()
+                .checkpoint(Checkpointing::None)
+                .attention(Attention::Composed)
+        )
         .is_err());
 }
 

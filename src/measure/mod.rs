@@ -10,8 +10,7 @@ pub mod timeline;
 
 pub use alloc::CountingAlloc;
 pub use step::{
-    limit_address_space, measure_plan, parse_plan_arg, plan_arg, record_plan, StepVerifier,
-    ADDRESS_SPACE_SLACK, MAX_EVENTS,
+    limit_address_space, measure_plan, record_plan, StepVerifier, ADDRESS_SPACE_SLACK, MAX_EVENTS,
 };
 pub use tag::Component;
 pub use timeline::Timeline;

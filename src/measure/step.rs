@@ -289,7 +289,7 @@ impl Verifier for StepVerifier {
         let out = Command::new(exe)
             .arg("measure-step")
             .arg("--plan")
-            .arg(plan_arg(plan))
+            .arg(serde_json::to_string(plan).expect("a plan serialises"))
             .arg("--config")
             .arg(serde_json::to_string(&spec.config).expect("config serialises"))
             .arg("--address-space")
@@ -333,50 +333,6 @@ impl Verifier for StepVerifier {
             stderr.trim()
         )))
     }
-}
-
-/// A plan as `measure-step --plan` reads it:
-/// `mb,accum,seq,precision,checkpoint,optimizer,attention`.
-pub fn plan_arg(p: &Plan) -> String {
-    let ck = match p.checkpoint {
-        oomfix_strategies::Checkpointing::None => 0,
-        oomfix_strategies::Checkpointing::Every(k) => k,
-    };
-    format!(
-        "{},{},{},{},{},{},{}",
-        p.micro_batch, p.grad_accum, p.seq_len, p.precision, ck, p.optimizer, p.attention
-    )
-}
-
-/// Parses [`plan_arg`]'s format.
-pub fn parse_plan_arg(s: &str) -> Result<Plan> {
-    let bad = || {
-        Error::Usage(format!(
-            "`{s}` is not a plan (mb,accum,seq,precision,checkpoint,optimizer,attention)"
-        ))
-    };
-    let f: Vec<&str> = s.split(',').collect();
-    if f.len() != 7 {
-        return Err(bad());
-    }
-    let num = |i: usize| f[i].parse::<usize>().map_err(|_| bad());
-    Ok(Plan {
-        micro_batch: num(0)?,
-        grad_accum: num(1)?,
-        seq_len: num(2)?,
-        precision: f[3].parse().map_err(|_| bad())?,
-        checkpoint: match num(4)? {
-            0 => oomfix_strategies::Checkpointing::None,
-            k => oomfix_strategies::Checkpointing::Every(k),
-        },
-        optimizer: f[5].parse().map_err(|_| bad())?,
-        attention: match f[6] {
-            "composed" => oomfix_strategies::Attention::Composed,
-            "flash" => oomfix_strategies::Attention::Flash,
-            _ => return Err(bad()),
-        },
-        shard: oomfix_strategies::Sharding::NONE,
-    })
 }
 
 /// Limits this process's address space (the `measure-step` child calls it first).

@@ -308,6 +308,12 @@ fn flash_backward(d: &Dims) -> u64 {
     4 * (6 * d.n * d.h + 2 * d.n * d.kv)
 }
 
+/// [`flash_backward`]'s bytes for `plan` on `spec`: at short sequences this
+/// f32 working set is larger than the probabilities flash attention saves.
+pub(crate) fn flash_backward_bytes(spec: &ModelSpec, plan: &Plan) -> u64 {
+    flash_backward(&Dims::new(spec, plan))
+}
+
 /// `[n, I]`-sized tensors alive at once while the backward crosses one MLP,
 /// on top of what the block keeps. GELU (GPT-2, BERT): the activation's
 /// upstream gradient and the fused op's input gradient. SwiGLU (Llama): the

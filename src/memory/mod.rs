@@ -23,6 +23,14 @@
 //! earlier micro-batches are alive at every moment. With the optimizer
 //! offloaded, master weights and optimizer state are host memory
 //! ([`Breakdown::host`]), outside the device's peak.
+//!
+//! The training state's terms (weights, master weights, gradients, optimizer
+//! state and the step's temporaries, per rank, on the device and the host) are
+//! the fixes' own: each fix's memory hook sets its part of
+//! [`oomfix_strategies::StateBytes`] ([`state_bytes`]; the hooks and their
+//! order: [`oomfix_strategies::memory`]). This module adds what depends on
+//! the model's op sequence: activations and the backward's working set,
+//! which the plan's precision, checkpointing and attention change.
 
 mod activations;
 mod runtime;
@@ -34,8 +42,9 @@ pub use activations::{
 pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_POOL_SLACK};
 
 use crate::spec::{Family, ModelSpec};
-use oomfix_strategies::{OptimizerImpl, Plan};
+use oomfix_strategies::{ModelFacts, Pipeline, Plan, StateBytes, Strategy};
 use serde::Serialize;
+use std::sync::{Arc, OnceLock};
 
 /// The moment of the step at which the peak occurs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -148,105 +157,117 @@ pub trait Estimator: Send + Sync {
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown;
 }
 
-/// The analytic model documented in this module.
+/// The analytic model documented in this module, with the built-in fixes'
+/// memory hooks.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MemoryModel;
 
-/// How many times the largest parameter tensor `candle_nn::AdamW` holds in
-/// temporaries during its per-tensor update: each of its 14 elementwise ops (measured)
-/// allocates a full-size output, and since the moments are `Var`s the outputs
-/// stay referenced by the graph until the tensor's update ends.
-pub const CANDLE_ADAMW_TEMPORARIES: u64 = 14;
+impl MemoryModel {
+    /// The analytic model with the memory hooks of every fix `pipeline` can
+    /// use ([`oomfix_strategies::registered`]): the built-in ones and the
+    /// pipeline's others.
+    pub fn registered(pipeline: &Pipeline) -> WithFixes {
+        WithFixes {
+            fixes: oomfix_strategies::registered(pipeline),
+        }
+    }
+}
 
 impl Estimator for MemoryModel {
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        let p = spec.parameters();
-        let n = plan.shard.world_size.max(1) as u64;
-        let stage = if n > 1 { plan.shard.stage } else { 0 };
-        let cb = plan.precision.compute_bytes();
-        let shard = |bytes: u64, from_stage: u8| {
-            if stage >= from_stage {
-                bytes.div_ceil(n)
+        static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
+        estimate(
+            spec,
+            plan,
+            target,
+            BUILTINS.get_or_init(oomfix_strategies::builtins),
+        )
+    }
+}
+
+/// The analytic model with the memory hooks of a list of fixes
+/// ([`MemoryModel::registered`]).
+pub struct WithFixes {
+    fixes: Vec<Arc<dyn Strategy>>,
+}
+
+impl Estimator for WithFixes {
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
+        estimate(spec, plan, target, &self.fixes)
+    }
+}
+
+/// The training state's bytes of `plan` on one rank: the unfixed state,
+/// changed by each of `fixes`' memory hooks in order.
+pub fn state_bytes(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StateBytes {
+    let facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers);
+    let mut state = StateBytes::unfixed(&facts);
+    for fix in fixes {
+        fix.memory(plan, &facts, &mut state);
+    }
+    state
+}
+
+fn estimate(
+    spec: &ModelSpec,
+    plan: &Plan,
+    target: &Target,
+    fixes: &[Arc<dyn Strategy>],
+) -> Breakdown {
+    let p = spec.parameters();
+    let cb = plan.precision.compute_bytes();
+    let s = state_bytes(spec, plan, fixes);
+    let mut act = activation_bytes(spec, plan);
+    if *target == Target::Cpu {
+        widen_cpu_bf16_matmuls(&mut act, spec, plan);
+    }
+    let runtime = target.runtime_bytes();
+    let pool_slack = target.pool_slack_bytes();
+
+    // Alive at every moment of the backward.
+    let state =
+        s.weights + s.master_weights + s.optimizer_state + s.accumulated_gradients + runtime;
+    let block_gradients = s.gradients - (stem_only_parameters(spec).min(p) * cb).min(s.gradients);
+    let moments = [
+        (Phase::LossBackward, act.loss, 0),
+        (Phase::Backward, act.blocks, block_gradients),
+        (Phase::Backward, act.embedding, s.gradients),
+    ];
+    let (backward_phase, moment, backward) = moments
+        .into_iter()
+        .map(|(phase, m, grads)| (phase, m, state + grads + m.total()))
+        .fold((Phase::Backward, Moment::default(), 0), |best, x| {
+            if x.2 > best.2 {
+                x
             } else {
-                bytes
+                best
             }
-        };
-
-        // Weights: during forward and backward every rank holds all compute weights
-        // (stage 3 gathers them all before the forward); between steps and in the
-        // optimizer step only its shard.
-        let weights = p * cb;
-        let offloaded = plan.optimizer.is_offloaded();
-        let master_weights = if plan.precision.is_mixed() && !offloaded {
-            shard(4 * p, 1)
-        } else {
-            0
-        };
-        let gradients = p * cb;
-        let accumulated_gradients = if plan.grad_accum > 1 {
-            shard(p * cb, 2)
-        } else {
-            0
-        };
-        let optimizer_state = if offloaded { 0 } else { shard(8 * p, 1) };
-        let host = if offloaded {
-            shard(12 * p, 1) + shard(gradients, 2)
-        } else {
-            0
-        };
-        let mut act = activation_bytes(spec, plan);
-        if *target == Target::Cpu {
-            widen_cpu_bf16_matmuls(&mut act, spec, plan);
-        }
-        let optimizer_transient = optimizer_transient(spec, plan);
-        let runtime = target.runtime_bytes();
-        let pool_slack = target.pool_slack_bytes();
-
-        // Alive at every moment of the backward.
-        let state = weights + master_weights + optimizer_state + accumulated_gradients + runtime;
-        let block_gradients = gradients - stem_only_parameters(spec).min(p) * cb;
-        let moments = [
-            (Phase::LossBackward, act.loss, 0),
-            (Phase::Backward, act.blocks, block_gradients),
-            (Phase::Backward, act.embedding, gradients),
-        ];
-        let (backward_phase, moment, backward) = moments
-            .into_iter()
-            .map(|(phase, m, grads)| (phase, m, state + grads + m.total()))
-            .fold((Phase::Backward, Moment::default(), 0), |best, x| {
-                if x.2 > best.2 {
-                    x
-                } else {
-                    best
-                }
-            });
-        let step_weights = shard(weights, 3);
-        let step = step_weights
-            + master_weights
-            + optimizer_state
-            + shard(gradients, 2)
-            + optimizer_transient
-            + runtime;
-        let (peak, peak_phase) = if step > backward {
-            (step, Phase::OptimizerStep)
-        } else {
-            (backward, backward_phase)
-        };
-        Breakdown {
-            weights,
-            master_weights,
-            gradients,
-            accumulated_gradients,
-            optimizer_state,
-            activations: moment.activations,
-            backward_transient: moment.transient,
-            optimizer_transient,
-            runtime,
-            pool_slack,
-            peak: target.round_up(peak) + pool_slack,
-            peak_phase,
-            host,
-        }
+        });
+    let step = s.step_weights
+        + s.master_weights
+        + s.optimizer_state
+        + s.step_gradients
+        + s.optimizer_transient
+        + runtime;
+    let (peak, peak_phase) = if step > backward {
+        (step, Phase::OptimizerStep)
+    } else {
+        (backward, backward_phase)
+    };
+    Breakdown {
+        weights: s.weights,
+        master_weights: s.master_weights,
+        gradients: s.gradients,
+        accumulated_gradients: s.accumulated_gradients,
+        optimizer_state: s.optimizer_state,
+        activations: moment.activations,
+        backward_transient: moment.transient,
+        optimizer_transient: s.optimizer_transient,
+        runtime,
+        pool_slack,
+        peak: target.round_up(peak) + pool_slack,
+        peak_phase,
+        host: s.host,
     }
 }
 
@@ -262,31 +283,6 @@ pub fn stem_only_parameters(spec: &ModelSpec) -> u64 {
         Family::Llama => v * h,
         Family::Bert => (positions + 2) * h + 2 * h,
         Family::Generic => 0,
-    }
-}
-
-/// Temporaries of the optimizer step on one rank.
-///
-/// * `candle_nn::AdamW`: [`CANDLE_ADAMW_TEMPORARIES`] copies of the largest
-///   tensor (its per-tensor update allocates that many full-size outputs), plus,
-///   under mixed precision, the fp32 copy of the one 16-bit gradient being
-///   stepped (the trainer steps one tensor at a time and upcasts just its grad).
-/// * fused AdamW: updates in place and reads 16-bit gradients directly: nothing.
-/// * offloaded AdamW: a strided gradient made contiguous on the device before
-///   its copy to the host, one at a time (the largest tensor in the compute
-///   dtype); the weights come back into their own storage.
-pub fn optimizer_transient(spec: &ModelSpec, plan: &Plan) -> u64 {
-    match plan.optimizer {
-        OptimizerImpl::FusedAdamW => 0,
-        OptimizerImpl::OffloadedAdamW => plan.precision.compute_bytes() * spec.largest_tensor(),
-        OptimizerImpl::CandleAdamW => {
-            let upcast = if plan.precision.is_mixed() {
-                4 * spec.largest_tensor()
-            } else {
-                0
-            };
-            CANDLE_ADAMW_TEMPORARIES * 4 * spec.largest_tensor() + upcast
-        }
     }
 }
 

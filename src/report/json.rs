@@ -3,28 +3,11 @@
 use crate::memory::Breakdown;
 use crate::search::{Attempt, SearchResult};
 use crate::spec::ModelSpec;
-use oomfix_strategies::{Checkpointing, Plan};
+use oomfix_strategies::Plan;
 use serde_json::{json, Value};
 
-fn checkpoint(c: Checkpointing) -> Value {
-    match c {
-        Checkpointing::None => json!("none"),
-        Checkpointing::Every(k) => json!(format!("every-{k}")),
-    }
-}
-
 fn plan(p: &Plan) -> Value {
-    json!({
-        "micro_batch": p.micro_batch,
-        "grad_accum": p.grad_accum,
-        "seq_len": p.seq_len,
-        "precision": p.precision.as_str(),
-        "checkpoint": checkpoint(p.checkpoint),
-        "attention": p.attention.as_str(),
-        "optimizer": p.optimizer.as_str(),
-        "world_size": p.shard.world_size,
-        "shard_stage": p.shard.stage,
-    })
+    serde_json::to_value(p).expect("a plan serialises")
 }
 
 fn estimate(b: &Breakdown) -> Value {

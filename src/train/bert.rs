@@ -1,7 +1,7 @@
 //! BERT: post-LN encoder with learned positions and token types, masked-LM head.
 
 use candle_core::{Tensor, Var};
-use oomfix_strategies::{Attention, Checkpointing};
+use oomfix_strategies::Execution;
 
 use super::fused::{self, GeluForm};
 use super::layers::{lm_logits, split_heads, Attend, LayerNorm, Linear, WeightLayout};
@@ -135,13 +135,7 @@ impl TrainableModel for Bert {
         &self.vars
     }
 
-    fn forward_backward(
-        &self,
-        batch: &Batch,
-        checkpoint: Checkpointing,
-        attention: Attention,
-        loss_scale: f64,
-    ) -> Result<StepOutput> {
+    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
         let [embeddings, mask, transform, decoder] = self.tags;
@@ -161,7 +155,7 @@ impl TrainableModel for Bert {
         };
         let attend = {
             let _m = Scope::new(mask, Op::Attention);
-            Attend::padded(attention, batch.attention_mask.as_ref())?
+            Attend::padded(exec, batch.attention_mask.as_ref())?
         };
         let attend = &attend;
         let blocks: Vec<_> = self
@@ -185,6 +179,6 @@ impl TrainableModel for Bert {
             };
             lm_loss(&logits, self.config.vocab, batch)
         };
-        step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
+        step(&self.vars, &stem, &blocks, head, exec)
     }
 }

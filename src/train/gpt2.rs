@@ -1,7 +1,7 @@
 //! GPT-2: learned positions, pre-LN blocks, `Conv1D` projections, tied LM head.
 
 use candle_core::{Tensor, Var};
-use oomfix_strategies::{Attention, Checkpointing};
+use oomfix_strategies::Execution;
 
 use super::fused::{self, GeluForm};
 use super::layers::{lm_logits, Attend, LayerNorm, Linear, WeightLayout};
@@ -113,13 +113,7 @@ impl TrainableModel for Gpt2 {
         &self.vars
     }
 
-    fn forward_backward(
-        &self,
-        batch: &Batch,
-        checkpoint: Checkpointing,
-        attention: Attention,
-        loss_scale: f64,
-    ) -> Result<StepOutput> {
+    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
         let [wte, ln_f, lm_head] = self.tags;
@@ -129,7 +123,7 @@ impl TrainableModel for Gpt2 {
                 fused::embedding(&self.wte, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
             tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
         };
-        let attend = &Attend::causal(attention);
+        let attend = &Attend::causal(exec);
         let blocks: Vec<_> = self
             .blocks
             .iter()
@@ -146,6 +140,6 @@ impl TrainableModel for Gpt2 {
             };
             lm_loss(&logits, self.config.vocab, batch)
         };
-        step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
+        step(&self.vars, &stem, &blocks, head, exec)
     }
 }

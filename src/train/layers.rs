@@ -12,7 +12,7 @@ use super::fused;
 use crate::measure::tag::{Op, Scope};
 use candle_core::{Result, Tensor};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
-use oomfix_strategies::Attention;
+use oomfix_strategies::{Attention, Execution};
 
 /// How a projection's weight is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,9 +147,9 @@ pub(crate) struct Attend {
 
 impl Attend {
     /// Causal attention.
-    pub(crate) fn causal(kind: Attention) -> Self {
+    pub(crate) fn causal(exec: &Execution) -> Self {
         Attend {
-            kind,
+            kind: exec.attention,
             opts: AttentionOptions {
                 causal: true,
                 ..Default::default()
@@ -160,9 +160,9 @@ impl Attend {
     /// Bidirectional attention that ignores the keys where `keep` (`[b, s]`, any
     /// dtype) is zero; `None`: every key counts. The flags are converted to
     /// bytes once here.
-    pub(crate) fn padded(kind: Attention, keep: Option<&Tensor>) -> Result<Self> {
+    pub(crate) fn padded(exec: &Execution, keep: Option<&Tensor>) -> Result<Self> {
         Ok(Attend {
-            kind,
+            kind: exec.attention,
             opts: AttentionOptions {
                 key_padding: keep.map(|k| k.ne(0u32)).transpose()?,
                 ..Default::default()
@@ -299,8 +299,10 @@ mod tests {
                 .unwrap();
             for kind in [Attention::Composed, Attention::Flash] {
                 let attend = match keep {
-                    None => Attend::causal(kind),
-                    Some(keep) => Attend::padded(kind, Some(keep)).unwrap(),
+                    None => Attend::causal(&Execution::default().attention(kind)),
+                    Some(keep) => {
+                        Attend::padded(&Execution::default().attention(kind), Some(keep)).unwrap()
+                    }
                 };
                 let out = attend.forward(&qh, &k, &v, scale).unwrap();
                 let got = out.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();

@@ -2,7 +2,7 @@
 //! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`).
 
 use candle_core::{Tensor, Var};
-use oomfix_strategies::{Attention, Checkpointing};
+use oomfix_strategies::Execution;
 
 use super::fused;
 use super::fused::RopeTables;
@@ -156,13 +156,7 @@ impl TrainableModel for Llama {
         &self.vars
     }
 
-    fn forward_backward(
-        &self,
-        batch: &Batch,
-        checkpoint: Checkpointing,
-        attention: Attention,
-        loss_scale: f64,
-    ) -> Result<StepOutput> {
+    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
         let (b, s) = batch_dims(batch, &self.config, false)?;
         let (h, d) = (self.config.hidden, self.config.head_dim());
         let device = self.embed.device();
@@ -170,7 +164,7 @@ impl TrainableModel for Llama {
         let ctx = {
             let _m = Scope::new(rotary, Op::Rope);
             Context {
-                attend: Attend::causal(attention),
+                attend: Attend::causal(exec),
                 rope_q: RopeTables::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), device)?,
                 rope_k: RopeTables::new(s, d, ROPE_THETA, 1.0, device)?,
             }
@@ -196,6 +190,6 @@ impl TrainableModel for Llama {
             };
             lm_loss(&logits, self.config.vocab, batch)
         };
-        step(&self.vars, &stem, &blocks, head, checkpoint, loss_scale)
+        step(&self.vars, &stem, &blocks, head, exec)
     }
 }

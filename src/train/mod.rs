@@ -176,6 +176,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 use oomfix_strategies::checkpoint::{self, Block};
+use oomfix_strategies::Execution;
+#[cfg(doc)]
 use oomfix_strategies::{Attention, Checkpointing};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
@@ -339,16 +341,10 @@ pub trait TrainableModel {
     fn vars(&self) -> &[(String, Var)];
     /// One forward and backward pass on `batch`: the mean cross-entropy over the
     /// positions `loss_mask` selects (all positions without one; for BERT, the
-    /// masked positions), and the gradients of `loss × loss_scale`, with blocks
-    /// recomputed as `checkpoint` says and attention computed as `attention` says
+    /// masked positions), and the gradients of `loss × exec.loss_scale`, with
+    /// blocks recomputed and attention computed as `exec` says
     /// ([`Attention::Flash`] runs on the CPU and on CUDA devices).
-    fn forward_backward(
-        &self,
-        batch: &Batch,
-        checkpoint: Checkpointing,
-        attention: Attention,
-        loss_scale: f64,
-    ) -> Result<StepOutput>;
+    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput>;
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).
@@ -580,8 +576,7 @@ pub(crate) fn step<B: Block>(
     stem: &Tensor,
     blocks: &[B],
     head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
-    policy: Checkpointing,
-    loss_scale: f64,
+    exec: &Execution,
 ) -> Result<StepOutput> {
     let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
     // Everything after the loss is backward (with checkpointing: recomputed
@@ -593,7 +588,7 @@ pub(crate) fn step<B: Block>(
         tag::set(Tag::new(Module::ROOT, Op::Backward));
         Ok(loss)
     };
-    let out = checkpoint::backward(stem, blocks, head, &vars, policy, loss_scale)?;
+    let out = checkpoint::backward(stem, blocks, head, &vars, exec.checkpoint, exec.loss_scale)?;
     let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
     let grads = out
         .grads

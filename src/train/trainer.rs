@@ -25,13 +25,15 @@ use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::FusedAdamW;
 use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
-use oomfix_strategies::{Attention, OptimizerImpl, Plan, Precision};
+use oomfix_strategies::{Attention, Execution, OptimizerImpl, Plan, Precision, Strategy};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Settings of a training run besides the plan.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
+#[non_exhaustive]
 pub struct TrainOptions {
     /// AdamW hyper-parameters.
     pub adamw: ParamsAdamW,
@@ -39,6 +41,9 @@ pub struct TrainOptions {
     pub seed: u64,
     /// Pretrained weights to start from (`None`: random initialisation).
     pub weights: Option<Vec<PathBuf>>,
+    /// The fixes whose execution hooks make the plan's forward/backward pass
+    /// ([`Execution::for_plan`]); default: the built-in ones.
+    pub fixes: Vec<Arc<dyn Strategy>>,
 }
 
 impl Default for TrainOptions {
@@ -50,6 +55,7 @@ impl Default for TrainOptions {
             },
             seed: 0,
             weights: None,
+            fixes: oomfix_strategies::builtins(),
         }
     }
 }
@@ -118,6 +124,8 @@ pub struct Trainer {
     scaler: Option<LossScaler>,
     /// Kept between steps so that its sums are allocated once.
     accumulator: GradAccumulator,
+    /// What the plan's fixes make a forward/backward pass do.
+    execution: Execution,
     step: u64,
 }
 
@@ -127,6 +135,33 @@ fn describe(c: &ModelConfig) -> String {
         "{:?}, {} layers, hidden {}, {} heads, vocab {}",
         c.family, c.layers, c.hidden, c.heads, c.vocab
     )
+}
+
+/// Whether a checkpoint's recorded plan (`recorded`, its `plan` metadata) is
+/// `plan`; else what differs, field by field, in one line.
+fn check_plan(recorded: Option<&str>, plan: &Plan) -> std::result::Result<(), String> {
+    let Some(recorded) = recorded else {
+        return Err("checkpoint records no plan".into());
+    };
+    let saved: Plan = serde_json::from_str(recorded).map_err(|_| {
+        format!(
+            "checkpoint records its plan as `{recorded}`, not as this version of oomfix writes it \
+             (a file of an older version); it cannot be resumed"
+        )
+    })?;
+    let diff = saved.differences(plan);
+    if diff.is_empty() {
+        return Ok(());
+    }
+    let fields: Vec<String> = diff
+        .iter()
+        .map(|(field, was, now)| format!("{field} {was} (this run: {now})"))
+        .collect();
+    Err(format!(
+        "checkpoint was written with the plan `{saved}`, which differs in {}; \
+         resume with the same budget, batch, sequence length, strategies and precision",
+        fields.join(", ")
+    ))
 }
 
 /// The compute dtype of a precision.
@@ -203,6 +238,7 @@ impl Trainer {
             optim,
             scaler,
             accumulator: GradAccumulator::new(),
+            execution: Execution::for_plan(&plan, &options.fixes),
             step: 0,
         })
     }
@@ -248,6 +284,11 @@ impl Trainer {
         out
     }
 
+    /// What the plan's fixes make each forward/backward pass do.
+    pub fn execution(&self) -> &Execution {
+        &self.execution
+    }
+
     /// Optimizer steps taken.
     pub fn steps(&self) -> u64 {
         self.step
@@ -270,8 +311,9 @@ impl Trainer {
     /// `optim.step`; with fp16 the loss scaler's `scaler.scale` (f64) and
     /// `scaler.growth_tracker`; `trainer.step`; the data position as
     /// `data.synthetic_state` (the generator state's bits) or `data.position` and
-    /// `data.tokens`. Integers are i64 scalars. Metadata: `plan` (the plan as
-    /// text) and `model` (the [`ModelConfig`] as JSON).
+    /// `data.tokens`. Integers are i64 scalars. Metadata: `plan` (the [`Plan`]'s
+    /// serde JSON, compared field by field on resume) and `model` (the
+    /// [`ModelConfig`] as JSON).
     pub fn save(&self, path: &Path, data: &DataSource) -> Result<()> {
         let vars = self.model.vars();
         let mut tensors: Vec<(String, Tensor)> = vars
@@ -315,7 +357,10 @@ impl Trainer {
         let model = serde_json::to_string(self.model.config())
             .map_err(|e| Error::Usage(format!("model shape: {e}")))?;
         let metadata = HashMap::from([
-            ("plan".to_string(), self.plan.to_string()),
+            (
+                "plan".to_string(),
+                serde_json::to_string(&self.plan).expect("a plan serialises"),
+            ),
             ("model".to_string(), model),
         ]);
         checkpoint_file::write(path, tensors, metadata)
@@ -343,17 +388,7 @@ impl Trainer {
                 describe(self.model.config())
             )));
         }
-        let plan = self.plan.to_string();
-        match ck.meta("plan") {
-            Some(p) if p == plan => {}
-            p => {
-                return Err(bad(format!(
-                    "checkpoint was written with the plan `{}`; this run's is `{plan}` \
-                     (resume with the same budget, batch, sequence length, strategies and precision)",
-                    p.unwrap_or("?")
-                )))
-            }
-        }
+        check_plan(ck.meta("plan"), &self.plan).map_err(bad)?;
         let position = if ck.contains("data.synthetic_state") {
             DataPosition::Synthetic(ck.scalar_i64("data.synthetic_state")? as u64)
         } else {
@@ -474,12 +509,9 @@ impl Trainer {
                 let _op = Scope::op(Op::Batch);
                 self.batch(data)?
             };
-            let out = self.model.forward_backward(
-                &batch,
-                self.plan.checkpoint,
-                self.plan.attention,
-                scale,
-            )?;
+            let out = self
+                .model
+                .forward_backward(&batch, &self.execution.loss_scale(scale))?;
             alloc::set_phase(Phase::Backward);
             self.trace_pool("backward");
             mark_tensors(&out.grads, Component::Gradients);

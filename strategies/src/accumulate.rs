@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use crate::adamw::{
     contiguous_range, is_kernel_dtype, with_cpu_mut, with_cpu_mut_src, with_float_vec, Float, CHUNK,
 };
-use crate::{Error, Plan, Result, SearchContext, Strategy};
+use crate::{Error, ModelFacts, Plan, Result, SearchContext, StateBytes, Strategy};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -55,6 +55,13 @@ impl Strategy for Accumulate {
             .into_iter()
             .find(|&d| d > plan.micro_batch)?;
         Some(with_micro_batch(plan, next))
+    }
+    /// With more than one micro-batch, a gradient set in the compute dtype
+    /// carries the sums between them ([`GradAccumulator`]).
+    fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
+        if plan.grad_accum > 1 {
+            state.accumulated_gradients = model.parameters * plan.precision.compute_bytes();
+        }
     }
 }
 

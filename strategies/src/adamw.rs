@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 pub use candle_nn::ParamsAdamW;
 
-use crate::{Error, OptimizerImpl, Plan, Result, SearchContext, Strategy};
+use crate::{Error, ModelFacts, OptimizerImpl, Plan, Result, SearchContext, StateBytes, Strategy};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -35,7 +35,35 @@ impl Strategy for FusedAdamWStrategy {
             ..*plan
         })
     }
+    /// The optimizer step's temporaries: none for [`FusedAdamW`] (in place,
+    /// reading 16-bit gradients directly); for `candle_nn::AdamW`
+    /// [`CANDLE_ADAMW_TEMPORARIES`] fp32 copies of the largest tensor (its
+    /// per-tensor update allocates that many full-size outputs, kept by the
+    /// graph until the tensor's update ends), plus, under mixed precision,
+    /// the fp32 copy of the one 16-bit gradient being stepped (the trainer
+    /// steps one tensor at a time and upcasts just its gradient).
+    fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
+        let largest = model.largest_tensor;
+        match plan.optimizer {
+            OptimizerImpl::FusedAdamW => state.optimizer_transient = 0,
+            OptimizerImpl::CandleAdamW => {
+                let upcast = if plan.precision.is_mixed() {
+                    4 * largest
+                } else {
+                    0
+                };
+                state.optimizer_transient = CANDLE_ADAMW_TEMPORARIES * 4 * largest + upcast;
+            }
+            OptimizerImpl::OffloadedAdamW => {}
+        }
+    }
 }
+
+/// How many times the largest parameter tensor `candle_nn::AdamW` holds in
+/// temporaries during its per-tensor update: each of its 14 elementwise ops
+/// (measured) allocates a full-size output, and since the moments are `Var`s
+/// the outputs stay referenced by the graph until the tensor's update ends.
+pub const CANDLE_ADAMW_TEMPORARIES: u64 = 14;
 
 // ---------------------------------------------------------------------------
 // Mechanism: the fused step.

@@ -40,7 +40,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::adamw::{contiguous_range, is_kernel_dtype, Float};
-use crate::{Attention, Plan, SearchContext, Strategy};
+use crate::{Attention, Execution, Plan, SearchContext, Strategy};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -76,6 +76,12 @@ impl Strategy for FlashAttention {
             attention: Attention::Flash,
             ..*plan
         })
+    }
+    /// Attention as the plan says ([`flash_attention`] for [`Attention::Flash`]).
+    /// Its memory terms are activations, which the memory model derives from
+    /// the plan's `attention` field.
+    fn execution(&self, plan: &Plan, exec: &mut Execution) {
+        exec.attention = plan.attention;
     }
 }
 

@@ -53,7 +53,7 @@
 
 use candle_core::{backprop::GradStore, Tensor, Var};
 
-use crate::{Checkpointing, Error, Plan, Result, SearchContext, Strategy};
+use crate::{Checkpointing, Error, Execution, Plan, Result, SearchContext, Strategy};
 
 /// Planner half: checkpoint every block (keep only each block's input).
 ///
@@ -80,6 +80,12 @@ impl Strategy for Checkpoint {
             checkpoint: Checkpointing::None,
             ..*plan
         })
+    }
+    /// Blocks recomputed as the plan says ([`backward`]). Its memory terms are
+    /// activations, which the memory model derives from the plan's
+    /// `checkpoint` field.
+    fn execution(&self, plan: &Plan, exec: &mut Execution) {
+        exec.checkpoint = plan.checkpoint;
     }
 }
 

@@ -1,17 +1,24 @@
 //! Memory-saving training mechanisms for [candle](https://github.com/huggingface/candle),
 //! and the plan they act on.
 //!
-//! Each fix lives in one module and has two halves:
+//! Each fix lives in one module and is one [`Strategy`]:
 //!
-//! * a [`Strategy`] that rewrites a [`Plan`] (pure and cheap: used by a planner to
-//!   search for a configuration that fits a memory budget), and
-//! * the candle mechanism that executes that part of the plan in a real training
-//!   loop (gradient accumulation, mixed precision with loss scaling,
-//!   memory-efficient attention, activation checkpointing, a fused in-place
-//!   AdamW, ZeRO-style sharding, AdamW offloaded to the host).
+//! * its planner half rewrites a [`Plan`] (pure and cheap: used by a planner to
+//!   search for a configuration that fits a memory budget);
+//! * its memory hook sets its terms of the training state's bytes
+//!   ([`memory`]), which a memory model adds activations to;
+//! * its execution hook says what a forward/backward pass does for it
+//!   ([`Execution`]);
+//! * beside it, in the same module, the candle mechanism that executes that
+//!   part of the plan in a real training loop (gradient accumulation, mixed
+//!   precision with loss scaling, memory-efficient attention, activation
+//!   checkpointing, a fused in-place AdamW, ZeRO-style sharding, AdamW
+//!   offloaded to the host).
 //!
-//! A [`Pipeline`] is an ordered list of strategies. The order is the product: the
-//! default order applies the cheapest fix first.
+//! [`builtins`] is the one list of built-in fixes, in their default order; a
+//! [`Pipeline`] is an ordered list of fixes. The order is the product: the
+//! default order applies the cheapest fix first. How to add a fix:
+//! `strategies/README.md`.
 //!
 //! ```
 //! use oomfix_strategies::{Pipeline, Plan, SearchContext};
@@ -38,6 +45,8 @@
 
 #![warn(missing_docs)]
 
+use std::sync::Arc;
+
 pub mod accumulate;
 pub mod adamw;
 pub mod attention;
@@ -45,6 +54,8 @@ pub mod checkpoint;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+mod execution;
+pub mod memory;
 pub mod offload;
 mod plan;
 pub mod precision;
@@ -58,7 +69,11 @@ pub mod shard;
 pub const CUDA_HALF_PRELUDE: &str = include_str!("half.cuh");
 
 pub use error::{Error, Result};
-pub use plan::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
+pub use execution::Execution;
+pub use memory::{ModelFacts, StateBytes};
+pub use plan::{
+    Attention, Checkpointing, Extensions, OptimizerImpl, Plan, Precision, Sharding, MAX_EXTENSIONS,
+};
 
 /// What a strategy may look at besides the plan itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,12 +93,17 @@ pub struct SearchContext {
     pub host_offload: bool,
 }
 
-/// One memory fix, seen from the planner's side.
+/// One memory fix: its planner half and its hooks into the memory model and
+/// the training step.
 ///
 /// `tighten` returns the next, more memory-frugal plan this fix can offer, or
 /// `None` when it has nothing more to give. `relax` goes the other way: the next
 /// faster, less frugal plan, used after a fit to undo what is no longer needed.
-/// Both are pure functions of the plan.
+/// Both are pure functions of the plan. [`memory`](Strategy::memory) sets the
+/// fix's terms of the training state's bytes for a plan, and
+/// [`execution`](Strategy::execution) what a forward/backward pass does for it;
+/// both do nothing by default and must do nothing for a plan the fix has not
+/// touched (every registered fix's hooks run for every plan).
 pub trait Strategy: Send + Sync {
     /// Short, stable name used on the command line and in logs (`accumulate`, `shard`, …).
     fn name(&self) -> &'static str;
@@ -94,18 +114,53 @@ pub trait Strategy: Send + Sync {
     fn relax(&self, _plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
         None
     }
+    /// Sets this fix's terms of `state` for `plan` (see [`memory`] for the
+    /// order the hooks run in). The default changes nothing.
+    fn memory(&self, _plan: &Plan, _model: &ModelFacts, _state: &mut StateBytes) {}
+    /// Sets what a forward/backward pass of `plan` does for this fix. The
+    /// default changes nothing.
+    fn execution(&self, _plan: &Plan, _exec: &mut Execution) {}
+}
+
+/// The built-in fixes in their default order. This is the one list of them:
+/// a new built-in fix is one module plus one line here.
+pub fn builtins() -> Vec<Arc<dyn Strategy>> {
+    vec![
+        Arc::new(accumulate::Accumulate),
+        Arc::new(precision::MixedPrecision),
+        Arc::new(attention::FlashAttention),
+        Arc::new(checkpoint::Checkpoint),
+        Arc::new(adamw::FusedAdamWStrategy),
+        Arc::new(shard::Shard),
+        Arc::new(offload::Offload),
+    ]
+}
+
+/// The fixes whose hooks apply to a plan searched with `pipeline`: the
+/// built-in ones in their order, then the pipeline's others in its order.
+pub fn registered(pipeline: &Pipeline) -> Vec<Arc<dyn Strategy>> {
+    let mut fixes = builtins();
+    for fix in pipeline.strategies() {
+        if !fixes.iter().any(|f| f.name() == fix.name()) {
+            fixes.push(Arc::clone(fix));
+        }
+    }
+    fixes
 }
 
 /// An ordered list of strategies: the order in which fixes are applied.
+#[derive(Clone)]
 pub struct Pipeline {
-    strategies: Vec<Box<dyn Strategy>>,
+    strategies: Vec<Arc<dyn Strategy>>,
 }
 
 impl Default for Pipeline {
-    /// The default order: accumulate, precision, flash-attention, checkpoint,
-    /// fused-adamw, shard, offload.
+    /// Every built-in fix in the order of [`builtins`]: accumulate, precision,
+    /// flash-attention, checkpoint, fused-adamw, shard, offload.
     fn default() -> Self {
-        Pipeline::from_names(&Self::DEFAULT_ORDER).expect("default names are valid")
+        Pipeline {
+            strategies: builtins(),
+        }
     }
 }
 
@@ -116,17 +171,6 @@ impl std::fmt::Debug for Pipeline {
 }
 
 impl Pipeline {
-    /// Names of the built-in strategies in their default order.
-    pub const DEFAULT_ORDER: [&'static str; 7] = [
-        "accumulate",
-        "precision",
-        "flash-attention",
-        "checkpoint",
-        "fused-adamw",
-        "shard",
-        "offload",
-    ];
-
     /// An empty pipeline (the identity: the baseline plan is the only attempt).
     pub fn new() -> Self {
         Pipeline {
@@ -136,7 +180,7 @@ impl Pipeline {
 
     /// Appends a strategy; builder style.
     pub fn with(mut self, strategy: impl Strategy + 'static) -> Self {
-        self.strategies.push(Box::new(strategy));
+        self.strategies.push(Arc::new(strategy));
         self
     }
 
@@ -148,24 +192,27 @@ impl Pipeline {
     /// assert!(oomfix_strategies::Pipeline::from_names(&["nope"]).is_err());
     /// ```
     pub fn from_names<S: AsRef<str>>(names: &[S]) -> Result<Self> {
+        let builtins = builtins();
         let mut p = Pipeline::new();
         for name in names {
             let name = name.as_ref().trim();
             if p.names().contains(&name) {
                 return Err(Error::Config(format!("strategy `{name}` is listed twice")));
             }
-            p.strategies.push(builtin(name).ok_or_else(|| {
+            let fix = builtins.iter().find(|f| f.name() == name).ok_or_else(|| {
+                let known: Vec<&str> = builtins.iter().map(|f| f.name()).collect();
                 Error::Config(format!(
                     "unknown strategy `{name}` (known: {})",
-                    Self::DEFAULT_ORDER.join(", ")
+                    known.join(", ")
                 ))
-            })?);
+            })?;
+            p.strategies.push(Arc::clone(fix));
         }
         Ok(p)
     }
 
     /// The strategies in order.
-    pub fn strategies(&self) -> &[Box<dyn Strategy>] {
+    pub fn strategies(&self) -> &[Arc<dyn Strategy>] {
         &self.strategies
     }
 
@@ -173,17 +220,4 @@ impl Pipeline {
     pub fn names(&self) -> Vec<&'static str> {
         self.strategies.iter().map(|s| s.name()).collect()
     }
-}
-
-fn builtin(name: &str) -> Option<Box<dyn Strategy>> {
-    Some(match name {
-        "accumulate" => Box::new(accumulate::Accumulate),
-        "precision" => Box::new(precision::MixedPrecision),
-        "flash-attention" => Box::new(attention::FlashAttention),
-        "checkpoint" => Box::new(checkpoint::Checkpoint),
-        "fused-adamw" => Box::new(adamw::FusedAdamWStrategy),
-        "shard" => Box::new(shard::Shard),
-        "offload" => Box::new(offload::Offload),
-        _ => return None,
-    })
 }

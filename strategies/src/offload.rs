@@ -19,7 +19,7 @@ use crate::adamw::{
     check_param, contiguous_range, one_gradient_each, with_cpu_mut_src, with_float_vec, FusedAdamW,
     ParamsAdamW,
 };
-use crate::{Error, OptimizerImpl, Plan, Result, SearchContext, Strategy};
+use crate::{Error, ModelFacts, OptimizerImpl, Plan, Result, SearchContext, StateBytes, Strategy};
 
 /// Planner half: move master weights and optimizer state to host memory
 /// (`cpu-adamw`). Offered only where the device's memory is apart from the
@@ -57,6 +57,22 @@ impl Strategy for Offload {
             optimizer: OptimizerImpl::FusedAdamW,
             ..*plan
         })
+    }
+    /// Offloaded, the fp32 master weights and both moments are host memory
+    /// (this rank's share under ZeRO stage 1+), with staging tensors for the
+    /// gradients going down (stage 2+: the rank's share); on the device the
+    /// step's only temporary is a strided gradient made contiguous before
+    /// its copy, one at a time (the largest tensor in the compute dtype).
+    fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
+        if !plan.optimizer.is_offloaded() {
+            return;
+        }
+        let compute = plan.precision.compute_bytes();
+        state.host = crate::shard::per_rank(plan, 12 * model.parameters, 1)
+            + crate::shard::per_rank(plan, compute * model.parameters, 2);
+        state.master_weights = 0;
+        state.optimizer_state = 0;
+        state.optimizer_transient = compute * model.largest_tensor;
     }
 }
 

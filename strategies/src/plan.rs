@@ -1,16 +1,20 @@
 //! The training configuration that the strategies rewrite.
 
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::ops::Range;
 
 /// Numeric precision of the forward and backward pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Precision {
     /// Everything in fp32.
+    #[serde(rename = "fp32")]
     F32,
     /// bf16 compute weights and activations, fp32 master weights and optimizer state.
+    #[serde(rename = "bf16")]
     Bf16,
     /// f16 compute, fp32 master weights and optimizer state, dynamic loss scaling.
+    #[serde(rename = "fp16")]
     F16,
 }
 
@@ -94,6 +98,29 @@ impl Checkpointing {
     }
 }
 
+/// Serialized as `"none"` or `"every-K"`.
+impl Serialize for Checkpointing {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Checkpointing::None | Checkpointing::Every(0) => s.serialize_str("none"),
+            Checkpointing::Every(k) => s.serialize_str(&format!("every-{k}")),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Checkpointing {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.strip_prefix("every-").map(str::parse::<usize>) {
+            _ if s == "none" => Ok(Checkpointing::None),
+            Some(Ok(k)) if k > 0 => Ok(Checkpointing::Every(k)),
+            _ => Err(serde::de::Error::custom(format!(
+                "`{s}` is not a checkpointing policy (none, every-K with K >= 1)"
+            ))),
+        }
+    }
+}
+
 impl fmt::Display for Checkpointing {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -105,15 +132,18 @@ impl fmt::Display for Checkpointing {
 }
 
 /// Which AdamW implementation runs the optimizer step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum OptimizerImpl {
     /// `candle_nn::AdamW`: state in the parameter dtype, several temporaries per tensor.
+    #[serde(rename = "adamw")]
     CandleAdamW,
     /// [`adamw::FusedAdamW`](crate::adamw::FusedAdamW): fp32 state, updated in place.
+    #[serde(rename = "fused-adamw")]
     FusedAdamW,
     /// [`offload::OffloadedAdamW`](crate::offload::OffloadedAdamW): the fused
     /// step run by the CPU on fp32 master weights and state kept in host
     /// memory; the device holds only compute weights and gradients.
+    #[serde(rename = "cpu-adamw")]
     OffloadedAdamW,
 }
 
@@ -156,7 +186,8 @@ impl fmt::Display for OptimizerImpl {
 }
 
 /// How the attention of each transformer block is computed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Attention {
     /// The probabilities `softmax(q·kᵀ·scale + mask)` as one op (scores made
     /// into probabilities in place), then their product with the values:
@@ -184,11 +215,14 @@ impl fmt::Display for Attention {
 }
 
 /// ZeRO-style sharding of training state across data-parallel ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// Serialized as `world_size` and `shard_stage` (flattened into a plan's fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Sharding {
     /// Number of ranks (1: no sharding).
     pub world_size: usize,
     /// 0: replicated; 1: optimizer state sharded; 2: also gradients; 3: also parameters.
+    #[serde(rename = "shard_stage")]
     pub stage: u8,
 }
 
@@ -202,7 +236,27 @@ impl Sharding {
 
 /// A complete training configuration: everything the memory model and the
 /// trainer need to know about how a step runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// Its serde form is the plan's one encoding: the JSON report, the attempt
+/// spans, the measuring child's argument and a training state's identity all
+/// are `serde_json` of this struct:
+///
+/// ```
+/// use oomfix_strategies::Plan;
+/// let plan = Plan::baseline(8, 1024);
+/// let json = serde_json::to_string(&plan).unwrap();
+/// assert_eq!(
+///     json,
+///     r#"{"micro_batch":8,"grad_accum":1,"seq_len":1024,"precision":"fp32","checkpoint":"none","attention":"composed","optimizer":"adamw","world_size":1,"shard_stage":0}"#
+/// );
+/// assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);
+/// ```
+///
+/// The fields are public and the struct is exhaustive so that a plan can be
+/// written as a change of another (`Plan { micro_batch: 2, ..plan }`); what a
+/// fix outside the built-in ones needs to record goes in
+/// [`extensions`](Plan::extensions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Plan {
     /// Sequences per forward/backward pass on one rank.
     pub micro_batch: usize,
@@ -219,7 +273,11 @@ pub struct Plan {
     /// Optimizer implementation.
     pub optimizer: OptimizerImpl,
     /// Sharding across ranks.
+    #[serde(flatten)]
     pub shard: Sharding,
+    /// Settings of fixes that are not built in (empty for the built-in ones).
+    #[serde(default, skip_serializing_if = "Extensions::is_empty")]
+    pub extensions: Extensions,
 }
 
 impl Plan {
@@ -235,7 +293,41 @@ impl Plan {
             attention: Attention::Composed,
             optimizer: OptimizerImpl::CandleAdamW,
             shard: Sharding::NONE,
+            extensions: Extensions::EMPTY,
         }
+    }
+
+    /// The fields in which `self` differs from `other`, as `(field, self's
+    /// value, other's value)` of their serde form: how a training state tells
+    /// which part of a plan changed.
+    ///
+    /// ```
+    /// use oomfix_strategies::Plan;
+    /// let a = Plan::baseline(8, 1024);
+    /// let b = Plan { micro_batch: 4, grad_accum: 2, ..a };
+    /// let diff = a.differences(&b);
+    /// assert_eq!(diff[0], ("micro_batch".to_string(), "8".to_string(), "4".to_string()));
+    /// assert_eq!(diff.len(), 2);
+    /// ```
+    pub fn differences(&self, other: &Plan) -> Vec<(String, String, String)> {
+        let fields = |p: &Plan| match serde_json::to_value(p) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => serde_json::Map::new(),
+        };
+        let (a, b) = (fields(self), fields(other));
+        let mut names: Vec<&String> = a.keys().chain(b.keys()).collect();
+        names.dedup();
+        let mut seen = std::collections::HashSet::new();
+        names
+            .into_iter()
+            .filter(|n| seen.insert(*n))
+            .filter(|n| a.get(*n) != b.get(*n))
+            .map(|n| {
+                let show =
+                    |v: Option<&serde_json::Value>| v.map_or("-".to_string(), |v| v.to_string());
+                (n.clone(), show(a.get(n)), show(b.get(n)))
+            })
+            .collect()
     }
 
     /// Sequences per optimizer step over all ranks.
@@ -262,6 +354,110 @@ impl fmt::Display for Plan {
                 self.shard.stage, self.shard.world_size
             )?;
         }
+        for (name, value) in self.extensions.iter() {
+            write!(f, ", {name} {value}")?;
+        }
         Ok(())
     }
+}
+
+/// How many settings of fixes outside the built-in ones a plan can hold.
+pub const MAX_EXTENSIONS: usize = 4;
+
+/// Settings of fixes that are not built in: up to [`MAX_EXTENSIONS`] pairs of
+/// a fix's name and a number (a level, a size, a flag as 0/1), kept sorted by
+/// name so that equal settings compare and hash equal.
+///
+/// A fix registered from outside this crate records what it changed here
+/// (its planner half) and reads it back in its memory and execution hooks
+/// ([`crate::Strategy`]). Serialized as a map from name to number.
+///
+/// ```
+/// use oomfix_strategies::Plan;
+/// let mut plan = Plan::baseline(8, 1024);
+/// plan.extensions.set("paged-optimizer", Some(1)).unwrap();
+/// assert_eq!(plan.extensions.get("paged-optimizer"), Some(1));
+/// let json = serde_json::to_string(&plan).unwrap();
+/// assert!(json.ends_with(r#""extensions":{"paged-optimizer":1}}"#));
+/// assert_eq!(serde_json::from_str::<Plan>(&json).unwrap(), plan);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Extensions {
+    slots: [Option<(&'static str, u32)>; MAX_EXTENSIONS],
+}
+
+impl Extensions {
+    /// No settings.
+    pub const EMPTY: Extensions = Extensions {
+        slots: [None; MAX_EXTENSIONS],
+    };
+
+    /// The value recorded for `name`.
+    pub fn get(&self, name: &str) -> Option<u32> {
+        self.iter().find(|(n, _)| *n == name).map(|(_, v)| v)
+    }
+
+    /// Records `value` for `name` (`None` removes it). Fails when
+    /// [`MAX_EXTENSIONS`] other names are already recorded.
+    pub fn set(&mut self, name: &'static str, value: Option<u32>) -> crate::Result<()> {
+        let mut pairs: Vec<(&'static str, u32)> = self.iter().filter(|(n, _)| *n != name).collect();
+        pairs.extend(value.map(|v| (name, v)));
+        if pairs.len() > MAX_EXTENSIONS {
+            return Err(crate::Error::Config(format!(
+                "a plan holds at most {MAX_EXTENSIONS} settings of other fixes; `{name}` is one too many"
+            )));
+        }
+        pairs.sort_unstable();
+        *self = Extensions::EMPTY;
+        for (slot, pair) in self.slots.iter_mut().zip(pairs) {
+            *slot = Some(pair);
+        }
+        Ok(())
+    }
+
+    /// The recorded `(name, value)` pairs, sorted by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, u32)> + '_ {
+        self.slots.iter().flatten().copied()
+    }
+
+    /// Whether nothing is recorded.
+    pub fn is_empty(&self) -> bool {
+        self.slots[0].is_none()
+    }
+}
+
+impl Serialize for Extensions {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.iter())
+    }
+}
+
+impl<'de> Deserialize<'de> for Extensions {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let map = std::collections::BTreeMap::<String, u32>::deserialize(d)?;
+        let mut out = Extensions::EMPTY;
+        for (name, value) in map {
+            out.set(intern(name), Some(value))
+                .map_err(serde::de::Error::custom)?;
+        }
+        Ok(out)
+    }
+}
+
+/// A `'static` copy of `name`, one per distinct name for the process's life
+/// (extension names are fix names: a handful).
+fn intern(name: String) -> &'static str {
+    use std::collections::HashSet;
+    use std::sync::{Mutex, OnceLock};
+    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
+    let mut names = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(n) = names.get(name.as_str()) {
+        return n;
+    }
+    let leaked: &'static str = Box::leak(name.into_boxed_str());
+    names.insert(leaked);
+    leaked
 }

@@ -25,7 +25,7 @@ use candle_nn::VarMap;
 
 use crate::accumulate::collect_grads;
 use crate::adamw::{contiguous_range, is_kernel_dtype, with_float_vec, Float};
-use crate::{Error, Plan, Precision, Result, SearchContext, Strategy};
+use crate::{Error, ModelFacts, Plan, Precision, Result, SearchContext, StateBytes, Strategy};
 
 /// Planner half: switch fp32 compute to bf16 (or f16 with loss scaling where
 /// the device has no bf16).
@@ -46,6 +46,18 @@ impl Strategy for MixedPrecision {
             Precision::F16
         };
         Some(Plan { precision, ..*plan })
+    }
+    /// Weights and gradients in the compute dtype; under mixed precision fp32
+    /// master weights beside them ([`MasterWeights`]).
+    fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
+        let compute = model.parameters * plan.precision.compute_bytes();
+        state.weights = compute;
+        state.step_weights = compute;
+        state.gradients = compute;
+        state.step_gradients = compute;
+        if plan.precision.is_mixed() {
+            state.master_weights = 4 * model.parameters;
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use candle_core::{CpuStorage, Device, Tensor, Var};
 
 use crate::accumulate::divisors;
 use crate::adamw::{one_gradient_each, with_cpu_mut, FusedAdamW, ParamsAdamW};
-use crate::{Error, Plan, Result, SearchContext, Sharding, Strategy};
+use crate::{Error, ModelFacts, Plan, Result, SearchContext, Sharding, StateBytes, Strategy};
 
 /// Planner half: spread training over `gpus` ranks, sharding optimizer state
 /// (stage 1), then gradients (stage 2), then parameters (stage 3).
@@ -54,6 +54,29 @@ impl Strategy for Shard {
             return None;
         }
         with_stage(plan, plan.shard.world_size, plan.shard.stage - 1)
+    }
+    /// Stage 1 divides master weights and optimizer state over the ranks,
+    /// stage 2 also the accumulated gradients and those the step holds,
+    /// stage 3 also the weights between passes (each rank gathers all of them
+    /// for forward and backward).
+    fn memory(&self, plan: &Plan, _model: &ModelFacts, state: &mut StateBytes) {
+        let share = |bytes: &mut u64, from_stage: u8| *bytes = per_rank(plan, *bytes, from_stage);
+        share(&mut state.master_weights, 1);
+        share(&mut state.optimizer_state, 1);
+        share(&mut state.accumulated_gradients, 2);
+        share(&mut state.step_gradients, 2);
+        share(&mut state.step_weights, 3);
+    }
+}
+
+/// One rank's part of `bytes` of state that `plan` shards from ZeRO stage
+/// `from_stage` on: `bytes / world_size` (rounded up) when sharded, else all.
+pub fn per_rank(plan: &Plan, bytes: u64, from_stage: u8) -> u64 {
+    let n = plan.shard.world_size.max(1) as u64;
+    if n > 1 && plan.shard.stage >= from_stage {
+        bytes.div_ceil(n)
+    } else {
+        bytes
     }
 }
 

@@ -1,0 +1,72 @@
+//! What a training step does differently for a plan.
+
+use crate::{Attention, Checkpointing, Plan, Strategy};
+use std::sync::Arc;
+
+/// The part of a plan that a model's forward and backward pass carries out:
+/// made from the plan by every fix's [`Strategy::execution`] hook, and taken
+/// by a model's forward/backward instead of one argument per fix, so that a
+/// fix that changes the pass changes this type and the layers that read it,
+/// not the models.
+///
+/// ```
+/// use oomfix_strategies::{Attention, Checkpointing, Execution, Plan};
+/// let plan = Plan { attention: Attention::Flash, checkpoint: Checkpointing::Every(2), ..Plan::baseline(8, 64) };
+/// let exec = Execution::for_plan(&plan, &oomfix_strategies::builtins());
+/// assert_eq!(exec.attention, Attention::Flash);
+/// assert_eq!(exec.checkpoint, Checkpointing::Every(2));
+/// assert_eq!(Execution::default().loss_scale, 1.0);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct Execution {
+    /// Which blocks are recomputed in backward.
+    pub checkpoint: Checkpointing,
+    /// How attention is computed.
+    pub attention: Attention,
+    /// The factor the loss is multiplied by before backward (fp16 loss scaling).
+    pub loss_scale: f64,
+}
+
+impl Default for Execution {
+    /// Plain autograd, composed attention, no loss scaling.
+    fn default() -> Self {
+        Execution {
+            checkpoint: Checkpointing::None,
+            attention: Attention::Composed,
+            loss_scale: 1.0,
+        }
+    }
+}
+
+impl Execution {
+    /// The execution of `plan`: the default, changed by each of `fixes`' hooks in order.
+    pub fn for_plan(plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> Self {
+        let mut exec = Execution::default();
+        for fix in fixes {
+            fix.execution(plan, &mut exec);
+        }
+        exec
+    }
+
+    /// With checkpointing `policy`.
+    pub fn checkpoint(self, policy: Checkpointing) -> Self {
+        Execution {
+            checkpoint: policy,
+            ..self
+        }
+    }
+
+    /// With attention computed as `attention` says.
+    pub fn attention(self, attention: Attention) -> Self {
+        Execution { attention, ..self }
+    }
+
+    /// With the loss multiplied by `scale` before backward.
+    pub fn loss_scale(self, scale: f64) -> Self {
+        Execution {
+            loss_scale: scale,
+            ..self
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! The fixes' side of the memory model: the training state's bytes on one
+//! rank, which each fix's [`Strategy::memory`](crate::Strategy::memory) hook
+//! sets for its part of a plan.
+//!
+//! A memory model (oomfix's is one) starts from [`StateBytes::unfixed`] (fp32
+//! everything, `candle_nn::AdamW`, one rank), calls every registered fix's
+//! hook in the registry's order, and adds what depends on the model's op
+//! sequence (activations and the backward's working set) itself. The
+//! built-in hooks, in order: `accumulate` adds the accumulated gradients,
+//! `precision` the 16-bit compute copies and fp32 master weights,
+//! `fused-adamw` the optimizer step's temporaries, `shard` divides what each
+//! ZeRO stage shards, `offload` moves master weights and moments to the host.
+//! `flash-attention` and `checkpoint` change activations only, which the
+//! memory model reads from the plan's fields.
+
+/// What the fixes' memory hooks may know about a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct ModelFacts {
+    /// Trainable parameters (a tied weight counted once).
+    pub parameters: u64,
+    /// Elements of the largest parameter tensor.
+    pub largest_tensor: u64,
+    /// Transformer blocks.
+    pub layers: usize,
+}
+
+impl ModelFacts {
+    /// Facts of a model with `parameters` parameters, the largest tensor of
+    /// `largest_tensor` elements, and `layers` blocks.
+    pub fn new(parameters: u64, largest_tensor: u64, layers: usize) -> Self {
+        ModelFacts {
+            parameters,
+            largest_tensor,
+            layers,
+        }
+    }
+}
+
+/// Bytes of training state on one rank (activations excluded), term by term.
+///
+/// Terms named `step_*` are what the optimizer step holds, where it differs
+/// from what forward and backward hold (ZeRO stage 3 shards the weights
+/// between steps but gathers them for the passes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct StateBytes {
+    /// Compute weights during forward and backward.
+    pub weights: u64,
+    /// Compute weights during the optimizer step.
+    pub step_weights: u64,
+    /// fp32 master weights kept beside 16-bit compute weights.
+    pub master_weights: u64,
+    /// Gradients as the backward produces them (the full set).
+    pub gradients: u64,
+    /// Gradients held during the optimizer step.
+    pub step_gradients: u64,
+    /// The accumulated gradients carried between micro-batches.
+    pub accumulated_gradients: u64,
+    /// Optimizer moments.
+    pub optimizer_state: u64,
+    /// Temporaries of the optimizer step.
+    pub optimizer_transient: u64,
+    /// Host memory the plan needs besides the device's.
+    pub host: u64,
+}
+
+impl StateBytes {
+    /// The state of a plan with no fix: fp32 weights and gradients, AdamW's
+    /// two fp32 moments, nothing accumulated, sharded or offloaded.
+    pub fn unfixed(model: &ModelFacts) -> Self {
+        let p = model.parameters;
+        StateBytes {
+            weights: 4 * p,
+            step_weights: 4 * p,
+            master_weights: 0,
+            gradients: 4 * p,
+            step_gradients: 4 * p,
+            accumulated_gradients: 0,
+            optimizer_state: 8 * p,
+            optimizer_transient: 0,
+            host: 0,
+        }
+    }
+}
