@@ -33,8 +33,9 @@
 //! timeline and prints the phase and moment of the measured peak, the
 //! estimate's moments and the largest allocations alive at the peak.
 
-use oomfix::measure::{measure_plan, record_plan, Component, CountingAlloc, Timeline};
+use oomfix::measure::{measure_plan, record_plan, Timeline};
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
+use oomfix::track::{Component, CountingAlloc};
 use oomfix::{Estimator, Family, MemoryModel, ModelConfig, ModelSpec, Target};
 use std::fmt::Write as _;
 
@@ -258,8 +259,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if explain {
         // The recording buffer is allocated on first use: make it now, so that
         // it is part of every recorded step's baseline.
-        oomfix::measure::alloc::start_recording(oomfix::measure::MAX_EVENTS);
-        oomfix::measure::alloc::stop_recording();
+        oomfix::track::alloc::start_recording(oomfix::measure::MAX_EVENTS);
+        oomfix::track::alloc::stop_recording();
     }
     // `--resume FILE`: the peaks an earlier run's JSON measured (`None`: out of
     // memory) are taken as measured; their estimates are recomputed.

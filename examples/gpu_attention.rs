@@ -27,8 +27,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
-use oomfix::measure::cuda::{reset_peaks, PoolStats};
 use oomfix::strategies::attention::{flash_attention, AttentionOptions};
+use oomfix::track::cuda::{reset_peaks, PoolStats};
 
 const MIB: f64 = (1u64 << 20) as f64;
 

@@ -27,11 +27,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Storage, Tensor, Var};
-use oomfix::measure::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
 use oomfix::strategies::accumulate::GradAccumulator;
 use oomfix::strategies::adamw::{FusedAdamW, ParamsAdamW};
 use oomfix::strategies::offload::OffloadedAdamW;
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
+use oomfix::track::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
 use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Plan, Target};

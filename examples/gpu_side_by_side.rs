@@ -24,8 +24,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use oomfix::measure::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Precision};
+use oomfix::track::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
 use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Plan, Target};

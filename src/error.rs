@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 /// Everything that can go wrong in oomfix's library.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A weights file, directory or index that cannot be used; names the path and the problem.
     #[error("{}: {msg}", path.display())]
@@ -13,9 +14,14 @@ pub enum Error {
         /// What is wrong with it, in one line.
         msg: String,
     },
-    /// An invalid option or combination of options.
+    /// An invalid option or combination of options (the message names no
+    /// command-line flag: a command line adds its own hint).
     #[error("{0}")]
     Usage(String),
+    /// A failure while running that is not the input's fault: a measurement
+    /// that failed, an output that could not be written or rendered.
+    #[error("{0}")]
+    Runtime(String),
     /// A failure in a strategy's mechanism.
     #[error(transparent)]
     Strategy(#[from] oomfix_strategies::Error),
@@ -48,9 +54,16 @@ impl Error {
             msg: msg.into(),
         }
     }
-    /// Whether this error is the user's input or usage (exit code 2) rather than a runtime failure.
+    /// Whether this error is the user's input or usage (exit code 2) rather
+    /// than a failure while running (exit code 3): a bad file, a bad option,
+    /// a pipeline naming an unknown fix.
     pub fn is_input(&self) -> bool {
-        matches!(self, Error::Input { .. } | Error::Usage(_))
+        matches!(
+            self,
+            Error::Input { .. }
+                | Error::Usage(_)
+                | Error::Strategy(oomfix_strategies::Error::Config(_))
+        )
     }
 }
 

@@ -20,11 +20,30 @@
 //! assert!(result.attempts.len() > 1);          // the baseline did not fit
 //! println!("{plan}");
 //! ```
+//!
+//! # Layout
+//!
+//! Modules depend only on those above them:
+//!
+//! * [`units`], [`output`]: byte sizes; atomic output files;
+//! * [`inspect`] → [`spec`]: a weights file's header → the model's shape;
+//! * [`memory`]: `(spec, plan, target)` → bytes per component and the peak
+//!   (the fixes' memory hooks, plus activations);
+//! * [`search`]: the pipeline of fixes run against a budget;
+//! * [`track`]: a running step's allocations (counting allocator, tags,
+//!   CUDA pool statistics);
+//! * [`train`]: the trainable model families and the trainer;
+//! * [`measure`]: real steps measured for the search's verifier, and their
+//!   allocation timelines;
+//! * [`report`]: the table, the JSON report, the memory snapshot and plots;
+//! * the `oomfix` binary (its own modules, not part of this API): the command
+//!   line, logging, signals, the training loop's policy, exit codes.
+//!
+//! The fixes themselves (the plan, the pipeline, each fix's planner half,
+//! memory and execution hooks, and its candle mechanism) are the
+//! `oomfix-strategies` crate, re-exported as [`strategies`].
 #![warn(missing_docs)]
 
-pub mod checkpoint_file;
-pub mod cli;
-mod error;
 pub mod inspect;
 pub mod measure;
 pub mod memory;
@@ -32,13 +51,20 @@ pub mod output;
 pub mod report;
 pub mod search;
 pub mod spec;
+mod state_file;
+pub mod track;
 pub mod train;
 pub mod units;
 
+pub mod cli;
+mod error;
+
 pub use error::{Error, Result};
 pub use inspect::inspect;
+pub use measure::StepVerifier;
 pub use memory::{Breakdown, Estimator, MemoryModel, Target};
 pub use oomfix_strategies as strategies;
-pub use oomfix_strategies::{Pipeline, Plan};
-pub use search::{Attempt, Planner, SearchResult, Verify};
+pub use oomfix_strategies::{Execution, Pipeline, Plan, Strategy};
+pub use search::{Attempt, Measurement, Planner, SearchResult, Verifier, Verify};
 pub use spec::{Family, ModelConfig, ModelSpec, TensorInfo};
+pub use train::{TrainOptions, Trainer};

@@ -15,7 +15,8 @@ use clap::Parser;
 use oomfix::cli::{
     Cli, Command, HalfArg, LogArgs, LogFormat, MeasureStepArgs, PlanArgs, TrainArgs, VerifyArg,
 };
-use oomfix::measure::{CountingAlloc, StepVerifier};
+use oomfix::measure::StepVerifier;
+use oomfix::track::CountingAlloc;
 use oomfix::train::data::{DataSource, TokenWidth};
 use oomfix::train::{StepStats, TrainOptions, Trainer};
 use oomfix::{inspect, report, Error, ModelSpec, Pipeline, Planner, SearchResult, Target, Verify};
@@ -145,7 +146,7 @@ fn enforce_cuda(ordinal: usize, budget: u64) -> oomfix::Result<()> {
     let device = candle_core::Device::new_cuda(ordinal)
         .map_err(|e| Error::Usage(format!("--enforce-budget: cannot use cuda:{ordinal}: {e}")))?;
     let cuda = device.as_cuda_device()?;
-    let done = oomfix::measure::cuda::enforce_budget(cuda, budget)
+    let done = oomfix::track::cuda::enforce_budget(cuda, budget)
         .map_err(|e| Error::Usage(format!("--enforce-budget: {e}")))?;
     tracing::info!(
         ballast_bytes = done.ballast,
@@ -220,7 +221,7 @@ fn timeline_outputs(
     if let (Some(path), Some(format)) = (&args.plot, plot_format) {
         let title = format!("{}: {}", spec.source, attempt.plan);
         let image =
-            report::timeline_plot(&timeline, budget, &title, format).map_err(Error::Usage)?;
+            report::timeline_plot(&timeline, budget, &title, format).map_err(Error::Runtime)?;
         oomfix::output::write_atomic(path, |f| write_all(f, path, &image))?;
     }
     Ok(())

@@ -194,19 +194,21 @@ impl Planner {
     /// Runs the search for `spec`.
     pub fn run(&self, spec: &ModelSpec) -> Result<SearchResult> {
         if self.global_batch == 0 {
-            return Err(Error::Usage("--global-batch must be at least 1".into()));
+            return Err(Error::Usage("the global batch must be at least 1".into()));
         }
         if self.gpus == 0 {
-            return Err(Error::Usage("--gpus must be at least 1".into()));
+            return Err(Error::Usage("the number of GPUs must be at least 1".into()));
         }
         let seq_len = self.seq_len_for(spec);
         if seq_len == 0 {
-            return Err(Error::Usage("--seq-len must be at least 1".into()));
+            return Err(Error::Usage(
+                "the sequence length must be at least 1".into(),
+            ));
         }
         let max = spec.config.max_positions;
         if spec.config.family.has_learned_positions() && seq_len > max {
             return Err(Error::Usage(format!(
-                "--seq-len {seq_len} exceeds the model's {max} learned positions"
+                "a sequence length of {seq_len} exceeds the model's {max} learned positions"
             )));
         }
         let ctx = SearchContext {
@@ -279,6 +281,24 @@ impl Planner {
     }
 }
 
+/// Records `plan`'s serde fields on an attempt's span: numbers as numbers,
+/// strings as strings, anything else (the extensions) as its JSON text. The
+/// span declares one field per key (a test checks that none is missing).
+fn record_plan(span: &tracing::Span, plan: &Plan) {
+    let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(plan) else {
+        return;
+    };
+    for (key, value) in &fields {
+        match value {
+            serde_json::Value::Number(n) if n.is_u64() => {
+                span.record(key.as_str(), n.as_u64().unwrap_or_default())
+            }
+            serde_json::Value::String(text) => span.record(key.as_str(), text.as_str()),
+            other => span.record(key.as_str(), other.to_string().as_str()),
+        };
+    }
+}
+
 /// State of one search.
 struct Run<'a> {
     planner: &'a Planner,
@@ -288,16 +308,24 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// Estimates (and, as configured, measures) `plan`; records and logs the attempt.
-    fn evaluate(&mut self, strategy: &str, plan: Plan) -> Result<bool> {
-        let p = self.planner;
-        let estimate = self.estimator.estimate(self.spec, &plan, &p.target);
+    /// The `attempt` span of `plan`: its serde fields, the budget, the
+    /// estimate's terms; `measured_bytes` and `fits` are recorded later.
+    fn span(&self, strategy: &str, plan: &Plan, estimate: &Breakdown) -> tracing::Span {
         let span = tracing::info_span!(
             "attempt",
             index = self.attempts.len(),
             strategy,
-            plan = %serde_json::to_string(&plan).expect("a plan serialises"),
-            budget_bytes = p.budget,
+            micro_batch = tracing::field::Empty,
+            grad_accum = tracing::field::Empty,
+            seq_len = tracing::field::Empty,
+            precision = tracing::field::Empty,
+            checkpoint = tracing::field::Empty,
+            attention = tracing::field::Empty,
+            optimizer = tracing::field::Empty,
+            world_size = tracing::field::Empty,
+            shard_stage = tracing::field::Empty,
+            extensions = tracing::field::Empty,
+            budget_bytes = self.planner.budget,
             estimated_bytes = estimate.peak,
             weights_bytes = estimate.weights,
             master_weights_bytes = estimate.master_weights,
@@ -314,6 +342,15 @@ impl Run<'_> {
             measured_bytes = tracing::field::Empty,
             fits = tracing::field::Empty,
         );
+        record_plan(&span, plan);
+        span
+    }
+
+    /// Estimates (and, as configured, measures) `plan`; records and logs the attempt.
+    fn evaluate(&mut self, strategy: &str, plan: Plan) -> Result<bool> {
+        let p = self.planner;
+        let estimate = self.estimator.estimate(self.spec, &plan, &p.target);
+        let span = self.span(strategy, &plan, &estimate);
         let _enter = span.enter();
         let estimate_fits = estimate.peak <= p.budget;
         let measure = match p.verify {
@@ -399,5 +436,45 @@ impl Run<'_> {
             seq /= 2;
         }
         advice
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every key of a plan's serde form has a field in the attempt span.
+    #[test]
+    fn every_plan_field_is_an_attempt_span_field() {
+        let mut plan = Plan::baseline(8, 64);
+        plan.extensions.set("toy", Some(1)).unwrap();
+        let keys: Vec<String> = match serde_json::to_value(plan).unwrap() {
+            serde_json::Value::Object(map) => map.keys().cloned().collect(),
+            _ => unreachable!("a plan is an object"),
+        };
+        let subscriber = tracing_subscriber::registry();
+        tracing::subscriber::with_default(subscriber, || {
+            let spec = ModelSpec::default_model();
+            let planner = Planner::new(1 << 40).pipeline(Pipeline::new());
+            let estimator = MemoryModel;
+            let run = Run {
+                planner: &planner,
+                estimator: &estimator,
+                spec: &spec,
+                attempts: Vec::new(),
+            };
+            let span = run.span(
+                "baseline",
+                &plan,
+                &estimator.estimate(&spec, &plan, &Target::Cpu),
+            );
+            let fields = span.metadata().expect("an enabled span").fields();
+            for key in &keys {
+                assert!(
+                    fields.field(key.as_str()).is_some(),
+                    "no span field `{key}`"
+                );
+            }
+        });
     }
 }

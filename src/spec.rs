@@ -2,6 +2,13 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The vocabulary of the LM head's products is padded to a multiple of this
+/// many rows (zero rows, masked out of the loss): with an odd vocabulary
+/// (GPT-2's 50,257, BERT's 30,522 is only 2-aligned) each row of the logits
+/// starts at a misaligned address and cuBLAS falls back to slow kernels for
+/// the three products around them.
+pub const VOCAB_ALIGN: usize = 64;
+
 /// Architecture family, inferred from tensor names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -3,8 +3,9 @@
 //! and plan at a time. Fails above 8% (the accuracy target's maximum); the full
 //! matrix and its real figures are in `docs/accuracy.md`.
 
-use oomfix::measure::{measure_plan, CountingAlloc};
+use oomfix::measure::measure_plan;
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
+use oomfix::track::CountingAlloc;
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
 
 #[global_allocator]

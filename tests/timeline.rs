@@ -9,9 +9,9 @@
 mod common;
 
 use common::tiny_gpt2;
-use oomfix::measure::alloc::Phase;
 use oomfix::measure::{record_plan, Component, CountingAlloc, Timeline};
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
+use oomfix::track::alloc::Phase;
 use oomfix::{ModelConfig, ModelSpec, Plan, Target};
 
 #[global_allocator]

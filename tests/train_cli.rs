@@ -5,7 +5,7 @@
 mod common;
 
 use assert_cmd::Command;
-use oomfix::checkpoint_file::CheckpointFile;
+use oomfix::train::StateFile;
 use oomfix::{Family, ModelConfig};
 use predicates::prelude::*;
 use serde_json::Value;
@@ -261,7 +261,7 @@ fn save_then_resume_takes_the_same_steps_as_an_uninterrupted_run() {
                 "{precision} step {s1}: {a} straight, {b} resumed"
             );
         }
-        let ck = CheckpointFile::open(&run.path("ck.safetensors")).unwrap();
+        let ck = StateFile::open(&run.path("ck.safetensors")).unwrap();
         assert_eq!(ck.scalar_i64("trainer.step").unwrap(), 4);
         assert_eq!(ck.scalar_i64("optim.step").unwrap(), 4);
         assert!(ck.contains("master.wte.weight") && ck.contains("optim.wte.weight.m"));
@@ -288,7 +288,7 @@ fn candle_adamw_checkpoints_say_the_moments_are_not_saved() {
         log.contains("WARN") && log.contains("restarts them from zero"),
         "{log}"
     );
-    let ck = CheckpointFile::open(&run.path("ck.safetensors")).unwrap();
+    let ck = StateFile::open(&run.path("ck.safetensors")).unwrap();
     assert!(ck.contains("wte.weight") && !ck.contains("optim.step"));
     assert_eq!(ck.scalar_i64("data.position").unwrap(), 32);
 }
@@ -467,7 +467,7 @@ fn sigterm_and_sigint_stop_at_a_step_boundary_with_a_checkpoint_that_resumes() {
             stopped.ends_with("checkpoint written to ck.safetensors"),
             "{stopped}"
         );
-        let ck = CheckpointFile::open(&run.path("ck.safetensors")).unwrap();
+        let ck = StateFile::open(&run.path("ck.safetensors")).unwrap();
         let step = ck.scalar_i64("trainer.step").unwrap();
         assert!(
             stopped.contains(&format!("after step {step};")),
@@ -495,7 +495,7 @@ fn sigkill_while_saving_every_step_never_leaves_a_broken_checkpoint() {
         signal(&child, libc::SIGKILL);
         child.wait().unwrap();
         // The checkpoint is always a complete one: the first save at step 1 or a later one.
-        let step = CheckpointFile::open(&ck)
+        let step = StateFile::open(&ck)
             .unwrap()
             .scalar_i64("trainer.step")
             .unwrap();

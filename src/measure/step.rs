@@ -11,10 +11,10 @@
 //! exhaust host memory then kills only the child and is recorded as out of memory.
 
 use super::timeline::Timeline;
-use super::{alloc, tag};
 use crate::memory::Target;
 use crate::search::{Measurement, Verifier};
 use crate::spec::ModelSpec;
+use crate::track::{alloc, tag};
 use crate::train::data::DataSource;
 use crate::train::{TrainOptions, Trainer};
 use crate::{Error, Result};
@@ -25,7 +25,7 @@ use std::process::Command;
 
 /// Slack added to the budget for the child's address-space limit: code,
 /// thread stacks and allocator arenas are mapped but are not heap.
-pub const ADDRESS_SPACE_SLACK: u64 = 2 << 30;
+pub(crate) const ADDRESS_SPACE_SLACK: u64 = 2 << 30;
 
 /// Measures one steady-state training step of `plan` in this process.
 pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Measurement> {
@@ -64,13 +64,13 @@ fn measure(
         Target::Cuda(i) if !recorded => return measure_cuda(spec, plan, i).map(|m| (m, None)),
         Target::Cuda(_) => {
             return Err(Error::Usage(
-                "recording a timeline needs --device cpu".into(),
+                "recording a timeline needs the CPU as the target".into(),
             ))
         }
     };
     if !alloc::installed() {
         return Err(Error::Usage(
-            "CPU measurement needs oomfix::measure::CountingAlloc as the global allocator".into(),
+            "CPU measurement needs oomfix::track::CountingAlloc as the global allocator".into(),
         ));
     }
     warm_up(spec, plan, &device)?;
@@ -96,7 +96,7 @@ fn measure(
     let (trainer, stats) = outcome?;
     let peak = stats?.peak().saturating_sub(before);
     if recorded && !events.iter().any(|e| e.kind == alloc::EventKind::StepStart) {
-        return Err(Error::Usage(format!(
+        return Err(Error::Runtime(format!(
             "building the model and its warm-up step made more than {MAX_EVENTS} allocations: \
              the recording ended before the measured step (try a smaller sequence length or batch)"
         )));
@@ -165,7 +165,7 @@ fn warm_up_threads() -> Result<()> {
     });
     outcome
         .clone()
-        .map_err(|e| Error::Usage(format!("warming up the thread pool: {e}")))
+        .map_err(|e| Error::Runtime(format!("warming up the thread pool: {e}")))
 }
 
 /// Measures a step on `cuda:i`: the memory pool's allocated and reserved
@@ -174,7 +174,7 @@ fn warm_up_threads() -> Result<()> {
 /// measurement (`out_of_memory`), after which the pool is trimmed.
 #[cfg(feature = "cuda")]
 fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measurement> {
-    use super::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
+    use crate::track::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
     let device = Device::new_cuda(ordinal)?;
     let Device::Cuda(cuda) = &device else {
         unreachable!("new_cuda gives a CUDA device")
@@ -203,7 +203,7 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
         // The ballast of --enforce-budget is outside the pool too, but not the plan's.
         let outside = (stats.device_total - stats.device_free)
             .saturating_sub(stats.reserved)
-            .saturating_sub(super::cuda::ballast_bytes());
+            .saturating_sub(crate::track::cuda::ballast_bytes());
         Ok(Ok(Measurement {
             peak_bytes: stats.used_high + outside,
             reserved_bytes: stats.reserved_high + outside,
@@ -249,7 +249,7 @@ fn candle_error(e: Error) -> candle_core::Result<Error> {
 #[cfg(not(feature = "cuda"))]
 fn measure_cuda(_: &ModelSpec, _: &Plan, _: usize) -> Result<Measurement> {
     Err(Error::Usage(
-        "measuring on CUDA needs a build with --features cuda".into(),
+        "measuring on CUDA needs a build with the `cuda` cargo feature".into(),
     ))
 }
 
@@ -304,8 +304,8 @@ impl Verifier for StepVerifier {
         let stdout = String::from_utf8_lossy(&out.stdout);
         if out.status.success() {
             let peak: u64 = stdout.trim().parse().map_err(|_| {
-                Error::Usage(format!(
-                    "measure-step printed `{}`, not a byte count",
+                Error::Runtime(format!(
+                    "the measuring child printed `{}`, not a byte count",
                     stdout.trim()
                 ))
             })?;
@@ -328,7 +328,7 @@ impl Verifier for StepVerifier {
                 out_of_memory: true,
             });
         }
-        Err(Error::Usage(format!(
+        Err(Error::Runtime(format!(
             "measuring {plan} failed: {}",
             stderr.trim()
         )))

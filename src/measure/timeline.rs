@@ -11,12 +11,12 @@
 //! Every block gets exactly one [`Component`], by the first rule that applies:
 //!
 //! 1. **Marked**: the trainer marks the buffers it knows by address while they
-//!    are alive ([`super::tag::mark_tensors`]): each micro-batch's parameter
+//!    are alive ([`crate::track::alloc::mark_tensors`]): each micro-batch's parameter
 //!    gradients, the accumulated, unscaled and widened gradients are
 //!    *gradients*. The last mark of a block wins.
-//! 2. **Built as state**: blocks allocated under [`Op::InitWeights`](super::tag::Op::InitWeights) (the
+//! 2. **Built as state**: blocks allocated under [`Op::InitWeights`](crate::track::tag::Op::InitWeights) (the
 //!    model's parameters and fp32 master weights, built by `Trainer::new`) are
-//!    *weights*; under [`Op::InitOptimizer`](super::tag::Op::InitOptimizer) (AdamW's moments) *optimizer
+//!    *weights*; under [`Op::InitOptimizer`](crate::track::tag::Op::InitOptimizer) (AdamW's moments) *optimizer
 //!    state*. Parameters are updated in place, so these blocks live on.
 //! 3. **Saved for backward**: blocks allocated during a forward pass, still
 //!    alive when that micro-batch's backward pass starts and freed before it
@@ -32,8 +32,8 @@
 //! recording started), so per-component bytes always add up to the total;
 //! frees of blocks older than the recording are ignored.
 
-use super::alloc::{Event, EventKind, Phase};
-use super::tag::{Component, Tag};
+use crate::track::alloc::{Event, EventKind, Phase};
+use crate::track::tag::{Component, Tag};
 use std::collections::HashMap;
 
 /// One heap block alive at some time during the measured step.
@@ -293,7 +293,7 @@ impl Timeline {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::measure::tag::{Module, Op};
+    use crate::track::tag::{Module, Op};
 
     fn ev(kind: EventKind, t: u64, addr: u64, size: u64, phase: Phase, op: Op) -> Event {
         Event {

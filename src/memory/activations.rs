@@ -22,9 +22,9 @@
 //! form makes), its output (the same size as the composed context) and one
 //! f32 log-sum-exp per query row and head. Neither builds a mask.
 
+use crate::spec::VOCAB_ALIGN;
 use crate::spec::{Family, ModelSpec};
 use crate::train::fused::PROBS_BACKWARD_CHUNKS;
-use crate::train::VOCAB_ALIGN;
 use oomfix_strategies::{Attention, Checkpointing, Plan, Precision};
 
 /// Activation bytes of one micro-batch on one device.
@@ -310,6 +310,7 @@ fn flash_backward(d: &Dims) -> u64 {
 
 /// [`flash_backward`]'s bytes for `plan` on `spec`: at short sequences this
 /// f32 working set is larger than the probabilities flash attention saves.
+#[cfg(test)]
 pub(crate) fn flash_backward_bytes(spec: &ModelSpec, plan: &Plan) -> u64 {
     flash_backward(&Dims::new(spec, plan))
 }

@@ -9,6 +9,7 @@
 //! `BININT`, `LONG1`, `BINPUT`/`LONG_BINPUT`, `BINGET`/`LONG_BINGET`, `STOP`.
 
 use super::snapshot::{Frame, Segment, SegmentBlock, Snapshot, TraceEntry};
+use crate::measure::Timeline;
 use std::collections::HashMap;
 
 /// Writes pickle opcodes into a buffer.
@@ -204,6 +205,12 @@ pub(crate) fn pickle_snapshot(snapshot: &Snapshot) -> Vec<u8> {
     p.snapshot(snapshot);
     p.out.push(b'.');
     p.out
+}
+
+/// The snapshot as pickle bytes (protocol 3; repeated strings and frame
+/// lists are written once and referenced, see the `pickle` module).
+pub fn snapshot_pickle(timeline: &Timeline) -> Vec<u8> {
+    pickle_snapshot(&super::snapshot::snapshot(timeline))
 }
 
 #[cfg(test)]

@@ -12,9 +12,10 @@
 //! PNGs are drawn by a small raster backend of our own (text from the public
 //! domain 8×8 font of `font8x8`), so no system fonts are needed.
 
-use crate::measure::alloc::Phase;
 use crate::measure::timeline::ComponentBytes;
-use crate::measure::{Component, Timeline};
+use crate::measure::Timeline;
+use crate::track::alloc::Phase;
+use crate::track::Component;
 use crate::units::format_bytes;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -476,8 +477,8 @@ impl DrawingBackend for Canvas<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::measure::alloc::{Event, EventKind};
-    use crate::measure::tag::{Module, Op, Tag};
+    use crate::track::alloc::{Event, EventKind};
+    use crate::track::tag::{Module, Op, Tag};
     use std::collections::HashMap;
 
     fn timeline() -> Timeline {

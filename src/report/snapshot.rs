@@ -20,9 +20,9 @@
 //! `segments` holds the blocks alive when the step ends, one segment per block
 //! (host memory has no allocator segments of its own), with the same frames.
 
-use crate::measure::alloc::Phase;
 use crate::measure::timeline::Block;
 use crate::measure::Timeline;
+use crate::track::alloc::Phase;
 use serde::Serialize;
 
 /// One stack frame as memory_viz reads it.
@@ -234,17 +234,11 @@ pub fn snapshot_value(timeline: &Timeline) -> serde_json::Value {
     serde_json::to_value(snapshot(timeline)).expect("the snapshot serialises")
 }
 
-/// The snapshot as pickle bytes (protocol 3; repeated strings and frame
-/// lists are written once and referenced, see the `pickle` module).
-pub fn snapshot_pickle(timeline: &Timeline) -> Vec<u8> {
-    super::pickle::pickle_snapshot(&snapshot(timeline))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::measure::alloc::{Event, EventKind};
-    use crate::measure::tag::{Component, Module, Op, Tag};
+    use crate::track::alloc::{Event, EventKind};
+    use crate::track::tag::{Component, Module, Op, Tag};
     use std::collections::HashMap;
 
     fn timeline() -> Timeline {
@@ -308,7 +302,7 @@ mod tests {
         assert_eq!(t[2].time_us, 4);
         assert_eq!(s.segments.len(), 1);
         assert_eq!(s.segments[0].address, 0x10);
-        let bytes = snapshot_pickle(&timeline());
+        let bytes = super::super::pickle::snapshot_pickle(&timeline());
         assert_eq!(&bytes[..2], b"\x80\x03", "pickle protocol 3");
         // The memoized pickle holds the same value as a plain one (checked by Python's pickle).
         let plain = serde_pickle::to_vec(&s, serde_pickle::SerOptions::new()).unwrap();

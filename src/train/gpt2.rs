@@ -6,7 +6,7 @@ use oomfix_strategies::Execution;
 use super::fused::{self, GeluForm};
 use super::layers::{lm_logits, Attend, LayerNorm, Linear, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
-use crate::measure::tag::{Module, Op, Scope};
+use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
 const EPS: f64 = 1e-5;

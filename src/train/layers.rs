@@ -9,7 +9,8 @@
 //! broadcast) allocate nothing.
 
 use super::fused;
-use crate::measure::tag::{Op, Scope};
+use crate::spec::VOCAB_ALIGN;
+use crate::track::tag::{Op, Scope};
 use candle_core::{Result, Tensor};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
 use oomfix_strategies::{Attention, Execution};
@@ -58,13 +59,6 @@ impl Linear {
         x.reshape((b * s, d_in))?.matmul(&w)?.reshape((b, s, ()))
     }
 }
-
-/// The vocabulary of the LM head's products is padded to a multiple of this
-/// many rows (zero rows, masked out of the loss): with an odd vocabulary
-/// (GPT-2's 50,257, BERT's 30,522 is only 2-aligned) each row of the logits
-/// starts at a misaligned address and cuBLAS falls back to slow kernels for
-/// the three products around them.
-pub const VOCAB_ALIGN: usize = 64;
 
 /// The LM head's logits `x·Wᵀ (+ b)`, `x` `[n, h]`, `W` `[V, h]`, `b` `[V]`,
 /// over a vocabulary padded with zero rows to `P`, the next multiple of

@@ -8,7 +8,7 @@ use super::fused;
 use super::fused::RopeTables;
 use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm, WeightLayout};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
-use crate::measure::tag::{Module, Op, Scope};
+use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
 /// RMSNorm epsilon (Llama 2, TinyLlama, Mistral).

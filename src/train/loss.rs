@@ -45,7 +45,7 @@ pub fn cross_entropy_padded(
     targets: &Tensor,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let _op = crate::measure::tag::Scope::op(crate::measure::tag::Op::Loss);
+    let _op = crate::track::tag::Scope::op(crate::track::tag::Op::Loss);
     let nll = row_nll(logits, classes, targets)?;
     match mask {
         None => nll.mean_all(),

@@ -134,7 +134,7 @@
 //! | with a `loss_mask` (always for BERT) | nll × mask | `[n]` | f32 |
 //! | all | sum, mean | scalar ×2 | f32 |
 //!
-//! `P` is `V` rounded up to a multiple of [`VOCAB_ALIGN`] (64): the padded
+//! `P` is `V` rounded up to a multiple of [`VOCAB_ALIGN`](crate::spec::VOCAB_ALIGN) (64): the padded
 //! columns are masked out of the loss, and the products around the logits run
 //! on aligned kernels. The loss's backward writes the logits' gradient `[n,P]`
 //! c in one pass (it recomputes each row's log-sum-exp from the kept logits;
@@ -161,15 +161,15 @@
 mod bert;
 pub mod data;
 mod trainer;
+pub use crate::state_file::StateFile;
 pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
 pub mod fused;
 mod gpt2;
 mod layers;
-#[cfg(feature = "cuda")]
-mod nvrtc;
-pub use layers::VOCAB_ALIGN;
 mod llama;
 pub mod loss;
+#[cfg(feature = "cuda")]
+mod nvrtc;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -182,8 +182,8 @@ use oomfix_strategies::{Attention, Checkpointing};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
 
-use crate::measure::alloc::{self, Phase};
-use crate::measure::tag::{self, Module, Op, Scope, Tag};
+use crate::track::alloc::{self, Phase};
+use crate::track::tag::{self, Module, Op, Scope, Tag};
 use crate::{Error, Family, ModelConfig, Result};
 use layers::{LayerNorm, Linear, RmsNorm, WeightLayout};
 
@@ -355,7 +355,7 @@ pub trait TrainableModel {
             .map(|(name, var)| (name.clone(), var.as_tensor().clone()))
             .collect();
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-        crate::checkpoint_file::write_safetensors(path, tensors, metadata)
+        crate::state_file::write_safetensors(path, tensors, metadata)
     }
 }
 

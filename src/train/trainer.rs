@@ -10,14 +10,15 @@
 //! step; offloaded, the masters always live on the host.
 //!
 //! [`Trainer::save`] writes the whole training state to a checkpoint
-//! ([`crate::checkpoint_file`]) and [`Trainer::resume`] restores it, so a resumed
+//! ([`crate::state_file`]) and [`Trainer::resume`] restores it, so a resumed
 //! run takes the same steps as one that was never stopped.
 
 use super::data::{DataPosition, DataSource};
 use super::{build_model, Batch, TrainableModel};
-use crate::checkpoint_file::{self, CheckpointFile};
-use crate::measure::alloc::{self, Phase};
-use crate::measure::tag::{mark_tensors, Component, Module, Op, Scope};
+use crate::state_file::{self, StateFile};
+use crate::track::alloc::mark_tensors;
+use crate::track::alloc::{self, Phase};
+use crate::track::tag::{Component, Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
@@ -355,7 +356,7 @@ impl Trainer {
             }
         }
         let model = serde_json::to_string(self.model.config())
-            .map_err(|e| Error::Usage(format!("model shape: {e}")))?;
+            .map_err(|e| Error::Runtime(format!("model shape: {e}")))?;
         let metadata = HashMap::from([
             (
                 "plan".to_string(),
@@ -363,19 +364,19 @@ impl Trainer {
             ),
             ("model".to_string(), model),
         ]);
-        checkpoint_file::write(path, tensors, metadata)
+        state_file::write(path, tensors, metadata)
     }
 
     /// Restores the state [`save`](Self::save) wrote to `path`, and moves `data`
     /// to where that run stood.
     ///
-    /// The checkpoint must verify (see [`CheckpointFile::open`]) and come from
+    /// The checkpoint must verify (see [`StateFile::open`]) and come from
     /// the same model shape, plan and kind of data; every failure is an input
     /// error naming the file. The checks run before anything changes; a failure
     /// while loading tensors after them leaves the trainer and `data` partly
     /// restored (drop them).
     pub fn resume(&mut self, path: &Path, data: &mut DataSource) -> Result<()> {
-        let ck = CheckpointFile::open(path)?;
+        let ck = StateFile::open(path)?;
         let bad = |msg: String| Error::input(path, msg);
         let saved: ModelConfig = ck
             .meta("model")
@@ -418,7 +419,7 @@ impl Trainer {
     }
 
     /// Loads parameters, master weights and optimizer state from `ck`.
-    fn load_tensors(&mut self, ck: &CheckpointFile) -> Result<()> {
+    fn load_tensors(&mut self, ck: &StateFile) -> Result<()> {
         let set = |name: &str, var: &Var| -> Result<()> {
             let t = ck.tensor(name)?;
             if t.dims() != var.dims() {
@@ -562,7 +563,7 @@ impl Trainer {
     fn reset_device_peak(&self) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cuda) = &self.device {
-            crate::measure::cuda::reset_peaks(cuda)?;
+            crate::track::cuda::reset_peaks(cuda)?;
         }
         Ok(())
     }
@@ -572,17 +573,17 @@ impl Trainer {
     fn phase_peak(&self) -> Result<u64> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cuda) = &self.device {
-            return Ok(crate::measure::cuda::PoolStats::read(cuda)?.used_high);
+            return Ok(crate::track::cuda::PoolStats::read(cuda)?.used_high);
         }
         Ok(alloc::peak())
     }
 
     /// Logs the CUDA pool's counters after `moment` when debug logging is on
-    /// (`measure::cuda::trace_pool` in `cuda` builds); nothing elsewhere.
+    /// (`track::cuda::trace_pool` in `cuda` builds); nothing elsewhere.
     fn trace_pool(&self, moment: &str) {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(cuda) = &self.device {
-            crate::measure::cuda::trace_pool(cuda, moment);
+            crate::track::cuda::trace_pool(cuda, moment);
         }
         let _ = moment;
     }

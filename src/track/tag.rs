@@ -320,19 +320,6 @@ pub fn storage_addr(t: &Tensor) -> Option<u64> {
     (len > 0).then_some(ptr)
 }
 
-/// Records that the storage buffers of `tensors` hold `component` (see
-/// [`super::alloc::mark`]); does nothing unless recording.
-pub fn mark_tensors<'a>(tensors: impl IntoIterator<Item = &'a Tensor>, component: Component) {
-    if !super::alloc::recording() {
-        return;
-    }
-    for t in tensors {
-        if let Some(addr) = storage_addr(t) {
-            super::alloc::mark(addr, component);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,4 +1,5 @@
-//! Training checkpoints: one `.safetensors` file of named tensors whose
+//! Training-state files (what `--save` writes and `--resume` reads; a
+//! "checkpoint" to users, not activation checkpointing): one `.safetensors` file of named tensors whose
 //! `__metadata__` carries a format tag, a version and a SHA-256 of the contents.
 //!
 //! The file is a standard safetensors file (any safetensors reader opens it);
@@ -12,7 +13,7 @@
 //!   offsets), a zero byte and its data bytes; then, for each other metadata
 //!   entry sorted by key, the key, a zero byte, the value and a zero byte. It
 //!   covers everything in the file but the header's padding, so a truncated,
-//!   damaged or edited file fails [`CheckpointFile::open`].
+//!   damaged or edited file fails [`StateFile::open`].
 //!
 //! [`write()`] goes through [`write_atomic`]: a failed or interrupted write leaves
 //! an existing checkpoint untouched. The data is written once: the header first
@@ -40,7 +41,7 @@ const HASH_KEY: &str = "sha256";
 /// The hash of one tensor's name, header entry and bytes.
 fn hash_tensor(h: &mut Sha256, name: &str, info: &TensorInfo, bytes: &[u8]) -> Result<()> {
     let entry =
-        serde_json::to_vec(info).map_err(|e| Error::Usage(format!("tensor `{name}`: {e}")))?;
+        serde_json::to_vec(info).map_err(|e| Error::Runtime(format!("tensor `{name}`: {e}")))?;
     h.update(name.as_bytes());
     h.update([0]);
     h.update(&entry);
@@ -111,7 +112,7 @@ pub fn write_safetensors(
         let mut meta = metadata.clone();
         meta.insert(HASH_KEY.into(), hash);
         let bad =
-            |e: String| Error::Usage(format!("cannot write checkpoint {}: {e}", path.display()));
+            |e: String| Error::Runtime(format!("cannot write checkpoint {}: {e}", path.display()));
         let m = Metadata::new(Some(meta), infos.clone()).map_err(|e| bad(e.to_string()))?;
         let mut json = serde_json::to_vec(&m).map_err(|e| bad(e.to_string()))?;
         json.resize(json.len().next_multiple_of(8), b' ');
@@ -137,7 +138,7 @@ pub fn write_safetensors(
         let file = w.into_inner().map_err(|e| io(e.into_error()))?;
         let header = header(hex(&h.finalize()))?;
         if header.len() != placeholder.len() {
-            return Err(Error::Usage(format!(
+            return Err(Error::Runtime(format!(
                 "cannot write checkpoint {}: its header changed length",
                 path.display()
             )));
@@ -148,14 +149,14 @@ pub fn write_safetensors(
 }
 
 /// A checkpoint opened and verified; tensors are read from it on demand.
-pub struct CheckpointFile {
+pub struct StateFile {
     path: PathBuf,
     map: memmap2::Mmap,
     header_len: usize,
     metadata: Metadata,
 }
 
-impl CheckpointFile {
+impl StateFile {
     /// Opens `path`, checks that it is a complete oomfix checkpoint of a version
     /// this build reads, and verifies its hash. Every failure is an input error
     /// naming the file.
@@ -172,7 +173,7 @@ impl CheckpointFile {
                 "not a complete checkpoint (truncated or damaged?): {e}"
             ))
         })?;
-        let ck = CheckpointFile {
+        let ck = StateFile {
             path: path.to_path_buf(),
             map,
             header_len,
@@ -304,7 +305,7 @@ mod tests {
     #[test]
     fn round_trips_tensors_and_metadata() {
         let dir = tempfile::tempdir().unwrap();
-        let ck = CheckpointFile::open(&sample(dir.path())).unwrap();
+        let ck = StateFile::open(&sample(dir.path())).unwrap();
         assert_eq!(ck.meta("plan"), Some("a plan"));
         assert_eq!(ck.meta("format"), Some(FORMAT));
         assert_eq!(
@@ -337,7 +338,7 @@ mod tests {
             let mut bad = good.clone();
             bad[i] ^= 0x04;
             std::fs::write(&p, &bad).unwrap();
-            let e = CheckpointFile::open(&p)
+            let e = StateFile::open(&p)
                 .err()
                 .unwrap_or_else(|| panic!("flip at byte {i} accepted"))
                 .to_string();
@@ -345,7 +346,7 @@ mod tests {
         }
         for len in [0, 7, 8 + header_len, good.len() - 1] {
             std::fs::write(&p, &good[..len]).unwrap();
-            let e = CheckpointFile::open(&p).err().unwrap().to_string();
+            let e = StateFile::open(&p).err().unwrap().to_string();
             assert!(e.contains("not a complete checkpoint"), "{len}: {e}");
         }
     }
@@ -356,7 +357,7 @@ mod tests {
         let p = dir.path().join("m.safetensors");
         let t = HashMap::from([("w", Tensor::new(&[1f32], &Device::Cpu).unwrap())]);
         candle_core::safetensors::save(&t, &p).unwrap();
-        let e = CheckpointFile::open(&p).err().unwrap().to_string();
+        let e = StateFile::open(&p).err().unwrap().to_string();
         assert!(e.contains("not an oomfix checkpoint"), "{e}");
     }
 }

@@ -5,7 +5,7 @@
 //!
 //! ```
 //! #[global_allocator]
-//! static ALLOC: oomfix::measure::CountingAlloc = oomfix::measure::CountingAlloc;
+//! static ALLOC: oomfix::track::CountingAlloc = oomfix::track::CountingAlloc;
 //! ```
 //!
 //! The counters are process-wide. [`reset_peak`] sets the high-water mark to the
@@ -22,6 +22,7 @@
 //! and the start of the measured step ([`mark_step_start`]).
 
 use super::tag::{self, Component, Tag};
+use candle_core::Tensor;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
@@ -310,4 +311,17 @@ pub fn reset_peak() -> u64 {
     let now = current();
     PEAK.store(now, Ordering::Relaxed);
     now
+}
+
+/// Records that the storage buffers of `tensors` hold `component` (see
+/// [`mark`]); does nothing unless recording.
+pub fn mark_tensors<'a>(tensors: impl IntoIterator<Item = &'a Tensor>, component: Component) {
+    if !recording() {
+        return;
+    }
+    for t in tensors {
+        if let Some(addr) = tag::storage_addr(t) {
+            mark(addr, component);
+        }
+    }
 }

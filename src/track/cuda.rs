@@ -12,7 +12,7 @@
 //!
 //! ```no_run
 //! use candle_core::Device;
-//! use oomfix::measure::cuda::{reset_peaks, PoolStats};
+//! use oomfix::track::cuda::{reset_peaks, PoolStats};
 //!
 //! let device = Device::new_cuda(0)?;
 //! let cuda = device.as_cuda_device()?;
@@ -75,7 +75,7 @@ impl PoolStats {
 /// the pool's counters and the device's free memory after `moment` (a phase of
 /// a training step); otherwise does nothing and does not synchronise.
 ///
-/// `RUST_LOG=oomfix::measure::cuda=debug` shows how far the pool's reservation
+/// `RUST_LOG=oomfix::track::cuda=debug` shows how far the pool's reservation
 /// runs ahead of its live bytes, which a hard limit (`--enforce-budget`) feels.
 pub fn trace_pool(device: &CudaDevice, moment: &str) {
     if !tracing::enabled!(tracing::Level::DEBUG) {
