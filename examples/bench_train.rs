@@ -24,9 +24,10 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer};
-use oomfix::measure::{alloc, measure_plan, CountingAlloc};
+use oomfix::measure::measure_plan;
 use oomfix::strategies::adamw::FusedAdamW;
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Plan, Precision};
+use oomfix::track::{alloc, CountingAlloc};
 use oomfix::train::data::DataSource;
 use oomfix::train::{build_model, Batch, TrainOptions, Trainer};
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Planner, Target};

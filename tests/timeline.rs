@@ -9,9 +9,10 @@
 mod common;
 
 use common::tiny_gpt2;
-use oomfix::measure::{record_plan, Component, CountingAlloc, Timeline};
+use oomfix::measure::{record_plan, Timeline};
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
 use oomfix::track::alloc::Phase;
+use oomfix::track::{Component, CountingAlloc};
 use oomfix::{ModelConfig, ModelSpec, Plan, Target};
 
 #[global_allocator]

@@ -4,8 +4,9 @@ mod common;
 
 use assert_cmd::Command;
 use common::*;
-use oomfix::measure::{CountingAlloc, StepVerifier};
+use oomfix::measure::StepVerifier;
 use oomfix::search::{Measurement, Verifier};
+use oomfix::track::CountingAlloc;
 use oomfix::{Breakdown, Estimator, ModelConfig, ModelSpec, Plan, Planner, Target, Verify};
 use serde_json::Value;
 
