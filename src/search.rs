@@ -32,6 +32,7 @@ pub trait Verifier {
 
 /// Which attempts are measured by the verifier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum Verify {
     /// Estimates only.
     #[default]
@@ -211,17 +212,14 @@ impl Planner {
                 "a sequence length of {seq_len} exceeds the model's {max} learned positions"
             )));
         }
-        let ctx = SearchContext {
-            global_batch: self.global_batch,
-            gpus: self.gpus,
-            supports_bf16: match self.half {
-                Some(h) => h == oomfix_strategies::Precision::Bf16,
-                None => self.target.supports_bf16(),
-            },
-            flash_attention: self.target.has_flash_attention(spec.config.head_dim()),
-            layers: spec.config.layers,
-            host_offload: self.target.has_host_memory(),
+        let mut ctx = SearchContext::new(self.global_batch, spec.config.layers);
+        ctx.gpus = self.gpus;
+        ctx.supports_bf16 = match self.half {
+            Some(h) => h == oomfix_strategies::Precision::Bf16,
+            None => self.target.supports_bf16(),
         };
+        ctx.flash_attention = self.target.has_flash_attention(spec.config.head_dim());
+        ctx.host_offload = self.target.has_host_memory();
         let registered;
         let estimator: &dyn Estimator = match &self.estimator {
             Some(e) => e.as_ref(),

@@ -121,12 +121,8 @@ fn a_fix_from_outside_changes_the_training_step() {
 }
 
 fn search_context() -> SearchContext {
-    SearchContext {
-        global_batch: 4,
-        gpus: 1,
-        supports_bf16: false,
-        flash_attention: true,
-        layers: 2,
-        host_offload: false,
-    }
+    let mut ctx = SearchContext::new(4, 2);
+    ctx.supports_bf16 = false;
+    ctx.host_offload = false;
+    ctx
 }

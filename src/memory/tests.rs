@@ -77,7 +77,9 @@ proptest! {
     #[test]
     fn tightening_never_raises_the_estimate(plan in arb_plan(), i in 0usize..3, target in prop_oneof![Just(Target::Cpu), Just(Target::Cuda(0))]) {
         let spec = spec_for(i);
-        let ctx = SearchContext { global_batch: plan.global_batch(), gpus: 4, supports_bf16: true, flash_attention: true, layers: spec.config.layers, host_offload: target.has_host_memory() };
+        let mut ctx = SearchContext::new(plan.global_batch(), spec.config.layers);
+        ctx.gpus = 4;
+        ctx.host_offload = target.has_host_memory();
         let estimate = MemoryModel.estimate(&spec, &plan, &target);
         let before = estimate.peak;
         for s in Pipeline::default().strategies() {

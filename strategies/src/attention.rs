@@ -57,8 +57,7 @@ mod cuda;
 /// use oomfix_strategies::attention::FlashAttention;
 /// use oomfix_strategies::{Attention, Plan, SearchContext, Strategy};
 ///
-/// let ctx = SearchContext { global_batch: 8, gpus: 1, supports_bf16: true,
-///                           flash_attention: true, layers: 12, host_offload: true };
+/// let ctx = SearchContext::new(8, 12);
 /// let flash = FlashAttention.tighten(&Plan::baseline(8, 1024), &ctx).unwrap();
 /// assert_eq!(flash.attention, Attention::Flash);
 /// assert!(FlashAttention.tighten(&flash, &ctx).is_none());

@@ -30,9 +30,7 @@
 //! );
 //!
 //! // Tighten a plan step by step with the first fix: micro-batch 8 -> 4 -> 2 -> 1.
-//! let ctx = SearchContext {
-//!     global_batch: 8, gpus: 1, supports_bf16: true, flash_attention: true, layers: 12, host_offload: true,
-//! };
+//! let ctx = SearchContext::new(8, 12);
 //! let mut plan = Plan::baseline(8, 1024);
 //! let mut seen = vec![plan.micro_batch];
 //! while let Some(next) = pipeline.strategies()[0].tighten(&plan, &ctx) {
@@ -77,6 +75,7 @@ pub use plan::{
 
 /// What a strategy may look at besides the plan itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SearchContext {
     /// Sequences per optimizer step, summed over micro-batches and ranks; held constant.
     pub global_batch: usize,
@@ -91,6 +90,23 @@ pub struct SearchContext {
     /// Whether the device's memory is apart from the host's, so that optimizer
     /// state can move to the host ([`offload`]): GPUs, not the CPU.
     pub host_offload: bool,
+}
+
+impl SearchContext {
+    /// A search for `global_batch` sequences per optimizer step on a model of
+    /// `layers` blocks, on one GPU that computes in bf16, has a flash
+    /// attention kernel and memory apart from the host's (change the public
+    /// fields for another device).
+    pub fn new(global_batch: usize, layers: usize) -> Self {
+        SearchContext {
+            global_batch,
+            gpus: 1,
+            supports_bf16: true,
+            flash_attention: true,
+            layers,
+            host_offload: true,
+        }
+    }
 }
 
 /// One memory fix: its planner half and its hooks into the memory model and

@@ -30,8 +30,7 @@ use crate::{Error, ModelFacts, OptimizerImpl, Plan, Result, SearchContext, State
 /// use oomfix_strategies::offload::Offload;
 /// use oomfix_strategies::{OptimizerImpl, Plan, SearchContext, Strategy};
 ///
-/// let mut ctx = SearchContext { global_batch: 8, gpus: 1, supports_bf16: true,
-///                               flash_attention: true, layers: 12, host_offload: true };
+/// let mut ctx = SearchContext::new(8, 12);
 /// let offloaded = Offload.tighten(&Plan::baseline(8, 1024), &ctx).unwrap();
 /// assert_eq!(offloaded.optimizer, OptimizerImpl::OffloadedAdamW);
 /// assert!(Offload.tighten(&offloaded, &ctx).is_none());
