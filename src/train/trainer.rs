@@ -611,3 +611,45 @@ impl Trainer {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::check_plan;
+    use oomfix_strategies::{Attention, Plan};
+
+    #[test]
+    fn a_recorded_plan_is_compared_as_data() {
+        let plan = Plan::baseline(8, 64);
+        let json = serde_json::to_string(&plan).unwrap();
+        assert_eq!(check_plan(Some(&json), &plan), Ok(()));
+        // Key order and spacing do not matter: the plan is compared as data.
+        let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let pretty = serde_json::to_string_pretty(&value).unwrap();
+        assert_eq!(check_plan(Some(&pretty), &plan), Ok(()));
+
+        let other = Plan {
+            micro_batch: 4,
+            grad_accum: 2,
+            attention: Attention::Flash,
+            ..plan
+        };
+        let err = check_plan(Some(&json), &other).unwrap_err();
+        for part in [
+            "micro_batch 8 (this run: 4)",
+            "grad_accum 1 (this run: 2)",
+            r#"attention "composed" (this run: "flash")"#,
+        ] {
+            assert!(err.contains(part), "{err}");
+        }
+        assert!(!err.contains("seq_len"), "{err}");
+    }
+
+    #[test]
+    fn a_plan_recorded_as_text_by_an_older_version_is_named() {
+        let plan = Plan::baseline(8, 64);
+        let old = "micro-batch 8 x 1 accumulation, seq 64, fp32, checkpoint none, adamw";
+        let err = check_plan(Some(old), &plan).unwrap_err();
+        assert!(err.contains(old) && err.contains("older version"), "{err}");
+        assert!(check_plan(None, &plan).is_err());
+    }
+}
