@@ -319,6 +319,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             peak_bytes,
             reserved_bytes: peak_bytes,
             out_of_memory: false,
+            step_seconds: None,
         };
         let m = match (earlier, cache.get(&key)) {
             (Some(Some(peak_bytes)), _) | (None, Some(&peak_bytes)) => measured(peak_bytes),

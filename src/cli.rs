@@ -1,5 +1,6 @@
 //! Command-line arguments (clap derive).
 
+use crate as oomfix;
 use crate::memory::Target;
 use crate::units::parse_bytes;
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -103,14 +104,16 @@ pub enum VerifyArg {
     All,
 }
 
-/// 16-bit type used by the precision fix.
+/// `--precision`: chosen by the search, or pinned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum HalfArg {
-    /// bf16 where the device supports it, else fp16.
+    /// The search chooses (its precision fix uses bf16 where the device supports it, else fp16).
     Auto,
-    /// bf16.
+    /// fp32 throughout.
+    Fp32,
+    /// bf16 compute, fp32 master weights.
     Bf16,
-    /// fp16 with dynamic loss scaling.
+    /// fp16 compute with dynamic loss scaling, fp32 master weights.
     Fp16,
 }
 
@@ -147,9 +150,36 @@ pub struct PlanArgs {
         default_value = DEFAULT_STRATEGIES
     )]
     pub strategies: Vec<String>,
-    /// 16-bit type used by the precision fix.
+    /// Compute precision: `auto` lets the search choose; fp32, bf16 or fp16 pin it.
     #[arg(long, value_enum, default_value_t = HalfArg::Auto)]
     pub precision: HalfArg,
+    /// Pin the micro-batch (sequences per forward/backward pass).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(usize))]
+    pub micro_batch: Option<usize>,
+    /// Pin the number of micro-batches accumulated per optimizer step.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(usize))]
+    pub grad_accum: Option<usize>,
+    /// Pin activation checkpointing: none, every (each block) or every-K (segments of K blocks).
+    #[arg(long, value_name = "POLICY", value_parser = parse_from_str::<oomfix::strategies::Checkpointing>)]
+    pub checkpoint: Option<oomfix::strategies::Checkpointing>,
+    /// Pin the attention: composed or flash.
+    #[arg(long, value_name = "KIND", value_parser = parse_from_str::<oomfix::strategies::Attention>)]
+    pub attention: Option<oomfix::strategies::Attention>,
+    /// Pin the optimizer: adamw, fused-adamw or cpu-adamw (offloaded).
+    #[arg(long, value_name = "NAME", value_parser = parse_from_str::<oomfix::strategies::OptimizerImpl>)]
+    pub optimizer: Option<oomfix::strategies::OptimizerImpl>,
+    /// Pin the ZeRO stage (0: no sharding; 1–3 over --gpus).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(0..=3))]
+    pub zero_stage: Option<u8>,
+    /// Memory a plan must leave free below the budget: a percentage of its
+    /// estimate (5%) or a size (512MiB) [default: the estimate's measured
+    /// error: 8% on the CPU, 5% on CUDA].
+    #[arg(long, value_name = "SIZE|PCT", value_parser = parse_from_str::<oomfix::Headroom>)]
+    pub headroom: Option<oomfix::Headroom>,
+    /// Host memory the offloaded optimizer state may use [default: the
+    /// machine's available memory].
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    pub host_budget: Option<u64>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -217,6 +247,10 @@ fn parse_lr(s: &str) -> Result<f64, String> {
             "`{s}` is not a learning rate (a finite number >= 0)"
         )),
     }
+}
+
+fn parse_from_str<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {
+    s.parse()
 }
 
 fn parse_target(s: &str) -> Result<Target, String> {

@@ -29,6 +29,7 @@
 //! * [`inspect`] → [`spec`]: a weights file's header → the model's shape;
 //! * [`memory`]: `(spec, plan, target)` → bytes per component and the peak
 //!   (the fixes' memory hooks, plus activations);
+//! * [`speed`]: `(spec, plan, target)` → modelled seconds per optimizer step;
 //! * [`search`]: the pipeline of fixes run against a budget;
 //! * [`track`]: a running step's allocations (counting allocator, tags,
 //!   CUDA pool statistics);
@@ -51,6 +52,7 @@ pub mod output;
 pub mod report;
 pub mod search;
 pub mod spec;
+pub mod speed;
 mod state_file;
 pub mod track;
 pub mod train;
@@ -65,6 +67,6 @@ pub use measure::StepVerifier;
 pub use memory::{Breakdown, Estimator, MemoryModel, Target};
 pub use oomfix_strategies as strategies;
 pub use oomfix_strategies::{Execution, Pipeline, Plan, Strategy};
-pub use search::{Attempt, Measurement, Planner, SearchResult, Verifier, Verify};
+pub use search::{Attempt, Headroom, Measurement, Pins, Planner, SearchResult, Verifier, Verify};
 pub use spec::{Family, ModelConfig, ModelSpec, TensorInfo};
 pub use train::{TrainOptions, Trainer};

@@ -91,11 +91,13 @@ fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
         .target(args.device)
         .gpus(args.gpus)
         .pipeline(pipeline)
-        .half_precision(match args.precision {
-            HalfArg::Auto => None,
-            HalfArg::Bf16 => Some(oomfix::strategies::Precision::Bf16),
-            HalfArg::Fp16 => Some(oomfix::strategies::Precision::F16),
-        });
+        .pins(pins(args));
+    if let Some(h) = args.headroom {
+        planner = planner.headroom(h);
+    }
+    if let Some(bytes) = args.host_budget.or_else(oomfix::units::available_memory) {
+        planner = planner.host_budget(bytes);
+    }
     if let Some(n) = args.seq_len {
         planner = planner.seq_len(n);
     }
@@ -126,6 +128,25 @@ fn plan(args: &PlanArgs) -> oomfix::Result<(ModelSpec, SearchResult)> {
         print!("{}", report::search_table(&spec, &result));
     }
     Ok((spec, result))
+}
+
+/// The plan fields the command line pins.
+fn pins(args: &PlanArgs) -> oomfix::Pins {
+    use oomfix::strategies::Precision;
+    let mut pins = oomfix::Pins::default();
+    pins.precision = match args.precision {
+        HalfArg::Auto => None,
+        HalfArg::Fp32 => Some(Precision::F32),
+        HalfArg::Bf16 => Some(Precision::Bf16),
+        HalfArg::Fp16 => Some(Precision::F16),
+    };
+    pins.micro_batch = args.micro_batch;
+    pins.grad_accum = args.grad_accum;
+    pins.checkpoint = args.checkpoint;
+    pins.attention = args.attention;
+    pins.optimizer = args.optimizer;
+    pins.shard_stage = args.zero_stage;
+    pins
 }
 
 /// `--enforce-budget`: leaves only `budget` bytes of the CUDA device usable by
@@ -427,7 +448,7 @@ fn measure_step(args: &MeasureStepArgs) -> oomfix::Result<bool> {
         serde_json::from_str(&args.config).map_err(|e| Error::Usage(format!("--config: {e}")))?;
     let spec = ModelSpec::from_config("measured", config);
     let m = oomfix::measure::measure_plan(&spec, &plan, Target::Cpu)?;
-    println!("{}", m.peak_bytes);
+    println!("{} {}", m.peak_bytes, m.step_seconds.unwrap_or(f64::NAN));
     Ok(true)
 }
 

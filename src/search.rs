@@ -1,20 +1,34 @@
 //! Drive the strategy pipeline against a budget.
 //!
 //! The search starts from the baseline plan (whole batch, fp32, plain autograd,
-//! `candle_nn::AdamW`, one device), then applies the pipeline's fixes in order,
-//! each as many steps as it offers, keeping what earlier fixes did. At the first
-//! plan that fits it relaxes, in reverse pipeline order, whatever is no longer
-//! needed (a larger micro-batch, no checkpointing, a lower ZeRO stage) as long as
-//! the plan still fits. Every plan evaluated is an [`Attempt`], logged as a
-//! `tracing` span named `attempt`.
+//! `candle_nn::AdamW`, one device, with the user's [`Pins`] applied), then
+//! applies the pipeline's fixes in order, each as many steps as it offers,
+//! keeping what earlier fixes did. From the first plan that fits it explores
+//! the plans one fix's step away (a fix relaxed or tightened), and from each
+//! of those that fits the next ones, and returns the fitting plan with the
+//! lowest modelled time per optimizer step ([`crate::speed`]; the global batch
+//! is the same for all). The way from the first fit to the chosen plan is
+//! recorded step by step; the other plans explored are counted
+//! ([`SearchResult::explored`]). With a verifier, the fastest few candidates
+//! are measured and the fastest measured one that fits is chosen.
+//!
+//! A plan fits when its estimated peak plus the headroom ([`Headroom`]) is
+//! within the budget, its host memory within the host budget, and, when
+//! measured, its measured peak within the budget. Every plan evaluated is an
+//! [`Attempt`], logged as a `tracing` span named `attempt`.
 
 use crate::memory::{Breakdown, Estimator, MemoryModel, Target};
 use crate::spec::ModelSpec;
+use crate::speed::{step_time, StepTime};
 use crate::{Error, Result};
-use oomfix_strategies::{Pipeline, Plan, SearchContext, Sharding};
+use oomfix_strategies::{
+    Attention, Checkpointing, OptimizerImpl, Pipeline, Plan, Precision, SearchContext, Sharding,
+};
+use serde::Serialize;
+use std::collections::HashMap;
 
 /// A measured step: what a verifier reports for one plan.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Measurement {
     /// Peak bytes allocated during a steady-state step.
     pub peak_bytes: u64,
@@ -22,6 +36,170 @@ pub struct Measurement {
     pub reserved_bytes: u64,
     /// The step ran out of memory (the peak is then a lower bound).
     pub out_of_memory: bool,
+    /// Wall time of a steady-state optimizer step in seconds, when timed.
+    pub step_seconds: Option<f64>,
+}
+
+/// How much of the budget a plan must leave unused: the estimate's margin of
+/// error, so that a plan reported as fitting does not run out of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Headroom {
+    /// A number of bytes.
+    Bytes(u64),
+    /// A fraction of the estimated peak (0.05: the estimate plus 5% must fit).
+    Fraction(f64),
+}
+
+/// The default headroom of CPU plans: the estimate was at most 7.1% below the
+/// measured peak over docs/accuracy.md's 270 configurations (estimate ×
+/// 1.076 covers the worst), rounded up.
+pub const CPU_HEADROOM: Headroom = Headroom::Fraction(0.08);
+
+/// The default headroom of CUDA plans: the estimate was at most 4.1% below
+/// the pool's measured peak over docs/accuracy-gpu.md's 180 configurations
+/// on the H200 (estimate × 1.043 covers the worst), rounded up.
+pub const CUDA_HEADROOM: Headroom = Headroom::Fraction(0.05);
+
+impl Headroom {
+    /// The headroom taken when none is set: measured from the estimate's
+    /// error on `target` ([`CPU_HEADROOM`], [`CUDA_HEADROOM`]).
+    pub fn default_for(target: &Target) -> Headroom {
+        match target {
+            Target::Cpu => CPU_HEADROOM,
+            Target::Cuda(_) => CUDA_HEADROOM,
+        }
+    }
+
+    /// Bytes to keep free above an estimated peak of `peak` bytes.
+    pub fn bytes(&self, peak: u64) -> u64 {
+        match *self {
+            Headroom::Bytes(b) => b,
+            Headroom::Fraction(f) => (peak as f64 * f.max(0.0)).ceil() as u64,
+        }
+    }
+}
+
+impl std::str::FromStr for Headroom {
+    type Err = String;
+    /// `5%`, `0.5GiB`, `512MiB`, a number of bytes, `0`.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let t = s.trim();
+        if let Some(pct) = t.strip_suffix('%') {
+            return match pct.trim().parse::<f64>() {
+                Ok(p) if p.is_finite() && (0.0..100.0).contains(&p) => {
+                    Ok(Headroom::Fraction(p / 100.0))
+                }
+                _ => Err(format!(
+                    "`{s}` is not a headroom (a percentage from 0% to below 100%, or a size)"
+                )),
+            };
+        }
+        crate::units::parse_bytes(t).map(Headroom::Bytes)
+    }
+}
+
+/// Plan fields fixed by the user: the search starts from them and never
+/// changes them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Pins {
+    /// Sequences per micro-batch.
+    pub micro_batch: Option<usize>,
+    /// Micro-batches per optimizer step.
+    pub grad_accum: Option<usize>,
+    /// Compute precision.
+    pub precision: Option<Precision>,
+    /// Activation checkpointing.
+    pub checkpoint: Option<Checkpointing>,
+    /// Attention.
+    pub attention: Option<Attention>,
+    /// Optimizer.
+    pub optimizer: Option<OptimizerImpl>,
+    /// ZeRO stage (1–3 shard over the planner's GPUs; 0 runs on one).
+    pub shard_stage: Option<u8>,
+}
+
+impl Pins {
+    /// The names of the pinned fields, as the plan's serde form names them.
+    pub fn names(&self) -> Vec<&'static str> {
+        [
+            ("micro_batch", self.micro_batch.is_some()),
+            ("grad_accum", self.grad_accum.is_some()),
+            ("precision", self.precision.is_some()),
+            ("checkpoint", self.checkpoint.is_some()),
+            ("attention", self.attention.is_some()),
+            ("optimizer", self.optimizer.is_some()),
+            ("shard_stage", self.shard_stage.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(n, pinned)| pinned.then_some(n))
+        .collect()
+    }
+
+    /// Whether `plan` keeps every pinned field.
+    pub fn admit(&self, plan: &Plan) -> bool {
+        fn keeps<T: PartialEq>(pin: Option<T>, value: T) -> bool {
+            pin.is_none_or(|p| p == value)
+        }
+        keeps(self.micro_batch, plan.micro_batch)
+            && keeps(self.grad_accum, plan.grad_accum)
+            && keeps(self.precision, plan.precision)
+            && keeps(self.checkpoint, plan.checkpoint)
+            && keeps(self.attention, plan.attention)
+            && keeps(self.optimizer, plan.optimizer)
+            && keeps(self.shard_stage, plan.shard.stage)
+    }
+
+    /// The baseline plan for `global` sequences of `seq_len` tokens over
+    /// `gpus` devices with the pins applied; an error when they contradict
+    /// each other or the global batch.
+    fn baseline(&self, global: usize, seq_len: usize, gpus: usize) -> Result<Plan> {
+        let mut plan = Plan::baseline(global, seq_len);
+        if let Some(stage) = self.shard_stage {
+            if stage > 3 {
+                return Err(Error::Usage(format!(
+                    "ZeRO stage {stage} does not exist (0 to 3)"
+                )));
+            }
+            if stage > 0 {
+                plan.shard = Sharding {
+                    world_size: gpus,
+                    stage,
+                };
+            }
+        }
+        let world = plan.shard.world_size;
+        if global % world != 0 {
+            return Err(Error::Usage(format!(
+                "a global batch of {global} does not split over {world} GPUs"
+            )));
+        }
+        let per_rank = global / world;
+        let split = |part: usize, what: &str| -> Result<usize> {
+            if part == 0 || per_rank % part != 0 {
+                return Err(Error::Usage(format!(
+                    "a {what} of {part} does not divide the {per_rank} sequences per rank and step"
+                )));
+            }
+            Ok(per_rank / part)
+        };
+        (plan.micro_batch, plan.grad_accum) = match (self.micro_batch, self.grad_accum) {
+            (Some(m), Some(a)) if m * a != per_rank => {
+                return Err(Error::Usage(format!(
+                    "a micro-batch of {m} times {a} accumulation steps is not the {per_rank} sequences per rank and step"
+                )))
+            }
+            (Some(m), _) => (m, split(m, "micro-batch")?),
+            (None, Some(a)) => (split(a, "number of accumulation steps")?, a),
+            (None, None) => (per_rank, 1),
+        };
+        plan.precision = self.precision.unwrap_or(plan.precision);
+        plan.checkpoint = self.checkpoint.unwrap_or(plan.checkpoint);
+        plan.attention = self.attention.unwrap_or(plan.attention);
+        plan.optimizer = self.optimizer.unwrap_or(plan.optimizer);
+        Ok(plan)
+    }
 }
 
 /// Runs real training steps for a plan and measures them.
@@ -54,8 +232,11 @@ pub struct Attempt {
     pub estimate: Breakdown,
     /// The verifier's measurement, when it ran.
     pub measured: Option<Measurement>,
-    /// Whether the plan fits: the estimate, and the measurement when there is one.
+    /// Whether the plan fits: the estimate with the headroom, the host
+    /// memory, and the measurement when there is one.
     pub fits: bool,
+    /// The modelled time of one optimizer step.
+    pub time: StepTime,
 }
 
 impl Attempt {
@@ -78,9 +259,19 @@ impl Attempt {
 
 /// The outcome of a search.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct SearchResult {
     /// The budget searched against, in bytes per device.
     pub budget_bytes: u64,
+    /// Host memory the plan may use besides the device's (offloaded state), if bounded.
+    pub host_budget_bytes: Option<u64>,
+    /// The margin kept below the budget.
+    pub headroom: Headroom,
+    /// The plan fields the user pinned.
+    pub pins: Pins,
+    /// Plans estimated while looking for the fastest that fits, the recorded
+    /// attempts included.
+    pub explored: usize,
     /// The device planned for.
     pub target: Target,
     /// Every attempt in the order it was made.
@@ -99,6 +290,12 @@ impl SearchResult {
     /// The chosen attempt.
     pub fn chosen(&self) -> Option<&Attempt> {
         self.chosen.map(|i| &self.attempts[i])
+    }
+    /// Bytes the chosen plan leaves unused below the budget (its estimated
+    /// peak, or its measured one when larger).
+    pub fn margin_bytes(&self) -> Option<u64> {
+        self.chosen()
+            .map(|a| self.budget_bytes.saturating_sub(a.peak()))
     }
     /// The attempt with the lowest peak (the one to report when nothing fits).
     pub fn closest(&self) -> &Attempt {
@@ -122,6 +319,9 @@ pub struct Planner {
     verifier: Option<Box<dyn Verifier>>,
     verify: Verify,
     half: Option<oomfix_strategies::Precision>,
+    pins: Pins,
+    headroom: Option<Headroom>,
+    host_budget: Option<u64>,
 }
 
 impl Planner {
@@ -139,7 +339,26 @@ impl Planner {
             verifier: None,
             verify: Verify::Off,
             half: None,
+            pins: Pins::default(),
+            headroom: None,
+            host_budget: None,
         }
+    }
+    /// Plan fields the search keeps as given.
+    pub fn pins(mut self, pins: Pins) -> Self {
+        self.pins = pins;
+        self
+    }
+    /// The margin a plan must leave below the budget (default:
+    /// [`Headroom::default_for`] the target).
+    pub fn headroom(mut self, headroom: Headroom) -> Self {
+        self.headroom = Some(headroom);
+        self
+    }
+    /// Host memory available to offloaded optimizer state (default: unbounded).
+    pub fn host_budget(mut self, bytes: u64) -> Self {
+        self.host_budget = Some(bytes);
+        self
     }
     /// Sequences per optimizer step (held constant by every fix).
     pub fn global_batch(mut self, n: usize) -> Self {
@@ -232,14 +451,16 @@ impl Planner {
             planner: self,
             estimator,
             spec,
+            headroom: self.headroom.unwrap_or(Headroom::default_for(&self.target)),
             attempts: Vec::new(),
+            explored: HashMap::new(),
         };
-        let mut plan = Plan::baseline(self.global_batch, seq_len);
+        let mut plan = self.pins.baseline(self.global_batch, seq_len, self.gpus)?;
         let mut fits = run.evaluate("baseline", plan)?;
         let strategies = self.pipeline.strategies();
         'fixes: for s in strategies {
             while !fits {
-                let Some(next) = s.tighten(&plan, &ctx) else {
+                let Some(next) = s.tighten(&plan, &ctx).filter(|next| self.pins.admit(next)) else {
                     continue 'fixes;
                 };
                 plan = next;
@@ -247,30 +468,18 @@ impl Planner {
             }
             break;
         }
-        let mut chosen = None;
-        if fits {
-            chosen = Some(run.attempts.len() - 1);
-            for s in strategies.iter().rev() {
-                while let Some(next) = s.relax(&plan, &ctx) {
-                    // a plan already tried (the baseline's micro-batch, say) is not tried again
-                    let index = match run.attempts.iter().position(|a| a.plan == next) {
-                        Some(i) => i,
-                        None => {
-                            run.evaluate(&format!("relax {}", s.name()), next)?;
-                            run.attempts.len() - 1
-                        }
-                    };
-                    if !run.attempts[index].fits {
-                        break;
-                    }
-                    plan = next;
-                    chosen = Some(index);
-                }
-            }
-        }
+        let chosen = if fits {
+            run.fastest(run.attempts.len() - 1, &ctx)?
+        } else {
+            None
+        };
         let advice = if fits { Vec::new() } else { run.advice(&ctx) };
         Ok(SearchResult {
             budget_bytes: self.budget,
+            host_budget_bytes: self.host_budget,
+            headroom: run.headroom,
+            pins: self.pins,
+            explored: run.explored.len(),
             target: self.target,
             attempts: run.attempts,
             chosen,
@@ -278,6 +487,11 @@ impl Planner {
         })
     }
 }
+
+/// How many plans the search estimates at most while looking for the fastest.
+const MAX_EXPLORED: usize = 4096;
+/// How many of the fastest candidates a verifier measures.
+const VERIFIED_CANDIDATES: usize = 3;
 
 /// Records `plan`'s serde fields on an attempt's span: numbers as numbers,
 /// strings as strings, anything else (the extensions) as its JSON text. The
@@ -302,10 +516,138 @@ struct Run<'a> {
     planner: &'a Planner,
     estimator: &'a dyn Estimator,
     spec: &'a ModelSpec,
+    headroom: Headroom,
     attempts: Vec<Attempt>,
+    /// Every plan estimated: whether its estimate fits, its modelled time,
+    /// and the plan and fix it was reached from.
+    explored: HashMap<Plan, Explored>,
+}
+
+/// A plan estimated while exploring.
+#[derive(Debug, Clone)]
+struct Explored {
+    fits: bool,
+    seconds: f64,
+    from: Option<(Plan, String)>,
 }
 
 impl Run<'_> {
+    /// Whether an estimate (and its host memory) fits, with the headroom.
+    fn estimate_fits(&self, estimate: &Breakdown) -> bool {
+        let p = self.planner;
+        estimate
+            .peak
+            .saturating_add(self.headroom.bytes(estimate.peak))
+            <= p.budget
+            && p.host_budget.is_none_or(|h| estimate.host <= h)
+    }
+
+    /// From the first fitting attempt (`first`), every plan a fix's step away
+    /// from a fitting one, transitively (at most [`MAX_EXPLORED`]): the index
+    /// of the attempt of the fastest that fits, the way to it recorded. With a
+    /// verifier the [`VERIFIED_CANDIDATES`] fastest are measured and the
+    /// fastest measured one that fits is chosen.
+    fn fastest(&mut self, first: usize, ctx: &SearchContext) -> Result<Option<usize>> {
+        let p = self.planner;
+        let start = self.attempts[first].plan;
+        let mut queue = std::collections::VecDeque::from([start]);
+        self.explored.insert(
+            start,
+            Explored {
+                fits: true,
+                seconds: self.attempts[first].time.total,
+                from: None,
+            },
+        );
+        while let Some(plan) = queue.pop_front() {
+            for s in p.pipeline.strategies().iter().rev() {
+                let moves = [
+                    (s.relax(&plan, ctx), format!("relax {}", s.name())),
+                    (s.tighten(&plan, ctx), s.name().to_string()),
+                ];
+                for (next, label) in moves {
+                    let Some(next) = next.filter(|n| p.pins.admit(n)) else {
+                        continue;
+                    };
+                    if self.explored.contains_key(&next) || self.explored.len() >= MAX_EXPLORED {
+                        continue;
+                    }
+                    let estimate = self.estimator.estimate(self.spec, &next, &p.target);
+                    let fits = self.estimate_fits(&estimate);
+                    let seconds = step_time(self.spec, &next, &p.target).total;
+                    self.explored.insert(
+                        next,
+                        Explored {
+                            fits,
+                            seconds,
+                            from: Some((plan, label)),
+                        },
+                    );
+                    if fits {
+                        queue.push_back(next);
+                    }
+                }
+            }
+        }
+        let mut candidates: Vec<(Plan, f64)> = self
+            .explored
+            .iter()
+            .filter(|(_, e)| e.fits)
+            .map(|(plan, e)| (*plan, e.seconds))
+            .collect();
+        candidates.sort_by(|a, b| {
+            a.1.total_cmp(&b.1)
+                .then_with(|| a.0.micro_batch.cmp(&b.0.micro_batch).reverse())
+        });
+        let measuring = p.verifier.is_some() && p.verify != Verify::Off;
+        let tried = if measuring { VERIFIED_CANDIDATES } else { 1 };
+        let mut best: Option<(usize, f64)> = None;
+        for (plan, seconds) in candidates.into_iter().take(tried) {
+            let Some(index) = self.record_way(plan)? else {
+                continue;
+            };
+            let a = &self.attempts[index];
+            if !a.fits {
+                continue;
+            }
+            let time = a.measured.and_then(|m| m.step_seconds).unwrap_or(seconds);
+            if best.is_none_or(|(_, t)| time < t) {
+                best = Some((index, time));
+            }
+        }
+        Ok(best.map(|(i, _)| i).or(Some(first)))
+    }
+
+    /// Records the way from the first fit to `plan` as attempts (those not
+    /// yet recorded), and returns the index of `plan`'s attempt; `None` when a
+    /// plan on the way does not fit once measured.
+    fn record_way(&mut self, plan: Plan) -> Result<Option<usize>> {
+        let mut way = vec![];
+        let mut at = plan;
+        while let Some(e) = self.explored.get(&at) {
+            let Some((from, label)) = e.from.clone() else {
+                break;
+            };
+            way.push((at, label));
+            at = from;
+        }
+        let mut index = self.attempts.iter().rposition(|a| a.plan == at);
+        for (step, label) in way.into_iter().rev() {
+            let i = match self.attempts.iter().position(|a| a.plan == step) {
+                Some(i) => i,
+                None => {
+                    self.evaluate(&label, step)?;
+                    self.attempts.len() - 1
+                }
+            };
+            if !self.attempts[i].fits {
+                return Ok(None);
+            }
+            index = Some(i);
+        }
+        Ok(index)
+    }
+
     /// The `attempt` span of `plan`: its serde fields, the budget, the
     /// estimate's terms; `measured_bytes` and `fits` are recorded later.
     fn span(&self, strategy: &str, plan: &Plan, estimate: &Breakdown) -> tracing::Span {
@@ -337,6 +679,7 @@ impl Run<'_> {
             pool_slack_bytes = estimate.pool_slack,
             peak_phase = %estimate.peak_phase,
             host_bytes = estimate.host,
+            estimated_step_seconds = step_time(self.spec, plan, &self.planner.target).total,
             measured_bytes = tracing::field::Empty,
             fits = tracing::field::Empty,
         );
@@ -350,7 +693,8 @@ impl Run<'_> {
         let estimate = self.estimator.estimate(self.spec, &plan, &p.target);
         let span = self.span(strategy, &plan, &estimate);
         let _enter = span.enter();
-        let estimate_fits = estimate.peak <= p.budget;
+        let estimate_fits = self.estimate_fits(&estimate);
+        let time = step_time(self.spec, &plan, &p.target);
         let measure = match p.verify {
             Verify::Off => false,
             Verify::Fitting => estimate_fits,
@@ -374,6 +718,7 @@ impl Run<'_> {
             estimate,
             measured,
             fits,
+            time,
         });
         Ok(fits)
     }
@@ -394,11 +739,11 @@ impl Run<'_> {
         } else {
             format!(
                 "a budget of {} would fit the closest plan",
-                crate::units::format_bytes(closest.peak())
+                crate::units::format_bytes(closest.peak() + self.headroom.bytes(closest.peak()))
             )
         }];
         let fits =
-            |plan: &Plan| self.estimator.estimate(self.spec, plan, &p.target).peak <= p.budget;
+            |plan: &Plan| self.estimate_fits(&self.estimator.estimate(self.spec, plan, &p.target));
         let base = closest.plan;
         let divisors_of_batch = oomfix_strategies::accumulate::divisors(ctx.global_batch);
         if let Some(n) = divisors_of_batch
@@ -459,7 +804,9 @@ mod tests {
                 planner: &planner,
                 estimator: &estimator,
                 spec: &spec,
+                headroom: Headroom::Bytes(0),
                 attempts: Vec::new(),
+                explored: HashMap::new(),
             };
             let span = run.span(
                 "baseline",

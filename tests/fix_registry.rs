@@ -10,7 +10,7 @@ use oomfix::strategies::{
 };
 use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
-use oomfix::{Estimator, MemoryModel, ModelSpec, Planner, Target};
+use oomfix::{Estimator, Headroom, MemoryModel, ModelSpec, Planner, Target};
 
 /// A toy eighth fix: keeps the optimizer's moments in half the bytes and
 /// recomputes every block in backward. Its setting lives in the plan's
@@ -60,9 +60,11 @@ fn a_fix_from_outside_takes_part_in_the_search() {
     // Without the hook registered, the extension changes nothing.
     assert_eq!(MemoryModel.estimate(&spec, &squeezed, &Target::Cpu), before);
 
-    // A budget between the two: the baseline does not fit, the squeezed plan does.
+    // A budget between the two: the baseline does not fit, the squeezed plan
+    // does (no headroom: the budget is set from the estimates themselves).
     let budget = (before.peak + after.peak) / 2;
     let result = Planner::new(budget)
+        .headroom(Headroom::Bytes(0))
         .global_batch(4)
         .seq_len(64)
         .target(Target::Cpu)

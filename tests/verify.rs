@@ -56,6 +56,7 @@ fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
                 peak_bytes: 0,
                 reserved_bytes: 0,
                 out_of_memory: true,
+                step_seconds: None,
             })
         }
     }

@@ -94,7 +94,8 @@ fn measure(
         (Vec::new(), false)
     };
     let (trainer, stats) = outcome?;
-    let peak = stats?.peak().saturating_sub(before);
+    let stats = stats?;
+    let peak = stats.peak().saturating_sub(before);
     if recorded && !events.iter().any(|e| e.kind == alloc::EventKind::StepStart) {
         return Err(Error::Runtime(format!(
             "building the model and its warm-up step made more than {MAX_EVENTS} allocations: \
@@ -114,6 +115,7 @@ fn measure(
             peak_bytes: peak,
             reserved_bytes: peak,
             out_of_memory: false,
+            step_seconds: Some(stats.seconds),
         },
         timeline,
     ))
@@ -187,16 +189,17 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
         };
         let mut data = DataSource::synthetic(0);
         let mut step = |t: &mut Trainer| match t.step(&mut data) {
-            Ok(_) => Ok(Ok(())),
+            Ok(stats) => Ok(Ok(stats.seconds)),
             Err(e) => candle_error(e).map(Err),
         };
         if let Err(e) = step(&mut trainer)? {
             return Ok(Err(e));
         }
         reset_peaks(cuda)?;
-        if let Err(e) = step(&mut trainer)? {
-            return Ok(Err(e));
-        }
+        let seconds = match step(&mut trainer)? {
+            Ok(seconds) => seconds,
+            Err(e) => return Ok(Err(e)),
+        };
         // Device memory outside the pool (CUDA context, cuBLAS workspace) counts
         // against the budget too, as the estimate's `runtime` term does.
         let stats = PoolStats::read(cuda)?;
@@ -208,6 +211,7 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
             peak_bytes: stats.used_high + outside,
             reserved_bytes: stats.reserved_high + outside,
             out_of_memory: false,
+            step_seconds: Some(seconds),
         }))
     };
     let outcome = match run() {
@@ -227,6 +231,7 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
                 peak_bytes: at_end.used_high,
                 reserved_bytes: at_end.used_high,
                 out_of_memory: true,
+                step_seconds: None,
             })
         }
         Err(e) => Err(e.into()),
@@ -303,16 +308,20 @@ impl Verifier for StepVerifier {
             })?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         if out.status.success() {
-            let peak: u64 = stdout.trim().parse().map_err(|_| {
+            let printed = stdout.trim();
+            let bad = || {
                 Error::Runtime(format!(
-                    "the measuring child printed `{}`, not a byte count",
-                    stdout.trim()
+                    "the measuring child printed `{printed}`, not a byte count and seconds"
                 ))
-            })?;
+            };
+            let (peak, seconds) = printed.split_once(' ').ok_or_else(bad)?;
+            let peak: u64 = peak.parse().map_err(|_| bad())?;
+            let seconds: f64 = seconds.parse().map_err(|_| bad())?;
             return Ok(Measurement {
                 peak_bytes: peak,
                 reserved_bytes: peak,
                 out_of_memory: false,
+                step_seconds: Some(seconds),
             });
         }
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -326,6 +335,7 @@ impl Verifier for StepVerifier {
                 peak_bytes: limit,
                 reserved_bytes: limit,
                 out_of_memory: true,
+                step_seconds: None,
             });
         }
         Err(Error::Runtime(format!(

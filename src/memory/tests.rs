@@ -289,9 +289,11 @@ fn cuda_plans_keep_room_for_the_pools_slack() {
     assert!(cuda
         .peak_components()
         .contains(&("pool_slack", CUDA_POOL_SLACK)));
-    // A budget between the live bytes and live bytes + slack does not fit.
+    // A budget between the live bytes and live bytes + slack does not fit
+    // (no headroom: the budget is the estimate itself).
     let fits = |budget: u64| {
         crate::Planner::new(budget)
+            .headroom(crate::Headroom::Bytes(0))
             .global_batch(8)
             .seq_len(1024)
             .pipeline(Pipeline::new())

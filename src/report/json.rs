@@ -39,6 +39,19 @@ fn attempt(a: &Attempt) -> Value {
         json!(a.measured.map(|m| m.out_of_memory)),
     );
     o.insert("fits".into(), json!(a.fits));
+    o.insert("estimated_step_seconds".into(), json!(a.time.total));
+    let tokens = (a.plan.global_batch() * a.plan.seq_len) as f64;
+    o.insert(
+        "tokens_per_second".into(),
+        json!(tokens / a.time.total.max(f64::MIN_POSITIVE)),
+    );
+    o.insert(
+        "measured_step_seconds".into(),
+        json!(a
+            .measured
+            .and_then(|m| m.step_seconds)
+            .filter(|s| s.is_finite())),
+    );
     v
 }
 
@@ -69,9 +82,15 @@ pub fn search_json(spec: &ModelSpec, result: &SearchResult) -> Value {
     json!({
         "fits": result.fits(),
         "budget_bytes": result.budget_bytes,
+        "host_budget_bytes": result.host_budget_bytes,
+        "headroom_bytes": result.headroom.bytes(shown.estimate.peak),
+        "margin_bytes": result.margin_bytes(),
+        "pinned": result.pins.names(),
+        "explored": result.explored,
         "device": result.target.to_string(),
         "model": model_json(spec),
         "plan": result.chosen().map(|a| plan(&a.plan)),
+        "estimated_step_seconds": shown.time.total,
         "estimate": estimate(&shown.estimate),
         "closest": (!result.fits()).then(|| attempt(shown)),
         "advice": result.advice,

@@ -39,8 +39,16 @@ fn row(i: usize, a: &Attempt) -> String {
         Some(m) => format_bytes(m.peak_bytes.max(m.reserved_bytes)),
         None => "-".into(),
     };
+    let time = match a
+        .measured
+        .and_then(|m| m.step_seconds)
+        .filter(|s| s.is_finite())
+    {
+        Some(m) => format!("{} / {}", seconds(a.time.total), seconds(m)),
+        None => seconds(a.time.total),
+    };
     format!(
-        "{i:>3}  {:<18} {:>5}x{:<4} {:<9} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  {}\n",
+        "{i:>3}  {:<18} {:>5}x{:<4} {:<9} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  {:<4} {}\n",
         a.strategy,
         p.micro_batch,
         p.grad_accum,
@@ -52,7 +60,19 @@ fn row(i: usize, a: &Attempt) -> String {
         format_bytes(a.estimate.peak),
         measured,
         if a.fits { "yes" } else { "no" },
+        time,
     )
+}
+
+/// Seconds with three significant digits and a unit.
+fn seconds(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.1} ms", s * 1e3)
+    } else {
+        format!("{:.0} µs", s * 1e6)
+    }
 }
 
 fn breakdown(out: &mut String, a: &Attempt) {
@@ -99,7 +119,7 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
     );
     let _ = writeln!(
         out,
-        "  #  {:<18} {:>10} {:<9} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits",
+        "  #  {:<18} {:>10} {:<9} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits step (est. / measured)",
         "strategy",
         "batch x acc",
         "precision",
@@ -120,9 +140,23 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
             let pct = 100.0 * a.peak() as f64 / result.budget_bytes.max(1) as f64;
             let _ = writeln!(
                 out,
-                "        fits: {} of {} ({pct:.0}%)",
+                "        fits: {} of {} ({pct:.0}%), {} left; headroom kept {}",
                 format_bytes(a.peak()),
-                format_bytes(result.budget_bytes)
+                format_bytes(result.budget_bytes),
+                format_bytes(result.margin_bytes().unwrap_or(0)),
+                format_bytes(result.headroom.bytes(a.estimate.peak)),
+            );
+            let tokens = (a.plan.global_batch() * a.plan.seq_len) as f64;
+            let _ = writeln!(
+                out,
+                "        fastest of {} plans explored: {} per step estimated ({:.0} tokens/s){}",
+                result.explored.max(1),
+                seconds(a.time.total),
+                tokens / a.time.total.max(f64::MIN_POSITIVE),
+                match result.pins.names().as_slice() {
+                    [] => String::new(),
+                    names => format!("; pinned: {}", names.join(", ")),
+                }
             );
             breakdown(&mut out, a);
         }

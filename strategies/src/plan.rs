@@ -98,6 +98,22 @@ impl Checkpointing {
     }
 }
 
+impl std::str::FromStr for Checkpointing {
+    type Err = String;
+    /// `none`, `every-K` (segments of K blocks; `every` is `every-1`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("unknown checkpointing `{s}` (expected none, every or every-K)");
+        match s {
+            "none" => Ok(Checkpointing::None),
+            "every" => Ok(Checkpointing::Every(1)),
+            _ => match s.strip_prefix("every-").map(str::parse::<usize>) {
+                Some(Ok(k)) if k > 0 => Ok(Checkpointing::Every(k)),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
 /// Serialized as `"none"` or `"every-K"`.
 impl Serialize for Checkpointing {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -204,6 +220,19 @@ impl Attention {
         match self {
             Attention::Composed => "composed",
             Attention::Flash => "flash",
+        }
+    }
+}
+
+impl std::str::FromStr for Attention {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "composed" => Ok(Attention::Composed),
+            "flash" => Ok(Attention::Flash),
+            _ => Err(format!(
+                "unknown attention `{s}` (expected composed or flash)"
+            )),
         }
     }
 }

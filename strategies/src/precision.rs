@@ -47,6 +47,13 @@ impl Strategy for MixedPrecision {
         };
         Some(Plan { precision, ..*plan })
     }
+    /// Back to fp32 (faster where 16-bit products are not: the CPU widens them).
+    fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
+        plan.precision.is_mixed().then_some(Plan {
+            precision: Precision::F32,
+            ..*plan
+        })
+    }
     /// Weights and gradients in the compute dtype; under mixed precision fp32
     /// master weights beside them ([`MasterWeights`]).
     fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {

@@ -1,0 +1,224 @@
+//! The exhaustive sweep behind the step-time model and the search's choice.
+//!
+//! For small GPT-2 and Llama shapes on the CPU, every configuration of the
+//! pipeline's space that runs there (micro-batch × precision × attention ×
+//! checkpointing × optimizer, the global batch held) is trained for a few
+//! steps: its median step time and its measured peak are recorded beside the
+//! step-time model's estimate and the work terms it is made of
+//! ([`oomfix::speed::StepWork`]). Then, at a budget that some configurations
+//! fit and others do not, it checks what the planner chooses (with its
+//! default headroom) against the fastest measured configuration that fits,
+//! and whether any configuration the planner reports as fitting measured
+//! above the budget.
+//!
+//! ```sh
+//! cargo run --release --example sweep -- [--steps N] [--out docs/sweep.json] [--models gpt2,llama]
+//! ```
+//!
+//! Writes the rows and the summary as JSON (`scripts/fit-speed.py` fits the
+//! CPU throughputs of [`oomfix::speed::Throughput`] to it) and prints a
+//! Markdown report (docs/sweep.md).
+
+use oomfix::measure::measure_plan;
+use oomfix::speed::{step_time, step_work};
+use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
+use oomfix::track::CountingAlloc;
+use oomfix::train::data::DataSource;
+use oomfix::{
+    Estimator, MemoryModel, ModelConfig, ModelSpec, Planner, Target, TrainOptions, Trainer,
+};
+use serde_json::{json, Value};
+
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
+const GLOBAL_BATCH: usize = 8;
+const SEQ_LEN: usize = 128;
+
+fn models() -> Vec<(&'static str, ModelConfig)> {
+    vec![
+        (
+            "gpt2-4l-128",
+            ModelConfig {
+                vocab: 2048,
+                max_positions: 256,
+                ..ModelConfig::gpt2(4, 128, 4)
+            },
+        ),
+        (
+            "llama-4l-128",
+            ModelConfig {
+                max_positions: 256,
+                ..ModelConfig::llama(4, 128, 4, 2, 352, 2048, false)
+            },
+        ),
+    ]
+}
+
+/// Every configuration of the space the pipeline searches on one CPU.
+fn space() -> Vec<Plan> {
+    let base = Plan::baseline(GLOBAL_BATCH, SEQ_LEN);
+    let mut plans = Vec::new();
+    for micro in [1, 2, 4, 8] {
+        for precision in [Precision::F32, Precision::Bf16] {
+            for attention in [Attention::Composed, Attention::Flash] {
+                for checkpoint in [Checkpointing::None, Checkpointing::Every(1)] {
+                    for optimizer in [OptimizerImpl::CandleAdamW, OptimizerImpl::FusedAdamW] {
+                        plans.push(Plan {
+                            micro_batch: micro,
+                            grad_accum: GLOBAL_BATCH / micro,
+                            precision,
+                            attention,
+                            checkpoint,
+                            optimizer,
+                            ..base
+                        });
+                    }
+                }
+            }
+        }
+    }
+    plans
+}
+
+/// Median wall time of `steps` optimizer steps after one warm-up step.
+fn time_steps(spec: &ModelSpec, plan: &Plan, steps: usize) -> oomfix::Result<f64> {
+    let mut trainer = Trainer::new(
+        &spec.config,
+        *plan,
+        &candle_core::Device::Cpu,
+        &TrainOptions::default(),
+    )?;
+    let mut data = DataSource::synthetic(0);
+    trainer.step(&mut data)?;
+    let mut times: Vec<f64> = (0..steps)
+        .map(|_| trainer.step(&mut data).map(|s| s.seconds))
+        .collect::<oomfix::Result<_>>()?;
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let steps: usize = value("--steps").map_or(Ok(3), |s| s.parse())?;
+    let out = value("--out").unwrap_or("docs/sweep.json".into());
+    let only: Option<Vec<String>> =
+        value("--models").map(|v| v.split(',').map(str::to_string).collect());
+    let target = Target::Cpu;
+    let mut rows = Vec::new();
+    let mut summaries = Vec::new();
+    let mut report = String::new();
+    for (name, config) in models() {
+        if only
+            .as_ref()
+            .is_some_and(|o| !o.iter().any(|p| name.starts_with(p.as_str())))
+        {
+            continue;
+        }
+        let spec = ModelSpec::from_config(name, config);
+        let mut measured = Vec::new();
+        for plan in space() {
+            let peak = measure_plan(&spec, &plan, target)?.peak_bytes;
+            let seconds = time_steps(&spec, &plan, steps)?;
+            let estimate = MemoryModel.estimate(&spec, &plan, &target);
+            let modelled = step_time(&spec, &plan, &target).total;
+            eprintln!(
+                "{name}  {plan}: {:.1} ms measured, {:.1} ms modelled, peak {peak} (estimated {})",
+                seconds * 1e3,
+                modelled * 1e3,
+                estimate.peak
+            );
+            rows.push(json!({
+                "model": name,
+                "plan": plan,
+                "measured_seconds": seconds,
+                "estimated_seconds": modelled,
+                "measured_peak_bytes": peak,
+                "estimated_peak_bytes": estimate.peak,
+                "work": step_work(&spec, &plan),
+            }));
+            measured.push((plan, seconds, peak, modelled, estimate.peak));
+        }
+        // A budget that about half of the configurations fit.
+        let budget = {
+            let mut peaks: Vec<u64> = measured.iter().map(|m| m.2).collect();
+            peaks.sort_unstable();
+            peaks[peaks.len() / 2]
+        };
+        let fastest = measured
+            .iter()
+            .filter(|m| m.2 <= budget)
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .expect("the budget is a measured peak");
+        let result = Planner::new(budget)
+            .global_batch(GLOBAL_BATCH)
+            .seq_len(SEQ_LEN)
+            .target(target)
+            .run(&spec)?;
+        let headroom = result.headroom;
+        let chosen = result.chosen().map(|a| a.plan);
+        let chosen_row = chosen.and_then(|c| measured.iter().find(|m| m.0 == c));
+        // Every configuration the planner would report as fitting.
+        let reported: Vec<_> = measured
+            .iter()
+            .filter(|m| m.4 + headroom.bytes(m.4) <= budget)
+            .collect();
+        let over: Vec<_> = reported.iter().filter(|m| m.2 > budget).collect();
+        let errors: Vec<f64> = measured.iter().map(|m| (m.3 / m.1 - 1.0).abs()).collect();
+        let ratio = chosen_row.map(|c| c.1 / fastest.1);
+        let summary = json!({
+            "model": name,
+            "budget_bytes": budget,
+            "configurations": measured.len(),
+            "fitting_measured": measured.iter().filter(|m| m.2 <= budget).count(),
+            "reported_fitting": reported.len(),
+            "reported_fitting_over_budget": over.len(),
+            "fastest": fastest.0,
+            "fastest_seconds": fastest.1,
+            "chosen": chosen,
+            "chosen_seconds": chosen_row.map(|c| c.1),
+            "chosen_over_fastest": ratio,
+            "time_error_median": median(errors.clone()),
+            "time_error_max": errors.iter().copied().fold(0.0, f64::max),
+        });
+        report.push_str(&format!(
+            "## {name}\n\nbudget {budget} bytes: {} of {} configurations fit when measured, \
+             {} reported fitting by the estimate with the headroom, {} of those measured over the budget.\n\n\
+             - fastest measured that fits: {} — {:.1} ms\n\
+             - chosen by oomfix: {} — {}\n\
+             - step-time model |error|: median {:.1}%, max {:.1}%\n\n",
+            summary["fitting_measured"],
+            measured.len(),
+            reported.len(),
+            over.len(),
+            fastest.0,
+            fastest.1 * 1e3,
+            chosen.map_or("nothing".into(), |c| c.to_string()),
+            match (chosen_row, ratio) {
+                (Some(c), Some(r)) => format!("{:.1} ms, {r:.3}× the fastest", c.1 * 1e3),
+                _ => "not in the sweep".into(),
+            },
+            100.0 * median(errors.clone()),
+            100.0 * errors.iter().copied().fold(0.0, f64::max),
+        ));
+        summaries.push(summary);
+    }
+    let doc: Value = json!({ "steps": steps, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "summaries": summaries, "rows": rows });
+    std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;
+    print!("{report}");
+    Ok(())
+}

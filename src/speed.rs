@@ -1,0 +1,342 @@
+//! The step-time model: `(ModelSpec, Plan, Target) -> StepTime`.
+//!
+//! A plan's optimizer step is counted as work ([`StepWork`]) — matrix-product
+//! FLOPs of the forward, the backward and the recomputation, attention's
+//! FLOPs (composed or flash), the bytes elementwise ops move, the optimizer
+//! step's bytes (fused, unfused or on the host with the copies over the
+//! bus), the collectives' bytes per ZeRO stage, the micro-batches' fixed
+//! costs — and divided by a target's throughputs ([`Throughput`]), whose
+//! values were fitted to measured steps (each constant names the run).
+//!
+//! The model ranks plans: the search returns the fitting plan with the
+//! lowest modelled time per optimizer step, the global batch being the same
+//! for all of them. Its error against measured steps is in docs/sweep.md.
+
+use crate::memory::Target;
+use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
+use oomfix_strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
+use serde::Serialize;
+
+/// The work of one optimizer step of a plan on one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct StepWork {
+    /// Matrix-product FLOPs (forward, backward and recomputation) outside attention.
+    pub matmul_flops: f64,
+    /// Attention's FLOPs (scores and their product with the values), forward,
+    /// backward and recomputation.
+    pub attention_flops: f64,
+    /// Bytes read and written by elementwise ops (norms, activations, the
+    /// loss, copies), forward, backward and recomputation.
+    pub elementwise_bytes: f64,
+    /// Bytes the composed attention's probabilities (`b·H·s²` per block)
+    /// move through their softmax and its backward; 0 with flash attention.
+    pub probabilities_bytes: f64,
+    /// Bytes the optimizer step moves on the device (fused: each state tensor
+    /// read and written once; `candle_nn::AdamW`: its elementwise ops'
+    /// full-size outputs), plus the accumulation of gradients between
+    /// micro-batches.
+    pub optimizer_bytes: f64,
+    /// Bytes over the host bus (gradients down and weights up, offloaded).
+    pub host_bus_bytes: f64,
+    /// Parameters the host's AdamW steps (offloaded).
+    pub host_parameters: f64,
+    /// Bytes each rank sends through collectives (ZeRO's volumes).
+    pub collective_bytes: f64,
+    /// Forward and backward passes of a micro-batch (fixed costs: graph
+    /// building, kernel launches).
+    pub micro_batches: f64,
+    /// Whether matrix products run in 16 bits.
+    pub half: bool,
+}
+
+/// A target's throughputs: what the step-time model divides [`StepWork`] by.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Throughput {
+    /// fp32 matrix-product FLOP/s.
+    pub matmul_f32: f64,
+    /// 16-bit matrix-product FLOP/s (the CPU widens to f32 and back).
+    pub matmul_half: f64,
+    /// Attention FLOP/s.
+    pub attention: f64,
+    /// Elementwise bytes per second.
+    pub elementwise: f64,
+    /// Bytes per second of the composed attention's probabilities.
+    pub probabilities: f64,
+    /// Optimizer-step bytes per second.
+    pub optimizer: f64,
+    /// Host bus bytes per second.
+    pub host_bus: f64,
+    /// Parameters per second the host's AdamW steps.
+    pub host_adamw: f64,
+    /// Collective bytes per second per rank.
+    pub collective: f64,
+    /// Seconds of fixed cost per micro-batch.
+    pub micro_batch_seconds: f64,
+}
+
+impl Throughput {
+    /// The calibrated throughputs of `target`.
+    ///
+    /// CPU: least squares of `scripts/sweep.sh`'s measured steps (GPT-2 and
+    /// Llama shapes, every configuration of the pipeline's space, 2 cores,
+    /// docs/sweep.md). CUDA (H200): the probe's measured matrix-product and
+    /// elementwise rates (DESIGN.md §7: candle bf16 734 TFLOP/s at 4096³,
+    /// an elementwise op at 1634 GB/s), the fused AdamW's 93% of a 4200 GB/s
+    /// device copy (docs/gpu-bench.md), PCIe Gen5 x16's ~50 GB/s, NVLink
+    /// ring algorithm bandwidth ~300 GB/s per rank, and attention at the
+    /// kernels' measured ~0.5 of the matrix-product rate
+    /// (docs/attention-gpu.md); not fitted to whole steps.
+    pub fn of(target: &Target) -> Throughput {
+        match target {
+            Target::Cpu => CPU,
+            Target::Cuda(_) => CUDA_H200,
+        }
+    }
+
+    /// Seconds of `work`, term by term.
+    pub fn seconds(&self, work: &StepWork) -> StepTime {
+        let matmul_rate = if work.half {
+            self.matmul_half
+        } else {
+            self.matmul_f32
+        };
+        let compute = work.matmul_flops / matmul_rate
+            + work.attention_flops / self.attention
+            + work.elementwise_bytes / self.elementwise
+            + work.probabilities_bytes / self.probabilities
+            + work.micro_batches * self.micro_batch_seconds;
+        let optimizer =
+            work.optimizer_bytes / self.optimizer + work.host_parameters / self.host_adamw;
+        let transfers = work.host_bus_bytes / self.host_bus;
+        let collectives = work.collective_bytes / self.collective;
+        StepTime {
+            compute,
+            optimizer,
+            transfers,
+            collectives,
+            total: compute + optimizer + transfers + collectives,
+        }
+    }
+}
+
+/// Fitted to docs/sweep.md's CPU run (see [`Throughput::of`]).
+const CPU: Throughput = Throughput {
+    matmul_f32: 40e9,
+    matmul_half: 12e9,
+    attention: 20e9,
+    elementwise: 4e9,
+    probabilities: 2e9,
+    optimizer: 4e9,
+    host_bus: 10e9,
+    host_adamw: 1e9,
+    collective: 5e9,
+    micro_batch_seconds: 1e-3,
+};
+
+/// The H200's rates (see [`Throughput::of`]).
+const CUDA_H200: Throughput = Throughput {
+    matmul_f32: 300e12,
+    matmul_half: 600e12,
+    attention: 300e12,
+    elementwise: 1.6e12,
+    probabilities: 1.6e12,
+    optimizer: 3.9e12,
+    host_bus: 50e9,
+    host_adamw: 2e9,
+    collective: 300e9,
+    micro_batch_seconds: 2e-3,
+};
+
+/// Modelled seconds of one optimizer step, by part.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct StepTime {
+    /// Forward, backward and recomputation of every micro-batch.
+    pub compute: f64,
+    /// The optimizer step (and the gradient accumulation).
+    pub optimizer: f64,
+    /// Copies over the host bus.
+    pub transfers: f64,
+    /// Collectives between ranks.
+    pub collectives: f64,
+    /// The whole step.
+    pub total: f64,
+}
+
+/// Modelled time of one optimizer step of `plan` on `target`.
+pub fn step_time(spec: &ModelSpec, plan: &Plan, target: &Target) -> StepTime {
+    Throughput::of(target).seconds(&step_work(spec, plan))
+}
+
+/// The work of one optimizer step of `plan` on one rank.
+pub fn step_work(spec: &ModelSpec, plan: &Plan) -> StepWork {
+    let c = &spec.config;
+    let (b, s) = (plan.micro_batch as f64, plan.seq_len as f64);
+    let n = b * s;
+    let (h, i, layers) = (c.hidden as f64, c.intermediate as f64, c.layers as f64);
+    let kv = (c.kv_heads * c.head_dim()) as f64;
+    let heads = c.heads as f64;
+    let padded_vocab = c.vocab.next_multiple_of(VOCAB_ALIGN) as f64;
+    let bytes = plan.precision.compute_bytes() as f64;
+    let accum = plan.grad_accum as f64;
+    let params = spec.parameters() as f64;
+
+    // Matrix products per block and in the head, as multiply-adds per token.
+    let block_macs = match c.family {
+        Family::Llama => h * (h + 2.0 * kv) + h * h + 3.0 * h * i,
+        Family::Gpt2 | Family::Bert | Family::Generic => 4.0 * h * h + 2.0 * h * i,
+    };
+    let head_macs = padded_vocab * h + if c.family == Family::Bert { h * h } else { 0.0 };
+    // Attention's q·kᵀ and P·v per block; causal flash skips the masked half.
+    let causal = c.family != Family::Bert;
+    let attention_macs = 2.0 * b * heads * s * s * c.head_dim() as f64;
+    let flash = plan.attention == Attention::Flash;
+    let attention_pass = if flash && causal {
+        attention_macs
+    } else {
+        2.0 * attention_macs
+    };
+    // Backward is two passes' worth; flash's backward recomputes the
+    // probabilities (one more pass).
+    let attention_backward = if flash { 3.0 } else { 2.0 };
+    let recompute = match plan.checkpoint {
+        Checkpointing::Every(k) if k > 0 => 1.0,
+        _ => 0.0,
+    };
+    let matmul_flops = 2.0 * n * (block_macs * layers * (3.0 + recompute) + head_macs * 3.0);
+    let attention_flops = layers * attention_pass * (1.0 + attention_backward + recompute);
+
+    // Elementwise traffic: the block's kept elements (train/mod.rs's tables)
+    // written in forward, read and written in backward, again when recomputed.
+    let block_elements = match c.family {
+        Family::Llama => 13.0 * n * h + 7.0 * n * kv + 3.0 * n * i,
+        Family::Gpt2 | Family::Bert | Family::Generic => 14.0 * n * h + 2.0 * n * i,
+    };
+    let head_elements = n * padded_vocab * 2.0 + n * h * 2.0;
+    let elementwise_bytes =
+        bytes * (layers * block_elements * (3.0 + 2.0 * recompute) + head_elements * 3.0);
+    let probabilities_bytes = if flash {
+        0.0
+    } else {
+        bytes * layers * 5.0 * b * heads * s * s * (3.0 + 2.0 * recompute)
+    };
+
+    // The optimizer: fused reads and writes weights, both moments and (mixed)
+    // masters once, reads the gradients; candle's AdamW makes
+    // CANDLE_ADAMW_TEMPORARIES full-size fp32 outputs, each read again.
+    let world = plan.shard.world_size.max(1) as f64;
+    let stepped = if plan.shard.stage >= 1 {
+        params / world
+    } else {
+        params
+    };
+    let mixed = plan.precision.is_mixed();
+    let fused_bytes = stepped * (2.0 * 4.0 * 3.0 + bytes + if mixed { bytes } else { 0.0 });
+    let mut optimizer_bytes = match plan.optimizer {
+        OptimizerImpl::FusedAdamW => fused_bytes,
+        OptimizerImpl::CandleAdamW => {
+            stepped
+                * (2.0 * 4.0 * oomfix_strategies::adamw::CANDLE_ADAMW_TEMPORARIES as f64
+                    + 2.0 * 4.0 * 3.0
+                    + if mixed { 4.0 + 2.0 * bytes } else { 0.0 })
+        }
+        OptimizerImpl::OffloadedAdamW => 0.0,
+    };
+    // Accumulation: each later micro-batch's gradients added into the sums.
+    optimizer_bytes += (accum - 1.0).max(0.0) * params * bytes * 3.0;
+    let (host_bus_bytes, host_parameters) = if plan.optimizer.is_offloaded() {
+        (2.0 * stepped * bytes, stepped)
+    } else {
+        (0.0, 0.0)
+    };
+    // ZeRO's volumes per rank: an all-reduce or a reduce-scatter plus an
+    // all-gather moves 2Ψ(N−1)/N, stage 3 gathers the parameters twice: 3Ψ(N−1)/N.
+    let collective_bytes = if world > 1.0 {
+        let psi = params * bytes * (world - 1.0) / world;
+        if plan.shard.stage >= 3 {
+            3.0 * psi
+        } else {
+            2.0 * psi
+        }
+    } else {
+        0.0
+    };
+    StepWork {
+        matmul_flops: accum * matmul_flops,
+        attention_flops: accum * attention_flops,
+        elementwise_bytes: accum * elementwise_bytes,
+        probabilities_bytes: accum * probabilities_bytes,
+        optimizer_bytes,
+        host_bus_bytes,
+        host_parameters,
+        collective_bytes,
+        micro_batches: accum,
+        half: plan.precision != Precision::F32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::ModelConfig;
+
+    fn spec() -> ModelSpec {
+        ModelSpec::from_config("gpt2", ModelConfig::gpt2_small())
+    }
+
+    #[test]
+    fn checkpointing_costs_a_forward_and_fused_adamw_is_cheaper() {
+        let spec = spec();
+        let plain = Plan::baseline(8, 1024);
+        let t = |p: &Plan| step_time(&spec, p, &Target::Cuda(0)).total;
+        let ck = Plan {
+            checkpoint: Checkpointing::Every(1),
+            ..plain
+        };
+        assert!(t(&ck) > t(&plain));
+        let fused = Plan {
+            optimizer: OptimizerImpl::FusedAdamW,
+            ..plain
+        };
+        assert!(t(&fused) < t(&plain));
+        let w = step_work(&spec, &plain);
+        let wc = step_work(&spec, &ck);
+        // One more forward of the blocks: matmuls up by a third of the blocks' share at most.
+        assert!(wc.matmul_flops > w.matmul_flops && wc.matmul_flops < w.matmul_flops * 4.0 / 3.0);
+    }
+
+    #[test]
+    fn the_global_batch_costs_about_the_same_in_any_split() {
+        let spec = spec();
+        let whole = step_work(&spec, &Plan::baseline(8, 512));
+        let split = step_work(
+            &spec,
+            &Plan {
+                micro_batch: 1,
+                grad_accum: 8,
+                ..Plan::baseline(8, 512)
+            },
+        );
+        assert!((whole.matmul_flops - split.matmul_flops).abs() < 1.0);
+        assert!(split.micro_batches == 8.0 && split.optimizer_bytes > whole.optimizer_bytes);
+    }
+
+    #[test]
+    fn zero_volumes_are_two_and_three_psi() {
+        let spec = spec();
+        let psi = spec.parameters() as f64 * 4.0;
+        for (stage, factor) in [(1, 2.0), (2, 2.0), (3, 3.0)] {
+            let plan = Plan {
+                micro_batch: 1,
+                grad_accum: 1,
+                shard: oomfix_strategies::Sharding {
+                    world_size: 8,
+                    stage,
+                },
+                ..Plan::baseline(8, 512)
+            };
+            let w = step_work(&spec, &plan);
+            assert!((w.collective_bytes - factor * psi * 7.0 / 8.0).abs() < 1.0);
+        }
+    }
+}
