@@ -545,8 +545,8 @@ impl Run<'_> {
     /// From the first fitting attempt (`first`), every plan a fix's step away
     /// from a fitting one, transitively (at most [`MAX_EXPLORED`]): the index
     /// of the attempt of the fastest that fits, the way to it recorded. With a
-    /// verifier the [`VERIFIED_CANDIDATES`] fastest are measured and the
-    /// fastest measured one that fits is chosen.
+    /// verifier the [`VERIFIED_CANDIDATES`] fastest are recorded (and so
+    /// measured), and the fastest measured attempt that fits is chosen.
     fn fastest(&mut self, first: usize, ctx: &SearchContext) -> Result<Option<usize>> {
         let p = self.planner;
         let start = self.attempts[first].plan;
@@ -601,21 +601,24 @@ impl Run<'_> {
         });
         let measuring = p.verifier.is_some() && p.verify != Verify::Off;
         let tried = if measuring { VERIFIED_CANDIDATES } else { 1 };
-        let mut best: Option<(usize, f64)> = None;
-        for (plan, seconds) in candidates.into_iter().take(tried) {
-            let Some(index) = self.record_way(plan)? else {
-                continue;
-            };
-            let a = &self.attempts[index];
-            if !a.fits {
-                continue;
-            }
-            let time = a.measured.and_then(|m| m.step_seconds).unwrap_or(seconds);
-            if best.is_none_or(|(_, t)| time < t) {
-                best = Some((index, time));
+        let mut modelled_best = None;
+        for (plan, _) in candidates.into_iter().take(tried) {
+            if let Some(index) = self.record_way(plan)? {
+                modelled_best = modelled_best.or(Some(index));
             }
         }
-        Ok(best.map(|(i, _)| i).or(Some(first)))
+        // Measured, the fastest measured attempt that fits (the candidates'
+        // and any other fitting attempt measured on the way) wins; times
+        // measured and modelled are not compared with each other.
+        let measured_best = self
+            .attempts
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.fits)
+            .filter_map(|(i, a)| Some((i, a.measured?.step_seconds.filter(|s| s.is_finite())?)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(i, _)| i);
+        Ok(measured_best.or(modelled_best).or(Some(first)))
     }
 
     /// Records the way from the first fit to `plan` as attempts (those not
