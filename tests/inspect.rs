@@ -457,12 +457,21 @@ fn absurd_header_length_is_refused_before_allocating() {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("absurd.safetensors");
     write_raw(&path, u64::MAX, b"{}", 0);
-    assert_mentions(&input_error(&path), "over the 100 MiB limit");
+    assert_mentions(
+        &input_error(&path),
+        "over the safetensors limit of 100000000 bytes",
+    );
     // Even when the file is long enough to hold it (sparse 1 GiB file).
     write_raw(&path, 200 << 20, b"{}", 1 << 30);
     assert_mentions(
         &input_error(&path),
-        "header length field says 209715200 bytes, over the 100 MiB limit",
+        "header length field says 209715200 bytes, over the safetensors limit of 100000000 bytes",
+    );
+    // One byte over the reference library's limit (which is under 100 MiB).
+    write_raw(&path, 100_000_001, b"{}", 100_000_000);
+    assert_mentions(
+        &input_error(&path),
+        "header length field says 100000001 bytes, over the safetensors limit",
     );
 }
 

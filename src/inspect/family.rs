@@ -233,7 +233,7 @@ fn llama_heads(
     assumptions: &mut Vec<String>,
 ) -> Result<(usize, usize)> {
     let Some((cfg, heads)) = hf.and_then(|c| Some((c, c.heads?))) else {
-        let head_dim = if hidden >= 2048 && hidden % 128 == 0 {
+        let head_dim = if hidden >= 2048 && hidden.is_multiple_of(128) {
             128
         } else {
             64
@@ -247,7 +247,7 @@ fn llama_heads(
     };
     let head_dim = match cfg.head_dim {
         Some(d) if d > 0 => d,
-        _ if hidden % heads == 0 => hidden / heads,
+        _ if hidden.is_multiple_of(heads) => hidden / heads,
         _ => {
             return Err(cfg.error(format!(
                 "num_attention_heads {heads} does not divide the weights' hidden size {hidden}"
@@ -359,7 +359,7 @@ fn heads_or_assume(
     assumptions: &mut Vec<String>,
 ) -> Result<usize> {
     match hf.and_then(|c| Some((c, c.heads?))) {
-        Some((_, heads)) if hidden % heads == 0 => Ok(heads),
+        Some((_, heads)) if hidden.is_multiple_of(heads) => Ok(heads),
         Some((cfg, heads)) => Err(cfg.error(format!(
             "num_attention_heads {heads} does not divide the weights' hidden size {hidden}"
         ))),

@@ -2,24 +2,39 @@
 //!
 //! A safetensors file is an 8-byte little-endian length `n`, `n` bytes of JSON
 //! (the header), then the data region. Only the first `8 + n` bytes are read,
-//! and `n` is bounded by the file's length and [`MAX_HEADER_BYTES`] before
-//! anything is allocated, so a 100 GB file inspects as fast as a small one.
+//! and `n` is bounded by the file's length and [`MAX_HEADER_BYTES`] (the
+//! reference implementation's limit) before anything is allocated, so a 100 GB
+//! file inspects as fast as a small one.
+//!
+//! The JSON is validated as it is parsed, straight from the header's bytes,
+//! with no tree of JSON values: each entry is checked where it lies and only
+//! its result is kept, and `__metadata__` is kept as its own JSON text, moved
+//! to the front of the header's buffer. Reading a header therefore holds its
+//! `n` bytes plus the tensors' names, shapes and offsets.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::File;
 use std::io::Read;
+use std::ops::Range;
 use std::path::Path;
 
-use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, Visitor};
-use serde_json::Value;
+use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::{Number, Value};
 
 use super::io_error;
 use crate::{Error, Result};
 
-/// Largest header accepted (100 MiB); a larger length field means the file is
-/// not safetensors or is corrupt.
-pub const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
+/// Largest header accepted, in bytes: the limit of the reference `safetensors`
+/// library. A larger length field means the file is not safetensors or is
+/// corrupt.
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Most dimensions a tensor's shape may have. Each dimension takes 8 bytes
+/// once parsed but can take 2 bytes of JSON, so without a limit one shape
+/// could hold four times the header's size.
+pub const MAX_RANK: usize = 64;
 
 /// One tensor of a validated header.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,7 +63,42 @@ pub struct Header {
     /// Tensors in data-region order.
     pub tensors: Vec<TensorEntry>,
     /// The free-form `__metadata__` map (empty when absent).
-    pub metadata: BTreeMap<String, String>,
+    pub metadata: Metadata,
+}
+
+/// A header's `__metadata__` object, validated to map strings to strings and
+/// kept as its JSON text, which is read again when asked for (a map of
+/// strings would take many times the text's size for many short entries).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Metadata {
+    /// The object's JSON text; empty when the header has no `__metadata__`.
+    json: String,
+}
+
+impl Metadata {
+    /// Whether the header has no `__metadata__` entries.
+    pub fn is_empty(&self) -> bool {
+        self.to_map().is_empty()
+    }
+
+    /// The value of `key`, the last one when the key is repeated.
+    pub fn get(&self, key: &str) -> Option<String> {
+        self.to_map().remove(key)
+    }
+
+    /// Every entry (the last value of a repeated key).
+    pub fn to_map(&self) -> BTreeMap<String, String> {
+        if self.json.is_empty() {
+            return BTreeMap::new();
+        }
+        // Validated when the header was read.
+        serde_json::from_str(&self.json).unwrap_or_default()
+    }
+
+    /// The object's JSON text as it appears in the header (`""` when absent).
+    pub fn json(&self) -> &str {
+        &self.json
+    }
 }
 
 /// Reads and validates the header of the safetensors file at `path`, reading
@@ -62,7 +112,8 @@ pub fn read_header(path: &Path) -> Result<Header> {
     let mut bytes = vec![0u8; n as usize];
     file.read_exact(&mut bytes)
         .map_err(|e| io_error(path, &e))?;
-    parse_header(&bytes, file_len - 8 - n).map_err(|msg| Error::input(path, msg))
+    let parsed = parse(&bytes, file_len - 8 - n).map_err(|msg| Error::input(path, msg))?;
+    Ok(parsed.into_header(bytes))
 }
 
 /// Reads the 8-byte length field and checks it against the file's length and
@@ -84,8 +135,8 @@ fn read_header_len(path: &Path, file: &mut File, file_len: u64) -> Result<u64> {
         return Err(Error::input(
             path,
             format!(
-                "header length field says {n} bytes, over the {} MiB limit: not a safetensors file, or corrupt",
-                MAX_HEADER_BYTES >> 20
+                "header length field says {n} bytes, over the safetensors limit of {MAX_HEADER_BYTES} bytes: \
+                 not a safetensors file, or corrupt"
             ),
         ));
     }
@@ -104,66 +155,112 @@ fn read_header_len(path: &Path, file: &mut File, file_len: u64) -> Result<u64> {
 /// Validates header bytes for a data region of `data_len` bytes; the error is
 /// one line describing the first problem found.
 pub fn parse_header(bytes: &[u8], data_len: u64) -> std::result::Result<Header, String> {
+    let parsed = parse(bytes, data_len)?;
+    let json = parsed
+        .metadata
+        .map(|r| String::from_utf8_lossy(&bytes[r]).into_owned())
+        .unwrap_or_default();
+    Ok(Header {
+        tensors: parsed.tensors,
+        metadata: Metadata { json },
+    })
+}
+
+/// A validated header whose metadata is still a range of the header's bytes.
+struct Parsed {
+    tensors: Vec<TensorEntry>,
+    /// Where the `__metadata__` object lies in the header, when it has one.
+    metadata: Option<Range<usize>>,
+}
+
+impl Parsed {
+    /// The header, its metadata text moved to the front of `bytes` and the
+    /// rest of `bytes` released, so that no second copy is made.
+    fn into_header(self, mut bytes: Vec<u8>) -> Header {
+        let json = match self.metadata {
+            Some(r) => {
+                let len = r.len();
+                bytes.copy_within(r, 0);
+                bytes.truncate(len);
+                bytes.shrink_to_fit();
+                // A whole JSON object cut from valid UTF-8 is valid UTF-8.
+                String::from_utf8(bytes)
+                    .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+            }
+            None => String::new(),
+        };
+        Header {
+            tensors: self.tensors,
+            metadata: Metadata { json },
+        }
+    }
+}
+
+/// Parses and validates header bytes: JSON syntax, then duplicate names, then
+/// each entry in file order, then the tiling of the data region.
+fn parse(bytes: &[u8], data_len: u64) -> std::result::Result<Parsed, String> {
     let text = std::str::from_utf8(bytes).map_err(|e| {
         format!(
             "header is not UTF-8 (invalid byte at header offset {})",
             e.valid_up_to()
         )
     })?;
-    let entries = parse_entries(text)?;
-    let mut metadata = BTreeMap::new();
-    let mut tensors = Vec::with_capacity(entries.len());
-    for (name, value) in entries {
-        if name == "__metadata__" {
-            metadata = parse_metadata(&value)?;
-        } else {
-            let entry = parse_tensor(name, &value, data_len)?;
-            tensors.push(entry);
-        }
+    let start = text.trim_start_matches(JSON_WHITESPACE);
+    if !start.starts_with('{') {
+        return Err(match serde_json::from_str::<IgnoredAny>(text) {
+            Ok(_) => format!(
+                "header is JSON but not an object (it is {})",
+                raw_kind(start)
+            ),
+            Err(e) => format!("header is not valid JSON: {e}"),
+        });
+    }
+    let mut de = serde_json::Deserializer::from_str(text);
+    let entries = de
+        .deserialize_map(EntriesVisitor { text, data_len })
+        .and_then(|entries| de.end().map(|()| entries))
+        .map_err(|e| format!("header is not valid JSON: {e}"))?;
+    let Entries {
+        mut tensors,
+        metadata,
+        metadata_repeated_after,
+        first_invalid,
+    } = entries;
+    if let Some(name) = first_duplicate(&tensors, metadata_repeated_after) {
+        return Err(format!(
+            "duplicate tensor name {name:?} in header (JSON would silently keep only one)"
+        ));
+    }
+    if let Some(msg) = first_invalid {
+        return Err(msg);
     }
     tensors.sort_by_key(|t| t.data_offsets);
     check_tiling(&tensors, data_len)?;
-    Ok(Header { tensors, metadata })
+    Ok(Parsed { tensors, metadata })
 }
 
-/// The header's top-level entries in file order; errors on a key that appears twice.
-fn parse_entries(text: &str) -> std::result::Result<Vec<(String, Value)>, String> {
-    match serde_json::from_str::<Entries>(text) {
-        Ok(Entries {
-            duplicate: Some(name),
-            ..
-        }) => Err(format!(
-            "duplicate tensor name {name:?} in header (JSON would silently keep only one)"
-        )),
-        Ok(Entries { entries, .. }) => Ok(entries),
-        // A data error means the top level is not an object; it may still be invalid JSON.
-        Err(e) if e.is_data() => match serde_json::from_str::<Value>(text) {
-            Ok(v) => Err(format!(
-                "header is JSON but not an object (it is {})",
-                kind(&v)
-            )),
-            Err(e) => Err(format!("header is not valid JSON: {e}")),
-        },
-        Err(e) => Err(format!("header is not valid JSON: {e}")),
-    }
-}
+const JSON_WHITESPACE: [char; 4] = [' ', '\t', '\n', '\r'];
 
-/// A JSON object's entries in order, with the first repeated key noted (serde_json's
-/// own map keeps the last value of a repeated key silently).
+/// The header's top-level entries, each validated as it is parsed.
 struct Entries {
-    entries: Vec<(String, Value)>,
-    duplicate: Option<String>,
+    /// Tensors in file order; an invalid entry is kept by name only, for the
+    /// duplicate check.
+    tensors: Vec<TensorEntry>,
+    /// The range of the (first) `__metadata__` object in the header.
+    metadata: Option<Range<usize>>,
+    /// When `__metadata__` appears twice: how many tensors preceded the second.
+    metadata_repeated_after: Option<usize>,
+    /// The message of the first invalid entry in file order.
+    first_invalid: Option<String>,
 }
 
-impl<'de> Deserialize<'de> for Entries {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        deserializer.deserialize_map(EntriesVisitor)
-    }
+/// Visits the header object: the text is kept to locate `__metadata__` in it.
+struct EntriesVisitor<'a> {
+    text: &'a str,
+    data_len: u64,
 }
 
-struct EntriesVisitor;
-
-impl<'de> Visitor<'de> for EntriesVisitor {
+impl<'de> Visitor<'de> for EntriesVisitor<'de> {
     type Value = Entries;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -171,84 +268,223 @@ impl<'de> Visitor<'de> for EntriesVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries, A::Error> {
-        let mut seen = HashSet::new();
-        let mut entries = Vec::new();
-        let mut duplicate = None;
-        while let Some(key) = map.next_key::<String>()? {
-            if seen.contains(&key) {
-                duplicate.get_or_insert(key);
-                map.next_value::<IgnoredAny>()?;
-            } else {
-                seen.insert(key.clone());
-                entries.push((key, map.next_value()?));
+        let mut entries = Entries {
+            tensors: Vec::new(),
+            metadata: None,
+            metadata_repeated_after: None,
+            first_invalid: None,
+        };
+        while let Some(Key(name)) = map.next_key::<Key>()? {
+            if name == "__metadata__" {
+                if entries.metadata.is_some() {
+                    map.next_value::<IgnoredAny>()?;
+                    entries
+                        .metadata_repeated_after
+                        .get_or_insert(entries.tensors.len());
+                    continue;
+                }
+                let raw: &'de RawValue = map.next_value()?;
+                match check_metadata(raw.get()) {
+                    Ok(()) => {
+                        let begin = raw.get().as_ptr() as usize - self.text.as_ptr() as usize;
+                        entries.metadata = Some(begin..begin + raw.get().len());
+                    }
+                    Err(msg) => {
+                        entries.first_invalid.get_or_insert(msg);
+                        entries.metadata = Some(0..0);
+                    }
+                }
+                continue;
             }
+            let raw: &'de RawValue = map.next_value()?;
+            let mut entry = parse_tensor(raw.get(), self.data_len).unwrap_or_else(|msg| {
+                entries
+                    .first_invalid
+                    .get_or_insert_with(|| format!("tensor {name:?}: {msg}"));
+                TensorEntry {
+                    name: String::new(),
+                    dtype: "",
+                    shape: Vec::new(),
+                    data_offsets: (0, 0),
+                }
+            });
+            entry.name = name.into_owned();
+            entries.tensors.push(entry);
         }
-        Ok(Entries { entries, duplicate })
+        Ok(entries)
     }
 }
 
-/// Checks that `__metadata__` maps strings to strings.
-fn parse_metadata(value: &Value) -> std::result::Result<BTreeMap<String, String>, String> {
-    let obj = value.as_object().ok_or_else(|| {
-        format!(
-            "\"__metadata__\" must be an object of strings, but it is {}",
-            kind(value)
-        )
-    })?;
-    obj.iter()
-        .map(|(k, v)| match v {
-            Value::String(s) => Ok((k.clone(), s.clone())),
-            other => Err(format!(
-                "\"__metadata__\" must map strings to strings, but {k:?} is {}",
-                kind(other)
-            )),
-        })
-        .collect()
+/// An object key, borrowed from the header unless it holds escapes.
+struct Key<'de>(std::borrow::Cow<'de, str>);
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E>(self, s: &'de str) -> std::result::Result<Key<'de>, E> {
+                Ok(Key(s.into()))
+            }
+            fn visit_str<E>(self, s: &str) -> std::result::Result<Key<'de>, E> {
+                Ok(Key(s.to_owned().into()))
+            }
+            fn visit_string<E>(self, s: String) -> std::result::Result<Key<'de>, E> {
+                Ok(Key(s.into()))
+            }
+        }
+        deserializer.deserialize_str(KeyVisitor)
+    }
 }
 
-/// Validates one tensor entry on its own (dtype, shape, offsets, size, bounds).
-fn parse_tensor(
-    name: String,
-    value: &Value,
-    data_len: u64,
-) -> std::result::Result<TensorEntry, String> {
-    let at = |msg: String| format!("tensor {name:?}: {msg}");
-    let obj = value
-        .as_object()
-        .ok_or_else(|| at(format!("entry is {}, not an object", kind(value))))?;
-    let field = |key: &str| obj.get(key).ok_or_else(|| at(format!("missing \"{key}\"")));
-    let dtype_value = field("dtype")?;
-    let dtype_name = dtype_value
-        .as_str()
-        .ok_or_else(|| at(format!("\"dtype\" is {}, not a string", kind(dtype_value))))?;
-    let (dtype, size) = dtype_info(dtype_name).map_err(at)?;
-    let shape = parse_shape(field("shape")?).map_err(at)?;
-    let (begin, end) = parse_offsets(field("data_offsets")?).map_err(at)?;
+/// The first tensor name, in file order, that an earlier entry already used
+/// (`__metadata__` counts when it appears twice).
+fn first_duplicate(
+    tensors: &[TensorEntry],
+    metadata_repeated_after: Option<usize>,
+) -> Option<&str> {
+    // Indices sorted by name, then by position: within a run of equal names
+    // the second index is where the name repeats.
+    let mut order: Vec<u32> = (0..tensors.len() as u32).collect();
+    order.sort_unstable_by(|&a, &b| {
+        tensors[a as usize]
+            .name
+            .cmp(&tensors[b as usize].name)
+            .then(a.cmp(&b))
+    });
+    let repeat = order
+        .windows(2)
+        .filter(|w| tensors[w[0] as usize].name == tensors[w[1] as usize].name)
+        .map(|w| w[1] as usize)
+        .min();
+    match (repeat, metadata_repeated_after) {
+        (Some(i), Some(m)) if m <= i => Some("__metadata__"),
+        (Some(i), _) => Some(&tensors[i].name),
+        (None, Some(_)) => Some("__metadata__"),
+        (None, None) => None,
+    }
+}
+
+/// Checks that the `__metadata__` value (JSON text) maps strings to strings.
+fn check_metadata(json: &str) -> std::result::Result<(), String> {
+    if !json.starts_with('{') {
+        return Err(format!(
+            "\"__metadata__\" must be an object of strings, but it is {}",
+            raw_kind(json)
+        ));
+    }
+    struct StringsVisitor;
+    impl<'de> Visitor<'de> for StringsVisitor {
+        type Value = std::result::Result<(), String>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            let mut bad = None;
+            while let Some(Key(key)) = map.next_key::<Key>()? {
+                let value: &RawValue = map.next_value()?;
+                if bad.is_none() && !value.get().starts_with('"') {
+                    bad = Some(format!(
+                        "\"__metadata__\" must map strings to strings, but {key:?} is {}",
+                        raw_kind(value.get())
+                    ));
+                }
+            }
+            Ok(bad.map_or(Ok(()), Err))
+        }
+    }
+    serde_json::Deserializer::from_str(json)
+        .deserialize_map(StringsVisitor)
+        .unwrap_or_else(|e| Err(format!("\"__metadata__\" is not valid JSON: {e}")))
+}
+
+/// Validates one tensor entry (JSON text) on its own: dtype, shape, offsets,
+/// size, bounds. The entry's name is left empty.
+fn parse_tensor(json: &str, data_len: u64) -> std::result::Result<TensorEntry, String> {
+    if !json.starts_with('{') {
+        return Err(format!("entry is {}, not an object", raw_kind(json)));
+    }
+    let fields = serde_json::Deserializer::from_str(json)
+        .deserialize_map(FieldsVisitor)
+        .map_err(|e| format!("entry is not valid JSON: {e}"))?;
+    let dtype_json = fields.dtype.ok_or("missing \"dtype\"")?.get();
+    if !dtype_json.starts_with('"') {
+        return Err(format!(
+            "\"dtype\" is {}, not a string",
+            raw_kind(dtype_json)
+        ));
+    }
+    let dtype_name: String = serde_json::from_str(dtype_json)
+        .map_err(|e| format!("\"dtype\" is not a valid string: {e}"))?;
+    let (dtype, size) = dtype_info(&dtype_name)?;
+    let shape = parse_shape(fields.shape.ok_or("missing \"shape\"")?.get())?;
+    let (begin, end) = parse_offsets(fields.data_offsets.ok_or("missing \"data_offsets\"")?.get())?;
     let bytes = shape
         .iter()
         .try_fold(size, |acc, &d| acc.checked_mul(d as u64))
-        .ok_or_else(|| {
-            at(format!(
-                "shape {shape:?} of {dtype} overflows a 64-bit byte count"
-            ))
-        })?;
+        .ok_or_else(|| format!("shape {shape:?} of {dtype} overflows a 64-bit byte count"))?;
     if end - begin != bytes {
-        return Err(at(format!(
+        return Err(format!(
             "shape {shape:?} of {dtype} needs {bytes} bytes but data_offsets [{begin}, {end}] span {}",
             end - begin
-        )));
+        ));
     }
     if end > data_len {
-        return Err(at(format!(
+        return Err(format!(
             "data_offsets [{begin}, {end}] reach past the end of the data region ({data_len} bytes; file truncated?)"
-        )));
+        ));
     }
     Ok(TensorEntry {
-        name,
+        name: String::new(),
         dtype,
         shape,
         data_offsets: (begin, end),
     })
+}
+
+/// The fields of a tensor entry, as JSON text; a repeated field keeps its last
+/// value, unknown fields are ignored.
+#[derive(Default)]
+struct Fields<'a> {
+    dtype: Option<&'a RawValue>,
+    shape: Option<&'a RawValue>,
+    data_offsets: Option<&'a RawValue>,
+}
+
+struct FieldsVisitor;
+
+impl<'de> Visitor<'de> for FieldsVisitor {
+    type Value = Fields<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Fields<'de>, A::Error> {
+        let mut fields = Fields::default();
+        while let Some(Key(key)) = map.next_key::<Key>()? {
+            let slot = match key.as_ref() {
+                "dtype" => &mut fields.dtype,
+                "shape" => &mut fields.shape,
+                "data_offsets" => &mut fields.data_offsets,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
+                }
+            };
+            *slot = Some(map.next_value::<&RawValue>()?);
+        }
+        Ok(fields)
+    }
 }
 
 /// The canonical name and element size in bytes of a safetensors dtype.
@@ -289,36 +525,71 @@ pub fn is_float(dtype: &str) -> bool {
     dtype.starts_with('F') || dtype == "BF16"
 }
 
-fn parse_shape(value: &Value) -> std::result::Result<Vec<usize>, String> {
-    let dims = value
-        .as_array()
-        .ok_or_else(|| format!("\"shape\" is {}, not a list of dimensions", kind(value)))?;
-    dims.iter()
-        .map(|d| match d {
-            Value::Number(n) => match (n.as_u64(), n.as_i64()) {
-                (Some(u), _) => {
-                    usize::try_from(u).map_err(|_| format!("dimension {u} is too large"))
+/// The dimensions of a `shape` (JSON text), at most [`MAX_RANK`] of them.
+fn parse_shape(json: &str) -> std::result::Result<Vec<usize>, String> {
+    if !json.starts_with('[') {
+        return Err(format!(
+            "\"shape\" is {}, not a list of dimensions",
+            raw_kind(json)
+        ));
+    }
+    struct DimsVisitor;
+    impl<'de> Visitor<'de> for DimsVisitor {
+        type Value = std::result::Result<Vec<usize>, String>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON array")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            let mut dims = Vec::new();
+            while let Some(dim) = seq.next_element::<&RawValue>()? {
+                let dim = if dims.len() == MAX_RANK {
+                    Err(format!("shape has more than {MAX_RANK} dimensions"))
+                } else {
+                    parse_dim(dim.get())
+                };
+                match dim {
+                    Ok(d) => dims.push(d),
+                    Err(msg) => {
+                        while seq.next_element::<IgnoredAny>()?.is_some() {}
+                        return Ok(Err(msg));
+                    }
                 }
-                (None, Some(i)) => Err(format!("shape has a negative dimension {i}")),
-                _ => Err(format!("shape has a non-integer dimension {n}")),
-            },
-            other => Err(format!(
-                "shape has a dimension that is {}, not an integer",
-                kind(other)
-            )),
-        })
-        .collect()
+            }
+            Ok(Ok(dims))
+        }
+    }
+    serde_json::Deserializer::from_str(json)
+        .deserialize_seq(DimsVisitor)
+        .unwrap_or_else(|e| Err(format!("\"shape\" is not valid JSON: {e}")))
 }
 
-fn parse_offsets(value: &Value) -> std::result::Result<(u64, u64), String> {
-    let pair = match value.as_array().map(Vec::as_slice) {
-        Some([b, e]) => b.as_u64().zip(e.as_u64()),
-        _ => None,
+/// One dimension (JSON text): a non-negative integer that fits a `usize`.
+fn parse_dim(json: &str) -> std::result::Result<usize, String> {
+    let n = match json.parse::<Number>() {
+        Ok(n) => n,
+        Err(_) => {
+            return Err(format!(
+                "shape has a dimension that is {}, not an integer",
+                raw_kind(json)
+            ))
+        }
     };
-    let (begin, end) = pair.ok_or_else(|| {
+    match (n.as_u64(), n.as_i64()) {
+        (Some(u), _) => usize::try_from(u).map_err(|_| format!("dimension {u} is too large")),
+        (None, Some(i)) => Err(format!("shape has a negative dimension {i}")),
+        _ => Err(format!("shape has a non-integer dimension {n}")),
+    }
+}
+
+/// `data_offsets` (JSON text): two non-negative integers, in order.
+fn parse_offsets(json: &str) -> std::result::Result<(u64, u64), String> {
+    let (begin, end) = serde_json::from_str::<(u64, u64)>(json).map_err(|_| {
         format!(
             "\"data_offsets\" must be two non-negative integers [begin, end], found {}",
-            brief(value)
+            brief_json(json)
         )
     })?;
     if begin > end {
@@ -377,9 +648,39 @@ pub(super) fn kind(value: &Value) -> &'static str {
     }
 }
 
-/// A JSON value shortened for a one-line message.
-fn brief(value: &Value) -> String {
-    brief_str(&value.to_string())
+/// "an object", "a string", … for the JSON text of a value (which begins
+/// without whitespace, as serde_json's raw values do).
+fn raw_kind(json: &str) -> &'static str {
+    match json.as_bytes().first() {
+        Some(b'{') => "an object",
+        Some(b'[') => "an array",
+        Some(b'"') => "a string",
+        Some(b't' | b'f') => "a boolean",
+        Some(b'n') => "null",
+        _ => "a number",
+    }
+}
+
+/// The JSON text of a value without whitespace between tokens, shortened for
+/// a one-line message.
+fn brief_json(json: &str) -> String {
+    let mut compact = String::new();
+    let (mut in_string, mut escaped) = (false, false);
+    for c in json.chars() {
+        if in_string {
+            in_string = escaped || c != '"';
+            escaped = !escaped && c == '\\';
+        } else if JSON_WHITESPACE.contains(&c) {
+            continue;
+        } else {
+            in_string = c == '"';
+        }
+        compact.push(c);
+        if compact.len() > 4 * 60 {
+            break;
+        }
+    }
+    brief_str(&compact)
 }
 
 fn brief_str(s: &str) -> String {
@@ -412,7 +713,8 @@ mod tests {
         assert_eq!(names, ["a", "b", "z"]);
         assert_eq!(h.tensors[1].shape, [2, 3]);
         assert_eq!(h.tensors[1].bytes(), 12);
-        assert_eq!(h.metadata["format"], "pt");
+        assert_eq!(h.metadata.get("format").as_deref(), Some("pt"));
+        assert_eq!(h.metadata.to_map().len(), 1);
     }
 
     #[test]
@@ -521,5 +823,111 @@ mod tests {
             err.contains("not UTF-8 (invalid byte at header offset 3)"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_duplicate_is_reported_before_an_invalid_entry() {
+        let dup = r#"{"a":3, "b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},
+                      "a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
+        let err = parse(dup, 2).unwrap_err();
+        assert!(err.contains("duplicate tensor name \"a\""), "{err}");
+        let meta = r#"{"__metadata__":{}, "c":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},
+                       "__metadata__":{}, "c":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#;
+        let err = parse(meta, 2).unwrap_err();
+        assert!(
+            err.contains("duplicate tensor name \"__metadata__\""),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn shapes_have_at_most_max_rank_dimensions() {
+        let header = |rank: usize| {
+            let dims = vec!["1"; rank].join(",");
+            format!(r#"{{"a":{{"dtype":"U8","shape":[{dims}],"data_offsets":[0,1]}}}}"#)
+        };
+        assert_eq!(
+            parse(&header(MAX_RANK), 1).unwrap().tensors[0].shape.len(),
+            MAX_RANK
+        );
+        let err = parse(&header(MAX_RANK + 1), 1).unwrap_err();
+        assert!(err.contains("shape has more than 64 dimensions"), "{err}");
+    }
+
+    #[test]
+    fn messages_show_values_on_one_line() {
+        let err = parse(
+            "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[ 0 ,\n 1 ,\t\"x y\" ]}}",
+            1,
+        )
+        .unwrap_err();
+        assert!(err.ends_with("found [0,1,\"x y\"]"), "{err}");
+        let long = format!(
+            r#"{{"a":{{"dtype":"U8","shape":[1],"data_offsets":"{}"}}}}"#,
+            "7".repeat(100)
+        );
+        let err = parse(&long, 1).unwrap_err();
+        assert!(
+            err.ends_with(&format!("found \"{}…", "7".repeat(59))),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn fields_and_kinds_as_json_has_them() {
+        // Unknown fields are ignored and a repeated field keeps its last value.
+        let h = parse(
+            r#"{"a":{"x":{"deep":[[[]]]},"dtype":"F64","dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
+            2,
+        )
+        .unwrap();
+        assert_eq!(h.tensors[0].dtype, "U8");
+        for (field, want) in [
+            (r#""dtype":null"#, "\"dtype\" is null, not a string"),
+            (r#""dtype":true"#, "\"dtype\" is a boolean, not a string"),
+            (r#""shape":{}"#, "\"shape\" is an object, not a list"),
+            (
+                r#""shape":[[1]]"#,
+                "dimension that is an array, not an integer",
+            ),
+            (r#""shape":[18446744073709551616]"#, "non-integer dimension"),
+        ] {
+            let json =
+                format!(r#"{{"a":{{"dtype":"U8","shape":[1],"data_offsets":[0,1],{field}}}}}"#);
+            let err = parse(&json, 1).unwrap_err();
+            assert!(err.contains(want), "{json}: {err}");
+        }
+    }
+
+    #[test]
+    fn metadata_is_kept_as_its_json_text() {
+        let json = r#"{"__metadata__" : {"format":"pt", "note":"a \"quoted\"\nline", "format":"np"},
+                       "a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        let h = parse(json, 1).unwrap();
+        assert!(h.metadata.json().starts_with("{\"format\":\"pt\""));
+        assert!(h.metadata.json().ends_with("\"np\"}"));
+        assert_eq!(
+            h.metadata.get("note").as_deref(),
+            Some("a \"quoted\"\nline")
+        );
+        assert_eq!(h.metadata.get("format").as_deref(), Some("np"));
+        assert!(!h.metadata.is_empty());
+        let bare = parse(
+            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
+            1,
+        )
+        .unwrap();
+        assert!(bare.metadata.is_empty());
+        assert_eq!(bare.metadata.json(), "");
+        // Reading the file moves the text within the header's buffer: same result.
+        let dir = tempfile::TempDir::new().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let mut file = (json.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(json.as_bytes());
+        file.push(0);
+        std::fs::write(&path, file).unwrap();
+        assert_eq!(read_header(&path).unwrap(), h);
+        let err = parse(r#"{"__metadata__":{"a":"b","n":[1]}}"#, 0).unwrap_err();
+        assert!(err.contains("\"n\" is an array"), "{err}");
     }
 }

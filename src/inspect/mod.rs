@@ -209,10 +209,7 @@ fn read_small_text(path: &Path) -> Result<String> {
     if bytes.len() as u64 > MAX_HEADER_BYTES {
         return Err(Error::input(
             path,
-            format!(
-                "larger than {} MiB: not a JSON index or config",
-                MAX_HEADER_BYTES >> 20
-            ),
+            format!("larger than {MAX_HEADER_BYTES} bytes: not a JSON index or config"),
         ));
     }
     String::from_utf8(bytes).map_err(|e| {

@@ -414,9 +414,9 @@ fn check_shape(config: &ModelConfig) -> Result<()> {
     let ok = c.layers > 0
         && c.heads > 0
         && c.kv_heads > 0
-        && c.hidden % c.heads == 0
-        && c.heads % c.kv_heads == 0
-        && c.head_dim() % 2 == 0
+        && c.hidden.is_multiple_of(c.heads)
+        && c.heads.is_multiple_of(c.kv_heads)
+        && c.head_dim().is_multiple_of(2)
         && c.vocab > 0
         && c.intermediate > 0;
     if !ok {

@@ -27,7 +27,7 @@ pub fn per_rank_batch(plan: &Plan) -> usize {
 
 /// Divisors of `n` in ascending order.
 pub fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 fn with_micro_batch(plan: &Plan, micro: usize) -> Plan {

@@ -22,7 +22,7 @@ pub struct Shard;
 
 fn with_stage(plan: &Plan, world_size: usize, stage: u8) -> Option<Plan> {
     let global = plan.global_batch();
-    if global % world_size != 0 {
+    if !global.is_multiple_of(world_size) {
         return None;
     }
     let per_rank = global / world_size;

@@ -36,7 +36,7 @@ pub fn header_json<N: AsRef<str>, S: AsRef<[usize]>>(tensors: &[(N, &str, S)]) -
     }
     map.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut header = Value::Object(map).to_string();
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(' ');
     }
     (header, offset)
