@@ -170,14 +170,14 @@ impl Pins {
             }
         }
         let world = plan.shard.world_size;
-        if global % world != 0 {
+        if !global.is_multiple_of(world) {
             return Err(Error::Usage(format!(
                 "a global batch of {global} does not split over {world} GPUs"
             )));
         }
         let per_rank = global / world;
         let split = |part: usize, what: &str| -> Result<usize> {
-            if part == 0 || per_rank % part != 0 {
+            if part == 0 || !per_rank.is_multiple_of(part) {
                 return Err(Error::Usage(format!(
                     "a {what} of {part} does not divide the {per_rank} sequences per rank and step"
                 )));

@@ -93,6 +93,15 @@ pub fn group_digits(n: u64) -> String {
     out
 }
 
+/// The memory the host can still give without swapping (`MemAvailable` of
+/// `/proc/meminfo`), where the system says.
+pub fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -124,11 +133,3 @@ mod tests {
     }
 }
 
-/// The memory the host can still give without swapping (`MemAvailable` of
-/// `/proc/meminfo`), where the system says.
-pub fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
