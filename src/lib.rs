@@ -23,7 +23,6 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint_file;
-pub mod cli;
 mod error;
 pub mod inspect;
 pub mod measure;
