@@ -58,7 +58,6 @@ pub mod track;
 pub mod train;
 pub mod units;
 
-pub mod cli;
 mod error;
 
 pub use error::{Error, Result};

@@ -132,4 +132,3 @@ mod tests {
         assert_eq!(group_digits(999), "999");
     }
 }
-

@@ -25,9 +25,25 @@ pub fn per_rank_batch(plan: &Plan) -> usize {
     plan.micro_batch * plan.grad_accum
 }
 
-/// Divisors of `n` in ascending order.
+/// Divisors of `n` in ascending order (none for 0).
+///
+/// Trial division up to √n: a global batch of a million takes a thousand
+/// divisions, not a million.
 pub fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+    let mut low = Vec::new();
+    let mut high = Vec::new();
+    let mut d = 1usize;
+    while d <= n / d {
+        if n.is_multiple_of(d) {
+            low.push(d);
+            if d != n / d {
+                high.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    low.extend(high.into_iter().rev());
+    low
 }
 
 fn with_micro_batch(plan: &Plan, micro: usize) -> Plan {
@@ -366,5 +382,26 @@ fn map_in_place<A: Float>(a: &mut [A], f: impl Fn(f32) -> f32 + Sync) {
         serial(a);
     } else {
         a.par_chunks_mut(CHUNK).for_each(serial);
+    }
+}
+
+#[cfg(test)]
+mod divisor_tests {
+    use super::divisors;
+
+    #[test]
+    fn divisors_match_trial_division_of_every_number() {
+        for n in 0..=1000usize {
+            let slow: Vec<usize> = (1..=n).filter(|d| n % d == 0).collect();
+            assert_eq!(divisors(n), slow, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn divisors_of_large_numbers_are_immediate() {
+        assert_eq!(divisors(1 << 40).len(), 41);
+        let d = divisors(720_720);
+        assert_eq!(d.len(), 240);
+        assert!(d.windows(2).all(|w| w[0] < w[1]));
     }
 }

@@ -1,0 +1,248 @@
+//! `oomfix plan` (the default command): check every option, inspect the
+//! model, run the search, write `--snapshot` / `--plot`, print the table or
+//! the JSON object.
+
+use super::args::{HalfArg, PlanArgs, PlanOptions, VerifyArg};
+use super::{check_writable, logging, print_stdout, Exit, Failure, Outcome};
+use oomfix::measure::StepVerifier;
+use oomfix::report::{self, PlotFormat};
+use oomfix::{inspect, Error, ModelSpec, Pipeline, Planner, SearchResult, Target, Verify};
+use std::path::Path;
+
+/// Runs `oomfix plan`.
+pub fn run(args: &PlanArgs) -> Outcome {
+    let target = args.opts.plan_device();
+    let prepared = prepare(args, target, &[])?;
+    let (_, result) = search(args, prepared)?;
+    Ok(Exit::fits(result.fits()))
+}
+
+/// The options checked and the model inspected: everything a search needs,
+/// found before anything is printed.
+pub struct Prepared {
+    /// The model.
+    pub spec: ModelSpec,
+    /// The device planned for.
+    pub target: Target,
+    /// `--budget`.
+    pub budget: u64,
+    pipeline: Pipeline,
+    plot: Option<PlotFormat>,
+}
+
+/// Checks `args` for planning on `target`, inspects the model and checks the
+/// output files (`--snapshot`, `--plot`; never one of the model's files or
+/// `inputs`). Nothing is printed.
+pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prepared, Failure> {
+    let o = &args.opts;
+    let budget = o.budget.ok_or_else(|| {
+        Failure::Usage("a budget is required, e.g. --budget 8GiB (see --help)".into())
+    })?;
+    let plot = o
+        .plot
+        .as_deref()
+        .map(PlotFormat::from_path)
+        .transpose()
+        .map_err(Failure::Usage)?;
+    if (o.snapshot.is_some() || o.plot.is_some()) && target != Target::Cpu {
+        return Err(Failure::Usage(
+            "--snapshot and --plot record host allocations: use --device cpu".into(),
+        ));
+    }
+    if o.enforce_budget && target == Target::Cpu {
+        return Err(Failure::Usage(
+            "--enforce-budget limits a CUDA device's memory; with --device cpu there is nothing to limit \
+             (use --verify, which measures CPU plans in a child process limited to the budget)"
+                .into(),
+        ));
+    }
+    let pipeline =
+        Pipeline::from_names(&o.strategies).map_err(|e| Failure::Usage(e.to_string()))?;
+    let spec = match &args.model {
+        Some(path) => inspect::inspect(path)?,
+        None => ModelSpec::default_model(),
+    };
+    let mut all_inputs: Vec<&Path> = spec.files.iter().map(|f| f.as_path()).collect();
+    all_inputs.extend(args.model.as_deref());
+    all_inputs.extend(inputs);
+    for out in [&o.snapshot, &o.plot].into_iter().flatten() {
+        check_writable(out, &all_inputs)?;
+    }
+    Ok(Prepared {
+        spec,
+        target,
+        budget,
+        pipeline,
+        plot,
+    })
+}
+
+/// The plan fields the command line pins.
+fn pins(o: &PlanOptions) -> oomfix::Pins {
+    use oomfix::strategies::Precision;
+    let mut pins = oomfix::Pins::default();
+    pins.precision = match o.precision {
+        HalfArg::Auto => None,
+        HalfArg::Fp32 => Some(Precision::F32),
+        HalfArg::Bf16 => Some(Precision::Bf16),
+        HalfArg::Fp16 => Some(Precision::F16),
+    };
+    pins.micro_batch = o.micro_batch;
+    pins.grad_accum = o.grad_accum;
+    pins.checkpoint = o.checkpoint;
+    pins.attention = o.attention;
+    pins.optimizer = o.optimizer;
+    pins.shard_stage = o.zero_stage;
+    pins
+}
+
+/// Runs the search of a prepared plan, writes `--snapshot` and `--plot`, and
+/// prints the result on stdout; gives back the model with the result.
+pub fn search(args: &PlanArgs, prepared: Prepared) -> Result<(ModelSpec, SearchResult), Failure> {
+    let Prepared {
+        spec,
+        target,
+        budget,
+        pipeline,
+        plot,
+    } = prepared;
+    let o = &args.opts;
+    if o.enforce_budget {
+        enforce_budget(target, budget)?;
+    }
+    let mut planner = Planner::new(budget)
+        .global_batch(o.global_batch)
+        .target(target)
+        .gpus(o.gpus)
+        .pipeline(pipeline)
+        .pins(pins(o));
+    if let Some(h) = o.headroom {
+        planner = planner.headroom(h);
+    }
+    if let Some(bytes) = o.host_budget.or_else(oomfix::units::available_memory) {
+        planner = planner.host_budget(bytes);
+    }
+    if let Some(n) = o.seq_len {
+        planner = planner.seq_len(n);
+    }
+    if let Some(mode) = o.verify {
+        let verifier = match target {
+            Target::Cpu => {
+                let exe = std::env::current_exe().map_err(|e| {
+                    Failure::Usage(format!(
+                        "--verify: cannot locate the oomfix binary to run measurements in: {}",
+                        super::io_text(&e)
+                    ))
+                })?;
+                StepVerifier::isolated(target, exe, budget)
+            }
+            Target::Cuda(_) => StepVerifier::in_process(target),
+        };
+        let mode = match mode {
+            VerifyArg::Fitting => Verify::Fitting,
+            VerifyArg::All => Verify::All,
+        };
+        planner = planner.verify_with(verifier, mode);
+    }
+    let result = planner.run(&spec)?;
+    if o.snapshot.is_some() || o.plot.is_some() {
+        timeline_outputs(args, &spec, &result, budget, plot)?;
+    }
+    if args.model.is_none() && !args.json {
+        logging::notice(format_args!(
+            "no model given; planning for the {}",
+            spec.source
+        ));
+    }
+    if args.json {
+        print_stdout(&format!("{:#}\n", report::search_json(&spec, &result)))?;
+    } else {
+        print_stdout(&report::search_table(&spec, &result))?;
+    }
+    Ok((spec, result))
+}
+
+/// `--enforce-budget`: leaves only `budget` bytes of the CUDA device usable by
+/// this process until it exits.
+fn enforce_budget(target: Target, budget: u64) -> Result<(), Failure> {
+    match target {
+        Target::Cuda(ordinal) => enforce_cuda(ordinal, budget),
+        // Refused by `prepare`.
+        Target::Cpu => Ok(()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn enforce_cuda(ordinal: usize, budget: u64) -> Result<(), Failure> {
+    let device = candle_core::Device::new_cuda(ordinal)
+        .map_err(|e| Failure::Usage(format!("--enforce-budget: cannot use cuda:{ordinal}: {e}")))?;
+    let cuda = device.as_cuda_device().map_err(Error::from)?;
+    let done = oomfix::measure::cuda::enforce_budget(cuda, budget)
+        .map_err(|e| Failure::Usage(format!("--enforce-budget: {e}")))?;
+    tracing::info!(
+        ballast_bytes = done.ballast,
+        already_used_bytes = done.already_used,
+        free_after_bytes = done.free_after,
+        "budget enforced"
+    );
+    logging::say(format_args!(
+        "oomfix: enforcing the budget on cuda:{ordinal}: {} held back, {} free for this process \
+         (it already holds {})",
+        oomfix::units::format_bytes(done.ballast),
+        oomfix::units::format_bytes(done.free_after),
+        oomfix::units::format_bytes(done.already_used)
+    ));
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn enforce_cuda(_: usize, _: u64) -> Result<(), Failure> {
+    Err(Failure::Usage(
+        "--enforce-budget on CUDA needs a build with --features cuda".into(),
+    ))
+}
+
+/// Measures the chosen (or closest) plan with its allocations recorded and
+/// writes `--snapshot` and `--plot` (checked by [`prepare`]).
+fn timeline_outputs(
+    args: &PlanArgs,
+    spec: &ModelSpec,
+    result: &SearchResult,
+    budget: u64,
+    plot: Option<PlotFormat>,
+) -> Result<(), Failure> {
+    let attempt = result.chosen().unwrap_or_else(|| result.closest());
+    let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
+    if timeline.truncated {
+        tracing::warn!(
+            "the recording filled its {} events; the timeline ends early",
+            oomfix::measure::MAX_EVENTS
+        );
+    }
+    tracing::info!(
+        measured_bytes = m.peak_bytes,
+        blocks = timeline.blocks.len(),
+        changes = timeline.changes.len(),
+        "recorded {}",
+        attempt.plan
+    );
+    if let Some(path) = &args.opts.snapshot {
+        let bytes = report::snapshot_pickle(&timeline);
+        oomfix::output::write_atomic(path, |f| write_all(f, path, &bytes))?;
+    }
+    if let (Some(path), Some(format)) = (&args.opts.plot, plot) {
+        let title = format!("{}: {}", spec.source, attempt.plan);
+        let image =
+            report::timeline_plot(&timeline, budget, &title, format).map_err(Failure::Run)?;
+        oomfix::output::write_atomic(path, |f| write_all(f, path, &image))?;
+    }
+    Ok(())
+}
+
+fn write_all(f: &mut std::fs::File, path: &Path, bytes: &[u8]) -> oomfix::Result<()> {
+    use std::io::Write;
+    f.write_all(bytes).map_err(|e| Error::Io {
+        context: format!("writing {}", path.display()),
+        source: e,
+    })
+}

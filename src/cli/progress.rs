@@ -1,0 +1,70 @@
+//! `train`'s progress: a bar on a terminal, else one line per step (text
+//! logs) or the `step` events (JSON logs).
+
+use super::logging;
+use oomfix::train::StepStats;
+
+/// Where each step is shown.
+pub struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    steps: u64,
+}
+
+impl Progress {
+    /// Progress towards `steps`, `done` already. A bar when stderr is a
+    /// terminal that is not carrying JSON logs.
+    pub fn new(steps: u64, done: u64) -> Progress {
+        use std::io::IsTerminal;
+        let json_on_stderr = logging::stderr_json();
+        let bar = (std::io::stderr().is_terminal() && !json_on_stderr).then(|| {
+            let bar = indicatif::ProgressBar::new(steps).with_position(done);
+            let style = indicatif::ProgressStyle::with_template(
+                "{bar:30} step {pos}/{len} {elapsed_precise}  {msg}",
+            )
+            .expect("valid template");
+            bar.set_style(style);
+            bar
+        });
+        Progress { bar, steps }
+    }
+
+    /// Logs step `step` (a `step` event with its numbers) and shows it.
+    pub fn step(&self, step: u64, s: &StepStats) {
+        tracing::info!(
+            step,
+            total_steps = self.steps,
+            loss = s.loss,
+            tokens = s.tokens,
+            seconds = s.seconds,
+            forward_backward_peak_bytes = s.forward_backward_peak,
+            optimizer_peak_bytes = s.optimizer_peak,
+            skipped = s.skipped,
+            "step"
+        );
+        let msg = format!(
+            "loss {:.4}  {:.0} tok/s  peak {}{}",
+            s.loss,
+            s.tokens as f64 / s.seconds,
+            oomfix::units::format_bytes(s.peak()),
+            if s.skipped {
+                "  (skipped: fp16 overflow)"
+            } else {
+                ""
+            }
+        );
+        match &self.bar {
+            Some(bar) => {
+                bar.set_message(msg);
+                bar.inc(1);
+            }
+            None => logging::say(format_args!("step {step}/{}  {msg}", self.steps)),
+        }
+    }
+
+    /// Leaves the bar at its last state.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}

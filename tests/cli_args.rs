@@ -1,0 +1,401 @@
+//! The command line as a new user tries it, through the real binary: every
+//! argument checked before any planning output, options before or after the
+//! subcommand, `--verify all`, negative and out-of-range numbers, and the
+//! device `train` uses by default.
+
+mod common;
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use serde_json::Value;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn oomfix(dir: &Path) -> Command {
+    let mut cmd = Command::cargo_bin("oomfix").unwrap();
+    cmd.current_dir(dir)
+        .env_remove("RUST_LOG")
+        .env("RUST_BACKTRACE", "1")
+        .timeout(Duration::from_secs(60));
+    cmd
+}
+
+/// A directory with the tiny GPT-2 (`tiny.safetensors`) and `data.bin`
+/// (u16 ids 1..=15 repeated).
+fn run_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    common::tiny_gpt2_file(dir.path());
+    let ids: Vec<u8> = (0..50)
+        .flat_map(|_| 1u16..16)
+        .flat_map(u16::to_le_bytes)
+        .collect();
+    std::fs::write(dir.path().join("data.bin"), ids).unwrap();
+    dir
+}
+
+/// `train` of the tiny model on the CPU (random tokens).
+const TRAIN: [&str; 10] = [
+    "train",
+    "tiny.safetensors",
+    "--device",
+    "cpu",
+    "--budget",
+    "1GiB",
+    "--seq-len",
+    "16",
+    "--global-batch",
+    "2",
+];
+
+/// Runs `args` and checks the usage error: exit 2, nothing on stdout, one
+/// `oomfix: ` line on stderr that contains `says`, no panic.
+fn refused(dir: &Path, args: &[&str], says: &str) {
+    let out = oomfix(dir).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{args:?}: nothing is printed before the error: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "{args:?}: one line: {stderr}");
+    assert!(lines[0].starts_with("oomfix: "), "{args:?}: {stderr}");
+    assert!(lines[0].contains(says), "{args:?}: says `{says}`: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn train_arguments_are_checked_before_the_plan_is_printed() {
+    let d = run_dir();
+    let dir = d.path();
+    fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+        [&TRAIN[..], extra].concat()
+    }
+    refused(
+        dir,
+        &[
+            "train",
+            "--device",
+            "cpu",
+            "--budget",
+            "1GiB",
+            "--pretrained",
+        ],
+        "--pretrained needs a model file",
+    );
+    refused(dir, &with(&["--data", "missing.bin"]), "missing.bin");
+    refused(
+        dir,
+        &with(&["--save", "no/such/dir/ck.safetensors"]),
+        "is not a directory",
+    );
+    std::fs::create_dir(dir.join("ck.safetensors")).unwrap();
+    refused(dir, &with(&["--save", "ck.safetensors"]), "is a directory");
+    #[cfg(target_os = "linux")]
+    refused(
+        dir,
+        &with(&["--save", "/proc/oomfix-ck.safetensors"]),
+        "cannot write /proc/oomfix-ck.safetensors",
+    );
+    refused(dir, &with(&["--steps", "0"]), "--steps");
+    refused(
+        dir,
+        &with(&["--save-every", "0", "--save", "x"]),
+        "--save-every",
+    );
+    refused(
+        dir,
+        &with(&["--resume", "missing.safetensors"]),
+        "missing.safetensors: cannot read checkpoint",
+    );
+    // A data file the model cannot read: ids outside its vocabulary of 256.
+    std::fs::write(dir.join("wide.bin"), 1000u16.to_le_bytes().repeat(8)).unwrap();
+    refused(
+        dir,
+        &with(&["--data", "wide.bin"]),
+        "outside the model's vocabulary",
+    );
+    refused(dir, &with(&["--plot", "step.gif"]), "gif");
+}
+
+#[test]
+fn plan_arguments_are_checked_before_anything_is_printed() {
+    let d = run_dir();
+    let dir = d.path();
+    refused(dir, &["--budget", "0"], "fits nothing");
+    refused(dir, &["--budget", "-8GiB"], "--budget");
+    refused(dir, &["--global-batch", "8"], "a budget is required");
+    refused(
+        dir,
+        &["--budget", "8GiB", "--snapshot", "s.pickle"],
+        "--device cpu",
+    );
+    refused(
+        dir,
+        &[
+            "--budget",
+            "8GiB",
+            "--device",
+            "cpu",
+            "--snapshot",
+            "no/dir/s.pickle",
+        ],
+        "is not a directory",
+    );
+    refused(
+        dir,
+        &["--budget", "8GiB", "--strategies", "accumulate,teleport"],
+        "unknown strategy `teleport`",
+    );
+    refused(
+        dir,
+        &["--budget", "8GiB", "--seq-len", "4096"],
+        "learned positions",
+    );
+}
+
+#[test]
+fn negative_numbers_get_one_clear_line() {
+    let d = run_dir();
+    let dir = d.path();
+    for (args, option) in [
+        (
+            &["--budget", "8GiB", "--global-batch", "-1"][..],
+            "--global-batch",
+        ),
+        (&["--budget", "8GiB", "--seq-len", "-16"], "--seq-len"),
+        (&["--budget", "8GiB", "--gpus", "-2"], "--gpus"),
+        (&["train", "--budget", "8GiB", "--steps", "-5"], "--steps"),
+        (&["train", "--budget", "8GiB", "--seed", "-1"], "--seed"),
+        (&["train", "--budget", "8GiB", "--lr", "-0.1"], "--lr"),
+    ] {
+        let out = oomfix(dir).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(option), "{args:?}: {stderr}");
+        assert!(!stderr.contains("-- -"), "no `-- -1` tip: {stderr}");
+    }
+}
+
+#[test]
+fn a_huge_global_batch_is_answered_at_once() {
+    let d = run_dir();
+    let dir = d.path();
+    for n in [
+        "18446744073709551615",
+        "1048577",
+        "99999999999999999999999999",
+    ] {
+        let start = Instant::now();
+        refused(
+            dir,
+            &["--budget", "8GiB", "--global-batch", n],
+            "--global-batch",
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "{n}: {:?}",
+            start.elapsed()
+        );
+    }
+    // The largest accepted batch is planned (it was 2^20 divisions before).
+    let start = Instant::now();
+    let out = oomfix(dir)
+        .args(["--budget", "8GiB", "--global-batch", "1048576", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let plan = &v["plan"];
+    assert_eq!(
+        plan["micro_batch"].as_u64().unwrap() * plan["grad_accum"].as_u64().unwrap(),
+        1 << 20
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    refused(
+        dir,
+        &[
+            "--budget",
+            "8GiB",
+            "--global-batch",
+            "65536",
+            "--seq-len",
+            "65536",
+        ],
+        "tokens per optimizer step",
+    );
+}
+
+#[test]
+fn global_options_work_before_or_after_the_subcommand() {
+    let d = run_dir();
+    let dir = d.path();
+    let before = oomfix(dir)
+        .args([
+            "-v",
+            "--device",
+            "cpu",
+            "--budget",
+            "1GiB",
+            "--seq-len",
+            "16",
+        ])
+        .args(["--global-batch", "2", "--json", "train", "tiny.safetensors"])
+        .args(["--steps", "1", "--data", "data.bin"])
+        .output()
+        .unwrap();
+    let after = oomfix(dir)
+        .args([
+            "train",
+            "tiny.safetensors",
+            "--steps",
+            "1",
+            "--data",
+            "data.bin",
+        ])
+        .args([
+            "-v",
+            "--device",
+            "cpu",
+            "--budget",
+            "1GiB",
+            "--seq-len",
+            "16",
+        ])
+        .args(["--global-batch", "2", "--json"])
+        .output()
+        .unwrap();
+    for out in [&before, &after] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["device"], "cpu");
+        assert_eq!(v["plan"]["seq_len"], 16);
+        // -v: every attempt is logged.
+        assert!(stderr.contains("baseline"), "{stderr}");
+        assert!(stderr.contains("step 1/1"), "{stderr}");
+    }
+    assert_eq!(before.stdout, after.stdout);
+    // The same for `plan` and the logging options.
+    let log = dir.join("log.json");
+    oomfix(dir)
+        .args(["--log-format", "json", "--log-file"])
+        .arg(&log)
+        .args([
+            "--device",
+            "cpu",
+            "plan",
+            "tiny.safetensors",
+            "--budget",
+            "1GiB",
+        ])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("on cpu"));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.lines().count() >= 1);
+    for line in text.lines() {
+        serde_json::from_str::<Value>(line).expect(line);
+    }
+}
+
+#[test]
+fn inspect_refuses_planning_options_and_a_misplaced_model_is_named() {
+    let d = run_dir();
+    let dir = d.path();
+    refused(
+        dir,
+        &["inspect", "tiny.safetensors", "--budget", "8GiB"],
+        "--budget is a planning option",
+    );
+    refused(
+        dir,
+        &["--device", "cpu", "inspect", "tiny.safetensors"],
+        "--device is a planning option",
+    );
+    oomfix(dir)
+        .args(["-v", "--json", "inspect", "tiny.safetensors"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("\"family\": \"gpt2\""));
+    refused(
+        dir,
+        &["tiny.safetensors", "train", "--budget", "1GiB"],
+        "oomfix train tiny.safetensors",
+    );
+}
+
+#[test]
+fn verify_all_works_with_a_space() {
+    let d = run_dir();
+    let dir = d.path();
+    // 64 KiB: nothing fits, so `fitting` measures nothing and `all` everything.
+    let measured = |args: &[&str]| -> Vec<bool> {
+        let out = oomfix(dir)
+            .args(["--budget", "64KiB", "--device", "cpu", "--seq-len", "16"])
+            .args([
+                "--global-batch",
+                "2",
+                "--strategies",
+                "accumulate",
+                "--json",
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["model"]["path"], "tiny.safetensors", "{args:?}");
+        let attempts = v["attempts"].as_array().unwrap().iter();
+        attempts.map(|a| a["measured_bytes"].is_u64()).collect()
+    };
+    let space = measured(&["--verify", "all", "tiny.safetensors"]);
+    assert_eq!(space, [true, true]);
+    assert_eq!(measured(&["--verify=all", "tiny.safetensors"]), space);
+    assert_eq!(measured(&["tiny.safetensors", "--verify", "all"]), space);
+    // With no value `--verify` measures the fitting attempts (none here),
+    // and the model after it stays the model.
+    assert_eq!(measured(&["--verify", "tiny.safetensors"]), [false, false]);
+}
+
+#[test]
+#[cfg(not(feature = "cuda"))]
+fn train_without_device_on_a_build_without_cuda_uses_the_cpu_and_says_so() {
+    let d = run_dir();
+    let dir = d.path();
+    let args: Vec<&str> = TRAIN
+        .iter()
+        .copied()
+        .filter(|a| *a != "--device" && *a != "cpu")
+        .collect();
+    oomfix(dir)
+        .args(&args)
+        .args(["--steps", "1"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("on cpu"))
+        .stderr(predicate::str::contains(
+            "no --device given and this build has no CUDA: training on the CPU",
+        ))
+        .stderr(predicate::str::contains("step 1/1"));
+    // `plan` still plans for a GPU by default, and says so in --help.
+    oomfix(dir)
+        .args(["--budget", "8GiB", "tiny.safetensors"])
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains("on cuda:0"));
+    oomfix(dir)
+        .arg("--help")
+        .assert()
+        .code(0)
+        .stdout(predicate::str::contains(
+            "default: cuda:0; `train` on a build without CUDA: cpu",
+        ));
+}
