@@ -94,12 +94,14 @@ pub fn group_digits(n: u64) -> String {
 }
 
 /// The memory the host can still give without swapping (`MemAvailable` of
-/// `/proc/meminfo`), where the system says.
+/// `/proc/meminfo`), where the system says, rounded down to a whole GiB so
+/// that the same command on the same machine plans the same (the figure
+/// moves by megabytes from one moment to the next).
 pub fn available_memory() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    Some(kib / (1 << 20) * (1 << 30))
 }
 
 #[cfg(test)]
