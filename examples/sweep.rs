@@ -3,7 +3,7 @@
 //! For small GPT-2 and Llama shapes on the CPU, every configuration of the
 //! pipeline's space that runs there (micro-batch × precision × attention ×
 //! checkpointing × optimizer, the global batch held) is trained for a few
-//! steps: its median step time and its measured peak are recorded beside the
+//! steps: its shortest step time and its measured peak are recorded beside the
 //! step-time model's estimate and the work terms it is made of
 //! ([`oomfix::speed::StepWork`]). Then, at a budget that some configurations
 //! fit and others do not, it checks what the planner chooses (with its
@@ -81,7 +81,8 @@ fn space() -> Vec<Plan> {
     plans
 }
 
-/// Median wall time of `steps` optimizer steps after one warm-up step.
+/// The shortest wall time of `steps` optimizer steps after one warm-up step
+/// (the least disturbed by other work on the machine).
 fn time_steps(spec: &ModelSpec, plan: &Plan, steps: usize) -> oomfix::Result<f64> {
     let mut trainer = Trainer::new(
         &spec.config,
@@ -94,8 +95,7 @@ fn time_steps(spec: &ModelSpec, plan: &Plan, steps: usize) -> oomfix::Result<f64
     let mut times: Vec<f64> = (0..steps)
         .map(|_| trainer.step(&mut data).map(|s| s.seconds))
         .collect::<oomfix::Result<_>>()?;
-    times.sort_by(f64::total_cmp);
-    Ok(times[times.len() / 2])
+    Ok(times.into_iter().fold(f64::INFINITY, f64::min))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -114,7 +114,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
-    let steps: usize = value("--steps").map_or(Ok(3), |s| s.parse())?;
+    let steps: usize = value("--steps").map_or(Ok(5), |s| s.parse())?;
     let out = value("--out").unwrap_or("docs/sweep.json".into());
     let only: Option<Vec<String>> =
         value("--models").map(|v| v.split(',').map(str::to_string).collect());

@@ -5,7 +5,7 @@ Usage: scripts/fit-speed.py docs/sweep.json
 
 The sweep (`cargo run --release --example sweep`) records, for every
 configuration, the work terms of `oomfix::speed::StepWork` and the measured
-median step time. The model is time = sum(work_i / throughput_i); this fits
+shortest step time. The model is time = sum(work_i / throughput_i); this fits
 the reciprocals 1/throughput_i by non-negative least squares on relative
 errors (each row divided by its measured time), so small and large steps
 weigh alike, and prints the throughputs to put in `src/speed.rs`'s `CPU`
