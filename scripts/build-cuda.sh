@@ -6,8 +6,9 @@
 #   1. install a CUDA 13.0 toolkit from PyPI wheels into a venv in the cache;
 #   2. assemble a CUDA_HOME of symlinks to it, plus a stub libcuda.so.1 so
 #      that `-lcuda` resolves at link time (the real one loads at run time);
-#   3. compile the kernel sources that run-time NVRTC compiles (fused.cu,
-#      flash.cu, adamw.cu, accumulate.cu) with the toolkit's libnvrtc;
+#   3. compile the kernel sources that run-time NVRTC compiles (flash.cu,
+#      adamw.cu, accumulate.cu, nn's fused.cu and loss.cu) with the toolkit's
+#      libnvrtc;
 #   4. `cargo build --release` into target-cuda/, with an rpath to the GPU
 #      machine's library folders;
 #   5. strip the binary and write an xz-compressed copy to carry over.
@@ -192,7 +193,8 @@ check_kernels() {
     say "NVRTC check of the run-time kernel sources"
     LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} python3 scripts/nvrtc-check.py \
         "$lib/libnvrtc.so" strategies/src/half.cuh "strategies/src/attention/flash.cu@$flash_arch" \
-        strategies/src/adamw/adamw.cu strategies/src/accumulate/accumulate.cu src/train/fused/fused.cu >&2 ||
+        strategies/src/adamw/adamw.cu strategies/src/accumulate/accumulate.cu \
+        strategies/src/nn/ops/fused.cu strategies/src/nn/loss/loss.cu >&2 ||
         die "a run-time kernel source does not compile with NVRTC (log above)"
 }
 

@@ -10,6 +10,11 @@
 //!   memory-efficient attention, activation checkpointing, a fused in-place
 //!   AdamW, ZeRO-style sharding, AdamW offloaded to the host).
 //!
+//! [`nn`] holds what any candle model needs to train at all: ops with their
+//! own backward (fused norms, projections, activations, RoPE, embedding,
+//! attention probabilities) and a fused cross-entropy, in place of candle's
+//! fast paths that have none.
+//!
 //! A [`Pipeline`] is an ordered list of strategies. The order is the product: the
 //! default order applies the cheapest fix first.
 //!
@@ -45,13 +50,14 @@ pub mod checkpoint;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
+pub mod nn;
 pub mod offload;
 mod plan;
 pub mod precision;
 mod reduce;
 pub mod shard;
 
-/// CUDA C prepended to every NVRTC kernel source of this crate and of `oomfix`:
+/// CUDA C prepended to every NVRTC kernel source of this crate:
 /// the 16-bit float types (`Bf16`, `F16`, raw bits) and their conversions to
 /// and from f32 (round to nearest even, as the `half` crate converts).
 #[cfg(feature = "cuda")]

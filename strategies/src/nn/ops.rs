@@ -1,6 +1,6 @@
-//! Layers as single graph nodes with their own backward: layer norm, RMS norm,
-//! biased linear maps, GELU, SwiGLU, rotary position embedding, the token
-//! embedding lookup and the attention probabilities.
+//! The fused ops: layers as single graph nodes with their own backward (layer
+//! norm, RMS norm, biased linear maps, GELU, SwiGLU, rotary position
+//! embedding, the token embedding lookup and the attention probabilities).
 //!
 //! Composed from candle ops, each of these keeps every intermediate result
 //! alive for backward, and its backward is a chain of small kernels, each
@@ -18,7 +18,7 @@
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor, Var};
-//! use oomfix::train::fused::{gelu, layer_norm, GeluForm};
+//! use oomfix_strategies::nn::ops::{gelu, layer_norm, GeluForm};
 //!
 //! let x = Var::randn(0f32, 1.0, (2, 3, 8), &Device::Cpu)?;
 //! let w = Tensor::ones(8, DType::F32, &Device::Cpu)?;
@@ -35,7 +35,14 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-pub use super::layers::WeightLayout;
+/// How a projection's weight is stored, for [`linear`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `[in, out]`: GPT-2's `Conv1D`, `y = x W + b`.
+    InOut,
+    /// `[out, in]`: `torch.nn.Linear` and `candle_nn::Linear`, `y = x Wᵀ + b`.
+    OutIn,
+}
 
 #[cfg(feature = "cuda")]
 mod cuda;
