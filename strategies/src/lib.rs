@@ -10,10 +10,10 @@
 //!   memory-efficient attention, activation checkpointing, a fused in-place
 //!   AdamW, ZeRO-style sharding, AdamW offloaded to the host).
 //!
-//! [`nn`] holds what any candle model needs to train at all: ops with their
-//! own backward (fused norms, projections, activations, RoPE, embedding,
-//! attention probabilities) and a fused cross-entropy, in place of candle's
-//! fast paths that have none.
+//! [`nn`] holds what any candle model needs to train at all: layers with
+//! `candle_nn`'s names and shapes built on ops with their own backward (fused
+//! norms, projections, activations, RoPE, embedding, attention probabilities)
+//! and a fused cross-entropy, in place of candle's fast paths that have none.
 //!
 //! A [`Pipeline`] is an ordered list of strategies. The order is the product: the
 //! default order applies the cheapest fix first.

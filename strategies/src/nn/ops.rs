@@ -78,6 +78,18 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
         .apply_op3(&w.contiguous()?, &b.contiguous()?, op)
 }
 
+/// [`layer_norm`] without the shift: `(x − mean(x))/√(var(x) + eps)·w` over
+/// the last dimension of `x`; `w` is `[h]` in `x`'s dtype. Keeps only its
+/// output for backward.
+pub fn layer_norm_no_bias(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    check_param(x, w, "the scale")?;
+    let op = Norm {
+        kind: NormKind::Layer,
+        eps: eps as f32,
+    };
+    x.contiguous()?.apply_op2(&w.contiguous()?, op)
+}
+
 /// `x/√(mean(x²) + eps)·w` over the last dimension of `x`; `w` is `[h]` in
 /// `x`'s dtype. Keeps only its output for backward.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -253,7 +265,7 @@ fn row_stats<T: WithDType>(row: &[T], kind: NormKind, eps: f32) -> (f32, f32) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
-/// Forward: `x`, `w`, (layer norm) `b` → `y` in `x`'s dtype.
+/// Forward: `x`, `w`, (with a shift) `b` → `y` in `x`'s dtype.
 #[derive(Debug, Clone, Copy)]
 struct Norm {
     kind: NormKind,
@@ -362,9 +374,13 @@ impl CustomOp3 for Norm {
     }
 }
 
+/// A norm without a shift: RMS norm, or layer norm without its bias.
 impl CustomOp2 for Norm {
     fn name(&self) -> &'static str {
-        "oomfix-rms-norm"
+        match self.kind {
+            NormKind::Layer => "oomfix-layer-norm-no-bias",
+            NormKind::Rms => "oomfix-rms-norm",
+        }
     }
 
     fn cpu_fwd(
