@@ -612,7 +612,7 @@ impl std::fmt::Display for LossRow {
 
 /// oomfix's fused loss over all rows.
 fn fused_loss(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    oomfix::train::loss::cross_entropy(logits, targets, None)
+    oomfix_strategies::nn::loss::cross_entropy(logits, targets, None)
 }
 
 /// The composed loss as a model would write it: cast to f32, candle_nn's cross-entropy.
@@ -710,67 +710,67 @@ fn composed_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Res
 }
 
 fn fused_cases() -> Vec<FusedCase> {
-    use oomfix::train::fused::{self, GeluForm, WeightLayout};
+    use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
     const H: usize = 768;
     const I: usize = 3072;
     vec![
         FusedCase {
             name: "layer norm",
             shapes: |n| vec![vec![n, H], vec![H], vec![H]],
-            fused: |t| fused::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+            fused: |t| ops::layer_norm(&t[0], &t[1], &t[2], 1e-5),
             composed: |t| composed_norm(&t[0], &t[1], Some(&t[2])),
         },
         FusedCase {
             name: "RMS norm",
             shapes: |n| vec![vec![n, H], vec![H]],
-            fused: |t| fused::rms_norm(&t[0], &t[1], 1e-5),
+            fused: |t| ops::rms_norm(&t[0], &t[1], 1e-5),
             composed: |t| composed_norm(&t[0], &t[1], None),
         },
         FusedCase {
             name: "linear [in,out] + bias",
             shapes: |n| vec![vec![n, H], vec![H, I], vec![I]],
-            fused: |t| fused::linear(&t[0], &t[1], &t[2], WeightLayout::InOut),
+            fused: |t| ops::linear(&t[0], &t[1], &t[2], WeightLayout::InOut),
             composed: |t| t[0].matmul(&t[1])?.broadcast_add(&t[2]),
         },
         FusedCase {
             name: "linear [out,in] + bias",
             shapes: |n| vec![vec![n, H], vec![I, H], vec![I]],
-            fused: |t| fused::linear(&t[0], &t[1], &t[2], WeightLayout::OutIn),
+            fused: |t| ops::linear(&t[0], &t[1], &t[2], WeightLayout::OutIn),
             composed: |t| t[0].matmul(&t[1].t()?)?.broadcast_add(&t[2]),
         },
         FusedCase {
             name: "GELU (tanh)",
             shapes: |n| vec![vec![n, I]],
-            fused: |t| fused::gelu(&t[0], GeluForm::Tanh),
+            fused: |t| ops::gelu(&t[0], GeluForm::Tanh),
             composed: |t| t[0].gelu(),
         },
         FusedCase {
             name: "GELU (erf)",
             shapes: |n| vec![vec![n, I]],
-            fused: |t| fused::gelu(&t[0], GeluForm::Erf),
+            fused: |t| ops::gelu(&t[0], GeluForm::Erf),
             composed: |t| t[0].gelu_erf(),
         },
         FusedCase {
             name: "SwiGLU",
             shapes: |n| vec![vec![n, I], vec![n, I]],
-            fused: |t| fused::swiglu(&t[0], &t[1]),
+            fused: |t| ops::swiglu(&t[0], &t[1]),
             composed: |t| t[0].silu()?.mul(&t[1]),
         },
         FusedCase {
             name: "embedding lookup, 8192 ids into [8192, 768]",
             shapes: |_| vec![vec![8192, H]],
-            fused: |t| fused::embedding(&t[0], &bench_ids(t[0].device())?),
+            fused: |t| ops::embedding(&t[0], &bench_ids(t[0].device())?),
             composed: |t| t[0].index_select(&bench_ids(t[0].device())?, 0),
         },
         FusedCase {
             name: "attention probabilities, causal, q and k [rows / 1024, 12, 1024, 64]",
             shapes: |n| vec![vec![(n / 1024).max(1), 12, 1024, 64]; 2],
             fused: |t| {
-                let opts = fused::ProbsOptions {
+                let opts = ops::ProbsOptions {
                     scale: 0.125,
                     causal: true,
                 };
-                fused::attention_probs(&t[0], &t[1], None, opts)
+                ops::attention_probs(&t[0], &t[1], None, opts)
             },
             composed: |t| composed_probs(&t[0], &t[1]),
         },
@@ -778,8 +778,8 @@ fn fused_cases() -> Vec<FusedCase> {
             name: "RoPE, heads first",
             shapes: |n| vec![vec![n / 256, 256, H]],
             fused: |t| {
-                let tables = fused::RopeTables::new(t[0].dim(1)?, 64, 1e4, 1.0, t[0].device())?;
-                fused::rope(&t[0], H / 64, &tables)
+                let tables = ops::RopeTables::new(t[0].dim(1)?, 64, 1e4, 1.0, t[0].device())?;
+                ops::rope(&t[0], H / 64, &tables)
             },
             composed: |t| composed_rope(&t[0]),
         },

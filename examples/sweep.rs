@@ -92,7 +92,7 @@ fn time_steps(spec: &ModelSpec, plan: &Plan, steps: usize) -> oomfix::Result<f64
     )?;
     let mut data = DataSource::synthetic(0);
     trainer.step(&mut data)?;
-    let mut times: Vec<f64> = (0..steps)
+    let times: Vec<f64> = (0..steps)
         .map(|_| trainer.step(&mut data).map(|s| s.seconds))
         .collect::<oomfix::Result<_>>()?;
     Ok(times.into_iter().fold(f64::INFINITY, f64::min))

@@ -17,14 +17,14 @@
 //!
 //! The plan's [`Attention`] decides what a block's attention keeps. Composed,
 //! it keeps the probabilities, one `[b,H,s,s]` tensor
-//! ([`crate::train::fused::attention_probs`]); with [`Attention::Flash`] it
+//! ([`oomfix_strategies::nn::ops::attention_probs`]); with [`Attention::Flash`] it
 //! keeps none: the op holds its inputs (the same q, k, v copies the composed
 //! form makes), its output (the same size as the composed context) and one
 //! f32 log-sum-exp per query row and head. Neither builds a mask.
 
 use crate::spec::VOCAB_ALIGN;
 use crate::spec::{Family, ModelSpec};
-use crate::train::fused::PROBS_BACKWARD_CHUNKS;
+use oomfix_strategies::nn::ops::PROBS_BACKWARD_CHUNKS;
 use oomfix_strategies::{Attention, Checkpointing, Plan, Precision};
 
 /// Activation bytes of one micro-batch on one device.
@@ -258,7 +258,7 @@ pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 2;
 /// Token-embedding-sized tensors alive at the end of a tied embedding
 /// lookup's backward besides every parameter gradient.
 ///
-/// The lookup's backward ([`crate::train::fused::embedding`]) makes the
+/// The lookup's backward ([`oomfix_strategies::nn::ops::embedding`]) makes the
 /// scattered gradient `[V,h]`; an untied table takes it as its gradient (no
 /// extra), a tied one's gradient store adds it to the output head's: the
 /// head's gradient and the scattered one are alive beside the sum.
@@ -280,7 +280,7 @@ pub fn embedding_backward_copies(spec: &ModelSpec) -> u64 {
 
 /// The part of the scores whose `dS` the composed attention's backward holds
 /// at once: the `b·KV` key heads go in
-/// [`PROBS_BACKWARD_CHUNKS`](crate::train::fused::PROBS_BACKWARD_CHUNKS)
+/// [`PROBS_BACKWARD_CHUNKS`](oomfix_strategies::nn::ops::PROBS_BACKWARD_CHUNKS)
 /// groups; the first (largest) group's share of `[b,H,s,s]`.
 fn scores_chunk(d: &Dims) -> u64 {
     let heads = ((d.n / d.s.max(1)) * (d.kv / d.head_dim.max(1))).max(1);

@@ -1,10 +1,10 @@
 //! BERT: post-LN encoder with learned positions and token types, masked-LM head.
 
 use candle_core::{Tensor, Var};
+use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
-use super::fused::{self, GeluForm};
-use super::layers::{lm_logits, split_heads, Attend, LayerNorm, Linear, WeightLayout};
+use super::layers::{lm_logits, split_heads, Attend, LayerNorm, Linear};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -70,7 +70,7 @@ impl Block {
             let _m = Scope::module(intermediate);
             let inner = self.intermediate.forward(&x)?;
             let _op = Scope::op(Op::Gelu);
-            fused::gelu(&inner, GeluForm::Erf)?
+            ops::gelu(&inner, GeluForm::Erf)?
         };
         let _m = Scope::module(output);
         let mlp = self.output.forward(&inner)?;
@@ -141,8 +141,8 @@ impl TrainableModel for Bert {
         let [embeddings, mask, transform, decoder] = self.tags;
         let stem = {
             let _m = Scope::new(embeddings, Op::Embedding);
-            let words = fused::embedding(&self.word, &batch.input_ids.flatten_all()?)?
-                .reshape((b, s, h))?;
+            let words =
+                ops::embedding(&self.word, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
             // Every token is in segment A: token type 0 for all positions.
             let position_and_type = self
                 .position
@@ -169,7 +169,7 @@ impl TrainableModel for Bert {
                 let x = self.transform.forward(x)?;
                 let x = {
                     let _op = Scope::op(Op::Gelu);
-                    fused::gelu(&x, GeluForm::Erf)?
+                    ops::gelu(&x, GeluForm::Erf)?
                 };
                 self.transform_norm.forward(&x)?.reshape((b * s, h))?
             };

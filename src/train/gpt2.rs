@@ -1,10 +1,10 @@
 //! GPT-2: learned positions, pre-LN blocks, `Conv1D` projections, tied LM head.
 
 use candle_core::{Tensor, Var};
+use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
-use super::fused::{self, GeluForm};
-use super::layers::{lm_logits, Attend, LayerNorm, Linear, WeightLayout};
+use super::layers::{lm_logits, Attend, LayerNorm, Linear};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -68,7 +68,7 @@ impl Block {
         let inner = self.c_fc.forward(&normed)?;
         let inner = {
             let _op = Scope::op(Op::Gelu);
-            fused::gelu(&inner, GeluForm::Tanh)?
+            ops::gelu(&inner, GeluForm::Tanh)?
         };
         let mlp = self.mlp_proj.forward(&inner)?;
         let _op = Scope::op(Op::Residual);
@@ -120,7 +120,7 @@ impl TrainableModel for Gpt2 {
         let stem = {
             let _m = Scope::new(wte, Op::Embedding);
             let tokens =
-                fused::embedding(&self.wte, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
+                ops::embedding(&self.wte, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
             tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
         };
         let attend = &Attend::causal(exec);

@@ -1,28 +1,20 @@
 //! Layers shared by the trainable families.
 //!
 //! Norms, biased projections and the attention probabilities are single graph
-//! nodes with their own backward ([`super::fused`]; candle's fused fast paths
-//! have no backward).
+//! nodes with their own backward ([`oomfix_strategies::nn::ops`]; candle's
+//! fused fast paths have no backward); these wrappers add the memory
+//! timeline's tags.
 //! Every op output on the path to a parameter stays alive in candle's graph
 //! until the loss is dropped, so each function's doc lists the tensors it
 //! allocates; views (reshape of a contiguous tensor, transpose, narrow,
 //! broadcast) allocate nothing.
 
-use super::fused;
 use crate::spec::VOCAB_ALIGN;
 use crate::track::tag::{Op, Scope};
 use candle_core::{Result, Tensor};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
+use oomfix_strategies::nn::ops::{self, WeightLayout};
 use oomfix_strategies::{Attention, Execution};
-
-/// How a projection's weight is stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightLayout {
-    /// `[in, out]`: GPT-2's `Conv1D`, `y = x W + b`.
-    InOut,
-    /// `[out, in]`: `torch.nn.Linear`, `y = x Wᵀ + b`.
-    OutIn,
-}
 
 /// An affine projection of the last dimension.
 #[derive(Debug, Clone)]
@@ -43,13 +35,13 @@ impl Linear {
 
     /// `x`: `[b, s, in]`, contiguous → `[b, s, out]`.
     ///
-    /// Allocates the output `[b·s, out]`: with a bias, [`fused::linear`] adds it
+    /// Allocates the output `[b·s, out]`: with a bias, [`ops::linear`] adds it
     /// in place. Without, `x` is flattened to 2-D (a view) so the weight gradient
     /// is one `[in, out]` matmul rather than a per-batch product summed afterwards.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::Matmul);
         if let Some(bias) = &self.bias {
-            return fused::linear(x, &self.weight, bias, self.layout);
+            return ops::linear(x, &self.weight, bias, self.layout);
         }
         let (b, s, d_in) = x.dims3()?;
         let w = match self.layout {
@@ -63,7 +55,7 @@ impl Linear {
 /// The LM head's logits `x·Wᵀ (+ b)`, `x` `[n, h]`, `W` `[V, h]`, `b` `[V]`,
 /// over a vocabulary padded with zero rows to `P`, the next multiple of
 /// [`VOCAB_ALIGN`]: `[n, P]`, whose first `V` columns are the logits (pass
-/// `V` to [`super::loss::cross_entropy_padded`]). When `V` is a multiple
+/// `V` to [`oomfix_strategies::nn::loss::cross_entropy_padded`]). When `V` is a multiple
 /// already, nothing is copied; otherwise the padded weight (and bias) is one
 /// more `[P, h]` (`[P]`) tensor.
 pub(crate) fn lm_logits(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
@@ -79,13 +71,13 @@ pub(crate) fn lm_logits(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Te
     };
     let w = pad(w, &[p - v, h])?;
     match b {
-        Some(b) => fused::linear(x, &w, &pad(b, &[p - v])?, WeightLayout::OutIn),
+        Some(b) => ops::linear(x, &w, &pad(b, &[p - v])?, WeightLayout::OutIn),
         None => x.matmul(&w.t()?),
     }
 }
 
 /// Layer normalisation with scale and bias, computed in f32 (as PyTorch autocast
-/// does) and returned in the input's dtype: one [`fused::layer_norm`] node.
+/// does) and returned in the input's dtype: one [`ops::layer_norm`] node.
 #[derive(Debug, Clone)]
 pub(crate) struct LayerNorm {
     weight: Tensor,
@@ -101,12 +93,12 @@ impl LayerNorm {
     /// Allocates the output, the size of `x`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::LayerNorm);
-        fused::layer_norm(x, &self.weight, &self.bias, self.eps)
+        ops::layer_norm(x, &self.weight, &self.bias, self.eps)
     }
 }
 
 /// RMS normalisation with a scale, computed in f32 and returned in the input's
-/// dtype: one [`fused::rms_norm`] node.
+/// dtype: one [`ops::rms_norm`] node.
 #[derive(Debug, Clone)]
 pub(crate) struct RmsNorm {
     weight: Tensor,
@@ -121,7 +113,7 @@ impl RmsNorm {
     /// Allocates the output, the size of `x`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::RmsNorm);
-        fused::rms_norm(x, &self.weight, self.eps)
+        ops::rms_norm(x, &self.weight, self.eps)
     }
 }
 
@@ -168,7 +160,7 @@ impl Attend {
     /// strides), `k`, `v` `[b, KV, s, d]` contiguous → `[b, s, H·d]`.
     ///
     /// Both forms make `q` contiguous (a copy when it is strided). Composed:
-    /// [`fused::attention_probs`] keeps the probabilities `[b, H, s, s]`, then
+    /// [`ops::attention_probs`] keeps the probabilities `[b, H, s, s]`, then
     /// `P·v` (grouped-query heads share `v` with no copy). Flash: the op keeps
     /// its output `[b, H, s, d]` and one f32 log-sum-exp per query row. Merging
     /// the heads copies the output to `[b, s, H·d]`.
@@ -177,13 +169,13 @@ impl Attend {
         let (b, h, s, d) = q.dims4()?;
         let out = match self.kind {
             Attention::Composed => {
-                let opts = fused::ProbsOptions {
+                let opts = ops::ProbsOptions {
                     scale: scale as f32,
                     causal: self.opts.causal,
                 };
                 let probs = {
                     let _op = Scope::op(Op::Softmax);
-                    fused::attention_probs(q, k, self.opts.key_padding.as_ref(), opts)?
+                    ops::attention_probs(q, k, self.opts.key_padding.as_ref(), opts)?
                 };
                 let kv = k.dim(1)?;
                 let _op = Scope::op(Op::Matmul);

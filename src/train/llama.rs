@@ -2,11 +2,10 @@
 //! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`).
 
 use candle_core::{Tensor, Var};
+use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::Execution;
 
-use super::fused;
-use super::fused::RopeTables;
-use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm, WeightLayout};
+use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -80,8 +79,8 @@ impl Block {
             let (q, k) = {
                 let _op = Scope::op(Op::Rope);
                 (
-                    fused::rope(&self.q_proj.forward(&h)?, self.heads, &ctx.rope_q)?,
-                    fused::rope(&self.k_proj.forward(&h)?, self.kv_heads, &ctx.rope_k)?,
+                    ops::rope(&self.q_proj.forward(&h)?, self.heads, &ctx.rope_q)?,
+                    ops::rope(&self.k_proj.forward(&h)?, self.kv_heads, &ctx.rope_k)?,
                 )
             };
             let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
@@ -99,7 +98,7 @@ impl Block {
         let up = self.up_proj.forward(&h)?;
         let mlp = {
             let _op = Scope::op(Op::Silu);
-            fused::swiglu(&gate, &up)?
+            ops::swiglu(&gate, &up)?
         };
         let out = self.down_proj.forward(&mlp)?;
         let _op = Scope::op(Op::Residual);
@@ -172,7 +171,7 @@ impl TrainableModel for Llama {
         let ctx = &ctx;
         let stem = {
             let _m = Scope::new(embed, Op::Embedding);
-            fused::embedding(&self.embed, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?
+            ops::embedding(&self.embed, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?
         };
         let blocks: Vec<_> = self
             .blocks

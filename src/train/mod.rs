@@ -5,7 +5,8 @@
 //! compute dtype (f32, bf16, f16) on a device. [`TrainableModel::forward_backward`]
 //! runs one forward and backward pass on a [`Batch`] under an activation
 //! checkpointing policy ([`oomfix_strategies::checkpoint::backward`]), with attention
-//! composed (the probabilities as one [`fused::attention_probs`] node, then
+//! composed (the probabilities as one
+//! [`attention_probs`](oomfix_strategies::nn::ops::attention_probs) node, then
 //! `P·v`) or computed by
 //! [`oomfix_strategies::attention::flash_attention`] ([`Attention`]), and returns the
 //! loss and detached gradients aligned with [`TrainableModel::vars`].
@@ -14,8 +15,9 @@
 //! (recomputation must be deterministic), and none of candle's fused fast paths
 //! (`softmax_last_dim`, `rms_norm`, `layer_norm`, `rope`, fused SDPA), which
 //! have no backward: norms, biased projections, GELU, SwiGLU, RoPE, the
-//! embedding lookup and the attention probabilities are [`fused`] ops with
-//! their own backward, the rest is composed from candle ops. Conventions follow Hugging Face `transformers`: GPT-2 with
+//! embedding lookup and the attention probabilities are fused ops with
+//! their own backward ([`oomfix_strategies::nn`]), the rest is composed from
+//! candle ops. Conventions follow Hugging Face `transformers`: GPT-2 with
 //! `Conv1D` weights (`[in, out]`), tanh-approximate GELU, tied LM head; Llama with
 //! RMSNorm (ε = 1e-5), RoPE in the `rotate_half` form (θ = 10 000), SwiGLU and
 //! grouped-query attention; BERT post-LN with erf GELU and the masked-LM head
@@ -38,8 +40,9 @@
 //! backward). A projection with a bias keeps only its output (the bias is
 //! added in place); GELU and SwiGLU keep only their output.
 //!
-//! Attention probabilities ([`fused::attention_probs`]): the scores `q·kᵀ`
-//! are made into `softmax(scores·scale + mask)` in place, so the op keeps one
+//! Attention probabilities
+//! ([`attention_probs`](oomfix_strategies::nn::ops::attention_probs)): the
+//! scores `q·kᵀ` are made into `softmax(scores·scale + mask)` in place, so the op keeps one
 //! `[b,H,s,s]` tensor; the mask is applied by position (causal) or by the
 //! batch's key flags, never built.
 //!
@@ -163,19 +166,16 @@ pub mod data;
 mod trainer;
 pub use crate::state_file::StateFile;
 pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
-pub mod fused;
 mod gpt2;
 mod layers;
 mod llama;
-pub mod loss;
-#[cfg(feature = "cuda")]
-mod nvrtc;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 use oomfix_strategies::checkpoint::{self, Block};
+use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
 #[cfg(doc)]
 use oomfix_strategies::{Attention, Checkpointing};
@@ -185,7 +185,8 @@ use rand_distr::{Distribution, Normal};
 use crate::track::alloc::{self, Phase};
 use crate::track::tag::{self, Module, Op, Scope, Tag};
 use crate::{Error, Family, ModelConfig, Result};
-use layers::{LayerNorm, Linear, RmsNorm, WeightLayout};
+use layers::{LayerNorm, Linear, RmsNorm};
+use oomfix_strategies::nn::ops::WeightLayout;
 
 /// The `[MASK]` token id BERT's uncased vocabulary uses.
 const BERT_MASK_ID: u32 = 103;
@@ -600,7 +601,9 @@ pub(crate) fn step<B: Block>(
 }
 
 /// The cross-entropy of `logits` (`[b·s, V]`) against the batch's targets, over
-/// the batch's `loss_mask` positions or all positions.
+/// the batch's `loss_mask` positions or all positions. What it allocates is
+/// tagged `loss` / [`Op::Loss`] in the memory timeline (the op itself, in
+/// `oomfix-strategies`, knows nothing of tags).
 pub(crate) fn lm_loss(logits: &Tensor, vocab: usize, batch: &Batch) -> candle_core::Result<Tensor> {
     let _scope = Scope::new(Module::intern("loss"), Op::Loss);
     let mask = match &batch.loss_mask {

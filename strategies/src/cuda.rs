@@ -1,8 +1,11 @@
 //! Plumbing shared by this crate's CUDA kernels: NVRTC compilation after the
-//! 16-bit prelude ([`crate::CUDA_HALF_PRELUDE`]), in-place closures on a
-//! tensor's CUDA storage, and a grid sized to what the device keeps resident.
+//! 16-bit prelude ([`crate::CUDA_HALF_PRELUDE`]) (cached once per process with
+//! [`ptx`]), in-place closures on a tensor's CUDA storage, a grid sized to what
+//! the device keeps resident, and the launch shape of a kernel that gives each
+//! row one thread block.
 
 use std::cell::Cell;
+use std::sync::OnceLock;
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig};
@@ -16,6 +19,43 @@ use candle_core::{
 pub(crate) fn compile(source: &str, options: CompileOptions) -> Result<String, CompileError> {
     nvrtc::compile_ptx_with_opts(format!("{}{source}", crate::CUDA_HALF_PRELUDE), options)
         .map(|ptx| ptx.to_src())
+}
+
+/// A kernel source's PTX, compiled on first use and kept in a `static`.
+pub(crate) type Ptx = OnceLock<Result<String, CompileError>>;
+
+/// The PTX of `source` (named `name` in compiler messages), compiled with the
+/// default options after the 16-bit prelude the first time `cell` is asked.
+pub(crate) fn ptx(
+    cell: &'static Ptx,
+    source: &str,
+    name: &str,
+) -> candle_core::Result<&'static str> {
+    let compiled = cell.get_or_init(|| {
+        let options = CompileOptions {
+            name: Some(name.into()),
+            ..Default::default()
+        };
+        compile(source, options)
+    });
+    compiled.as_deref().map_err(|e| e.clone()).w()
+}
+
+/// One block per row of `cols` elements, threads growing with the row (a
+/// multiple of 32, at most 1024); `what` names the op in the error for more
+/// rows than one launch takes.
+pub(crate) fn row_blocks(
+    rows: usize,
+    cols: usize,
+    what: &str,
+) -> candle_core::Result<LaunchConfig> {
+    let rows = u32::try_from(rows)
+        .map_err(|_| candle_core::Error::Msg(format!("{what}: too many rows for one launch")))?;
+    Ok(LaunchConfig {
+        grid_dim: (rows, 1, 1),
+        block_dim: ((cols.div_ceil(32) * 32).clamp(32, 1024) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
 }
 
 /// The kernel name suffix of a float dtype (`f32`, `bf16`, `f16`).

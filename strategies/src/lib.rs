@@ -20,6 +20,11 @@
 //! default order applies the cheapest fix first. How to add a fix:
 //! `strategies/README.md`.
 //!
+//! [`nn`] holds what any candle model needs to train at all: layers with
+//! `candle_nn`'s names and shapes built on ops with their own backward (fused
+//! norms, projections, activations, RoPE, embedding, attention probabilities)
+//! and a fused cross-entropy, in place of candle's fast paths that have none.
+//!
 //! ```
 //! use oomfix_strategies::{Pipeline, Plan, SearchContext};
 //!
@@ -54,13 +59,14 @@ mod cuda;
 mod error;
 mod execution;
 pub mod memory;
+pub mod nn;
 pub mod offload;
 mod plan;
 pub mod precision;
 mod reduce;
 pub mod shard;
 
-/// CUDA C prepended to every NVRTC kernel source of this crate and of `oomfix`:
+/// CUDA C prepended to every NVRTC kernel source of this crate:
 /// the 16-bit float types (`Bf16`, `F16`, raw bits) and their conversions to
 /// and from f32 (round to nearest even, as the `half` crate converts).
 #[cfg(feature = "cuda")]

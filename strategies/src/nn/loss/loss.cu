@@ -7,11 +7,8 @@
 // the backward reads the row again and writes g * (softmax - onehot) in the
 // logits' dtype.
 //
-// Bf16, F16, to_f32, from_f32 and the integer typedefs come from
+// Bf16, F16, to_f32, from_f32, NEG_INF and the integer typedefs come from
 // oomfix-strategies' half.cuh, prepended when the source is compiled.
-
-// Negative infinity (NVRTC has no math headers to define INFINITY).
-#define NEG_INF __int_as_float(0xff800000)
 
 
 // Merges the online pair (m2, s2) into (m, s): s is a sum of exp(x - m).

@@ -45,12 +45,12 @@ pub struct ProbsOptions {
 /// one `[(H/KV)·s_q, d]` matrix). `keep` (`[b, s_k]`, any dtype; zero masks
 /// the key for every query of that batch row) adds key padding. A row that
 /// sees no key is all zeros (no gradient), as in
-/// [`oomfix_strategies::attention::flash_attention`]. `q` and `k` are made
+/// [`crate::attention::flash_attention`]. `q` and `k` are made
 /// contiguous (a copy when strided). Gradients flow to `q` and `k`.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
-/// use oomfix::train::fused::{attention_probs, ProbsOptions};
+/// use oomfix_strategies::nn::ops::{attention_probs, ProbsOptions};
 ///
 /// let q = Var::randn(0f32, 1.0, (1, 2, 5, 4), &Device::Cpu)?;
 /// let k = Tensor::randn(0f32, 1.0, (1, 1, 5, 4), &Device::Cpu)?;

@@ -1,6 +1,6 @@
-//! Layers as single graph nodes with their own backward: layer norm, RMS norm,
-//! biased linear maps, GELU, SwiGLU, rotary position embedding, the token
-//! embedding lookup and the attention probabilities.
+//! The fused ops: layers as single graph nodes with their own backward (layer
+//! norm, RMS norm, biased linear maps, GELU, SwiGLU, rotary position
+//! embedding, the token embedding lookup and the attention probabilities).
 //!
 //! Composed from candle ops, each of these keeps every intermediate result
 //! alive for backward, and its backward is a chain of small kernels, each
@@ -18,7 +18,7 @@
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor, Var};
-//! use oomfix::train::fused::{gelu, layer_norm, GeluForm};
+//! use oomfix_strategies::nn::ops::{gelu, layer_norm, GeluForm};
 //!
 //! let x = Var::randn(0f32, 1.0, (2, 3, 8), &Device::Cpu)?;
 //! let w = Tensor::ones(8, DType::F32, &Device::Cpu)?;
@@ -35,7 +35,14 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-pub use super::layers::WeightLayout;
+/// How a projection's weight is stored, for [`linear`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `[in, out]`: GPT-2's `Conv1D`, `y = x W + b`.
+    InOut,
+    /// `[out, in]`: `torch.nn.Linear` and `candle_nn::Linear`, `y = x Wᵀ + b`.
+    OutIn,
+}
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -69,6 +76,18 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     };
     x.contiguous()?
         .apply_op3(&w.contiguous()?, &b.contiguous()?, op)
+}
+
+/// [`layer_norm`] without the shift: `(x − mean(x))/√(var(x) + eps)·w` over
+/// the last dimension of `x`; `w` is `[h]` in `x`'s dtype. Keeps only its
+/// output for backward.
+pub fn layer_norm_no_bias(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    check_param(x, w, "the scale")?;
+    let op = Norm {
+        kind: NormKind::Layer,
+        eps: eps as f32,
+    };
+    x.contiguous()?.apply_op2(&w.contiguous()?, op)
 }
 
 /// `x/√(mean(x²) + eps)·w` over the last dimension of `x`; `w` is `[h]` in
@@ -246,7 +265,7 @@ fn row_stats<T: WithDType>(row: &[T], kind: NormKind, eps: f32) -> (f32, f32) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
-/// Forward: `x`, `w`, (layer norm) `b` → `y` in `x`'s dtype.
+/// Forward: `x`, `w`, (with a shift) `b` → `y` in `x`'s dtype.
 #[derive(Debug, Clone, Copy)]
 struct Norm {
     kind: NormKind,
@@ -355,9 +374,13 @@ impl CustomOp3 for Norm {
     }
 }
 
+/// A norm without a shift: RMS norm, or layer norm without its bias.
 impl CustomOp2 for Norm {
     fn name(&self) -> &'static str {
-        "oomfix-rms-norm"
+        match self.kind {
+            NormKind::Layer => "oomfix-layer-norm-no-bias",
+            NormKind::Rms => "oomfix-rms-norm",
+        }
     }
 
     fn cpu_fwd(

@@ -117,6 +117,20 @@ fn layer_norm_matches_the_composed_expression() {
 }
 
 #[test]
+fn layer_norm_without_bias_matches_the_composed_expression() {
+    let inputs = [randn(&[3, 5, 80], 2.0, 0.5), randn(&[80], 1.0, 1.0)];
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &inputs,
+            |t| layer_norm_no_bias(&t[0], &t[1], 1e-5).unwrap(),
+            |t| composed_layer_norm(&t[0], &t[1], Some(&t[1].zeros_like().unwrap()), 1e-5),
+        );
+    }
+}
+
+#[test]
 fn rms_norm_matches_the_composed_expression() {
     let inputs = [randn(&[4, 7, 64], 1.5, 0.3), randn(&[64], 1.0, 1.0)];
     for (dtype, tol) in CASES {

@@ -10,9 +10,9 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::{GeluForm, Norm, NormGradPart, NormKind};
-use crate::train::nvrtc::{self, Ptx};
+use crate::cuda::Ptx;
 
-/// The kernel source (compiled after [`oomfix_strategies::CUDA_HALF_PRELUDE`]).
+/// The kernel source (compiled after [`crate::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("fused.cu");
 /// Name of the module in candle's per-device module cache.
 const MODULE: &str = "oomfix_fused";
@@ -20,7 +20,7 @@ const MODULE: &str = "oomfix_fused";
 /// The PTX of [`SOURCE`], compiled on first use.
 fn ptx() -> Result<&'static str> {
     static PTX: Ptx = Ptx::new();
-    nvrtc::ptx(&PTX, SOURCE, "oomfix_fused.cu")
+    crate::cuda::ptx(&PTX, SOURCE, "oomfix_fused.cu")
 }
 
 /// A storage's contiguous elements as a view of `T`.

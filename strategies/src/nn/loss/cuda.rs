@@ -7,9 +7,9 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaStorage, Layout, Result, Shape};
 
-use crate::train::nvrtc::{self, row_blocks, Ptx};
+use crate::cuda::{row_blocks, Ptx};
 
-/// The kernel source (compiled after [`oomfix_strategies::CUDA_HALF_PRELUDE`]).
+/// The kernel source (compiled after [`crate::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("loss.cu");
 /// Name of the module in candle's per-device module cache.
 const MODULE: &str = "oomfix_cross_entropy";
@@ -17,7 +17,7 @@ const MODULE: &str = "oomfix_cross_entropy";
 /// The PTX of [`SOURCE`], compiled on first use.
 fn ptx() -> Result<&'static str> {
     static PTX: Ptx = Ptx::new();
-    nvrtc::ptx(&PTX, SOURCE, "oomfix_loss.cu")
+    crate::cuda::ptx(&PTX, SOURCE, "oomfix_loss.cu")
 }
 
 /// The contiguous element range of a layout.
