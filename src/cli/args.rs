@@ -113,8 +113,13 @@ pub struct TrainOptions {
     /// Seed of the initialisation and of random data.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = parse_seed)]
     pub seed: u64,
-    /// Start from the model file's weights instead of a random initialisation.
-    #[arg(long)]
+    /// Where the weights start: `pretrained` (the model file's weights) or
+    /// `random` (a seeded initialisation) [default: pretrained with a model
+    /// file; the built-in default model has no weights: random].
+    #[arg(long, value_enum, value_name = "FROM")]
+    pub init: Option<InitArg>,
+    /// The former spelling of `--init pretrained`.
+    #[arg(long, hide = true, conflicts_with = "init")]
     pub pretrained: bool,
     /// Write a checkpoint (weights, optimizer state, step, data position) here
     /// at the end, every --save-every steps, and when stopped by SIGINT or
@@ -127,6 +132,23 @@ pub struct TrainOptions {
     /// Continue from a checkpoint written by --save (same model and plan).
     #[arg(long, value_name = "PATH")]
     pub resume: Option<PathBuf>,
+}
+
+/// `--init`: where training's weights start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum InitArg {
+    /// The model file's weights.
+    Pretrained,
+    /// A random initialisation, reproducible from `--seed`.
+    Random,
+}
+
+impl TrainOptions {
+    /// `--init` as given (`--pretrained` counts as `--init pretrained`), or
+    /// `None` when neither is.
+    pub fn init_given(&self) -> Option<InitArg> {
+        self.init.or(self.pretrained.then_some(InitArg::Pretrained))
+    }
 }
 
 /// Options of the hidden `measure-step` command.

@@ -2,11 +2,15 @@
 //! loop's policy: checkpoints at the end, every `--save-every` steps and when
 //! stopped by a signal; `--resume`; progress.
 //!
+//! Training starts from the model file's weights (`--init pretrained`, the
+//! default with a model file) or a random initialisation (`--init random`,
+//! and the built-in default model, which has no weights).
+//!
 //! Every option and input is checked before the plan is printed: the model,
-//! `--pretrained` without one, the `--data` file (read and checked against the
+//! `--init pretrained` without one, the `--data` file (read and checked against the
 //! model's vocabulary), `--save` (writable, not an input), `--resume` (readable).
 
-use super::args::TrainArgs;
+use super::args::{InitArg, TrainArgs};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
 use super::{check_writable, io_text, logging, plan, Exit, Failure, Outcome};
@@ -18,11 +22,17 @@ use std::path::Path;
 /// Runs `oomfix train`.
 pub fn run(args: &TrainArgs) -> Outcome {
     let o = &args.opts;
-    if o.pretrained && args.plan.model.is_none() {
-        return Err(Failure::Usage(
-            "--pretrained needs a model file (the built-in default has no weights)".into(),
-        ));
-    }
+    let init = match (o.init_given(), &args.plan.model) {
+        (Some(InitArg::Pretrained), None) => {
+            return Err(Failure::Usage(
+                "--init pretrained needs a model file (the built-in default has no weights)"
+                    .into(),
+            ))
+        }
+        (Some(init), _) => init,
+        (None, Some(_)) => InitArg::Pretrained,
+        (None, None) => InitArg::Random,
+    };
     let (target, defaulted) = match args.plan.opts.device {
         Some(t) => (t, false),
         None if cfg!(feature = "cuda") => (Target::Cuda(0), false),
@@ -56,6 +66,11 @@ pub fn run(args: &TrainArgs) -> Outcome {
             Failure::input(path, format!("cannot read checkpoint: {}", io_text(&e)))
         })?;
     }
+    if args.plan.model.is_none() && o.init_given().is_none() && o.resume.is_none() {
+        logging::notice(
+            "no model file given: the built-in GPT-2 small shape has no weights, training starts from a random initialisation",
+        );
+    }
     if defaulted {
         logging::notice("no --device given and this build has no CUDA: training on the CPU");
     }
@@ -63,9 +78,9 @@ pub fn run(args: &TrainArgs) -> Outcome {
     let Some(chosen) = result.chosen() else {
         return Ok(Exit::NothingFits);
     };
-    let weights = match (o.pretrained, &args.plan.model) {
+    let weights = match (init, &args.plan.model) {
         // A resumed run takes its weights from the checkpoint.
-        (true, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
+        (InitArg::Pretrained, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
         _ => None,
     };
     let mut options = TrainOptions::default();
