@@ -7,7 +7,7 @@ mod common;
 use assert_cmd::Command;
 use candle_core::{Device, Tensor};
 use oomfix::train::StateFile;
-use oomfix::{Family, ModelConfig};
+use oomfix::ModelConfig;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -126,4 +126,165 @@ fn training_starts_from_the_files_weights_unless_asked_for_random() {
     let random = run(&["--init", "random"]);
     assert_eq!(random.len(), file.len());
     assert_ne!(random, file, "--init random does not read the file's weights");
+}
+
+/// A word-level `tokenizer.json`: `<|endoftext|>` 0, `[UNK]` 1, then `words`
+/// from id 2, split on whitespace and punctuation.
+fn word_tokenizer(words: &[&str]) -> String {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("<|endoftext|>".into(), 0.into());
+    vocab.insert("[UNK]".into(), 1.into());
+    for (i, w) in words.iter().enumerate() {
+        vocab.insert(w.to_string(), (i + 2).into());
+    }
+    serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [{"id": 0, "content": "<|endoftext|>", "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    })
+    .to_string()
+}
+
+const WORDS: [&str; 6] = ["the", "cat", "sat", "dog", "ran", "far"];
+
+/// The id `word_tokenizer(&WORDS)` gives `w`.
+fn id(w: &str) -> u32 {
+    WORDS.iter().position(|x| *x == w).unwrap() as u32 + 2
+}
+
+#[test]
+fn text_is_tokenized_with_the_models_tokenizer_and_documents_end_with_eos() {
+    use oomfix::train::data::{DataSource, TextOptions, TokenWidth};
+    use oomfix::train::tokenizer::Tokenizer;
+    let d = Dir::new();
+    d.write("tokenizer.json", word_tokenizer(&WORDS));
+    let tok = Tokenizer::from_file(&d.path("tokenizer.json")).unwrap();
+    assert_eq!(tok.eos_id(), Some(0));
+    d.write(
+        "docs.jsonl",
+        "{\"text\": \"the cat sat\"}\n\n{\"text\": \"the dog ran far\", \"id\": 7}\n",
+    );
+    let text = TextOptions {
+        tokenizer: Some(&tok),
+        eos: tok.eos_id(),
+        ..TextOptions::default()
+    };
+    let mut data = DataSource::load(&d.path("docs.jsonl"), TokenWidth::U16, 64, &text).unwrap();
+    let expected = [
+        id("the"),
+        id("cat"),
+        id("sat"),
+        0,
+        id("the"),
+        id("dog"),
+        id("ran"),
+        id("far"),
+        0,
+    ];
+    // One window of all 9 tokens: the documents packed with EOS between them.
+    assert_eq!(data.next_windows(1, 8, 64), expected);
+    // Another field, and plain text: one document, line by line.
+    d.write("docs2.jsonl", "{\"body\": \"dog sat\"}\n");
+    let body = TextOptions {
+        text_field: "body",
+        ..text
+    };
+    let mut data = DataSource::load(&d.path("docs2.jsonl"), TokenWidth::U16, 64, &body).unwrap();
+    assert_eq!(data.next_windows(1, 2, 64), [id("dog"), id("sat"), 0]);
+    d.write("plain.txt", "the cat\nsat\n");
+    let mut data = DataSource::load(&d.path("plain.txt"), TokenWidth::U16, 64, &text).unwrap();
+    assert_eq!(data.next_windows(1, 3, 64), [id("the"), id("cat"), id("sat"), 0]);
+}
+
+/// A run directory with the tiny GPT-2 (random weights) and `config.json`.
+fn model_dir(config_json: serde_json::Value) -> Dir {
+    let d = Dir::new();
+    write_weights(&d.path("model.safetensors"), &tiny_config(), 3);
+    d.write("config.json", config_json.to_string());
+    d
+}
+
+/// Runs `train model.safetensors --data DATA` (4 steps, sequences of 8) with
+/// `extra`; gives back the exit code and stderr.
+fn train_on(d: &Dir, data: &str, extra: &[&str]) -> (i32, String) {
+    let out = d
+        .oomfix(&["train", "model.safetensors", "--data", data])
+        .args(["--seq-len", "8", "--steps", "2"])
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Exit 2, one line naming `file` and saying `says`.
+fn refused(d: &Dir, data: &str, extra: &[&str], file: &str, says: &str) {
+    let (code, stderr) = train_on(d, data, extra);
+    assert_eq!(code, 2, "{data}: {stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.contains(file) && last.contains(says), "{data}: {stderr}");
+}
+
+#[test]
+fn text_data_trains_with_the_tokenizer_beside_the_model() {
+    let d = model_dir(serde_json::json!({"n_head": 1, "eos_token_id": 0}));
+    d.write("tokenizer.json", word_tokenizer(&WORDS));
+    let docs: String = (0..20)
+        .map(|i| format!("{{\"text\": \"the {} sat\"}}\n", WORDS[i % 6]))
+        .collect();
+    d.write("docs.jsonl", docs);
+    let (code, stderr) = train_on(&d, "docs.jsonl", &[]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(!stderr.contains("is a token"), "{stderr}");
+    // No tokenizer: bytes, with a warning (the vocabulary of 64 is too small).
+    std::fs::remove_file(d.path("tokenizer.json")).unwrap();
+    refused(&d, "docs.jsonl", &[], "docs.jsonl", "vocabulary of at least 256");
+    // --tokenizer names one elsewhere.
+    std::fs::create_dir(d.path("tok")).unwrap();
+    std::fs::write(d.path("tok/t.json"), word_tokenizer(&WORDS)).unwrap();
+    let (code, stderr) = train_on(&d, "docs.jsonl", &["--tokenizer", "tok/t.json"]);
+    assert_eq!(code, 0, "{stderr}");
+    refused(&d, "docs.jsonl", &["--tokenizer", "config.json"], "config.json", "tokenizer");
+}
+
+#[test]
+fn bad_data_is_an_input_error_naming_the_file_and_line() {
+    let d = model_dir(serde_json::json!({"n_head": 1}));
+    d.write("tokenizer.json", word_tokenizer(&WORDS));
+    d.write("empty.txt", "");
+    refused(&d, "empty.txt", &[], "empty.txt", "is empty");
+    d.write("empty.bin", "");
+    refused(&d, "empty.bin", &[], "empty.bin", "is empty");
+    d.write("latin1.txt", b"the cat\nsat \xe9t\xe9\n");
+    refused(&d, "latin1.txt", &[], "latin1.txt", "line 2: not UTF-8");
+    d.write("nofield.jsonl", "{\"text\": \"the cat\"}\n{\"body\": \"sat\"}\n");
+    refused(&d, "nofield.jsonl", &[], "nofield.jsonl", "line 2: the object has no \"text\" field");
+    d.write("notjson.jsonl", "{\"text\": \"the cat\"}\n\n{\"text\": \"sat\"\n");
+    refused(&d, "notjson.jsonl", &[], "notjson.jsonl", "line 3: not JSON");
+    d.write("number.jsonl", "{\"text\": 5}\n");
+    refused(&d, "number.jsonl", &[], "number.jsonl", "line 1: \"text\" is a number");
+    refused(
+        &d,
+        "nofield.jsonl",
+        &["--text-field", "body"],
+        "nofield.jsonl",
+        "line 1: the object has no \"body\" field",
+    );
+    d.write("big.bin", token_bin([1, 2, 64, 3]));
+    refused(&d, "big.bin", &[], "big.bin", "token 2 is id 64, outside the model's vocabulary of 64");
+    // A tokenizer whose ids go beyond the model's vocabulary of 64.
+    let many: Vec<String> = (0..70).map(|i| format!("w{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    d.write("tokenizer.json", word_tokenizer(&many));
+    d.write("words.txt", "w1 w2\nw3 w68\n");
+    refused(&d, "words.txt", &[], "words.txt", "line 2: the tokenizer gives id 70");
 }

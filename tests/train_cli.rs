@@ -27,6 +27,7 @@ fn tiny_config(layers: usize) -> ModelConfig {
         max_positions: 32,
         tied_embeddings: true,
         qkv_bias: false,
+        settings: Default::default(),
     }
 }
 

@@ -27,6 +27,7 @@ fn tiny(family: Family) -> ModelConfig {
         max_positions: 16,
         tied_embeddings: true,
         qkv_bias: family == Family::Bert,
+        settings: Default::default(),
     }
 }
 
@@ -660,9 +661,14 @@ fn reference_models() -> Vec<(&'static str, ModelConfig)> {
         intermediate: 64,
         ..tiny(Family::Gpt2)
     };
+    // make_reference.py sets rms_norm_eps 1e-5 (transformers' default is 1e-6).
     let llama = ModelConfig {
         layers: 2,
         intermediate: 48,
+        settings: oomfix::ModelSettings {
+            norm_eps: Some(1e-5),
+            ..Default::default()
+        },
         ..tiny(Family::Llama)
     };
     vec![

@@ -100,10 +100,18 @@ pub struct TrainOptions {
     /// (the same command line continues an interrupted run).
     #[arg(long, default_value_t = 10, value_name = "N", allow_negative_numbers = true, value_parser = parse_steps)]
     pub steps: u64,
-    /// Training data: a `.bin` of token ids (nanoGPT format) or a text file
-    /// (bytes as tokens) [default: random tokens].
+    /// Training data: a `.bin` of token ids (nanoGPT format), JSON Lines
+    /// (`.jsonl`, one document per line) or plain text, tokenized with the
+    /// model's tokenizer [default: random tokens].
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
+    /// The tokenizer for text data [default: tokenizer.json beside the
+    /// model's weights; without one, bytes are tokens].
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// The field of each JSON Lines object that holds its text.
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    pub text_field: String,
     /// Token ids in a `.bin` file are u32 instead of u16.
     #[arg(long)]
     pub u32_tokens: bool,

@@ -14,10 +14,11 @@ use super::args::{InitArg, TrainArgs};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
 use super::{check_writable, io_text, logging, plan, Exit, Failure, Outcome};
-use oomfix::train::data::{DataSource, TokenWidth};
+use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
+use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
-use oomfix::Target;
-use std::path::Path;
+use oomfix::{ModelConfig, Target};
+use std::path::{Path, PathBuf};
 
 /// Runs `oomfix train`.
 pub fn run(args: &TrainArgs) -> Outcome {
@@ -53,7 +54,15 @@ pub fn run(args: &TrainArgs) -> Outcome {
     };
     let data_inputs: Vec<&Path> = o.data.as_deref().into_iter().collect();
     let prepared = plan::prepare(&args.plan, target, &data_inputs)?;
-    let mut data = data_source(args, prepared.spec.config.vocab)?;
+    let model_dir = args.plan.model.as_deref().map(model_dir);
+    if let Some(dir) = &model_dir {
+        let seq_len = match args.plan.opts.seq_len {
+            Some(n) => n,
+            None => oomfix::Planner::new(1).seq_len_for(&prepared.spec),
+        };
+        oomfix::train::check_supported(&prepared.spec.config, seq_len, &dir.join("config.json"))?;
+    }
+    let mut data = data_source(args, &prepared.spec.config, model_dir.as_deref())?;
     if let Some(save) = &o.save {
         // The resume file is not among the inputs: replacing it is the point.
         let mut inputs: Vec<&Path> = prepared.spec.files.iter().map(|p| p.as_path()).collect();
@@ -144,18 +153,79 @@ pub fn run(args: &TrainArgs) -> Outcome {
     Ok(Exit::Signal(stopped_by))
 }
 
-/// The training data `args` ask for, checked against the model's vocabulary.
-fn data_source(args: &TrainArgs, vocab: usize) -> Result<DataSource, Failure> {
-    let o = &args.opts;
-    match &o.data {
-        Some(path) => {
-            let width = if o.u32_tokens {
-                TokenWidth::U32
-            } else {
-                TokenWidth::U16
-            };
-            Ok(DataSource::from_file(path, width, vocab)?)
-        }
-        None => Ok(DataSource::synthetic(o.seed)),
+/// The directory holding the model's side files (`config.json`,
+/// `tokenizer.json`): the model itself when it is a directory, else its parent.
+fn model_dir(model: &Path) -> PathBuf {
+    if model.is_dir() {
+        model.to_path_buf()
+    } else {
+        model.parent().map(Path::to_path_buf).unwrap_or_default()
     }
+}
+
+/// The tokenizer for text data: `--tokenizer`, else `tokenizer.json` in
+/// `model_dir` when there is one.
+fn tokenizer(args: &TrainArgs, model_dir: Option<&Path>) -> Result<Option<Tokenizer>, Failure> {
+    let path = match (&args.opts.tokenizer, model_dir) {
+        (Some(p), _) => p.clone(),
+        (None, Some(dir)) if dir.join("tokenizer.json").is_file() => dir.join("tokenizer.json"),
+        _ => return Ok(None),
+    };
+    Ok(Some(Tokenizer::from_file(&path)?))
+}
+
+/// The training data `args` ask for, tokenized and checked against the
+/// model's vocabulary.
+fn data_source(
+    args: &TrainArgs,
+    config: &ModelConfig,
+    model_dir: Option<&Path>,
+) -> Result<DataSource, Failure> {
+    let o = &args.opts;
+    let text_field_given = o.text_field != "text";
+    let Some(path) = &o.data else {
+        if o.tokenizer.is_some() || text_field_given {
+            return Err(Failure::Usage(
+                "--tokenizer and --text-field apply to text data: give --data".into(),
+            ));
+        }
+        return Ok(DataSource::synthetic(o.seed));
+    };
+    let format = DataFormat::of(path);
+    if text_field_given && format != DataFormat::JsonLines {
+        return Err(Failure::Usage(format!(
+            "--text-field applies to JSON Lines data (.jsonl); {} is not",
+            path.display()
+        )));
+    }
+    let width = if o.u32_tokens {
+        TokenWidth::U32
+    } else {
+        TokenWidth::U16
+    };
+    let tokenizer = tokenizer(args, model_dir)?;
+    let eos = config
+        .settings
+        .eos_token_id
+        .or_else(|| tokenizer.as_ref().and_then(Tokenizer::eos_id));
+    if format != DataFormat::Tokens {
+        match &tokenizer {
+            Some(t) => tracing::info!(
+                tokenizer = %t.path().display(),
+                eos = eos.map(i64::from).unwrap_or(-1),
+                "tokenizing {}",
+                path.display()
+            ),
+            None => tracing::warn!(
+                "no tokenizer.json beside the model and no --tokenizer: each byte of {} is a token",
+                path.display()
+            ),
+        }
+    }
+    let text = TextOptions {
+        tokenizer: tokenizer.as_ref(),
+        text_field: &o.text_field,
+        eos,
+    };
+    Ok(DataSource::load(path, width, config.vocab, &text)?)
 }
