@@ -218,6 +218,7 @@ impl ModelConfig {
     /// all of it. `seq_len`: the sequence length trained (a sliding window
     /// shorter than it is refused: the models attend to every earlier token).
     pub fn unsupported(&self, seq_len: usize) -> Option<(&'static str, String, String)> {
+        // `field` names the key as config.json spells it.
         let s = &self.settings;
         if let Some(kind) = &s.rope_scaling {
             if self.family == Family::Llama {
@@ -235,8 +236,13 @@ impl ModelConfig {
             Family::Generic => &[],
         };
         if self.family != Family::Generic && !implemented.contains(&act) {
+            let field = if self.family == Family::Gpt2 {
+                "activation_function"
+            } else {
+                "hidden_act"
+            };
             return Some((
-                "hidden_act",
+                field,
                 format!("{act:?}"),
                 format!("the {} family implements {}", self.family, implemented.join(", ")),
             ));

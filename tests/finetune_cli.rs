@@ -288,3 +288,133 @@ fn bad_data_is_an_input_error_naming_the_file_and_line() {
     d.write("words.txt", "w1 w2\nw3 w68\n");
     refused(&d, "words.txt", &[], "words.txt", "line 2: the tokenizer gives id 70");
 }
+
+/// A 2-layer Llama of hidden 64 (2 heads, 1 key/value head), vocabulary 64.
+fn tiny_llama() -> ModelConfig {
+    let mut c = ModelConfig::llama(2, 64, 2, 1, 96, 64, false);
+    c.max_positions = 64;
+    c
+}
+
+/// A Llama `config.json` with `extra` fields.
+fn llama_json(extra: serde_json::Value) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": false,
+    });
+    v.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    v
+}
+
+#[test]
+fn inspect_prints_the_checkpoints_settings() {
+    let d = Dir::new();
+    write_weights(&d.path("model.safetensors"), &tiny_llama(), 5);
+    d.write(
+        "config.json",
+        llama_json(serde_json::json!({
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "hidden_act": "silu",
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+            "sliding_window": 4096,
+            "eos_token_id": [7, 9],
+        }))
+        .to_string(),
+    );
+    let inspect = |json: bool| {
+        let mut cmd = Command::cargo_bin("oomfix").unwrap();
+        cmd.current_dir(d.dir.path()).args(["inspect", "model.safetensors"]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&inspect(true)).unwrap();
+    assert_eq!(
+        v["settings"],
+        serde_json::json!({
+            "norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": "llama3",
+            "hidden_act": "silu",
+            "sliding_window": 4096,
+            "attention_bias": false,
+            "mlp_bias": false,
+            "eos_token_id": 7,
+        })
+    );
+    let text = inspect(false);
+    for line in [
+        "norm eps       1e-5",
+        "activation     silu",
+        "rope theta     500000",
+        "rope scaling   llama3",
+        "biases         none",
+        "sliding window 4096",
+        "eos token id   7",
+    ] {
+        assert!(text.contains(line), "{line}: {text}");
+    }
+    // Without config.json: transformers' defaults.
+    std::fs::remove_file(d.path("config.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&inspect(true)).unwrap();
+    assert_eq!(v["settings"]["norm_eps"], 1e-6);
+    assert_eq!(v["settings"]["rope_theta"], 10000.0);
+    assert_eq!(v["settings"]["rope_scaling"], serde_json::Value::Null);
+}
+
+#[test]
+fn training_refuses_what_the_family_does_not_implement_naming_the_field() {
+    let d = Dir::new();
+    write_weights(&d.path("model.safetensors"), &tiny_llama(), 5);
+    d.write("data.bin", token_bin((0..400).map(|i| (i % 50) as u16)));
+    let with = |extra: serde_json::Value| d.write("config.json", llama_json(extra).to_string());
+    for (extra, says) in [
+        (
+            serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+            "\"rope_scaling\" is \"yarn\"",
+        ),
+        (
+            serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+            "\"rope_scaling\" is \"linear\"",
+        ),
+        (
+            serde_json::json!({"hidden_act": "gelu"}),
+            "\"hidden_act\" is \"gelu\"",
+        ),
+        (
+            serde_json::json!({"sliding_window": 4}),
+            "\"sliding_window\" is 4",
+        ),
+        (
+            serde_json::json!({"rms_norm_eps": -1}),
+            "\"rms_norm_eps\" is -1, not a positive number",
+        ),
+    ] {
+        with(extra.clone());
+        refused(&d, "data.bin", &[], "config.json", says);
+    }
+    // What the family implements trains: a window as long as the sequence,
+    // unscaled RoPE written out, Qwen2's unused window.
+    for extra in [
+        serde_json::json!({"sliding_window": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5}),
+        serde_json::json!({"rope_scaling": {"rope_type": "default"}}),
+        serde_json::json!({"sliding_window": 4, "use_sliding_window": false}),
+    ] {
+        with(extra.clone());
+        let (code, stderr) = train_on(&d, "data.bin", &[]);
+        assert_eq!(code, 0, "{extra}: {stderr}");
+    }
+    // GPT-2's activation key.
+    let g = model_dir(serde_json::json!({"n_head": 1, "activation_function": "relu"}));
+    g.write("data.bin", token_bin((0..400).map(|i| (i % 50) as u16)));
+    refused(&g, "data.bin", &[], "config.json", "\"activation_function\" is \"relu\"");
+}
