@@ -118,6 +118,10 @@ pub struct TrainOptions {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-4, allow_negative_numbers = true, value_parser = parse_lr)]
     pub lr: f64,
+    /// AdamW weight decay, applied to matrices only (not to biases and norm
+    /// scales).
+    #[arg(long, default_value_t = 0.0, value_name = "WD", allow_negative_numbers = true, value_parser = parse_weight_decay)]
+    pub weight_decay: f64,
     /// Seed of the initialisation and of random data.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = parse_seed)]
     pub seed: u64,
@@ -625,6 +629,15 @@ fn parse_lr(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_weight_decay(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(wd) if wd.is_finite() && wd >= 0.0 => Ok(wd),
+        _ => Err(format!(
+            "`{s}` is not a weight decay (a finite number >= 0)"
+        )),
+    }
+}
+
 fn parse_target(s: &str) -> Result<Target, String> {
     s.parse()
 }
@@ -741,6 +754,8 @@ mod tests {
             (&["train", "--steps", "-3"], "negative"),
             (&["train", "--seed", "-1"], "negative"),
             (&["train", "--lr", "-1"], "not a learning rate"),
+            (&["train", "--weight-decay", "-0.1"], "not a weight decay"),
+            (&["train", "--init", "scratch"], "invalid value 'scratch'"),
         ] {
             let e = parse(args).unwrap_err();
             assert!(!e.contains('\n'), "{args:?}: {e}");

@@ -94,6 +94,7 @@ pub fn run(args: &TrainArgs) -> Outcome {
     };
     let mut options = TrainOptions::default();
     options.adamw.lr = o.lr;
+    options.adamw.weight_decay = o.weight_decay;
     options.seed = o.seed;
     options.weights = weights;
     let mut trainer = Trainer::new(&spec.config, chosen.plan, &device, &options)?;
