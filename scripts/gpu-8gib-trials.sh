@@ -25,7 +25,7 @@ python3 "$HERE/make-sparse-gpt2.py" "$WORK/gpt2-medium/model.safetensors" 24 102
 for ((i = 1; i <= TRIALS; i++)); do
     for seq in 1024 512; do
         ((SECONDS > DEADLINE)) && exit 0
-        out=$(timeout 60 "$WORK/oomfix" train --budget 8GiB --verify --enforce-budget --device cuda:0 \
+        out=$(timeout 60 "$WORK/oomfix" train --init random --budget 8GiB --verify --enforce-budget --device cuda:0 \
             --steps 3 --seq-len "$seq" "$WORK/gpt2-medium/model.safetensors" 2>&1)
         rc=$?
         found=$(grep -E 'fits:|nothing fits' <<<"$out" | head -1 | sed 's/^ *//')

@@ -44,7 +44,7 @@ run() {
 
 V=(--budget 8GiB --verify --enforce-budget --device cuda:0)
 # `train --verify`: the plan trained is one whose measured step fitted.
-T=(train --budget 8GiB --verify --enforce-budget --device cuda:0 --steps 4)
+T=(train --init random --budget 8GiB --verify --enforce-budget --device cuda:0 --steps 4)
 RUST_LOG=oomfix::train::trainer=debug run "${T[@]}" "$WORK/tinyllama/model.safetensors"
 run "${V[@]}" "$WORK/gpt2-medium/model.safetensors"
 run "${V[@]}" --seq-len 512 "$WORK/gpt2-medium/model.safetensors"

@@ -72,6 +72,39 @@ pub struct ModelConfig {
     pub tied_embeddings: bool,
     /// Llama-style models with biases on the q/k/v projections (Qwen2).
     pub qkv_bias: bool,
+    /// What the checkpoint's `config.json` says beyond the shape (absent in
+    /// JSON written by older versions: the families' defaults).
+    #[serde(default)]
+    pub settings: ModelSettings,
+}
+
+/// What a checkpoint's `config.json` says beyond the shape: numerics, options
+/// the trainable families implement or refuse, and the end-of-text id. `None`
+/// (or `false`) when the file does not say it: the family's default, as
+/// Hugging Face `transformers` takes it ([`ModelConfig::norm_eps`],
+/// [`ModelConfig::rope_theta`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ModelSettings {
+    /// RoPE base frequency (`rope_theta`; Llama-style).
+    pub rope_theta: Option<f64>,
+    /// Norm epsilon (`rms_norm_eps`, `layer_norm_eps` or `layer_norm_epsilon`).
+    pub norm_eps: Option<f64>,
+    /// The `rope_scaling` type (`rope_type` or `type`), when scaling is set
+    /// and not `default`.
+    pub rope_scaling: Option<String>,
+    /// The MLP activation (`hidden_act`, GPT-2's `activation_function`).
+    pub hidden_act: Option<String>,
+    /// Sliding-window attention span (`sliding_window`, unless
+    /// `use_sliding_window` is false).
+    pub sliding_window: Option<usize>,
+    /// Llama-style: biases on all attention projections, `o_proj` included
+    /// (`attention_bias`).
+    pub attention_bias: bool,
+    /// Llama-style: biases on the MLP projections (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// The end-of-text id (`eos_token_id`; the first of a list).
+    pub eos_token_id: Option<u32>,
 }
 
 impl ModelConfig {
@@ -96,6 +129,7 @@ impl ModelConfig {
             max_positions: 1024,
             tied_embeddings: true,
             qkv_bias: false,
+            settings: ModelSettings::default(),
         }
     }
     /// Llama-2-7B.
@@ -127,6 +161,7 @@ impl ModelConfig {
             max_positions: 4096,
             tied_embeddings,
             qkv_bias: false,
+            settings: ModelSettings::default(),
         }
     }
     /// BERT-base (uncased vocabulary).
@@ -146,7 +181,86 @@ impl ModelConfig {
             max_positions: 512,
             tied_embeddings: true,
             qkv_bias: true,
+            settings: ModelSettings::default(),
         }
+    }
+
+    /// The norm epsilon: `config.json`'s, else the family's default in
+    /// `transformers` (GPT-2 1e-5, Llama-style 1e-6, BERT 1e-12).
+    pub fn norm_eps(&self) -> f64 {
+        self.settings.norm_eps.unwrap_or(match self.family {
+            Family::Gpt2 => 1e-5,
+            Family::Bert => 1e-12,
+            Family::Llama | Family::Generic => 1e-6,
+        })
+    }
+
+    /// The RoPE base frequency: `config.json`'s, else 10 000.
+    pub fn rope_theta(&self) -> f64 {
+        self.settings.rope_theta.unwrap_or(10_000.0)
+    }
+
+    /// The MLP activation: `config.json`'s, else the family's (GPT-2
+    /// `gelu_new`, Llama-style `silu`, BERT `gelu`).
+    pub fn hidden_act(&self) -> &str {
+        self.settings
+            .hidden_act
+            .as_deref()
+            .unwrap_or(match self.family {
+                Family::Gpt2 => "gelu_new",
+                Family::Bert => "gelu",
+                Family::Llama | Family::Generic => "silu",
+            })
+    }
+
+    /// What the trainable families do not implement in this configuration,
+    /// as `(field, value, why)` for a message; `None` when they implement
+    /// all of it. `seq_len`: the sequence length trained (a sliding window
+    /// shorter than it is refused: the models attend to every earlier token).
+    pub fn unsupported(&self, seq_len: usize) -> Option<(&'static str, String, String)> {
+        // `field` names the key as config.json spells it.
+        let s = &self.settings;
+        if let Some(kind) = &s.rope_scaling {
+            if self.family == Family::Llama {
+                return Some((
+                    "rope_scaling",
+                    format!("{kind:?}"),
+                    "only unscaled RoPE is implemented".into(),
+                ));
+            }
+        }
+        let act = self.hidden_act();
+        let implemented: &[&str] = match self.family {
+            Family::Gpt2 | Family::Bert => &["gelu", "gelu_new", "gelu_pytorch_tanh"],
+            Family::Llama => &["silu", "swish"],
+            Family::Generic => &[],
+        };
+        if self.family != Family::Generic && !implemented.contains(&act) {
+            let field = if self.family == Family::Gpt2 {
+                "activation_function"
+            } else {
+                "hidden_act"
+            };
+            return Some((
+                field,
+                format!("{act:?}"),
+                format!(
+                    "the {} family implements {}",
+                    self.family,
+                    implemented.join(", ")
+                ),
+            ));
+        }
+        if let Some(w) = s.sliding_window.filter(|&w| w < seq_len) {
+            return Some((
+                "sliding_window",
+                w.to_string(),
+                format!(
+                    "sliding-window attention is not implemented, and the sequence length {seq_len} exceeds the window"
+                ),
+            ));
+        }
+        None
     }
 
     /// Size of one attention head.
@@ -191,16 +305,24 @@ impl ModelConfig {
                     add(format!("{p}self_attn.q_proj.weight"), &[h, h]);
                     add(format!("{p}self_attn.k_proj.weight"), &[kv, h]);
                     add(format!("{p}self_attn.v_proj.weight"), &[kv, h]);
-                    if self.qkv_bias {
+                    if self.qkv_bias || self.settings.attention_bias {
                         add(format!("{p}self_attn.q_proj.bias"), &[h]);
                         add(format!("{p}self_attn.k_proj.bias"), &[kv]);
                         add(format!("{p}self_attn.v_proj.bias"), &[kv]);
                     }
                     add(format!("{p}self_attn.o_proj.weight"), &[h, h]);
+                    if self.settings.attention_bias {
+                        add(format!("{p}self_attn.o_proj.bias"), &[h]);
+                    }
                     add(format!("{p}post_attention_layernorm.weight"), &[h]);
                     add(format!("{p}mlp.gate_proj.weight"), &[i, h]);
                     add(format!("{p}mlp.up_proj.weight"), &[i, h]);
                     add(format!("{p}mlp.down_proj.weight"), &[h, i]);
+                    if self.settings.mlp_bias {
+                        add(format!("{p}mlp.gate_proj.bias"), &[i]);
+                        add(format!("{p}mlp.up_proj.bias"), &[i]);
+                        add(format!("{p}mlp.down_proj.bias"), &[h]);
+                    }
                 }
                 add("model.norm.weight".into(), &[h]);
                 if !self.tied_embeddings {

@@ -34,9 +34,11 @@ fn run_dir() -> tempfile::TempDir {
 }
 
 /// `train` of the tiny model on the CPU (random tokens).
-const TRAIN: [&str; 10] = [
+const TRAIN: [&str; 12] = [
     "train",
     "tiny.safetensors",
+    "--init",
+    "random",
     "--device",
     "cpu",
     "--budget",
@@ -80,9 +82,23 @@ fn train_arguments_are_checked_before_the_plan_is_printed() {
             "cpu",
             "--budget",
             "1GiB",
+            "--init",
+            "pretrained",
+        ],
+        "--init pretrained needs a model file",
+    );
+    // The former flag is the same request.
+    refused(
+        dir,
+        &[
+            "train",
+            "--device",
+            "cpu",
+            "--budget",
+            "1GiB",
             "--pretrained",
         ],
-        "--pretrained needs a model file",
+        "--init pretrained needs a model file",
     );
     refused(dir, &with(&["--data", "missing.bin"]), "missing.bin");
     refused(

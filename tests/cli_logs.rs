@@ -92,9 +92,9 @@ fn json_logs_report_every_kind_of_error_as_a_json_event() {
         // the binary's checks
         (&["--global-batch", "4"], 2, "a budget is required"),
         (
-            &["train", "--budget", "1GiB", "--pretrained"],
+            &["train", "--budget", "1GiB", "--init", "pretrained"],
             2,
-            "--pretrained",
+            "--init pretrained",
         ),
         // an input error
         (
@@ -134,6 +134,8 @@ fn json_logs_carry_train_progress_and_its_notices() {
     let train = [
         "train",
         "tiny.safetensors",
+        "--init",
+        "random",
         "--budget",
         "1GiB",
         "--seq-len",
@@ -200,6 +202,8 @@ fn json_logs_carry_the_stop_by_a_signal() {
         .args([
             "train",
             "tiny.safetensors",
+            "--init",
+            "random",
             "--device",
             "cpu",
             "--budget",

@@ -32,6 +32,8 @@ fn train(budget: &str) -> Vec<String> {
     [
         "train",
         "tiny.safetensors",
+        "--init",
+        "random",
         "--device",
         "cpu",
         "--seq-len",

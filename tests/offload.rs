@@ -23,6 +23,7 @@ fn tiny_llama() -> ModelConfig {
         max_positions: 32,
         tied_embeddings: false,
         qkv_bias: false,
+        settings: Default::default(),
     }
 }
 

@@ -27,11 +27,12 @@ fn tiny_config(layers: usize) -> ModelConfig {
         max_positions: 32,
         tied_embeddings: true,
         qkv_bias: false,
+        settings: Default::default(),
     }
 }
 
-/// A run directory with `model.safetensors` (the tiny GPT-2; training starts
-/// from a random initialisation) and `data.bin` (ids 1..=15 repeated, u16).
+/// A run directory with `model.safetensors` (the tiny GPT-2, all zeros:
+/// training starts from a random initialisation, `--init random`) and `data.bin` (ids 1..=15 repeated, u16).
 struct Run {
     dir: tempfile::TempDir,
 }
@@ -68,6 +69,8 @@ impl Run {
             "cpu",
             "--seq-len",
             "16",
+            "--init",
+            "random",
         ]
         .map(String::from)
         .into();

@@ -100,21 +100,38 @@ pub struct TrainOptions {
     /// (the same command line continues an interrupted run).
     #[arg(long, default_value_t = 10, value_name = "N", allow_negative_numbers = true, value_parser = parse_steps)]
     pub steps: u64,
-    /// Training data: a `.bin` of token ids (nanoGPT format) or a text file
-    /// (bytes as tokens) [default: random tokens].
+    /// Training data: a `.bin` of token ids (nanoGPT format), JSON Lines
+    /// (`.jsonl`, one document per line) or plain text, tokenized with the
+    /// model's tokenizer [default: random tokens].
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
+    /// The tokenizer for text data [default: tokenizer.json beside the
+    /// model's weights; without one, bytes are tokens].
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// The field of each JSON Lines object that holds its text.
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    pub text_field: String,
     /// Token ids in a `.bin` file are u32 instead of u16.
     #[arg(long)]
     pub u32_tokens: bool,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-4, allow_negative_numbers = true, value_parser = parse_lr)]
     pub lr: f64,
+    /// AdamW weight decay, applied to matrices only (not to biases and norm
+    /// scales).
+    #[arg(long, default_value_t = 0.0, value_name = "WD", allow_negative_numbers = true, value_parser = parse_weight_decay)]
+    pub weight_decay: f64,
     /// Seed of the initialisation and of random data.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = parse_seed)]
     pub seed: u64,
-    /// Start from the model file's weights instead of a random initialisation.
-    #[arg(long)]
+    /// Where the weights start: `pretrained` (the model file's weights) or
+    /// `random` (a seeded initialisation) [default: pretrained with a model
+    /// file; the built-in default model has no weights: random].
+    #[arg(long, value_enum, value_name = "FROM")]
+    pub init: Option<InitArg>,
+    /// The former spelling of `--init pretrained`.
+    #[arg(long, hide = true, conflicts_with = "init")]
     pub pretrained: bool,
     /// Write a checkpoint (weights, optimizer state, step, data position) here
     /// at the end, every --save-every steps, and when stopped by SIGINT or
@@ -127,6 +144,23 @@ pub struct TrainOptions {
     /// Continue from a checkpoint written by --save (same model and plan).
     #[arg(long, value_name = "PATH")]
     pub resume: Option<PathBuf>,
+}
+
+/// `--init`: where training's weights start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum InitArg {
+    /// The model file's weights.
+    Pretrained,
+    /// A random initialisation, reproducible from `--seed`.
+    Random,
+}
+
+impl TrainOptions {
+    /// `--init` as given (`--pretrained` counts as `--init pretrained`), or
+    /// `None` when neither is.
+    pub fn init_given(&self) -> Option<InitArg> {
+        self.init.or(self.pretrained.then_some(InitArg::Pretrained))
+    }
 }
 
 /// Options of the hidden `measure-step` command.
@@ -595,6 +629,15 @@ fn parse_lr(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_weight_decay(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(wd) if wd.is_finite() && wd >= 0.0 => Ok(wd),
+        _ => Err(format!(
+            "`{s}` is not a weight decay (a finite number >= 0)"
+        )),
+    }
+}
+
 fn parse_target(s: &str) -> Result<Target, String> {
     s.parse()
 }
@@ -711,6 +754,8 @@ mod tests {
             (&["train", "--steps", "-3"], "negative"),
             (&["train", "--seed", "-1"], "negative"),
             (&["train", "--lr", "-1"], "not a learning rate"),
+            (&["train", "--weight-decay", "-0.1"], "not a weight decay"),
+            (&["train", "--init", "scratch"], "invalid value 'scratch'"),
         ] {
             let e = parse(args).unwrap_err();
             assert!(!e.contains('\n'), "{args:?}: {e}");

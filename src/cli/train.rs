@@ -2,27 +2,37 @@
 //! loop's policy: checkpoints at the end, every `--save-every` steps and when
 //! stopped by a signal; `--resume`; progress.
 //!
+//! Training starts from the model file's weights (`--init pretrained`, the
+//! default with a model file) or a random initialisation (`--init random`,
+//! and the built-in default model, which has no weights).
+//!
 //! Every option and input is checked before the plan is printed: the model,
-//! `--pretrained` without one, the `--data` file (read and checked against the
+//! `--init pretrained` without one, the `--data` file (read and checked against the
 //! model's vocabulary), `--save` (writable, not an input), `--resume` (readable).
 
-use super::args::TrainArgs;
+use super::args::{InitArg, TrainArgs};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
 use super::{check_writable, io_text, logging, plan, Exit, Failure, Outcome};
-use oomfix::train::data::{DataSource, TokenWidth};
+use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
+use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
-use oomfix::Target;
-use std::path::Path;
+use oomfix::{ModelConfig, Target};
+use std::path::{Path, PathBuf};
 
 /// Runs `oomfix train`.
 pub fn run(args: &TrainArgs) -> Outcome {
     let o = &args.opts;
-    if o.pretrained && args.plan.model.is_none() {
-        return Err(Failure::Usage(
-            "--pretrained needs a model file (the built-in default has no weights)".into(),
-        ));
-    }
+    let init = match (o.init_given(), &args.plan.model) {
+        (Some(InitArg::Pretrained), None) => {
+            return Err(Failure::Usage(
+                "--init pretrained needs a model file (the built-in default has no weights)".into(),
+            ))
+        }
+        (Some(init), _) => init,
+        (None, Some(_)) => InitArg::Pretrained,
+        (None, None) => InitArg::Random,
+    };
     let (target, defaulted) = match args.plan.opts.device {
         Some(t) => (t, false),
         None if cfg!(feature = "cuda") => (Target::Cuda(0), false),
@@ -43,7 +53,15 @@ pub fn run(args: &TrainArgs) -> Outcome {
     };
     let data_inputs: Vec<&Path> = o.data.as_deref().into_iter().collect();
     let prepared = plan::prepare(&args.plan, target, &data_inputs)?;
-    let mut data = data_source(args, prepared.spec.config.vocab)?;
+    let model_dir = args.plan.model.as_deref().map(model_dir);
+    if let Some(dir) = &model_dir {
+        let seq_len = match args.plan.opts.seq_len {
+            Some(n) => n,
+            None => oomfix::Planner::new(1).seq_len_for(&prepared.spec),
+        };
+        oomfix::train::check_supported(&prepared.spec.config, seq_len, &dir.join("config.json"))?;
+    }
+    let mut data = data_source(args, &prepared.spec.config, model_dir.as_deref())?;
     if let Some(save) = &o.save {
         // The resume file is not among the inputs: replacing it is the point.
         let mut inputs: Vec<&Path> = prepared.spec.files.iter().map(|p| p.as_path()).collect();
@@ -56,6 +74,11 @@ pub fn run(args: &TrainArgs) -> Outcome {
             Failure::input(path, format!("cannot read checkpoint: {}", io_text(&e)))
         })?;
     }
+    if args.plan.model.is_none() && o.init_given().is_none() && o.resume.is_none() {
+        logging::notice(
+            "no model file given: the built-in GPT-2 small shape has no weights, training starts from a random initialisation",
+        );
+    }
     if defaulted {
         logging::notice("no --device given and this build has no CUDA: training on the CPU");
     }
@@ -63,13 +86,14 @@ pub fn run(args: &TrainArgs) -> Outcome {
     let Some(chosen) = result.chosen() else {
         return Ok(Exit::NothingFits);
     };
-    let weights = match (o.pretrained, &args.plan.model) {
+    let weights = match (init, &args.plan.model) {
         // A resumed run takes its weights from the checkpoint.
-        (true, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
+        (InitArg::Pretrained, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
         _ => None,
     };
     let mut options = TrainOptions::default();
     options.adamw.lr = o.lr;
+    options.adamw.weight_decay = o.weight_decay;
     options.seed = o.seed;
     options.weights = weights;
     let mut trainer = Trainer::new(&spec.config, chosen.plan, &device, &options)?;
@@ -129,18 +153,79 @@ pub fn run(args: &TrainArgs) -> Outcome {
     Ok(Exit::Signal(stopped_by))
 }
 
-/// The training data `args` ask for, checked against the model's vocabulary.
-fn data_source(args: &TrainArgs, vocab: usize) -> Result<DataSource, Failure> {
-    let o = &args.opts;
-    match &o.data {
-        Some(path) => {
-            let width = if o.u32_tokens {
-                TokenWidth::U32
-            } else {
-                TokenWidth::U16
-            };
-            Ok(DataSource::from_file(path, width, vocab)?)
-        }
-        None => Ok(DataSource::synthetic(o.seed)),
+/// The directory holding the model's side files (`config.json`,
+/// `tokenizer.json`): the model itself when it is a directory, else its parent.
+fn model_dir(model: &Path) -> PathBuf {
+    if model.is_dir() {
+        model.to_path_buf()
+    } else {
+        model.parent().map(Path::to_path_buf).unwrap_or_default()
     }
+}
+
+/// The tokenizer for text data: `--tokenizer`, else `tokenizer.json` in
+/// `model_dir` when there is one.
+fn tokenizer(args: &TrainArgs, model_dir: Option<&Path>) -> Result<Option<Tokenizer>, Failure> {
+    let path = match (&args.opts.tokenizer, model_dir) {
+        (Some(p), _) => p.clone(),
+        (None, Some(dir)) if dir.join("tokenizer.json").is_file() => dir.join("tokenizer.json"),
+        _ => return Ok(None),
+    };
+    Ok(Some(Tokenizer::from_file(&path)?))
+}
+
+/// The training data `args` ask for, tokenized and checked against the
+/// model's vocabulary.
+fn data_source(
+    args: &TrainArgs,
+    config: &ModelConfig,
+    model_dir: Option<&Path>,
+) -> Result<DataSource, Failure> {
+    let o = &args.opts;
+    let text_field_given = o.text_field != "text";
+    let Some(path) = &o.data else {
+        if o.tokenizer.is_some() || text_field_given {
+            return Err(Failure::Usage(
+                "--tokenizer and --text-field apply to text data: give --data".into(),
+            ));
+        }
+        return Ok(DataSource::synthetic(o.seed));
+    };
+    let format = DataFormat::of(path);
+    if text_field_given && format != DataFormat::JsonLines {
+        return Err(Failure::Usage(format!(
+            "--text-field applies to JSON Lines data (.jsonl); {} is not",
+            path.display()
+        )));
+    }
+    let width = if o.u32_tokens {
+        TokenWidth::U32
+    } else {
+        TokenWidth::U16
+    };
+    let tokenizer = tokenizer(args, model_dir)?;
+    let eos = config
+        .settings
+        .eos_token_id
+        .or_else(|| tokenizer.as_ref().and_then(Tokenizer::eos_id));
+    if format != DataFormat::Tokens {
+        match &tokenizer {
+            Some(t) => tracing::info!(
+                tokenizer = %t.path().display(),
+                eos = eos.map(i64::from).unwrap_or(-1),
+                "tokenizing {}",
+                path.display()
+            ),
+            None => tracing::warn!(
+                "no tokenizer.json beside the model and no --tokenizer: each byte of {} is a token",
+                path.display()
+            ),
+        }
+    }
+    let text = TextOptions {
+        tokenizer: tokenizer.as_ref(),
+        text_field: &o.text_field,
+        eos,
+    };
+    Ok(DataSource::load(path, width, config.vocab, &text)?)
 }

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use super::{header::kind, read_small_text};
-use crate::{Error, Result};
+use crate::{Error, ModelSettings, Result};
 
 /// What `config.json` says, each field absent when the file does not say it.
 /// GPT-2's names (`n_head`, `n_positions`, …) are accepted as aliases.
@@ -22,6 +22,8 @@ pub(crate) struct HfConfig {
     pub hidden: Option<usize>,
     pub layers: Option<usize>,
     pub tie_word_embeddings: Option<bool>,
+    /// The settings beyond the shape.
+    pub settings: ModelSettings,
 }
 
 impl HfConfig {
@@ -61,7 +63,9 @@ pub(crate) fn read(dir: &Path) -> Result<Option<HfConfig>> {
             ))
         }
     };
+    let settings = settings(obj).map_err(|msg| Error::input(&path, msg))?;
     Ok(Some(HfConfig {
+        settings,
         heads,
         kv_heads: count(&["num_key_value_heads"])?,
         head_dim: count(&["head_dim"])?,
@@ -73,6 +77,96 @@ pub(crate) fn read(dir: &Path) -> Result<Option<HfConfig>> {
         tie_word_embeddings,
         path,
     }))
+}
+
+/// The settings beyond the shape that `obj` gives; a field of the wrong
+/// kind is an error naming it.
+fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, String> {
+    let get = |key: &str| obj.get(key).filter(|v| !v.is_null());
+    let positive = |key: &str, v: Option<&Value>| match v {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .map(Some)
+            .ok_or_else(|| format!("\"{key}\" is {v}, not a positive number")),
+    };
+    let flag = |key: &str| match get(key) {
+        None => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(format!("\"{key}\" is {v}, not a boolean")),
+    };
+    let text = |key: &str| match get(key) {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(format!("\"{key}\" is {v}, not a string")),
+    };
+    // Newer files group RoPE's settings under `rope_parameters`.
+    let rope_params = get("rope_parameters").and_then(Value::as_object);
+    let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
+        Some(v) => positive("rope_parameters.rope_theta", Some(v))?,
+        None => positive("rope_theta", get("rope_theta"))?,
+    };
+    let scaling = match (get("rope_scaling"), rope_params) {
+        (Some(v), _) => Some(("rope_scaling", v)),
+        (None, Some(p)) => p
+            .get("rope_type")
+            .map(|_| ("rope_parameters", &obj["rope_parameters"])),
+        (None, None) => None,
+    };
+    let rope_scaling = match scaling {
+        None => None,
+        Some((key, Value::Object(m))) => match m.get("rope_type").or_else(|| m.get("type")) {
+            Some(Value::String(t)) if t == "default" => None,
+            Some(Value::String(t)) => Some(t.clone()),
+            _ => {
+                return Err(format!(
+                    "\"{key}\" has no \"rope_type\" (or \"type\") string"
+                ))
+            }
+        },
+        Some((key, v)) => return Err(format!("\"{key}\" is {v}, not an object")),
+    };
+    let norm_key = ["rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"]
+        .into_iter()
+        .find(|k| get(k).is_some());
+    let norm_eps = match norm_key {
+        Some(k) => positive(k, get(k))?,
+        None => None,
+    };
+    let hidden_act = match text("hidden_act")? {
+        Some(a) => Some(a),
+        None => text("activation_function")?,
+    };
+    let sliding_window = match get("use_sliding_window") {
+        Some(Value::Bool(false)) => None,
+        _ => count_field(obj, &["sliding_window"])?,
+    };
+    let eos_token_id = match get("eos_token_id") {
+        None => None,
+        Some(Value::Array(a)) => match a.first() {
+            None => None,
+            Some(v) => Some(token_id("eos_token_id", v)?),
+        },
+        Some(v) => Some(token_id("eos_token_id", v)?),
+    };
+    Ok(ModelSettings {
+        rope_theta,
+        norm_eps,
+        rope_scaling,
+        hidden_act,
+        sliding_window,
+        attention_bias: flag("attention_bias")?,
+        mlp_bias: flag("mlp_bias")?,
+        eos_token_id,
+    })
+}
+
+/// A token id in `key`.
+fn token_id(key: &str, v: &Value) -> std::result::Result<u32, String> {
+    v.as_u64()
+        .and_then(|n| u32::try_from(n).ok())
+        .ok_or_else(|| format!("\"{key}\" is {v}, not a token id"))
 }
 
 /// The first of `keys` present and not null, as a non-negative integer.

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use super::config::HfConfig;
 use super::header::is_float;
-use crate::{Error, Family, ModelConfig, Result, TensorInfo};
+use crate::{Error, Family, ModelConfig, ModelSettings, Result, TensorInfo};
 
 /// What inference found.
 #[derive(Debug)]
@@ -36,6 +36,20 @@ pub(crate) fn infer(
     } else {
         generic(&t, hf)
     };
+    let mut draft = draft;
+    if let Some(c) = hf {
+        draft.config.settings = c.settings.clone();
+    }
+    if draft.config.family == Family::Llama {
+        // Biases present in the weights count even when `config.json` is silent.
+        let s = &mut draft.config.settings;
+        s.attention_bias |= !t
+            .layer_ids("model.layers.", "self_attn.o_proj.bias")
+            .is_empty();
+        s.mlp_bias |= !t
+            .layer_ids("model.layers.", "mlp.gate_proj.bias")
+            .is_empty();
+    }
     let family = draft.config.family;
     let tensors = all
         .into_iter()
@@ -176,6 +190,7 @@ fn gpt2(source: &Path, t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Dr
             .map_or(0, |(rows, _)| rows),
         tied_embeddings: tied,
         qkv_bias: false,
+        settings: ModelSettings::default(),
     };
     Ok(Draft {
         config,
@@ -216,6 +231,7 @@ fn llama(source: &Path, t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
         max_positions,
         tied_embeddings: tied,
         qkv_bias: !t.layer_ids(blocks, "self_attn.q_proj.bias").is_empty(),
+        settings: ModelSettings::default(),
     };
     Ok(Draft {
         config,
@@ -297,6 +313,7 @@ fn bert(source: &Path, t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Dr
             .map_or(0, |(rows, _)| rows),
         tied_embeddings: tied,
         qkv_bias: true,
+        settings: ModelSettings::default(),
     };
     Ok(Draft {
         config,
@@ -323,6 +340,7 @@ fn generic(t: &Tensors, hf: Option<&HfConfig>) -> Draft {
         max_positions: c.max_positions.unwrap_or(0),
         tied_embeddings: c.tie_word_embeddings.unwrap_or(false),
         qkv_bias: false,
+        settings: ModelSettings::default(),
     };
     let assumptions = vec![
         "unknown architecture (not GPT-2, Llama-style or BERT): only the tensors are known, estimates are generic"

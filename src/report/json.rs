@@ -101,8 +101,24 @@ pub fn search_json(spec: &ModelSpec, result: &SearchResult) -> Value {
 /// `oomfix inspect --json`.
 pub fn inspect_json(spec: &ModelSpec) -> Value {
     let mut v = model_json(spec);
-    v.as_object_mut()
-        .expect("object")
-        .insert("tensors".into(), json!(spec.tensors.len()));
+    let obj = v.as_object_mut().expect("object");
+    obj.insert("tensors".into(), json!(spec.tensors.len()));
+    let c = &spec.config;
+    if c.family != crate::Family::Generic {
+        let s = &c.settings;
+        obj.insert(
+            "settings".into(),
+            json!({
+                "norm_eps": c.norm_eps(),
+                "rope_theta": (c.family == crate::Family::Llama).then(|| c.rope_theta()),
+                "rope_scaling": s.rope_scaling,
+                "hidden_act": c.hidden_act(),
+                "sliding_window": s.sliding_window,
+                "attention_bias": s.attention_bias,
+                "mlp_bias": s.mlp_bias,
+                "eos_token_id": s.eos_token_id,
+            }),
+        );
+    }
     v
 }

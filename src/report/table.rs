@@ -214,6 +214,34 @@ pub fn inspect_text(spec: &ModelSpec) -> String {
             if c.tied_embeddings { "yes" } else { "no" }
         );
     }
+    if c.family != crate::Family::Generic {
+        let s = &c.settings;
+        let _ = writeln!(out, "norm eps       {:e}", c.norm_eps());
+        let _ = writeln!(out, "activation     {}", c.hidden_act());
+        if c.family == crate::Family::Llama {
+            let _ = writeln!(out, "rope theta     {}", c.rope_theta());
+            let _ = writeln!(
+                out,
+                "rope scaling   {}",
+                s.rope_scaling.as_deref().unwrap_or("none")
+            );
+            let biases = match (s.attention_bias, c.qkv_bias, s.mlp_bias) {
+                (true, _, true) => "attention, mlp",
+                (true, _, false) => "attention",
+                (false, true, true) => "q/k/v, mlp",
+                (false, true, false) => "q/k/v",
+                (false, false, true) => "mlp",
+                (false, false, false) => "none",
+            };
+            let _ = writeln!(out, "biases         {biases}");
+        }
+        if let Some(w) = s.sliding_window {
+            let _ = writeln!(out, "sliding window {w}");
+        }
+        if let Some(e) = s.eos_token_id {
+            let _ = writeln!(out, "eos token id   {e}");
+        }
+    }
     for a in &spec.assumptions {
         let _ = writeln!(out, "assumed        {a}");
     }

@@ -9,8 +9,6 @@ use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
-const EPS: f64 = 1e-12;
-
 struct Block {
     query: Linear,
     key: Linear,
@@ -21,24 +19,27 @@ struct Block {
     output: Linear,
     out_norm: LayerNorm,
     heads: usize,
+    gelu: GeluForm,
     /// `attention`, `intermediate`, `output` under `bert.encoder.layer.{l}`.
     tags: [Module; 3],
 }
 
 impl Block {
-    fn new(p: &Params, l: usize, heads: usize) -> Result<Self> {
+    fn new(p: &Params, l: usize, config: &ModelConfig) -> Result<Self> {
         let prefix = format!("bert.encoder.layer.{l}");
+        let eps = config.norm_eps();
         let dense = |name: &str| p.linear(&format!("{prefix}.{name}"), true, WeightLayout::OutIn);
         Ok(Block {
             query: dense("attention.self.query")?,
             key: dense("attention.self.key")?,
             value: dense("attention.self.value")?,
             attn_out: dense("attention.output.dense")?,
-            attn_norm: p.layer_norm(&format!("{prefix}.attention.output.LayerNorm"), EPS)?,
+            attn_norm: p.layer_norm(&format!("{prefix}.attention.output.LayerNorm"), eps)?,
             intermediate: dense("intermediate.dense")?,
             output: dense("output.dense")?,
-            out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), EPS)?,
-            heads,
+            out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), eps)?,
+            heads: config.heads,
+            gelu: super::gelu_form(config)?,
             tags: ["attention", "intermediate", "output"]
                 .map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
@@ -70,7 +71,7 @@ impl Block {
             let _m = Scope::module(intermediate);
             let inner = self.intermediate.forward(&x)?;
             let _op = Scope::op(Op::Gelu);
-            ops::gelu(&inner, GeluForm::Erf)?
+            ops::gelu(&inner, self.gelu)?
         };
         let _m = Scope::module(output);
         let mlp = self.output.forward(&inner)?;
@@ -92,6 +93,7 @@ pub(crate) struct Bert {
     blocks: Vec<Block>,
     transform: Linear,
     transform_norm: LayerNorm,
+    gelu: GeluForm,
     decoder_bias: Tensor,
     vars: Vec<(String, Var)>,
     /// `bert.embeddings`, `attn_mask`, `cls.predictions.transform`, `cls.predictions.decoder`.
@@ -107,13 +109,14 @@ impl Bert {
             word: p.get(&format!("{e}.word_embeddings.weight"))?,
             position: p.get(&format!("{e}.position_embeddings.weight"))?,
             token_type: p.get(&format!("{e}.token_type_embeddings.weight"))?,
-            emb_norm: p.layer_norm(&format!("{e}.LayerNorm"), EPS)?,
+            emb_norm: p.layer_norm(&format!("{e}.LayerNorm"), config.norm_eps())?,
             blocks: (0..config.layers)
-                .map(|l| Block::new(&p, l, config.heads))
+                .map(|l| Block::new(&p, l, config))
                 .collect::<Result<_>>()?,
             transform: p.linear(&format!("{c}.transform.dense"), true, WeightLayout::OutIn)?,
-            transform_norm: p.layer_norm(&format!("{c}.transform.LayerNorm"), EPS)?,
+            transform_norm: p.layer_norm(&format!("{c}.transform.LayerNorm"), config.norm_eps())?,
             decoder_bias: p.get(&format!("{c}.bias"))?,
+            gelu: super::gelu_form(config)?,
             vars: p.into_vars(),
             tags: [
                 "bert.embeddings",
@@ -169,7 +172,7 @@ impl TrainableModel for Bert {
                 let x = self.transform.forward(x)?;
                 let x = {
                     let _op = Scope::op(Op::Gelu);
-                    ops::gelu(&x, GeluForm::Erf)?
+                    ops::gelu(&x, self.gelu)?
                 };
                 self.transform_norm.forward(&x)?.reshape((b * s, h))?
             };

@@ -2,15 +2,71 @@
 //!
 //! * `.bin`: little-endian token ids as nanoGPT's `prepare.py` writes them
 //!   (u16 by default, u32 when the vocabulary needs it or when asked);
-//! * any other file: its bytes, one token per byte (a byte-level fallback that
-//!   needs a vocabulary of at least 256);
-//! * no file: uniformly random tokens from a seeded generator.
+//! * `.jsonl` / `.ndjson` (JSON Lines): one document per line, an object whose
+//!   text field (`text` by default) holds the document; blank lines are skipped;
+//! * any other file: plain UTF-8 text, one document.
 //!
-//! Windows of `seq_len + 1` tokens are read in order and wrap around; the
-//! trainer turns each into inputs and next-token targets.
+//! Text is tokenized with the model's tokenizer ([`Tokenizer`]) line by line
+//! (each line with its line break, as Hugging Face's text loader with
+//! `keep_linebreaks` gives them), and every document is followed by the
+//! end-of-text id when one is known. Without a tokenizer each byte is a token
+//! (a byte-level fallback that needs a vocabulary of at least 256).
+//! No file: uniformly random tokens from a seeded generator.
+//!
+//! Every id is checked against the model's vocabulary. Windows of
+//! `seq_len + 1` tokens are read in order and wrap around (documents are
+//! packed: a window may span an end-of-text id); the trainer turns each into
+//! inputs and next-token targets.
 
+use super::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
+
+/// How a data file is read, from its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataFormat {
+    /// `.bin`: token ids.
+    Tokens,
+    /// `.jsonl` or `.ndjson`: one JSON object per line.
+    JsonLines,
+    /// Anything else: UTF-8 text.
+    Text,
+}
+
+impl DataFormat {
+    /// The format of `path`, from its extension.
+    pub fn of(path: &Path) -> Self {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("bin") => DataFormat::Tokens,
+            Some("jsonl" | "ndjson") => DataFormat::JsonLines,
+            _ => DataFormat::Text,
+        }
+    }
+}
+
+/// How text data becomes token ids.
+#[derive(Debug, Clone, Copy)]
+pub struct TextOptions<'a> {
+    /// The model's tokenizer; `None`: bytes as tokens.
+    pub tokenizer: Option<&'a Tokenizer>,
+    /// The field of a JSON Lines object that holds the text.
+    pub text_field: &'a str,
+    /// The id put after every document (the model's end-of-text token).
+    pub eos: Option<u32>,
+}
+
+impl Default for TextOptions<'_> {
+    fn default() -> Self {
+        TextOptions {
+            tokenizer: None,
+            text_field: "text",
+            eos: None,
+        }
+    }
+}
+
+/// Lines tokenized together (the tokenizer's batch).
+const LINES_PER_BATCH: usize = 1024;
 
 /// Width of the ids in a `.bin` token file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,52 +119,29 @@ impl DataSource {
         }
     }
 
-    /// Loads a token file (`.bin`) or a text file (bytes as tokens), checking
-    /// every id against `vocab`.
+    /// Loads a token file (`.bin`) or a text file (bytes as tokens, no
+    /// end-of-text id), checking every id against `vocab`.
     pub fn from_file(path: &Path, width: TokenWidth, vocab: usize) -> Result<Self> {
+        Self::load(path, width, vocab, &TextOptions::default())
+    }
+
+    /// Loads `path` in its [`DataFormat`]: token ids (`width` each), or text
+    /// tokenized as `text` says. Every problem is an input error naming the
+    /// file (and the line of a text format): an empty file, text that is not
+    /// UTF-8, a JSON line that is not an object with the text field as a
+    /// string, an id outside `vocab`, fewer than 2 tokens.
+    pub fn load(path: &Path, width: TokenWidth, vocab: usize, text: &TextOptions) -> Result<Self> {
         let bytes = std::fs::read(path)
             .map_err(|e| Error::input(path, format!("cannot read data: {e}")))?;
-        let is_bin = path.extension().is_some_and(|e| e == "bin");
-        let ids: Vec<u32> = if is_bin {
-            let w = match width {
-                TokenWidth::U16 => 2,
-                TokenWidth::U32 => 4,
-            };
-            if bytes.len() % w != 0 {
-                return Err(Error::input(
-                    path,
-                    format!(
-                        "length {} is not a multiple of {w}-byte token ids",
-                        bytes.len()
-                    ),
-                ));
-            }
-            bytes
-                .chunks_exact(w)
-                .map(|c| match width {
-                    TokenWidth::U16 => u16::from_le_bytes([c[0], c[1]]) as u32,
-                    TokenWidth::U32 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-                })
-                .collect()
-        } else {
-            if vocab < 256 {
-                return Err(Error::input(
-                    path,
-                    format!(
-                        "byte-level text needs a vocabulary of at least 256, the model has {vocab}"
-                    ),
-                ));
-            }
-            bytes.into_iter().map(u32::from).collect()
+        if bytes.is_empty() {
+            return Err(Error::input(path, "is empty: no data to train on"));
+        }
+        let ids = match DataFormat::of(path) {
+            DataFormat::Tokens => token_ids(path, &bytes, width, vocab)?,
+            format => text_ids(path, &bytes, format, vocab, text)?,
         };
         if ids.len() < 2 {
             return Err(Error::input(path, "holds fewer than 2 tokens"));
-        }
-        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-            return Err(Error::input(
-                path,
-                format!("token {i} is id {id}, outside the model's vocabulary of {vocab}"),
-            ));
         }
         Ok(DataSource::Tokens {
             path: path.to_path_buf(),
@@ -180,6 +213,181 @@ impl DataSource {
                 out
             }
         }
+    }
+}
+
+/// The ids of a `.bin` file, checked against `vocab`.
+fn token_ids(path: &Path, bytes: &[u8], width: TokenWidth, vocab: usize) -> Result<Vec<u32>> {
+    let w = match width {
+        TokenWidth::U16 => 2,
+        TokenWidth::U32 => 4,
+    };
+    if bytes.len() % w != 0 {
+        return Err(Error::input(
+            path,
+            format!(
+                "length {} is not a multiple of {w}-byte token ids",
+                bytes.len()
+            ),
+        ));
+    }
+    let ids: Vec<u32> = bytes
+        .chunks_exact(w)
+        .map(|c| match width {
+            TokenWidth::U16 => u16::from_le_bytes([c[0], c[1]]) as u32,
+            TokenWidth::U32 => u32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+        })
+        .collect();
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        return Err(Error::input(
+            path,
+            format!("token {i} is id {id}, outside the model's vocabulary of {vocab}"),
+        ));
+    }
+    Ok(ids)
+}
+
+/// One piece of text to tokenize and the line it starts on (1-based).
+struct Piece<'a> {
+    line: usize,
+    text: &'a str,
+    /// The end of a document: the end-of-text id follows it.
+    ends_document: bool,
+}
+
+/// The ids of a text or JSON Lines file.
+fn text_ids(
+    path: &Path,
+    bytes: &[u8],
+    format: DataFormat,
+    vocab: usize,
+    opts: &TextOptions,
+) -> Result<Vec<u32>> {
+    let at = |line: usize, msg: String| Error::input(path, format!("line {line}: {msg}"));
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        let bad = e.valid_up_to();
+        let line = bytes[..bad].iter().filter(|&&b| b == b'\n').count() + 1;
+        let column = bad
+            - bytes[..bad]
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |i| i + 1)
+            + 1;
+        at(
+            line,
+            format!(
+                "not UTF-8 (invalid byte 0x{:02x} at column {column})",
+                bytes[bad]
+            ),
+        )
+    })?;
+    if opts.tokenizer.is_none() && vocab < 256 {
+        return Err(Error::input(
+            path,
+            format!("byte-level text needs a vocabulary of at least 256, the model has {vocab}"),
+        ));
+    }
+    if let Some(eos) = opts.eos.filter(|&e| e as usize >= vocab) {
+        return Err(Error::input(
+            path,
+            format!("the end-of-text id {eos} is outside the model's vocabulary of {vocab}"),
+        ));
+    }
+    let mut documents: Vec<(usize, String)> = Vec::new();
+    let mut pieces: Vec<Piece> = Vec::new();
+    match format {
+        DataFormat::JsonLines => {
+            for (i, line) in text.lines().enumerate() {
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let value: serde_json::Value =
+                    serde_json::from_str(line).map_err(|e| at(i + 1, format!("not JSON: {e}")))?;
+                let field = opts.text_field;
+                let doc = match value.get(field) {
+                    Some(serde_json::Value::String(s)) => s.clone(),
+                    Some(other) => {
+                        return Err(at(
+                            i + 1,
+                            format!("\"{field}\" is {}, not a string", json_kind(other)),
+                        ))
+                    }
+                    None if value.is_object() => {
+                        return Err(at(i + 1, format!("the object has no \"{field}\" field")))
+                    }
+                    None => {
+                        return Err(at(
+                            i + 1,
+                            format!(
+                                "{}, not an object with a \"{field}\" field",
+                                json_kind(&value)
+                            ),
+                        ))
+                    }
+                };
+                if !doc.is_empty() {
+                    documents.push((i + 1, doc));
+                }
+            }
+            pieces.extend(documents.iter().map(|(line, doc)| Piece {
+                line: *line,
+                text: doc,
+                ends_document: true,
+            }));
+        }
+        _ => {
+            let lines: Vec<&str> = text.split_inclusive('\n').collect();
+            let last = lines.len().saturating_sub(1);
+            pieces.extend(lines.into_iter().enumerate().map(|(i, t)| Piece {
+                line: i + 1,
+                text: t,
+                ends_document: i == last,
+            }));
+        }
+    }
+    let mut ids = Vec::with_capacity(text.len() / 3);
+    for batch in pieces.chunks(LINES_PER_BATCH) {
+        let encoded: Vec<Vec<u32>> = match opts.tokenizer {
+            Some(t) => t.encode_batch(batch.iter().map(|p| p.text).collect())?,
+            None => batch
+                .iter()
+                .map(|p| p.text.bytes().map(u32::from).collect())
+                .collect(),
+        };
+        for (piece, piece_ids) in batch.iter().zip(encoded) {
+            if let Some(id) = piece_ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(at(
+                    piece.line,
+                    format!(
+                        "the tokenizer gives id {id}, outside the model's vocabulary of {vocab} \
+                         (is it the model's tokenizer?)"
+                    ),
+                ));
+            }
+            ids.extend(piece_ids);
+            if piece.ends_document {
+                ids.extend(opts.eos);
+            }
+        }
+    }
+    if ids.is_empty() && documents.is_empty() && format == DataFormat::JsonLines {
+        return Err(Error::input(
+            path,
+            "holds no documents (every line is blank or empty text)",
+        ));
+    }
+    Ok(ids)
+}
+
+/// What a JSON value is, for messages.
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
     }
 }
 

@@ -9,8 +9,6 @@ use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
-const EPS: f64 = 1e-5;
-
 struct Block {
     ln_1: LayerNorm,
     c_attn: Linear,
@@ -19,21 +17,24 @@ struct Block {
     c_fc: Linear,
     mlp_proj: Linear,
     heads: usize,
+    gelu: GeluForm,
     /// `h.{l}.ln_1`, `h.{l}.attn`, `h.{l}.ln_2`, `h.{l}.mlp`.
     tags: [Module; 4],
 }
 
 impl Block {
-    fn new(p: &Params, l: usize, heads: usize) -> Result<Self> {
+    fn new(p: &Params, l: usize, config: &ModelConfig) -> Result<Self> {
         let conv = |name: &str| p.linear(&format!("h.{l}.{name}"), true, WeightLayout::InOut);
+        let eps = config.norm_eps();
         Ok(Block {
-            ln_1: p.layer_norm(&format!("h.{l}.ln_1"), EPS)?,
+            ln_1: p.layer_norm(&format!("h.{l}.ln_1"), eps)?,
             c_attn: conv("attn.c_attn")?,
             attn_proj: conv("attn.c_proj")?,
-            ln_2: p.layer_norm(&format!("h.{l}.ln_2"), EPS)?,
+            ln_2: p.layer_norm(&format!("h.{l}.ln_2"), eps)?,
             c_fc: conv("mlp.c_fc")?,
             mlp_proj: conv("mlp.c_proj")?,
-            heads,
+            heads: config.heads,
+            gelu: super::gelu_form(config)?,
             tags: ["ln_1", "attn", "ln_2", "mlp"].map(|m| Module::intern(&format!("h.{l}.{m}"))),
         })
     }
@@ -68,7 +69,7 @@ impl Block {
         let inner = self.c_fc.forward(&normed)?;
         let inner = {
             let _op = Scope::op(Op::Gelu);
-            ops::gelu(&inner, GeluForm::Tanh)?
+            ops::gelu(&inner, self.gelu)?
         };
         let mlp = self.mlp_proj.forward(&inner)?;
         let _op = Scope::op(Op::Residual);
@@ -95,9 +96,9 @@ impl Gpt2 {
             wte: p.get("wte.weight")?,
             wpe: p.get("wpe.weight")?,
             blocks: (0..config.layers)
-                .map(|l| Block::new(&p, l, config.heads))
+                .map(|l| Block::new(&p, l, config))
                 .collect::<Result<_>>()?,
-            ln_f: p.layer_norm("ln_f", EPS)?,
+            ln_f: p.layer_norm("ln_f", config.norm_eps())?,
             vars: p.into_vars(),
             tags: ["wte", "ln_f", "lm_head"].map(Module::intern),
         })

@@ -1,5 +1,7 @@
 //! Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention
-//! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`).
+//! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`), with the
+//! checkpoint's RMSNorm epsilon and RoPE base, and optional biases on every
+//! attention projection (`attention_bias`) and the MLP (`mlp_bias`).
 
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
@@ -9,11 +11,6 @@ use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm};
 use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
-
-/// RMSNorm epsilon (Llama 2, TinyLlama, Mistral).
-const EPS: f64 = 1e-5;
-/// RoPE base frequency (Llama 2, TinyLlama).
-const ROPE_THETA: f64 = 10_000.0;
 
 struct Block {
     input_norm: RmsNorm,
@@ -45,17 +42,23 @@ impl Block {
         let proj = |name: &str, bias: bool| {
             p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn)
         };
-        let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), EPS);
+        let eps = config.norm_eps();
+        let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps);
+        let (qkv_bias, o_bias) = (
+            config.qkv_bias || config.settings.attention_bias,
+            config.settings.attention_bias,
+        );
+        let mlp_bias = config.settings.mlp_bias;
         Ok(Block {
             input_norm: norm("input_layernorm")?,
-            q_proj: proj("self_attn.q_proj", config.qkv_bias)?,
-            k_proj: proj("self_attn.k_proj", config.qkv_bias)?,
-            v_proj: proj("self_attn.v_proj", config.qkv_bias)?,
-            o_proj: proj("self_attn.o_proj", false)?,
+            q_proj: proj("self_attn.q_proj", qkv_bias)?,
+            k_proj: proj("self_attn.k_proj", qkv_bias)?,
+            v_proj: proj("self_attn.v_proj", qkv_bias)?,
+            o_proj: proj("self_attn.o_proj", o_bias)?,
             post_norm: norm("post_attention_layernorm")?,
-            gate_proj: proj("mlp.gate_proj", false)?,
-            up_proj: proj("mlp.up_proj", false)?,
-            down_proj: proj("mlp.down_proj", false)?,
+            gate_proj: proj("mlp.gate_proj", mlp_bias)?,
+            up_proj: proj("mlp.up_proj", mlp_bias)?,
+            down_proj: proj("mlp.down_proj", mlp_bias)?,
             heads: config.heads,
             kv_heads: config.kv_heads,
             tags: [
@@ -133,7 +136,7 @@ impl Llama {
             blocks: (0..config.layers)
                 .map(|l| Block::new(&p, l, config))
                 .collect::<Result<_>>()?,
-            norm: p.rms_norm("model.norm", EPS)?,
+            norm: p.rms_norm("model.norm", config.norm_eps())?,
             vars: p.into_vars(),
             tags: [
                 "model.embed_tokens",
@@ -160,12 +163,13 @@ impl TrainableModel for Llama {
         let (h, d) = (self.config.hidden, self.config.head_dim());
         let device = self.embed.device();
         let [embed, rotary, norm, lm_head] = self.tags;
+        let theta = self.config.rope_theta();
         let ctx = {
             let _m = Scope::new(rotary, Op::Rope);
             Context {
                 attend: Attend::causal(exec),
-                rope_q: RopeTables::new(s, d, ROPE_THETA, 1.0 / (d as f64).sqrt(), device)?,
-                rope_k: RopeTables::new(s, d, ROPE_THETA, 1.0, device)?,
+                rope_q: RopeTables::new(s, d, theta, 1.0 / (d as f64).sqrt(), device)?,
+                rope_k: RopeTables::new(s, d, theta, 1.0, device)?,
             }
         };
         let ctx = &ctx;

@@ -19,9 +19,13 @@
 //! their own backward ([`oomfix_strategies::nn`]), the rest is composed from
 //! candle ops. Conventions follow Hugging Face `transformers`: GPT-2 with
 //! `Conv1D` weights (`[in, out]`), tanh-approximate GELU, tied LM head; Llama with
-//! RMSNorm (ε = 1e-5), RoPE in the `rotate_half` form (θ = 10 000), SwiGLU and
-//! grouped-query attention; BERT post-LN with erf GELU and the masked-LM head
-//! (`cls.predictions`), every token of segment A (token type 0).
+//! RMSNorm, RoPE in the `rotate_half` form, SwiGLU and grouped-query
+//! attention; BERT post-LN with erf GELU and the masked-LM head
+//! (`cls.predictions`), every token of segment A (token type 0). Norm epsilons,
+//! the RoPE base, the GELU form and Llama's optional biases are the
+//! checkpoint's own ([`crate::ModelSettings`]); what the families do not
+//! implement (RoPE scaling, other activations, a sliding window shorter than
+//! the sequence) is refused ([`check_supported`]).
 //!
 //! # What stays alive until backward
 //!
@@ -163,6 +167,7 @@
 
 mod bert;
 pub mod data;
+pub mod tokenizer;
 mod trainer;
 pub use crate::state_file::StateFile;
 pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
@@ -384,6 +389,11 @@ pub fn build_model(
         return Err(untrainable());
     }
     check_shape(config)?;
+    if let Some((field, value, why)) = config.unsupported(0) {
+        return Err(Error::Usage(format!(
+            "the model's {field} is {value}: {why}"
+        )));
+    }
     let tensors = match weights {
         Some(paths) => load_tensors(config, paths)?,
         None => random_tensors(config, seed)?,
@@ -404,6 +414,33 @@ pub fn build_model(
         Family::Bert => Box::new(bert::Bert::new(config, params)?),
         Family::Generic => return Err(untrainable()),
     })
+}
+
+/// The GELU form of `config`'s activation (GPT-2 and BERT): erf for `gelu`,
+/// the tanh approximation for `gelu_new` and `gelu_pytorch_tanh`.
+pub(crate) fn gelu_form(config: &ModelConfig) -> Result<oomfix_strategies::nn::ops::GeluForm> {
+    match config.hidden_act() {
+        "gelu" => Ok(oomfix_strategies::nn::ops::GeluForm::Erf),
+        "gelu_new" | "gelu_pytorch_tanh" => Ok(oomfix_strategies::nn::ops::GeluForm::Tanh),
+        other => Err(Error::Usage(format!(
+            "hidden_act {other:?} is not implemented for {}",
+            config.family
+        ))),
+    }
+}
+
+/// Refuses a configuration the families do not implement (see
+/// [`ModelConfig::unsupported`]) for training `seq_len` tokens per sequence:
+/// an input error naming `config_file` (the model's `config.json`), the field
+/// and its value.
+pub fn check_supported(config: &ModelConfig, seq_len: usize, config_file: &Path) -> Result<()> {
+    match config.unsupported(seq_len) {
+        None => Ok(()),
+        Some((field, value, why)) => Err(Error::input(
+            config_file,
+            format!("\"{field}\" is {value}: {why}; training it would train another model"),
+        )),
+    }
 }
 
 fn untrainable() -> Error {

@@ -23,7 +23,7 @@ use crate::{Error, ModelConfig, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use oomfix_strategies::accumulate::GradAccumulator;
-use oomfix_strategies::adamw::FusedAdamW;
+use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
 use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
 use oomfix_strategies::{Attention, Execution, OptimizerImpl, Plan, Precision, Strategy};
@@ -36,7 +36,8 @@ use std::time::Instant;
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct TrainOptions {
-    /// AdamW hyper-parameters.
+    /// AdamW hyper-parameters. Weight decay applies to matrices only, not to
+    /// biases and norm scales ([`is_decay_exempt`]); default 0.
     pub adamw: ParamsAdamW,
     /// Seed of the random initialisation and of synthetic data.
     pub seed: u64,
@@ -52,6 +53,8 @@ impl Default for TrainOptions {
         TrainOptions {
             adamw: ParamsAdamW {
                 lr: 3e-4,
+                // Hugging Face's Trainer default (candle's is 0.01).
+                weight_decay: 0.0,
                 ..Default::default()
             },
             seed: 0,
@@ -214,19 +217,30 @@ impl Trainer {
         let names = model.vars().iter().map(|(n, _)| n.clone());
         let optim = match plan.optimizer {
             OptimizerImpl::CandleAdamW => Optim::Candle(
-                opt_vars
-                    .into_iter()
-                    .map(|v| Ok((AdamW::new(vec![v.clone()], options.adamw.clone())?, v)))
+                names
+                    .zip(opt_vars)
+                    .map(|(name, v)| {
+                        let mut params = options.adamw.clone();
+                        if is_decay_exempt(&name, &v) {
+                            params.weight_decay = 0.0;
+                        }
+                        Ok((AdamW::new(vec![v.clone()], params)?, v))
+                    })
                     .collect::<Result<_>>()?,
             ),
-            OptimizerImpl::FusedAdamW => Optim::Fused(FusedAdamW::new_named(
-                names.zip(opt_vars).collect(),
-                options.adamw.clone(),
-            )?),
-            OptimizerImpl::OffloadedAdamW => Optim::Offloaded(OffloadedAdamW::new(
-                names.zip(opt_vars).collect(),
-                options.adamw.clone(),
-            )?),
+            OptimizerImpl::FusedAdamW => {
+                let mut opt =
+                    FusedAdamW::new_named(names.zip(opt_vars).collect(), options.adamw.clone())?;
+                opt.exempt_from_weight_decay(is_decay_exempt);
+                Optim::Fused(opt)
+            }
+            OptimizerImpl::OffloadedAdamW => {
+                let mut opt =
+                    OffloadedAdamW::new(names.zip(opt_vars).collect(), options.adamw.clone())?;
+                opt.optimizer_mut()
+                    .exempt_from_weight_decay(is_decay_exempt);
+                Optim::Offloaded(opt)
+            }
         };
         let scaler = (plan.precision == Precision::F16)
             .then(|| LossScaler::new(LossScalerConfig::default()))

@@ -232,6 +232,13 @@ fn f32_vec_mut(s: &mut CpuStorage) -> candle_core::Result<&mut Vec<f32>> {
     }
 }
 
+/// Whether a parameter is exempt from weight decay by the usual convention
+/// (Hugging Face's Trainer, nanoGPT): tensors of fewer than two dimensions,
+/// i.e. biases and norm scales; matrices (embeddings included) decay.
+pub fn is_decay_exempt(_name: &str, var: &Var) -> bool {
+    var.rank() < 2
+}
+
 /// Per-step scalars of the AdamW update, in f32 as the kernels use them (the
 /// CUDA kernel takes this struct by value: keep its layout in step with
 /// `adamw.cu`).
@@ -326,6 +333,8 @@ struct Slot {
     m: Var,
     /// Second moment, f32, same shape as the parameter.
     v: Var,
+    /// Whether weight decay applies to it.
+    decays: bool,
 }
 
 /// AdamW with decoupled weight decay and bias correction, updating parameters
@@ -429,7 +438,13 @@ impl FusedAdamW {
                 check_param(&name, &var, "fused AdamW")?;
                 let m = Var::zeros(var.shape(), DType::F32, var.device())?;
                 let v = Var::zeros(var.shape(), DType::F32, var.device())?;
-                Ok(Slot { name, var, m, v })
+                Ok(Slot {
+                    name,
+                    var,
+                    m,
+                    v,
+                    decays: true,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(FusedAdamW {
@@ -466,9 +481,20 @@ impl FusedAdamW {
             .try_for_each(|&(i, g)| self.slots[i].check(g))?;
         self.t += 1;
         let c = Coeffs::new(&self.params, self.t);
-        pairs
-            .iter()
-            .try_for_each(|&(i, g)| self.slots[i].update(g, c))
+        let exempt = Coeffs { decay: 1.0, ..c };
+        pairs.iter().try_for_each(|&(i, g)| {
+            let slot = &self.slots[i];
+            slot.update(g, if slot.decays { c } else { exempt })
+        })
+    }
+
+    /// Exempts from weight decay the vars whose name `exempt` accepts
+    /// (by convention biases and norm scales: [`is_decay_exempt`]); the
+    /// others decay. Every var decays until this is called.
+    pub fn exempt_from_weight_decay(&mut self, exempt: impl Fn(&str, &Var) -> bool) {
+        for slot in &mut self.slots {
+            slot.decays = !exempt(&slot.name, &slot.var);
+        }
     }
 
     /// The learning rate.

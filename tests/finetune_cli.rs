@@ -1,0 +1,489 @@
+//! Fine-tuning a model file through the real binary: where the weights start
+//! (`--init`), text data with the model's tokenizer, the checkpoint's own
+//! configuration and the training loop's schedule, clipping and evaluation.
+
+mod common;
+
+use assert_cmd::Command;
+use candle_core::{Device, Tensor};
+use oomfix::train::StateFile;
+use oomfix::ModelConfig;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// A 2-layer GPT-2 of hidden 64 (one head), vocabulary 64, 32 positions.
+fn tiny_config() -> ModelConfig {
+    let mut c = ModelConfig::gpt2(2, 64, 1);
+    c.vocab = 64;
+    c.max_positions = 32;
+    c.intermediate = 128;
+    c
+}
+
+/// Writes `config`'s tensors to `path` (matrices of seeded normal values of
+/// standard deviation 0.02, norm scales 1.5, biases 0.25); gives them back by name.
+fn write_weights(path: &Path, config: &ModelConfig, seed: u64) -> HashMap<String, Tensor> {
+    use rand::SeedableRng;
+    use rand_distr::Distribution;
+    let dev = Device::Cpu;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let normal = rand_distr::Normal::new(0f32, 0.02).unwrap();
+    let tensors: HashMap<String, Tensor> = config
+        .tensors()
+        .into_iter()
+        .map(|(name, shape)| {
+            let t = if shape.len() >= 2 {
+                let n = shape.iter().product();
+                let v: Vec<f32> = (0..n).map(|_| normal.sample(&mut rng)).collect();
+                Tensor::from_vec(v, shape, &dev).unwrap()
+            } else if name.ends_with(".weight") {
+                Tensor::full(1.5f32, shape, &dev).unwrap()
+            } else {
+                Tensor::full(0.25f32, shape, &dev).unwrap()
+            };
+            (name, t)
+        })
+        .collect();
+    candle_core::safetensors::save(&tensors, path).unwrap();
+    tensors
+}
+
+/// A directory holding a model and data files.
+struct Dir {
+    dir: tempfile::TempDir,
+}
+
+impl Dir {
+    fn new() -> Dir {
+        Dir {
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn write(&self, name: &str, bytes: impl AsRef<[u8]>) {
+        std::fs::write(self.path(name), bytes).unwrap();
+    }
+
+    /// `oomfix ARGS` in this directory, on the CPU, fp32, with small batches.
+    fn oomfix(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::cargo_bin("oomfix").unwrap();
+        cmd.current_dir(self.dir.path())
+            .env_remove("RUST_LOG")
+            .args(args)
+            .args([
+                "--device",
+                "cpu",
+                "--budget",
+                "1GiB",
+                "--precision",
+                "fp32",
+                "--global-batch",
+                "2",
+            ]);
+        cmd
+    }
+}
+
+/// u16 token ids as nanoGPT writes them.
+fn token_bin(ids: impl IntoIterator<Item = u16>) -> Vec<u8> {
+    ids.into_iter().flat_map(u16::to_le_bytes).collect()
+}
+
+/// The checkpoint's tensor `name` as f32 values.
+fn saved(ck: &Path, name: &str) -> Vec<f32> {
+    let ck = StateFile::open(ck).unwrap();
+    ck.tensor(name)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+#[test]
+fn training_starts_from_the_files_weights_unless_asked_for_random() {
+    let d = Dir::new();
+    let config = tiny_config();
+    let weights = write_weights(&d.path("model.safetensors"), &config, 1);
+    d.write("data.bin", token_bin((0..400).map(|i| (i % 50) as u16)));
+    // With a learning rate of 0 the checkpoint holds the starting weights.
+    let run = |extra: &[&str]| {
+        d.oomfix(&["train", "model.safetensors", "--data", "data.bin"])
+            .args(["--seq-len", "16", "--steps", "1", "--lr", "0"])
+            .args(["--save", "ck.safetensors"])
+            .args(extra)
+            .assert()
+            .code(0);
+        saved(&d.path("ck.safetensors"), "wte.weight")
+    };
+    let file = values(&weights["wte.weight"]);
+    assert_eq!(run(&[]), file, "the default starts from the file");
+    assert_eq!(run(&["--init", "pretrained"]), file);
+    assert_eq!(run(&["--pretrained"]), file, "the former flag still works");
+    let random = run(&["--init", "random"]);
+    assert_eq!(random.len(), file.len());
+    assert_ne!(
+        random, file,
+        "--init random does not read the file's weights"
+    );
+}
+
+/// A word-level `tokenizer.json`: `<|endoftext|>` 0, `[UNK]` 1, then `words`
+/// from id 2, split on whitespace and punctuation.
+fn word_tokenizer(words: &[&str]) -> String {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("<|endoftext|>".into(), 0.into());
+    vocab.insert("[UNK]".into(), 1.into());
+    for (i, w) in words.iter().enumerate() {
+        vocab.insert(w.to_string(), (i + 2).into());
+    }
+    serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [{"id": 0, "content": "<|endoftext|>", "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}
+    })
+    .to_string()
+}
+
+const WORDS: [&str; 6] = ["the", "cat", "sat", "dog", "ran", "far"];
+
+/// The id `word_tokenizer(&WORDS)` gives `w`.
+fn id(w: &str) -> u32 {
+    WORDS.iter().position(|x| *x == w).unwrap() as u32 + 2
+}
+
+#[test]
+fn text_is_tokenized_with_the_models_tokenizer_and_documents_end_with_eos() {
+    use oomfix::train::data::{DataSource, TextOptions, TokenWidth};
+    use oomfix::train::tokenizer::Tokenizer;
+    let d = Dir::new();
+    d.write("tokenizer.json", word_tokenizer(&WORDS));
+    let tok = Tokenizer::from_file(&d.path("tokenizer.json")).unwrap();
+    assert_eq!(tok.eos_id(), Some(0));
+    d.write(
+        "docs.jsonl",
+        "{\"text\": \"the cat sat\"}\n\n{\"text\": \"the dog ran far\", \"id\": 7}\n",
+    );
+    let text = TextOptions {
+        tokenizer: Some(&tok),
+        eos: tok.eos_id(),
+        ..TextOptions::default()
+    };
+    let mut data = DataSource::load(&d.path("docs.jsonl"), TokenWidth::U16, 64, &text).unwrap();
+    let expected = [
+        id("the"),
+        id("cat"),
+        id("sat"),
+        0,
+        id("the"),
+        id("dog"),
+        id("ran"),
+        id("far"),
+        0,
+    ];
+    // One window of all 9 tokens: the documents packed with EOS between them.
+    assert_eq!(data.next_windows(1, 8, 64), expected);
+    // Another field, and plain text: one document, line by line.
+    d.write("docs2.jsonl", "{\"body\": \"dog sat\"}\n");
+    let body = TextOptions {
+        text_field: "body",
+        ..text
+    };
+    let mut data = DataSource::load(&d.path("docs2.jsonl"), TokenWidth::U16, 64, &body).unwrap();
+    assert_eq!(data.next_windows(1, 2, 64), [id("dog"), id("sat"), 0]);
+    d.write("plain.txt", "the cat\nsat\n");
+    let mut data = DataSource::load(&d.path("plain.txt"), TokenWidth::U16, 64, &text).unwrap();
+    assert_eq!(
+        data.next_windows(1, 3, 64),
+        [id("the"), id("cat"), id("sat"), 0]
+    );
+}
+
+/// A run directory with the tiny GPT-2 (random weights) and `config.json`.
+fn model_dir(config_json: serde_json::Value) -> Dir {
+    let d = Dir::new();
+    write_weights(&d.path("model.safetensors"), &tiny_config(), 3);
+    d.write("config.json", config_json.to_string());
+    d
+}
+
+/// Runs `train model.safetensors --data DATA` (4 steps, sequences of 8) with
+/// `extra`; gives back the exit code and stderr.
+fn train_on(d: &Dir, data: &str, extra: &[&str]) -> (i32, String) {
+    let out = d
+        .oomfix(&["train", "model.safetensors", "--data", data])
+        .args(["--seq-len", "8", "--steps", "2"])
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Exit 2, one line naming `file` and saying `says`.
+fn refused(d: &Dir, data: &str, extra: &[&str], file: &str, says: &str) {
+    let (code, stderr) = train_on(d, data, extra);
+    assert_eq!(code, 2, "{data}: {stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(
+        last.contains(file) && last.contains(says),
+        "{data}: {stderr}"
+    );
+}
+
+#[test]
+fn text_data_trains_with_the_tokenizer_beside_the_model() {
+    let d = model_dir(serde_json::json!({"n_head": 1, "eos_token_id": 0}));
+    d.write("tokenizer.json", word_tokenizer(&WORDS));
+    let docs: String = (0..20)
+        .map(|i| format!("{{\"text\": \"the {} sat\"}}\n", WORDS[i % 6]))
+        .collect();
+    d.write("docs.jsonl", docs);
+    let (code, stderr) = train_on(&d, "docs.jsonl", &[]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(!stderr.contains("is a token"), "{stderr}");
+    // No tokenizer: bytes, with a warning (the vocabulary of 64 is too small).
+    std::fs::remove_file(d.path("tokenizer.json")).unwrap();
+    refused(
+        &d,
+        "docs.jsonl",
+        &[],
+        "docs.jsonl",
+        "vocabulary of at least 256",
+    );
+    // --tokenizer names one elsewhere.
+    std::fs::create_dir(d.path("tok")).unwrap();
+    std::fs::write(d.path("tok/t.json"), word_tokenizer(&WORDS)).unwrap();
+    let (code, stderr) = train_on(&d, "docs.jsonl", &["--tokenizer", "tok/t.json"]);
+    assert_eq!(code, 0, "{stderr}");
+    refused(
+        &d,
+        "docs.jsonl",
+        &["--tokenizer", "config.json"],
+        "config.json",
+        "tokenizer",
+    );
+}
+
+#[test]
+fn bad_data_is_an_input_error_naming_the_file_and_line() {
+    let d = model_dir(serde_json::json!({"n_head": 1}));
+    d.write("tokenizer.json", word_tokenizer(&WORDS));
+    d.write("empty.txt", "");
+    refused(&d, "empty.txt", &[], "empty.txt", "is empty");
+    d.write("empty.bin", "");
+    refused(&d, "empty.bin", &[], "empty.bin", "is empty");
+    d.write("latin1.txt", b"the cat\nsat \xe9t\xe9\n");
+    refused(&d, "latin1.txt", &[], "latin1.txt", "line 2: not UTF-8");
+    d.write(
+        "nofield.jsonl",
+        "{\"text\": \"the cat\"}\n{\"body\": \"sat\"}\n",
+    );
+    refused(
+        &d,
+        "nofield.jsonl",
+        &[],
+        "nofield.jsonl",
+        "line 2: the object has no \"text\" field",
+    );
+    d.write(
+        "notjson.jsonl",
+        "{\"text\": \"the cat\"}\n\n{\"text\": \"sat\"\n",
+    );
+    refused(
+        &d,
+        "notjson.jsonl",
+        &[],
+        "notjson.jsonl",
+        "line 3: not JSON",
+    );
+    d.write("number.jsonl", "{\"text\": 5}\n");
+    refused(
+        &d,
+        "number.jsonl",
+        &[],
+        "number.jsonl",
+        "line 1: \"text\" is a number",
+    );
+    refused(
+        &d,
+        "nofield.jsonl",
+        &["--text-field", "body"],
+        "nofield.jsonl",
+        "line 1: the object has no \"body\" field",
+    );
+    d.write("big.bin", token_bin([1, 2, 64, 3]));
+    refused(
+        &d,
+        "big.bin",
+        &[],
+        "big.bin",
+        "token 2 is id 64, outside the model's vocabulary of 64",
+    );
+    // A tokenizer whose ids go beyond the model's vocabulary of 64.
+    let many: Vec<String> = (0..70).map(|i| format!("w{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    d.write("tokenizer.json", word_tokenizer(&many));
+    d.write("words.txt", "w1 w2\nw3 w68\n");
+    refused(
+        &d,
+        "words.txt",
+        &[],
+        "words.txt",
+        "line 2: the tokenizer gives id 70",
+    );
+}
+
+/// A 2-layer Llama of hidden 64 (2 heads, 1 key/value head), vocabulary 64.
+fn tiny_llama() -> ModelConfig {
+    let mut c = ModelConfig::llama(2, 64, 2, 1, 96, 64, false);
+    c.max_positions = 64;
+    c
+}
+
+/// A Llama `config.json` with `extra` fields.
+fn llama_json(extra: serde_json::Value) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": false,
+    });
+    v.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    v
+}
+
+#[test]
+fn inspect_prints_the_checkpoints_settings() {
+    let d = Dir::new();
+    write_weights(&d.path("model.safetensors"), &tiny_llama(), 5);
+    d.write(
+        "config.json",
+        llama_json(serde_json::json!({
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+            "hidden_act": "silu",
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+            "sliding_window": 4096,
+            "eos_token_id": [7, 9],
+        }))
+        .to_string(),
+    );
+    let inspect = |json: bool| {
+        let mut cmd = Command::cargo_bin("oomfix").unwrap();
+        cmd.current_dir(d.dir.path())
+            .args(["inspect", "model.safetensors"]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(0));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&inspect(true)).unwrap();
+    assert_eq!(
+        v["settings"],
+        serde_json::json!({
+            "norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": "llama3",
+            "hidden_act": "silu",
+            "sliding_window": 4096,
+            "attention_bias": false,
+            "mlp_bias": false,
+            "eos_token_id": 7,
+        })
+    );
+    let text = inspect(false);
+    for line in [
+        "norm eps       1e-5",
+        "activation     silu",
+        "rope theta     500000",
+        "rope scaling   llama3",
+        "biases         none",
+        "sliding window 4096",
+        "eos token id   7",
+    ] {
+        assert!(text.contains(line), "{line}: {text}");
+    }
+    // Without config.json: transformers' defaults.
+    std::fs::remove_file(d.path("config.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&inspect(true)).unwrap();
+    assert_eq!(v["settings"]["norm_eps"], 1e-6);
+    assert_eq!(v["settings"]["rope_theta"], 10000.0);
+    assert_eq!(v["settings"]["rope_scaling"], serde_json::Value::Null);
+}
+
+#[test]
+fn training_refuses_what_the_family_does_not_implement_naming_the_field() {
+    let d = Dir::new();
+    write_weights(&d.path("model.safetensors"), &tiny_llama(), 5);
+    d.write("data.bin", token_bin((0..400).map(|i| (i % 50) as u16)));
+    let with = |extra: serde_json::Value| d.write("config.json", llama_json(extra).to_string());
+    for (extra, says) in [
+        (
+            serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+            "\"rope_scaling\" is \"yarn\"",
+        ),
+        (
+            serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+            "\"rope_scaling\" is \"linear\"",
+        ),
+        (
+            serde_json::json!({"hidden_act": "gelu"}),
+            "\"hidden_act\" is \"gelu\"",
+        ),
+        (
+            serde_json::json!({"sliding_window": 4}),
+            "\"sliding_window\" is 4",
+        ),
+        (
+            serde_json::json!({"rms_norm_eps": -1}),
+            "\"rms_norm_eps\" is -1, not a positive number",
+        ),
+    ] {
+        with(extra.clone());
+        refused(&d, "data.bin", &[], "config.json", says);
+    }
+    // What the family implements trains: a window as long as the sequence,
+    // unscaled RoPE written out, Qwen2's unused window.
+    for extra in [
+        serde_json::json!({"sliding_window": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5}),
+        serde_json::json!({"rope_scaling": {"rope_type": "default"}}),
+        serde_json::json!({"sliding_window": 4, "use_sliding_window": false}),
+    ] {
+        with(extra.clone());
+        let (code, stderr) = train_on(&d, "data.bin", &[]);
+        assert_eq!(code, 0, "{extra}: {stderr}");
+    }
+    // GPT-2's activation key.
+    let g = model_dir(serde_json::json!({"n_head": 1, "activation_function": "relu"}));
+    g.write("data.bin", token_bin((0..400).map(|i| (i % 50) as u16)));
+    refused(
+        &g,
+        "data.bin",
+        &[],
+        "config.json",
+        "\"activation_function\" is \"relu\"",
+    );
+}
