@@ -12,8 +12,12 @@
 //! above the budget.
 //!
 //! ```sh
-//! cargo run --release --example sweep -- [--steps N] [--out docs/sweep.json] [--models gpt2,llama]
+//! cargo run --release --example sweep -- [--steps N] [--out docs/sweep.json] [--models gpt2,llama] [--measured FILE]
 //! ```
+//!
+//! `--measured FILE` takes the measured times and peaks from an earlier run's
+//! JSON and recomputes everything else (the model's estimates, the planner's
+//! choice): how a recalibrated model is checked against the same steps.
 //!
 //! Writes the rows and the summary as JSON (`scripts/fit-speed.py` fits the
 //! CPU throughputs of [`oomfix::speed::Throughput`] to it) and prints a
@@ -118,6 +122,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = value("--out").unwrap_or("docs/sweep.json".into());
     let only: Option<Vec<String>> =
         value("--models").map(|v| v.split(',').map(str::to_string).collect());
+    let earlier: Vec<Value> = match value("--measured") {
+        Some(path) => {
+            let doc: Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+            doc["rows"].as_array().cloned().unwrap_or_default()
+        }
+        None => Vec::new(),
+    };
+    let measured_before = |name: &str, plan: &Plan| {
+        earlier.iter().find_map(|r| {
+            let same = r["model"] == name
+                && serde_json::from_value::<Plan>(r["plan"].clone()).ok() == Some(*plan);
+            same.then(|| {
+                (
+                    r["measured_peak_bytes"].as_u64(),
+                    r["measured_seconds"].as_f64(),
+                )
+            })
+        })
+    };
     let target = Target::Cpu;
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
@@ -132,8 +155,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let spec = ModelSpec::from_config(name, config);
         let mut measured = Vec::new();
         for plan in space() {
-            let peak = measure_plan(&spec, &plan, target)?.peak_bytes;
-            let seconds = time_steps(&spec, &plan, steps)?;
+            let (peak, seconds) = match measured_before(name, &plan) {
+                Some((Some(peak), Some(seconds))) => (peak, seconds),
+                _ => (
+                    measure_plan(&spec, &plan, target)?.peak_bytes,
+                    time_steps(&spec, &plan, steps)?,
+                ),
+            };
             let estimate = MemoryModel.estimate(&spec, &plan, &target);
             let modelled = step_time(&spec, &plan, &target).total;
             eprintln!(
@@ -178,6 +206,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .filter(|m| m.4 + headroom.bytes(m.4) <= budget)
             .collect();
         let over: Vec<_> = reported.iter().filter(|m| m.2 > budget).collect();
+        let fastest_reported = reported.iter().min_by(|a, b| a.1.total_cmp(&b.1));
         let errors: Vec<f64> = measured.iter().map(|m| (m.3 / m.1 - 1.0).abs()).collect();
         let ratio = chosen_row.map(|c| c.1 / fastest.1);
         let summary = json!({
@@ -192,6 +221,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "chosen": chosen,
             "chosen_seconds": chosen_row.map(|c| c.1),
             "chosen_over_fastest": ratio,
+            "fastest_reported_fitting": fastest_reported.map(|m| m.0),
+            "fastest_reported_fitting_seconds": fastest_reported.map(|m| m.1),
             "time_error_median": median(errors.clone()),
             "time_error_max": errors.iter().copied().fold(0.0, f64::max),
         });
@@ -199,6 +230,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "## {name}\n\nbudget {budget} bytes: {} of {} configurations fit when measured, \
              {} reported fitting by the estimate with the headroom, {} of those measured over the budget.\n\n\
              - fastest measured that fits: {} — {:.1} ms\n\
+             - fastest measured of those the estimate reports fitting: {}\n\
              - chosen by oomfix: {} — {}\n\
              - step-time model |error|: median {:.1}%, max {:.1}%\n\n",
             summary["fitting_measured"],
@@ -207,6 +239,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             over.len(),
             fastest.0,
             fastest.1 * 1e3,
+            fastest_reported.map_or("none".into(), |m| format!("{} — {:.1} ms", m.0, m.1 * 1e3)),
             chosen.map_or("nothing".into(), |c| c.to_string()),
             match (chosen_row, ratio) {
                 (Some(c), Some(r)) => format!("{:.1} ms, {r:.3}× the fastest", c.1 * 1e3),

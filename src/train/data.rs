@@ -222,7 +222,7 @@ fn token_ids(path: &Path, bytes: &[u8], width: TokenWidth, vocab: usize) -> Resu
         TokenWidth::U16 => 2,
         TokenWidth::U32 => 4,
     };
-    if bytes.len() % w != 0 {
+    if !bytes.len().is_multiple_of(w) {
         return Err(Error::input(
             path,
             format!(
