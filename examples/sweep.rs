@@ -19,6 +19,10 @@
 //! JSON and recomputes everything else (the model's estimates, the planner's
 //! choice): how a recalibrated model is checked against the same steps.
 //!
+//! `--rows CSV` measures nothing: it writes the work terms and the modelled
+//! times of step times measured elsewhere (docs/speed-cuda-rows.csv: the
+//! H200's, for `--device cuda`), in the same JSON, for `scripts/fit-speed.py`.
+//!
 //! Writes the rows and the summary as JSON (`scripts/fit-speed.py` fits the
 //! CPU throughputs of [`oomfix::speed::Throughput`] to it) and prints a
 //! Markdown report (docs/sweep.md).
@@ -141,7 +145,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             })
         })
     };
-    let target = Target::Cpu;
+    let target: Target = value("--device").unwrap_or("cpu".into()).parse()?;
+    if let Some(csv) = value("--rows") {
+        return measured_elsewhere(&csv, &target, &out);
+    }
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
     let mut report = String::new();
@@ -253,5 +260,66 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let doc: Value = json!({ "steps": steps, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "summaries": summaries, "rows": rows });
     std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;
     print!("{report}");
+    Ok(())
+}
+
+/// `--rows`: the work terms and modelled times of step times measured
+/// elsewhere, written as the sweep's JSON.
+fn measured_elsewhere(
+    csv: &str,
+    target: &Target,
+    out: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut rows = Vec::new();
+    let mut errors = Vec::new();
+    for line in std::fs::read_to_string(csv)?.lines() {
+        if line.starts_with('#') || line.trim().is_empty() {
+            continue;
+        }
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        let [model, micro, seq, precision, checkpoint, attention, accum, ms] = f[..] else {
+            return Err(format!("{csv}: `{line}` does not have 8 fields").into());
+        };
+        let config = match model {
+            "gpt2" => ModelConfig::gpt2_small(),
+            "gpt2-medium" => ModelConfig::gpt2_medium(),
+            "tinyllama" => ModelConfig::tinyllama_1_1b(),
+            _ => return Err(format!("{csv}: unknown model `{model}`").into()),
+        };
+        let spec = ModelSpec::from_config(model, config);
+        let micro: usize = micro.parse()?;
+        let accum: usize = accum.parse()?;
+        let plan = Plan {
+            micro_batch: micro,
+            grad_accum: accum,
+            precision: precision.parse()?,
+            checkpoint: checkpoint.parse()?,
+            attention: attention.parse()?,
+            optimizer: OptimizerImpl::FusedAdamW,
+            ..Plan::baseline(micro * accum, seq.parse()?)
+        };
+        let measured = ms.parse::<f64>()? / 1e3;
+        let modelled = step_time(&spec, &plan, target).total;
+        errors.push((modelled / measured - 1.0).abs());
+        println!(
+            "{model} {plan}: {:.1} ms measured, {:.1} ms modelled",
+            measured * 1e3,
+            modelled * 1e3
+        );
+        rows.push(json!({
+            "model": model,
+            "plan": plan,
+            "measured_seconds": measured,
+            "estimated_seconds": modelled,
+            "work": step_work(&spec, &plan),
+        }));
+    }
+    println!(
+        "step-time model |error|: median {:.1}%, max {:.1}%",
+        100.0 * median(errors.clone()),
+        100.0 * errors.iter().copied().fold(0.0, f64::max)
+    );
+    let doc = json!({ "source": csv, "device": target.to_string(), "rows": rows });
+    std::fs::write(out, serde_json::to_string_pretty(&doc)? + "\n")?;
     Ok(())
 }

@@ -78,15 +78,13 @@ pub struct Throughput {
 impl Throughput {
     /// The calibrated throughputs of `target`.
     ///
-    /// CPU: least squares of `scripts/sweep.sh`'s measured steps (GPT-2 and
-    /// Llama shapes, every configuration of the pipeline's space, 2 cores,
-    /// docs/sweep.md). CUDA (H200): the probe's measured matrix-product and
-    /// elementwise rates (DESIGN.md §7: candle bf16 734 TFLOP/s at 4096³,
-    /// an elementwise op at 1634 GB/s), the fused AdamW's 93% of a 4200 GB/s
-    /// device copy (docs/gpu-bench.md), PCIe Gen5 x16's ~50 GB/s, NVLink
-    /// ring algorithm bandwidth ~300 GB/s per rank, and attention at the
-    /// kernels' measured ~0.5 of the matrix-product rate
-    /// (docs/attention-gpu.md); not fitted to whole steps.
+    /// Both fitted by non-negative least squares (`scripts/fit-speed.py`) to
+    /// measured whole steps: the CPU's to the sweep of docs/sweep.md (every
+    /// configuration of GPT-2 and Llama shapes on 2 cores), CUDA's to the
+    /// H200's steps of docs/speed-cuda-rows.csv. The fitted rates are
+    /// effective ones: a term's rate absorbs what the others leave out (the
+    /// H200's elementwise rate comes out at 683 GB/s, below the 1634 GB/s an
+    /// elementwise op alone reaches).
     pub fn of(target: &Target) -> Throughput {
         match target {
             Target::Cpu => CPU,
@@ -139,18 +137,25 @@ const CPU: Throughput = Throughput {
     micro_batch_seconds: 1.029e-2,
 };
 
-/// The H200's rates (see [`Throughput::of`]).
+/// Fitted by `scripts/fit-speed.py` to the H200's 17 measured steps of
+/// docs/speed-cuda-rows.csv (docs/gpu-side-by-side.md, run Q: GPT-2 small and
+/// medium, TinyLlama-1.1B, fp32 and bf16, composed and flash attention,
+/// checkpointed or not, accumulated or not; `sweep --rows … --device cuda`):
+/// relative error of the fit median 4.4%, max 19.6%. The host bus (PCIe Gen5
+/// x16's ~50 GB/s), the host's AdamW rate and NVLink's per-rank collective
+/// bandwidth (~300 GB/s) are not fitted: no offloaded or sharded step was
+/// timed.
 const CUDA_H200: Throughput = Throughput {
-    matmul_f32: 300e12,
-    matmul_half: 600e12,
-    attention: 300e12,
-    elementwise: 1.6e12,
-    probabilities: 1.6e12,
-    optimizer: 3.9e12,
+    matmul_f32: 4.464e13,
+    matmul_half: 6.831e14,
+    attention: f64::INFINITY,
+    elementwise: 6.830e11,
+    probabilities: 4.575e12,
+    optimizer: 9.460e11,
     host_bus: 50e9,
     host_adamw: 2e9,
     collective: 300e9,
-    micro_batch_seconds: 2e-3,
+    micro_batch_seconds: 1.532e-2,
 };
 
 /// Modelled seconds of one optimizer step, by part.
