@@ -62,7 +62,10 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_rank_steps() {
         let mut one =
             Trainer::new(&tiny_llama(), plan(1, 0, 2 * world), &Device::Cpu, &options).unwrap();
         let want = losses(&mut one);
-        assert!(want[STEPS - 1] < want[0], "training lowers the loss: {want:?}");
+        assert!(
+            want[STEPS - 1] < want[0],
+            "training lowers the loss: {want:?}"
+        );
         for stage in 1..=3 {
             let got: Vec<Vec<f32>> = std::thread::scope(|s| {
                 let handles: Vec<_> = ThreadComm::group(world)

@@ -169,7 +169,8 @@ impl DataSource {
                 }
             }
             DataSource::Tokens { ids, pos, .. } => {
-                *pos = ((*pos as u128 + windows as u128 * seq_len as u128) % ids.len() as u128) as usize;
+                *pos = ((*pos as u128 + windows as u128 * seq_len as u128) % ids.len() as u128)
+                    as usize;
             }
         }
     }

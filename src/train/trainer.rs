@@ -197,7 +197,8 @@ impl Trainer {
     ) -> Result<Self> {
         if plan.shard.world_size > 1 {
             return Err(Error::Usage(
-                "sharded plans run one process per rank: use Trainer::new_sharded with a Comm".into(),
+                "sharded plans run one process per rank: use Trainer::new_sharded with a Comm"
+                    .into(),
             ));
         }
         Self::build(config, plan, device, options, None)
@@ -234,7 +235,8 @@ impl Trainer {
         }
         if plan.optimizer.is_offloaded() {
             return Err(Error::Usage(
-                "an offloaded optimizer is not sharded yet: plan without the offload strategy".into(),
+                "an offloaded optimizer is not sharded yet: plan without the offload strategy"
+                    .into(),
             ));
         }
         if plan.shard.stage == 3 && (plan.precision.is_mixed() || !device.is_cpu()) {

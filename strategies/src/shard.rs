@@ -481,11 +481,11 @@ impl<C: Comm> ShardedOptimizer<C> {
         let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
         let mut mine: Vec<(usize, Tensor)> = Vec::new();
         for (owner, bucket) in self.buckets(&dtypes) {
-            let flat = flatten(bucket.iter().map(|&i| {
-                grads[i]
-                    .take()
-                    .expect("each gradient is in one bucket")
-            }))?;
+            let flat = flatten(
+                bucket
+                    .iter()
+                    .map(|&i| grads[i].take().expect("each gradient is in one bucket")),
+            )?;
             let reduced = match self.stage {
                 ZeroStage::OptimizerState => {
                     Some(self.comm.all_reduce_sum(&flat)?).filter(|_| owner == rank)
@@ -578,7 +578,10 @@ impl<C: Comm> ShardedOptimizer<C> {
             let flat = if owner == rank {
                 flatten(bucket.iter().map(|&i| self.vars[i].as_tensor().clone()))?
             } else {
-                let n = bucket.iter().map(|&i| self.vars[i].elem_count()).sum::<usize>();
+                let n = bucket
+                    .iter()
+                    .map(|&i| self.vars[i].elem_count())
+                    .sum::<usize>();
                 let dev = self.vars[bucket[0]].device();
                 Tensor::zeros(n, dtypes[bucket[0]], dev)?
             };
@@ -654,7 +657,9 @@ impl<C: Comm> ShardedOptimizer<C> {
 
 /// `ts` flattened and concatenated into one 1-D tensor.
 fn flatten(ts: impl Iterator<Item = Tensor>) -> Result<Tensor> {
-    let flat: Vec<Tensor> = ts.map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
+    let flat: Vec<Tensor> = ts
+        .map(|t| t.flatten_all())
+        .collect::<candle_core::Result<_>>()?;
     if flat.len() == 1 {
         return Ok(flat.into_iter().next().expect("one").contiguous()?);
     }

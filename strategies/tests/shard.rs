@@ -327,18 +327,27 @@ fn one_step_calls(bucket_bytes: usize) -> (usize, Vec<Vec<f32>>) {
                     )
                     .unwrap();
                     let (x, y) = batch(0);
-                    let (x, y) = (x.narrow(0, rank * 4, 4).unwrap(), y.narrow(0, rank * 4, 4).unwrap());
+                    let (x, y) = (
+                        x.narrow(0, rank * 4, 4).unwrap(),
+                        y.narrow(0, rank * 4, 4).unwrap(),
+                    );
                     let grads =
                         collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap();
                     let before = opt.comm().calls.load(std::sync::atomic::Ordering::SeqCst);
                     opt.step(grads).unwrap();
                     let calls = opt.comm().calls.load(std::sync::atomic::Ordering::SeqCst) - before;
-                    let values: Vec<_> = params.iter().map(|p| values(p.as_tensor()).unwrap()).collect();
+                    let values: Vec<_> = params
+                        .iter()
+                        .map(|p| values(p.as_tensor()).unwrap())
+                        .collect();
                     (calls, values)
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
     });
     out.into_iter().next().unwrap()
 }
