@@ -111,6 +111,10 @@ pub trait Comm: Send + Sync {
     /// Every rank's `t`, in rank order, on every rank. The process backends
     /// (MPI, NCCL) need `t` of the same shape and dtype on every rank.
     fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>>;
+    /// Gives up on the collectives in flight because a peer failed (NCCL
+    /// aborts its communicator); the communicator is unusable afterwards. The
+    /// default does nothing.
+    fn abort(&self) {}
 }
 
 impl<C: Comm + ?Sized> Comm for Box<C> {
@@ -132,6 +136,9 @@ impl<C: Comm + ?Sized> Comm for Box<C> {
     fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
         (**self).all_gather(t)
     }
+    fn abort(&self) {
+        (**self).abort()
+    }
 }
 
 impl<C: Comm + ?Sized> Comm for Arc<C> {
@@ -152,6 +159,9 @@ impl<C: Comm + ?Sized> Comm for Arc<C> {
     }
     fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
         (**self).all_gather(t)
+    }
+    fn abort(&self) {
+        (**self).abort()
     }
 }
 
