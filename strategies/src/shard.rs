@@ -22,6 +22,10 @@ use crate::{Error, ModelFacts, Plan, Result, SearchContext, Sharding, StateBytes
 mod mpi_comm;
 #[cfg(feature = "mpi")]
 pub use mpi_comm::MpiComm;
+#[cfg(feature = "nccl")]
+mod nccl_comm;
+#[cfg(feature = "nccl")]
+pub use nccl_comm::NcclComm;
 
 /// Planner half: spread training over `gpus` ranks, sharding optimizer state
 /// (stage 1), then gradients (stage 2), then parameters (stage 3).
