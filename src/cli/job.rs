@@ -4,7 +4,7 @@
 
 use super::{logging, Failure};
 use candle_core::{Device, Tensor};
-use oomfix::dist::{Control, Job, Launcher, Listener, PeerFailure};
+use oomfix::dist::{Control, Job, Launcher, PeerFailure};
 use oomfix::strategies::shard::Comm;
 use oomfix::{Plan, Target};
 use std::sync::{Arc, OnceLock};
@@ -81,6 +81,7 @@ fn join_mpi(
     target: Target,
     timeout: std::time::Duration,
 ) -> Result<(Arc<dyn Comm>, Device, Control), Failure> {
+    use oomfix::dist::Listener;
     use oomfix::strategies::shard::MpiComm;
     if target != Target::Cpu {
         return Err(Failure::Usage(
@@ -152,6 +153,7 @@ fn join_nccl(
     target: Target,
     timeout: std::time::Duration,
 ) -> Result<(Arc<dyn Comm>, Device, Control), Failure> {
+    use oomfix::dist::Listener;
     use oomfix::strategies::shard::NcclComm;
     if target == Target::Cpu {
         return Err(cpu_under_torchrun());
