@@ -45,6 +45,7 @@
 //! `oomfix-strategies` crate, re-exported as [`strategies`].
 #![warn(missing_docs)]
 
+pub mod dist;
 pub mod inspect;
 pub mod measure;
 pub mod memory;

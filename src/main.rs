@@ -38,6 +38,10 @@ fn main() -> ExitCode {
     if let Err(failure) = logging::init(&invocation.log) {
         return ExitCode::from(logging::report(&failure));
     }
+    // Every log record of a rank of a job carries its rank.
+    let rank = cli::job::rank_from_env();
+    logging::set_rank(rank);
+    let _span = rank.map(|rank| tracing::info_span!("rank", rank).entered());
     let outcome = match &invocation.command {
         Command::Plan(args) => cli::plan::run(args),
         Command::Inspect(args) => cli::inspect::run(args),
@@ -46,6 +50,9 @@ fn main() -> ExitCode {
     };
     match outcome {
         Ok(exit) => exit.into(),
-        Err(failure) => ExitCode::from(logging::report(&failure)),
+        Err(failure) => {
+            cli::job::report_failure(&failure);
+            ExitCode::from(logging::report(&failure))
+        }
     }
 }

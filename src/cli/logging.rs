@@ -14,7 +14,7 @@
 use super::args::{LogArgs, LogFormat};
 use super::Failure;
 use std::io::{IsTerminal, Write};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use tracing_subscriber::prelude::*;
 use tracing_subscriber::{fmt, EnvFilter, Layer, Registry};
 
@@ -22,6 +22,19 @@ use tracing_subscriber::{fmt, EnvFilter, Layer, Registry};
 static STDERR_JSON: AtomicBool = AtomicBool::new(false);
 /// Whether the logs go to a file.
 static TO_FILE: AtomicBool = AtomicBool::new(false);
+/// This process's rank in a job of several, or `usize::MAX`.
+static RANK: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Sets this process's rank in a job of several: `oomfix:` lines become
+/// `oomfix[rank N]:` and the final error event carries a `rank` field (log
+/// events carry it through the `rank` span the binary enters).
+pub fn set_rank(rank: Option<usize>) {
+    RANK.store(rank.unwrap_or(usize::MAX), Ordering::Relaxed);
+}
+
+fn rank() -> Option<usize> {
+    Some(RANK.load(Ordering::Relaxed)).filter(|&r| r != usize::MAX)
+}
 
 /// Whether stderr carries JSON lines (`--log-format json` without `--log-file`).
 pub fn stderr_json() -> bool {
@@ -119,6 +132,11 @@ pub fn notice(msg: impl std::fmt::Display) {
 /// also a structured event. A failed write to stderr is ignored.
 pub fn say(line: std::fmt::Arguments<'_>) {
     if !stderr_json() {
+        let line = line.to_string();
+        let line = match (rank(), line.strip_prefix("oomfix: ")) {
+            (Some(r), Some(rest)) => format!("oomfix[rank {r}]: {rest}"),
+            _ => line,
+        };
         let _ = writeln!(std::io::stderr().lock(), "{line}");
     }
 }
@@ -130,7 +148,10 @@ pub fn report(failure: &Failure) -> u8 {
     let code = failure.code();
     tracing::debug!(?failure, "failed");
     if stderr_json() || to_file() {
-        tracing::error!(exit_code = code, "{failure}");
+        match rank() {
+            Some(rank) => tracing::error!(exit_code = code, rank, "{failure}"),
+            None => tracing::error!(exit_code = code, "{failure}"),
+        }
     }
     say(format_args!("oomfix: {failure}"));
     code

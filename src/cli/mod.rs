@@ -5,10 +5,13 @@
 //! * [`args`]: clap types and the parse (options before or after the subcommand);
 //! * [`logging`]: `tracing` setup, notices and the final error, as text or JSON lines;
 //! * [`plan`], [`inspect`], [`train`], [`measure`]: one module per command;
+//! * [`job`], [`launch`]: `train` as one rank of several, and as their launcher;
 //! * [`signals`], [`progress`]: what `train` does on SIGINT/SIGTERM and how it shows progress.
 
 pub mod args;
 pub mod inspect;
+pub mod job;
+pub mod launch;
 pub mod logging;
 pub mod measure;
 pub mod plan;

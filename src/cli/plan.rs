@@ -177,7 +177,7 @@ fn enforce_cuda(ordinal: usize, budget: u64) -> Result<(), Failure> {
     let device = candle_core::Device::new_cuda(ordinal)
         .map_err(|e| Failure::Usage(format!("--enforce-budget: cannot use cuda:{ordinal}: {e}")))?;
     let cuda = device.as_cuda_device().map_err(Error::from)?;
-    let done = oomfix::measure::cuda::enforce_budget(cuda, budget)
+    let done = oomfix::track::cuda::enforce_budget(cuda, budget)
         .map_err(|e| Failure::Usage(format!("--enforce-budget: {e}")))?;
     tracing::info!(
         ballast_bytes = done.ballast,

@@ -11,16 +11,20 @@
 //! model's vocabulary), `--save` (writable, not an input), `--resume` (readable).
 
 use super::args::{InitArg, TrainArgs};
+use super::job::{self, Joined};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
 use super::{check_writable, io_text, logging, plan, Exit, Failure, Outcome};
+use oomfix::dist::Job;
 use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
 use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
 use oomfix::{ModelConfig, Target};
 use std::path::{Path, PathBuf};
 
-/// Runs `oomfix train`.
+/// Runs `oomfix train`: in this process; as one rank of a job (started by
+/// `mpirun`, `torchrun` or this command's launcher); or, with `--gpus N` (N >
+/// 1) outside a job, as the launcher of N ranks.
 pub fn run(args: &TrainArgs) -> Outcome {
     let o = &args.opts;
     let init = match (o.init_given(), &args.plan.model) {
@@ -38,9 +42,53 @@ pub fn run(args: &TrainArgs) -> Outcome {
         None if cfg!(feature = "cuda") => (Target::Cuda(0), false),
         None => (Target::Cpu, true),
     };
-    let device = match target {
-        Target::Cpu => candle_core::Device::Cpu,
-        Target::Cuda(i) => candle_core::Device::new_cuda(i).map_err(|e| {
+    let job = Job::from_env()?;
+    let several = job.as_ref().is_some_and(|j| j.world_size > 1)
+        || (job.is_none() && args.plan.opts.gpus > 1);
+    if several && (o.save.is_some() || o.resume.is_some()) {
+        return Err(Failure::Usage(
+            "--save and --resume are not supported with several ranks yet".into(),
+        ));
+    }
+    let joined = match job {
+        None if args.plan.opts.gpus > 1 => return super::launch::run(args.plan.opts.gpus, target),
+        Some(job) if job.world_size > 1 => {
+            let gpus = args.plan.opts.gpus;
+            if gpus != 1 && gpus != job.world_size {
+                return Err(Failure::Usage(format!(
+                    "--gpus {gpus}, but the job has {} ranks (WORLD_SIZE)",
+                    job.world_size
+                )));
+            }
+            Some(job::join(job, target)?)
+        }
+        _ => None,
+    };
+    let outcome = run_rank(args, init, target, defaulted, joined.as_ref());
+    if outcome.is_ok() {
+        job::finish();
+    }
+    outcome
+}
+
+/// `train` in this process, alone or as one rank of `joined`.
+fn run_rank(
+    args: &TrainArgs,
+    init: InitArg,
+    target: Target,
+    defaulted: bool,
+    joined: Option<&Joined>,
+) -> Outcome {
+    let o = &args.opts;
+    let rank = joined.map_or(0, |j| j.job.rank);
+    let mut plan_args = args.plan.clone();
+    if let Some(j) = joined {
+        plan_args.opts.gpus = j.job.world_size;
+    }
+    let device = match (joined, target) {
+        (Some(j), _) => j.device.clone(),
+        (None, Target::Cpu) => candle_core::Device::Cpu,
+        (None, Target::Cuda(i)) => candle_core::Device::new_cuda(i).map_err(|e| {
             Failure::Usage(format!(
                 "cannot use cuda:{i}: {e}{}",
                 if cfg!(feature = "cuda") {
@@ -52,7 +100,7 @@ pub fn run(args: &TrainArgs) -> Outcome {
         })?,
     };
     let data_inputs: Vec<&Path> = o.data.as_deref().into_iter().collect();
-    let prepared = plan::prepare(&args.plan, target, &data_inputs)?;
+    let prepared = plan::prepare(&plan_args, target, &data_inputs)?;
     let model_dir = args.plan.model.as_deref().map(model_dir);
     if let Some(dir) = &model_dir {
         let seq_len = match args.plan.opts.seq_len {
@@ -74,18 +122,37 @@ pub fn run(args: &TrainArgs) -> Outcome {
             Failure::input(path, format!("cannot read checkpoint: {}", io_text(&e)))
         })?;
     }
-    if args.plan.model.is_none() && o.init_given().is_none() && o.resume.is_none() {
+    if rank == 0 && args.plan.model.is_none() && o.init_given().is_none() && o.resume.is_none() {
         logging::notice(
             "no model file given: the built-in GPT-2 small shape has no weights, training starts from a random initialisation",
         );
     }
-    if defaulted {
+    if defaulted && rank == 0 {
         logging::notice("no --device given and this build has no CUDA: training on the CPU");
     }
-    let (spec, result) = plan::search(&args.plan, prepared)?;
-    let Some(chosen) = result.chosen() else {
+    // Rank 0 plans and prints the plan; the others take its choice.
+    let (spec, chosen) = if rank == 0 {
+        let (spec, result) = plan::search(&plan_args, prepared)?;
+        (spec, result.chosen().map(|a| a.plan))
+    } else {
+        (prepared.spec, None)
+    };
+    let chosen = match joined {
+        Some(j) => job::share_plan(j.comm.as_ref(), chosen.as_ref())?,
+        None => chosen,
+    };
+    let Some(chosen) = chosen else {
         return Ok(Exit::NothingFits);
     };
+    if let Some(j) = joined {
+        if chosen.shard.world_size != j.job.world_size {
+            return Err(Failure::Usage(format!(
+                "the plan chosen does not shard over the job's {} ranks (it fits one device); \
+                 pin --zero-stage 1, 2 or 3 to train on {} ranks",
+                j.job.world_size, j.job.world_size
+            )));
+        }
+    }
     let weights = match (init, &args.plan.model) {
         // A resumed run takes its weights from the checkpoint.
         (InitArg::Pretrained, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
@@ -96,7 +163,16 @@ pub fn run(args: &TrainArgs) -> Outcome {
     options.adamw.weight_decay = o.weight_decay;
     options.seed = o.seed;
     options.weights = weights;
-    let mut trainer = Trainer::new(&spec.config, chosen.plan, &device, &options)?;
+    let mut trainer = match joined {
+        Some(j) => Trainer::new_sharded(
+            &spec.config,
+            chosen,
+            &device,
+            &options,
+            Box::new(std::sync::Arc::clone(&j.comm)),
+        )?,
+        None => Trainer::new(&spec.config, chosen, &device, &options)?,
+    };
     if let Some(path) = &o.resume {
         trainer.resume(path, &mut data)?;
         tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "resumed");
@@ -127,18 +203,30 @@ pub fn run(args: &TrainArgs) -> Outcome {
             Ok(())
         };
     let signals = StopSignals::install()?;
-    let progress = Progress::new(o.steps, trainer.steps());
-    while trainer.steps() < o.steps && signals.received().is_none() {
+    let progress = (rank == 0).then(|| Progress::new(o.steps, trainer.steps()));
+    // Every rank stops at the same step boundary: a signal any rank received stops all.
+    let mut stop = false;
+    while trainer.steps() < o.steps && !stop {
+        stop = trainer.any_rank(signals.received().is_some())?;
+        if stop {
+            break;
+        }
         let stats = trainer.step(&mut data)?;
-        progress.step(trainer.steps(), &stats);
+        if let Some(p) = &progress {
+            p.step(trainer.steps(), &stats);
+        }
         if o.save_every.is_some_and(|n| trainer.steps() % n == 0) {
             save(&trainer, &data, &mut saved_at)?;
         }
     }
-    progress.finish();
+    if let Some(p) = &progress {
+        p.finish();
+    }
     save(&trainer, &data, &mut saved_at)?;
     let stopped_by = match signals.received() {
         Some(sig) if trainer.steps() < o.steps => sig,
+        // Stopped because another rank received a signal.
+        None if stop => signal_hook::consts::SIGTERM,
         _ => return Ok(Exit::Done),
     };
     let saved = match &o.save {

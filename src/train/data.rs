@@ -190,6 +190,24 @@ impl DataSource {
         Ok(())
     }
 
+    /// Moves past the next `windows` windows of `seq_len + 1` tokens, as
+    /// [`next_windows`](Self::next_windows) would (for another rank's slice).
+    pub fn skip_windows(&mut self, windows: usize, seq_len: usize) {
+        match self {
+            DataSource::Synthetic { state } => {
+                for _ in 0..windows * (seq_len + 1) {
+                    *state ^= *state << 13;
+                    *state ^= *state >> 7;
+                    *state ^= *state << 17;
+                }
+            }
+            DataSource::Tokens { ids, pos, .. } => {
+                *pos = ((*pos as u128 + windows as u128 * seq_len as u128) % ids.len() as u128)
+                    as usize;
+            }
+        }
+    }
+
     /// The next `batch` windows of `seq_len + 1` tokens, row after row.
     pub fn next_windows(&mut self, batch: usize, seq_len: usize, vocab: usize) -> Vec<u32> {
         let n = batch * (seq_len + 1);
@@ -404,6 +422,21 @@ mod tests {
         let mut d = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
         assert_eq!(d.next_windows(2, 3, 16), [0, 1, 2, 3, 3, 4, 5, 6]);
         assert_eq!(d.next_windows(1, 4, 16), [6, 7, 8, 9, 0]);
+    }
+
+    #[test]
+    fn skipping_windows_is_reading_and_dropping_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.bin");
+        let ids: Vec<u8> = (0u16..10).flat_map(|i| i.to_le_bytes()).collect();
+        std::fs::write(&p, ids).unwrap();
+        let file = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
+        for source in [DataSource::synthetic(7), file] {
+            let (mut read, mut skip) = (source.clone(), source);
+            read.next_windows(3, 4, 16);
+            skip.skip_windows(3, 4);
+            assert_eq!(read.next_windows(2, 4, 16), skip.next_windows(2, 4, 16));
+        }
     }
 
     #[test]

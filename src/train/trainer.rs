@@ -9,6 +9,16 @@
 //! fp32 master weights, copied back into the 16-bit compute weights after the
 //! step; offloaded, the masters always live on the host.
 //!
+//! At world size N ([`Trainer::new_sharded`], one process per rank with a
+//! [`Comm`]), every rank runs `grad_accum` micro-batches of its own slice of
+//! each global batch (rank `r` takes the `r`-th of the N consecutive runs of
+//! `micro_batch × grad_accum` windows the data source yields per step) and a
+//! [`ShardedOptimizer`] over fused AdamW steps at the plan's ZeRO stage: 1
+//! shards the optimizer state, 2 also reduces each gradient to its owner
+//! only, 3 also frees the parameters a rank does not own between steps and
+//! gathers them before the forward. The loss reported is the mean over all
+//! ranks, the same number on every rank.
+//!
 //! [`Trainer::save`] writes the whole training state to a checkpoint
 //! ([`crate::state_file`]) and [`Trainer::resume`] restores it, so a resumed
 //! run takes the same steps as one that was never stopped.
@@ -26,6 +36,7 @@ use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
 use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
+use oomfix_strategies::shard::{Comm, ShardedOptimizer, ZeroStage};
 use oomfix_strategies::{Attention, Execution, OptimizerImpl, Plan, Precision, Strategy};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -97,13 +108,15 @@ enum Optim {
     Fused(FusedAdamW),
     /// Masters and state in host memory; it writes the compute weights itself.
     Offloaded(OffloadedAdamW),
+    /// Fused AdamW over this rank's share of the parameters (world size > 1).
+    Sharded(ShardedOptimizer<Box<dyn Comm>>),
 }
 
 impl Optim {
     /// The fused optimizer whose state a checkpoint holds (none for candle's).
     fn fused(&self) -> Option<&FusedAdamW> {
         match self {
-            Optim::Candle(_) => None,
+            Optim::Candle(_) | Optim::Sharded(_) => None,
             Optim::Fused(opt) => Some(opt),
             Optim::Offloaded(opt) => Some(opt.optimizer()),
         }
@@ -111,7 +124,7 @@ impl Optim {
 
     fn fused_mut(&mut self) -> Option<&mut FusedAdamW> {
         match self {
-            Optim::Candle(_) => None,
+            Optim::Candle(_) | Optim::Sharded(_) => None,
             Optim::Fused(opt) => Some(opt),
             Optim::Offloaded(opt) => Some(opt.optimizer_mut()),
         }
@@ -187,9 +200,63 @@ impl Trainer {
     ) -> Result<Self> {
         if plan.shard.world_size > 1 {
             return Err(Error::Usage(
-                "sharded plans run one process per GPU; the single-device trainer runs world size 1".into(),
+                "sharded plans run one process per rank: use Trainer::new_sharded with a Comm"
+                    .into(),
             ));
         }
+        Self::build(config, plan, device, options, None)
+    }
+
+    /// Builds this rank's trainer of a plan sharded over `comm`'s ranks (one
+    /// process per rank; every rank calls it with the same arguments but its
+    /// own `comm` and `device`). Collective: the owners of the parameters
+    /// send them to the other ranks, so all start equal.
+    ///
+    /// The plan's world size must be `comm`'s and its ZeRO stage 1 to 3; the
+    /// optimizer is fused AdamW over this rank's share (a plan for
+    /// `candle_nn::AdamW` runs it too: it holds less); an offloaded optimizer
+    /// is refused. Stage 3 frees parameters on the CPU only and in fp32.
+    pub fn new_sharded(
+        config: &ModelConfig,
+        plan: Plan,
+        device: &Device,
+        options: &TrainOptions,
+        comm: Box<dyn Comm>,
+    ) -> Result<Self> {
+        let world = comm.world_size();
+        if plan.shard.world_size != world {
+            return Err(Error::Usage(format!(
+                "the plan shards over {} ranks; this job has {world}",
+                plan.shard.world_size
+            )));
+        }
+        if world > 1 && !(1..=3).contains(&plan.shard.stage) {
+            return Err(Error::Usage(format!(
+                "world size {world} needs ZeRO stage 1, 2 or 3, not {}",
+                plan.shard.stage
+            )));
+        }
+        if plan.optimizer.is_offloaded() {
+            return Err(Error::Usage(
+                "an offloaded optimizer is not sharded yet: plan without the offload strategy"
+                    .into(),
+            ));
+        }
+        if plan.shard.stage == 3 && (plan.precision.is_mixed() || !device.is_cpu()) {
+            return Err(Error::Usage(
+                "ZeRO stage 3 frees parameters on the CPU in fp32 only; pin --zero-stage 2 or --precision fp32 --device cpu".into(),
+            ));
+        }
+        Self::build(config, plan, device, options, Some(comm))
+    }
+
+    fn build(
+        config: &ModelConfig,
+        plan: Plan,
+        device: &Device,
+        options: &TrainOptions,
+        comm: Option<Box<dyn Comm>>,
+    ) -> Result<Self> {
         if plan.attention == Attention::Flash && !(device.is_cpu() || device.is_cuda()) {
             return Err(Error::Usage(
                 "flash attention runs on the CPU and CUDA only; plan without the flash-attention strategy".into(),
@@ -215,8 +282,17 @@ impl Trainer {
             .map_or(compute, |m| m.master_vars().to_vec());
         let _scope = Scope::new(Module::intern("optimizer"), Op::InitOptimizer);
         let names = model.vars().iter().map(|(n, _)| n.clone());
-        let optim = match plan.optimizer {
-            OptimizerImpl::CandleAdamW => Optim::Candle(
+        let optim = match (comm, plan.optimizer) {
+            (Some(comm), _) if comm.world_size() > 1 => {
+                let stage = ZeroStage::try_from(plan.shard.stage)?;
+                Optim::Sharded(ShardedOptimizer::new(
+                    comm,
+                    opt_vars,
+                    options.adamw.clone(),
+                    stage,
+                )?)
+            }
+            (_, OptimizerImpl::CandleAdamW) => Optim::Candle(
                 names
                     .zip(opt_vars)
                     .map(|(name, v)| {
@@ -228,13 +304,13 @@ impl Trainer {
                     })
                     .collect::<Result<_>>()?,
             ),
-            OptimizerImpl::FusedAdamW => {
+            (_, OptimizerImpl::FusedAdamW) => {
                 let mut opt =
                     FusedAdamW::new_named(names.zip(opt_vars).collect(), options.adamw.clone())?;
                 opt.exempt_from_weight_decay(is_decay_exempt);
                 Optim::Fused(opt)
             }
-            OptimizerImpl::OffloadedAdamW => {
+            (_, OptimizerImpl::OffloadedAdamW) => {
                 let mut opt =
                     OffloadedAdamW::new(names.zip(opt_vars).collect(), options.adamw.clone())?;
                 opt.optimizer_mut()
@@ -309,11 +385,47 @@ impl Trainer {
         self.step
     }
 
+    /// The communicator of a sharded run (world size > 1).
+    pub fn comm(&self) -> Option<&dyn Comm> {
+        match &self.optim {
+            Optim::Sharded(opt) => Some(opt.comm().as_ref()),
+            _ => None,
+        }
+    }
+
+    /// This process's rank (0 unless sharded).
+    pub fn rank(&self) -> usize {
+        self.comm().map_or(0, |c| c.rank())
+    }
+
+    /// The number of ranks (1 unless sharded).
+    pub fn world_size(&self) -> usize {
+        self.comm().map_or(1, |c| c.world_size())
+    }
+
+    /// Whether `flag` holds on any rank (collective when sharded: every rank
+    /// calls it at the same point, e.g. to stop together on a signal).
+    pub fn any_rank(&self, flag: bool) -> Result<bool> {
+        match self.comm() {
+            None => Ok(flag),
+            Some(c) => {
+                let t = Tensor::new(&[u8::from(flag)], &Device::Cpu)?;
+                Ok(c.all_reduce_sum(&t)?.to_vec1::<u8>()?[0] > 0)
+            }
+        }
+    }
+
     /// Whether [`save`](Self::save) includes the optimizer's moments: with
     /// fused AdamW (offloaded or not) it does; `candle_nn::AdamW` keeps them
     /// out of reach, so a run resumed from its checkpoint restarts them from zero.
     pub fn saves_optimizer_state(&self) -> bool {
         self.optim.fused().is_some()
+    }
+
+    /// Whether [`save`](Self::save) and [`resume`](Self::resume) work: not yet
+    /// at world size > 1.
+    pub fn can_checkpoint(&self) -> bool {
+        self.world_size() == 1
     }
 
     /// Writes the training state to `path` atomically (an existing file is
@@ -330,6 +442,11 @@ impl Trainer {
     /// serde JSON, compared field by field on resume) and `model` (the
     /// [`ModelConfig`] as JSON).
     pub fn save(&self, path: &Path, data: &DataSource) -> Result<()> {
+        if !self.can_checkpoint() {
+            return Err(Error::Usage(
+                "checkpoints of sharded runs (world size > 1) are not written yet".into(),
+            ));
+        }
         let vars = self.model.vars();
         let mut tensors: Vec<(String, Tensor)> = vars
             .iter()
@@ -390,6 +507,11 @@ impl Trainer {
     /// while loading tensors after them leaves the trainer and `data` partly
     /// restored (drop them).
     pub fn resume(&mut self, path: &Path, data: &mut DataSource) -> Result<()> {
+        if !self.can_checkpoint() {
+            return Err(Error::Usage(
+                "sharded runs (world size > 1) cannot resume from a checkpoint yet".into(),
+            ));
+        }
         let ck = StateFile::open(path)?;
         let bad = |msg: String| Error::input(path, msg);
         let saved: ModelConfig = ck
@@ -487,7 +609,10 @@ impl Trainer {
         )
     }
 
-    /// One optimizer step over `grad_accum` micro-batches from `data`.
+    /// One optimizer step over `grad_accum` micro-batches from `data` (at
+    /// world size N, this rank's slice of the N × `grad_accum` micro-batches
+    /// the step takes from `data`; every rank must be given the same data).
+    /// [`StepStats::tokens`] counts the tokens of all ranks.
     ///
     /// Sets the allocation [`Phase`] as it goes (forward, backward per
     /// micro-batch, then the optimizer step; the model switches to backward
@@ -501,7 +626,10 @@ impl Trainer {
         self.step += 1;
         Ok(StepStats {
             loss,
-            tokens: self.plan.micro_batch * self.plan.grad_accum * self.plan.seq_len,
+            tokens: self.plan.micro_batch
+                * self.plan.grad_accum
+                * self.plan.seq_len
+                * self.world_size(),
             seconds: start.elapsed().as_secs_f64(),
             forward_backward_peak,
             optimizer_peak,
@@ -518,6 +646,13 @@ impl Trainer {
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         self.accumulator.restart();
         let mut loss_sum = 0.0;
+        let (rank, world) = (self.rank(), self.world_size());
+        let per_rank = self.plan.micro_batch * self.plan.grad_accum;
+        data.skip_windows(rank * per_rank, self.plan.seq_len);
+        if let Optim::Sharded(opt) = &mut self.optim {
+            let _op = Scope::op(Op::WeightSync);
+            opt.gather_params()?;
+        }
         for _ in 0..self.plan.grad_accum {
             alloc::set_phase(Phase::Forward);
             let batch = {
@@ -535,12 +670,20 @@ impl Trainer {
             self.accumulator.add(out.grads)?;
             self.trace_pool("accumulate");
         }
+        data.skip_windows((world - 1 - rank) * per_rank, self.plan.seq_len);
         let mut grads = {
             let _op = Scope::op(Op::GradAccumulate);
             self.accumulator.finish(1.0 / self.plan.grad_accum as f64)?
         };
         mark_tensors(&grads, Component::Gradients);
-        let loss = loss_sum / self.plan.grad_accum as f32;
+        let mut loss = loss_sum / self.plan.grad_accum as f32;
+        if let Some(comm) = self.comm() {
+            let sum = comm.all_reduce_sum(&Tensor::new(&[loss], &Device::Cpu)?)?;
+            loss = sum.to_vec1::<f32>()?[0] / world as f32;
+        }
+        if let Optim::Sharded(opt) = &mut self.optim {
+            opt.release_params()?;
+        }
         if !loss.is_finite() {
             return Err(Error::NonFinite {
                 step: self.step + 1,
@@ -553,8 +696,13 @@ impl Trainer {
         let mut skipped = false;
         if let Some(scaler) = &mut self.scaler {
             let _op = Scope::op(Op::GradUnscale);
-            let finite = scaler.unscale_and_check(&mut grads)?;
+            let mut finite = scaler.unscale_and_check(&mut grads)?;
             mark_tensors(&grads, Component::Gradients);
+            // Every rank skips, or none: an overflow on one is an overflow of the sum.
+            if let Optim::Sharded(opt) = &self.optim {
+                let t = Tensor::new(&[u8::from(!finite)], &Device::Cpu)?;
+                finite = opt.comm().all_reduce_sum(&t)?.to_vec1::<u8>()?[0] == 0;
+            }
             scaler.update(!finite);
             skipped = !finite;
         }
@@ -607,6 +755,7 @@ impl Trainer {
         match &mut self.optim {
             Optim::Fused(opt) => opt.step(&grads)?,
             Optim::Offloaded(opt) => opt.step(grads)?,
+            Optim::Sharded(opt) => opt.step(grads)?,
             Optim::Candle(opts) => {
                 for ((opt, var), g) in opts.iter_mut().zip(grads) {
                     // candle_nn::AdamW reads a GradStore: make one holding this gradient only.

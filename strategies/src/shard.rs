@@ -1,19 +1,31 @@
-//! ZeRO-style naive sharding of optimizer state, gradients and parameters.
+//! ZeRO-style sharding of optimizer state, gradients and parameters.
 //!
 //! The planner half is [`Shard`]. The mechanism: a [`Comm`] trait for the
-//! collectives (with [`ThreadComm`], an in-process backend), [`partition`] to
-//! assign whole parameters to ranks, and [`ShardedOptimizer`], which runs
-//! [`FusedAdamW`] on each rank's share.
+//! collectives, with backends on existing engines — [`ThreadComm`] (in one
+//! process, for tests), `MpiComm` (processes on the CPU through MPI, feature
+//! `mpi`) and `NcclComm` (one process per GPU through NCCL, feature `nccl`) —,
+//! [`partition`] to assign whole parameters to ranks, and
+//! [`ShardedOptimizer`], which runs [`FusedAdamW`] on each rank's share and
+//! moves gradients and parameters in flat buckets.
 
 use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::backend::BackendDevice;
 use candle_core::cpu_backend::CpuDevice;
-use candle_core::{CpuStorage, Device, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, Tensor, Var};
 
 use crate::accumulate::divisors;
 use crate::adamw::{one_gradient_each, with_cpu_mut, FusedAdamW, ParamsAdamW};
 use crate::{Error, ModelFacts, Plan, Result, SearchContext, Sharding, StateBytes, Strategy};
+
+#[cfg(feature = "mpi")]
+mod mpi_comm;
+#[cfg(feature = "mpi")]
+pub use mpi_comm::MpiComm;
+#[cfg(feature = "nccl")]
+mod nccl_comm;
+#[cfg(feature = "nccl")]
+pub use nccl_comm::NcclComm;
 
 /// Planner half: spread training over `gpus` ranks, sharding optimizer state
 /// (stage 1), then gradients (stage 2), then parameters (stage 3).
@@ -100,9 +112,66 @@ pub trait Comm: Send + Sync {
     /// `root`'s `t` on every rank. On other ranks `t` only gives the expected
     /// shape and dtype (its elements are not read).
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
-    /// Every rank's `t`, in rank order, on every rank.
+    /// Every rank's `t`, in rank order, on every rank. The process backends
+    /// (MPI, NCCL) need `t` of the same shape and dtype on every rank.
     fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>>;
+    /// Gives up on the collectives in flight because a peer failed (NCCL
+    /// aborts its communicator); the communicator is unusable afterwards. The
+    /// default does nothing.
+    fn abort(&self) {}
 }
+
+impl<C: Comm + ?Sized> Comm for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        (**self).all_reduce_sum(t)
+    }
+    fn reduce_sum(&self, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
+        (**self).reduce_sum(t, root)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        (**self).broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        (**self).all_gather(t)
+    }
+    fn abort(&self) {
+        (**self).abort()
+    }
+}
+
+impl<C: Comm + ?Sized> Comm for Arc<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        (**self).all_reduce_sum(t)
+    }
+    fn reduce_sum(&self, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
+        (**self).reduce_sum(t, root)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        (**self).broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        (**self).all_gather(t)
+    }
+    fn abort(&self) {
+        (**self).abort()
+    }
+}
+
+/// The default size of a bucket of [`ShardedOptimizer`]: 25 MiB, as PyTorch's
+/// `DistributedDataParallel` buckets gradients.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
 
 /// An in-process [`Comm`]: one value per thread, meeting at barriers and
 /// exchanging tensors through shared slots. For tests and CPU runs of the
@@ -298,29 +367,34 @@ impl TryFrom<u8> for ZeroStage {
     }
 }
 
-/// ZeRO-style sharded AdamW over whole parameters (naive partitioning).
+/// ZeRO-style sharded AdamW over whole parameters.
 ///
 /// Each parameter is owned by one rank ([`partition`]); each rank keeps
-/// [`FusedAdamW`] state for the parameters it owns only. A step, given this
-/// rank's gradients of its slice of the global batch (mean-reduced loss, equal
-/// slices):
+/// [`FusedAdamW`] state for the parameters it owns only. Gradients and
+/// parameters travel in buckets: flat buffers of the parameters one rank owns,
+/// consecutive in var order, of one dtype, up to `bucket_bytes` each (a
+/// parameter larger than that is a bucket of its own); one collective per
+/// bucket, in the gradients' dtype. A step, given this rank's gradients of its
+/// slice of the global batch (mean-reduced loss, equal slices):
 ///
-/// * stage 1: every gradient is all-reduced and averaged; the owner steps its
-///   parameters, then each owner broadcasts its updated parameters;
-/// * stage 2: each gradient is reduced to its owner only and every rank drops
-///   its local copy as soon as it is sent; then as stage 1;
+/// * stage 1: every bucket of gradients is all-reduced (every rank receives
+///   all reduced gradients); the owner keeps its own, averages them and steps
+///   its parameters, then each owner broadcasts its updated parameters,
+///   bucket by bucket;
+/// * stage 2: each bucket is reduced to its owner only (ranks never hold
+///   reduced gradients they do not own), and each rank drops its local
+///   gradients of a bucket as soon as the bucket is sent; then as stage 1;
 /// * stage 3: as stage 2, but parameters are not broadcast after the step:
 ///   non-owned parameters are freed ([`release_params`](Self::release_params))
 ///   and must be gathered ([`gather_params`](Self::gather_params)) before the
 ///   next forward.
 ///
-/// How naive it is:
-/// * whole parameters are the unit: no flattening, no bucketing, no overlap of
-///   communication with backward; the balance is as good as the greedy
-///   partition of parameter sizes;
-/// * gradients are reduced after the whole backward, so the full local
-///   gradient set exists once per rank (drop the `GradStore` and pass the
-///   gradients by value so that non-owned ones are freed as they are reduced);
+/// What it does not do:
+/// * whole parameters are the unit of ownership: the balance is as good as
+///   the greedy partition of parameter sizes;
+/// * gradients are reduced after the whole backward (no overlap of
+///   communication with backward), so the full local gradient set exists
+///   once per rank at the end of backward;
 /// * stage 3 gathers every parameter at once before the forward and frees them
 ///   after the step, so the forward and backward peak still holds all
 ///   parameters: it saves parameter memory between steps and during the
@@ -352,6 +426,8 @@ pub struct ShardedOptimizer<C: Comm> {
     opt: FusedAdamW,
     /// Whether the non-owned parameters are freed (stage 3 only).
     released: bool,
+    /// The most bytes of one bucket.
+    bucket_bytes: usize,
 }
 
 impl<C: Comm> ShardedOptimizer<C> {
@@ -360,6 +436,21 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// synchronises the parameters from their owners. Stage 3 then frees the
     /// non-owned parameters and needs CPU vars.
     pub fn new(comm: C, vars: Vec<Var>, params: ParamsAdamW, stage: ZeroStage) -> Result<Self> {
+        Self::with_buckets(comm, vars, params, stage, DEFAULT_BUCKET_BYTES)
+    }
+
+    /// As [`new`](Self::new), with buckets of at most `bucket_bytes` (at
+    /// least 1; every rank must give the same).
+    pub fn with_buckets(
+        comm: C,
+        vars: Vec<Var>,
+        params: ParamsAdamW,
+        stage: ZeroStage,
+        bucket_bytes: usize,
+    ) -> Result<Self> {
+        if bucket_bytes == 0 {
+            return Err(Error::Config("a bucket must hold at least 1 byte".into()));
+        }
         let (rank, world) = (comm.rank(), comm.world_size());
         if rank >= world {
             return Err(Error::Comm(format!("rank {rank} in a group of {world}")));
@@ -387,6 +478,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             owners,
             opt,
             released: false,
+            bucket_bytes,
         };
         s.broadcast_params()?;
         s.release_params()?;
@@ -399,25 +491,68 @@ impl<C: Comm> ShardedOptimizer<C> {
         one_gradient_each(grads.len(), self.vars.len())?;
         let rank = self.comm.rank();
         let inv_world = 1.0 / self.comm.world_size() as f64;
-        let mut mine = Vec::new();
-        for (g, &owner) in grads.into_iter().zip(&self.owners) {
+        let dtypes: Vec<DType> = grads.iter().map(|g| g.dtype()).collect();
+        let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
+        let mut mine: Vec<(usize, Tensor)> = Vec::new();
+        for (owner, bucket) in self.buckets(&dtypes) {
+            let flat = flatten(
+                bucket
+                    .iter()
+                    .map(|&i| grads[i].take().expect("each gradient is in one bucket")),
+            )?;
             let reduced = match self.stage {
                 ZeroStage::OptimizerState => {
-                    Some(self.comm.all_reduce_sum(&g)?).filter(|_| owner == rank)
+                    Some(self.comm.all_reduce_sum(&flat)?).filter(|_| owner == rank)
                 }
-                ZeroStage::Gradients | ZeroStage::Parameters => self.comm.reduce_sum(&g, owner)?,
+                ZeroStage::Gradients | ZeroStage::Parameters => {
+                    self.comm.reduce_sum(&flat, owner)?
+                }
             };
-            drop(g);
+            drop(flat);
             if let Some(sum) = reduced {
-                mine.push(sum.affine(inv_world, 0.0)?);
+                let sum = sum.affine(inv_world, 0.0)?;
+                let mut offset = 0;
+                for &i in &bucket {
+                    let n = self.vars[i].elem_count();
+                    mine.push((i, sum.narrow(0, offset, n)?.reshape(self.vars[i].shape())?));
+                    offset += n;
+                }
             }
         }
+        drop(grads);
+        // FusedAdamW takes its gradients in the order of its vars (the owned ones, in var order).
+        mine.sort_by_key(|(i, _)| *i);
+        let mine: Vec<Tensor> = mine.into_iter().map(|(_, g)| g).collect();
         self.opt.step(&mine)?;
         drop(mine);
         match self.stage {
             ZeroStage::Parameters => self.release_params(),
             _ => self.broadcast_params(),
         }
+    }
+
+    /// The buckets, in the order every rank sends them: per owner rank, runs
+    /// of its vars in var order with one `dtypes` entry, up to `bucket_bytes`.
+    fn buckets(&self, dtypes: &[DType]) -> Vec<(usize, Vec<usize>)> {
+        let mut out = Vec::new();
+        for owner in 0..self.comm.world_size() {
+            let mut bucket: Vec<usize> = Vec::new();
+            let mut bytes = 0;
+            for (i, _) in self.owners.iter().enumerate().filter(|&(_, &o)| o == owner) {
+                let size = self.vars[i].elem_count() * dtypes[i].size_in_bytes();
+                let same_dtype = bucket.last().is_none_or(|&j| dtypes[j] == dtypes[i]);
+                if !bucket.is_empty() && (!same_dtype || bytes + size > self.bucket_bytes) {
+                    out.push((owner, std::mem::take(&mut bucket)));
+                    bytes = 0;
+                }
+                bucket.push(i);
+                bytes += size;
+            }
+            if !bucket.is_empty() {
+                out.push((owner, bucket));
+            }
+        }
+        out
     }
 
     /// Stage 3: materialises every parameter on every rank (collective; call
@@ -447,13 +582,32 @@ impl<C: Comm> ShardedOptimizer<C> {
         Ok(())
     }
 
-    /// Every owner sends its parameters to the other ranks, which copy them into
-    /// their vars (re-allocating a freed var's storage first).
+    /// Every owner sends its parameters to the other ranks, bucket by bucket,
+    /// and they copy them into their vars (re-allocating a freed var's
+    /// storage first).
     fn broadcast_params(&self) -> Result<()> {
         let rank = self.comm.rank();
-        for (var, &owner) in self.vars.iter().zip(&self.owners) {
-            let t = self.comm.broadcast(var.as_tensor(), owner)?;
-            if owner != rank {
+        let dtypes: Vec<DType> = self.vars.iter().map(|v| v.dtype()).collect();
+        for (owner, bucket) in self.buckets(&dtypes) {
+            let flat = if owner == rank {
+                flatten(bucket.iter().map(|&i| self.vars[i].as_tensor().clone()))?
+            } else {
+                let n = bucket
+                    .iter()
+                    .map(|&i| self.vars[i].elem_count())
+                    .sum::<usize>();
+                let dev = self.vars[bucket[0]].device();
+                Tensor::zeros(n, dtypes[bucket[0]], dev)?
+            };
+            let t = self.comm.broadcast(&flat, owner)?;
+            drop(flat);
+            if owner == rank {
+                continue;
+            }
+            let mut offset = 0;
+            for &i in &bucket {
+                let var = &self.vars[i];
+                let n = var.elem_count();
                 if self.released {
                     let storage = CpuDevice.zeros_impl(var.shape(), var.dtype())?;
                     with_cpu_mut(var.as_tensor(), |s, _| {
@@ -461,7 +615,8 @@ impl<C: Comm> ShardedOptimizer<C> {
                         Ok(())
                     })?;
                 }
-                var.set(&t)?;
+                var.set(&t.narrow(0, offset, n)?.reshape(var.shape())?)?;
+                offset += n;
             }
         }
         Ok(())
@@ -507,6 +662,22 @@ impl<C: Comm> ShardedOptimizer<C> {
     pub fn comm(&self) -> &C {
         &self.comm
     }
+
+    /// The most bytes of one bucket.
+    pub fn bucket_bytes(&self) -> usize {
+        self.bucket_bytes
+    }
+}
+
+/// `ts` flattened and concatenated into one 1-D tensor.
+fn flatten(ts: impl Iterator<Item = Tensor>) -> Result<Tensor> {
+    let flat: Vec<Tensor> = ts
+        .map(|t| t.flatten_all())
+        .collect::<candle_core::Result<_>>()?;
+    if flat.len() == 1 {
+        return Ok(flat.into_iter().next().expect("one").contiguous()?);
+    }
+    Ok(Tensor::cat(&flat, 0)?)
 }
 
 /// Fails on every rank unless all ranks hold the same number of vars with the

@@ -272,3 +272,99 @@ fn mismatched_ranks_fail_on_every_rank() {
     assert!(ZeroStage::try_from(4).is_err());
     assert_eq!(ZeroStage::try_from(2).unwrap(), ZeroStage::Gradients);
 }
+
+/// A [`Comm`] that counts the collectives it passes on.
+struct Counting<C> {
+    inner: C,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl<C: Comm> Comm for Counting<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> oomfix_strategies::Result<Tensor> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.all_reduce_sum(t)
+    }
+    fn reduce_sum(&self, t: &Tensor, root: usize) -> oomfix_strategies::Result<Option<Tensor>> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.reduce_sum(t, root)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> oomfix_strategies::Result<Tensor> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> oomfix_strategies::Result<Vec<Tensor>> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.all_gather(t)
+    }
+}
+
+/// Collectives of one step at `bucket_bytes`, on 2 ranks at stage 2, and the
+/// parameters after it (rank 0's).
+fn one_step_calls(bucket_bytes: usize) -> (usize, Vec<Vec<f32>>) {
+    let out = std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(2)
+            .into_iter()
+            .map(|inner| {
+                s.spawn(move || {
+                    let rank = inner.rank();
+                    let comm = Counting {
+                        inner,
+                        calls: 0.into(),
+                    };
+                    let params = init_params();
+                    let mut opt = ShardedOptimizer::with_buckets(
+                        comm,
+                        params.clone(),
+                        adamw(),
+                        ZeroStage::Gradients,
+                        bucket_bytes,
+                    )
+                    .unwrap();
+                    let (x, y) = batch(0);
+                    let (x, y) = (
+                        x.narrow(0, rank * 4, 4).unwrap(),
+                        y.narrow(0, rank * 4, 4).unwrap(),
+                    );
+                    let grads =
+                        collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap();
+                    let before = opt.comm().calls.load(std::sync::atomic::Ordering::SeqCst);
+                    opt.step(grads).unwrap();
+                    let calls = opt.comm().calls.load(std::sync::atomic::Ordering::SeqCst) - before;
+                    let values: Vec<_> = params
+                        .iter()
+                        .map(|p| values(p.as_tensor()).unwrap())
+                        .collect();
+                    (calls, values)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn gradients_and_parameters_travel_in_buckets() {
+    // Owners on 2 ranks: w1 (24) -> 0; w2, b1, b2 (12, 6, 2) -> 1.
+    // Large buckets: one reduce and one broadcast per owner.
+    let (calls, big) = one_step_calls(1 << 20);
+    assert_eq!(calls, 4);
+    // 1-byte buckets: one bucket per parameter, one reduce and one broadcast each.
+    let (calls, small) = one_step_calls(1);
+    assert_eq!(calls, 8);
+    // 64 bytes per bucket: rank 1's vars in order are b1 (24 bytes), w2 (48), b2 (8):
+    // b1 alone (b1 + w2 is 72), then w2 and b2 together; w1 (96) is rank 0's only bucket.
+    let (calls, mid) = one_step_calls(64);
+    assert_eq!(calls, 2 * 3);
+    assert_eq!(big, small);
+    assert_eq!(big, mid);
+}

@@ -1,0 +1,116 @@
+//! The trainer at world size N (ranks as threads over `ThreadComm`) takes the
+//! steps of one rank with the same global batch, at every ZeRO stage.
+
+use candle_core::Device;
+use oomfix::strategies::shard::{Comm, ThreadComm};
+use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
+use oomfix::train::data::DataSource;
+use oomfix::train::{TrainOptions, Trainer};
+use oomfix::{Family, ModelConfig};
+
+fn tiny_llama() -> ModelConfig {
+    ModelConfig {
+        family: Family::Llama,
+        layers: 2,
+        hidden: 32,
+        heads: 4,
+        kv_heads: 2,
+        intermediate: 48,
+        vocab: 96,
+        max_positions: 32,
+        tied_embeddings: false,
+        qkv_bias: false,
+        settings: Default::default(),
+    }
+}
+
+const STEPS: usize = 3;
+
+/// micro-batch 1, 2 micro-batches per rank: a global batch of 2 × world.
+fn plan(world: usize, stage: u8, grad_accum: usize) -> Plan {
+    Plan {
+        micro_batch: 1,
+        grad_accum,
+        precision: Precision::F32,
+        checkpoint: Checkpointing::None,
+        attention: Attention::Composed,
+        optimizer: OptimizerImpl::FusedAdamW,
+        shard: Sharding {
+            world_size: world,
+            stage,
+        },
+        ..Plan::baseline(2 * world, 16)
+    }
+}
+
+fn losses(trainer: &mut Trainer) -> Vec<f32> {
+    let mut data = DataSource::synthetic(11);
+    (0..STEPS)
+        .map(|_| trainer.step(&mut data).unwrap().loss)
+        .collect()
+}
+
+fn close(a: &[f32], b: &[f32]) -> bool {
+    a.iter()
+        .zip(b)
+        .all(|(x, y)| (x - y).abs() <= 1e-5 * y.abs().max(1e-6))
+}
+
+#[test]
+fn every_stage_at_2_and_4_ranks_takes_the_one_rank_steps() {
+    let options = TrainOptions::default();
+    for world in [2, 4] {
+        let mut one =
+            Trainer::new(&tiny_llama(), plan(1, 0, 2 * world), &Device::Cpu, &options).unwrap();
+        let want = losses(&mut one);
+        assert!(
+            want[STEPS - 1] < want[0],
+            "training lowers the loss: {want:?}"
+        );
+        for stage in 1..=3 {
+            let got: Vec<Vec<f32>> = std::thread::scope(|s| {
+                let handles: Vec<_> = ThreadComm::group(world)
+                    .into_iter()
+                    .map(|comm| {
+                        let options = &options;
+                        s.spawn(move || {
+                            let comm: Box<dyn Comm> = Box::new(comm);
+                            let mut t = Trainer::new_sharded(
+                                &tiny_llama(),
+                                plan(world, stage, 2),
+                                &Device::Cpu,
+                                options,
+                                comm,
+                            )
+                            .unwrap();
+                            assert_eq!(t.world_size(), world);
+                            losses(&mut t)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, l) in got.iter().enumerate() {
+                assert!(
+                    close(l, &want),
+                    "world {world}, stage {stage}, rank {rank}: {l:?} vs {want:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_plan_for_another_world_size_is_refused() {
+    let options = TrainOptions::default();
+    let comm: Box<dyn Comm> = Box::new(ThreadComm::group(1).pop().unwrap());
+    let err = Trainer::new_sharded(&tiny_llama(), plan(2, 1, 2), &Device::Cpu, &options, comm)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("2 ranks"), "{err}");
+    assert!(err.is_input());
+    let err = Trainer::new(&tiny_llama(), plan(2, 1, 2), &Device::Cpu, &options)
+        .err()
+        .unwrap();
+    assert!(err.is_input(), "{err}");
+}

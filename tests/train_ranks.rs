@@ -1,0 +1,288 @@
+//! `oomfix train` at world size 2 and 4 on the CPU, as separate processes
+//! over MPI: started by `--gpus N` (the binary's launcher) and by `mpirun`
+//! by hand; every ZeRO stage takes the steps of one process with the same
+//! global batch; a rank that dies stops the others; a wrong environment is a
+//! usage error. Needs Open MPI's `mpirun` (the `mpi` feature).
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use oomfix::{Family, ModelConfig};
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn tiny_config() -> ModelConfig {
+    ModelConfig {
+        family: Family::Gpt2,
+        layers: 2,
+        hidden: 64,
+        heads: 1,
+        kv_heads: 1,
+        intermediate: 256,
+        vocab: 64,
+        max_positions: 32,
+        tied_embeddings: true,
+        qkv_bias: false,
+        settings: Default::default(),
+    }
+}
+
+const GLOBAL_BATCH: usize = 8;
+const STEPS: usize = 3;
+
+struct Run {
+    dir: tempfile::TempDir,
+}
+
+impl Run {
+    fn new() -> Run {
+        let dir = tempfile::tempdir().unwrap();
+        common::write_safetensors(
+            &dir.path().join("model.safetensors"),
+            &common::with_dtype(tiny_config().tensors(), "F32"),
+        );
+        // Varied tokens, so that each rank's slice differs.
+        let ids: Vec<u8> = (0u32..4000)
+            .map(|i| ((i * 37 + i / 7) % 63 + 1) as u16)
+            .flat_map(u16::to_le_bytes)
+            .collect();
+        std::fs::write(dir.path().join("data.bin"), ids).unwrap();
+        Run { dir }
+    }
+
+    /// `train`'s arguments: fp32, fused AdamW, micro-batch 1, plus `extra`.
+    fn args(&self, steps: usize, extra: &[&str]) -> Vec<String> {
+        let global = GLOBAL_BATCH.to_string();
+        let steps = steps.to_string();
+        let mut a: Vec<&str> = vec![
+            "train",
+            "model.safetensors",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "16",
+            "--global-batch",
+            &global,
+            "--data",
+            "data.bin",
+            "--lr",
+            "3e-3",
+            "--budget",
+            "4GiB",
+            "--precision",
+            "fp32",
+            "--optimizer",
+            "fused-adamw",
+            "--checkpoint",
+            "none",
+            "--attention",
+            "composed",
+            "--micro-batch",
+            "1",
+            "--steps",
+            &steps,
+            "--log-format",
+            "json",
+        ];
+        a.extend(extra);
+        a.into_iter().map(String::from).collect()
+    }
+
+    fn oomfix(&self) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_oomfix"));
+        cmd.current_dir(self.dir.path()).env_remove("RUST_LOG");
+        for v in [
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ] {
+            cmd.env_remove(v);
+        }
+        cmd
+    }
+
+    /// `mpirun -n n` with `options` of its own, on the binary.
+    fn mpirun(&self, n: usize, options: &[&str]) -> Command {
+        let mut cmd = Command::new("mpirun");
+        cmd.current_dir(self.dir.path())
+            .env_remove("RUST_LOG")
+            .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+            .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"])
+            .args(options)
+            .arg(env!("CARGO_BIN_EXE_oomfix"));
+        cmd
+    }
+}
+
+/// The exit code and the JSON lines on stderr of `cmd`.
+fn run(cmd: &mut Command) -> (i32, Vec<Value>, String) {
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let lines = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .collect();
+    (out.status.code().unwrap_or(-1), lines, stderr)
+}
+
+/// The losses of the `step` events, and the ranks that logged them.
+fn losses(lines: &[Value]) -> (Vec<f64>, Vec<Value>) {
+    let steps: Vec<&Value> = lines
+        .iter()
+        .filter(|v| v["fields"]["message"] == "step")
+        .collect();
+    (
+        steps
+            .iter()
+            .map(|v| v["fields"]["loss"].as_f64().unwrap())
+            .collect(),
+        steps.iter().map(|v| v["span"]["rank"].clone()).collect(),
+    )
+}
+
+fn assert_close(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: {got:?} vs {want:?}");
+    for (g, w) in got.iter().zip(want) {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs(),
+            "{what}: {got:?} vs {want:?}"
+        );
+    }
+}
+
+#[test]
+fn every_stage_at_2_and_4_ranks_takes_the_one_process_steps() {
+    let run_dir = Run::new();
+    let accum = GLOBAL_BATCH.to_string();
+    let (code, lines, stderr) = run(run_dir
+        .oomfix()
+        .args(run_dir.args(STEPS, &["--grad-accum", &accum])));
+    assert_eq!(code, 0, "{stderr}");
+    let (want, _) = losses(&lines);
+    assert_eq!(want.len(), STEPS, "{stderr}");
+    assert!(
+        want[STEPS - 1] < want[0],
+        "training lowers the loss: {want:?}"
+    );
+    for stage in ["1", "2", "3"] {
+        // 2 ranks through the launcher, 4 through mpirun by hand.
+        let extra = ["--zero-stage", stage];
+        let (code, lines, stderr) = run(run_dir
+            .oomfix()
+            .args(run_dir.args(STEPS, &[&extra[..], &["--gpus", "2"]].concat())));
+        assert_eq!(code, 0, "stage {stage}, 2 ranks: {stderr}");
+        let (got, ranks) = losses(&lines);
+        assert_close(&got, &want, &format!("stage {stage}, 2 ranks"));
+        // The progress comes from rank 0 only, and says so.
+        assert!(ranks.iter().all(|r| r == 0), "{ranks:?}");
+
+        let (code, lines, stderr) = run(run_dir.mpirun(4, &[]).args(run_dir.args(STEPS, &extra)));
+        assert_eq!(code, 0, "stage {stage}, 4 ranks: {stderr}");
+        let (got, _) = losses(&lines);
+        assert_close(&got, &want, &format!("stage {stage}, 4 ranks"));
+    }
+}
+
+#[test]
+fn a_rank_that_dies_stops_the_others() {
+    let run_dir = Run::new();
+    let mut child = run_dir
+        .oomfix()
+        .args(run_dir.args(1_000_000, &["--zero-stage", "1", "--gpus", "2"]))
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    // Each rank logs its pid when it has joined; wait for a first step of both.
+    let mut pids = [None, None];
+    let mut seen = Vec::new();
+    let start = Instant::now();
+    let mut stepped = false;
+    while !(stepped && pids.iter().all(Option::is_some)) {
+        let line = rx
+            .recv_timeout(Duration::from_secs(120).saturating_sub(start.elapsed()))
+            .unwrap_or_else(|_| panic!("no start in time: {seen:#?}"));
+        if let Ok(v) = serde_json::from_str::<Value>(&line) {
+            if v["fields"]["message"] == "rank started" {
+                let rank = v["fields"]["rank"].as_u64().unwrap() as usize;
+                pids[rank] = v["fields"]["pid"].as_u64();
+            }
+            stepped |= v["fields"]["message"] == "step";
+        }
+        seen.push(line);
+    }
+    let [Some(pid0), Some(pid1)] = pids else {
+        unreachable!()
+    };
+    // SAFETY: kill has no memory preconditions; pid1 is a rank of this test's job.
+    unsafe { libc::kill(pid1 as i32, libc::SIGKILL) };
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if killed.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("the job did not stop within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let rest: Vec<String> = rx.try_iter().collect();
+    assert_eq!(status.code(), Some(3), "{rest:#?}");
+    // Rank 0 stopped (no such process any more, or a zombie nobody reaps) and
+    // said why, naming rank 1.
+    let state = std::fs::read_to_string(format!("/proc/{pid0}/stat")).unwrap_or_default();
+    let state = state.rsplit(") ").next().unwrap_or("").chars().next();
+    assert!(
+        matches!(state, None | Some('Z') | Some('X')),
+        "rank 0 is {state:?}"
+    );
+    let said = rest
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["level"] == "ERROR" && v["fields"]["rank"] == 0)
+        .unwrap_or_else(|| panic!("{rest:#?}"));
+    let msg = said["fields"]["message"].as_str().unwrap();
+    assert!(msg.contains("rank 1 failed"), "{msg}");
+}
+
+#[test]
+fn a_wrong_environment_is_a_usage_error() {
+    let run_dir = Run::new();
+    let args = run_dir.args(1, &["--zero-stage", "1"]);
+    // WORLD_SIZE that is not mpirun's.
+    let start = Instant::now();
+    let (code, lines, stderr) = run(run_dir.mpirun(2, &["-x", "WORLD_SIZE=3"]).args(&args));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(start.elapsed() < Duration::from_secs(60));
+    assert!(
+        lines.iter().any(|v| v["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("WORLD_SIZE=3"))),
+        "{stderr}"
+    );
+    // torchrun's variables, by hand: a rank beyond the world, and CPU ranks outside mpirun.
+    for (rank, says) in [("2", "RANK=2 is not below WORLD_SIZE=2"), ("0", "mpirun")] {
+        let (code, _, stderr) = run(run_dir
+            .oomfix()
+            .env("RANK", rank)
+            .env("WORLD_SIZE", "2")
+            .args(&args));
+        assert_eq!(code, 2, "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+    }
+}
