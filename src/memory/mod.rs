@@ -155,6 +155,17 @@ impl Breakdown {
 pub trait Estimator: Send + Sync {
     /// Bytes per component and the peak, on one device.
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown;
+    /// The time of one optimizer step of `plan`, when this estimator models
+    /// it (a measuring one does); `None`, the default, leaves it to
+    /// [`crate::speed::step_time`].
+    fn step_time(
+        &self,
+        _spec: &ModelSpec,
+        _plan: &Plan,
+        _target: &Target,
+    ) -> Option<crate::speed::StepTime> {
+        None
+    }
 }
 
 /// The analytic model documented in this module, with the built-in fixes'

@@ -94,6 +94,7 @@ pub fn search_json(spec: &ModelSpec, result: &SearchResult) -> Value {
         "estimate": estimate(&shown.estimate),
         "closest": (!result.fits()).then(|| attempt(shown)),
         "advice": result.advice,
+        "skipped": result.skipped,
         "attempts": result.attempts.iter().map(attempt).collect::<Vec<_>>(),
     })
 }
