@@ -426,6 +426,21 @@ impl Planner {
         self
     }
 
+    /// The device planned for.
+    pub(crate) fn target_of(&self) -> Target {
+        self.target
+    }
+
+    /// The fixes searched, in order.
+    pub(crate) fn pipeline_of(&self) -> &Pipeline {
+        &self.pipeline
+    }
+
+    /// The budget per device.
+    pub(crate) fn budget_of(&self) -> u64 {
+        self.budget
+    }
+
     /// The sequence length used for `spec`: as set, else the model's maximum, capped at 1024.
     pub fn seq_len_for(&self, spec: &ModelSpec) -> usize {
         self.seq_len

@@ -168,6 +168,22 @@ pub trait Estimator: Send + Sync {
     }
 }
 
+/// A shared estimator is one (so that its owner can read what it learnt
+/// after a search, as with [`crate::anymodel::MeasuredModel`]).
+impl<E: Estimator + ?Sized> Estimator for Arc<E> {
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
+        (**self).estimate(spec, plan, target)
+    }
+    fn step_time(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+    ) -> Option<crate::speed::StepTime> {
+        (**self).step_time(spec, plan, target)
+    }
+}
+
 /// The analytic model documented in this module, with the built-in fixes'
 /// memory hooks.
 #[derive(Debug, Clone, Copy, Default)]

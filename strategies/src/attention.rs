@@ -84,9 +84,8 @@ impl Strategy for FlashAttention {
     }
     /// Needs a model that computes attention as the execution says.
     fn unusable(&self, ctx: &SearchContext) -> Option<String> {
-        (!ctx.model.attention).then(|| {
-            "the model does not compute its attention as the plan's execution says".into()
-        })
+        (!ctx.model.attention)
+            .then(|| "the model does not compute its attention as the plan's execution says".into())
     }
 }
 

@@ -66,7 +66,7 @@ use crate::{Checkpointing, Error, Execution, ModelFacts, Precision, Result};
 /// ```
 /// use oomfix_strategies::model::Capabilities;
 /// use oomfix_strategies::Precision;
-/// let caps = Capabilities { blocks: 6, ..Capabilities::NONE };
+/// let caps = Capabilities::NONE.with_blocks(6);
 /// assert!(caps.computes_in(Precision::F32));
 /// assert!(!caps.computes_in(Precision::Bf16));
 /// assert!(Capabilities::ALL.computes_in(Precision::F16));
@@ -104,6 +104,28 @@ impl Capabilities {
         bf16: true,
         f16: true,
     };
+
+    /// With `blocks` blocks to checkpoint.
+    pub const fn with_blocks(self, blocks: usize) -> Self {
+        Capabilities { blocks, ..self }
+    }
+
+    /// Computing attention as the execution says.
+    pub const fn with_attention(self) -> Self {
+        Capabilities {
+            attention: true,
+            ..self
+        }
+    }
+
+    /// Buildable in bf16 and f16.
+    pub const fn with_half(self) -> Self {
+        Capabilities {
+            bf16: true,
+            f16: true,
+            ..self
+        }
+    }
 
     /// Whether the model can compute in `precision`'s dtype (fp32 always).
     pub fn computes_in(&self, precision: Precision) -> bool {
@@ -228,7 +250,10 @@ impl<M: Model + ?Sized> Model for Box<M> {
 /// The variables of a `candle_nn::VarMap`, sorted by name (a `VarMap` keeps
 /// them in a hash map, whose order changes from run to run).
 pub fn vars_of(varmap: &candle_nn::VarMap) -> Vec<Var> {
-    let data = varmap.data().lock().expect("a VarMap's lock is not poisoned");
+    let data = varmap
+        .data()
+        .lock()
+        .expect("a VarMap's lock is not poisoned");
     let mut named: Vec<(&String, &Var)> = data.iter().collect();
     named.sort_by(|a, b| a.0.cmp(b.0));
     named.into_iter().map(|(_, v)| v.clone()).collect()

@@ -104,6 +104,28 @@ pub trait Comm: Send + Sync {
     fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>>;
 }
 
+/// A boxed communicator is one (so a trainer can hold any backend).
+impl<C: Comm + ?Sized> Comm for Box<C> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        (**self).all_reduce_sum(t)
+    }
+    fn reduce_sum(&self, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
+        (**self).reduce_sum(t, root)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        (**self).broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        (**self).all_gather(t)
+    }
+}
+
 /// An in-process [`Comm`]: one value per thread, meeting at barriers and
 /// exchanging tensors through shared slots. For tests and CPU runs of the
 /// sharding logic.
