@@ -295,12 +295,21 @@ pub struct SearchResult {
     /// The pipeline's fixes the model cannot take, with the reason, in
     /// pipeline order (never tried, never explored).
     pub skipped: Vec<Skipped>,
+    /// Whether the estimates include activations. When not (an unknown
+    /// architecture), every estimated peak is a lower bound and a plan
+    /// "fits" only on that lower bound, unless measured.
+    pub activations_modelled: bool,
 }
 
 impl SearchResult {
     /// Whether a plan fits.
     pub fn fits(&self) -> bool {
         self.chosen.is_some()
+    }
+    /// Whether `attempt`'s peak is only a lower bound: activations are not
+    /// modelled and it was not measured.
+    pub fn is_lower_bound(&self, attempt: &Attempt) -> bool {
+        !self.activations_modelled && attempt.measured.is_none()
     }
     /// The chosen attempt.
     pub fn chosen(&self) -> Option<&Attempt> {
@@ -507,6 +516,13 @@ impl Planner {
                 &registered
             }
         };
+        let activations_modelled = estimator.models_activations(spec);
+        if !activations_modelled {
+            tracing::warn!(
+                family = %spec.config.family,
+                "activations are not modelled for this model: estimates are lower bounds"
+            );
+        }
         let mut run = Run {
             planner: self,
             estimator,
@@ -546,6 +562,7 @@ impl Planner {
             chosen,
             advice,
             skipped,
+            activations_modelled,
         })
     }
 }

@@ -166,6 +166,12 @@ pub trait Estimator: Send + Sync {
     ) -> Option<crate::speed::StepTime> {
         None
     }
+    /// Whether the estimates of `spec` include its activations. When they
+    /// do not, a peak is a lower bound (weights, gradients, optimizer state
+    /// and the step's temporaries only) and reports say so. Default: yes.
+    fn models_activations(&self, _spec: &ModelSpec) -> bool {
+        true
+    }
 }
 
 /// A shared estimator is one (so that its owner can read what it learnt
@@ -181,6 +187,9 @@ impl<E: Estimator + ?Sized> Estimator for Arc<E> {
         target: &Target,
     ) -> Option<crate::speed::StepTime> {
         (**self).step_time(spec, plan, target)
+    }
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        (**self).models_activations(spec)
     }
 }
 
@@ -200,7 +209,17 @@ impl MemoryModel {
     }
 }
 
+/// Whether the analytic model knows `spec`'s op sequence: not for an
+/// unknown architecture ([`Family::Generic`]), whose activations it does
+/// not model.
+pub fn analytic_activations(spec: &ModelSpec) -> bool {
+    spec.config.family != Family::Generic
+}
+
 impl Estimator for MemoryModel {
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        analytic_activations(spec)
+    }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
         static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
         estimate(
@@ -219,6 +238,9 @@ pub struct WithFixes {
 }
 
 impl Estimator for WithFixes {
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        analytic_activations(spec)
+    }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
         estimate(spec, plan, target, &self.fixes)
     }
