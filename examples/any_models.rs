@@ -324,7 +324,12 @@ fn main() -> oomfix::Result<()> {
     }
 
     // The convolution LM under 24 MiB, 16 sequences of 128 tokens.
-    let lm = || Planner::new(24 << 20).global_batch(16).seq_len(128).target(Target::Cpu);
+    let lm = || {
+        Planner::new(24 << 20)
+            .global_batch(16)
+            .seq_len(128)
+            .target(Target::Cpu)
+    };
     let planned = MeasuredPlanner::new(lm(), conv_lm).name("conv-lm").run()?;
     show("conv-lm", &planned);
     let plan = planned.result.chosen().expect("the LM fits").plan;

@@ -20,7 +20,11 @@ fn unknown_model(dir: &TempDir) -> std::path::PathBuf {
     let path = dir.path().join("model.safetensors");
     let mut tensors = vec![("stem.weight".to_string(), "F32", vec![64, 3])];
     for l in 0..5 {
-        tensors.push((format!("encoder.blocks.{l}.mix.weight"), "F32", vec![64, 64]));
+        tensors.push((
+            format!("encoder.blocks.{l}.mix.weight"),
+            "F32",
+            vec![64, 64],
+        ));
     }
     write_safetensors(&path, &tensors);
     path
@@ -76,7 +80,15 @@ fn the_json_says_the_estimate_is_a_lower_bound() {
 fn a_known_family_is_not_labelled() {
     let dir = TempDir::new().unwrap();
     let out = oomfix()
-        .args(["--budget", "1GiB", "--device", "cpu", "--json", "--seq-len", "32"])
+        .args([
+            "--budget",
+            "1GiB",
+            "--device",
+            "cpu",
+            "--json",
+            "--seq-len",
+            "32",
+        ])
         .arg(tiny_gpt2_file(dir.path()))
         .output()
         .unwrap();
@@ -90,5 +102,8 @@ fn a_known_family_is_not_labelled() {
         .output()
         .unwrap();
     let table = String::from_utf8(table.stdout).unwrap();
-    assert!(!table.contains("not modelled") && !table.contains("yes*"), "{table}");
+    assert!(
+        !table.contains("not modelled") && !table.contains("yes*"),
+        "{table}"
+    );
 }

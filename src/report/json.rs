@@ -97,6 +97,7 @@ pub fn search_json(spec: &ModelSpec, result: &SearchResult) -> Value {
         "advice": result.advice,
         "skipped": result.skipped,
         "activations_modelled": result.activations_modelled,
+        "candle_first_gradient_as_is": oomfix_strategies::model::first_gradient_stored_as_is(),
         "estimate_is_lower_bound": result.is_lower_bound(shown),
         "attempts": result
             .attempts

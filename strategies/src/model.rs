@@ -52,7 +52,7 @@
 //! };
 //! let out = model::forward_backward(&m, &m.vars(), &MicroBatch::new(8, 0, Execution::default()))?;
 //! assert_eq!(out.grads.len(), 1);
-//! assert_eq!(out.grads[0].dims(), [4, 1]);
+//! assert_eq!(out.grads[0].as_ref().unwrap().dims(), [4, 1]);
 //! # Ok::<(), oomfix_strategies::Error>(())
 //! ```
 
@@ -336,4 +336,37 @@ pub fn forward_backward<M: Model + ?Sized>(
         loss: out.loss,
         grads,
     })
+}
+
+/// Whether the linked candle-core stores a tensor's first gradient as it is
+/// (the workspace's patched copy, `vendor/README.md`) rather than adding it
+/// to a tensor of zeros (candle-core 0.11 as released). The patched
+/// backward holds two fewer gradient-sized tensors at each edge it crosses;
+/// an analytic memory model calibrated on one does not fit the other, a
+/// measured one ([`crate::model`]'s planners) fits both.
+///
+/// Probed once per process, cheaply: `a + b` summed, then whether the
+/// gradients of `a` and `b` share one storage (stored as is: both are the
+/// sum's gradient) or not (each is `zeros + gradient`).
+///
+/// ```
+/// // The workspace links the patched candle-core.
+/// assert!(oomfix_strategies::model::first_gradient_stored_as_is());
+/// ```
+pub fn first_gradient_stored_as_is() -> bool {
+    static PROBED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PROBED.get_or_init(|| probe_backward().unwrap_or(false))
+}
+
+fn probe_backward() -> candle_core::Result<bool> {
+    let dev = candle_core::Device::Cpu;
+    let a = Var::zeros(4, DType::F32, &dev)?;
+    let b = Var::zeros(4, DType::F32, &dev)?;
+    let grads = (a.as_tensor() + b.as_tensor())?.sum_all()?.backward()?;
+    let (Some(ga), Some(gb)) = (grads.get(a.as_tensor()), grads.get(b.as_tensor())) else {
+        return Ok(false);
+    };
+    let (sa, _) = ga.storage_and_layout();
+    let (sb, _) = gb.storage_and_layout();
+    Ok(std::ptr::eq(&*sa, &*sb))
 }
