@@ -34,6 +34,8 @@
 //! * [`track`]: a running step's allocations (counting allocator, tags,
 //!   CUDA pool statistics);
 //! * [`train`]: the trainable model families and the trainer;
+//! * [`anymodel`]: models given as code, planned by measurement and trained
+//!   by the plan's fixes;
 //! * [`measure`]: real steps measured for the search's verifier, and their
 //!   allocation timelines;
 //! * [`report`]: the table, the JSON report, the memory snapshot and plots;
@@ -45,6 +47,7 @@
 //! `oomfix-strategies` crate, re-exported as [`strategies`].
 #![warn(missing_docs)]
 
+pub mod anymodel;
 pub mod dist;
 pub mod inspect;
 pub mod measure;

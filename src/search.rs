@@ -21,11 +21,14 @@ use crate::memory::{Breakdown, Estimator, MemoryModel, Target};
 use crate::spec::ModelSpec;
 use crate::speed::{step_time, StepTime};
 use crate::{Error, Result};
+use oomfix_strategies::model::Capabilities;
 use oomfix_strategies::{
     Attention, Checkpointing, OptimizerImpl, Pipeline, Plan, Precision, SearchContext, Sharding,
+    Strategy,
 };
 use serde::Serialize;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// A measured step: what a verifier reports for one plan.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -257,6 +260,15 @@ impl Attempt {
     }
 }
 
+/// A fix of the pipeline that the search did not use, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Skipped {
+    /// The fix's name.
+    pub strategy: String,
+    /// Why it cannot be used ([`oomfix_strategies::Strategy::unusable`]).
+    pub reason: String,
+}
+
 /// The outcome of a search.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -280,12 +292,24 @@ pub struct SearchResult {
     pub chosen: Option<usize>,
     /// When nothing fits: changes that would make the closest attempt fit.
     pub advice: Vec<String>,
+    /// The pipeline's fixes the model cannot take, with the reason, in
+    /// pipeline order (never tried, never explored).
+    pub skipped: Vec<Skipped>,
+    /// Whether the estimates include activations. When not (an unknown
+    /// architecture), every estimated peak is a lower bound and a plan
+    /// "fits" only on that lower bound, unless measured.
+    pub activations_modelled: bool,
 }
 
 impl SearchResult {
     /// Whether a plan fits.
     pub fn fits(&self) -> bool {
         self.chosen.is_some()
+    }
+    /// Whether `attempt`'s peak is only a lower bound: activations are not
+    /// modelled and it was not measured.
+    pub fn is_lower_bound(&self, attempt: &Attempt) -> bool {
+        !self.activations_modelled && attempt.measured.is_none()
     }
     /// The chosen attempt.
     pub fn chosen(&self) -> Option<&Attempt> {
@@ -319,6 +343,7 @@ pub struct Planner {
     verifier: Option<Box<dyn Verifier>>,
     verify: Verify,
     half: Option<oomfix_strategies::Precision>,
+    capabilities: Capabilities,
     pins: Pins,
     headroom: Option<Headroom>,
     host_budget: Option<u64>,
@@ -339,6 +364,7 @@ impl Planner {
             verifier: None,
             verify: Verify::Off,
             half: None,
+            capabilities: Capabilities::ALL,
             pins: Pins::default(),
             headroom: None,
             host_budget: None,
@@ -390,6 +416,13 @@ impl Planner {
         self.half = half;
         self
     }
+    /// What the model can do for the fixes that need its help (default:
+    /// everything, as oomfix's own model families can); a fix whose needs
+    /// the model lacks is skipped and recorded in [`SearchResult::skipped`].
+    pub fn model_capabilities(mut self, capabilities: Capabilities) -> Self {
+        self.capabilities = capabilities;
+        self
+    }
     /// Replaces the analytic memory model.
     pub fn estimator(mut self, estimator: impl Estimator + 'static) -> Self {
         self.estimator = Some(Box::new(estimator));
@@ -400,6 +433,21 @@ impl Planner {
         self.verifier = Some(Box::new(verifier));
         self.verify = mode;
         self
+    }
+
+    /// The device planned for.
+    pub(crate) fn target_of(&self) -> Target {
+        self.target
+    }
+
+    /// The fixes searched, in order.
+    pub(crate) fn pipeline_of(&self) -> &Pipeline {
+        &self.pipeline
+    }
+
+    /// The budget per device.
+    pub(crate) fn budget_of(&self) -> u64 {
+        self.budget
     }
 
     /// The sequence length used for `spec`: as set, else the model's maximum, capped at 1024.
@@ -439,6 +487,27 @@ impl Planner {
         };
         ctx.flash_attention = self.target.has_flash_attention(spec.config.head_dim());
         ctx.host_offload = self.target.has_host_memory();
+        ctx.model = self.capabilities;
+        let skipped: Vec<Skipped> = self
+            .pipeline
+            .strategies()
+            .iter()
+            .filter_map(|s| {
+                let reason = s.unusable(&ctx)?;
+                tracing::info!(strategy = s.name(), %reason, "fix skipped");
+                Some(Skipped {
+                    strategy: s.name().to_string(),
+                    reason,
+                })
+            })
+            .collect();
+        let usable: Vec<Arc<dyn Strategy>> = self
+            .pipeline
+            .strategies()
+            .iter()
+            .filter(|s| !skipped.iter().any(|k| k.strategy == s.name()))
+            .cloned()
+            .collect();
         let registered;
         let estimator: &dyn Estimator = match &self.estimator {
             Some(e) => e.as_ref(),
@@ -447,6 +516,13 @@ impl Planner {
                 &registered
             }
         };
+        let activations_modelled = estimator.models_activations(spec);
+        if !activations_modelled {
+            tracing::warn!(
+                family = %spec.config.family,
+                "activations are not modelled for this model: estimates are lower bounds"
+            );
+        }
         let mut run = Run {
             planner: self,
             estimator,
@@ -454,11 +530,12 @@ impl Planner {
             headroom: self.headroom.unwrap_or(Headroom::default_for(&self.target)),
             attempts: Vec::new(),
             explored: HashMap::new(),
+            usable,
         };
         let mut plan = self.pins.baseline(self.global_batch, seq_len, self.gpus)?;
         let mut fits = run.evaluate("baseline", plan)?;
-        let strategies = self.pipeline.strategies();
-        'fixes: for s in strategies {
+        let strategies = run.usable.clone();
+        'fixes: for s in &strategies {
             while !fits {
                 let Some(next) = s.tighten(&plan, &ctx).filter(|next| self.pins.admit(next)) else {
                     continue 'fixes;
@@ -484,6 +561,8 @@ impl Planner {
             attempts: run.attempts,
             chosen,
             advice,
+            skipped,
+            activations_modelled,
         })
     }
 }
@@ -521,6 +600,8 @@ struct Run<'a> {
     /// Every plan estimated: whether its estimate fits, its modelled time,
     /// and the plan and fix it was reached from.
     explored: HashMap<Plan, Explored>,
+    /// The pipeline's fixes the model can take, in order.
+    usable: Vec<Arc<dyn Strategy>>,
 }
 
 /// A plan estimated while exploring.
@@ -532,6 +613,14 @@ struct Explored {
 }
 
 impl Run<'_> {
+    /// The modelled time of `plan`: the estimator's own, else [`step_time`].
+    fn time(&self, plan: &Plan) -> StepTime {
+        let target = &self.planner.target;
+        self.estimator
+            .step_time(self.spec, plan, target)
+            .unwrap_or_else(|| step_time(self.spec, plan, target))
+    }
+
     /// Whether an estimate (and its host memory) fits, with the headroom.
     fn estimate_fits(&self, estimate: &Breakdown) -> bool {
         let p = self.planner;
@@ -560,7 +649,7 @@ impl Run<'_> {
             },
         );
         while let Some(plan) = queue.pop_front() {
-            for s in p.pipeline.strategies().iter().rev() {
+            for s in self.usable.iter().rev() {
                 let moves = [
                     (s.relax(&plan, ctx), format!("relax {}", s.name())),
                     (s.tighten(&plan, ctx), s.name().to_string()),
@@ -574,7 +663,7 @@ impl Run<'_> {
                     }
                     let estimate = self.estimator.estimate(self.spec, &next, &p.target);
                     let fits = self.estimate_fits(&estimate);
-                    let seconds = step_time(self.spec, &next, &p.target).total;
+                    let seconds = self.time(&next).total;
                     self.explored.insert(
                         next,
                         Explored {
@@ -682,7 +771,7 @@ impl Run<'_> {
             pool_slack_bytes = estimate.pool_slack,
             peak_phase = %estimate.peak_phase,
             host_bytes = estimate.host,
-            estimated_step_seconds = step_time(self.spec, plan, &self.planner.target).total,
+            estimated_step_seconds = self.time(plan).total,
             measured_bytes = tracing::field::Empty,
             fits = tracing::field::Empty,
         );
@@ -697,7 +786,7 @@ impl Run<'_> {
         let span = self.span(strategy, &plan, &estimate);
         let _enter = span.enter();
         let estimate_fits = self.estimate_fits(&estimate);
-        let time = step_time(self.spec, &plan, &p.target);
+        let time = self.time(&plan);
         let measure = match p.verify {
             Verify::Off => false,
             Verify::Fitting => estimate_fits,
@@ -810,6 +899,7 @@ mod tests {
                 headroom: Headroom::Bytes(0),
                 attempts: Vec::new(),
                 explored: HashMap::new(),
+                usable: Vec::new(),
             };
             let span = run.span(
                 "baseline",

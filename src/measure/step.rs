@@ -154,7 +154,7 @@ fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
 /// of the process; the tiny warm-up model's products are too small to run on
 /// the pool's threads, so without this the first measurement of a process that
 /// multiplies large matrices would count one buffer per pool thread.
-fn warm_up_threads() -> Result<()> {
+pub(crate) fn warm_up_threads() -> Result<()> {
     static DONE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
     let outcome = DONE.get_or_init(|| {
         let product = || -> candle_core::Result<()> {

@@ -155,6 +155,42 @@ impl Breakdown {
 pub trait Estimator: Send + Sync {
     /// Bytes per component and the peak, on one device.
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown;
+    /// The time of one optimizer step of `plan`, when this estimator models
+    /// it (a measuring one does); `None`, the default, leaves it to
+    /// [`crate::speed::step_time`].
+    fn step_time(
+        &self,
+        _spec: &ModelSpec,
+        _plan: &Plan,
+        _target: &Target,
+    ) -> Option<crate::speed::StepTime> {
+        None
+    }
+    /// Whether the estimates of `spec` include its activations. When they
+    /// do not, a peak is a lower bound (weights, gradients, optimizer state
+    /// and the step's temporaries only) and reports say so. Default: yes.
+    fn models_activations(&self, _spec: &ModelSpec) -> bool {
+        true
+    }
+}
+
+/// A shared estimator is one (so that its owner can read what it learnt
+/// after a search, as with [`crate::anymodel::MeasuredModel`]).
+impl<E: Estimator + ?Sized> Estimator for Arc<E> {
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
+        (**self).estimate(spec, plan, target)
+    }
+    fn step_time(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+    ) -> Option<crate::speed::StepTime> {
+        (**self).step_time(spec, plan, target)
+    }
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        (**self).models_activations(spec)
+    }
 }
 
 /// The analytic model documented in this module, with the built-in fixes'
@@ -173,7 +209,17 @@ impl MemoryModel {
     }
 }
 
+/// Whether the analytic model knows `spec`'s op sequence: not for an
+/// unknown architecture ([`Family::Generic`]), whose activations it does
+/// not model.
+pub fn analytic_activations(spec: &ModelSpec) -> bool {
+    spec.config.family != Family::Generic
+}
+
 impl Estimator for MemoryModel {
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        analytic_activations(spec)
+    }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
         static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
         estimate(
@@ -192,6 +238,9 @@ pub struct WithFixes {
 }
 
 impl Estimator for WithFixes {
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        analytic_activations(spec)
+    }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
         estimate(spec, plan, target, &self.fixes)
     }

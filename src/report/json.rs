@@ -21,7 +21,7 @@ fn estimate(b: &Breakdown) -> Value {
     Value::Object(v)
 }
 
-fn attempt(a: &Attempt) -> Value {
+fn attempt(a: &Attempt, lower_bound: bool) -> Value {
     let mut v = plan(&a.plan);
     let o = v.as_object_mut().expect("plan is an object");
     o.insert("strategy".into(), json!(a.strategy));
@@ -39,6 +39,7 @@ fn attempt(a: &Attempt) -> Value {
         json!(a.measured.map(|m| m.out_of_memory)),
     );
     o.insert("fits".into(), json!(a.fits));
+    o.insert("lower_bound".into(), json!(lower_bound));
     o.insert("estimated_step_seconds".into(), json!(a.time.total));
     let tokens = (a.plan.global_batch() * a.plan.seq_len) as f64;
     o.insert(
@@ -92,9 +93,17 @@ pub fn search_json(spec: &ModelSpec, result: &SearchResult) -> Value {
         "plan": result.chosen().map(|a| plan(&a.plan)),
         "estimated_step_seconds": shown.time.total,
         "estimate": estimate(&shown.estimate),
-        "closest": (!result.fits()).then(|| attempt(shown)),
+        "closest": (!result.fits()).then(|| attempt(shown, result.is_lower_bound(shown))),
         "advice": result.advice,
-        "attempts": result.attempts.iter().map(attempt).collect::<Vec<_>>(),
+        "skipped": result.skipped,
+        "activations_modelled": result.activations_modelled,
+        "candle_first_gradient_as_is": oomfix_strategies::model::first_gradient_stored_as_is(),
+        "estimate_is_lower_bound": result.is_lower_bound(shown),
+        "attempts": result
+            .attempts
+            .iter()
+            .map(|a| attempt(a, result.is_lower_bound(a)))
+            .collect::<Vec<_>>(),
     })
 }
 

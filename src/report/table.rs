@@ -27,7 +27,8 @@ fn model_line(spec: &ModelSpec) -> String {
     s
 }
 
-fn row(i: usize, a: &Attempt) -> String {
+/// One attempt's row; `lower_bound`: its estimate leaves activations out.
+fn row(i: usize, a: &Attempt, lower_bound: bool) -> String {
     let p = &a.plan;
     let shard = if p.shard.world_size > 1 {
         format!("ZeRO-{}/{}", p.shard.stage, p.shard.world_size)
@@ -59,7 +60,11 @@ fn row(i: usize, a: &Attempt) -> String {
         shard,
         format_bytes(a.estimate.peak),
         measured,
-        if a.fits { "yes" } else { "no" },
+        match (a.fits, lower_bound) {
+            (true, true) => "yes*",
+            (true, false) => "yes",
+            (false, _) => "no",
+        },
         time,
     )
 }
@@ -117,6 +122,14 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
         first.global_batch(),
         first.seq_len
     );
+    if !result.activations_modelled {
+        let _ = writeln!(
+            out,
+            "NOTE    activations are not modelled for this architecture: every estimate below\n        \
+             is a lower bound (weights, gradients, optimizer state only), and `yes*` means\n        \
+             fits on that lower bound alone (measure the model to know)\n"
+        );
+    }
     let _ = writeln!(
         out,
         "  #  {:<18} {:>10} {:<9} {:<9} {:<12} {:<11} {:<9} {:>11} {:>11}  fits step (est. / measured)",
@@ -131,16 +144,21 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
         "measured"
     );
     for (i, a) in result.attempts.iter().enumerate() {
-        out.push_str(&row(i, a));
+        out.push_str(&row(i, a, result.is_lower_bound(a)));
     }
     out.push('\n');
     match result.chosen() {
         Some(a) => {
             let _ = writeln!(out, "plan    {}", a.plan);
             let pct = 100.0 * a.peak() as f64 / result.budget_bytes.max(1) as f64;
+            let label = if result.is_lower_bound(a) {
+                "fits on a lower bound only (activations not modelled)"
+            } else {
+                "fits"
+            };
             let _ = writeln!(
                 out,
-                "        fits: {} of {} ({pct:.0}%), {} left; headroom kept {}",
+                "        {label}: {} of {} ({pct:.0}%), {} left; headroom kept {}",
                 format_bytes(a.peak()),
                 format_bytes(result.budget_bytes),
                 format_bytes(result.margin_bytes().unwrap_or(0)),

@@ -82,6 +82,11 @@ impl Strategy for FlashAttention {
     fn execution(&self, plan: &Plan, exec: &mut Execution) {
         exec.attention = plan.attention;
     }
+    /// Needs a model that computes attention as the execution says.
+    fn unusable(&self, ctx: &SearchContext) -> Option<String> {
+        (!ctx.model.attention)
+            .then(|| "the model does not compute its attention as the plan's execution says".into())
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -87,6 +87,12 @@ impl Strategy for Checkpoint {
     fn execution(&self, plan: &Plan, exec: &mut Execution) {
         exec.checkpoint = plan.checkpoint;
     }
+    /// Needs the model's blocks ([`crate::model::Forward::Stages`]).
+    fn unusable(&self, ctx: &SearchContext) -> Option<String> {
+        (ctx.model.blocks == 0).then(|| {
+            "the model gives no blocks to recompute (its forward returns a loss, not stages)".into()
+        })
+    }
 }
 
 /// One block of a model as checkpointing sees it: hidden states in, hidden states

@@ -59,6 +59,7 @@ mod cuda;
 mod error;
 mod execution;
 pub mod memory;
+pub mod model;
 pub mod nn;
 pub mod offload;
 mod plan;
@@ -96,13 +97,18 @@ pub struct SearchContext {
     /// Whether the device's memory is apart from the host's, so that optimizer
     /// state can move to the host ([`offload`]): GPUs, not the CPU.
     pub host_offload: bool,
+    /// What the model can do for the fixes that need its help
+    /// ([`model::Capabilities`]): a fix whose needs it lacks is skipped
+    /// ([`Strategy::unusable`]).
+    pub model: model::Capabilities,
 }
 
 impl SearchContext {
     /// A search for `global_batch` sequences per optimizer step on a model of
     /// `layers` blocks, on one GPU that computes in bf16, has a flash
-    /// attention kernel and memory apart from the host's (change the public
-    /// fields for another device).
+    /// attention kernel and memory apart from the host's, for a model that
+    /// can take every fix ([`model::Capabilities::ALL`]; change the public
+    /// fields for another device or model).
     pub fn new(global_batch: usize, layers: usize) -> Self {
         SearchContext {
             global_batch,
@@ -111,6 +117,7 @@ impl SearchContext {
             flash_attention: true,
             layers,
             host_offload: true,
+            model: model::Capabilities::ALL,
         }
     }
 }
@@ -142,6 +149,21 @@ pub trait Strategy: Send + Sync {
     /// Sets what a forward/backward pass of `plan` does for this fix. The
     /// default changes nothing.
     fn execution(&self, _plan: &Plan, _exec: &mut Execution) {}
+    /// Why this fix cannot be used in the search `ctx` describes (the model
+    /// lacks what the fix needs of it: [`model`]'s table), or `None` when it
+    /// can. A planner skips an unusable fix and records the reason. The
+    /// default: always usable.
+    ///
+    /// ```
+    /// use oomfix_strategies::{checkpoint::Checkpoint, model::Capabilities, SearchContext, Strategy};
+    /// let mut ctx = SearchContext::new(8, 12);
+    /// assert!(Checkpoint.unusable(&ctx).is_none());
+    /// ctx.model = Capabilities::NONE;
+    /// assert!(Checkpoint.unusable(&ctx).unwrap().contains("blocks"));
+    /// ```
+    fn unusable(&self, _ctx: &SearchContext) -> Option<String> {
+        None
+    }
 }
 
 /// The built-in fixes in their default order. This is the one list of them:

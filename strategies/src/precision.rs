@@ -40,12 +40,16 @@ impl Strategy for MixedPrecision {
         if plan.precision != Precision::F32 {
             return None;
         }
-        let precision = if ctx.supports_bf16 {
-            Precision::Bf16
-        } else {
-            Precision::F16
-        };
-        Some(Plan { precision, ..*plan })
+        Some(Plan {
+            precision: half_of(ctx),
+            ..*plan
+        })
+    }
+    /// Needs a model that can be built in the 16-bit dtype of the device.
+    fn unusable(&self, ctx: &SearchContext) -> Option<String> {
+        let half = half_of(ctx);
+        (!ctx.model.computes_in(half))
+            .then(|| format!("the model cannot be built in {half} (only fp32)"))
     }
     /// Back to fp32 (faster where 16-bit products are not: the CPU widens them).
     fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
@@ -65,6 +69,16 @@ impl Strategy for MixedPrecision {
         if plan.precision.is_mixed() {
             state.master_weights = 4 * model.parameters;
         }
+    }
+}
+
+/// The 16-bit precision of a search: bf16 where the device computes in it,
+/// else fp16.
+fn half_of(ctx: &SearchContext) -> Precision {
+    if ctx.supports_bf16 {
+        Precision::Bf16
+    } else {
+        Precision::F16
     }
 }
 

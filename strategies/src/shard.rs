@@ -121,6 +121,7 @@ pub trait Comm: Send + Sync {
     fn abort(&self) {}
 }
 
+/// A boxed communicator is one (so a trainer can hold any backend).
 impl<C: Comm + ?Sized> Comm for Box<C> {
     fn rank(&self) -> usize {
         (**self).rank()

@@ -1,0 +1,367 @@
+//! Training steps of a plan on any [`Model`].
+
+use crate::track::alloc::{self, Phase};
+use crate::train::{StepStats, TrainOptions};
+use crate::{Error, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{AdamW, Optimizer};
+use oomfix_strategies::accumulate::GradAccumulator;
+use oomfix_strategies::adamw::FusedAdamW;
+use oomfix_strategies::model::{self, MicroBatch, Model};
+use oomfix_strategies::offload::OffloadedAdamW;
+use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
+use oomfix_strategies::shard::{Comm, ShardedOptimizer, ZeroStage};
+use oomfix_strategies::{Attention, Execution, OptimizerImpl, Plan, Precision};
+use std::time::Instant;
+
+enum Optim {
+    /// One `candle_nn::AdamW` per tensor, stepped and its gradient freed in turn.
+    Candle(Vec<(AdamW, Var)>),
+    Fused(FusedAdamW),
+    Offloaded(OffloadedAdamW),
+    Sharded(ShardedOptimizer<Box<dyn Comm>>),
+}
+
+/// Runs optimizer steps of a [`Plan`] on a model oomfix does not know.
+///
+/// The model is built by the caller's builder in the plan's compute dtype;
+/// everything else is the plan's fixes: micro-batches of `micro_batch`
+/// samples, `grad_accum` of them per step ([`GradAccumulator`]), fp32
+/// master weights under mixed precision ([`MasterWeights`]) with dynamic
+/// loss scaling for fp16, blocks recomputed and attention computed as the
+/// plan's [`Execution`] says, and the plan's optimizer: `candle_nn::AdamW`
+/// one tensor at a time, [`FusedAdamW`], [`OffloadedAdamW`] (on the CPU the
+/// "host" is the same memory: offload then changes where the step runs, not
+/// how much memory it takes), or, built with [`sharded`](Self::sharded),
+/// [`ShardedOptimizer`] over a [`Comm`].
+///
+/// Micro-batch `k` of step `t` on rank `r` of `w` asks the model for
+/// micro-batch number `((t·w) + r)·grad_accum + k` ([`MicroBatch::index`]).
+///
+/// ```
+/// # use candle_core::{DType, Device, Tensor, Var};
+/// # use oomfix_strategies::model::{Forward, MicroBatch, Model};
+/// # struct Regression { w: Var }
+/// # impl Model for Regression {
+/// #     fn vars(&self) -> Vec<Var> { vec![self.w.clone()] }
+/// #     fn forward(&self, b: &MicroBatch) -> candle_core::Result<Forward<'_>> {
+/// #         let x = Tensor::ones((b.size, 4), self.w.dtype(), self.w.device())?;
+/// #         Ok(Forward::Loss(x.matmul(self.w.as_tensor())?.sqr()?.mean_all()?))
+/// #     }
+/// # }
+/// use oomfix::anymodel::AnyTrainer;
+/// use oomfix::{Plan, TrainOptions};
+///
+/// let build = |dtype: DType, dev: &Device| Ok(Regression { w: Var::ones((4, 1), dtype, dev)? });
+/// let plan = Plan { micro_batch: 2, grad_accum: 2, ..Plan::baseline(4, 1) };
+/// let mut trainer = AnyTrainer::new(build, plan, &Device::Cpu, &TrainOptions::default())?;
+/// let first = trainer.step()?.loss;
+/// let second = trainer.step()?.loss;
+/// assert!(second < first);
+/// # Ok::<(), oomfix::Error>(())
+/// ```
+pub struct AnyTrainer<M: Model> {
+    model: M,
+    vars: Vec<Var>,
+    plan: Plan,
+    master: Option<MasterWeights>,
+    optim: Optim,
+    scaler: Option<LossScaler>,
+    accumulator: GradAccumulator,
+    execution: Execution,
+    device: Device,
+    rank: usize,
+    world: usize,
+    step: u64,
+}
+
+/// Whether `model` can run `plan`'s fixes; a usage error naming the first
+/// it cannot.
+fn check_capabilities<M: Model>(model: &M, plan: &Plan) -> Result<()> {
+    let caps = model.capabilities();
+    if !caps.computes_in(plan.precision) {
+        return Err(Error::Usage(format!(
+            "the plan computes in {}, which the model does not support",
+            plan.precision
+        )));
+    }
+    if !plan.checkpoint.segments(1).is_empty() && caps.blocks == 0 {
+        return Err(Error::Usage(
+            "the plan checkpoints blocks, and the model gives none".into(),
+        ));
+    }
+    if plan.attention == Attention::Flash && !caps.attention {
+        return Err(Error::Usage(
+            "the plan uses flash attention, and the model computes its own attention".into(),
+        ));
+    }
+    Ok(())
+}
+
+impl<M: Model> AnyTrainer<M> {
+    /// Builds the model with `build(compute dtype, device)` and the
+    /// optimizer for `plan` (world size 1) on `device`. `options` gives the
+    /// AdamW hyper-parameters and the fixes whose execution hooks make the
+    /// pass; its seed and weights are the builder's business.
+    pub fn new<B>(build: B, plan: Plan, device: &Device, options: &TrainOptions) -> Result<Self>
+    where
+        B: FnOnce(DType, &Device) -> candle_core::Result<M>,
+    {
+        if plan.shard.world_size > 1 {
+            return Err(Error::Usage(
+                "a sharded plan needs a communicator: AnyTrainer::sharded".into(),
+            ));
+        }
+        Self::build(build, plan, device, options, None)
+    }
+
+    /// Like [`new`](Self::new), for one rank of a sharded plan on the CPU:
+    /// `comm` connects the plan's `world_size` ranks (each rank builds its
+    /// own trainer with the same builder, in the same order of calls).
+    /// fp16 (loss scaling across ranks) is not supported here.
+    pub fn sharded<B>(
+        build: B,
+        plan: Plan,
+        comm: Box<dyn Comm>,
+        options: &TrainOptions,
+    ) -> Result<Self>
+    where
+        B: FnOnce(DType, &Device) -> candle_core::Result<M>,
+    {
+        if plan.shard.stage == 0 || plan.shard.world_size != comm.world_size() {
+            return Err(Error::Usage(format!(
+                "the plan shards over {} ranks at ZeRO stage {}; the communicator has {} ranks",
+                plan.shard.world_size,
+                plan.shard.stage,
+                comm.world_size()
+            )));
+        }
+        if plan.precision == Precision::F16 {
+            return Err(Error::Usage(
+                "fp16 loss scaling is not supported with sharding here; use bf16 or fp32".into(),
+            ));
+        }
+        if plan.optimizer.is_offloaded() {
+            return Err(Error::Usage(
+                "an offloaded optimizer is not sharded here; plan one or the other".into(),
+            ));
+        }
+        Self::build(build, plan, &Device::Cpu, options, Some(comm))
+    }
+
+    fn build<B>(
+        build: B,
+        plan: Plan,
+        device: &Device,
+        options: &TrainOptions,
+        comm: Option<Box<dyn Comm>>,
+    ) -> Result<Self>
+    where
+        B: FnOnce(DType, &Device) -> candle_core::Result<M>,
+    {
+        if plan.micro_batch == 0 || plan.grad_accum == 0 {
+            return Err(Error::Usage(
+                "a plan needs a micro-batch and accumulation of at least 1".into(),
+            ));
+        }
+        let model = build(model::dtype_of(plan.precision), device)?;
+        check_capabilities(&model, &plan)?;
+        let vars = model.vars();
+        if vars.is_empty() {
+            return Err(Error::Usage("the model has no variables to train".into()));
+        }
+        let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded())
+            .then(|| MasterWeights::new(vars.clone()))
+            .transpose()?;
+        let opt_vars = master
+            .as_ref()
+            .map_or_else(|| vars.clone(), |m| m.master_vars().to_vec());
+        let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world_size()));
+        let named = || {
+            opt_vars
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (i.to_string(), v.clone()))
+                .collect::<Vec<_>>()
+        };
+        let optim = match (comm, plan.optimizer) {
+            (Some(comm), _) => Optim::Sharded(ShardedOptimizer::new(
+                comm,
+                opt_vars.clone(),
+                options.adamw.clone(),
+                ZeroStage::try_from(plan.shard.stage)?,
+            )?),
+            (None, OptimizerImpl::CandleAdamW) => Optim::Candle(
+                opt_vars
+                    .iter()
+                    .map(|v| {
+                        Ok((
+                            AdamW::new(vec![v.clone()], options.adamw.clone())?,
+                            v.clone(),
+                        ))
+                    })
+                    .collect::<Result<_>>()?,
+            ),
+            (None, OptimizerImpl::FusedAdamW) => {
+                Optim::Fused(FusedAdamW::new_named(named(), options.adamw.clone())?)
+            }
+            (None, OptimizerImpl::OffloadedAdamW) => {
+                Optim::Offloaded(OffloadedAdamW::new(named(), options.adamw.clone())?)
+            }
+        };
+        let scaler = (plan.precision == Precision::F16)
+            .then(|| LossScaler::new(LossScalerConfig::default()))
+            .transpose()?;
+        Ok(AnyTrainer {
+            model,
+            vars,
+            plan,
+            master,
+            optim,
+            scaler,
+            accumulator: GradAccumulator::new(),
+            execution: Execution::for_plan(&plan, &options.fixes),
+            device: device.clone(),
+            rank,
+            world,
+            step: 0,
+        })
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The plan.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// One optimizer step over `grad_accum` micro-batches the model makes.
+    /// The peaks of [`StepStats`] are the heap's high-water marks of the
+    /// passes and of the optimizer step (absolute: 0 without
+    /// [`crate::track::CountingAlloc`]), or on CUDA the pool's.
+    pub fn step(&mut self) -> Result<StepStats> {
+        let start = Instant::now();
+        let outcome = self.phases();
+        alloc::set_phase(Phase::Setup);
+        let (loss, forward_backward_peak, optimizer_peak, skipped) = outcome?;
+        self.step += 1;
+        Ok(StepStats {
+            loss,
+            tokens: self.plan.micro_batch * self.plan.grad_accum * self.plan.seq_len,
+            seconds: start.elapsed().as_secs_f64(),
+            forward_backward_peak,
+            optimizer_peak,
+            skipped,
+        })
+    }
+
+    fn phases(&mut self) -> Result<(f32, u64, u64, bool)> {
+        alloc::set_phase(Phase::Forward);
+        alloc::reset_peak();
+        reset_device_peak(&self.device)?;
+        if let Optim::Sharded(opt) = &mut self.optim {
+            if self.master.is_none() {
+                opt.gather_params()?; // stage 3: the model's own vars
+            }
+        }
+        let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        let exec = self.execution.loss_scale(scale);
+        self.accumulator.restart();
+        let accum = self.plan.grad_accum as u64;
+        let mut loss_sum = 0.0;
+        for k in 0..accum {
+            alloc::set_phase(Phase::Forward);
+            let index = ((self.step * self.world as u64) + self.rank as u64) * accum + k;
+            let batch =
+                MicroBatch::new(self.plan.micro_batch, index, exec).with_seq_len(self.plan.seq_len);
+            let out = model::forward_backward(&self.model, &self.vars, &batch)?;
+            alloc::set_phase(Phase::Backward);
+            loss_sum += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            let grads = out.grads.into_iter().flatten().collect();
+            self.accumulator.add(grads)?;
+        }
+        let mut grads = self.accumulator.finish(1.0 / accum as f64)?;
+        let loss = loss_sum / accum as f32;
+        if !loss.is_finite() {
+            return Err(Error::NonFinite {
+                step: self.step + 1,
+                loss,
+            });
+        }
+        let forward_backward_peak = phase_peak(&self.device)?;
+        alloc::set_phase(Phase::OptimizerStep);
+        alloc::reset_peak();
+        let mut skipped = false;
+        if let Some(scaler) = &mut self.scaler {
+            let finite = scaler.unscale_and_check(&mut grads)?;
+            scaler.update(!finite);
+            skipped = !finite;
+        }
+        if !skipped {
+            self.optimizer_step(grads)?;
+        }
+        Ok((
+            loss,
+            forward_backward_peak,
+            phase_peak(&self.device)?,
+            skipped,
+        ))
+    }
+
+    fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+        match &mut self.optim {
+            Optim::Fused(opt) => opt.step(&grads)?,
+            Optim::Offloaded(opt) => opt.step(grads)?,
+            Optim::Sharded(opt) => {
+                opt.step(grads)?;
+                if let Some(m) = &self.master {
+                    // Stage 3 freed the masters this rank does not own.
+                    opt.gather_params()?;
+                    m.sync_to_compute()?;
+                    opt.release_params()?;
+                }
+                return Ok(());
+            }
+            Optim::Candle(opts) => {
+                for ((opt, var), g) in opts.iter_mut().zip(grads) {
+                    // candle_nn::AdamW reads a GradStore: one holding this gradient only.
+                    let mut store = Tensor::new(0f32, &self.device)?.backward()?;
+                    store.insert(var.as_tensor(), g.to_dtype(DType::F32)?);
+                    opt.step(&store)?;
+                }
+            }
+        }
+        if let Some(m) = &self.master {
+            m.sync_to_compute()?;
+        }
+        Ok(())
+    }
+}
+
+/// On CUDA, sets the pool's high-water marks back to the bytes in use.
+fn reset_device_peak(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        crate::track::cuda::reset_peaks(cuda)?;
+    }
+    let _ = device;
+    Ok(())
+}
+
+/// The heap's high-water mark, or on CUDA the pool's used high-water mark.
+fn phase_peak(device: &Device) -> Result<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        return Ok(crate::track::cuda::PoolStats::read(cuda)?.used_high);
+    }
+    let _ = device;
+    Ok(alloc::peak())
+}
