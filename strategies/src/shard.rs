@@ -121,54 +121,37 @@ pub trait Comm: Send + Sync {
     fn abort(&self) {}
 }
 
-/// A boxed communicator is one (so a trainer can hold any backend).
-impl<C: Comm + ?Sized> Comm for Box<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        (**self).all_reduce_sum(t)
-    }
-    fn reduce_sum(&self, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
-        (**self).reduce_sum(t, root)
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        (**self).broadcast(t, root)
-    }
-    fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
-        (**self).all_gather(t)
-    }
-    fn abort(&self) {
-        (**self).abort()
-    }
+/// A communicator behind a `Box` or an `Arc` is one (so a trainer can hold
+/// any backend, shared or not).
+macro_rules! forward_comm {
+    ($($pointer:ident),*) => {$(
+        impl<C: Comm + ?Sized> Comm for $pointer<C> {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
+            fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+                (**self).all_reduce_sum(t)
+            }
+            fn reduce_sum(&self, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
+                (**self).reduce_sum(t, root)
+            }
+            fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+                (**self).broadcast(t, root)
+            }
+            fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+                (**self).all_gather(t)
+            }
+            fn abort(&self) {
+                (**self).abort()
+            }
+        }
+    )*};
 }
 
-impl<C: Comm + ?Sized> Comm for Arc<C> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        (**self).all_reduce_sum(t)
-    }
-    fn reduce_sum(&self, t: &Tensor, root: usize) -> Result<Option<Tensor>> {
-        (**self).reduce_sum(t, root)
-    }
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        (**self).broadcast(t, root)
-    }
-    fn all_gather(&self, t: &Tensor) -> Result<Vec<Tensor>> {
-        (**self).all_gather(t)
-    }
-    fn abort(&self) {
-        (**self).abort()
-    }
-}
+forward_comm!(Box, Arc);
 
 /// The default size of a bucket of [`ShardedOptimizer`]: 25 MiB, as PyTorch's
 /// `DistributedDataParallel` buckets gradients.
