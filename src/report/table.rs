@@ -180,7 +180,9 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
         }
         None => {
             let a = result.closest();
-            let miss = a.peak().saturating_sub(result.budget_bytes);
+            let headroom = result.headroom.bytes(a.estimate.peak);
+            let needed = a.peak() + headroom;
+            let miss = needed.saturating_sub(result.budget_bytes);
             let _ = writeln!(out, "nothing fits. closest: {}", a.plan);
             if a.ran_out_of_memory() {
                 let _ = writeln!(
@@ -192,9 +194,11 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
             } else {
                 let _ = writeln!(
                     out,
-                    "        {} over the budget ({} needed)",
+                    "        {} over the budget ({} needed: {} and a headroom of {})",
                     format_bytes(miss),
-                    format_bytes(a.peak())
+                    format_bytes(needed),
+                    format_bytes(a.peak()),
+                    format_bytes(headroom)
                 );
             }
             if let Some((name, _)) = a.estimate.peak_components().first() {
