@@ -26,7 +26,8 @@
 //! Modules depend only on those above them:
 //!
 //! * [`units`], [`output`]: byte sizes; atomic output files;
-//! * [`inspect`] → [`spec`]: a weights file's header → the model's shape;
+//! * [`inspect`](mod@inspect) → [`spec`]: a weights file's header → the model's shape;
+//!   [`Target`]: the device planned for;
 //! * [`memory`]: `(spec, plan, target)` → bytes per component and the peak
 //!   (the fixes' memory hooks, plus activations);
 //! * [`speed`]: `(spec, plan, target)` → modelled seconds per optimizer step;
@@ -58,6 +59,7 @@ pub mod search;
 pub mod spec;
 pub mod speed;
 mod state_file;
+mod target;
 pub mod track;
 pub mod train;
 pub mod units;

@@ -12,8 +12,8 @@
 //! lowest modelled time per optimizer step, the global batch being the same
 //! for all of them. Its error against measured steps is in docs/sweep.md.
 
-use crate::memory::Target;
 use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
+use crate::target::Target;
 use oomfix_strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
 use serde::Serialize;
 

@@ -276,7 +276,7 @@ impl StepVerifier {
     }
 
     /// Measures each plan in a child `oomfix measure-step` process whose address
-    /// space is limited to `budget` + [`ADDRESS_SPACE_SLACK`].
+    /// space is limited to `budget` + `ADDRESS_SPACE_SLACK` (2 GiB).
     pub fn isolated(target: Target, oomfix_binary: PathBuf, budget: u64) -> Self {
         StepVerifier {
             target,

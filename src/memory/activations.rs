@@ -264,7 +264,7 @@ pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 2;
 /// head's gradient and the scattered one are alive beside the sum.
 pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
 
-/// [`EMBEDDING_BACKWARD_COPIES`] for a tied embedding, none for an untied one.
+/// `EMBEDDING_BACKWARD_COPIES` for a tied embedding, none for an untied one.
 pub fn embedding_backward_copies(spec: &ModelSpec) -> u64 {
     let tied = match spec.config.family {
         Family::Gpt2 | Family::Bert => true,

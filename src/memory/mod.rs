@@ -33,13 +33,14 @@
 //! which the plan's precision, checkpointing and attention change.
 
 mod activations;
-mod runtime;
 
+pub use crate::target::Target;
+#[cfg(test)]
+use crate::target::CUDA_POOL_SLACK;
 pub use activations::{
     activation_bytes, embedding_backward_copies, mlp_backward_ni, widen_cpu_bf16_matmuls,
-    Activations, Moment, EMBEDDING_BACKWARD_COPIES, HEAD_WEIGHT_BACKWARD_COPIES, LOSS_BACKWARD_NV,
+    Activations, Moment,
 };
-pub use runtime::{Target, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, CUDA_POOL_SLACK};
 
 use crate::spec::{Family, ModelSpec};
 use oomfix_strategies::{ModelFacts, Pipeline, Plan, StateBytes, Strategy};

@@ -1,17 +1,18 @@
-//! What a device costs besides tensors, and how its allocator rounds.
+//! The device a plan is for ([`Target`]): what it costs besides tensors,
+//! how its allocator rounds, which kernels and precisions it has.
 
 use serde::Serialize;
 
 /// Device memory the CUDA context itself takes (module images, per-thread
 /// stacks, the driver's own heap), measured as `cuMemGetInfo` before and after
 /// context creation on Hopper with CUDA 12–13: 500–600 MiB.
-pub const CUDA_CONTEXT_BYTES: u64 = 576 << 20;
+pub(crate) const CUDA_CONTEXT_BYTES: u64 = 576 << 20;
 
 /// cuBLAS workspace per handle on Hopper (documented default: 32 MiB).
-pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
+pub(crate) const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
 
 /// Granularity of CUDA's stream-ordered pool reservations (2 MiB pages).
-pub const CUDA_POOL_GRANULARITY: u64 = 2 << 20;
+pub(crate) const CUDA_POOL_GRANULARITY: u64 = 2 << 20;
 
 /// What a CUDA device's stream-ordered pool holds at a step's peak beyond its
 /// live allocations: blocks freed earlier in the step and not yet reused or
@@ -20,7 +21,7 @@ pub const CUDA_POOL_GRANULARITY: u64 = 2 << 20;
 /// pool's reserved minus used high-water marks: 0.43–0.46 GiB for GPT-2
 /// medium under a hard 8 GiB limit (`--enforce-budget`), 0.17–1.05 GiB for
 /// GPT-2 small and medium steps without one (docs/gpu-8gib.md).
-pub const CUDA_POOL_SLACK: u64 = 512 << 20;
+pub(crate) const CUDA_POOL_SLACK: u64 = 512 << 20;
 
 /// Where the plan runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -42,7 +43,7 @@ impl Target {
     }
 
     /// Bytes the device's allocator holds beyond live tensors at the peak
-    /// ([`CUDA_POOL_SLACK`] on CUDA; the CPU's heap is measured live).
+    /// (`CUDA_POOL_SLACK`, 512 MiB, on CUDA; the CPU's heap is measured live).
     pub fn pool_slack_bytes(&self) -> u64 {
         match self {
             Target::Cpu => 0,
