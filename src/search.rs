@@ -609,6 +609,7 @@ struct Run<'a> {
 struct Explored {
     fits: bool,
     seconds: f64,
+    peak: u64,
     from: Option<(Plan, String)>,
 }
 
@@ -645,6 +646,7 @@ impl Run<'_> {
             Explored {
                 fits: true,
                 seconds: self.attempts[first].time.total,
+                peak: self.attempts[first].estimate.peak,
                 from: None,
             },
         );
@@ -669,6 +671,7 @@ impl Run<'_> {
                         Explored {
                             fits,
                             seconds,
+                            peak: estimate.peak,
                             from: Some((plan, label)),
                         },
                     );
@@ -678,20 +681,31 @@ impl Run<'_> {
                 }
             }
         }
-        let mut candidates: Vec<(Plan, f64)> = self
+        // Fastest first; equal times (ZeRO 1 and 2 move the same bytes, say)
+        // go to the lower peak, then to the plan's encoding: the same search
+        // always chooses the same plan.
+        let mut candidates: Vec<(Plan, f64, u64, String)> = self
             .explored
             .iter()
             .filter(|(_, e)| e.fits)
-            .map(|(plan, e)| (*plan, e.seconds))
+            .map(|(plan, e)| {
+                (
+                    *plan,
+                    e.seconds,
+                    e.peak,
+                    serde_json::to_string(plan).unwrap_or_default(),
+                )
+            })
             .collect();
         candidates.sort_by(|a, b| {
             a.1.total_cmp(&b.1)
-                .then_with(|| a.0.micro_batch.cmp(&b.0.micro_batch).reverse())
+                .then_with(|| a.2.cmp(&b.2))
+                .then_with(|| a.3.cmp(&b.3))
         });
         let measuring = p.verifier.is_some() && p.verify != Verify::Off;
         let tried = if measuring { VERIFIED_CANDIDATES } else { 1 };
         let mut modelled_best = None;
-        for (plan, _) in candidates.into_iter().take(tried) {
+        for (plan, ..) in candidates.into_iter().take(tried) {
             if let Some(index) = self.record_way(plan)? {
                 modelled_best = modelled_best.or(Some(index));
             }

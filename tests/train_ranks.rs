@@ -83,6 +83,9 @@ impl Run {
             "1",
             "--steps",
             &steps,
+            // The test's model file holds zeros: start from random weights.
+            "--init",
+            "random",
             "--log-format",
             "json",
         ];
