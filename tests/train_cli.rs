@@ -527,3 +527,42 @@ fn sigkill_while_saving_every_step_never_leaves_a_broken_checkpoint() {
         "{stray:?}"
     );
 }
+
+#[test]
+fn the_learning_rate_follows_the_schedule_and_is_logged() {
+    let run = Run::new();
+    let (code, stderr, losses) = run.train(
+        "1GiB",
+        &[
+            "--steps",
+            "4",
+            "--lr-schedule",
+            "linear",
+            "--warmup-steps",
+            "2",
+        ],
+        "log.json",
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(losses.len(), 4);
+    let text = std::fs::read_to_string(run.path("log.json")).unwrap();
+    let lrs: Vec<f64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["fields"]["message"] == "step")
+        .map(|v| v["fields"]["lr"].as_f64().unwrap())
+        .collect();
+    // --lr 3e-3 (the harness's): warmup (step + 1) / 3, then linear from the
+    // peak to 0 after the 4th step
+    let want = [1e-3, 2e-3, 3e-3, 1.5e-3];
+    assert_eq!(lrs.len(), want.len());
+    for (got, want) in lrs.iter().zip(want) {
+        assert!((got - want).abs() < 1e-12, "{lrs:?}");
+    }
+    // A schedule the binary does not know is a usage error.
+    run.oomfix()
+        .args(run.args("1GiB"))
+        .args(["--lr-schedule", "triangle"])
+        .assert()
+        .code(2);
+}

@@ -73,6 +73,8 @@ pub struct AnyTrainer<M: Model> {
     rank: usize,
     world: usize,
     step: u64,
+    /// The (constant) learning rate.
+    lr: f64,
 }
 
 /// Whether `model` can run `plan`'s fixes; a usage error naming the first
@@ -159,6 +161,12 @@ impl<M: Model> AnyTrainer<M> {
     where
         B: FnOnce(DType, &Device) -> candle_core::Result<M>,
     {
+        if options.schedule != crate::train::LrSchedule::default() {
+            return Err(Error::Usage(
+                "AnyTrainer keeps the learning rate constant: a schedule is not supported here yet"
+                    .into(),
+            ));
+        }
         if plan.micro_batch == 0 || plan.grad_accum == 0 {
             return Err(Error::Usage(
                 "a plan needs a micro-batch and accumulation of at least 1".into(),
@@ -225,6 +233,7 @@ impl<M: Model> AnyTrainer<M> {
             rank,
             world,
             step: 0,
+            lr: options.adamw.lr,
         })
     }
 
@@ -260,6 +269,7 @@ impl<M: Model> AnyTrainer<M> {
             forward_backward_peak,
             optimizer_peak,
             skipped,
+            lr: self.lr,
         })
     }
 

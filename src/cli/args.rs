@@ -118,6 +118,13 @@ pub struct TrainOptions {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-4, allow_negative_numbers = true, value_parser = parse_lr)]
     pub lr: f64,
+    /// Learning-rate schedule after the warmup: constant, linear or cosine
+    /// (the last two decay to 0 at the last of --steps).
+    #[arg(long, value_name = "KIND", default_value = "constant", value_parser = parse_decay)]
+    pub lr_schedule: oomfix::train::Decay,
+    /// Steps of linear warmup to --lr, from lr / (N + 1).
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = parse_seed)]
+    pub warmup_steps: u64,
     /// AdamW weight decay, applied to matrices only (not to biases and norm
     /// scales).
     #[arg(long, default_value_t = 0.0, value_name = "WD", allow_negative_numbers = true, value_parser = parse_weight_decay)]
@@ -627,6 +634,10 @@ fn parse_lr(s: &str) -> Result<f64, String> {
             "`{s}` is not a learning rate (a finite number >= 0)"
         )),
     }
+}
+
+fn parse_decay(s: &str) -> Result<oomfix::train::Decay, String> {
+    s.trim().parse()
 }
 
 fn parse_weight_decay(s: &str) -> Result<f64, String> {

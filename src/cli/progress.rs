@@ -34,6 +34,7 @@ impl Progress {
             step,
             total_steps = self.steps,
             loss = s.loss,
+            lr = s.lr,
             tokens = s.tokens,
             seconds = s.seconds,
             forward_backward_peak_bytes = s.forward_backward_peak,
@@ -42,8 +43,9 @@ impl Progress {
             "step"
         );
         let msg = format!(
-            "loss {:.4}  {:.0} tok/s  peak {}{}",
+            "loss {:.4}  lr {:.3e}  {:.0} tok/s  peak {}{}",
             s.loss,
+            s.lr,
             s.tokens as f64 / s.seconds,
             oomfix::units::format_bytes(s.peak()),
             if s.skipped {

@@ -161,6 +161,11 @@ fn run_rank(
     let mut options = TrainOptions::default();
     options.adamw.lr = o.lr;
     options.adamw.weight_decay = o.weight_decay;
+    options.schedule = oomfix::train::LrSchedule {
+        warmup_steps: o.warmup_steps,
+        decay: o.lr_schedule,
+        total_steps: o.steps,
+    };
     options.seed = o.seed;
     options.weights = weights;
     let mut trainer = match joined {

@@ -170,6 +170,8 @@ pub mod data;
 pub mod tokenizer;
 mod trainer;
 pub use crate::state_file::StateFile;
+mod schedule;
+pub use schedule::{Decay, LrSchedule};
 pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;

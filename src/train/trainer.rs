@@ -57,6 +57,9 @@ pub struct TrainOptions {
     /// The fixes whose execution hooks make the plan's forward/backward pass
     /// ([`Execution::for_plan`]); default: the built-in ones.
     pub fixes: Vec<Arc<dyn Strategy>>,
+    /// The learning rate over the run, as a factor of `adamw.lr` (default:
+    /// constant).
+    pub schedule: super::LrSchedule,
 }
 
 impl Default for TrainOptions {
@@ -71,6 +74,7 @@ impl Default for TrainOptions {
             seed: 0,
             weights: None,
             fixes: oomfix_strategies::builtins(),
+            schedule: super::LrSchedule::default(),
         }
     }
 }
@@ -92,6 +96,8 @@ pub struct StepStats {
     pub optimizer_peak: u64,
     /// The optimizer step was skipped because fp16 gradients overflowed.
     pub skipped: bool,
+    /// The learning rate of the step.
+    pub lr: f64,
 }
 
 impl StepStats {
@@ -143,6 +149,9 @@ pub struct Trainer {
     accumulator: GradAccumulator,
     /// What the plan's fixes make a forward/backward pass do.
     execution: Execution,
+    /// `adamw.lr`: the rate the schedule is a factor of.
+    peak_lr: f64,
+    schedule: super::LrSchedule,
     step: u64,
 }
 
@@ -330,6 +339,8 @@ impl Trainer {
             scaler,
             accumulator: GradAccumulator::new(),
             execution: Execution::for_plan(&plan, &options.fixes),
+            peak_lr: options.adamw.lr,
+            schedule: options.schedule,
             step: 0,
         })
     }
@@ -623,6 +634,7 @@ impl Trainer {
         let outcome = self.step_phases(data);
         alloc::set_phase(Phase::Setup);
         let (loss, forward_backward_peak, optimizer_peak, skipped) = outcome?;
+        let lr = self.lr();
         self.step += 1;
         Ok(StepStats {
             loss,
@@ -634,6 +646,7 @@ impl Trainer {
             forward_backward_peak,
             optimizer_peak,
             skipped,
+            lr,
         })
     }
 
@@ -750,8 +763,20 @@ impl Trainer {
         let _ = moment;
     }
 
+    /// The learning rate of the step about to be taken.
+    fn lr(&self) -> f64 {
+        self.peak_lr * self.schedule.factor(self.step)
+    }
+
     fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<()> {
         let _scope = Scope::new(Module::intern("optimizer"), Op::AdamW);
+        let lr = self.lr();
+        match &mut self.optim {
+            Optim::Fused(opt) => opt.set_learning_rate(lr),
+            Optim::Offloaded(opt) => opt.optimizer_mut().set_learning_rate(lr),
+            Optim::Sharded(opt) => opt.set_learning_rate(lr),
+            Optim::Candle(opts) => opts.iter_mut().for_each(|(o, _)| o.set_learning_rate(lr)),
+        }
         match &mut self.optim {
             Optim::Fused(opt) => opt.step(&grads)?,
             Optim::Offloaded(opt) => opt.step(grads)?,
