@@ -258,6 +258,19 @@ impl Attempt {
     pub fn ran_out_of_memory(&self) -> bool {
         self.measured.is_some_and(|m| m.out_of_memory)
     }
+
+    /// The measured step's seconds, when it was timed (and finite).
+    pub fn measured_seconds(&self) -> Option<f64> {
+        self.measured
+            .and_then(|m| m.step_seconds)
+            .filter(|s| s.is_finite())
+    }
+
+    /// Tokens per second of the modelled step (global batch × sequence length).
+    pub fn tokens_per_second(&self) -> f64 {
+        (self.plan.global_batch() * self.plan.seq_len) as f64
+            / self.time.total.max(f64::MIN_POSITIVE)
+    }
 }
 
 /// A fix of the pipeline that the search did not use, and why.
@@ -718,7 +731,7 @@ impl Run<'_> {
             .iter()
             .enumerate()
             .filter(|(_, a)| a.fits)
-            .filter_map(|(i, a)| Some((i, a.measured?.step_seconds.filter(|s| s.is_finite())?)))
+            .filter_map(|(i, a)| Some((i, a.measured_seconds()?)))
             .min_by(|a, b| a.1.total_cmp(&b.1))
             .map(|(i, _)| i);
         Ok(measured_best.or(modelled_best).or(Some(first)))
@@ -756,7 +769,13 @@ impl Run<'_> {
 
     /// The `attempt` span of `plan`: its serde fields, the budget, the
     /// estimate's terms; `measured_bytes` and `fits` are recorded later.
-    fn span(&self, strategy: &str, plan: &Plan, estimate: &Breakdown) -> tracing::Span {
+    fn span(
+        &self,
+        strategy: &str,
+        plan: &Plan,
+        estimate: &Breakdown,
+        time: &StepTime,
+    ) -> tracing::Span {
         let span = tracing::info_span!(
             "attempt",
             index = self.attempts.len(),
@@ -785,7 +804,7 @@ impl Run<'_> {
             pool_slack_bytes = estimate.pool_slack,
             peak_phase = %estimate.peak_phase,
             host_bytes = estimate.host,
-            estimated_step_seconds = self.time(plan).total,
+            estimated_step_seconds = time.total,
             measured_bytes = tracing::field::Empty,
             fits = tracing::field::Empty,
         );
@@ -797,10 +816,10 @@ impl Run<'_> {
     fn evaluate(&mut self, strategy: &str, plan: Plan) -> Result<bool> {
         let p = self.planner;
         let estimate = self.estimator.estimate(self.spec, &plan, &p.target);
-        let span = self.span(strategy, &plan, &estimate);
+        let time = self.time(&plan);
+        let span = self.span(strategy, &plan, &estimate, &time);
         let _enter = span.enter();
         let estimate_fits = self.estimate_fits(&estimate);
-        let time = self.time(&plan);
         let measure = match p.verify {
             Verify::Off => false,
             Verify::Fitting => estimate_fits,
@@ -919,6 +938,7 @@ mod tests {
                 "baseline",
                 &plan,
                 &estimator.estimate(&spec, &plan, &Target::Cpu),
+                &run.time(&plan),
             );
             let fields = span.metadata().expect("an enabled span").fields();
             for key in &keys {

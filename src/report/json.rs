@@ -41,18 +41,8 @@ fn attempt(a: &Attempt, lower_bound: bool) -> Value {
     o.insert("fits".into(), json!(a.fits));
     o.insert("lower_bound".into(), json!(lower_bound));
     o.insert("estimated_step_seconds".into(), json!(a.time.total));
-    let tokens = (a.plan.global_batch() * a.plan.seq_len) as f64;
-    o.insert(
-        "tokens_per_second".into(),
-        json!(tokens / a.time.total.max(f64::MIN_POSITIVE)),
-    );
-    o.insert(
-        "measured_step_seconds".into(),
-        json!(a
-            .measured
-            .and_then(|m| m.step_seconds)
-            .filter(|s| s.is_finite())),
-    );
+    o.insert("tokens_per_second".into(), json!(a.tokens_per_second()));
+    o.insert("measured_step_seconds".into(), json!(a.measured_seconds()));
     v
 }
 

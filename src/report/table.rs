@@ -40,11 +40,7 @@ fn row(i: usize, a: &Attempt, lower_bound: bool) -> String {
         Some(m) => format_bytes(m.peak_bytes.max(m.reserved_bytes)),
         None => "-".into(),
     };
-    let time = match a
-        .measured
-        .and_then(|m| m.step_seconds)
-        .filter(|s| s.is_finite())
-    {
+    let time = match a.measured_seconds() {
         Some(m) => format!("{} / {}", seconds(a.time.total), seconds(m)),
         None => seconds(a.time.total),
     };
@@ -164,13 +160,12 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
                 format_bytes(result.margin_bytes().unwrap_or(0)),
                 format_bytes(result.headroom.bytes(a.estimate.peak)),
             );
-            let tokens = (a.plan.global_batch() * a.plan.seq_len) as f64;
             let _ = writeln!(
                 out,
                 "        fastest of {} plans explored: {} per step estimated ({:.0} tokens/s){}",
                 result.explored.max(1),
                 seconds(a.time.total),
-                tokens / a.time.total.max(f64::MIN_POSITIVE),
+                a.tokens_per_second(),
                 match result.pins.names().as_slice() {
                     [] => String::new(),
                     names => format!("; pinned: {}", names.join(", ")),
