@@ -9,23 +9,7 @@ use common::values;
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
 use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
-use oomfix::{Family, ModelConfig, ModelSpec, Planner, Target};
-
-fn tiny_llama() -> ModelConfig {
-    ModelConfig {
-        family: Family::Llama,
-        layers: 2,
-        hidden: 32,
-        heads: 4,
-        kv_heads: 2,
-        intermediate: 48,
-        vocab: 96,
-        max_positions: 32,
-        tied_embeddings: false,
-        qkv_bias: false,
-        settings: Default::default(),
-    }
-}
+use oomfix::{ModelConfig, ModelSpec, Planner, Target};
 
 fn plan(precision: Precision, optimizer: OptimizerImpl) -> Plan {
     Plan {
@@ -59,7 +43,7 @@ fn offloaded_training_takes_the_fused_steps_exactly() {
     for precision in [Precision::F32, Precision::Bf16, Precision::F16] {
         let run = |optimizer| {
             let mut trainer = Trainer::new(
-                &tiny_llama(),
+                &common::tiny_llama(),
                 plan(precision, optimizer),
                 &Device::Cpu,
                 &options,
@@ -72,7 +56,7 @@ fn offloaded_training_takes_the_fused_steps_exactly() {
         assert_eq!(losses, fused_losses, "{precision}");
         assert_eq!(params, fused_params, "{precision}");
         let mut untrained = Trainer::new(
-            &tiny_llama(),
+            &common::tiny_llama(),
             plan(precision, OptimizerImpl::OffloadedAdamW),
             &Device::Cpu,
             &options,
@@ -89,7 +73,7 @@ fn an_offloaded_run_resumes_where_it_stopped() {
     let path = dir.path().join("run.safetensors");
     let options = TrainOptions::default();
     let plan = plan(Precision::Bf16, OptimizerImpl::OffloadedAdamW);
-    let new = || Trainer::new(&tiny_llama(), plan, &Device::Cpu, &options).unwrap();
+    let new = || Trainer::new(&common::tiny_llama(), plan, &Device::Cpu, &options).unwrap();
 
     let mut straight = new();
     let mut data = DataSource::synthetic(3);

@@ -1,28 +1,13 @@
 //! The trainer at world size N (ranks as threads over `ThreadComm`) takes the
 //! steps of one rank with the same global batch, at every ZeRO stage.
 
+mod common;
+
 use candle_core::Device;
 use oomfix::strategies::shard::{Comm, ThreadComm};
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision, Sharding};
 use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
-use oomfix::{Family, ModelConfig};
-
-fn tiny_llama() -> ModelConfig {
-    ModelConfig {
-        family: Family::Llama,
-        layers: 2,
-        hidden: 32,
-        heads: 4,
-        kv_heads: 2,
-        intermediate: 48,
-        vocab: 96,
-        max_positions: 32,
-        tied_embeddings: false,
-        qkv_bias: false,
-        settings: Default::default(),
-    }
-}
 
 const STEPS: usize = 3;
 
@@ -60,8 +45,13 @@ fn close(a: &[f32], b: &[f32]) -> bool {
 fn every_stage_at_2_and_4_ranks_takes_the_one_rank_steps() {
     let options = TrainOptions::default();
     for world in [2, 4] {
-        let mut one =
-            Trainer::new(&tiny_llama(), plan(1, 0, 2 * world), &Device::Cpu, &options).unwrap();
+        let mut one = Trainer::new(
+            &common::tiny_llama(),
+            plan(1, 0, 2 * world),
+            &Device::Cpu,
+            &options,
+        )
+        .unwrap();
         let want = losses(&mut one);
         assert!(
             want[STEPS - 1] < want[0],
@@ -76,7 +66,7 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_rank_steps() {
                         s.spawn(move || {
                             let comm: Box<dyn Comm> = Box::new(comm);
                             let mut t = Trainer::new_sharded(
-                                &tiny_llama(),
+                                &common::tiny_llama(),
                                 plan(world, stage, 2),
                                 &Device::Cpu,
                                 options,
@@ -104,12 +94,18 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_rank_steps() {
 fn a_plan_for_another_world_size_is_refused() {
     let options = TrainOptions::default();
     let comm: Box<dyn Comm> = Box::new(ThreadComm::group(1).pop().unwrap());
-    let err = Trainer::new_sharded(&tiny_llama(), plan(2, 1, 2), &Device::Cpu, &options, comm)
-        .err()
-        .unwrap();
+    let err = Trainer::new_sharded(
+        &common::tiny_llama(),
+        plan(2, 1, 2),
+        &Device::Cpu,
+        &options,
+        comm,
+    )
+    .err()
+    .unwrap();
     assert!(err.to_string().contains("2 ranks"), "{err}");
     assert!(err.is_input());
-    let err = Trainer::new(&tiny_llama(), plan(2, 1, 2), &Device::Cpu, &options)
+    let err = Trainer::new(&common::tiny_llama(), plan(2, 1, 2), &Device::Cpu, &options)
         .err()
         .unwrap();
     assert!(err.is_input(), "{err}");

@@ -116,6 +116,24 @@ pub fn tiny_gpt2() -> oomfix::ModelConfig {
     }
 }
 
+/// A two-layer Llama with grouped-query attention (4 heads, 2 key/value
+/// heads) and an untied head, small enough to train in a test.
+pub fn tiny_llama() -> oomfix::ModelConfig {
+    oomfix::ModelConfig {
+        family: oomfix::Family::Llama,
+        layers: 2,
+        hidden: 32,
+        heads: 4,
+        kv_heads: 2,
+        intermediate: 48,
+        vocab: 96,
+        max_positions: 32,
+        tied_embeddings: false,
+        qkv_bias: false,
+        settings: Default::default(),
+    }
+}
+
 /// [`tiny_gpt2`]'s F32 weights as `dir/tiny.safetensors` (sparse).
 pub fn tiny_gpt2_file(dir: &Path) -> PathBuf {
     let path = dir.join("tiny.safetensors");
