@@ -18,19 +18,7 @@ set -euo pipefail
 # shellcheck source=scripts/cuda-env.sh
 . "$(dirname "${BASH_SOURCE[0]}")/cuda-env.sh"
 
-cap=90
-cache=${OOMFIX_CUDA_CACHE:-$HOME/.cache/oomfix-cuda}
-while (($#)); do
-    case $1 in
-        --compute-cap) cap=${2:?--compute-cap needs a value}; shift 2 ;;
-        --cache) cache=${2:?--cache needs a value}; shift 2 ;;
-        -h | --help) sed -n '/^# Usage:/,/^#  *~/s/^# \{0,1\}//p' "$0"; exit 0 ;;
-        *) die "unknown argument: $1 (see --help)" ;;
-    esac
-done
-mkdir -p "$cache"
-cache=$(cd "$cache" && pwd)
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cuda_args "$@"
 
 start=$SECONDS
 cuda_env_setup "$cache" "$cap"

@@ -206,8 +206,10 @@ cuda_check_kernels() {
         die "a run-time kernel source does not compile with NVRTC (log above)"
 }
 
-if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
-    set -euo pipefail
+# The command line of this script and of check-cuda.sh: --compute-cap N and
+# --cache DIR into `cap` and `cache` (made absolute and created), then to the
+# repository's root.
+cuda_args() {
     cap=90
     cache=${OOMFIX_CUDA_CACHE:-$HOME/.cache/oomfix-cuda}
     while (($#)); do
@@ -221,5 +223,10 @@ if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
     mkdir -p "$cache"
     cache=$(cd "$cache" && pwd)
     cd "$(dirname "${BASH_SOURCE[0]}")/.."
+}
+
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+    set -euo pipefail
+    cuda_args "$@"
     cuda_env_setup "$cache" "$cap"
 fi
