@@ -181,7 +181,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
-use oomfix_strategies::checkpoint::{self, Block};
+use oomfix_strategies::checkpoint;
 use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
 #[cfg(doc)]
@@ -353,6 +353,15 @@ pub trait TrainableModel {
     /// blocks recomputed and attention computed as `exec` says
     /// ([`Attention::Flash`] runs on the CPU and on CUDA devices).
     fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput>;
+
+    /// The logits of `batch.input_ids`: f32 `[b, s, V]`, detached, from a
+    /// forward pass without backward (attention computed as `exec` says; its
+    /// checkpointing and loss scale play no part). Blocks run one after the
+    /// other, each block's activations dropped once it is done, so the pass
+    /// never keeps more than one block's. BERT attends as the batch's
+    /// `attention_mask` says; `targets` and `loss_mask` are not read, but
+    /// must have the inputs' shape as in any [`Batch`].
+    fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor>;
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).
@@ -609,34 +618,81 @@ impl Params {
     }
 }
 
-/// Runs [`checkpoint::backward`] over a family's stem, blocks and head and packs the
-/// result as a [`StepOutput`].
-pub(crate) fn step<B: Block>(
-    vars: &[(String, Var)],
-    stem: &Tensor,
-    blocks: &[B],
-    head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
-    exec: &Execution,
-) -> Result<StepOutput> {
-    let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
-    // Everything after the loss is backward (with checkpointing: recomputed
-    // blocks too, tagged by their own scopes).
-    let _scope = Scope::module(Module::ROOT);
-    let head = |x: &Tensor| {
-        let loss = head(x)?;
-        alloc::set_phase(Phase::Backward);
-        tag::set(Tag::new(Module::ROOT, Op::Backward));
-        Ok(loss)
-    };
-    let out = checkpoint::backward(stem, blocks, head, &vars, exec.checkpoint, exec.loss_scale)?;
-    let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-    let grads = out
-        .grads
-        .into_iter()
-        .zip(&vars)
-        .map(|(g, v)| g.map_or_else(|| v.zeros_like(), Ok))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(StepOutput { loss, grads })
+/// A hidden-state map of a [`Forward`]: a block, or the head.
+type Layer<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
+
+/// One forward pass of a family on a batch, laid out for
+/// [`checkpoint::backward`]: the stem's output `[b, s, h]` (attached to the
+/// parameters' graph), the blocks, and the head from the last block's output
+/// to the logits `[b·s, P]` over the padded vocabulary
+/// ([`layers::lm_logits`]). The families build it; [`backward`](Self::backward)
+/// and [`logits`](Self::logits) run it.
+pub(crate) struct Forward<'a> {
+    pub(crate) stem: Tensor,
+    pub(crate) blocks: Vec<Layer<'a>>,
+    pub(crate) head: Layer<'a>,
+}
+
+impl<'a> Forward<'a> {
+    /// A block or head of the pass.
+    pub(crate) fn layer(f: impl Fn(&Tensor) -> candle_core::Result<Tensor> + 'a) -> Layer<'a> {
+        Box::new(f)
+    }
+
+    /// The loss of `batch` ([`lm_loss`] of the logits over `vocab` columns)
+    /// and the gradients of `vars`: [`checkpoint::backward`] over the stem,
+    /// blocks and head, packed as a [`StepOutput`].
+    pub(crate) fn backward(
+        self,
+        vars: &[(String, Var)],
+        vocab: usize,
+        batch: &Batch,
+        exec: &Execution,
+    ) -> Result<StepOutput> {
+        let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+        // Everything after the loss is backward (with checkpointing: recomputed
+        // blocks too, tagged by their own scopes).
+        let _scope = Scope::module(Module::ROOT);
+        let head = |x: &Tensor| {
+            let loss = lm_loss(&(self.head)(x)?, vocab, batch)?;
+            alloc::set_phase(Phase::Backward);
+            tag::set(Tag::new(Module::ROOT, Op::Backward));
+            Ok(loss)
+        };
+        let out = checkpoint::backward(
+            &self.stem,
+            &self.blocks,
+            head,
+            &vars,
+            exec.checkpoint,
+            exec.loss_scale,
+        )?;
+        let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let grads = out
+            .grads
+            .into_iter()
+            .zip(&vars)
+            .map(|(g, v)| g.map_or_else(|| v.zeros_like(), Ok))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(StepOutput { loss, grads })
+    }
+
+    /// The logits `[b, s, vocab]` in f32, detached. Each block's input is
+    /// detached from the graph, so a block's activations are dropped once
+    /// its output exists.
+    pub(crate) fn logits(self, vocab: usize) -> Result<Tensor> {
+        let _scope = Scope::module(Module::ROOT);
+        let (b, s, _) = self.stem.dims3()?;
+        let mut x = self.stem.detach();
+        for block in &self.blocks {
+            x = block(&x)?.detach();
+        }
+        let logits = (self.head)(&x)?.narrow(1, 0, vocab)?;
+        Ok(logits
+            .reshape((b, s, vocab))?
+            .to_dtype(DType::F32)?
+            .detach())
+    }
 }
 
 /// The cross-entropy of `logits` (`[b·s, V]`) against the batch's targets, over
