@@ -9,7 +9,8 @@
 //! [`attention_probs`](oomfix_strategies::nn::ops::attention_probs) node, then
 //! `P·v`) or computed by
 //! [`oomfix_strategies::attention::flash_attention`] ([`Attention`]), and returns the
-//! loss and detached gradients aligned with [`TrainableModel::vars`].
+//! loss and detached gradients aligned with [`TrainableModel::vars`];
+//! [`TrainableModel::logits`] runs the same forward pass without backward.
 //!
 //! The models are written for training, not inference: no KV cache, no dropout
 //! (recomputation must be deterministic), and none of candle's fused fast paths
