@@ -678,21 +678,28 @@ impl<'a> Forward<'a> {
         Ok(StepOutput { loss, grads })
     }
 
-    /// The logits `[b, s, vocab]` in f32, detached. Each block's input is
-    /// detached from the graph, so a block's activations are dropped once
-    /// its output exists.
-    pub(crate) fn logits(self, vocab: usize) -> Result<Tensor> {
+    /// The head's logits `[b·s, P]` in the compute dtype, detached, from a
+    /// pass without backward (what a forward-only loss, [`lm_loss`], takes).
+    /// Each block's input is detached from the graph, so a block's
+    /// activations are dropped once its output exists.
+    pub(crate) fn padded_logits(self) -> Result<Tensor> {
         let _scope = Scope::module(Module::ROOT);
-        let (b, s, _) = self.stem.dims3()?;
         let mut x = self.stem.detach();
         for block in &self.blocks {
             x = block(&x)?.detach();
         }
-        let logits = (self.head)(&x)?.narrow(1, 0, vocab)?;
-        Ok(logits
+        Ok((self.head)(&x)?.detach())
+    }
+
+    /// The logits `[b, s, vocab]` in f32: [`padded_logits`](Self::padded_logits)
+    /// without the padding columns.
+    pub(crate) fn logits(self, vocab: usize) -> Result<Tensor> {
+        let (b, s, _) = self.stem.dims3()?;
+        Ok(self
+            .padded_logits()?
+            .narrow(1, 0, vocab)?
             .reshape((b, s, vocab))?
-            .to_dtype(DType::F32)?
-            .detach())
+            .to_dtype(DType::F32)?)
     }
 }
 
