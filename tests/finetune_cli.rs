@@ -487,3 +487,89 @@ fn training_refuses_what_the_family_does_not_implement_naming_the_field() {
         "\"activation_function\" is \"relu\"",
     );
 }
+
+/// `tests/fixtures/finetune`: a tiny pretrained Llama-style model with its
+/// tokenizer, training and held-out text, and the reference values of
+/// `scripts/make-parity-fixtures.py`.
+fn finetune_fixture() -> (PathBuf, serde_json::Value) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/finetune");
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    (dir, serde_json::from_str(&text).unwrap())
+}
+
+#[test]
+fn the_first_micro_batch_is_the_reference_tokens() {
+    use oomfix::train::data::{DataSource, TextOptions, TokenWidth};
+    use oomfix::train::tokenizer::Tokenizer;
+    let (dir, reference) = finetune_fixture();
+    let spec = oomfix::inspect(&dir).unwrap();
+    let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    let eos = spec.config.settings.eos_token_id;
+    assert_eq!(eos, tok.eos_id());
+    let text = TextOptions {
+        tokenizer: Some(&tok),
+        eos,
+        ..TextOptions::default()
+    };
+    let mut data = DataSource::load(
+        &dir.join("train.txt"),
+        TokenWidth::U16,
+        spec.config.vocab,
+        &text,
+    )
+    .unwrap();
+    let seq = reference["seq_len"].as_u64().unwrap() as usize;
+    let windows: Vec<u32> = reference["first_windows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|w| w.as_array().unwrap().iter())
+        .map(|id| id.as_u64().unwrap() as u32)
+        .collect();
+    let micro_batch = windows.len() / (seq + 1);
+    assert_eq!(
+        data.next_windows(micro_batch, seq, spec.config.vocab),
+        windows
+    );
+}
+
+#[test]
+fn fine_tuning_the_pretrained_fixture_starts_from_the_transformers_loss() {
+    let (dir, reference) = finetune_fixture();
+    let work = tempfile::tempdir().unwrap();
+    let seq = reference["seq_len"].to_string();
+    let micro_batch = reference["micro_batch"].to_string();
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .current_dir(work.path())
+        .env_remove("RUST_LOG")
+        .arg("train")
+        .arg(&dir)
+        .arg("--data")
+        .arg(dir.join("train.txt"))
+        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
+        .args(["--seq-len", &seq, "--global-batch", &micro_batch])
+        .args(["--micro-batch", &micro_batch, "--grad-accum", "1"])
+        .args(["--steps", "3", "--lr", "1e-3", "--log-format", "json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let losses: Vec<f64> = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["fields"]["message"] == "step")
+        .map(|v| v["fields"]["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(losses.len(), 3, "{stderr}");
+    let expected = reference["first_loss"].as_f64().unwrap();
+    let rel = (losses[0] - expected).abs() / expected;
+    assert!(
+        rel < 1e-4,
+        "first step's loss {} vs transformers' {expected} ({rel:e})",
+        losses[0]
+    );
+    // Pretrained: far below a uniform guess over the vocabulary.
+    let vocab = oomfix::inspect(&dir).unwrap().config.vocab as f64;
+    assert!(expected < 0.5 * vocab.ln(), "{expected}");
+}

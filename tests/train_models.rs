@@ -664,76 +664,93 @@ fn sixteen_bit_losses_are_close_to_f32() {
     }
 }
 
-/// The tiny models of `tests/fixtures/train/make_reference.py`, by file name.
-fn reference_models() -> Vec<(&'static str, ModelConfig)> {
-    let gpt2 = ModelConfig {
-        layers: 2,
-        intermediate: 64,
-        ..tiny(Family::Gpt2)
-    };
-    // make_reference.py sets rms_norm_eps 1e-5 (transformers' default is 1e-6).
-    let llama = ModelConfig {
-        layers: 2,
-        intermediate: 48,
-        settings: oomfix::ModelSettings {
-            norm_eps: Some(1e-5),
-            ..Default::default()
-        },
-        ..tiny(Family::Llama)
-    };
-    vec![
-        ("gpt2", gpt2.clone()),
-        (
-            "llama",
-            ModelConfig {
-                tied_embeddings: false,
-                ..llama.clone()
-            },
-        ),
-        (
-            "qwen2",
-            ModelConfig {
-                qkv_bias: true,
-                ..llama
-            },
-        ),
-        (
-            "bert",
-            ModelConfig {
-                family: Family::Bert,
-                qkv_bias: true,
-                ..gpt2
-            },
-        ),
-    ]
+/// A fixture of `scripts/make-parity-fixtures.py`: the model as oomfix reads
+/// its directory (weights and `config.json`), the reference values
+/// transformers computed, and their batch.
+struct Reference {
+    name: &'static str,
+    spec: oomfix::ModelSpec,
+    values: HashMap<String, Tensor>,
+    batch: Batch,
 }
 
-fn ids(t: &Tensor) -> Tensor {
-    t.to_dtype(DType::U32).unwrap()
+impl Reference {
+    /// The model in compute dtype `dtype`, built as the trainer builds it.
+    fn model(&self, dtype: DType) -> Box<dyn TrainableModel> {
+        build_model(
+            &self.spec.config,
+            Some(&self.spec.files),
+            dtype,
+            &Device::Cpu,
+            0,
+        )
+        .unwrap()
+    }
+
+    fn loss(&self) -> f32 {
+        values(&self.values["loss"])[0]
+    }
 }
 
-/// Loss and gradients agree with Hugging Face transformers (5.17, torch 2.11, f32 eager
+/// GPT-2; Llama with grouped-query attention and an untied head; Qwen2 with
+/// q/k/v biases and a tied head; BERT masked-LM with padding.
+fn references() -> Vec<Reference> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train");
+    let ids = |t: &Tensor| t.to_dtype(DType::U32).unwrap();
+    ["gpt2", "llama", "qwen2", "bert"]
+        .into_iter()
+        .map(|name| {
+            let spec = oomfix::inspect(&dir.join(name).join("model.safetensors")).unwrap();
+            let values = candle_core::safetensors::load(
+                dir.join(format!("{name}.ref.safetensors")),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let batch = Batch {
+                input_ids: ids(&values["input_ids"]),
+                targets: ids(&values["targets"]),
+                loss_mask: Some(values["loss_mask"].clone()),
+                attention_mask: values.get("attention_mask").map(ids),
+            };
+            Reference {
+                name,
+                spec,
+                values,
+                batch,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_reference_fixtures_are_the_families_they_stand_for() {
+    let found: Vec<_> = references()
+        .iter()
+        .map(|r| {
+            let c = &r.spec.config;
+            (r.name, c.family, c.kv_heads, c.tied_embeddings, c.qkv_bias)
+        })
+        .collect();
+    assert_eq!(
+        found,
+        [
+            ("gpt2", Family::Gpt2, 4, true, false),
+            ("llama", Family::Llama, 2, false, false),
+            ("qwen2", Family::Llama, 2, true, true),
+            ("bert", Family::Bert, 4, true, true),
+        ]
+    );
+}
+
+/// Loss and gradients agree with Hugging Face transformers (f32, eager
 /// attention) on tiny models with random weights, biases and norm scales.
 #[test]
 fn losses_and_gradients_match_hugging_face_transformers() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train");
-    for (name, config) in reference_models() {
-        let weights = [dir.join(format!("{name}.safetensors"))];
-        let model = build_model(&config, Some(&weights), DType::F32, &Device::Cpu, 0).unwrap();
-        let reference = candle_core::safetensors::load(
-            dir.join(format!("{name}.ref.safetensors")),
-            &Device::Cpu,
-        )
-        .unwrap();
-        let batch = Batch {
-            input_ids: ids(&reference["input_ids"]),
-            targets: ids(&reference["targets"]),
-            loss_mask: Some(reference["loss_mask"].clone()),
-            attention_mask: reference.get("attention_mask").map(ids),
-        };
-        let expected_loss = values(&reference["loss"])[0];
+    for r in references() {
+        let (name, expected_loss) = (r.name, r.loss());
+        let model = r.model(DType::F32);
         for policy in [Checkpointing::None, Checkpointing::Every(1)] {
-            let out = step(model.as_ref(), &batch, policy);
+            let out = step(model.as_ref(), &r.batch, policy);
             assert!(
                 (out.loss - expected_loss).abs() < 1e-5 * expected_loss,
                 "{name}: {} vs {expected_loss}",
@@ -742,7 +759,7 @@ fn losses_and_gradients_match_hugging_face_transformers() {
             let expected: Vec<&Tensor> = model
                 .vars()
                 .iter()
-                .map(|(n, _)| &reference[&format!("grad.{n}")])
+                .map(|(n, _)| &r.values[&format!("grad.{n}")])
                 .collect();
             let largest = expected.iter().map(|g| max_abs(g)).fold(0f32, f32::max);
             for (((n, _), got), want) in model.vars().iter().zip(&out.grads).zip(expected) {
@@ -755,6 +772,53 @@ fn losses_and_gradients_match_hugging_face_transformers() {
                 assert!(
                     rel < 1e-5,
                     "{name} {policy}: gradient of {n} differs by {rel:e}"
+                );
+            }
+        }
+    }
+}
+
+/// The logits (every position, padding included) and the loss agree with
+/// transformers' f32 values: within 1e-4 relative in f32 compute; in bf16
+/// compute (the weights rounded to bf16, as `--precision bf16` trains)
+/// within 2⁻⁵ (3.1%) of the largest logit and 0.5% of the loss. bf16 keeps 8
+/// significant bits, so each rounding errs by up to 2⁻⁹ (0.2%) of its value;
+/// the weights, the activations between ops and the outputs of 2 blocks and
+/// the head are each rounded, and the errors pass on through the following
+/// products: 2⁻⁵ allows 16 such roundings in a row (about 5 are measured). The
+/// loss, a mean over the positions, averages the logits' errors. A logit's
+/// error is relative to the largest logit (one near zero has no relative
+/// precision to speak of).
+#[test]
+fn logits_and_losses_match_hugging_face_transformers_in_f32_and_bf16() {
+    for r in references() {
+        let want = &r.values["logits"];
+        let (largest, expected_loss) = (max_abs(want), r.loss());
+        for (dtype, logits_tol, loss_tol) in
+            [(DType::F32, 1e-4, 1e-4), (DType::BF16, 1.0 / 32.0, 5e-3)]
+        {
+            let model = r.model(dtype);
+            for attention in [Attention::Composed, Attention::Flash] {
+                let exec = Execution::default().attention(attention);
+                let got = model.logits(&r.batch, &exec).unwrap();
+                assert_eq!(got.dims(), want.dims(), "{}", r.name);
+                assert_eq!(got.dtype(), DType::F32);
+                let logits_rel = max_diff(&got, want) / largest;
+                let loss = model.forward_backward(&r.batch, &exec).unwrap().loss;
+                let loss_rel = (loss - expected_loss).abs() / expected_loss;
+                eprintln!(
+                    "{} {dtype:?} {attention}: logits {logits_rel:.2e}, loss {loss_rel:.2e}",
+                    r.name
+                );
+                assert!(
+                    logits_rel < logits_tol,
+                    "{} {dtype:?} {attention}: logits differ by {logits_rel:e} of the largest",
+                    r.name
+                );
+                assert!(
+                    loss_rel < loss_tol,
+                    "{} {dtype:?} {attention}: loss {loss} vs {expected_loss}",
+                    r.name
                 );
             }
         }

@@ -1,11 +1,13 @@
 //! BERT: post-LN encoder with learned positions and token types, masked-LM head.
 
+use std::rc::Rc;
+
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, split_heads, Attend, LayerNorm, Linear};
-use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use super::{batch_dims, Batch, Forward, Params, StepOutput, TrainableModel};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -127,18 +129,9 @@ impl Bert {
             .map(Module::intern),
         })
     }
-}
 
-impl TrainableModel for Bert {
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    fn vars(&self) -> &[(String, Var)] {
-        &self.vars
-    }
-
-    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
+    /// The forward pass on `batch`: embeddings, blocks and the masked-LM head.
+    fn forward(&self, batch: &Batch, exec: &Execution) -> Result<Forward<'_>> {
         let (b, s) = batch_dims(batch, &self.config, true)?;
         let h = self.config.hidden;
         let [embeddings, mask, transform, decoder] = self.tags;
@@ -158,15 +151,17 @@ impl TrainableModel for Bert {
         };
         let attend = {
             let _m = Scope::new(mask, Op::Attention);
-            Attend::padded(exec, batch.attention_mask.as_ref())?
+            Rc::new(Attend::padded(exec, batch.attention_mask.as_ref())?)
         };
-        let attend = &attend;
-        let blocks: Vec<_> = self
+        let blocks = self
             .blocks
             .iter()
-            .map(|blk| move |x: &Tensor| blk.forward(x, attend))
+            .map(|blk| {
+                let attend = Rc::clone(&attend);
+                Forward::layer(move |x| blk.forward(x, &attend))
+            })
             .collect();
-        let head = |x: &Tensor| {
+        let head = Forward::layer(move |x| {
             let x = {
                 let _m = Scope::module(transform);
                 let x = self.transform.forward(x)?;
@@ -176,12 +171,28 @@ impl TrainableModel for Bert {
                 };
                 self.transform_norm.forward(&x)?.reshape((b * s, h))?
             };
-            let logits = {
-                let _m = Scope::module(decoder);
-                lm_logits(&x, &self.word, Some(&self.decoder_bias))?
-            };
-            lm_loss(&logits, self.config.vocab, batch)
-        };
-        step(&self.vars, &stem, &blocks, head, exec)
+            let _m = Scope::module(decoder);
+            lm_logits(&x, &self.word, Some(&self.decoder_bias))
+        });
+        Ok(Forward { stem, blocks, head })
+    }
+}
+
+impl TrainableModel for Bert {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
+        self.forward(batch, exec)?
+            .backward(&self.vars, self.config.vocab, batch, exec)
+    }
+
+    fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor> {
+        self.forward(batch, exec)?.logits(self.config.vocab)
     }
 }

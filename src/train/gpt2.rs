@@ -1,11 +1,13 @@
 //! GPT-2: learned positions, pre-LN blocks, `Conv1D` projections, tied LM head.
 
+use std::rc::Rc;
+
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, Attend, LayerNorm, Linear};
-use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use super::{batch_dims, Batch, Forward, Params, StepOutput, TrainableModel};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -103,6 +105,37 @@ impl Gpt2 {
             tags: ["wte", "ln_f", "lm_head"].map(Module::intern),
         })
     }
+
+    /// The forward pass on `batch`: embeddings, blocks, `ln_f` and the tied head.
+    fn forward(&self, batch: &Batch, exec: &Execution) -> Result<Forward<'_>> {
+        let (b, s) = batch_dims(batch, &self.config, true)?;
+        let h = self.config.hidden;
+        let [wte, ln_f, lm_head] = self.tags;
+        let stem = {
+            let _m = Scope::new(wte, Op::Embedding);
+            let tokens =
+                ops::embedding(&self.wte, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
+            tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
+        };
+        let attend = Rc::new(Attend::causal(exec));
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|blk| {
+                let attend = Rc::clone(&attend);
+                Forward::layer(move |x| blk.forward(x, &attend))
+            })
+            .collect();
+        let head = Forward::layer(move |x| {
+            let x = {
+                let _m = Scope::module(ln_f);
+                self.ln_f.forward(x)?.reshape((b * s, h))?
+            };
+            let _m = Scope::module(lm_head);
+            lm_logits(&x, &self.wte, None)
+        });
+        Ok(Forward { stem, blocks, head })
+    }
 }
 
 impl TrainableModel for Gpt2 {
@@ -115,32 +148,11 @@ impl TrainableModel for Gpt2 {
     }
 
     fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
-        let (b, s) = batch_dims(batch, &self.config, true)?;
-        let h = self.config.hidden;
-        let [wte, ln_f, lm_head] = self.tags;
-        let stem = {
-            let _m = Scope::new(wte, Op::Embedding);
-            let tokens =
-                ops::embedding(&self.wte, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
-            tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
-        };
-        let attend = &Attend::causal(exec);
-        let blocks: Vec<_> = self
-            .blocks
-            .iter()
-            .map(|blk| move |x: &Tensor| blk.forward(x, attend))
-            .collect();
-        let head = |x: &Tensor| {
-            let x = {
-                let _m = Scope::module(ln_f);
-                self.ln_f.forward(x)?.reshape((b * s, h))?
-            };
-            let logits = {
-                let _m = Scope::module(lm_head);
-                lm_logits(&x, &self.wte, None)?
-            };
-            lm_loss(&logits, self.config.vocab, batch)
-        };
-        step(&self.vars, &stem, &blocks, head, exec)
+        self.forward(batch, exec)?
+            .backward(&self.vars, self.config.vocab, batch, exec)
+    }
+
+    fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor> {
+        self.forward(batch, exec)?.logits(self.config.vocab)
     }
 }

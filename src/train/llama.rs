@@ -3,12 +3,14 @@
 //! checkpoint's RMSNorm epsilon and RoPE base, and optional biases on every
 //! attention projection (`attention_bias`) and the MLP (`mlp_bias`).
 
+use std::rc::Rc;
+
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm};
-use super::{batch_dims, lm_loss, step, Batch, Params, StepOutput, TrainableModel};
+use super::{batch_dims, Batch, Forward, Params, StepOutput, TrainableModel};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -147,6 +149,44 @@ impl Llama {
             .map(Module::intern),
         })
     }
+
+    /// The forward pass on `batch`: embedding, blocks, final norm and LM head.
+    fn forward(&self, batch: &Batch, exec: &Execution) -> Result<Forward<'_>> {
+        let (b, s) = batch_dims(batch, &self.config, false)?;
+        let (h, d) = (self.config.hidden, self.config.head_dim());
+        let device = self.embed.device();
+        let [embed, rotary, norm, lm_head] = self.tags;
+        let theta = self.config.rope_theta();
+        let ctx = {
+            let _m = Scope::new(rotary, Op::Rope);
+            Rc::new(Context {
+                attend: Attend::causal(exec),
+                rope_q: RopeTables::new(s, d, theta, 1.0 / (d as f64).sqrt(), device)?,
+                rope_k: RopeTables::new(s, d, theta, 1.0, device)?,
+            })
+        };
+        let stem = {
+            let _m = Scope::new(embed, Op::Embedding);
+            ops::embedding(&self.embed, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?
+        };
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|blk| {
+                let ctx = Rc::clone(&ctx);
+                Forward::layer(move |x| blk.forward(x, &ctx))
+            })
+            .collect();
+        let head = Forward::layer(move |x| {
+            let x = {
+                let _m = Scope::module(norm);
+                self.norm.forward(x)?.reshape((b * s, h))?
+            };
+            let _m = Scope::module(lm_head);
+            lm_logits(&x, &self.lm_head, None)
+        });
+        Ok(Forward { stem, blocks, head })
+    }
 }
 
 impl TrainableModel for Llama {
@@ -159,40 +199,11 @@ impl TrainableModel for Llama {
     }
 
     fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
-        let (b, s) = batch_dims(batch, &self.config, false)?;
-        let (h, d) = (self.config.hidden, self.config.head_dim());
-        let device = self.embed.device();
-        let [embed, rotary, norm, lm_head] = self.tags;
-        let theta = self.config.rope_theta();
-        let ctx = {
-            let _m = Scope::new(rotary, Op::Rope);
-            Context {
-                attend: Attend::causal(exec),
-                rope_q: RopeTables::new(s, d, theta, 1.0 / (d as f64).sqrt(), device)?,
-                rope_k: RopeTables::new(s, d, theta, 1.0, device)?,
-            }
-        };
-        let ctx = &ctx;
-        let stem = {
-            let _m = Scope::new(embed, Op::Embedding);
-            ops::embedding(&self.embed, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?
-        };
-        let blocks: Vec<_> = self
-            .blocks
-            .iter()
-            .map(|blk| move |x: &Tensor| blk.forward(x, ctx))
-            .collect();
-        let head = |x: &Tensor| {
-            let x = {
-                let _m = Scope::module(norm);
-                self.norm.forward(x)?.reshape((b * s, h))?
-            };
-            let logits = {
-                let _m = Scope::module(lm_head);
-                lm_logits(&x, &self.lm_head, None)?
-            };
-            lm_loss(&logits, self.config.vocab, batch)
-        };
-        step(&self.vars, &stem, &blocks, head, exec)
+        self.forward(batch, exec)?
+            .backward(&self.vars, self.config.vocab, batch, exec)
+    }
+
+    fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor> {
+        self.forward(batch, exec)?.logits(self.config.vocab)
     }
 }

@@ -9,7 +9,8 @@
 //! [`attention_probs`](oomfix_strategies::nn::ops::attention_probs) node, then
 //! `P·v`) or computed by
 //! [`oomfix_strategies::attention::flash_attention`] ([`Attention`]), and returns the
-//! loss and detached gradients aligned with [`TrainableModel::vars`].
+//! loss and detached gradients aligned with [`TrainableModel::vars`];
+//! [`TrainableModel::logits`] runs the same forward pass without backward.
 //!
 //! The models are written for training, not inference: no KV cache, no dropout
 //! (recomputation must be deterministic), and none of candle's fused fast paths
@@ -181,7 +182,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
-use oomfix_strategies::checkpoint::{self, Block};
+use oomfix_strategies::checkpoint;
 use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
 #[cfg(doc)]
@@ -353,6 +354,15 @@ pub trait TrainableModel {
     /// blocks recomputed and attention computed as `exec` says
     /// ([`Attention::Flash`] runs on the CPU and on CUDA devices).
     fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput>;
+
+    /// The logits of `batch.input_ids`: f32 `[b, s, V]`, detached, from a
+    /// forward pass without backward (attention computed as `exec` says; its
+    /// checkpointing and loss scale play no part). Blocks run one after the
+    /// other, each block's activations dropped once it is done, so the pass
+    /// never keeps more than one block's. BERT attends as the batch's
+    /// `attention_mask` says; `targets` and `loss_mask` are not read, but
+    /// must have the inputs' shape as in any [`Batch`].
+    fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor>;
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).
@@ -609,34 +619,88 @@ impl Params {
     }
 }
 
-/// Runs [`checkpoint::backward`] over a family's stem, blocks and head and packs the
-/// result as a [`StepOutput`].
-pub(crate) fn step<B: Block>(
-    vars: &[(String, Var)],
-    stem: &Tensor,
-    blocks: &[B],
-    head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
-    exec: &Execution,
-) -> Result<StepOutput> {
-    let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
-    // Everything after the loss is backward (with checkpointing: recomputed
-    // blocks too, tagged by their own scopes).
-    let _scope = Scope::module(Module::ROOT);
-    let head = |x: &Tensor| {
-        let loss = head(x)?;
-        alloc::set_phase(Phase::Backward);
-        tag::set(Tag::new(Module::ROOT, Op::Backward));
-        Ok(loss)
-    };
-    let out = checkpoint::backward(stem, blocks, head, &vars, exec.checkpoint, exec.loss_scale)?;
-    let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-    let grads = out
-        .grads
-        .into_iter()
-        .zip(&vars)
-        .map(|(g, v)| g.map_or_else(|| v.zeros_like(), Ok))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    Ok(StepOutput { loss, grads })
+/// A hidden-state map of a [`Forward`]: a block, or the head.
+type Layer<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
+
+/// One forward pass of a family on a batch, laid out for
+/// [`checkpoint::backward`]: the stem's output `[b, s, h]` (attached to the
+/// parameters' graph), the blocks, and the head from the last block's output
+/// to the logits `[b·s, P]` over the padded vocabulary
+/// ([`layers::lm_logits`]). The families build it; [`backward`](Self::backward)
+/// and [`logits`](Self::logits) run it.
+pub(crate) struct Forward<'a> {
+    pub(crate) stem: Tensor,
+    pub(crate) blocks: Vec<Layer<'a>>,
+    pub(crate) head: Layer<'a>,
+}
+
+impl<'a> Forward<'a> {
+    /// A block or head of the pass.
+    pub(crate) fn layer(f: impl Fn(&Tensor) -> candle_core::Result<Tensor> + 'a) -> Layer<'a> {
+        Box::new(f)
+    }
+
+    /// The loss of `batch` ([`lm_loss`] of the logits over `vocab` columns)
+    /// and the gradients of `vars`: [`checkpoint::backward`] over the stem,
+    /// blocks and head, packed as a [`StepOutput`].
+    pub(crate) fn backward(
+        self,
+        vars: &[(String, Var)],
+        vocab: usize,
+        batch: &Batch,
+        exec: &Execution,
+    ) -> Result<StepOutput> {
+        let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
+        // Everything after the loss is backward (with checkpointing: recomputed
+        // blocks too, tagged by their own scopes).
+        let _scope = Scope::module(Module::ROOT);
+        let head = |x: &Tensor| {
+            let loss = lm_loss(&(self.head)(x)?, vocab, batch)?;
+            alloc::set_phase(Phase::Backward);
+            tag::set(Tag::new(Module::ROOT, Op::Backward));
+            Ok(loss)
+        };
+        let out = checkpoint::backward(
+            &self.stem,
+            &self.blocks,
+            head,
+            &vars,
+            exec.checkpoint,
+            exec.loss_scale,
+        )?;
+        let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let grads = out
+            .grads
+            .into_iter()
+            .zip(&vars)
+            .map(|(g, v)| g.map_or_else(|| v.zeros_like(), Ok))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(StepOutput { loss, grads })
+    }
+
+    /// The head's logits `[b·s, P]` in the compute dtype, detached, from a
+    /// pass without backward (what a forward-only loss, [`lm_loss`], takes).
+    /// Each block's input is detached from the graph, so a block's
+    /// activations are dropped once its output exists.
+    pub(crate) fn padded_logits(self) -> Result<Tensor> {
+        let _scope = Scope::module(Module::ROOT);
+        let mut x = self.stem.detach();
+        for block in &self.blocks {
+            x = block(&x)?.detach();
+        }
+        Ok((self.head)(&x)?.detach())
+    }
+
+    /// The logits `[b, s, vocab]` in f32: [`padded_logits`](Self::padded_logits)
+    /// without the padding columns.
+    pub(crate) fn logits(self, vocab: usize) -> Result<Tensor> {
+        let (b, s, _) = self.stem.dims3()?;
+        Ok(self
+            .padded_logits()?
+            .narrow(1, 0, vocab)?
+            .reshape((b, s, vocab))?
+            .to_dtype(DType::F32)?)
+    }
 }
 
 /// The cross-entropy of `logits` (`[b·s, V]`) against the batch's targets, over
