@@ -143,7 +143,7 @@ fn json_logs_carry_train_progress_and_its_notices() {
         "--global-batch",
         "2",
         "--save",
-        "ck.safetensors",
+        "ck",
     ];
     let device: &[&str] = if cfg!(feature = "cuda") {
         &["--device", "cpu"]
@@ -178,7 +178,7 @@ fn json_logs_carry_train_progress_and_its_notices() {
         &[
             &train[..],
             device,
-            &["--steps", "3", "--resume", "ck.safetensors"],
+            &["--steps", "3", "--resume", "ck"],
         ]
         .concat(),
     );
