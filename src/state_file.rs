@@ -210,8 +210,7 @@ impl StateFile {
     /// failure is an input error naming the file.
     pub fn open(path: &Path) -> Result<Self> {
         let bad = |msg: String| Error::input(path, msg);
-        let mut file =
-            File::open(path).map_err(|e| bad(format!("cannot open checkpoint: {e}")))?;
+        let mut file = File::open(path).map_err(|e| bad(format!("cannot open checkpoint: {e}")))?;
         let (header_len, metadata) = read_header(&mut file).map_err(|e| {
             bad(format!(
                 "not a complete checkpoint (truncated or damaged?): {e}"
@@ -223,7 +222,11 @@ impl StateFile {
             header_len,
             metadata,
         };
-        match (ck.meta("format"), ck.meta("format_version"), ck.meta(HASH_KEY)) {
+        match (
+            ck.meta("format"),
+            ck.meta("format_version"),
+            ck.meta(HASH_KEY),
+        ) {
             (Some(FORMAT), Some(VERSION), _) => {}
             (Some(FORMAT), v, _) => {
                 return Err(bad(format!(

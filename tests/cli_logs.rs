@@ -175,12 +175,7 @@ fn json_logs_carry_train_progress_and_its_notices() {
     }
     let (code, lines) = run_json(
         dir,
-        &[
-            &train[..],
-            device,
-            &["--steps", "3", "--resume", "ck"],
-        ]
-        .concat(),
+        &[&train[..], device, &["--steps", "3", "--resume", "ck"]].concat(),
     );
     assert_eq!(code, 0, "{lines:#?}");
     let resumed: Vec<&Value> = lines

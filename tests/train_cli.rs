@@ -246,14 +246,7 @@ fn save_then_resume_takes_the_same_steps_as_an_uninterrupted_run() {
             !stderr.contains("moments"),
             "fused AdamW saves its moments: {stderr}"
         );
-        let resume = [
-            "--steps",
-            "4",
-            "--resume",
-            "ck",
-            "--save",
-            "ck",
-        ];
+        let resume = ["--steps", "4", "--resume", "ck", "--save", "ck"];
         let (code, stderr, rest) = run.train(&budget, &[&p[..], &resume].concat(), "c.json");
         assert_eq!(code, 0, "{stderr}");
         assert!(stderr.contains("resumed from ck at step 2"), "{stderr}");
@@ -273,7 +266,10 @@ fn save_then_resume_takes_the_same_steps_as_an_uninterrupted_run() {
         assert!(ck.optimizer.contains("wte.weight.m") && ck.optimizer.contains("wte.weight.v"));
         // Started from f32 weights: the model file holds the fp32 masters, no copy beside it.
         assert!(!ck.optimizer.contains("master.wte.weight"));
-        assert_eq!(ck.model.tensor("wte.weight").unwrap().dtype(), candle_core::DType::F32);
+        assert_eq!(
+            ck.model.tensor("wte.weight").unwrap().dtype(),
+            candle_core::DType::F32
+        );
         assert_eq!(ck.state.loss_scaler.is_some(), precision == "fp16");
         assert_eq!(ck.state.plan.precision.to_string(), precision);
     }
@@ -284,14 +280,7 @@ fn candle_adamw_checkpoints_say_the_moments_are_not_saved() {
     let run = Run::new();
     let (code, stderr, _) = run.train(
         "1GiB",
-        &[
-            "--steps",
-            "1",
-            "--save",
-            "ck",
-            "--optimizer",
-            "adamw",
-        ],
+        &["--steps", "1", "--save", "ck", "--optimizer", "adamw"],
         "log.json",
     );
     assert_eq!(code, 0, "{stderr}");
@@ -317,14 +306,7 @@ fn save_every_writes_along_the_way() {
     let run = Run::new();
     let (code, stderr, _) = run.train(
         "1GiB",
-        &[
-            "--steps",
-            "5",
-            "--save",
-            "ck",
-            "--save-every",
-            "2",
-        ],
+        &["--steps", "5", "--save", "ck", "--save-every", "2"],
         "log.json",
     );
     assert_eq!(code, 0, "{stderr}");
@@ -373,7 +355,10 @@ fn damaged_checkpoints_are_refused_with_the_file_named() {
     });
     for (dir, says) in [
         ("flipped/model.safetensors", "is corrupt"),
-        ("truncated/optimizer.safetensors", "not a complete checkpoint"),
+        (
+            "truncated/optimizer.safetensors",
+            "not a complete checkpoint",
+        ),
         ("cut-state/trainer_state.json", "not valid JSON"),
     ] {
         run.oomfix()
@@ -470,9 +455,7 @@ fn save_refuses_to_write_over_an_input() {
             .args(["--steps", "1", "--save", target])
             .assert()
             .code(2)
-            .stderr(
-                predicate::str::contains(says).and(predicate::str::contains("step 1/").not()),
-            );
+            .stderr(predicate::str::contains(says).and(predicate::str::contains("step 1/").not()));
     }
     assert_eq!(std::fs::read(run.path("model.safetensors")).unwrap(), model);
     run.oomfix()
@@ -485,11 +468,7 @@ fn save_refuses_to_write_over_an_input() {
 #[test]
 fn a_nan_loss_stops_training_with_exit_3_and_keeps_the_checkpoint() {
     let run = Run::new();
-    let (code, stderr, _) = run.train(
-        "1GiB",
-        &["--steps", "2", "--save", "ck"],
-        "log.json",
-    );
+    let (code, stderr, _) = run.train("1GiB", &["--steps", "2", "--save", "ck"], "log.json");
     assert_eq!(code, 0, "{stderr}");
     let files = |dir: &str| -> Vec<(std::ffi::OsString, Vec<u8>)> {
         let mut v: Vec<_> = std::fs::read_dir(run.path(dir))
@@ -544,10 +523,7 @@ fn sigterm_and_sigint_stop_at_a_step_boundary_with_a_checkpoint_that_resumes() {
             .lines()
             .find(|l| l.contains(&format!("stopped by {name} after step")))
             .expect(&rest);
-        assert!(
-            stopped.ends_with("checkpoint written to ck"),
-            "{stopped}"
-        );
+        assert!(stopped.ends_with("checkpoint written to ck"), "{stopped}");
         let step = Checkpoint::open(&run.path("ck")).unwrap().state.step;
         assert!(
             stopped.contains(&format!("after step {step};")),
@@ -633,6 +609,7 @@ fn the_learning_rate_follows_the_schedule_and_is_logged() {
 
 /// Runs `oomfix` in `run`'s directory with `args` and gives back its exit
 /// code and its peak resident set in bytes (`ru_maxrss` from `wait4`).
+#[allow(clippy::zombie_processes)] // reaped by wait4
 fn peak_rss(run: &Run, args: &[String]) -> (i32, u64) {
     let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
         .current_dir(run.dir.path())
@@ -692,7 +669,11 @@ fn a_resumed_run_peaks_no_higher_than_a_fresh_run_of_the_same_plan() {
         mb(resumed),
         mb(fresh)
     );
-    eprintln!("peak RSS: fresh {:.1} MB, resumed {:.1} MB", mb(fresh), mb(resumed));
+    eprintln!(
+        "peak RSS: fresh {:.1} MB, resumed {:.1} MB",
+        mb(fresh),
+        mb(resumed)
+    );
 }
 
 #[test]
@@ -704,11 +685,19 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
         &run.path("src/model.safetensors"),
         &common::with_dtype(tiny_config(2).tensors(), "BF16"),
     );
-    for name in ["tokenizer_config.json", "special_tokens_map.json", "merges.txt"] {
+    for name in [
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "merges.txt",
+    ] {
         std::fs::write(run.path("src").join(name), format!("{name} of the source")).unwrap();
     }
     let base = run.args_with("1GiB", &[("model", "src")]);
-    let base: Vec<&str> = base.iter().map(String::as_str).filter(|a| *a != "--init" && *a != "random").collect();
+    let base: Vec<&str> = base
+        .iter()
+        .map(String::as_str)
+        .filter(|a| *a != "--init" && *a != "random")
+        .collect();
     run.oomfix()
         .args(&base)
         .args(["--steps", "2", "--save", "ck"])
@@ -749,19 +738,42 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
     let mut wanted: Vec<String> = tiny_config(2).tensors().into_iter().map(|t| t.0).collect();
     wanted.sort();
     assert_eq!(saved, wanted, "Hub names, every tensor once");
-    assert_eq!(ck.model.tensor("wte.weight").unwrap().dtype(), candle_core::DType::BF16);
+    assert_eq!(
+        ck.model.tensor("wte.weight").unwrap().dtype(),
+        candle_core::DType::BF16
+    );
     // The fp32 weights the bf16 file rounds are beside it.
     let master = ck.optimizer.tensor("master.wte.weight").unwrap();
     assert_eq!(master.dtype(), candle_core::DType::F32);
     assert_eq!(
-        master.to_dtype(candle_core::DType::BF16).unwrap().to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-        ck.model.tensor("wte.weight").unwrap().to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        master
+            .to_dtype(candle_core::DType::BF16)
+            .unwrap()
+            .to_dtype(candle_core::DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap(),
+        ck.model
+            .tensor("wte.weight")
+            .unwrap()
+            .to_dtype(candle_core::DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
     );
 
     // The directory is a model: trained from its weights (a learning rate of
     // 0 leaves them as they are), and the run saved from it says so.
     let from_dir = run.args_with("1GiB", &[("model", "ck"), ("--lr", "0")]);
-    let from_dir: Vec<&str> = from_dir.iter().map(String::as_str).filter(|a| *a != "--init" && *a != "random").collect();
+    let from_dir: Vec<&str> = from_dir
+        .iter()
+        .map(String::as_str)
+        .filter(|a| *a != "--init" && *a != "random")
+        .collect();
     run.oomfix()
         .args(&from_dir)
         .args(["--steps", "1", "--save", "again"])
@@ -771,8 +783,21 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
     let again = Checkpoint::open(&run.path("again")).unwrap();
     for name in ["wte.weight", "h.1.mlp.c_fc.weight"] {
         assert_eq!(
-            common::values(&again.model.tensor(name).unwrap().to_dtype(candle_core::DType::F32).unwrap()),
-            common::values(&ck.model.tensor(name).unwrap().to_dtype(candle_core::DType::F32).unwrap()),
+            common::values(
+                &again
+                    .model
+                    .tensor(name)
+                    .unwrap()
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap()
+            ),
+            common::values(
+                &ck.model
+                    .tensor(name)
+                    .unwrap()
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap()
+            ),
             "{name}"
         );
     }

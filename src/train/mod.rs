@@ -166,14 +166,14 @@
 //! and the surrogate's product `y·grad_y` `[n,h]` c are alive besides its tables.
 
 mod bert;
-pub mod saved;
 pub mod data;
+pub mod saved;
 pub mod tokenizer;
 mod trainer;
 pub use crate::state_file::StateFile;
 mod schedule;
-pub use schedule::{Decay, LrSchedule};
 pub use saved::{Checkpoint, ModelSource};
+pub use schedule::{Decay, LrSchedule};
 pub use trainer::{compute_dtype, plan_changes, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;

@@ -210,7 +210,10 @@ impl Checkpoint {
             ));
         }
         if !dir.is_dir() {
-            return Err(Error::input(dir, "cannot read checkpoint: no such directory"));
+            return Err(Error::input(
+                dir,
+                "cannot read checkpoint: no such directory",
+            ));
         }
         if !dir.join(STATE_FILE).is_file() {
             return Err(Error::input(
@@ -397,7 +400,11 @@ mod tests {
     fn a_source_config_is_kept_with_the_dtype_written() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("config.json");
-        std::fs::write(&p, r#"{"model_type":"llama","rope_theta":500000.0,"torch_dtype":"bfloat16","custom":1}"#).unwrap();
+        std::fs::write(
+            &p,
+            r#"{"model_type":"llama","rope_theta":500000.0,"torch_dtype":"bfloat16","custom":1}"#,
+        )
+        .unwrap();
         let c = ModelConfig::tinyllama_1_1b();
         let v = hf_config(&c, Some(&p), DType::F32).unwrap();
         assert_eq!(v["torch_dtype"], "float32");

@@ -26,8 +26,8 @@
 //! same weights, moments and data position.
 
 use super::data::{DataPosition, DataSource};
+use super::saved::{self, Checkpoint, DataState, ModelSource, ScalerState, TrainerState};
 use super::{build_model, Batch, TrainableModel};
-use super::saved::{self, Checkpoint, ModelSource, DataState, ScalerState, TrainerState};
 use crate::output::write_dir_atomic;
 use crate::state_file::{self, StateFile};
 use crate::track::alloc::mark_tensors;
@@ -492,7 +492,11 @@ impl Trainer {
             .collect();
         let mut optimizer: Vec<(String, Tensor)> = Vec::new();
         if source.dtype != DType::F32 {
-            optimizer.extend(weights.iter().map(|(n, t)| (format!("master.{n}"), t.clone())));
+            optimizer.extend(
+                weights
+                    .iter()
+                    .map(|(n, t)| (format!("master.{n}"), t.clone())),
+            );
         }
         let fused = self.optim.fused();
         if let Some(opt) = fused {
@@ -587,9 +591,8 @@ impl Trainer {
                 len: tokens,
             },
         };
-        data.seek(position).map_err(|msg| {
-            Error::input(&state_path, format!("cannot continue the data: {msg}"))
-        })?;
+        data.seek(position)
+            .map_err(|msg| Error::input(&state_path, format!("cannot continue the data: {msg}")))?;
         self.load_tensors(&ck)?;
         if let (Some(s), Some(saved)) = (&mut self.scaler, ck.state.loss_scaler) {
             s.restore(saved.scale, saved.growth_tracker)
@@ -883,6 +886,9 @@ mod tests {
             ..plan
         };
         let lines = plan_changes(&plan, &smaller);
-        assert!(lines[1].contains("global batch changes from 8 to 2"), "{lines:?}");
+        assert!(
+            lines[1].contains("global batch changes from 8 to 2"),
+            "{lines:?}"
+        );
     }
 }
