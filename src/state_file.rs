@@ -1,13 +1,15 @@
-//! Training-state files (what `--save` writes and `--resume` reads; a
-//! "checkpoint" to users, not activation checkpointing): one `.safetensors` file of named tensors whose
-//! `__metadata__` carries a format tag, a version and a SHA-256 of the contents.
+//! The tensor files of a saved training directory ([`crate::train::saved`]:
+//! what `--save` writes and `--resume` reads; a "checkpoint" to users, not
+//! activation checkpointing): `.safetensors` files of named tensors whose
+//! `__metadata__` carries a format tag and a SHA-256 of the contents.
 //!
 //! The file is a standard safetensors file (any safetensors reader opens it);
-//! what the tensors mean is up to the writer ([`crate::train::Trainer::save`]
-//! lists its names). Metadata entries written here:
+//! what the tensors mean is up to the writer ([`crate::train::saved`] lists
+//! its names). Metadata entries written here:
 //!
-//! * `format`: `oomfix-checkpoint`;
-//! * `format_version`: [`VERSION`];
+//! * `format`: `oomfix-checkpoint` ([`write()`]; `optimizer.safetensors`) or
+//!   the caller's (`pt` for `model.safetensors`, [`write_safetensors`]);
+//! * `format_version`: [`VERSION`] (`oomfix-checkpoint` only);
 //! * `sha256`: 64 lowercase hex digits of the SHA-256 of, for each tensor in file
 //!   order, its name, a zero byte, its header entry as JSON (dtype, shape, data
 //!   offsets), a zero byte and its data bytes; then, for each other metadata
@@ -189,7 +191,7 @@ pub fn write_safetensors_as(
     })
 }
 
-/// A `.safetensors` file written by [`write`] or [`write_safetensors`], opened
+/// A `.safetensors` file written by oomfix (`optimizer.safetensors`, `model.safetensors`), opened
 /// and verified; tensors are read from it on demand, one at a time.
 ///
 /// The file is read with plain reads, never mapped: verifying streams it
@@ -206,7 +208,7 @@ pub struct StateFile {
 impl StateFile {
     /// Opens `path`, checks that it is a complete file with an integrity hash
     /// (an oomfix checkpoint of a version this build reads, or a model file
-    /// written by [`write_safetensors`]), and verifies the hash. Every
+    /// written by oomfix), and verifies the hash. Every
     /// failure is an input error naming the file.
     pub fn open(path: &Path) -> Result<Self> {
         let bad = |msg: String| Error::input(path, msg);

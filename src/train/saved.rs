@@ -4,13 +4,13 @@
 //! * `model.safetensors`: the weights under their Hub names, in the dtype of
 //!   the weights the run started from ([`ModelSource::dtype`]; f32 from a
 //!   random initialisation), metadata `{"format": "pt"}` (and a `sha256` of
-//!   the contents, see [`crate::state_file`]);
+//!   the contents, see [`StateFile`]);
 //! * `config.json`: the source's `config.json` with `torch_dtype` set to the
 //!   dtype written and `architectures`/`model_type` added when missing, or
 //!   one made from the model's shape ([`hf_config`]);
 //! * the tokenizer files found beside the source weights
 //!   ([`ModelSource::files`]);
-//! * `optimizer.safetensors` (an oomfix checkpoint file, [`crate::state_file`]):
+//! * `optimizer.safetensors` (an oomfix checkpoint file, [`StateFile`]):
 //!   AdamW's fp32 moments as `<name>.m` and `<name>.v` (fused AdamW only:
 //!   `candle_nn::AdamW` keeps them out of reach) and, when `model.safetensors`
 //!   is not f32, the fp32 weights as `master.<name>` so that a resumed run

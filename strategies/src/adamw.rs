@@ -610,12 +610,11 @@ impl FusedAdamW {
             .map(|s| {
                 let m = get(format!("{}.m", s.name), s.var.shape())?;
                 let v = get(format!("{}.v", s.name), s.var.shape())?;
-                Ok((s, m, v))
+                Ok((s.name.clone(), m, v))
             })
             .collect::<Result<Vec<_>>>()?;
-        for (s, m, v) in moments {
-            s.m.set(&m.to_device(s.var.device())?.to_dtype(DType::F32)?)?;
-            s.v.set(&v.to_device(s.var.device())?.to_dtype(DType::F32)?)?;
+        for (name, m, v) in moments {
+            self.set_moments(&name, m, v)?;
         }
         self.t = step;
         Ok(())
