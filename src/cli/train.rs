@@ -44,13 +44,6 @@ pub fn run(args: &TrainArgs) -> Outcome {
         None => (Target::Cpu, true),
     };
     let job = Job::from_env()?;
-    let several = job.as_ref().is_some_and(|j| j.world_size > 1)
-        || (job.is_none() && args.plan.opts.gpus > 1);
-    if several && (o.save.is_some() || o.resume.is_some()) {
-        return Err(Failure::Usage(
-            "--save and --resume are not supported with several ranks yet".into(),
-        ));
-    }
     let joined = match job {
         None if args.plan.opts.gpus > 1 => return super::launch::run(args.plan.opts.gpus, target),
         Some(job) if job.world_size > 1 => {
@@ -199,15 +192,17 @@ fn run_rank(
     };
     if let Some(path) = &o.resume {
         let saved_plan = trainer.resume(path, &mut data)?;
-        for line in oomfix::train::plan_changes(&saved_plan, trainer.plan()) {
-            logging::notice(line);
+        if rank == 0 {
+            for line in oomfix::train::plan_changes(&saved_plan, trainer.plan()) {
+                logging::notice(line);
+            }
+            logging::say(format_args!(
+                "oomfix: resumed from {} at step {}",
+                path.display(),
+                trainer.steps()
+            ));
         }
         tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "resumed");
-        logging::say(format_args!(
-            "oomfix: resumed from {} at step {}",
-            path.display(),
-            trainer.steps()
-        ));
     }
     if (o.save.is_some() || o.resume.is_some()) && !trainer.saves_optimizer_state() {
         tracing::warn!(

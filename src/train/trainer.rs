@@ -449,13 +449,7 @@ impl Trainer {
     /// fused AdamW (offloaded or not) it does; `candle_nn::AdamW` keeps them
     /// out of reach, so a run resumed from its checkpoint restarts them from zero.
     pub fn saves_optimizer_state(&self) -> bool {
-        self.optim.fused().is_some()
-    }
-
-    /// Whether [`save`](Self::save) and [`resume`](Self::resume) work: not yet
-    /// at world size > 1.
-    pub fn can_checkpoint(&self) -> bool {
-        self.world_size() == 1
+        matches!(self.optim, Optim::Sharded(_)) || self.optim.fused().is_some()
     }
 
     /// The fp32 weights of record: the masters where there are any, else the
@@ -475,21 +469,15 @@ impl Trainer {
     /// weights under mixed precision or offloaded), converted to the source's
     /// dtype one tensor at a time; the moments are written from the
     /// optimizer's own storage, without copies.
+    ///
+    /// Sharded (world size > 1), every rank calls it at the same point
+    /// (collective): the weights and moments are gathered to rank 0, which
+    /// writes one directory, the same as an unsharded run's; every rank
+    /// returns an error when rank 0's write fails.
     pub fn save(&self, dir: &Path, data: &DataSource) -> Result<()> {
-        if !self.can_checkpoint() {
-            return Err(Error::Usage(
-                "checkpoints of sharded runs (world size > 1) are not written yet".into(),
-            ));
-        }
         let source = &self.source;
         let config = saved::hf_config(self.model.config(), source.config.as_deref(), source.dtype)?;
-        let names: Vec<&String> = self.model.vars().iter().map(|(n, _)| n).collect();
-        let record = self.record_vars();
-        let weights: Vec<(String, Tensor)> = names
-            .iter()
-            .zip(&record)
-            .map(|(n, w)| (n.to_string(), w.as_tensor().clone()))
-            .collect();
+        let (weights, moments) = self.consolidated()?;
         let mut optimizer: Vec<(String, Tensor)> = Vec::new();
         if source.dtype != DType::F32 {
             optimizer.extend(
@@ -498,18 +486,19 @@ impl Trainer {
                     .map(|(n, t)| (format!("master.{n}"), t.clone())),
             );
         }
-        let fused = self.optim.fused();
-        if let Some(opt) = fused {
-            for (name, m, v) in opt.moments() {
-                optimizer.push((format!("{name}.m"), m));
-                optimizer.push((format!("{name}.v"), v));
-            }
+        for (name, m, v) in moments {
+            optimizer.push((format!("{name}.m"), m));
+            optimizer.push((format!("{name}.v"), v));
         }
+        let optimizer_step = match &self.optim {
+            Optim::Sharded(opt) => Some(opt.optimizer().step_count()),
+            optim => optim.fused().map(FusedAdamW::step_count),
+        };
         let state = TrainerState {
             format: saved::STATE_FORMAT.into(),
             format_version: saved::STATE_VERSION,
             step: self.step,
-            optimizer_step: fused.map(FusedAdamW::step_count),
+            optimizer_step,
             data: match data.position() {
                 DataPosition::Synthetic(state) => DataState::Synthetic { state },
                 DataPosition::Tokens { pos, len } => DataState::Tokens {
@@ -524,7 +513,10 @@ impl Trainer {
             plan: self.plan,
             model: self.model.config().clone(),
         };
-        write_dir_atomic(dir, |tmp| {
+        if self.rank() != 0 {
+            return self.saved_on_rank_0(true);
+        }
+        let written = write_dir_atomic(dir, |tmp| {
             let pt = HashMap::from([("format".to_string(), "pt".to_string())]);
             state_file::write_safetensors_as(
                 &tmp.join(saved::MODEL_FILE),
@@ -551,7 +543,76 @@ impl Trainer {
                 std::fs::write(tmp.join(name), text).map_err(|e| io(&dir.join(name), e))?;
             }
             Ok(())
-        })
+        });
+        self.saved_on_rank_0(written.is_ok())?;
+        written
+    }
+
+    /// Whether rank 0 wrote the checkpoint, told to every rank (collective
+    /// when sharded): an error on the others when it did not.
+    fn saved_on_rank_0(&self, ok: bool) -> Result<()> {
+        if self.any_rank(!ok)? && ok {
+            return Err(Error::Runtime(
+                "rank 0 could not write the checkpoint".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The weights of record with their Hub names, and the optimizer's
+    /// moments `(name, m, v)` (none with `candle_nn::AdamW`), as one
+    /// unsharded run holds them. Without sharding they share the trainer's
+    /// storage. Sharded (collective), each tensor is sent from the rank that
+    /// holds it, one at a time; rank 0 keeps them all (the whole state, for
+    /// the time of a save), the others none.
+    #[allow(clippy::type_complexity)]
+    fn consolidated(&self) -> Result<(Vec<(String, Tensor)>, Vec<(String, Tensor, Tensor)>)> {
+        let names = self.model.vars().iter().map(|(n, _)| n.clone());
+        let record = self.record_vars();
+        let Optim::Sharded(opt) = &self.optim else {
+            let weights = names
+                .zip(record)
+                .map(|(n, w)| (n, w.as_tensor().clone()))
+                .collect();
+            let moments = self.optim.fused().map_or_else(Vec::new, |opt| {
+                opt.moments()
+                    .into_iter()
+                    .map(|(n, m, v)| (n.to_string(), m, v))
+                    .collect()
+            });
+            return Ok((weights, moments));
+        };
+        let comm = opt.comm();
+        let rank = comm.rank();
+        let owned: HashMap<&str, (Tensor, Tensor)> = opt
+            .optimizer()
+            .moments()
+            .into_iter()
+            .map(|(i, m, v)| (i, (m, v)))
+            .collect();
+        let (mut weights, mut moments) = (Vec::new(), Vec::new());
+        for (i, (name, w)) in names.zip(&record).enumerate() {
+            let owner = opt.owners()[i];
+            let zeros = |dtype| Tensor::zeros(w.shape(), dtype, w.device());
+            // Stage 3 frees the parameters a rank does not own: their owner sends them.
+            let w = if !opt.is_released() {
+                w.as_tensor().clone()
+            } else if owner == rank {
+                comm.broadcast(w.as_tensor(), owner)?
+            } else {
+                comm.broadcast(&zeros(w.dtype())?, owner)?
+            };
+            let (m, v) = match owned.get(i.to_string().as_str()) {
+                Some((m, v)) => (m.clone(), v.clone()),
+                None => (zeros(DType::F32)?, zeros(DType::F32)?),
+            };
+            let (m, v) = (comm.broadcast(&m, owner)?, comm.broadcast(&v, owner)?);
+            if rank == 0 {
+                weights.push((name.clone(), w));
+                moments.push((name, m, v));
+            }
+        }
+        Ok((weights, moments))
     }
 
     /// Restores the state [`save`](Self::save) wrote to the directory `dir`,
@@ -566,12 +627,10 @@ impl Trainer {
     /// after them leaves the trainer and `data` partly restored (drop them).
     /// Tensors are read and set one at a time: resuming holds at most one
     /// tensor besides the trainer's own state.
+    ///
+    /// Sharded, every rank calls it (collective at stage 3) and takes its own
+    /// share of the moments: a checkpoint of any world size resumes at any other.
     pub fn resume(&mut self, dir: &Path, data: &mut DataSource) -> Result<Plan> {
-        if !self.can_checkpoint() {
-            return Err(Error::Usage(
-                "sharded runs (world size > 1) cannot resume from a checkpoint yet".into(),
-            ));
-        }
         let ck = Checkpoint::open(dir)?;
         let state_path = dir.join(saved::STATE_FILE);
         if let Some(diff) = saved::first_difference(&ck.state.model, self.model.config()) {
@@ -622,6 +681,10 @@ impl Trainer {
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
             Ok(())
         };
+        if let Optim::Sharded(opt) = &mut self.optim {
+            // Stage 3: every parameter is set, then the non-owned freed again.
+            opt.gather_params()?;
+        }
         let vars = self.model.vars();
         let masters = self.masters();
         for (i, (name, compute)) in vars.iter().enumerate() {
@@ -641,6 +704,29 @@ impl Trainer {
                 .is_some_and(|(n, _)| ck.optimizer.contains(&format!("{n}.m")))
         });
         let names: Vec<String> = vars.iter().map(|(n, _)| n.clone()).collect();
+        if let Optim::Sharded(opt) = &mut self.optim {
+            let rank = opt.comm().rank();
+            let owned: Vec<usize> = (0..names.len())
+                .filter(|&i| opt.owners()[i] == rank)
+                .collect();
+            if let Some(step) = saved_moments {
+                for i in owned {
+                    let (name, var) = (&names[i], &vars[i].1);
+                    let m = read(&ck.optimizer, &format!("{name}.m"), var)?;
+                    let v = read(&ck.optimizer, &format!("{name}.v"), var)?;
+                    opt.optimizer_mut()
+                        .set_moments(&i.to_string(), &m, &v)
+                        .map_err(|e| Error::input(ck.optimizer.path(), e.to_string()))?;
+                }
+                opt.optimizer_mut().set_step_count(step);
+            } else {
+                tracing::warn!(
+                    "the checkpoint holds no optimizer moments (its run used candle_nn::AdamW): they restart from zero"
+                );
+            }
+            opt.release_params()?;
+            return Ok(());
+        }
         match (self.optim.fused_mut(), saved_moments) {
             (Some(opt), Some(step)) => {
                 for (name, var) in names.iter().zip(vars) {
