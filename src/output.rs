@@ -86,7 +86,14 @@ where
         .suffix(".tmp")
         .tempdir_in(parent)
         .map_err(|e| io("cannot create a temporary directory for", e))?;
-    write(tmp.path())?;
+    // Errors name the directory being written, not only its temporary path.
+    write(tmp.path()).map_err(|e| match e {
+        Error::Io { context, source } => Error::Io {
+            context: format!("cannot write {} ({context})", path.display()),
+            source,
+        },
+        e => e,
+    })?;
     for entry in std::fs::read_dir(tmp.path()).map_err(|e| io("cannot list", e))? {
         let file = entry.map_err(|e| io("cannot list", e))?.path();
         File::open(&file)
