@@ -1,13 +1,15 @@
-//! Training-state files (what `--save` writes and `--resume` reads; a
-//! "checkpoint" to users, not activation checkpointing): one `.safetensors` file of named tensors whose
-//! `__metadata__` carries a format tag, a version and a SHA-256 of the contents.
+//! The tensor files of a saved training directory ([`crate::train::saved`]:
+//! what `--save` writes and `--resume` reads; a "checkpoint" to users, not
+//! activation checkpointing): `.safetensors` files of named tensors whose
+//! `__metadata__` carries a format tag and a SHA-256 of the contents.
 //!
 //! The file is a standard safetensors file (any safetensors reader opens it);
-//! what the tensors mean is up to the writer ([`crate::train::Trainer::save`]
-//! lists its names). Metadata entries written here:
+//! what the tensors mean is up to the writer ([`crate::train::saved`] lists
+//! its names). Metadata entries written here:
 //!
-//! * `format`: `oomfix-checkpoint`;
-//! * `format_version`: [`VERSION`];
+//! * `format`: `oomfix-checkpoint` ([`write()`]; `optimizer.safetensors`) or
+//!   the caller's (`pt` for `model.safetensors`, [`write_safetensors`]);
+//! * `format_version`: [`VERSION`] (`oomfix-checkpoint` only);
 //! * `sha256`: 64 lowercase hex digits of the SHA-256 of, for each tensor in file
 //!   order, its name, a zero byte, its header entry as JSON (dtype, shape, data
 //!   offsets), a zero byte and its data bytes; then, for each other metadata
@@ -24,11 +26,11 @@ use crate::{Error, Result};
 use candle_core::safetensors::Load;
 use candle_core::{Device, Tensor};
 use safetensors::tensor::{Metadata, TensorInfo, TensorView};
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, View};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 /// The `format` metadata value of an oomfix checkpoint.
@@ -38,16 +40,43 @@ pub const VERSION: &str = "1";
 /// The metadata key of the integrity hash.
 const HASH_KEY: &str = "sha256";
 
-/// The hash of one tensor's name, header entry and bytes.
-fn hash_tensor(h: &mut Sha256, name: &str, info: &TensorInfo, bytes: &[u8]) -> Result<()> {
+/// Hashes one tensor's name and header entry (its data bytes follow).
+fn hash_entry(h: &mut Sha256, name: &str, info: &TensorInfo) -> Result<()> {
     let entry =
         serde_json::to_vec(info).map_err(|e| Error::Runtime(format!("tensor `{name}`: {e}")))?;
     h.update(name.as_bytes());
     h.update([0]);
     h.update(&entry);
     h.update([0]);
-    h.update(bytes);
     Ok(())
+}
+
+/// The header of a safetensors file: its length and what it says.
+fn read_header(file: &mut File) -> std::result::Result<(usize, Metadata), String> {
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|e| e.to_string())?;
+    let len = u64::from_le_bytes(len);
+    let size = file.metadata().map_err(|e| e.to_string())?.len();
+    if len > 100_000_000 || 8 + len > size {
+        return Err(format!("header length {len} in a file of {size} bytes"));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).map_err(|e| e.to_string())?;
+    let metadata: Metadata = serde_json::from_slice(&header).map_err(|e| e.to_string())?;
+    let data_len = metadata
+        .offset_keys()
+        .iter()
+        .filter_map(|n| metadata.info(n))
+        .map(|i| i.data_offsets.1)
+        .max()
+        .unwrap_or(0);
+    if 8 + len + data_len as u64 != size {
+        return Err(format!(
+            "{size} bytes where the header describes {}",
+            8 + len + data_len as u64
+        ));
+    }
+    Ok((len as usize, metadata))
 }
 
 /// The hash of the metadata entries (sorted by key), without the hash itself.
@@ -85,22 +114,34 @@ pub fn write(
 /// atomically, with `metadata` and a `sha256` entry computed as for a checkpoint.
 pub fn write_safetensors(
     path: &Path,
-    mut tensors: Vec<(String, Tensor)>,
+    tensors: Vec<(String, Tensor)>,
     metadata: HashMap<String, String>,
 ) -> Result<()> {
+    write_safetensors_as(path, tensors, metadata, None)
+}
+
+/// [`write_safetensors`], each tensor converted to `dtype` (when given) as it
+/// is written: one converted tensor at a time.
+pub fn write_safetensors_as(
+    path: &Path,
+    mut tensors: Vec<(String, Tensor)>,
+    metadata: HashMap<String, String>,
+    dtype: Option<candle_core::DType>,
+) -> Result<()> {
+    let dtype_of = |t: &Tensor| dtype.unwrap_or(t.dtype());
     // safetensors' own order: larger alignment first, then by name.
     tensors.sort_by(|(a, ta), (b, tb)| {
-        Dtype::from(tb.dtype())
-            .cmp(&Dtype::from(ta.dtype()))
+        Dtype::from(dtype_of(tb))
+            .cmp(&Dtype::from(dtype_of(ta)))
             .then(a.cmp(b))
     });
     let mut offset = 0;
     let infos: Vec<(String, TensorInfo)> = tensors
         .iter()
         .map(|(name, t)| {
-            let len = View::data_len(t);
+            let len = t.elem_count() * dtype_of(t).size_in_bytes();
             let info = TensorInfo {
-                dtype: t.dtype().into(),
+                dtype: dtype_of(t).into(),
                 shape: t.dims().to_vec(),
                 data_offsets: (offset, offset + len),
             };
@@ -130,8 +171,10 @@ pub fn write_safetensors(
         w.write_all(&placeholder).map_err(io)?;
         let mut h = Sha256::new();
         for ((name, t), (_, info)) in tensors.iter().zip(&infos) {
-            let bytes = View::data(t);
-            hash_tensor(&mut h, name, info, &bytes)?;
+            let t = t.to_dtype(dtype_of(t))?;
+            let bytes = View::data(&t);
+            hash_entry(&mut h, name, info)?;
+            h.update(&bytes);
             w.write_all(&bytes).map_err(io)?;
         }
         hash_metadata(&mut h, &metadata);
@@ -148,45 +191,52 @@ pub fn write_safetensors(
     })
 }
 
-/// A checkpoint opened and verified; tensors are read from it on demand.
+/// A `.safetensors` file written by oomfix (`optimizer.safetensors`, `model.safetensors`), opened
+/// and verified; tensors are read from it on demand, one at a time.
+///
+/// The file is read with plain reads, never mapped: verifying streams it
+/// through the hash in small pieces and [`tensor`](Self::tensor) reads one
+/// tensor's bytes, so opening a checkpoint adds at most one tensor to the
+/// process's memory (a mapped file's pages would count in its resident set).
 pub struct StateFile {
     path: PathBuf,
-    map: memmap2::Mmap,
+    file: File,
     header_len: usize,
     metadata: Metadata,
 }
 
 impl StateFile {
-    /// Opens `path`, checks that it is a complete oomfix checkpoint of a version
-    /// this build reads, and verifies its hash. Every failure is an input error
-    /// naming the file.
+    /// Opens `path`, checks that it is a complete file with an integrity hash
+    /// (an oomfix checkpoint of a version this build reads, or a model file
+    /// written by oomfix), and verifies the hash. Every
+    /// failure is an input error naming the file.
     pub fn open(path: &Path) -> Result<Self> {
         let bad = |msg: String| Error::input(path, msg);
-        let file = File::open(path).map_err(|e| bad(format!("cannot open checkpoint: {e}")))?;
-        // SAFETY: the map is read-only and lives while this value does; like
-        // candle's own loaders, it assumes no other process truncates the file
-        // meanwhile.
-        let map = unsafe { memmap2::Mmap::map(&file) }
-            .map_err(|e| bad(format!("cannot read checkpoint: {e}")))?;
-        let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+        let mut file = File::open(path).map_err(|e| bad(format!("cannot open checkpoint: {e}")))?;
+        let (header_len, metadata) = read_header(&mut file).map_err(|e| {
             bad(format!(
                 "not a complete checkpoint (truncated or damaged?): {e}"
             ))
         })?;
         let ck = StateFile {
             path: path.to_path_buf(),
-            map,
+            file,
             header_len,
             metadata,
         };
-        match (ck.meta("format"), ck.meta("format_version")) {
-            (Some(FORMAT), Some(VERSION)) => {}
-            (Some(FORMAT), v) => {
+        match (
+            ck.meta("format"),
+            ck.meta("format_version"),
+            ck.meta(HASH_KEY),
+        ) {
+            (Some(FORMAT), Some(VERSION), _) => {}
+            (Some(FORMAT), v, _) => {
                 return Err(bad(format!(
                     "checkpoint format version {}; this oomfix reads {VERSION}",
                     v.unwrap_or("?")
                 )))
             }
+            (Some("pt"), _, Some(_)) => {}
             _ => {
                 return Err(bad(
                     "not an oomfix checkpoint (a .safetensors file without its metadata)".into(),
@@ -199,12 +249,21 @@ impl StateFile {
 
     fn verify(&self) -> Result<()> {
         let mut h = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
         for name in self.metadata.offset_keys() {
             let info = self
                 .metadata
                 .info(&name)
                 .expect("offset_keys lists known tensors");
-            hash_tensor(&mut h, &name, info, self.bytes(info))?;
+            hash_entry(&mut h, &name, info)?;
+            let (start, end) = self.span(info);
+            let mut at = start;
+            while at < end {
+                let n = buf.len().min((end - at) as usize);
+                self.read_at(&mut buf[..n], at)?;
+                h.update(&buf[..n]);
+                at += n as u64;
+            }
         }
         if let Some(meta) = self.metadata.metadata() {
             hash_metadata(&mut h, meta);
@@ -218,9 +277,23 @@ impl StateFile {
         Ok(())
     }
 
-    fn bytes(&self, info: &TensorInfo) -> &[u8] {
-        let start = 8 + self.header_len;
-        &self.map[start + info.data_offsets.0..start + info.data_offsets.1]
+    /// The byte range of a tensor's data in the file.
+    fn span(&self, info: &TensorInfo) -> (u64, u64) {
+        let start = (8 + self.header_len) as u64;
+        (
+            start + info.data_offsets.0 as u64,
+            start + info.data_offsets.1 as u64,
+        )
+    }
+
+    fn read_at(&self, buf: &mut [u8], at: u64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file.read_exact_at(buf, at).map_err(|e| {
+            Error::input(
+                &self.path,
+                format!("not a complete checkpoint (truncated or damaged?): {e}"),
+            )
+        })
     }
 
     /// The file's path.
@@ -237,6 +310,11 @@ impl StateFile {
             .map(String::as_str)
     }
 
+    /// The tensors' names, in file order.
+    pub fn names(&self) -> Vec<String> {
+        self.metadata.offset_keys()
+    }
+
     /// Whether the checkpoint holds a tensor `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.metadata.info(name).is_some()
@@ -247,7 +325,10 @@ impl StateFile {
         let info = self.metadata.info(name).ok_or_else(|| {
             Error::input(&self.path, format!("checkpoint has no tensor `{name}`"))
         })?;
-        let view = TensorView::new(info.dtype, info.shape.clone(), self.bytes(info))
+        let (start, end) = self.span(info);
+        let mut bytes = vec![0u8; (end - start) as usize];
+        self.read_at(&mut bytes, start)?;
+        let view = TensorView::new(info.dtype, info.shape.clone(), &bytes)
             .map_err(|e| Error::input(&self.path, format!("tensor `{name}`: {e}")))?;
         view.load(&Device::Cpu)
             .map_err(|e| Error::input(&self.path, format!("tensor `{name}`: {e}")))

@@ -103,11 +103,13 @@ fn train_arguments_are_checked_before_the_plan_is_printed() {
     refused(dir, &with(&["--data", "missing.bin"]), "missing.bin");
     refused(
         dir,
-        &with(&["--save", "no/such/dir/ck.safetensors"]),
+        &with(&["--save", "no/such/dir/ck"]),
         "is not a directory",
     );
-    std::fs::create_dir(dir.join("ck.safetensors")).unwrap();
-    refused(dir, &with(&["--save", "ck.safetensors"]), "is a directory");
+    std::fs::create_dir(dir.join("ck")).unwrap();
+    refused(dir, &with(&["--save", "ck"]), "not an earlier output");
+    std::fs::write(dir.join("ck.safetensors"), b"").unwrap();
+    refused(dir, &with(&["--save", "ck.safetensors"]), "it is a file");
     #[cfg(target_os = "linux")]
     refused(
         dir,
@@ -122,8 +124,8 @@ fn train_arguments_are_checked_before_the_plan_is_printed() {
     );
     refused(
         dir,
-        &with(&["--resume", "missing.safetensors"]),
-        "missing.safetensors: cannot read checkpoint",
+        &with(&["--resume", "missing"]),
+        "missing: cannot read checkpoint",
     );
     // A data file the model cannot read: ids outside its vocabulary of 256.
     std::fs::write(dir.join("wide.bin"), 1000u16.to_le_bytes().repeat(8)).unwrap();

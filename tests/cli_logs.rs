@@ -143,7 +143,7 @@ fn json_logs_carry_train_progress_and_its_notices() {
         "--global-batch",
         "2",
         "--save",
-        "ck.safetensors",
+        "ck",
     ];
     let device: &[&str] = if cfg!(feature = "cuda") {
         &["--device", "cpu"]
@@ -175,12 +175,7 @@ fn json_logs_carry_train_progress_and_its_notices() {
     }
     let (code, lines) = run_json(
         dir,
-        &[
-            &train[..],
-            device,
-            &["--steps", "3", "--resume", "ck.safetensors"],
-        ]
-        .concat(),
+        &[&train[..], device, &["--steps", "3", "--resume", "ck"]].concat(),
     );
     assert_eq!(code, 0, "{lines:#?}");
     let resumed: Vec<&Value> = lines

@@ -79,12 +79,12 @@ fn exit_1_when_nothing_fits_and_train_runs_nothing() {
         .stdout(predicate::str::contains("nothing fits"));
     oomfix(dir)
         .args(train("64KiB"))
-        .args(["--steps", "2", "--save", "ck.safetensors"])
+        .args(["--steps", "2", "--save", "ck"])
         .assert()
         .code(1)
         .stdout(predicate::str::contains("nothing fits"))
         .stderr(predicate::str::contains("step 1/").not());
-    assert!(!dir.join("ck.safetensors").exists());
+    assert!(!dir.join("ck").exists());
 }
 
 #[test]
@@ -120,19 +120,21 @@ fn exit_2_for_a_corrupt_checkpoint() {
     let dir = d.path();
     oomfix(dir)
         .args(train("1GiB"))
-        .args(["--steps", "1", "--save", "ck.safetensors"])
+        .args(["--steps", "1", "--save", "ck"])
         .assert()
         .code(0);
-    let mut bytes = std::fs::read(dir.join("ck.safetensors")).unwrap();
+    std::fs::rename(dir.join("ck"), dir.join("corrupt")).unwrap();
+    let file = dir.join("corrupt/optimizer.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0x01;
-    std::fs::write(dir.join("corrupt.safetensors"), &bytes).unwrap();
+    std::fs::write(&file, &bytes).unwrap();
     oomfix(dir)
         .args(train("1GiB"))
-        .args(["--steps", "2", "--resume", "corrupt.safetensors"])
+        .args(["--steps", "2", "--resume", "corrupt"])
         .assert()
         .code(2)
-        .stderr(predicate::str::contains("corrupt.safetensors: "))
+        .stderr(predicate::str::contains("corrupt/optimizer.safetensors: "))
         .stderr(predicate::str::contains("step 2/").not());
 }
 
@@ -195,7 +197,7 @@ fn exit_3_when_a_checkpoint_cannot_be_written_during_training() {
             "--steps",
             "1000000",
             "--save",
-            "out/ck.safetensors",
+            "out/ck",
             "--save-every",
             "1",
         ])
@@ -219,7 +221,7 @@ fn exit_3_when_a_checkpoint_cannot_be_written_during_training() {
     assert_eq!(status.code(), Some(3), "{rest}");
     let last = rest.lines().last().unwrap_or_default();
     assert!(
-        last.starts_with("oomfix: ") && last.contains("out/ck.safetensors"),
+        last.starts_with("oomfix: ") && last.contains("out/ck"),
         "{rest}"
     );
 }

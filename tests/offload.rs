@@ -70,7 +70,7 @@ fn offloaded_training_takes_the_fused_steps_exactly() {
 #[test]
 fn an_offloaded_run_resumes_where_it_stopped() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("run.safetensors");
+    let path = dir.path().join("run");
     let options = TrainOptions::default();
     let plan = plan(Precision::Bf16, OptimizerImpl::OffloadedAdamW);
     let new = || Trainer::new(&common::tiny_llama(), plan, &Device::Cpu, &options).unwrap();

@@ -1,5 +1,6 @@
 //! The trainer at world size N (ranks as threads over `ThreadComm`) takes the
-//! steps of one rank with the same global batch, at every ZeRO stage.
+//! steps of one rank with the same global batch, at every ZeRO stage, and its
+//! checkpoint directory resumes at another world size.
 
 mod common;
 
@@ -109,4 +110,76 @@ fn a_plan_for_another_world_size_is_refused() {
         .err()
         .unwrap();
     assert!(err.is_input(), "{err}");
+}
+
+/// Runs `f` on each rank of a `world`-rank trainer of `plan(world, stage, 2)`
+/// (threads over `ThreadComm`); gives back each rank's result.
+fn on_ranks<R: Send>(world: usize, stage: u8, f: impl Fn(&mut Trainer) -> R + Sync) -> Vec<R> {
+    let options = TrainOptions::default();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(world)
+            .into_iter()
+            .map(|comm| {
+                let (options, f) = (&options, &f);
+                s.spawn(move || {
+                    let comm: Box<dyn Comm> = Box::new(comm);
+                    let mut t = Trainer::new_sharded(
+                        &common::tiny_llama(),
+                        plan(world, stage, 2),
+                        &Device::Cpu,
+                        options,
+                        comm,
+                    )
+                    .unwrap();
+                    f(&mut t)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn a_sharded_run_saves_one_directory_that_resumes_at_another_world_size() {
+    let options = TrainOptions::default();
+    let one =
+        || Trainer::new(&common::tiny_llama(), plan(1, 0, 4), &Device::Cpu, &options).unwrap();
+    let want = losses(&mut one());
+    let dir = tempfile::tempdir().unwrap();
+    for stage in [1, 3] {
+        // Two steps on 2 ranks, saved; the last step on 1 rank, from the directory.
+        let ck = dir.path().join(format!("stage{stage}"));
+        let first = on_ranks(2, stage, |t| {
+            let mut data = DataSource::synthetic(11);
+            let l: Vec<f32> = (0..2).map(|_| t.step(&mut data).unwrap().loss).collect();
+            t.save(&ck, &data).unwrap();
+            l
+        });
+        assert!(close(&first[0], &want[..2]), "{first:?} vs {want:?}");
+        let mut resumed = one();
+        let mut data = DataSource::synthetic(99);
+        let saved_plan = resumed.resume(&ck, &mut data).unwrap();
+        assert_eq!(saved_plan.shard.world_size, 2);
+        let last = resumed.step(&mut data).unwrap().loss;
+        assert!(
+            close(&[last], &want[2..]),
+            "stage {stage}: {last} vs {want:?}"
+        );
+
+        // And back: 1 rank's directory resumed on 2 ranks, each taking its share.
+        let ck1 = dir.path().join(format!("one{stage}"));
+        let mut first = one();
+        let mut data = DataSource::synthetic(11);
+        first.step(&mut data).unwrap();
+        first.step(&mut data).unwrap();
+        first.save(&ck1, &data).unwrap();
+        let last = on_ranks(2, stage, |t| {
+            let mut data = DataSource::synthetic(5);
+            t.resume(&ck1, &mut data).unwrap();
+            t.step(&mut data).unwrap().loss
+        });
+        for l in last {
+            assert!(close(&[l], &want[2..]), "stage {stage}: {l} vs {want:?}");
+        }
+    }
 }

@@ -289,3 +289,37 @@ fn a_wrong_environment_is_a_usage_error() {
         assert!(stderr.contains(says), "{stderr}");
     }
 }
+
+#[test]
+fn a_checkpoint_of_2_ranks_is_one_directory_that_resumes_on_1_or_4() {
+    let run_dir = Run::new();
+    let accum = GLOBAL_BATCH.to_string();
+    let one = ["--grad-accum", &accum[..]];
+    let (code, lines, stderr) = run(run_dir.oomfix().args(run_dir.args(STEPS, &one)));
+    assert_eq!(code, 0, "{stderr}");
+    let (want, _) = losses(&lines);
+    let (code, _, stderr) = run(run_dir.oomfix().args(run_dir.args(
+        STEPS - 1,
+        &["--zero-stage", "3", "--gpus", "2", "--save", "ck"],
+    )));
+    assert_eq!(code, 0, "{stderr}");
+    let ck = oomfix::train::Checkpoint::open(&run_dir.dir.path().join("ck")).unwrap();
+    assert_eq!(ck.state.plan.shard.world_size, 2);
+    assert_eq!(ck.state.step as usize, STEPS - 1);
+    // The last step on 1 process and on 4 ranks, each taking its share.
+    let resume = ["--resume", "ck"];
+    let (code, lines, stderr) = run(run_dir
+        .oomfix()
+        .args(run_dir.args(STEPS, &[&one[..], &resume].concat())));
+    assert_eq!(code, 0, "{stderr}");
+    assert_close(
+        &losses(&lines).0,
+        &want[STEPS - 1..],
+        "resumed on 1 process",
+    );
+    let (code, lines, stderr) = run(run_dir
+        .mpirun(4, &[])
+        .args(run_dir.args(STEPS, &[&["--zero-stage", "1"][..], &resume].concat())));
+    assert_eq!(code, 0, "{stderr}");
+    assert_close(&losses(&lines).0, &want[STEPS - 1..], "resumed on 4 ranks");
+}

@@ -140,16 +140,19 @@ pub struct TrainOptions {
     /// The former spelling of `--init pretrained`.
     #[arg(long, hide = true, conflicts_with = "init")]
     pub pretrained: bool,
-    /// Write a checkpoint (weights, optimizer state, step, data position) here
-    /// at the end, every --save-every steps, and when stopped by SIGINT or
-    /// SIGTERM. Written atomically; never over the model or data file.
-    #[arg(long, value_name = "PATH")]
+    /// Write a checkpoint directory here at the end, every --save-every steps,
+    /// and when stopped by SIGINT or SIGTERM: a Hugging Face model directory
+    /// (model.safetensors, config.json, tokenizer files) with the training
+    /// state beside it. Written atomically; never over the model or data
+    /// file, nor over a directory that is not an earlier checkpoint.
+    #[arg(long, value_name = "DIR")]
     pub save: Option<PathBuf>,
     /// Also write the checkpoint every N steps [default: only at the end].
     #[arg(long, value_name = "N", requires = "save", allow_negative_numbers = true, value_parser = parse_steps)]
     pub save_every: Option<u64>,
-    /// Continue from a checkpoint written by --save (same model and plan).
-    #[arg(long, value_name = "PATH")]
+    /// Continue from a checkpoint directory written by --save (same model;
+    /// the plan may differ).
+    #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
 }
 

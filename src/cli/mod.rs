@@ -21,7 +21,7 @@ pub mod train;
 
 use std::fmt;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::ExitCode;
 
 /// How a command that ran to its end finished.
@@ -71,13 +71,6 @@ impl From<Exit> for ExitCode {
 pub enum Failure {
     /// A bad option or combination of options (exit 2).
     Usage(String),
-    /// An input file that cannot be used (exit 2).
-    Input {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong with it.
-        msg: String,
-    },
     /// A failure while running, outside the library (exit 3).
     Run(String),
     /// Writing a result failed (exit 3).
@@ -93,18 +86,10 @@ pub enum Failure {
 }
 
 impl Failure {
-    /// An input error naming `path`.
-    pub fn input(path: &Path, msg: impl Into<String>) -> Failure {
-        Failure::Input {
-            path: path.to_path_buf(),
-            msg: msg.into(),
-        }
-    }
-
     /// The process exit code.
     pub fn code(&self) -> u8 {
         match self {
-            Failure::Usage(_) | Failure::Input { .. } => USAGE,
+            Failure::Usage(_) => USAGE,
             Failure::Run(_) | Failure::Write { .. } => FAILURE,
             Failure::Lib(e) if e.is_input() => USAGE,
             Failure::Lib(_) => FAILURE,
@@ -116,7 +101,6 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Failure::Usage(msg) | Failure::Run(msg) => f.write_str(msg),
-            Failure::Input { path, msg } => write!(f, "{}: {msg}", path.display()),
             Failure::Write { what, source } => write!(f, "writing {what}: {}", io_text(source)),
             Failure::Lib(e) => write!(f, "{e}"),
         }

@@ -14,9 +14,10 @@ use super::args::{InitArg, TrainArgs};
 use super::job::{self, Joined};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
-use super::{check_writable, io_text, logging, plan, Exit, Failure, Outcome};
+use super::{io_text, logging, plan, Exit, Failure, Outcome};
 use oomfix::dist::Job;
 use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
+use oomfix::train::saved::{self, Checkpoint, ModelSource};
 use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
 use oomfix::{ModelConfig, Target};
@@ -43,13 +44,6 @@ pub fn run(args: &TrainArgs) -> Outcome {
         None => (Target::Cpu, true),
     };
     let job = Job::from_env()?;
-    let several = job.as_ref().is_some_and(|j| j.world_size > 1)
-        || (job.is_none() && args.plan.opts.gpus > 1);
-    if several && (o.save.is_some() || o.resume.is_some()) {
-        return Err(Failure::Usage(
-            "--save and --resume are not supported with several ranks yet".into(),
-        ));
-    }
     let joined = match job {
         None if args.plan.opts.gpus > 1 => return super::launch::run(args.plan.opts.gpus, target),
         Some(job) if job.world_size > 1 => {
@@ -110,17 +104,34 @@ fn run_rank(
         oomfix::train::check_supported(&prepared.spec.config, seq_len, &dir.join("config.json"))?;
     }
     let mut data = data_source(args, &prepared.spec.config, model_dir.as_deref())?;
+    if let Some(path) = &o.resume {
+        Checkpoint::check(path)?;
+    }
     if let Some(save) = &o.save {
-        // The resume file is not among the inputs: replacing it is the point.
         let mut inputs: Vec<&Path> = prepared.spec.files.iter().map(|p| p.as_path()).collect();
         inputs.extend(args.plan.model.as_deref());
         inputs.extend(o.data.as_deref());
-        check_writable(save, &inputs)?;
-    }
-    if let Some(path) = &o.resume {
-        std::fs::File::open(path).map_err(|e| {
-            Failure::input(path, format!("cannot read checkpoint: {}", io_text(&e)))
-        })?;
+        // The checkpoint resumed, and the model when it is that checkpoint:
+        // replacing them is the point.
+        let mut replaceable: Vec<&Path> = o.resume.as_deref().into_iter().collect();
+        let same = |a: &Path, b: &Path| a.canonicalize().ok() == b.canonicalize().ok();
+        if let (Some(model), Some(resume)) = (args.plan.model.as_deref(), o.resume.as_deref()) {
+            if same(model, resume) {
+                replaceable.push(model);
+                replaceable.extend(prepared.spec.files.iter().map(|p| p.as_path()));
+            }
+        }
+        oomfix::output::check_output_dir(save, saved::STATE_FILE, &inputs, &replaceable)?;
+        let parent = save
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        tempfile::Builder::new()
+            .prefix(".oomfix-write-check.")
+            .tempdir_in(parent)
+            .map_err(|e| {
+                Failure::Usage(format!("cannot write {}: {}", save.display(), io_text(&e)))
+            })?;
     }
     if rank == 0 && args.plan.model.is_none() && o.init_given().is_none() && o.resume.is_none() {
         logging::notice(
@@ -168,6 +179,7 @@ fn run_rank(
     };
     options.seed = o.seed;
     options.weights = weights;
+    options.source = model_source(args, init, &spec, model_dir.as_deref());
     let mut trainer = match joined {
         Some(j) => Trainer::new_sharded(
             &spec.config,
@@ -179,13 +191,18 @@ fn run_rank(
         None => Trainer::new(&spec.config, chosen, &device, &options)?,
     };
     if let Some(path) = &o.resume {
-        trainer.resume(path, &mut data)?;
+        let saved_plan = trainer.resume(path, &mut data)?;
+        if rank == 0 {
+            for line in oomfix::train::plan_changes(&saved_plan, trainer.plan()) {
+                logging::notice(line);
+            }
+            logging::say(format_args!(
+                "oomfix: resumed from {} at step {}",
+                path.display(),
+                trainer.steps()
+            ));
+        }
         tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "resumed");
-        logging::say(format_args!(
-            "oomfix: resumed from {} at step {}",
-            path.display(),
-            trainer.steps()
-        ));
     }
     if (o.save.is_some() || o.resume.is_some()) && !trainer.saves_optimizer_state() {
         tracing::warn!(
@@ -244,6 +261,35 @@ fn run_rank(
         trainer.steps()
     ));
     Ok(Exit::Signal(stopped_by))
+}
+
+/// What a saved directory holds beside the weights: the dtype of the weights
+/// the run starts from (f32 from a random initialisation), the model's
+/// `config.json` and tokenizer files, and `--tokenizer` as `tokenizer.json`.
+fn model_source(
+    args: &TrainArgs,
+    init: InitArg,
+    spec: &oomfix::ModelSpec,
+    model_dir: Option<&Path>,
+) -> ModelSource {
+    let dtype = match (init, spec.dtype.as_str()) {
+        (InitArg::Random, _) => candle_core::DType::F32,
+        (_, "BF16") => candle_core::DType::BF16,
+        (_, "F16") => candle_core::DType::F16,
+        _ => candle_core::DType::F32,
+    };
+    let mut source = match model_dir {
+        Some(dir) => ModelSource::beside(dir, dtype),
+        None => ModelSource {
+            dtype,
+            ..ModelSource::default()
+        },
+    };
+    if let Some(t) = &args.opts.tokenizer {
+        source.files.retain(|(n, _)| n != "tokenizer.json");
+        source.files.push(("tokenizer.json".into(), t.clone()));
+    }
+    source
 }
 
 /// The directory holding the model's side files (`config.json`,

@@ -16,6 +16,8 @@ use serde_json::Value;
 use crate::{Error, ModelSpec, Result, TensorInfo};
 use header::{kind, read_header, Header, TensorEntry, MAX_HEADER_BYTES};
 
+/// File name of an unsharded model's weights inside its directory.
+pub const MODEL_FILE: &str = "model.safetensors";
 /// File name of a sharded model's index inside its directory.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
@@ -23,7 +25,8 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 ///
 /// `path` is a `.safetensors` file, a sharded index (`*.json` with a
 /// `weight_map` of tensor name → shard file), or a directory holding
-/// [`INDEX_FILE`] or else `*.safetensors` files (taken in name order).
+/// [`INDEX_FILE`], else [`MODEL_FILE`], else `*.safetensors` files (taken
+/// in name order).
 /// `config.json` next to the weights, when present, supplies what shapes
 /// cannot say (heads, context length, tying).
 ///
@@ -82,11 +85,18 @@ fn most_common_dtype(tensors: &[TensorInfo]) -> String {
         .unwrap_or_default()
 }
 
-/// A directory's weights: its index when it has one, else every `*.safetensors` file.
+/// A directory's weights: its index when it has one, else `model.safetensors`
+/// when it has one (as `transformers` reads it: other files beside it, such
+/// as a saved checkpoint's `optimizer.safetensors`, are not weights), else
+/// every `*.safetensors` file.
 fn read_dir(dir: &Path) -> Result<(Vec<TensorEntry>, Vec<PathBuf>)> {
     let index = dir.join(INDEX_FILE);
     if index.is_file() {
         return read_index(&index);
+    }
+    let single = dir.join(MODEL_FILE);
+    if single.is_file() {
+        return merge(dir, vec![(read_header(&single)?, single)]);
     }
     let mut files = Vec::new();
     for entry in fs::read_dir(dir).map_err(|e| io_error(dir, &e))? {

@@ -168,12 +168,14 @@
 
 mod bert;
 pub mod data;
+pub mod saved;
 pub mod tokenizer;
 mod trainer;
 pub use crate::state_file::StateFile;
 mod schedule;
+pub use saved::{Checkpoint, ModelSource};
 pub use schedule::{Decay, LrSchedule};
-pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
+pub use trainer::{compute_dtype, plan_changes, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;
 mod llama;

@@ -19,12 +19,16 @@
 //! gathers them before the forward. The loss reported is the mean over all
 //! ranks, the same number on every rank.
 //!
-//! [`Trainer::save`] writes the whole training state to a checkpoint
-//! ([`crate::state_file`]) and [`Trainer::resume`] restores it, so a resumed
-//! run takes the same steps as one that was never stopped.
+//! [`Trainer::save`] writes a Hugging Face model directory with the whole
+//! training state beside it ([`super::saved`]) and [`Trainer::resume`]
+//! restores it, so a resumed run of the same plan takes the same steps as one
+//! that was never stopped; another plan of the same model continues from the
+//! same weights, moments and data position.
 
 use super::data::{DataPosition, DataSource};
+use super::saved::{self, Checkpoint, DataState, ModelSource, ScalerState, TrainerState};
 use super::{build_model, Batch, TrainableModel};
+use crate::output::write_dir_atomic;
 use crate::state_file::{self, StateFile};
 use crate::track::alloc::mark_tensors;
 use crate::track::alloc::{self, Phase};
@@ -60,6 +64,9 @@ pub struct TrainOptions {
     /// The learning rate over the run, as a factor of `adamw.lr` (default:
     /// constant).
     pub schedule: super::LrSchedule,
+    /// What [`Trainer::save`] writes beside the weights, and their dtype
+    /// (default: f32, a configuration made from the shape, no other files).
+    pub source: ModelSource,
 }
 
 impl Default for TrainOptions {
@@ -75,6 +82,7 @@ impl Default for TrainOptions {
             weights: None,
             fixes: oomfix_strategies::builtins(),
             schedule: super::LrSchedule::default(),
+            source: ModelSource::default(),
         }
     }
 }
@@ -152,6 +160,8 @@ pub struct Trainer {
     /// `adamw.lr`: the rate the schedule is a factor of.
     peak_lr: f64,
     schedule: super::LrSchedule,
+    /// What a saved directory holds beside the weights.
+    source: ModelSource,
     step: u64,
 }
 
@@ -163,31 +173,39 @@ fn describe(c: &ModelConfig) -> String {
     )
 }
 
-/// Whether a checkpoint's recorded plan (`recorded`, its `plan` metadata) is
-/// `plan`; else what differs, field by field, in one line.
-fn check_plan(recorded: Option<&str>, plan: &Plan) -> std::result::Result<(), String> {
-    let Some(recorded) = recorded else {
-        return Err("checkpoint records no plan".into());
-    };
-    let saved: Plan = serde_json::from_str(recorded).map_err(|_| {
-        format!(
-            "checkpoint records its plan as `{recorded}`, not as this version of oomfix writes it \
-             (a file of an older version); it cannot be resumed"
-        )
-    })?;
-    let diff = saved.differences(plan);
+/// What changes when a run of the plan `saved` resumes with the plan `now`,
+/// one line per change for the log: the fields that differ
+/// ([`Plan::differences`]) and, when it changes, the global batch. Empty when
+/// the plans are the same.
+pub fn plan_changes(saved: &Plan, now: &Plan) -> Vec<String> {
+    let diff = saved.differences(now);
     if diff.is_empty() {
-        return Ok(());
+        return Vec::new();
     }
     let fields: Vec<String> = diff
         .iter()
-        .map(|(field, was, now)| format!("{field} {was} (this run: {now})"))
+        .map(|(field, was, now)| format!("{field} {was} -> {now}"))
         .collect();
-    Err(format!(
-        "checkpoint was written with the plan `{saved}`, which differs in {}; \
-         resume with the same budget, batch, sequence length, strategies and precision",
+    let mut out = vec![format!(
+        "resuming a run of the plan `{saved}` with another plan: {}",
         fields.join(", ")
-    ))
+    )];
+    let (was, is) = (saved.global_batch(), now.global_batch());
+    if was != is {
+        out.push(format!(
+            "the global batch changes from {was} to {is} sequences per optimizer step: \
+             each step now averages the gradient of {is} sequences, and the data advances \
+             {is} × {} tokens per step",
+            now.seq_len
+        ));
+    }
+    if saved.seq_len != now.seq_len {
+        out.push(format!(
+            "the sequence length changes from {} to {} tokens",
+            saved.seq_len, now.seq_len
+        ));
+    }
+    out
 }
 
 /// The compute dtype of a precision.
@@ -341,6 +359,7 @@ impl Trainer {
             execution: Execution::for_plan(&plan, &options.fixes),
             peak_lr: options.adamw.lr,
             schedule: options.schedule,
+            source: options.source.clone(),
             step: 0,
         })
     }
@@ -430,148 +449,225 @@ impl Trainer {
     /// fused AdamW (offloaded or not) it does; `candle_nn::AdamW` keeps them
     /// out of reach, so a run resumed from its checkpoint restarts them from zero.
     pub fn saves_optimizer_state(&self) -> bool {
-        self.optim.fused().is_some()
+        matches!(self.optim, Optim::Sharded(_)) || self.optim.fused().is_some()
     }
 
-    /// Whether [`save`](Self::save) and [`resume`](Self::resume) work: not yet
-    /// at world size > 1.
-    pub fn can_checkpoint(&self) -> bool {
-        self.world_size() == 1
-    }
-
-    /// Writes the training state to `path` atomically (an existing file is
-    /// replaced only once the new one is complete).
-    ///
-    /// Tensors: the parameters under their Hub names in the compute dtype; with
-    /// mixed precision or an offloaded optimizer the fp32 master weights as
-    /// `master.<name>`; with fused (or offloaded)
-    /// AdamW its moments as `optim.<name>.m`, `optim.<name>.v` and its step count
-    /// `optim.step`; with fp16 the loss scaler's `scaler.scale` (f64) and
-    /// `scaler.growth_tracker`; `trainer.step`; the data position as
-    /// `data.synthetic_state` (the generator state's bits) or `data.position` and
-    /// `data.tokens`. Integers are i64 scalars. Metadata: `plan` (the [`Plan`]'s
-    /// serde JSON, compared field by field on resume) and `model` (the
-    /// [`ModelConfig`] as JSON).
-    pub fn save(&self, path: &Path, data: &DataSource) -> Result<()> {
-        if !self.can_checkpoint() {
-            return Err(Error::Usage(
-                "checkpoints of sharded runs (world size > 1) are not written yet".into(),
-            ));
+    /// The fp32 weights of record: the masters where there are any, else the
+    /// compute weights (then f32).
+    fn record_vars(&self) -> Vec<Var> {
+        match self.masters() {
+            Some(m) => m.to_vec(),
+            None => self.model.vars().iter().map(|(_, v)| v.clone()).collect(),
         }
-        let vars = self.model.vars();
-        let mut tensors: Vec<(String, Tensor)> = vars
-            .iter()
-            .map(|(name, v)| (name.clone(), v.as_tensor().clone()))
-            .collect();
-        if let Some(masters) = self.masters() {
-            tensors.extend(
-                vars.iter()
-                    .zip(masters)
-                    .map(|((name, _), v)| (format!("master.{name}"), v.as_tensor().clone())),
+    }
+
+    /// Writes the directory `dir` ([`saved`](super::saved)) atomically: built beside it
+    /// and put in place whole ([`write_dir_atomic`]), replacing an existing
+    /// one only once the new one is complete.
+    ///
+    /// The weights are written from the fp32 weights of record (the master
+    /// weights under mixed precision or offloaded), converted to the source's
+    /// dtype one tensor at a time; the moments are written from the
+    /// optimizer's own storage, without copies.
+    ///
+    /// Sharded (world size > 1), every rank calls it at the same point
+    /// (collective): the weights and moments are gathered to rank 0, which
+    /// writes one directory, the same as an unsharded run's; every rank
+    /// returns an error when rank 0's write fails.
+    pub fn save(&self, dir: &Path, data: &DataSource) -> Result<()> {
+        let source = &self.source;
+        let config = saved::hf_config(self.model.config(), source.config.as_deref(), source.dtype)?;
+        let (weights, moments) = self.consolidated()?;
+        let mut optimizer: Vec<(String, Tensor)> = Vec::new();
+        if source.dtype != DType::F32 {
+            optimizer.extend(
+                weights
+                    .iter()
+                    .map(|(n, t)| (format!("master.{n}"), t.clone())),
             );
         }
-        if let Some(opt) = self.optim.fused() {
-            tensors.extend(
-                opt.state_tensors()?
-                    .into_iter()
-                    .map(|(k, t)| (format!("optim.{k}"), t)),
-            );
+        for (name, m, v) in moments {
+            optimizer.push((format!("{name}.m"), m));
+            optimizer.push((format!("{name}.v"), v));
         }
-        let cpu = &Device::Cpu;
-        if let Some(s) = &self.scaler {
-            tensors.push(("scaler.scale".into(), Tensor::new(s.scale(), cpu)?));
-            tensors.push((
-                "scaler.growth_tracker".into(),
-                Tensor::new(i64::from(s.growth_tracker()), cpu)?,
-            ));
-        }
-        tensors.push(("trainer.step".into(), Tensor::new(self.step as i64, cpu)?));
-        match data.position() {
-            // The generator state's bits, stored as i64.
-            DataPosition::Synthetic(state) => tensors.push((
-                "data.synthetic_state".into(),
-                Tensor::new(state as i64, cpu)?,
-            )),
-            DataPosition::Tokens { pos, len } => {
-                tensors.push(("data.position".into(), Tensor::new(pos as i64, cpu)?));
-                tensors.push(("data.tokens".into(), Tensor::new(len as i64, cpu)?));
-            }
-        }
-        let model = serde_json::to_string(self.model.config())
-            .map_err(|e| Error::Runtime(format!("model shape: {e}")))?;
-        let metadata = HashMap::from([
-            (
-                "plan".to_string(),
-                serde_json::to_string(&self.plan).expect("a plan serialises"),
-            ),
-            ("model".to_string(), model),
-        ]);
-        state_file::write(path, tensors, metadata)
-    }
-
-    /// Restores the state [`save`](Self::save) wrote to `path`, and moves `data`
-    /// to where that run stood.
-    ///
-    /// The checkpoint must verify (see [`StateFile::open`]) and come from
-    /// the same model shape, plan and kind of data; every failure is an input
-    /// error naming the file. The checks run before anything changes; a failure
-    /// while loading tensors after them leaves the trainer and `data` partly
-    /// restored (drop them).
-    pub fn resume(&mut self, path: &Path, data: &mut DataSource) -> Result<()> {
-        if !self.can_checkpoint() {
-            return Err(Error::Usage(
-                "sharded runs (world size > 1) cannot resume from a checkpoint yet".into(),
-            ));
-        }
-        let ck = StateFile::open(path)?;
-        let bad = |msg: String| Error::input(path, msg);
-        let saved: ModelConfig = ck
-            .meta("model")
-            .and_then(|m| serde_json::from_str(m).ok())
-            .ok_or_else(|| bad("checkpoint has no readable model shape".into()))?;
-        if &saved != self.model.config() {
-            return Err(bad(format!(
-                "checkpoint is of another model ({}); this run trains {}",
-                describe(&saved),
-                describe(self.model.config())
-            )));
-        }
-        check_plan(ck.meta("plan"), &self.plan).map_err(bad)?;
-        let position = if ck.contains("data.synthetic_state") {
-            DataPosition::Synthetic(ck.scalar_i64("data.synthetic_state")? as u64)
-        } else {
-            let int = |name| {
-                ck.scalar_i64(name)
-                    .and_then(|v| u64::try_from(v).map_err(|_| bad(format!("`{name}` is {v}"))))
-            };
-            DataPosition::Tokens {
-                pos: int("data.position")?,
-                len: int("data.tokens")?,
-            }
+        let optimizer_step = match &self.optim {
+            Optim::Sharded(opt) => Some(opt.optimizer().step_count()),
+            optim => optim.fused().map(FusedAdamW::step_count),
         };
-        let step = u64::try_from(ck.scalar_i64("trainer.step")?)
-            .map_err(|_| bad("negative `trainer.step`".into()))?;
-        data.seek(position)
-            .map_err(|msg| bad(format!("cannot continue the data: {msg}")))?;
-        self.load_tensors(&ck)?;
-        if let Some(s) = &mut self.scaler {
-            let tracker = ck.scalar_i64("scaler.growth_tracker")?;
-            let tracker = u32::try_from(tracker)
-                .map_err(|_| bad(format!("`scaler.growth_tracker` is {tracker}")))?;
-            s.restore(ck.scalar_f64("scaler.scale")?, tracker)
-                .map_err(|e| bad(e.to_string()))?;
+        let state = TrainerState {
+            format: saved::STATE_FORMAT.into(),
+            format_version: saved::STATE_VERSION,
+            step: self.step,
+            optimizer_step,
+            data: match data.position() {
+                DataPosition::Synthetic(state) => DataState::Synthetic { state },
+                DataPosition::Tokens { pos, len } => DataState::Tokens {
+                    position: pos,
+                    tokens: len,
+                },
+            },
+            loss_scaler: self.scaler.as_ref().map(|s| ScalerState {
+                scale: s.scale(),
+                growth_tracker: s.growth_tracker(),
+            }),
+            plan: self.plan,
+            model: self.model.config().clone(),
+        };
+        if self.rank() != 0 {
+            return self.saved_on_rank_0(true);
         }
-        self.step = step;
+        let written = write_dir_atomic(dir, |tmp| {
+            let pt = HashMap::from([("format".to_string(), "pt".to_string())]);
+            state_file::write_safetensors_as(
+                &tmp.join(saved::MODEL_FILE),
+                weights,
+                pt,
+                Some(source.dtype),
+            )?;
+            state_file::write(&tmp.join(saved::OPTIMIZER_FILE), optimizer, HashMap::new())?;
+            let io = |what: &Path, e: std::io::Error| Error::Io {
+                context: format!("writing {}", what.display()),
+                source: e,
+            };
+            for (name, from) in &source.files {
+                std::fs::copy(from, tmp.join(name)).map_err(|e| io(from, e))?;
+            }
+            for (name, value) in [
+                (saved::CONFIG_FILE, config),
+                (
+                    saved::STATE_FILE,
+                    serde_json::to_value(&state).expect("the state serialises"),
+                ),
+            ] {
+                let text = serde_json::to_string_pretty(&value).expect("JSON serialises") + "\n";
+                std::fs::write(tmp.join(name), text).map_err(|e| io(&dir.join(name), e))?;
+            }
+            Ok(())
+        });
+        self.saved_on_rank_0(written.is_ok())?;
+        written
+    }
+
+    /// Whether rank 0 wrote the checkpoint, told to every rank (collective
+    /// when sharded): an error on the others when it did not.
+    fn saved_on_rank_0(&self, ok: bool) -> Result<()> {
+        if self.any_rank(!ok)? && ok {
+            return Err(Error::Runtime(
+                "rank 0 could not write the checkpoint".into(),
+            ));
+        }
         Ok(())
     }
 
-    /// Loads parameters, master weights and optimizer state from `ck`.
-    fn load_tensors(&mut self, ck: &StateFile) -> Result<()> {
-        let set = |name: &str, var: &Var| -> Result<()> {
-            let t = ck.tensor(name)?;
+    /// The weights of record with their Hub names, and the optimizer's
+    /// moments `(name, m, v)` (none with `candle_nn::AdamW`), as one
+    /// unsharded run holds them. Without sharding they share the trainer's
+    /// storage. Sharded (collective), each tensor is sent from the rank that
+    /// holds it, one at a time; rank 0 keeps them all (the whole state, for
+    /// the time of a save), the others none.
+    #[allow(clippy::type_complexity)]
+    fn consolidated(&self) -> Result<(Vec<(String, Tensor)>, Vec<(String, Tensor, Tensor)>)> {
+        let names = self.model.vars().iter().map(|(n, _)| n.clone());
+        let record = self.record_vars();
+        let Optim::Sharded(opt) = &self.optim else {
+            let weights = names
+                .zip(record)
+                .map(|(n, w)| (n, w.as_tensor().clone()))
+                .collect();
+            let moments = self.optim.fused().map_or_else(Vec::new, |opt| {
+                opt.moments()
+                    .into_iter()
+                    .map(|(n, m, v)| (n.to_string(), m, v))
+                    .collect()
+            });
+            return Ok((weights, moments));
+        };
+        let comm = opt.comm();
+        let rank = comm.rank();
+        let owned: HashMap<&str, (Tensor, Tensor)> = opt
+            .optimizer()
+            .moments()
+            .into_iter()
+            .map(|(i, m, v)| (i, (m, v)))
+            .collect();
+        let (mut weights, mut moments) = (Vec::new(), Vec::new());
+        for (i, (name, w)) in names.zip(&record).enumerate() {
+            let owner = opt.owners()[i];
+            let zeros = |dtype| Tensor::zeros(w.shape(), dtype, w.device());
+            // Stage 3 frees the parameters a rank does not own: their owner sends them.
+            let w = if !opt.is_released() {
+                w.as_tensor().clone()
+            } else if owner == rank {
+                comm.broadcast(w.as_tensor(), owner)?
+            } else {
+                comm.broadcast(&zeros(w.dtype())?, owner)?
+            };
+            let (m, v) = match owned.get(i.to_string().as_str()) {
+                Some((m, v)) => (m.clone(), v.clone()),
+                None => (zeros(DType::F32)?, zeros(DType::F32)?),
+            };
+            let (m, v) = (comm.broadcast(&m, owner)?, comm.broadcast(&v, owner)?);
+            if rank == 0 {
+                weights.push((name.clone(), w));
+                moments.push((name, m, v));
+            }
+        }
+        Ok((weights, moments))
+    }
+
+    /// Restores the state [`save`](Self::save) wrote to the directory `dir`,
+    /// and moves `data` to where that run stood; returns the plan that run
+    /// used (this trainer's may differ: the weights, moments, step, data
+    /// position and loss scale carry over to any plan of the same model).
+    ///
+    /// The checkpoint must verify (see [`Checkpoint::open`]) and be of the
+    /// same model shape (else an input error naming the first difference) and
+    /// kind of data; every failure is an input error naming the file. The
+    /// checks run before anything changes; a failure while loading tensors
+    /// after them leaves the trainer and `data` partly restored (drop them).
+    /// Tensors are read and set one at a time: resuming holds at most one
+    /// tensor besides the trainer's own state.
+    ///
+    /// Sharded, every rank calls it (collective at stage 3) and takes its own
+    /// share of the moments: a checkpoint of any world size resumes at any other.
+    pub fn resume(&mut self, dir: &Path, data: &mut DataSource) -> Result<Plan> {
+        let ck = Checkpoint::open(dir)?;
+        let state_path = dir.join(saved::STATE_FILE);
+        if let Some(diff) = saved::first_difference(&ck.state.model, self.model.config()) {
+            return Err(Error::input(
+                &state_path,
+                format!(
+                    "checkpoint is of another model ({}): {diff}; this run trains {}",
+                    describe(&ck.state.model),
+                    describe(self.model.config())
+                ),
+            ));
+        }
+        let position = match ck.state.data {
+            DataState::Synthetic { state } => DataPosition::Synthetic(state),
+            DataState::Tokens { position, tokens } => DataPosition::Tokens {
+                pos: position,
+                len: tokens,
+            },
+        };
+        data.seek(position)
+            .map_err(|msg| Error::input(&state_path, format!("cannot continue the data: {msg}")))?;
+        self.load_tensors(&ck)?;
+        if let (Some(s), Some(saved)) = (&mut self.scaler, ck.state.loss_scaler) {
+            s.restore(saved.scale, saved.growth_tracker)
+                .map_err(|e| Error::input(&state_path, e.to_string()))?;
+        }
+        self.step = ck.state.step;
+        Ok(ck.state.plan)
+    }
+
+    /// Loads the weights and the optimizer's moments from `ck`, one tensor at a time.
+    fn load_tensors(&mut self, ck: &Checkpoint) -> Result<()> {
+        let read = |file: &StateFile, name: &str, var: &Var| -> Result<Tensor> {
+            let t = file.tensor(name)?;
             if t.dims() != var.dims() {
                 return Err(Error::input(
-                    ck.path(),
+                    file.path(),
                     format!(
                         "tensor `{name}` has shape {:?}, the model needs {:?}",
                         t.dims(),
@@ -579,28 +675,75 @@ impl Trainer {
                     ),
                 ));
             }
+            Ok(t)
+        };
+        let set = |var: &Var, t: &Tensor| -> Result<()> {
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
             Ok(())
         };
+        if let Optim::Sharded(opt) = &mut self.optim {
+            // Stage 3: every parameter is set, then the non-owned freed again.
+            opt.gather_params()?;
+        }
         let vars = self.model.vars();
-        for (name, var) in vars {
-            set(name, var)?;
-        }
-        if let Some(masters) = self.masters() {
-            for ((name, _), var) in vars.iter().zip(masters) {
-                set(&format!("master.{name}"), var)?;
+        let masters = self.masters();
+        for (i, (name, compute)) in vars.iter().enumerate() {
+            let master = format!("master.{name}");
+            let t = if ck.optimizer.contains(&master) {
+                read(&ck.optimizer, &master, compute)?
+            } else {
+                read(&ck.model, name, compute)?
+            };
+            if let Some(m) = masters {
+                set(&m[i], &t)?;
             }
+            set(compute, &t)?;
         }
-        if let Some(opt) = self.optim.fused_mut() {
-            let keys = vars
-                .iter()
-                .flat_map(|(n, _)| [format!("{n}.m"), format!("{n}.v")]);
-            let state = keys
-                .chain([oomfix_strategies::adamw::STEP_KEY.to_string()])
-                .map(|k| Ok((k.clone(), ck.tensor(&format!("optim.{k}"))?)))
-                .collect::<Result<HashMap<_, _>>>()?;
-            opt.load_state(&state)
-                .map_err(|e| Error::input(ck.path(), e.to_string()))?;
+        let saved_moments = ck.state.optimizer_step.filter(|_| {
+            vars.first()
+                .is_some_and(|(n, _)| ck.optimizer.contains(&format!("{n}.m")))
+        });
+        let names: Vec<String> = vars.iter().map(|(n, _)| n.clone()).collect();
+        if let Optim::Sharded(opt) = &mut self.optim {
+            let rank = opt.comm().rank();
+            let owned: Vec<usize> = (0..names.len())
+                .filter(|&i| opt.owners()[i] == rank)
+                .collect();
+            if let Some(step) = saved_moments {
+                for i in owned {
+                    let (name, var) = (&names[i], &vars[i].1);
+                    let m = read(&ck.optimizer, &format!("{name}.m"), var)?;
+                    let v = read(&ck.optimizer, &format!("{name}.v"), var)?;
+                    opt.optimizer_mut()
+                        .set_moments(&i.to_string(), &m, &v)
+                        .map_err(|e| Error::input(ck.optimizer.path(), e.to_string()))?;
+                }
+                opt.optimizer_mut().set_step_count(step);
+            } else {
+                tracing::warn!(
+                    "the checkpoint holds no optimizer moments (its run used candle_nn::AdamW): they restart from zero"
+                );
+            }
+            opt.release_params()?;
+            return Ok(());
+        }
+        match (self.optim.fused_mut(), saved_moments) {
+            (Some(opt), Some(step)) => {
+                for (name, var) in names.iter().zip(vars) {
+                    let m = read(&ck.optimizer, &format!("{name}.m"), &var.1)?;
+                    let v = read(&ck.optimizer, &format!("{name}.v"), &var.1)?;
+                    opt.set_moments(name, &m, &v)
+                        .map_err(|e| Error::input(ck.optimizer.path(), e.to_string()))?;
+                }
+                opt.set_step_count(step);
+            }
+            (Some(_), None) => tracing::warn!(
+                "the checkpoint holds no optimizer moments (its run used candle_nn::AdamW): they restart from zero"
+            ),
+            (None, Some(_)) => tracing::warn!(
+                "the plan uses candle_nn::AdamW, which cannot take the checkpoint's optimizer moments: they restart from zero"
+            ),
+            (None, None) => {}
         }
         Ok(())
     }
@@ -802,42 +945,36 @@ impl Trainer {
 
 #[cfg(test)]
 mod tests {
-    use super::check_plan;
+    use super::plan_changes;
     use oomfix_strategies::{Attention, Plan};
 
     #[test]
-    fn a_recorded_plan_is_compared_as_data() {
+    fn a_plan_change_is_listed_field_by_field() {
         let plan = Plan::baseline(8, 64);
-        let json = serde_json::to_string(&plan).unwrap();
-        assert_eq!(check_plan(Some(&json), &plan), Ok(()));
-        // Key order and spacing do not matter: the plan is compared as data.
-        let value: serde_json::Value = serde_json::from_str(&json).unwrap();
-        let pretty = serde_json::to_string_pretty(&value).unwrap();
-        assert_eq!(check_plan(Some(&pretty), &plan), Ok(()));
-
+        assert!(plan_changes(&plan, &plan).is_empty());
         let other = Plan {
             micro_batch: 4,
             grad_accum: 2,
             attention: Attention::Flash,
             ..plan
         };
-        let err = check_plan(Some(&json), &other).unwrap_err();
+        let lines = plan_changes(&plan, &other);
+        assert_eq!(lines.len(), 1, "{lines:?}");
         for part in [
-            "micro_batch 8 (this run: 4)",
-            "grad_accum 1 (this run: 2)",
-            r#"attention "composed" (this run: "flash")"#,
+            "micro_batch 8 -> 4",
+            "grad_accum 1 -> 2",
+            r#"attention "composed" -> "flash""#,
         ] {
-            assert!(err.contains(part), "{err}");
+            assert!(lines[0].contains(part), "{lines:?}");
         }
-        assert!(!err.contains("seq_len"), "{err}");
-    }
-
-    #[test]
-    fn a_plan_recorded_as_text_by_an_older_version_is_named() {
-        let plan = Plan::baseline(8, 64);
-        let old = "micro-batch 8 x 1 accumulation, seq 64, fp32, checkpoint none, adamw";
-        let err = check_plan(Some(old), &plan).unwrap_err();
-        assert!(err.contains(old) && err.contains("older version"), "{err}");
-        assert!(check_plan(None, &plan).is_err());
+        let smaller = Plan {
+            micro_batch: 2,
+            ..plan
+        };
+        let lines = plan_changes(&plan, &smaller);
+        assert!(
+            lines[1].contains("global batch changes from 8 to 2"),
+            "{lines:?}"
+        );
     }
 }

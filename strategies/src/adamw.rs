@@ -517,6 +517,55 @@ impl FusedAdamW {
         self.t
     }
 
+    /// The moments of each var, without copying: `(name, m, v)` in the
+    /// order of construction, f32 tensors sharing the optimizer's storage
+    /// (read them before the next [`step`](Self::step) changes them).
+    pub fn moments(&self) -> Vec<(&str, Tensor, Tensor)> {
+        self.slots
+            .iter()
+            .map(|s| {
+                (
+                    s.name.as_str(),
+                    s.m.as_detached_tensor(),
+                    s.v.as_detached_tensor(),
+                )
+            })
+            .collect()
+    }
+
+    /// Sets the moments of the var `name` (copied into the optimizer's own
+    /// storage, converted to f32 and to its device), one var at a time so
+    /// that restoring a checkpoint holds at most one var's state besides the
+    /// optimizer's. Fails, changing nothing, on an unknown name or a shape
+    /// that is not the var's.
+    pub fn set_moments(&mut self, name: &str, m: &Tensor, v: &Tensor) -> Result<()> {
+        let slot = self
+            .slots
+            .iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| Error::Config(format!("no parameter named `{name}`")))?;
+        for (key, t) in [("m", m), ("v", v)] {
+            if t.shape() != slot.var.shape() {
+                return Err(Error::Config(format!(
+                    "optimizer state `{name}.{key}` has shape {:?}, expected {:?}",
+                    t.shape(),
+                    slot.var.shape()
+                )));
+            }
+        }
+        slot.m
+            .set(&m.to_device(slot.var.device())?.to_dtype(DType::F32)?)?;
+        slot.v
+            .set(&v.to_device(slot.var.device())?.to_dtype(DType::F32)?)?;
+        Ok(())
+    }
+
+    /// Sets the steps taken (the `t` of the bias correction), as restored
+    /// from a checkpoint along with [`set_moments`](Self::set_moments).
+    pub fn set_step_count(&mut self, t: u64) {
+        self.t = t;
+    }
+
     /// A copy of the optimizer state for a checkpoint: `"{name}.m"` and
     /// `"{name}.v"` (f32, the parameter's shape) for each var and [`STEP_KEY`]
     /// (an i64 scalar). Ready for `candle_core::safetensors::save`. The copies
@@ -561,12 +610,11 @@ impl FusedAdamW {
             .map(|s| {
                 let m = get(format!("{}.m", s.name), s.var.shape())?;
                 let v = get(format!("{}.v", s.name), s.var.shape())?;
-                Ok((s, m, v))
+                Ok((s.name.clone(), m, v))
             })
             .collect::<Result<Vec<_>>>()?;
-        for (s, m, v) in moments {
-            s.m.set(&m.to_device(s.var.device())?.to_dtype(DType::F32)?)?;
-            s.v.set(&v.to_device(s.var.device())?.to_dtype(DType::F32)?)?;
+        for (name, m, v) in moments {
+            self.set_moments(&name, m, v)?;
         }
         self.t = step;
         Ok(())

@@ -637,6 +637,12 @@ impl<C: Comm> ShardedOptimizer<C> {
         &self.opt
     }
 
+    /// The AdamW over this rank's parameters, to restore its shard from a
+    /// checkpoint ([`FusedAdamW::set_moments`] by global var index).
+    pub fn optimizer_mut(&mut self) -> &mut FusedAdamW {
+        &mut self.opt
+    }
+
     /// Sets the learning rate.
     pub fn set_learning_rate(&mut self, lr: f64) {
         self.opt.set_learning_rate(lr);
