@@ -809,6 +809,15 @@ impl Trainer {
             let _op = Scope::op(Op::WeightSync);
             opt.gather_params()?;
         }
+        // ZeRO 2 and 3 reduce each micro-batch's gradients to their owners at
+        // once; otherwise they are summed here (stage 1 reduces the sum once).
+        let reduce_each = matches!(
+            &self.optim,
+            Optim::Sharded(opt) if opt.stage() != ZeroStage::OptimizerState
+        );
+        if let Optim::Sharded(opt) = &mut self.optim {
+            opt.restart();
+        }
         for _ in 0..self.plan.grad_accum {
             alloc::set_phase(Phase::Forward);
             let batch = {
@@ -823,13 +832,25 @@ impl Trainer {
             mark_tensors(&out.grads, Component::Gradients);
             loss_sum += out.loss;
             let _op = Scope::op(Op::GradAccumulate);
-            self.accumulator.add(out.grads)?;
+            match &mut self.optim {
+                Optim::Sharded(opt) if reduce_each => opt.reduce(out.grads)?,
+                _ => self.accumulator.add(out.grads)?,
+            }
             self.trace_pool("accumulate");
         }
         data.skip_windows((world - 1 - rank) * per_rank, self.plan.seq_len);
+        // The mean gradient of the step: on a sharded plan, of this rank's share.
         let mut grads = {
             let _op = Scope::op(Op::GradAccumulate);
-            self.accumulator.finish(1.0 / self.plan.grad_accum as f64)?
+            let mean = 1.0 / self.plan.grad_accum as f64;
+            match &mut self.optim {
+                Optim::Sharded(opt) if reduce_each => opt.take_reduced(mean)?,
+                Optim::Sharded(opt) => {
+                    opt.reduce(self.accumulator.finish(mean)?)?;
+                    opt.take_reduced(1.0)?
+                }
+                _ => self.accumulator.finish(mean)?,
+            }
         };
         mark_tensors(&grads, Component::Gradients);
         let mut loss = loss_sum / self.plan.grad_accum as f32;
@@ -923,7 +944,7 @@ impl Trainer {
         match &mut self.optim {
             Optim::Fused(opt) => opt.step(&grads)?,
             Optim::Offloaded(opt) => opt.step(grads)?,
-            Optim::Sharded(opt) => opt.step(grads)?,
+            Optim::Sharded(opt) => opt.step_owned(&grads)?,
             Optim::Candle(opts) => {
                 for ((opt, var), g) in opts.iter_mut().zip(grads) {
                     // candle_nn::AdamW reads a GradStore: make one holding this gradient only.

@@ -14,7 +14,7 @@ use candle_core::backend::BackendDevice;
 use candle_core::cpu_backend::CpuDevice;
 use candle_core::{CpuStorage, DType, Device, Tensor, Var};
 
-use crate::accumulate::divisors;
+use crate::accumulate::{divisors, GradAccumulator};
 use crate::adamw::{one_gradient_each, with_cpu_mut, FusedAdamW, ParamsAdamW};
 use crate::{Error, ModelFacts, Plan, Result, SearchContext, Sharding, StateBytes, Strategy};
 
@@ -367,7 +367,10 @@ impl TryFrom<u8> for ZeroStage {
 ///   bucket by bucket;
 /// * stage 2: each bucket is reduced to its owner only (ranks never hold
 ///   reduced gradients they do not own), and each rank drops its local
-///   gradients of a bucket as soon as the bucket is sent; then as stage 1;
+///   gradients of a bucket as soon as the bucket is sent; with several
+///   micro-batches a step, each micro-batch's gradients are reduced at once
+///   ([`reduce`](Self::reduce)), so between micro-batches a rank holds the
+///   sums of its own share only; then as stage 1;
 /// * stage 3: as stage 2, but parameters are not broadcast after the step:
 ///   non-owned parameters are freed ([`release_params`](Self::release_params))
 ///   and must be gathered ([`gather_params`](Self::gather_params)) before the
@@ -395,11 +398,13 @@ impl TryFrom<u8> for ZeroStage {
 ///
 /// ```text
 /// opt.gather_params()?;                  // stage 3: materialise all parameters
-/// let store = loss_on_my_slice(&model)?.backward()?;
-/// let grads = collect_grads(&store, &vars)?;
-/// drop(store);
+/// for micro_batch in my_slice {
+///     let store = loss(&model, micro_batch)?.backward()?;
+///     opt.reduce(collect_grads(&store, &vars)?)?;   // stage 1: sum locally, reduce once
+/// }
 /// opt.release_params()?;                 // stage 3, optional: free early
-/// opt.step(grads)?;
+/// let grads = opt.take_reduced(1.0 / micro_batches as f64)?;  // this rank's share, averaged
+/// opt.step_owned(&grads)?;               // (`step(grads)` does all three for one micro-batch)
 /// ```
 #[derive(Debug)]
 pub struct ShardedOptimizer<C: Comm> {
@@ -412,6 +417,8 @@ pub struct ShardedOptimizer<C: Comm> {
     released: bool,
     /// The most bytes of one bucket.
     bucket_bytes: usize,
+    /// The running sums of the owned parameters' reduced gradients.
+    reduced: GradAccumulator,
 }
 
 impl<C: Comm> ShardedOptimizer<C> {
@@ -463,6 +470,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             opt,
             released: false,
             bucket_bytes,
+            reduced: GradAccumulator::new(),
         };
         s.broadcast_params()?;
         s.release_params()?;
@@ -470,11 +478,28 @@ impl<C: Comm> ShardedOptimizer<C> {
     }
 
     /// One optimizer step from this rank's gradients (one per var, in order;
-    /// collective). Stage 3 leaves non-owned parameters freed.
+    /// collective): [`reduce`](Self::reduce), then
+    /// [`step_owned`](Self::step_owned) with the mean over the ranks. Stage 3
+    /// leaves non-owned parameters freed.
     pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+        self.reduce(grads)?;
+        let mine = self.take_reduced(1.0)?;
+        self.step_owned(&mine)
+    }
+
+    /// Sends this rank's gradients (one per var, in order; collective) bucket
+    /// by bucket and adds what comes back for the parameters this rank owns
+    /// to its running sums: stage 1 all-reduces each bucket (non-owners drop
+    /// the result at once), stages 2 and 3 reduce it to its owner only. Each
+    /// local gradient is dropped as soon as its bucket is sent.
+    ///
+    /// Called once per micro-batch (stages 2 and 3: a rank then never holds
+    /// more than the sums of its own share between micro-batches), or once per
+    /// step with locally accumulated gradients (stage 1: one collective per
+    /// step instead of one per micro-batch).
+    pub fn reduce(&mut self, grads: Vec<Tensor>) -> Result<()> {
         one_gradient_each(grads.len(), self.vars.len())?;
         let rank = self.comm.rank();
-        let inv_world = 1.0 / self.comm.world_size() as f64;
         let dtypes: Vec<DType> = grads.iter().map(|g| g.dtype()).collect();
         let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
         let mut mine: Vec<(usize, Tensor)> = Vec::new();
@@ -494,7 +519,6 @@ impl<C: Comm> ShardedOptimizer<C> {
             };
             drop(flat);
             if let Some(sum) = reduced {
-                let sum = sum.affine(inv_world, 0.0)?;
                 let mut offset = 0;
                 for &i in &bucket {
                     let n = self.vars[i].elem_count();
@@ -504,15 +528,36 @@ impl<C: Comm> ShardedOptimizer<C> {
             }
         }
         drop(grads);
-        // FusedAdamW takes its gradients in the order of its vars (the owned ones, in var order).
+        // The sums are kept in the order of the owned vars (FusedAdamW's order).
         mine.sort_by_key(|(i, _)| *i);
-        let mine: Vec<Tensor> = mine.into_iter().map(|(_, g)| g).collect();
-        self.opt.step(&mine)?;
-        drop(mine);
+        self.reduced.add(mine.into_iter().map(|(_, g)| g).collect())
+    }
+
+    /// The sums of this rank's owned gradients since the last call, times
+    /// `scale` / world size (`scale` = 1 / micro-batches gives the mean of the
+    /// global batch when each rank's loss is its own mean), in the order of the
+    /// owned vars; starts a new round. Local: no collective. An error if
+    /// nothing was [`reduce`](Self::reduce)d.
+    pub fn take_reduced(&mut self, scale: f64) -> Result<Vec<Tensor>> {
+        let inv_world = 1.0 / self.comm.world_size() as f64;
+        self.reduced.finish(scale * inv_world)
+    }
+
+    /// AdamW on the owned parameters with their reduced gradients (as
+    /// [`take_reduced`](Self::take_reduced) gives them), then the parameters'
+    /// synchronisation (collective): stages 1 and 2 broadcast each owner's
+    /// updated parameters, stage 3 frees the non-owned ones.
+    pub fn step_owned(&mut self, grads: &[Tensor]) -> Result<()> {
+        self.opt.step(grads)?;
         match self.stage {
             ZeroStage::Parameters => self.release_params(),
             _ => self.broadcast_params(),
         }
+    }
+
+    /// Forgets the gradients reduced so far (after a failed step).
+    pub fn restart(&mut self) {
+        self.reduced.restart();
     }
 
     /// The buckets, in the order every rank sends them: per owner rank, runs

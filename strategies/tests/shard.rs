@@ -368,3 +368,68 @@ fn gradients_and_parameters_travel_in_buckets() {
     assert_eq!(big, small);
     assert_eq!(big, mid);
 }
+
+/// Stages 2 and 3 reduce every micro-batch at once: what a rank then holds is
+/// the mean gradient of the global batch for the parameters it owns, and
+/// nothing for the others.
+#[test]
+fn micro_batches_reduced_one_by_one_leave_each_rank_its_share() {
+    let params = init_params();
+    let (x, y) = batch(0);
+    let want = collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap();
+    let (world, micro) = (2, 2);
+    for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
+        let per_rank = std::thread::scope(|s| {
+            let handles: Vec<_> = ThreadComm::group(world)
+                .into_iter()
+                .map(|comm| {
+                    s.spawn(move || {
+                        let rank = comm.rank();
+                        let params = init_params();
+                        let mut opt =
+                            ShardedOptimizer::new(comm, params.clone(), adamw(), stage).unwrap();
+                        opt.gather_params().unwrap();
+                        let rows = GLOBAL_BATCH / world / micro;
+                        let (x, y) = batch(0);
+                        for k in 0..micro {
+                            let at = (rank * micro + k) * rows;
+                            let l = loss(
+                                &params,
+                                &x.narrow(0, at, rows).unwrap(),
+                                &y.narrow(0, at, rows).unwrap(),
+                            );
+                            opt.reduce(collect_grads(&l.backward().unwrap(), &params).unwrap())
+                                .unwrap();
+                        }
+                        let owned: Vec<usize> = (0..params.len())
+                            .filter(|&i| opt.owners()[i] == rank)
+                            .collect();
+                        (owned, opt.take_reduced(1.0 / micro as f64).unwrap())
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        let mut seen = 0;
+        for (rank, (owned, grads)) in per_rank.iter().enumerate() {
+            assert_eq!(
+                owned.len(),
+                grads.len(),
+                "{stage:?} rank {rank}: one sum per owned parameter"
+            );
+            for (&i, g) in owned.iter().zip(grads) {
+                assert_close(
+                    g,
+                    &want[i],
+                    1e-5,
+                    &format!("{stage:?} rank {rank} param {i}"),
+                );
+            }
+            seen += owned.len();
+        }
+        assert_eq!(seen, params.len(), "every parameter is owned once");
+    }
+}
