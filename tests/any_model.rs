@@ -55,7 +55,11 @@ fn any_trainer_applies_the_learning_rate_schedule() {
     for _ in 0..3 {
         rates.push(trainer.step().unwrap().lr);
         let after = weights(&trainer);
-        assert_eq!(after == before, *rates.last().unwrap() == 0.0, "rates {rates:?}");
+        assert_eq!(
+            after == before,
+            *rates.last().unwrap() == 0.0,
+            "rates {rates:?}"
+        );
         before = after;
     }
     assert_eq!(rates, [peak, peak / 2.0, 0.0]);

@@ -38,8 +38,8 @@ pub use crate::target::Target;
 #[cfg(test)]
 use crate::target::CUDA_POOL_SLACK;
 pub use activations::{
-    activation_bytes, embedding_backward_copies, mlp_backward_ni, widen_cpu_bf16_matmuls,
-    Activations, Moment,
+    activation_bytes, activation_bytes_for, embedding_backward_copies, mlp_backward_ni,
+    widen_cpu_bf16_matmuls, Activations, Backward, Moment,
 };
 
 use crate::spec::{Family, ModelSpec};
