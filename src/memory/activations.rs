@@ -117,7 +117,8 @@ pub const STOCK_LOSS_BACKWARD_NV: u64 = 3;
 
 /// Stock: output-embedding-sized tensors alive at once while the backward
 /// makes the LM head's weight gradient: the product's `[h,V]`, then the
-/// transpose's step holding it beside zeros and their sum `[V,h]`.
+/// transpose's step holding it beside zeros and their sum `[V,h]`. Counted
+/// from candle's backward, not fitted separately.
 pub const STOCK_HEAD_WEIGHT_BACKWARD_COPIES: u64 = 3;
 
 /// Stock: score-sized (`[b,H,s,s]`) tensors alive at once while the backward
@@ -145,7 +146,8 @@ pub const STOCK_MLP_BACKWARD_NI: u64 = 2;
 /// Stock: token-embedding-sized tensors alive at the end of an untied
 /// embedding lookup's backward besides every parameter gradient: the
 /// scattered gradient's zeros and sum (a tied one adds to the head's
-/// gradient either way).
+/// gradient either way). Counted from candle's backward, not fitted
+/// separately.
 pub const STOCK_UNTIED_EMBEDDING_COPIES: u64 = 2;
 
 /// Bytes as `(compute-dtype values, f32 values)` for a compute dtype of `c` bytes.

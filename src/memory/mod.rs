@@ -30,7 +30,10 @@
 //! [`oomfix_strategies::StateBytes`] ([`state_bytes`]; the hooks and their
 //! order: [`oomfix_strategies::memory`]). This module adds what depends on
 //! the model's op sequence: activations and the backward's working set,
-//! which the plan's precision, checkpointing and attention change.
+//! which the plan's precision, checkpointing and attention change. The
+//! backward's working sets are those of the linked candle-core
+//! ([`Backward::linked`]): the workspace's patched one, or candle-core as
+//! released, which holds a tensor of zeros and a sum at each edge.
 
 mod activations;
 
