@@ -4,69 +4,25 @@
 //! matrix and its real figures are in `docs/accuracy.md`.
 
 use oomfix::measure::measure_plan;
-use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
+use oomfix::strategies::{Checkpointing, OptimizerImpl, Plan, Precision};
 use oomfix::track::CountingAlloc;
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
+
+#[path = "common/estimate.rs"]
+mod estimate;
+use estimate::{check, check_plans, LOCK};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
-/// Measurements share the process-wide allocator counters: one at a time.
-static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn check(name: &str, config: ModelConfig) {
-    let plain = Plan::baseline(2, 64);
-    let frugal = Plan {
-        micro_batch: 1,
-        grad_accum: 2,
-        precision: Precision::Bf16,
-        checkpoint: Checkpointing::Every(1),
-        optimizer: OptimizerImpl::FusedAdamW,
-        ..plain
-    };
-    let flash = Plan {
-        attention: Attention::Flash,
-        optimizer: OptimizerImpl::FusedAdamW,
-        ..plain
-    };
-    check_plans(name, config, &[plain, frugal, flash]);
-}
-
-/// Estimates and measures each plan on `config`; fails above 8%.
-fn check_plans(name: &str, config: ModelConfig, plans: &[Plan]) {
-    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let spec = ModelSpec::from_config(name, config);
-    for plan in plans {
-        let estimated = MemoryModel.estimate(&spec, plan, &Target::Cpu).peak as f64;
-        let measured = measure_plan(&spec, plan, Target::Cpu).unwrap().peak_bytes as f64;
-        let error = estimated / measured - 1.0;
-        eprintln!(
-            "{name} {plan}: estimated {estimated} measured {measured} error {:+.1}%",
-            100.0 * error
-        );
-        assert!(
-            error.abs() <= 0.08,
-            "{name} {plan}: estimated {estimated}, measured {measured} ({:+.1}%)",
-            100.0 * error
-        );
-    }
-}
-
 #[test]
 fn gpt2_estimate_within_8_percent() {
-    check(
-        "gpt2",
-        ModelConfig {
-            vocab: 4096,
-            max_positions: 256,
-            ..ModelConfig::gpt2(4, 256, 4)
-        },
-    );
+    check("gpt2", estimate::gpt2());
 }
 
 #[test]
 fn llama_estimate_within_8_percent() {
-    check("llama", ModelConfig::llama(4, 256, 8, 2, 688, 4096, true));
+    check("llama", estimate::llama());
 }
 
 #[test]
@@ -119,24 +75,7 @@ fn large_vocabulary_bert_head_estimate_within_8_percent() {
 /// composed attention's kept and backward terms decide the estimate.
 #[test]
 fn long_sequence_composed_attention_estimate_within_8_percent() {
-    let plans = [
-        Plan::baseline(2, 512),
-        Plan {
-            precision: Precision::Bf16,
-            ..Plan::baseline(2, 512)
-        },
-    ];
-    let gpt2 = ModelConfig {
-        vocab: 512,
-        max_positions: 512,
-        ..ModelConfig::gpt2(2, 64, 4)
-    };
-    check_plans("gpt2-long", gpt2, &plans);
-    let llama = ModelConfig {
-        max_positions: 512,
-        ..ModelConfig::llama(2, 64, 4, 2, 128, 512, true)
-    };
-    check_plans("llama-long", llama, &plans);
+    estimate::check_long_sequences();
 }
 
 #[test]
@@ -144,7 +83,7 @@ fn an_offloaded_plan_on_the_cpu_needs_the_peak_and_the_host_bytes() {
     // On the CPU the host memory the offloaded optimizer moves state to is the
     // same memory: what a step measures is the estimate's peak plus `host`.
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let spec = ModelSpec::from_config("llama", ModelConfig::llama(4, 256, 8, 2, 688, 4096, true));
+    let spec = ModelSpec::from_config("llama", estimate::llama());
     for precision in [Precision::F32, Precision::Bf16] {
         let plan = Plan {
             micro_batch: 1,
@@ -162,6 +101,10 @@ fn an_offloaded_plan_on_the_cpu_needs_the_peak_and_the_host_bytes() {
             "{plan}: estimated {estimated} measured {measured} error {:+.1}%",
             100.0 * error
         );
-        assert!(error.abs() <= 0.08, "{plan}: {:+.1}%", 100.0 * error);
+        assert!(
+            error.abs() <= estimate::TOLERANCE,
+            "{plan}: {:+.1}%",
+            100.0 * error
+        );
     }
 }

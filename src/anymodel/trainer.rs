@@ -33,7 +33,8 @@ enum Optim {
 /// one tensor at a time, [`FusedAdamW`], [`OffloadedAdamW`] (on the CPU the
 /// "host" is the same memory: offload then changes where the step runs, not
 /// how much memory it takes), or, built with [`sharded`](Self::sharded),
-/// [`ShardedOptimizer`] over a [`Comm`].
+/// [`ShardedOptimizer`] over a [`Comm`], at the learning rate of
+/// `options.schedule` (as the main trainer: [`crate::train::LrSchedule`]).
 ///
 /// Micro-batch `k` of step `t` on rank `r` of `w` asks the model for
 /// micro-batch number `((t·w) + r)·grad_accum + k` ([`MicroBatch::index`]).
@@ -73,8 +74,10 @@ pub struct AnyTrainer<M: Model> {
     rank: usize,
     world: usize,
     step: u64,
-    /// The (constant) learning rate.
-    lr: f64,
+    /// `adamw.lr`: the rate the schedule is a factor of.
+    peak_lr: f64,
+    /// The learning rate over the run (the main trainer's, [`crate::train::LrSchedule`]).
+    schedule: crate::train::LrSchedule,
 }
 
 /// Whether `model` can run `plan`'s fixes; a usage error naming the first
@@ -161,12 +164,6 @@ impl<M: Model> AnyTrainer<M> {
     where
         B: FnOnce(DType, &Device) -> candle_core::Result<M>,
     {
-        if options.schedule != crate::train::LrSchedule::default() {
-            return Err(Error::Usage(
-                "AnyTrainer keeps the learning rate constant: a schedule is not supported here yet"
-                    .into(),
-            ));
-        }
         if plan.micro_batch == 0 || plan.grad_accum == 0 {
             return Err(Error::Usage(
                 "a plan needs a micro-batch and accumulation of at least 1".into(),
@@ -233,7 +230,8 @@ impl<M: Model> AnyTrainer<M> {
             rank,
             world,
             step: 0,
-            lr: options.adamw.lr,
+            peak_lr: options.adamw.lr,
+            schedule: options.schedule,
         })
     }
 
@@ -261,6 +259,7 @@ impl<M: Model> AnyTrainer<M> {
         let outcome = self.phases();
         alloc::set_phase(Phase::Setup);
         let (loss, forward_backward_peak, optimizer_peak, skipped) = outcome?;
+        let lr = self.schedule.rate(self.peak_lr, self.step);
         self.step += 1;
         Ok(StepStats {
             loss,
@@ -269,7 +268,7 @@ impl<M: Model> AnyTrainer<M> {
             forward_backward_peak,
             optimizer_peak,
             skipped,
-            lr: self.lr,
+            lr,
         })
     }
 
@@ -327,6 +326,13 @@ impl<M: Model> AnyTrainer<M> {
     }
 
     fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+        let lr = self.schedule.rate(self.peak_lr, self.step);
+        match &mut self.optim {
+            Optim::Fused(opt) => opt.set_learning_rate(lr),
+            Optim::Offloaded(opt) => opt.optimizer_mut().set_learning_rate(lr),
+            Optim::Sharded(opt) => opt.set_learning_rate(lr),
+            Optim::Candle(opts) => opts.iter_mut().for_each(|(o, _)| o.set_learning_rate(lr)),
+        }
         match &mut self.optim {
             Optim::Fused(opt) => opt.step(&grads)?,
             Optim::Offloaded(opt) => opt.step(grads)?,

@@ -70,6 +70,86 @@ impl Activations {
     }
 }
 
+/// The backward of the linked candle-core, which decides the backward's
+/// working sets (`vendor/README.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backward {
+    /// A tensor's first gradient stored as it is: the workspace's patched
+    /// candle-core, which the other terms of this module were fitted on.
+    FirstGradientAsIs,
+    /// Every first gradient added to a tensor of zeros: candle-core 0.11 as
+    /// released, which a crate depending on oomfix links. Two more
+    /// gradient-sized tensors (the zeros and the sum) at each edge while the
+    /// backward crosses it: the `STOCK_*` terms.
+    ZerosPlusGradient,
+}
+
+impl Backward {
+    /// The linked candle-core's
+    /// ([`oomfix_strategies::model::first_gradient_stored_as_is`], probed
+    /// once per process).
+    pub fn linked() -> Backward {
+        if oomfix_strategies::model::first_gradient_stored_as_is() {
+            Backward::FirstGradientAsIs
+        } else {
+            Backward::ZerosPlusGradient
+        }
+    }
+}
+
+// The stock backward's terms (`Backward::ZerosPlusGradient`) were fitted on
+// the CPU accuracy matrix run against candle-core 0.11.1 as released:
+// `cargo run --manifest-path tests/stock-candle/Cargo.toml --example accuracy
+// -- --models gpt2-small,llama-small,bert-small,gpt2-tiny,llama-tiny,bert-tiny`
+// (the workspace's `examples/accuracy.rs`, built outside its `[patch]`),
+// with `--explain` for where the peaks are; `--cache FILE` and then
+// `--cache-only` re-estimate without measuring again. On its 180
+// configurations the patched terms gave median |error| 1.5%, max 36.1% (52
+// above 8%: stock peaks are higher, most at attention over long
+// sequences); these give median 0.5%, max 4.6%. Each replaces the patched
+// backward's count of the same name.
+
+/// Stock: logits-sized tensors alive at once while the backward crosses the
+/// loss: the fused cross-entropy's gradient of the logits, the zeros and
+/// their sum. Fitted: the loss-moment peaks of fp32 gpt2-tiny, llama-tiny
+/// and bert-tiny with flash attention at 4 × 128.
+pub const STOCK_LOSS_BACKWARD_NV: u64 = 3;
+
+/// Stock: output-embedding-sized tensors alive at once while the backward
+/// makes the LM head's weight gradient: the product's `[h,V]`, then the
+/// transpose's step holding it beside zeros and their sum `[V,h]`. Counted
+/// from candle's backward, not fitted separately.
+pub const STOCK_HEAD_WEIGHT_BACKWARD_COPIES: u64 = 3;
+
+/// Stock: score-sized (`[b,H,s,s]`) tensors alive at once while the backward
+/// crosses one composed attention, in place of the patched backward's `dP`
+/// and one group of `dS`: `dP`, its zeros and its sum, then the sum beside
+/// `P·v`'s second product and the probabilities op's `dS`. Fitted: fp32
+/// gpt2-tiny, llama-tiny and bert-tiny at 4 × 128 and 1 × 256 (3.6–4.0
+/// scores above the patched peaks, which hold `dP` and a quarter of `dS`).
+pub const STOCK_ATTENTION_BACKWARD_SCORES: u64 = 5;
+
+/// Stock: `[n,h]` tensors in the compute dtype alive while the backward
+/// crosses one flash attention, on top of the op's own working set: the
+/// zeros and sums of its q, k, v gradients and of the output's. Fitted: fp32
+/// gpt2-tiny and llama-tiny with flash attention and checkpointing at
+/// 4 × 128 and 1 × 256 (7–9 `[n,h]` above the patched peaks).
+pub const STOCK_FLASH_BACKWARD_NH: u64 = 8;
+
+/// Stock: `[n,I]` tensors the backward adds while crossing one MLP, to
+/// [`mlp_backward_ni`]: the zeros and the sum of the activation's input
+/// gradient. Fitted: fp32 gpt2-small-ish at 4 × 128, the one row of the
+/// matrix where the MLP's backward is the peak (3.7% under with 2; 4 puts
+/// the flash-attention rows of the tiny models 9–12% over).
+pub const STOCK_MLP_BACKWARD_NI: u64 = 2;
+
+/// Stock: token-embedding-sized tensors alive at the end of an untied
+/// embedding lookup's backward besides every parameter gradient: the
+/// scattered gradient's zeros and sum (a tied one adds to the head's
+/// gradient either way). Counted from candle's backward, not fitted
+/// separately.
+pub const STOCK_UNTIED_EMBEDDING_COPIES: u64 = 2;
+
 /// Bytes as `(compute-dtype values, f32 values)` for a compute dtype of `c` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 struct Values {
@@ -264,17 +344,18 @@ pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 2;
 /// head's gradient and the scattered one are alive beside the sum.
 pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
 
-/// `EMBEDDING_BACKWARD_COPIES` for a tied embedding, none for an untied one.
-pub fn embedding_backward_copies(spec: &ModelSpec) -> u64 {
+/// `EMBEDDING_BACKWARD_COPIES` for a tied embedding; for an untied one none
+/// (patched) or [`STOCK_UNTIED_EMBEDDING_COPIES`] (stock).
+pub fn embedding_backward_copies(spec: &ModelSpec, backward: Backward) -> u64 {
     let tied = match spec.config.family {
         Family::Gpt2 | Family::Bert => true,
         Family::Llama => spec.config.tied_embeddings,
         Family::Generic => false,
     };
-    if tied {
-        EMBEDDING_BACKWARD_COPIES
-    } else {
-        0
+    match (tied, backward) {
+        (true, _) => EMBEDDING_BACKWARD_COPIES,
+        (false, Backward::FirstGradientAsIs) => 0,
+        (false, Backward::ZerosPlusGradient) => STOCK_UNTIED_EMBEDDING_COPIES,
     }
 }
 
@@ -376,7 +457,16 @@ pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Pl
 /// are alive with the upstream gradient `grad_y`, the surrogate's product
 /// `y·grad_y` and the surrogate's own stray (`SURROGATE_STRAY_NH`, 4), and the
 /// stem's backward runs inside that same recomputed graph.
+///
+/// The backward's working sets are those of the linked candle-core
+/// ([`Backward::linked`]; [`activation_bytes_for`] takes one).
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
+    activation_bytes_for(spec, plan, Backward::linked())
+}
+
+/// [`activation_bytes`] with the working sets of `backward`.
+pub fn activation_bytes_for(spec: &ModelSpec, plan: &Plan, backward: Backward) -> Activations {
+    let stock = backward == Backward::ZerosPlusGradient;
     let cfg = &spec.config;
     if cfg.family == Family::Generic || cfg.layers == 0 {
         return Activations::default();
@@ -389,16 +479,25 @@ pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
     let head = head(cfg.family, &d).bytes(c);
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
-    let loss_transient =
-        (LOSS_BACKWARD_NV * d.n * d.p).max(d.n * d.p + HEAD_WEIGHT_BACKWARD_COPIES * d.p * d.h) * c;
-    let attention_backward = if d.flash {
-        flash_backward(&d)
+    let (loss_nv, head_copies) = if stock {
+        (STOCK_LOSS_BACKWARD_NV, STOCK_HEAD_WEIGHT_BACKWARD_COPIES)
     } else {
-        composed_backward(&d) * c
+        (LOSS_BACKWARD_NV, HEAD_WEIGHT_BACKWARD_COPIES)
     };
+    let loss_transient = (loss_nv * d.n * d.p).max(d.n * d.p + head_copies * d.p * d.h) * c;
+    let attention_backward = match (d.flash, stock) {
+        (true, false) => flash_backward(&d),
+        (true, true) => flash_backward(&d) + STOCK_FLASH_BACKWARD_NH * d.n * d.h * c,
+        (false, false) => composed_backward(&d) * c,
+        (false, true) => {
+            let beside = composed_backward(&d) - d.scores() - scores_chunk(&d);
+            (STOCK_ATTENTION_BACKWARD_SCORES * d.scores() + beside) * c
+        }
+    };
+    let mlp_ni = mlp_backward_ni(cfg.family) + if stock { STOCK_MLP_BACKWARD_NI } else { 0 };
     // The backward crosses a block's MLP, then its attention core.
-    let block_transient = attention_backward.max(mlp_backward_ni(cfg.family) * d.n * d.i * c);
-    let embedding_transient = embedding_backward_copies(spec) * d.v * d.h * c;
+    let block_transient = attention_backward.max(mlp_ni * d.n * d.i * c);
+    let embedding_transient = embedding_backward_copies(spec, backward) * d.v * d.h * c;
     match plan.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);

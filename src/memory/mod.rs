@@ -30,7 +30,10 @@
 //! [`oomfix_strategies::StateBytes`] ([`state_bytes`]; the hooks and their
 //! order: [`oomfix_strategies::memory`]). This module adds what depends on
 //! the model's op sequence: activations and the backward's working set,
-//! which the plan's precision, checkpointing and attention change.
+//! which the plan's precision, checkpointing and attention change. The
+//! backward's working sets are those of the linked candle-core
+//! ([`Backward::linked`]): the workspace's patched one, or candle-core as
+//! released, which holds a tensor of zeros and a sum at each edge.
 
 mod activations;
 
@@ -38,8 +41,8 @@ pub use crate::target::Target;
 #[cfg(test)]
 use crate::target::CUDA_POOL_SLACK;
 pub use activations::{
-    activation_bytes, embedding_backward_copies, mlp_backward_ni, widen_cpu_bf16_matmuls,
-    Activations, Moment,
+    activation_bytes, activation_bytes_for, embedding_backward_copies, mlp_backward_ni,
+    widen_cpu_bf16_matmuls, Activations, Backward, Moment,
 };
 
 use crate::spec::{Family, ModelSpec};

@@ -340,3 +340,26 @@ fn offloading_moves_master_weights_and_optimizer_state_to_the_host() {
         }
     }
 }
+
+/// The workspace links the patched candle-core; the stock backward's
+/// working sets are larger at every moment, the forward's tensors the same.
+#[test]
+fn the_stock_backward_holds_more_at_every_moment() {
+    assert_eq!(Backward::linked(), Backward::FirstGradientAsIs);
+    for i in 0..3 {
+        let spec = spec_for(i);
+        for attention in [Attention::Composed, Attention::Flash] {
+            let plan = Plan {
+                attention,
+                ..Plan::baseline(2, 256)
+            };
+            let patched = activation_bytes_for(&spec, &plan, Backward::FirstGradientAsIs);
+            let stock = activation_bytes_for(&spec, &plan, Backward::ZerosPlusGradient);
+            assert_eq!(patched, activation_bytes(&spec, &plan));
+            assert_eq!(stock.kept, patched.kept);
+            assert!(stock.loss.transient > patched.loss.transient);
+            assert!(stock.blocks.transient > patched.blocks.transient, "{plan}");
+            assert!(stock.embedding.transient >= patched.embedding.transient);
+        }
+    }
+}

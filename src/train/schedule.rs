@@ -63,6 +63,11 @@ impl LrSchedule {
             Decay::Cosine => 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()),
         }
     }
+
+    /// The learning rate at optimizer step `step` for a peak rate of `peak`.
+    pub fn rate(&self, peak: f64, step: u64) -> f64 {
+        peak * self.factor(step)
+    }
 }
 
 #[cfg(test)]

@@ -929,7 +929,7 @@ impl Trainer {
 
     /// The learning rate of the step about to be taken.
     fn lr(&self) -> f64 {
-        self.peak_lr * self.schedule.factor(self.step)
+        self.schedule.rate(self.peak_lr, self.step)
     }
 
     fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<()> {
