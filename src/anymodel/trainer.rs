@@ -167,6 +167,12 @@ impl<M: Model> AnyTrainer<M> {
                     .into(),
             ));
         }
+        if options.max_grad_norm.is_some() {
+            return Err(Error::Usage(
+                "AnyTrainer does not clip gradients: max_grad_norm is not supported here yet"
+                    .into(),
+            ));
+        }
         if plan.micro_batch == 0 || plan.grad_accum == 0 {
             return Err(Error::Usage(
                 "a plan needs a micro-batch and accumulation of at least 1".into(),
@@ -270,6 +276,7 @@ impl<M: Model> AnyTrainer<M> {
             optimizer_peak,
             skipped,
             lr: self.lr,
+            grad_norm: f64::NAN,
         })
     }
 

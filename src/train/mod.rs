@@ -172,7 +172,7 @@ mod trainer;
 pub use crate::state_file::StateFile;
 mod schedule;
 pub use schedule::{Decay, LrSchedule};
-pub use trainer::{compute_dtype, StepStats, TrainOptions, Trainer};
+pub use trainer::{compute_dtype, Evaluation, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;
 mod llama;
@@ -353,6 +353,13 @@ pub trait TrainableModel {
     /// blocks recomputed and attention computed as `exec` says
     /// ([`Attention::Flash`] runs on the CPU and on CUDA devices).
     fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput>;
+
+    /// The loss [`forward_backward`](Self::forward_backward) computes on
+    /// `batch`, forward only (evaluation): no gradients, and no graph kept
+    /// beyond one block's, so it needs no more memory than a training step.
+    fn loss(&self, batch: &Batch, exec: &Execution) -> Result<f32> {
+        Ok(self.forward_backward(batch, &exec.forward_only())?.loss)
+    }
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).
@@ -610,7 +617,8 @@ impl Params {
 }
 
 /// Runs [`checkpoint::backward`] over a family's stem, blocks and head and packs the
-/// result as a [`StepOutput`].
+/// result as a [`StepOutput`]; with [`Execution::forward_only`], the forward
+/// alone (the loss, no gradients).
 pub(crate) fn step<B: Block>(
     vars: &[(String, Var)],
     stem: &Tensor,
@@ -618,6 +626,18 @@ pub(crate) fn step<B: Block>(
     head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     exec: &Execution,
 ) -> Result<StepOutput> {
+    if exec.forward_only {
+        // Each block's output detached: its graph is freed before the next.
+        let mut x = stem.detach();
+        for block in blocks {
+            x = block.forward(&x)?.detach();
+        }
+        let loss = head(&x)?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        return Ok(StepOutput {
+            loss,
+            grads: Vec::new(),
+        });
+    }
     let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
     // Everything after the loss is backward (with checkpointing: recomputed
     // blocks too, tagged by their own scopes).

@@ -26,6 +26,9 @@ pub struct Execution {
     pub attention: Attention,
     /// The factor the loss is multiplied by before backward (fp16 loss scaling).
     pub loss_scale: f64,
+    /// Forward only, for evaluation: the loss without gradients, no graph
+    /// kept beyond one block's.
+    pub forward_only: bool,
 }
 
 impl Default for Execution {
@@ -35,6 +38,7 @@ impl Default for Execution {
             checkpoint: Checkpointing::None,
             attention: Attention::Composed,
             loss_scale: 1.0,
+            forward_only: false,
         }
     }
 }
@@ -60,6 +64,14 @@ impl Execution {
     /// With attention computed as `attention` says.
     pub fn attention(self, attention: Attention) -> Self {
         Execution { attention, ..self }
+    }
+
+    /// Forward only (evaluation): the loss, no backward.
+    pub fn forward_only(self) -> Self {
+        Execution {
+            forward_only: true,
+            ..self
+        }
     }
 
     /// With the loss multiplied by `scale` before backward.

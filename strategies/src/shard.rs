@@ -472,6 +472,22 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// One optimizer step from this rank's gradients (one per var, in order;
     /// collective). Stage 3 leaves non-owned parameters freed.
     pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+        self.step_clipped(grads, None).map(|_| ())
+    }
+
+    /// [`step`](Self::step), clipping the reduced gradients to a global norm
+    /// of at most `max_norm` (`None`: no clipping); returns their global norm
+    /// before clipping.
+    ///
+    /// The norm is that of the gradients the step applies, the mean over the
+    /// ranks: each rank takes the sum of squares of the reduced gradients it
+    /// owns (every parameter has one owner, so none is counted twice) and
+    /// the sums are all-reduced. The clip coefficient
+    /// ([`crate::clip::clip_coefficient`]) is a factor of the fused AdamW
+    /// update ([`FusedAdamW::step_scaled`]). A non-finite norm updates
+    /// nothing (the parameters are synchronised as after a step) and is
+    /// returned.
+    pub fn step_clipped(&mut self, grads: Vec<Tensor>, max_norm: Option<f64>) -> Result<f64> {
         one_gradient_each(grads.len(), self.vars.len())?;
         let rank = self.comm.rank();
         let inv_world = 1.0 / self.comm.world_size() as f64;
@@ -507,12 +523,22 @@ impl<C: Comm> ShardedOptimizer<C> {
         // FusedAdamW takes its gradients in the order of its vars (the owned ones, in var order).
         mine.sort_by_key(|(i, _)| *i);
         let mine: Vec<Tensor> = mine.into_iter().map(|(_, g)| g).collect();
-        self.opt.step(&mine)?;
+        let local = crate::clip::squared_norm(&mine)?;
+        let total = self
+            .comm
+            .all_reduce_sum(&Tensor::new(&[local], &Device::Cpu)?)?
+            .to_vec1::<f64>()?[0];
+        let norm = total.sqrt();
+        if norm.is_finite() {
+            let factor = max_norm.map_or(1.0, |max| crate::clip::clip_coefficient(norm, max));
+            self.opt.step_scaled(&mine, factor)?;
+        }
         drop(mine);
         match self.stage {
-            ZeroStage::Parameters => self.release_params(),
-            _ => self.broadcast_params(),
+            ZeroStage::Parameters => self.release_params()?,
+            _ => self.broadcast_params()?,
         }
+        Ok(norm)
     }
 
     /// The buckets, in the order every rank sends them: per owner rank, runs
