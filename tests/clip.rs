@@ -118,10 +118,22 @@ fn assert_close(got: f64, want: f64, rel: f64, what: &str) {
 #[test]
 fn the_norm_is_that_of_the_steps_gradients() {
     for (name, plan, rel) in [
-        ("plain", plan(1, Precision::F32, OptimizerImpl::FusedAdamW), 1e-5),
-        ("accumulated", plan(3, Precision::F32, OptimizerImpl::FusedAdamW), 1e-5),
+        (
+            "plain",
+            plan(1, Precision::F32, OptimizerImpl::FusedAdamW),
+            1e-5,
+        ),
+        (
+            "accumulated",
+            plan(3, Precision::F32, OptimizerImpl::FusedAdamW),
+            1e-5,
+        ),
         // The unscaled gradients are f16 values: their rounding is the difference.
-        ("fp16", plan(2, Precision::F16, OptimizerImpl::FusedAdamW), 2e-3),
+        (
+            "fp16",
+            plan(2, Precision::F16, OptimizerImpl::FusedAdamW),
+            2e-3,
+        ),
     ] {
         let scale = if plan.precision == Precision::F16 {
             oomfix::strategies::precision::LossScalerConfig::default().init_scale
@@ -187,7 +199,13 @@ fn two_ranks_report_and_clip_the_global_norm_at_every_stage() {
     let want = norm_of(&reference_grads(&per_rank, 2, 1.0).1);
     let clip = Some(want / 3.0);
     // One rank with the whole global batch: the norms and losses of 3 clipped steps.
-    let mut t = Trainer::new(&common::tiny_llama(), one_rank, &Device::Cpu, &options(clip)).unwrap();
+    let mut t = Trainer::new(
+        &common::tiny_llama(),
+        one_rank,
+        &Device::Cpu,
+        &options(clip),
+    )
+    .unwrap();
     let mut data = DataSource::synthetic(DATA_SEED);
     let single: Vec<(f32, f64)> = (0..3)
         .map(|_| {
@@ -224,7 +242,8 @@ fn two_ranks_report_and_clip_the_global_norm_at_every_stage() {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         for (rank, steps) in got.iter().enumerate() {
-            for (k, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(&single).enumerate() {
+            for (k, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(&single).enumerate()
+            {
                 let what = format!("stage {stage}, rank {rank}, step {}", k + 1);
                 assert_close(*norm, *want_norm, 1e-5, &what);
                 assert!(

@@ -24,9 +24,16 @@ fn run_dir() -> tempfile::TempDir {
 fn oomfix(dir: &Path) -> Command {
     let mut cmd = Command::cargo_bin("oomfix").unwrap();
     cmd.current_dir(dir).env_remove("RUST_LOG");
-    cmd.args(["train", "tiny.safetensors", "--device", "cpu", "--init", "random"])
-        .args(["--seq-len", "16", "--global-batch", "2", "--budget", "1GiB"])
-        .args(["--data", "train.txt", "--lr", "3e-3"]);
+    cmd.args([
+        "train",
+        "tiny.safetensors",
+        "--device",
+        "cpu",
+        "--init",
+        "random",
+    ])
+    .args(["--seq-len", "16", "--global-batch", "2", "--budget", "1GiB"])
+    .args(["--data", "train.txt", "--lr", "3e-3"]);
     cmd
 }
 
@@ -46,7 +53,15 @@ fn eval_loss_falls_and_the_summary_reports_it() {
     let dir = run_dir();
     let log = dir.path().join("log.json");
     let out = oomfix(dir.path())
-        .args(["--steps", "8", "--eval-data", "eval.txt", "--eval-every", "2", "--json"])
+        .args([
+            "--steps",
+            "8",
+            "--eval-data",
+            "eval.txt",
+            "--eval-every",
+            "2",
+            "--json",
+        ])
         .args(["--log-format", "json", "--log-file"])
         .arg(&log)
         .output()
@@ -59,16 +74,25 @@ fn eval_loss_falls_and_the_summary_reports_it() {
     assert_eq!(t["steps"], 8);
     assert_eq!(t["tokens"], 8 * 2 * 16);
     assert!(t["seconds"].as_f64().unwrap() > 0.0);
-    let (first, last) = (t["first_loss"].as_f64().unwrap(), t["last_loss"].as_f64().unwrap());
+    let (first, last) = (
+        t["first_loss"].as_f64().unwrap(),
+        t["last_loss"].as_f64().unwrap(),
+    );
     assert!(last < first, "training loss {first} -> {last}");
 
     let evals = events(&log, "eval");
     let steps: Vec<u64> = evals.iter().map(|e| e["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, [2, 4, 6, 8]);
-    let losses: Vec<f64> = evals.iter().map(|e| e["eval_loss"].as_f64().unwrap()).collect();
+    let losses: Vec<f64> = evals
+        .iter()
+        .map(|e| e["eval_loss"].as_f64().unwrap())
+        .collect();
     assert!(losses[3] < losses[0], "eval loss falls: {losses:?}");
     for e in &evals {
-        let (loss, ppl) = (e["eval_loss"].as_f64().unwrap(), e["perplexity"].as_f64().unwrap());
+        let (loss, ppl) = (
+            e["eval_loss"].as_f64().unwrap(),
+            e["perplexity"].as_f64().unwrap(),
+        );
         assert!((ppl - loss.exp()).abs() <= 1e-9 * ppl, "{e}");
     }
     // The eval text is 144 bytes: 9 windows of 16 tokens, 5 micro-batches of 2.
@@ -76,7 +100,9 @@ fn eval_loss_falls_and_the_summary_reports_it() {
     let eval = &t["eval"];
     assert_eq!(eval["step"], 8);
     assert_eq!(eval["loss"].as_f64().unwrap(), losses[3]);
-    assert!((eval["perplexity"].as_f64().unwrap() - losses[3].exp()).abs() < 1e-9 * losses[3].exp());
+    assert!(
+        (eval["perplexity"].as_f64().unwrap() - losses[3].exp()).abs() < 1e-9 * losses[3].exp()
+    );
     let estimate = t["estimated_peak_bytes"].as_u64().unwrap();
     assert_eq!(estimate, v["estimate"]["peak_bytes"].as_u64().unwrap());
     // Forward only: no more memory than a training step's forward and backward.
@@ -87,7 +113,10 @@ fn eval_loss_falls_and_the_summary_reports_it() {
         .max()
         .unwrap();
     let eval_peak = eval["peak_bytes"].as_u64().unwrap();
-    assert!(eval_peak > 0 && eval_peak <= step_peak, "eval peak {eval_peak}, step peak {step_peak}");
+    assert!(
+        eval_peak > 0 && eval_peak <= step_peak,
+        "eval peak {eval_peak}, step peak {step_peak}"
+    );
     assert!(t["peak_bytes"].as_u64().unwrap() >= step_peak);
 
     // Every step event carries its learning rate and gradient norm.
@@ -108,19 +137,40 @@ fn the_text_summary_follows_the_plan() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let summary = stdout.split("\ntrained ").nth(1).expect("a summary after the plan");
+    let summary = stdout
+        .split("\ntrained ")
+        .nth(1)
+        .expect("a summary after the plan");
     assert!(summary.starts_with("3 steps, 96 tokens in "), "{stdout}");
-    assert!(summary.contains("\nloss    ") && summary.contains(" at step 1, "), "{stdout}");
-    let eval = summary.lines().find(|l| l.starts_with("eval    loss ")).expect("an eval line");
-    assert!(eval.contains("perplexity") && eval.contains("after step 3"), "{eval}");
-    assert!(summary.contains("\npeak    ") && summary.contains("estimated"), "{stdout}");
+    assert!(
+        summary.contains("\nloss    ") && summary.contains(" at step 1, "),
+        "{stdout}"
+    );
+    let eval = summary
+        .lines()
+        .find(|l| l.starts_with("eval    loss "))
+        .expect("an eval line");
+    assert!(
+        eval.contains("perplexity") && eval.contains("after step 3"),
+        "{eval}"
+    );
+    assert!(
+        summary.contains("\npeak    ") && summary.contains("estimated"),
+        "{stdout}"
+    );
     // Progress shows the rate and the gradient norm; evaluated once, at the end.
-    assert!(stderr.contains("lr 3.000e-3") && stderr.contains("grad norm "), "{stderr}");
+    assert!(
+        stderr.contains("lr 3.000e-3") && stderr.contains("grad norm "),
+        "{stderr}"
+    );
     assert_eq!(stderr.matches("eval after step").count(), 1, "{stderr}");
 
     let plain = oomfix(dir.path()).args(["--steps", "1"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&plain.stdout);
-    assert!(stdout.contains("\ntrained 1 steps") && !stdout.contains("\neval "), "{stdout}");
+    assert!(
+        stdout.contains("\ntrained 1 steps") && !stdout.contains("\neval "),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -129,20 +179,42 @@ fn clipping_changes_the_steps_and_zero_disables_it() {
     let losses = |norm: &str| -> Vec<(f64, f64)> {
         let log = dir.path().join(format!("log-{norm}.json"));
         let out = oomfix(dir.path())
-            .args(["--steps", "4", "--max-grad-norm", norm, "--log-format", "json", "--log-file"])
+            .args([
+                "--steps",
+                "4",
+                "--max-grad-norm",
+                norm,
+                "--log-format",
+                "json",
+                "--log-file",
+            ])
             .arg(&log)
             .output()
             .unwrap();
-        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         events(&log, "step")
             .iter()
-            .map(|s| (s["loss"].as_f64().unwrap(), s["grad_norm"].as_f64().unwrap()))
+            .map(|s| {
+                (
+                    s["loss"].as_f64().unwrap(),
+                    s["grad_norm"].as_f64().unwrap(),
+                )
+            })
             .collect()
     };
     let off = losses("0");
     let huge = losses("1e9");
     let tight = losses("0.01");
-    assert!(off[0].1 > 0.01, "the first norm {} exceeds the limit", off[0].1);
+    assert!(
+        off[0].1 > 0.01,
+        "the first norm {} exceeds the limit",
+        off[0].1
+    );
     // A limit far above the norm clips nothing.
     assert_eq!(off, huge);
     // The first step is the same (same gradients); the weights it makes differ.
@@ -158,7 +230,10 @@ fn bad_clipping_and_eval_options_are_usage_errors() {
         (&["--max-grad-norm", "nan"][..], "max-grad-norm"),
         (&["--eval-every", "2"][..], "eval-data"),
         (&["--eval-data", "missing.txt"][..], "missing.txt"),
-        (&["--eval-data", "eval.txt", "--eval-batches", "0"][..], "eval-batches"),
+        (
+            &["--eval-data", "eval.txt", "--eval-batches", "0"][..],
+            "eval-batches",
+        ),
     ] {
         let out = oomfix(dir.path()).args(args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -402,8 +402,8 @@ pub enum Command {
     Plan(PlanArgs),
     /// `oomfix inspect`.
     Inspect(InspectArgs),
-    /// `oomfix train`.
-    Train(TrainArgs),
+    /// `oomfix train` (boxed: its options outweigh the other commands').
+    Train(Box<TrainArgs>),
     /// The hidden `oomfix measure-step`.
     MeasureStep(MeasureStepArgs),
 }
@@ -483,10 +483,10 @@ fn parse_normalized(argv: Vec<OsString>) -> Result<Invocation, Stop> {
             }
             match sub {
                 Sub::Plan(m) => Command::Plan(plan(m.model)),
-                Sub::Train(t) => Command::Train(TrainArgs {
+                Sub::Train(t) => Command::Train(Box::new(TrainArgs {
                     plan: plan(t.model),
                     opts: t.train,
-                }),
+                })),
                 Sub::Inspect(i) => {
                     refuse_planning_options(&matches, "inspect", "reads only the header")?;
                     Command::Inspect(InspectArgs {

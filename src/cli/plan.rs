@@ -169,7 +169,11 @@ pub fn search_quietly(
 
 /// Prints the search's result on stdout: the table, or with `--json` its
 /// JSON object.
-pub fn print_result(args: &PlanArgs, spec: &ModelSpec, result: &SearchResult) -> Result<(), Failure> {
+pub fn print_result(
+    args: &PlanArgs,
+    spec: &ModelSpec,
+    result: &SearchResult,
+) -> Result<(), Failure> {
     if args.json {
         print_stdout(&format!("{:#}\n", report::search_json(spec, result)))
     } else {

@@ -15,8 +15,8 @@ use super::job::{self, Joined};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
 use super::{check_writable, io_text, logging, plan, print_stdout, Exit, Failure, Outcome};
-use oomfix::report::TrainSummary;
 use oomfix::dist::Job;
+use oomfix::report::TrainSummary;
 use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
 use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
@@ -100,7 +100,12 @@ fn run_rank(
             ))
         })?,
     };
-    let data_inputs: Vec<&Path> = o.data.iter().chain(&o.eval_data).map(PathBuf::as_path).collect();
+    let data_inputs: Vec<&Path> = o
+        .data
+        .iter()
+        .chain(&o.eval_data)
+        .map(PathBuf::as_path)
+        .collect();
     let prepared = plan::prepare(&plan_args, target, &data_inputs)?;
     let model_dir = args.plan.model.as_deref().map(model_dir);
     if let Some(dir) = &model_dir {
@@ -112,7 +117,12 @@ fn run_rank(
     }
     let mut data = data_source(args, &prepared.spec.config, model_dir.as_deref())?;
     let mut eval_data = match &o.eval_data {
-        Some(path) => Some(load_data(args, path, &prepared.spec.config, model_dir.as_deref())?),
+        Some(path) => Some(load_data(
+            args,
+            path,
+            &prepared.spec.config,
+            model_dir.as_deref(),
+        )?),
         None => None,
     };
     if let Some(save) = &o.save {

@@ -644,7 +644,15 @@ impl Trainer {
         let (b, s) = (self.plan.micro_batch, self.plan.seq_len);
         let config = self.model.config();
         let windows = data.next_windows(b, s, config.vocab);
-        Batch::from_windows(config.family, config.vocab, &windows, b, s, seed, &self.device)
+        Batch::from_windows(
+            config.family,
+            config.vocab,
+            &windows,
+            b,
+            s,
+            seed,
+            &self.device,
+        )
     }
 
     /// The model's loss on the first `batches` micro-batches of `data` (the
@@ -673,7 +681,9 @@ impl Trainer {
             }
         };
         if count == 0 {
-            return Err(Error::Usage("an evaluation needs at least one batch".into()));
+            return Err(Error::Usage(
+                "an evaluation needs at least one batch".into(),
+            ));
         }
         let loss = sum / count as f64;
         Ok(Evaluation {

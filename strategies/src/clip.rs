@@ -98,7 +98,10 @@ mod tests {
             .map(|&x| f64::from(x) * f64::from(x))
             .sum();
         let ours = sum_of_squares(&t)?;
-        assert!((ours - expected).abs() <= 1e-9 * expected, "{ours} vs {expected}");
+        assert!(
+            (ours - expected).abs() <= 1e-9 * expected,
+            "{ours} vs {expected}"
+        );
         for dtype in [DType::BF16, DType::F16] {
             let h = t.to_dtype(dtype)?;
             let exact: f64 = h
@@ -108,7 +111,10 @@ mod tests {
                 .map(|&x| f64::from(x) * f64::from(x))
                 .sum();
             let ours = sum_of_squares(&h)?;
-            assert!((ours - exact).abs() <= 1e-9 * exact, "{dtype:?}: {ours} vs {exact}");
+            assert!(
+                (ours - exact).abs() <= 1e-9 * exact,
+                "{dtype:?}: {ours} vs {exact}"
+            );
         }
         // A transposed view takes the sliced path.
         let m = Tensor::randn(0f32, 1.0, (40, 30), &dev)?.t()?;
