@@ -164,6 +164,12 @@ impl<M: Model> AnyTrainer<M> {
     where
         B: FnOnce(DType, &Device) -> candle_core::Result<M>,
     {
+        if options.max_grad_norm.is_some() {
+            return Err(Error::Usage(
+                "AnyTrainer does not clip gradients: max_grad_norm is not supported here yet"
+                    .into(),
+            ));
+        }
         if plan.micro_batch == 0 || plan.grad_accum == 0 {
             return Err(Error::Usage(
                 "a plan needs a micro-batch and accumulation of at least 1".into(),
@@ -269,6 +275,7 @@ impl<M: Model> AnyTrainer<M> {
             optimizer_peak,
             skipped,
             lr,
+            grad_norm: f64::NAN,
         })
     }
 

@@ -129,6 +129,21 @@ pub struct TrainOptions {
     /// scales).
     #[arg(long, default_value_t = 0.0, value_name = "WD", allow_negative_numbers = true, value_parser = parse_weight_decay)]
     pub weight_decay: f64,
+    /// Clip each step's gradients to this global L2 norm (computed after
+    /// accumulation, unscaling and over all ranks); 0 disables clipping.
+    #[arg(long, default_value_t = 1.0, value_name = "X", allow_negative_numbers = true, value_parser = parse_max_grad_norm)]
+    pub max_grad_norm: f64,
+    /// Held-out data for evaluation, in the formats and with the tokenizer
+    /// of --data: the mean cross-entropy and perplexity of its windows.
+    #[arg(long, value_name = "PATH")]
+    pub eval_data: Option<PathBuf>,
+    /// Evaluate every N steps [default: once, after the last step].
+    #[arg(long, value_name = "N", requires = "eval_data", allow_negative_numbers = true, value_parser = parse_steps)]
+    pub eval_every: Option<u64>,
+    /// The most micro-batches one evaluation reads (of the plan's
+    /// micro-batch size, in order from the start of --eval-data).
+    #[arg(long, value_name = "N", default_value_t = 100, allow_negative_numbers = true, value_parser = parse_steps)]
+    pub eval_batches: u64,
     /// Seed of the initialisation and of random data.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = parse_seed)]
     pub seed: u64,
@@ -390,8 +405,8 @@ pub enum Command {
     Plan(PlanArgs),
     /// `oomfix inspect`.
     Inspect(InspectArgs),
-    /// `oomfix train`.
-    Train(TrainArgs),
+    /// `oomfix train` (boxed: its options outweigh the other commands').
+    Train(Box<TrainArgs>),
     /// The hidden `oomfix measure-step`.
     MeasureStep(MeasureStepArgs),
 }
@@ -471,10 +486,10 @@ fn parse_normalized(argv: Vec<OsString>) -> Result<Invocation, Stop> {
             }
             match sub {
                 Sub::Plan(m) => Command::Plan(plan(m.model)),
-                Sub::Train(t) => Command::Train(TrainArgs {
+                Sub::Train(t) => Command::Train(Box::new(TrainArgs {
                     plan: plan(t.model),
                     opts: t.train,
-                }),
+                })),
                 Sub::Inspect(i) => {
                     refuse_planning_options(&matches, "inspect", "reads only the header")?;
                     Command::Inspect(InspectArgs {
@@ -648,6 +663,15 @@ fn parse_weight_decay(s: &str) -> Result<f64, String> {
         Ok(wd) if wd.is_finite() && wd >= 0.0 => Ok(wd),
         _ => Err(format!(
             "`{s}` is not a weight decay (a finite number >= 0)"
+        )),
+    }
+}
+
+fn parse_max_grad_norm(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!(
+            "`{s}` is not a gradient norm (a finite number >= 0; 0 disables clipping)"
         )),
     }
 }

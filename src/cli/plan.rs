@@ -99,6 +99,16 @@ fn pins(o: &PlanOptions) -> oomfix::Pins {
 /// Runs the search of a prepared plan, writes `--snapshot` and `--plot`, and
 /// prints the result on stdout; gives back the model with the result.
 pub fn search(args: &PlanArgs, prepared: Prepared) -> Result<(ModelSpec, SearchResult), Failure> {
+    let (spec, result) = search_quietly(args, prepared)?;
+    print_result(args, &spec, &result)?;
+    Ok((spec, result))
+}
+
+/// [`search`] without printing the result.
+pub fn search_quietly(
+    args: &PlanArgs,
+    prepared: Prepared,
+) -> Result<(ModelSpec, SearchResult), Failure> {
     let Prepared {
         spec,
         target,
@@ -154,12 +164,21 @@ pub fn search(args: &PlanArgs, prepared: Prepared) -> Result<(ModelSpec, SearchR
             spec.source
         ));
     }
-    if args.json {
-        print_stdout(&format!("{:#}\n", report::search_json(&spec, &result)))?;
-    } else {
-        print_stdout(&report::search_table(&spec, &result))?;
-    }
     Ok((spec, result))
+}
+
+/// Prints the search's result on stdout: the table, or with `--json` its
+/// JSON object.
+pub fn print_result(
+    args: &PlanArgs,
+    spec: &ModelSpec,
+    result: &SearchResult,
+) -> Result<(), Failure> {
+    if args.json {
+        print_stdout(&format!("{:#}\n", report::search_json(spec, result)))
+    } else {
+        print_stdout(&report::search_table(spec, result))
+    }
 }
 
 /// `--enforce-budget`: leaves only `budget` bytes of the CUDA device usable by

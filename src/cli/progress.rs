@@ -2,7 +2,7 @@
 //! logs) or the `step` events (JSON logs).
 
 use super::logging;
-use oomfix::train::StepStats;
+use oomfix::train::{Evaluation, StepStats};
 
 /// Where each step is shown.
 pub struct Progress {
@@ -35,6 +35,7 @@ impl Progress {
             total_steps = self.steps,
             loss = s.loss,
             lr = s.lr,
+            grad_norm = s.grad_norm,
             tokens = s.tokens,
             seconds = s.seconds,
             forward_backward_peak_bytes = s.forward_backward_peak,
@@ -43,9 +44,10 @@ impl Progress {
             "step"
         );
         let msg = format!(
-            "loss {:.4}  lr {:.3e}  {:.0} tok/s  peak {}{}",
+            "loss {:.4}  lr {:.3e}  grad norm {:.3}  {:.0} tok/s  peak {}{}",
             s.loss,
             s.lr,
+            s.grad_norm,
             s.tokens as f64 / s.seconds,
             oomfix::units::format_bytes(s.peak()),
             if s.skipped {
@@ -60,6 +62,32 @@ impl Progress {
                 bar.inc(1);
             }
             None => logging::say(format_args!("step {step}/{}  {msg}", self.steps)),
+        }
+    }
+
+    /// Logs an evaluation (an `eval` event) and shows it.
+    pub fn eval(&self, e: &Evaluation) {
+        tracing::info!(
+            step = e.step,
+            eval_loss = e.loss,
+            perplexity = e.perplexity,
+            batches = e.batches,
+            tokens = e.tokens,
+            seconds = e.seconds,
+            peak_bytes = e.peak,
+            "eval"
+        );
+        let msg = format!(
+            "eval after step {}: loss {:.4}  perplexity {:.2}  ({} batches, peak {})",
+            e.step,
+            e.loss,
+            e.perplexity,
+            e.batches,
+            oomfix::units::format_bytes(e.peak)
+        );
+        match &self.bar {
+            Some(bar) => bar.println(msg),
+            None => logging::say(format_args!("{msg}")),
         }
     }
 

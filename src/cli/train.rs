@@ -14,8 +14,9 @@ use super::args::{InitArg, TrainArgs};
 use super::job::{self, Joined};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
-use super::{io_text, logging, plan, Exit, Failure, Outcome};
+use super::{io_text, logging, plan, print_stdout, Exit, Failure, Outcome};
 use oomfix::dist::Job;
+use oomfix::report::TrainSummary;
 use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
 use oomfix::train::saved::{self, Checkpoint, ModelSource};
 use oomfix::train::tokenizer::Tokenizer;
@@ -93,7 +94,12 @@ fn run_rank(
             ))
         })?,
     };
-    let data_inputs: Vec<&Path> = o.data.as_deref().into_iter().collect();
+    let data_inputs: Vec<&Path> = o
+        .data
+        .iter()
+        .chain(&o.eval_data)
+        .map(PathBuf::as_path)
+        .collect();
     let prepared = plan::prepare(&plan_args, target, &data_inputs)?;
     let model_dir = args.plan.model.as_deref().map(model_dir);
     if let Some(dir) = &model_dir {
@@ -107,10 +113,20 @@ fn run_rank(
     if let Some(path) = &o.resume {
         Checkpoint::check(path)?;
     }
+    let mut eval_data = match &o.eval_data {
+        Some(path) => Some(load_data(
+            args,
+            path,
+            &prepared.spec.config,
+            model_dir.as_deref(),
+        )?),
+        None => None,
+    };
     if let Some(save) = &o.save {
         let mut inputs: Vec<&Path> = prepared.spec.files.iter().map(|p| p.as_path()).collect();
         inputs.extend(args.plan.model.as_deref());
         inputs.extend(o.data.as_deref());
+        inputs.extend(o.eval_data.as_deref());
         // The checkpoint resumed, and the model when it is that checkpoint:
         // replacing them is the point.
         let mut replaceable: Vec<&Path> = o.resume.as_deref().into_iter().collect();
@@ -141,13 +157,18 @@ fn run_rank(
     if defaulted && rank == 0 {
         logging::notice("no --device given and this build has no CUDA: training on the CPU");
     }
-    // Rank 0 plans and prints the plan; the others take its choice.
-    let (spec, chosen) = if rank == 0 {
-        let (spec, result) = plan::search(&plan_args, prepared)?;
-        (spec, result.chosen().map(|a| a.plan))
+    // Rank 0 plans and prints the plan (with --json, at the end, with the
+    // summary); the others take its choice.
+    let (spec, searched) = if rank == 0 {
+        let (spec, result) = plan::search_quietly(&plan_args, prepared)?;
+        if !plan_args.json || result.chosen().is_none() {
+            plan::print_result(&plan_args, &spec, &result)?;
+        }
+        (spec, Some(result))
     } else {
         (prepared.spec, None)
     };
+    let chosen = searched.as_ref().and_then(|r| r.chosen().map(|a| a.plan));
     let chosen = match joined {
         Some(j) => job::share_plan(j.comm.as_ref(), chosen.as_ref())?,
         None => chosen,
@@ -169,6 +190,10 @@ fn run_rank(
         (InitArg::Pretrained, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
         _ => None,
     };
+    let estimated_peak = searched
+        .as_ref()
+        .and_then(|r| r.chosen())
+        .map_or(0, |a| a.estimate.peak);
     let mut options = TrainOptions::default();
     options.adamw.lr = o.lr;
     options.adamw.weight_decay = o.weight_decay;
@@ -177,6 +202,7 @@ fn run_rank(
         decay: o.lr_schedule,
         total_steps: o.steps,
     };
+    options.max_grad_norm = (o.max_grad_norm > 0.0).then_some(o.max_grad_norm);
     options.seed = o.seed;
     options.weights = weights;
     options.source = model_source(args, init, &spec, model_dir.as_deref());
@@ -226,25 +252,62 @@ fn run_rank(
         };
     let signals = StopSignals::install()?;
     let progress = (rank == 0).then(|| Progress::new(o.steps, trainer.steps()));
+    let mut summary = TrainSummary::new(estimated_peak);
+    // Evaluates on --eval-data from its start, and shows it.
+    let mut evaluate = |trainer: &mut Trainer, summary: &mut TrainSummary| -> Result<(), Failure> {
+        let Some(eval) = &mut eval_data else {
+            return Ok(());
+        };
+        eval.rewind();
+        let windows = eval.windows_per_pass(trainer.plan().seq_len).unwrap_or(1);
+        let batches = windows
+            .div_ceil(trainer.plan().micro_batch)
+            .min(usize::try_from(o.eval_batches).unwrap_or(usize::MAX));
+        let e = trainer.evaluate(eval, batches)?;
+        if let Some(p) = &progress {
+            p.eval(&e);
+        }
+        summary.record_eval(&e);
+        Ok(())
+    };
     // Every rank stops at the same step boundary: a signal any rank received stops all.
     let mut stop = false;
+    let mut evaluated_at = None;
     while trainer.steps() < o.steps && !stop {
         stop = trainer.any_rank(signals.received().is_some())?;
         if stop {
             break;
         }
         let stats = trainer.step(&mut data)?;
+        summary.record_step(trainer.steps(), &stats);
         if let Some(p) = &progress {
             p.step(trainer.steps(), &stats);
+        }
+        if o.eval_every.is_some_and(|n| trainer.steps() % n == 0) {
+            evaluate(&mut trainer, &mut summary)?;
+            evaluated_at = Some(trainer.steps());
         }
         if o.save_every.is_some_and(|n| trainer.steps() % n == 0) {
             save(&trainer, &data, &mut saved_at)?;
         }
     }
+    // A run stopped by a signal ends without the final evaluation.
+    if !stop && evaluated_at != Some(trainer.steps()) {
+        evaluate(&mut trainer, &mut summary)?;
+    }
     if let Some(p) = &progress {
         p.finish();
     }
     save(&trainer, &data, &mut saved_at)?;
+    if let Some(result) = &searched {
+        if plan_args.json {
+            let mut v = oomfix::report::search_json(&spec, result);
+            v["training"] = oomfix::report::train_summary_json(&summary);
+            print_stdout(&format!("{v:#}\n"))?;
+        } else {
+            print_stdout(&oomfix::report::train_summary_text(&summary))?;
+        }
+    }
     let stopped_by = match signals.received() {
         Some(sig) if trainer.steps() < o.steps => sig,
         // Stopped because another rank received a signal.
@@ -321,15 +384,27 @@ fn data_source(
     model_dir: Option<&Path>,
 ) -> Result<DataSource, Failure> {
     let o = &args.opts;
-    let text_field_given = o.text_field != "text";
     let Some(path) = &o.data else {
-        if o.tokenizer.is_some() || text_field_given {
+        if o.tokenizer.is_some() || o.text_field != "text" {
             return Err(Failure::Usage(
                 "--tokenizer and --text-field apply to text data: give --data".into(),
             ));
         }
         return Ok(DataSource::synthetic(o.seed));
     };
+    load_data(args, path, config, model_dir)
+}
+
+/// The data file `path` (`--data` or `--eval-data`) in its format,
+/// tokenized as `args` say and checked against the model's vocabulary.
+fn load_data(
+    args: &TrainArgs,
+    path: &Path,
+    config: &ModelConfig,
+    model_dir: Option<&Path>,
+) -> Result<DataSource, Failure> {
+    let o = &args.opts;
+    let text_field_given = o.text_field != "text";
     let format = DataFormat::of(path);
     if text_field_given && format != DataFormat::JsonLines {
         return Err(Failure::Usage(format!(

@@ -190,6 +190,24 @@ impl DataSource {
         Ok(())
     }
 
+    /// The windows of `seq_len + 1` tokens one pass over the token stream
+    /// reads from its start, predicting every token after the first once
+    /// (consecutive windows share a token; the last wraps around to the
+    /// start); `None` for synthetic data, which never ends.
+    pub fn windows_per_pass(&self, seq_len: usize) -> Option<usize> {
+        match self {
+            DataSource::Synthetic { .. } => None,
+            DataSource::Tokens { ids, .. } => Some((ids.len() - 1).div_ceil(seq_len.max(1)).max(1)),
+        }
+    }
+
+    /// Back to the start of the token stream (synthetic data: unchanged).
+    pub fn rewind(&mut self) {
+        if let DataSource::Tokens { pos, .. } = self {
+            *pos = 0;
+        }
+    }
+
     /// Moves past the next `windows` windows of `seq_len + 1` tokens, as
     /// [`next_windows`](Self::next_windows) would (for another rank's slice).
     pub fn skip_windows(&mut self, windows: usize, seq_len: usize) {

@@ -175,7 +175,7 @@ pub use crate::state_file::StateFile;
 mod schedule;
 pub use saved::{Checkpoint, ModelSource};
 pub use schedule::{Decay, LrSchedule};
-pub use trainer::{compute_dtype, plan_changes, StepStats, TrainOptions, Trainer};
+pub use trainer::{compute_dtype, plan_changes, Evaluation, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;
 mod llama;
@@ -365,6 +365,17 @@ pub trait TrainableModel {
     /// `attention_mask` says; `targets` and `loss_mask` are not read, but
     /// must have the inputs' shape as in any [`Batch`].
     fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor>;
+
+    /// The mean loss [`forward_backward`](Self::forward_backward) computes on
+    /// `batch` ([`lm_loss`] of its [`logits`](Self::logits)), forward only
+    /// (evaluation): no gradients, and no block's activations kept beyond
+    /// that block, so it needs no more memory than a training step.
+    fn loss(&self, batch: &Batch, exec: &Execution) -> Result<f32> {
+        let logits = self.logits(batch, exec)?;
+        let (b, s, v) = logits.dims3()?;
+        let loss = lm_loss(&logits.reshape((b * s, v))?, v, batch)?;
+        Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
+    }
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).

@@ -38,6 +38,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
+use oomfix_strategies::clip;
 use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
 use oomfix_strategies::shard::{Comm, ShardedOptimizer, ZeroStage};
@@ -67,6 +68,10 @@ pub struct TrainOptions {
     /// What [`Trainer::save`] writes beside the weights, and their dtype
     /// (default: f32, a configuration made from the shape, no other files).
     pub source: ModelSource,
+    /// Clip the gradients of each optimizer step to this global L2 norm
+    /// (`torch.nn.utils.clip_grad_norm_`'s `max_norm`); `None` (the
+    /// default here; `oomfix train` clips at 1.0): no clipping.
+    pub max_grad_norm: Option<f64>,
 }
 
 impl Default for TrainOptions {
@@ -83,6 +88,7 @@ impl Default for TrainOptions {
             fixes: oomfix_strategies::builtins(),
             schedule: super::LrSchedule::default(),
             source: ModelSource::default(),
+            max_grad_norm: None,
         }
     }
 }
@@ -106,6 +112,11 @@ pub struct StepStats {
     pub skipped: bool,
     /// The learning rate of the step.
     pub lr: f64,
+    /// The global L2 norm of the step's gradients before clipping: after
+    /// accumulation, of the unscaled fp32 values under fp16 loss scaling, over
+    /// all ranks. Not finite on a step skipped for an fp16 overflow (NaN
+    /// where it was not computed: sharded, or [`crate::AnyTrainer`]).
+    pub grad_norm: f64,
 }
 
 impl StepStats {
@@ -113,6 +124,27 @@ impl StepStats {
     pub fn peak(&self) -> u64 {
         self.forward_backward_peak.max(self.optimizer_peak)
     }
+}
+
+/// What an evaluation ([`Trainer::evaluate`]) measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Evaluation {
+    /// The optimizer steps taken before it.
+    pub step: u64,
+    /// Mean token cross-entropy over the batches (the mean of their mean
+    /// losses).
+    pub loss: f64,
+    /// `exp(loss)`.
+    pub perplexity: f64,
+    /// Micro-batches evaluated (of all ranks).
+    pub batches: usize,
+    /// Tokens whose loss was taken.
+    pub tokens: usize,
+    /// Wall time in seconds.
+    pub seconds: f64,
+    /// Heap high-water mark during the evaluation (0 without a counting
+    /// allocator); on CUDA the memory pool's used high-water mark.
+    pub peak: u64,
 }
 
 enum Optim {
@@ -162,6 +194,7 @@ pub struct Trainer {
     schedule: super::LrSchedule,
     /// What a saved directory holds beside the weights.
     source: ModelSource,
+    max_grad_norm: Option<f64>,
     step: u64,
 }
 
@@ -360,6 +393,7 @@ impl Trainer {
             peak_lr: options.adamw.lr,
             schedule: options.schedule,
             source: options.source.clone(),
+            max_grad_norm: options.max_grad_norm,
             step: 0,
         })
     }
@@ -748,7 +782,8 @@ impl Trainer {
         Ok(())
     }
 
-    fn batch(&self, data: &mut DataSource) -> Result<Batch> {
+    /// The next micro-batch of `data`; `seed` chooses BERT's masked positions.
+    fn batch(&self, data: &mut DataSource, seed: u64) -> Result<Batch> {
         let (b, s) = (self.plan.micro_batch, self.plan.seq_len);
         let config = self.model.config();
         let windows = data.next_windows(b, s, config.vocab);
@@ -758,9 +793,79 @@ impl Trainer {
             &windows,
             b,
             s,
-            self.step,
+            seed,
             &self.device,
         )
+    }
+
+    /// The model's loss on the first `batches` micro-batches of `data` (the
+    /// plan's micro-batch and sequence length), read from where `data`
+    /// stands, forward only ([`TrainableModel::loss`]): no gradients, so no
+    /// more memory than a training step of the plan. BERT's masked positions
+    /// are the same at every evaluation. Sharded, rank `r` evaluates every
+    /// N-th batch from the `r`-th and the mean is of all ranks (collective;
+    /// every rank must be given the same data).
+    pub fn evaluate(&mut self, data: &mut DataSource, batches: usize) -> Result<Evaluation> {
+        let start = Instant::now();
+        let _scope = Scope::module(Module::ROOT);
+        alloc::set_phase(Phase::Forward);
+        alloc::reset_peak();
+        self.reset_device_peak()?;
+        let outcome = self.eval_batches(data, batches);
+        alloc::set_phase(Phase::Setup);
+        let (sum, count) = outcome?;
+        let peak = self.phase_peak()?;
+        let (sum, count) = match self.comm() {
+            None => (sum, count),
+            Some(comm) => {
+                let t = comm.all_reduce_sum(&Tensor::new(&[sum, count as f64], &Device::Cpu)?)?;
+                let v = t.to_vec1::<f64>()?;
+                (v[0], v[1] as usize)
+            }
+        };
+        if count == 0 {
+            return Err(Error::Usage(
+                "an evaluation needs at least one batch".into(),
+            ));
+        }
+        let loss = sum / count as f64;
+        Ok(Evaluation {
+            step: self.step,
+            loss,
+            perplexity: loss.exp(),
+            batches: count,
+            tokens: count * self.plan.micro_batch * self.plan.seq_len,
+            seconds: start.elapsed().as_secs_f64(),
+            peak,
+        })
+    }
+
+    /// This rank's share of [`evaluate`](Self::evaluate): the sum of its
+    /// batches' losses and their count.
+    fn eval_batches(&mut self, data: &mut DataSource, batches: usize) -> Result<(f64, usize)> {
+        let (rank, world) = (self.rank(), self.world_size());
+        if let Optim::Sharded(opt) = &mut self.optim {
+            let _op = Scope::op(Op::WeightSync);
+            opt.gather_params()?;
+        }
+        let exec = self.execution;
+        let (mut sum, mut count) = (0.0, 0);
+        for i in 0..batches {
+            if i % world != rank {
+                data.skip_windows(self.plan.micro_batch, self.plan.seq_len);
+                continue;
+            }
+            let batch = {
+                let _op = Scope::op(Op::Batch);
+                self.batch(data, 0)?
+            };
+            sum += f64::from(self.model.loss(&batch, &exec)?);
+            count += 1;
+        }
+        if let Optim::Sharded(opt) = &mut self.optim {
+            opt.release_params()?;
+        }
+        Ok((sum, count))
     }
 
     /// One optimizer step over `grad_accum` micro-batches from `data` (at
@@ -776,7 +881,7 @@ impl Trainer {
         let start = Instant::now();
         let outcome = self.step_phases(data);
         alloc::set_phase(Phase::Setup);
-        let (loss, forward_backward_peak, optimizer_peak, skipped) = outcome?;
+        let (loss, forward_backward_peak, optimizer_peak, skipped, grad_norm) = outcome?;
         let lr = self.lr();
         self.step += 1;
         Ok(StepStats {
@@ -790,11 +895,13 @@ impl Trainer {
             optimizer_peak,
             skipped,
             lr,
+            grad_norm,
         })
     }
 
-    /// The phases of [`step`](Self::step): `(loss, forward/backward peak, optimizer peak, skipped)`.
-    fn step_phases(&mut self, data: &mut DataSource) -> Result<(f32, u64, u64, bool)> {
+    /// The phases of [`step`](Self::step): `(loss, forward/backward peak,
+    /// optimizer peak, skipped, gradient norm)`.
+    fn step_phases(&mut self, data: &mut DataSource) -> Result<(f32, u64, u64, bool, f64)> {
         let _scope = Scope::module(Module::ROOT);
         alloc::set_phase(Phase::Forward);
         alloc::reset_peak();
@@ -822,7 +929,7 @@ impl Trainer {
             alloc::set_phase(Phase::Forward);
             let batch = {
                 let _op = Scope::op(Op::Batch);
-                self.batch(data)?
+                self.batch(data, self.step)?
             };
             let out = self
                 .model
@@ -883,18 +990,30 @@ impl Trainer {
             scaler.update(!finite);
             skipped = !finite;
         }
-        if !skipped {
+        let grad_norm = if skipped {
+            match self.optim {
+                Optim::Sharded(_) => f64::NAN,
+                _ => clip::global_norm(&grads)?,
+            }
+        } else {
             let start = Instant::now();
-            self.optimizer_step(grads)?;
+            let norm = self.optimizer_step(grads)?;
             let seconds = start.elapsed().as_secs_f64();
             tracing::debug!(
                 seconds,
                 optimizer = self.plan.optimizer.as_str(),
                 "optimizer step"
             );
-        }
+            norm
+        };
         self.trace_pool("optimizer step");
-        Ok((loss, forward_backward_peak, self.phase_peak()?, skipped))
+        Ok((
+            loss,
+            forward_backward_peak,
+            self.phase_peak()?,
+            skipped,
+            grad_norm,
+        ))
     }
 
     /// On CUDA, sets the pool's high-water marks back to the bytes in use (the
@@ -932,9 +1051,30 @@ impl Trainer {
         self.schedule.rate(self.peak_lr, self.step)
     }
 
-    fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+    /// The optimizer step from the step's gradients, clipped to
+    /// `max_grad_norm`; returns their global norm before clipping. A
+    /// non-finite norm stops training (such gradients would make every
+    /// weight NaN), leaving the weights as they were.
+    fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<f64> {
         let _scope = Scope::new(Module::intern("optimizer"), Op::AdamW);
         let lr = self.lr();
+        let non_finite = |step: u64, norm: f64| {
+            Error::Runtime(format!(
+                "step {step}: the gradient norm is {norm}; training stopped"
+            ))
+        };
+        // On a sharded plan `grads` are this rank's share: the norm is the
+        // ranks' together.
+        let norm = match &self.optim {
+            Optim::Sharded(opt) => opt.global_norm(&grads)?,
+            _ => clip::global_norm(&grads)?,
+        };
+        if !norm.is_finite() {
+            return Err(non_finite(self.step + 1, norm));
+        }
+        let factor = self
+            .max_grad_norm
+            .map_or(1.0, |max| clip::clip_coefficient(norm, max));
         match &mut self.optim {
             Optim::Fused(opt) => opt.set_learning_rate(lr),
             Optim::Offloaded(opt) => opt.optimizer_mut().set_learning_rate(lr),
@@ -942,14 +1082,22 @@ impl Trainer {
             Optim::Candle(opts) => opts.iter_mut().for_each(|(o, _)| o.set_learning_rate(lr)),
         }
         match &mut self.optim {
-            Optim::Fused(opt) => opt.step(&grads)?,
-            Optim::Offloaded(opt) => opt.step(grads)?,
-            Optim::Sharded(opt) => opt.step_owned(&grads)?,
+            Optim::Fused(opt) => opt.step_scaled(&grads, factor)?,
+            Optim::Offloaded(opt) => opt.step_scaled(grads, factor)?,
+            Optim::Sharded(opt) => opt.step_owned(&grads, factor)?,
             Optim::Candle(opts) => {
                 for ((opt, var), g) in opts.iter_mut().zip(grads) {
                     // candle_nn::AdamW reads a GradStore: make one holding this gradient only.
                     let mut store = Tensor::new(0f32, &self.device)?.backward()?;
-                    let g = g.to_dtype(DType::F32)?;
+                    // candle's AdamW takes no factor: this one gradient is scaled
+                    // (its unscaled tensor dropped first when it is not shared).
+                    let g = match g.to_dtype(DType::F32)? {
+                        g32 if factor != 1.0 => {
+                            drop(g);
+                            g32.affine(factor, 0.0)?
+                        }
+                        g32 => g32,
+                    };
                     mark_tensors([&g], Component::Gradients);
                     store.insert(var.as_tensor(), g);
                     opt.step(&store)?;
@@ -960,7 +1108,7 @@ impl Trainer {
             let _op = Scope::op(Op::WeightSync);
             m.sync_to_compute()?;
         }
-        Ok(())
+        Ok(norm)
     }
 }
 

@@ -257,10 +257,13 @@ struct Coeffs {
     lr: f32,
     /// `1 - lr * weight_decay`
     decay: f32,
+    /// The factor each gradient is multiplied by as it is read (gradient
+    /// clipping's coefficient; 1 otherwise).
+    grad_scale: f32,
 }
 
 impl Coeffs {
-    fn new(p: &ParamsAdamW, t: u64) -> Self {
+    fn new(p: &ParamsAdamW, t: u64, grad_scale: f64) -> Self {
         let t = t as f64;
         Coeffs {
             beta1: p.beta1 as f32,
@@ -272,6 +275,7 @@ impl Coeffs {
             eps: p.eps as f32,
             lr: p.lr as f32,
             decay: (1.0 - p.lr * p.weight_decay) as f32,
+            grad_scale: grad_scale as f32,
         }
     }
 }
@@ -279,7 +283,7 @@ impl Coeffs {
 /// One thread's share of the update: a single pass over the four slices.
 fn adamw_serial<P: Float, G: Float>(p: &mut [P], g: &[G], m: &mut [f32], v: &mut [f32], c: Coeffs) {
     for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let g = g.to_f32();
+        let g = g.to_f32() * c.grad_scale;
         *m = c.beta1 * *m + c.one_minus_beta1 * g;
         *v = c.beta2 * *v + c.one_minus_beta2 * (g * g);
         let update = (*m * c.scale_m) / ((*v * c.scale_v).sqrt() + c.eps);
@@ -459,9 +463,17 @@ impl FusedAdamW {
     /// dtype, device) before anything is updated: on error, parameters, state
     /// and step count are unchanged.
     pub fn step(&mut self, grads: &[Tensor]) -> Result<()> {
+        self.step_scaled(grads, 1.0)
+    }
+
+    /// [`step`](Self::step) with every gradient multiplied by `factor` as the
+    /// kernel reads it (gradient clipping's coefficient,
+    /// [`crate::clip::clip_coefficient`]): the step of the gradients times
+    /// `factor`, without a scaled copy of them.
+    pub fn step_scaled(&mut self, grads: &[Tensor], factor: f64) -> Result<()> {
         one_gradient_each(grads.len(), self.slots.len())?;
         let pairs: Vec<_> = grads.iter().enumerate().collect();
-        self.apply(&pairs)
+        self.apply(&pairs, factor)
     }
 
     /// One step with the gradients in a [`GradStore`]; vars without a gradient
@@ -470,17 +482,23 @@ impl FusedAdamW {
         let pairs: Vec<_> = (self.slots.iter().enumerate())
             .filter_map(|(i, slot)| Some((i, grads.get(slot.var.as_tensor())?)))
             .collect();
-        self.apply(&pairs)
+        self.apply(&pairs, 1.0)
     }
 
-    /// Checks every gradient, then takes the step: a bad gradient leaves
-    /// parameters, state and step count unchanged.
-    fn apply(&mut self, pairs: &[(usize, &Tensor)]) -> Result<()> {
+    /// Checks every gradient, then takes the step with the gradients times
+    /// `grad_scale`: a bad gradient leaves parameters, state and step count
+    /// unchanged.
+    fn apply(&mut self, pairs: &[(usize, &Tensor)], grad_scale: f64) -> Result<()> {
         pairs
             .iter()
             .try_for_each(|&(i, g)| self.slots[i].check(g))?;
+        if !grad_scale.is_finite() {
+            return Err(Error::Config(format!(
+                "gradient factor {grad_scale} is not finite"
+            )));
+        }
         self.t += 1;
-        let c = Coeffs::new(&self.params, self.t);
+        let c = Coeffs::new(&self.params, self.t, grad_scale);
         let exempt = Coeffs { decay: 1.0, ..c };
         pairs.iter().try_for_each(|&(i, g)| {
             let slot = &self.slots[i];

@@ -54,6 +54,7 @@ pub mod accumulate;
 pub mod adamw;
 pub mod attention;
 pub mod checkpoint;
+pub mod clip;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;

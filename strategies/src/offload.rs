@@ -176,6 +176,13 @@ impl OffloadedAdamW {
     /// before anything is copied: on error, weights, state and step count are
     /// unchanged.
     pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+        self.step_scaled(grads, 1.0)
+    }
+
+    /// [`step`](Self::step) with the gradients multiplied by `factor` as the
+    /// host's AdamW reads them ([`FusedAdamW::step_scaled`]: gradient
+    /// clipping without a scaled copy).
+    pub fn step_scaled(&mut self, grads: Vec<Tensor>, factor: f64) -> Result<()> {
         one_gradient_each(grads.len(), self.compute.len())?;
         for (i, (g, c)) in grads.iter().zip(&self.compute).enumerate() {
             if g.shape() != c.shape()
@@ -197,7 +204,7 @@ impl OffloadedAdamW {
             download(&g, staged)?;
         }
         self.synchronize()?;
-        self.optim.step(&self.staging)?;
+        self.optim.step_scaled(&self.staging, factor)?;
         self.sync_to_compute()
     }
 

@@ -484,7 +484,7 @@ impl<C: Comm> ShardedOptimizer<C> {
     pub fn step(&mut self, grads: Vec<Tensor>) -> Result<()> {
         self.reduce(grads)?;
         let mine = self.take_reduced(1.0)?;
-        self.step_owned(&mine)
+        self.step_owned(&mine, 1.0)
     }
 
     /// Sends this rank's gradients (one per var, in order; collective) bucket
@@ -543,12 +543,27 @@ impl<C: Comm> ShardedOptimizer<C> {
         self.reduced.finish(scale * inv_world)
     }
 
+    /// The global L2 norm of the step's gradients, from this rank's owned
+    /// share of them (as [`take_reduced`](Self::take_reduced) gives it;
+    /// collective): each rank's sum of squares, all-reduced. Every parameter
+    /// has one owner, so none is counted twice.
+    pub fn global_norm(&self, owned: &[Tensor]) -> Result<f64> {
+        let local = crate::clip::squared_norm(owned)?;
+        let total = self
+            .comm
+            .all_reduce_sum(&Tensor::new(&[local], &Device::Cpu)?)?
+            .to_vec1::<f64>()?[0];
+        Ok(total.sqrt())
+    }
+
     /// AdamW on the owned parameters with their reduced gradients (as
-    /// [`take_reduced`](Self::take_reduced) gives them), then the parameters'
-    /// synchronisation (collective): stages 1 and 2 broadcast each owner's
-    /// updated parameters, stage 3 frees the non-owned ones.
-    pub fn step_owned(&mut self, grads: &[Tensor]) -> Result<()> {
-        self.opt.step(grads)?;
+    /// [`take_reduced`](Self::take_reduced) gives them) times `factor` (a
+    /// clip coefficient, [`crate::clip::clip_coefficient`]; 1: none), then
+    /// the parameters' synchronisation (collective): stages 1 and 2
+    /// broadcast each owner's updated parameters, stage 3 frees the
+    /// non-owned ones.
+    pub fn step_owned(&mut self, grads: &[Tensor], factor: f64) -> Result<()> {
+        self.opt.step_scaled(grads, factor)?;
         match self.stage {
             ZeroStage::Parameters => self.release_params(),
             _ => self.broadcast_params(),

@@ -12,7 +12,7 @@
 // Per-step scalars; the field order matches `Coeffs` in adamw.rs.
 struct Coeffs {
     float beta1, one_minus_beta1, beta2, one_minus_beta2;
-    float scale_m, scale_v, eps, lr, decay;
+    float scale_m, scale_v, eps, lr, decay, grad_scale;
 };
 
 
@@ -45,6 +45,7 @@ template <> struct Quad<F16> : Quad16<F16> {};
 
 // The update of one element; returns the new parameter value.
 __device__ __forceinline__ float adamw_one(float p, float g, float& m, float& v, const Coeffs& c) {
+    g = g * c.grad_scale;
     m = c.beta1 * m + c.one_minus_beta1 * g;
     v = c.beta2 * v + c.one_minus_beta2 * (g * g);
     float update = (m * c.scale_m) / (sqrtf(v * c.scale_v) + c.eps);

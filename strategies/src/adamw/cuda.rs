@@ -31,7 +31,7 @@ const MODULE: &str = "oomfix_fused_adamw";
 /// Threads per block.
 const BLOCK: u32 = 256;
 
-// SAFETY: `Coeffs` is `#[repr(C)]`, nine f32 fields, the layout of the
+// SAFETY: `Coeffs` is `#[repr(C)]`, ten f32 fields, the layout of the
 // kernel's `struct Coeffs`.
 unsafe impl DeviceRepr for Coeffs {}
 

@@ -1,0 +1,135 @@
+//! The end-of-run summary of `oomfix train`, as text and as JSON.
+
+use crate::train::{Evaluation, StepStats};
+use crate::units::{format_bytes, group_digits};
+use serde_json::{json, Value};
+
+/// What a training run did, gathered step by step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TrainSummary {
+    /// Optimizer steps taken by this run (a resumed run's earlier steps are
+    /// not counted).
+    pub steps: u64,
+    /// The trainer's step count at the end (with the resumed steps).
+    pub last_step: u64,
+    /// Tokens trained on by this run (all ranks).
+    pub tokens: u64,
+    /// Wall time of the steps and evaluations, in seconds.
+    pub seconds: f64,
+    /// The training loss of the first and of the last step of this run.
+    pub first_loss: Option<f32>,
+    /// See [`first_loss`](Self::first_loss).
+    pub last_loss: Option<f32>,
+    /// The last evaluation.
+    pub eval: Option<Evaluation>,
+    /// The highest measured peak of a step or an evaluation (`None` when
+    /// nothing was measured: no counting allocator).
+    pub peak_bytes: Option<u64>,
+    /// The plan's estimated peak.
+    pub estimated_peak_bytes: u64,
+}
+
+impl TrainSummary {
+    /// An empty summary of a run of a plan whose estimated peak is
+    /// `estimated_peak_bytes`.
+    pub fn new(estimated_peak_bytes: u64) -> Self {
+        TrainSummary {
+            estimated_peak_bytes,
+            ..Default::default()
+        }
+    }
+
+    /// Adds step `step` (the trainer's count after it).
+    pub fn record_step(&mut self, step: u64, s: &StepStats) {
+        self.steps += 1;
+        self.last_step = step;
+        self.tokens += s.tokens as u64;
+        self.seconds += s.seconds;
+        self.first_loss.get_or_insert(s.loss);
+        self.last_loss = Some(s.loss);
+        self.record_peak(s.peak());
+    }
+
+    /// Adds an evaluation.
+    pub fn record_eval(&mut self, e: &Evaluation) {
+        self.seconds += e.seconds;
+        self.eval = Some(*e);
+        self.record_peak(e.peak);
+    }
+
+    fn record_peak(&mut self, peak: u64) {
+        if peak > 0 {
+            self.peak_bytes = Some(self.peak_bytes.map_or(peak, |p| p.max(peak)));
+        }
+    }
+
+    /// Training tokens per second of step time.
+    pub fn tokens_per_second(&self) -> f64 {
+        if self.seconds > 0.0 {
+            self.tokens as f64 / self.seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The summary as lines under the plan's table (`trained`, `loss`, `eval`,
+/// `peak`).
+pub fn train_summary_text(s: &TrainSummary) -> String {
+    let mut out = format!(
+        "\ntrained {} steps, {} tokens in {:.2} s ({:.0} tokens/s)\n",
+        group_digits(s.steps),
+        group_digits(s.tokens),
+        s.seconds,
+        s.tokens_per_second()
+    );
+    if let (Some(first), Some(last)) = (s.first_loss, s.last_loss) {
+        out += &format!(
+            "loss    {first:.4} at step {}, {last:.4} at step {}\n",
+            s.last_step + 1 - s.steps,
+            s.last_step
+        );
+    }
+    if let Some(e) = &s.eval {
+        out += &format!(
+            "eval    loss {:.4}, perplexity {:.2} after step {} ({} batches, {} tokens)\n",
+            e.loss,
+            e.perplexity,
+            e.step,
+            e.batches,
+            group_digits(e.tokens as u64)
+        );
+    }
+    if let Some(peak) = s.peak_bytes {
+        out += &format!(
+            "peak    {} measured, {} estimated ({:.0}%)\n",
+            format_bytes(peak),
+            format_bytes(s.estimated_peak_bytes),
+            100.0 * peak as f64 / s.estimated_peak_bytes.max(1) as f64
+        );
+    }
+    out
+}
+
+/// The summary as the `training` object of `train --json`.
+pub fn train_summary_json(s: &TrainSummary) -> Value {
+    json!({
+        "steps": s.steps,
+        "last_step": s.last_step,
+        "tokens": s.tokens,
+        "seconds": s.seconds,
+        "tokens_per_second": s.tokens_per_second(),
+        "first_loss": s.first_loss,
+        "last_loss": s.last_loss,
+        "eval": s.eval.map(|e| json!({
+            "step": e.step,
+            "loss": e.loss,
+            "perplexity": e.perplexity,
+            "batches": e.batches,
+            "tokens": e.tokens,
+            "peak_bytes": (e.peak > 0).then_some(e.peak),
+        })),
+        "peak_bytes": s.peak_bytes,
+        "estimated_peak_bytes": s.estimated_peak_bytes,
+    })
+}
