@@ -7,9 +7,13 @@
 2. When `transformers` (and torch) can be imported: AutoModelForCausalLM (or
    AutoModelForMaskedLM) .from_pretrained(DIR) loads it with no missing,
    unexpected or mismatched keys, and every parameter equals the file's
-   tensor; the loss on fixed tokens is printed.
+   tensor; the loss on fixed tokens is printed. With `--logits FILE` (a
+   safetensors file of `input_ids` [b, s] and the f32 `logits` [b, s, V]
+   oomfix computed from DIR), transformers' logits on those ids must equal
+   them within 1e-4 of the largest logit (an fp32 directory).
 
-Usage: python scripts/check-saved-model.py DIR      (exit 0: every check passed)
+Usage: python scripts/check-saved-model.py DIR [--logits FILE]
+       (exit 0: every check passed)
 """
 
 import json
@@ -144,7 +148,7 @@ def check_files(d):
     return config, not problems
 
 
-def check_transformers(d, config):
+def check_transformers(d, config, logits_file):
     try:
         import torch
         import transformers
@@ -183,15 +187,33 @@ def check_transformers(d, config):
           + ("no missing/unexpected keys, every weight equal to the file"
              if ok else "FAILED")
           + f"; loss on fixed tokens {out.loss.item():.6f}")
+    if logits_file:
+        ref = load_file(logits_file)
+        with torch.no_grad():
+            got = model(input_ids=ref["input_ids"].long()).logits.float()
+        want = ref["logits"].float()
+        if got.shape != want.shape:
+            print(f"  logits: shape {list(got.shape)}, oomfix's {list(want.shape)}")
+            return False
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        same = rel <= 1e-4
+        print(f"logits on {list(ref['input_ids'].shape)} ids: largest difference {rel:.2e} "
+              f"of the largest logit: " + ("equal to oomfix's" if same else "DIFFERENT from oomfix's"))
+        ok = ok and same
     return ok
 
 
 def main():
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    logits_file = None
+    if len(args) == 3 and args[1] == "--logits":
+        logits_file = args[2]
+        args = args[:1]
+    if len(args) != 1:
         raise SystemExit(__doc__)
-    d = sys.argv[1]
+    d = args[0]
     config, ok = check_files(d)
-    ok = check_transformers(d, config) and ok
+    ok = check_transformers(d, config, logits_file) and ok
     sys.exit(0 if ok else 1)
 
 

@@ -573,3 +573,103 @@ fn fine_tuning_the_pretrained_fixture_starts_from_the_transformers_loss() {
     let vocab = oomfix::inspect(&dir).unwrap().config.vocab as f64;
     assert!(expected < 0.5 * vocab.ln(), "{expected}");
 }
+
+/// The JSON events of `stderr` with `message`.
+fn events(stderr: &str, message: &str) -> Vec<serde_json::Value> {
+    stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["fields"]["message"] == message)
+        .collect()
+}
+
+/// Fine-tuning the pretrained fixture on its text lowers the loss on the
+/// held-out text, and the directory `--save` writes is a model other tools
+/// load: its logits (computed here from the saved files) are written beside
+/// it and, when `OOMFIX_PYTHON` names a Python with `safetensors`,
+/// `scripts/check-saved-model.py` checks the directory (names, shapes, dtype
+/// against config.json) and, where that Python has `transformers`, that
+/// `from_pretrained` gives the same logits.
+#[test]
+fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
+    use oomfix::train::{build_model, Batch};
+    let (dir, reference) = finetune_fixture();
+    let work = tempfile::tempdir().unwrap();
+    let seq = reference["seq_len"].to_string();
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .current_dir(work.path())
+        .env_remove("RUST_LOG")
+        .arg("train")
+        .arg(&dir)
+        .arg("--data")
+        .arg(dir.join("train.txt"))
+        .arg("--eval-data")
+        .arg(dir.join("eval.txt"))
+        .args(["--eval-every", "2", "--save", "tuned"])
+        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
+        .args(["--seq-len", &seq, "--global-batch", "4", "--micro-batch", "4"])
+        .args(["--steps", "8", "--lr", "1e-3", "--log-format", "json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let evals: Vec<f64> = events(&stderr, "eval")
+        .iter()
+        .map(|e| e["fields"]["eval_loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(evals.len(), 4, "{stderr}");
+    assert!(evals[3] < evals[0], "held-out loss falls: {evals:?}");
+
+    let saved = work.path().join("tuned");
+    let spec = oomfix::inspect(&saved).unwrap();
+    let model = build_model(
+        &spec.config,
+        Some(&spec.files),
+        candle_core::DType::F32,
+        &Device::Cpu,
+        0,
+    )
+    .unwrap();
+    let vocab = spec.config.vocab as u32;
+    let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 + 11) % vocab).collect();
+    let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap();
+    let batch = Batch {
+        input_ids: ids.clone(),
+        targets: ids.clone(),
+        loss_mask: None,
+        attention_mask: None,
+    };
+    let logits = model
+        .logits(&batch, &oomfix::strategies::Execution::default())
+        .unwrap();
+    let file = work.path().join("logits.safetensors");
+    let tensors = HashMap::from([
+        (
+            "input_ids".to_string(),
+            ids.to_dtype(candle_core::DType::I64).unwrap(),
+        ),
+        ("logits".to_string(), logits),
+    ]);
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+
+    let Ok(python) = std::env::var("OOMFIX_PYTHON") else {
+        eprintln!("OOMFIX_PYTHON not set: scripts/check-saved-model.py not run");
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check-saved-model.py");
+    let check = std::process::Command::new(python)
+        .arg(script)
+        .arg(&saved)
+        .arg("--logits")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&check.stdout);
+    eprintln!("{said}");
+    assert!(
+        check.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}
