@@ -608,7 +608,14 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
         .arg(dir.join("eval.txt"))
         .args(["--eval-every", "2", "--save", "tuned"])
         .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
-        .args(["--seq-len", &seq, "--global-batch", "4", "--micro-batch", "4"])
+        .args([
+            "--seq-len",
+            &seq,
+            "--global-batch",
+            "4",
+            "--micro-batch",
+            "4",
+        ])
         .args(["--steps", "8", "--lr", "1e-3", "--log-format", "json"])
         .output()
         .unwrap();
@@ -672,4 +679,59 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
         "{said}{}",
         String::from_utf8_lossy(&check.stderr)
     );
+}
+
+/// A BERT checkpoint without the masked-LM head (as sentence-transformers
+/// publishes them) trains with the head newly initialised and a warning
+/// naming its tensors; a tensor of the body missing is still an input error.
+#[test]
+fn a_checkpoint_without_the_objectives_head_gets_it_initialised_with_a_warning() {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train/bert");
+    let d = Dir::new();
+    std::fs::copy(fixture.join("config.json"), d.path("config.json")).unwrap();
+    let all =
+        candle_core::safetensors::load(fixture.join("model.safetensors"), &Device::Cpu).unwrap();
+    let body: HashMap<String, Tensor> = all
+        .iter()
+        .filter(|(name, _)| !name.starts_with("cls."))
+        .map(|(n, t)| (n.clone(), t.clone()))
+        .collect();
+    assert!(body.len() < all.len(), "the fixture has a head to remove");
+    candle_core::safetensors::save(&body, d.path("model.safetensors")).unwrap();
+    let out = d
+        .oomfix(&[
+            "train",
+            "model.safetensors",
+            "--steps",
+            "1",
+            "--seq-len",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("cls.predictions.transform.dense.weight")
+            && stderr.contains("newly initialised"),
+        "{stderr}"
+    );
+
+    let mut no_body = body.clone();
+    no_body.remove("bert.encoder.layer.0.output.dense.weight");
+    candle_core::safetensors::save(&no_body, d.path("model.safetensors")).unwrap();
+    let out = d
+        .oomfix(&[
+            "train",
+            "model.safetensors",
+            "--steps",
+            "1",
+            "--seq-len",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("missing tensor"), "{stderr}");
 }

@@ -420,7 +420,7 @@ pub fn build_model(
         )));
     }
     let tensors = match weights {
-        Some(paths) => load_tensors(config, paths)?,
+        Some(paths) => load_tensors(config, paths, seed)?,
         None => random_tensors(config, seed)?,
     };
     let vars = tensors
@@ -512,7 +512,14 @@ fn hub_name(family: Family, name: &str) -> String {
 }
 
 /// The tensors of `config` read from `paths` (on the CPU, in the file's dtype).
-fn load_tensors(config: &ModelConfig, paths: &[PathBuf]) -> Result<Vec<(String, Tensor)>> {
+/// A checkpoint without the objective's head ([`is_objective_head`]) gets
+/// the head initialised from `seed`, with a warning naming its tensors, as
+/// transformers does; any other missing tensor is an input error.
+fn load_tensors(
+    config: &ModelConfig,
+    paths: &[PathBuf],
+    seed: u64,
+) -> Result<Vec<(String, Tensor)>> {
     let first = paths
         .first()
         .ok_or_else(|| Error::Usage("no weights file given".into()))?;
@@ -528,17 +535,37 @@ fn load_tensors(config: &ModelConfig, paths: &[PathBuf]) -> Result<Vec<(String, 
             }
         }
     }
+    let missing_head: Vec<&str> = wanted
+        .iter()
+        .map(|(name, _)| name.as_str())
+        .filter(|name| !found.contains_key(*name) && is_objective_head(config.family, name))
+        .collect();
+    let mut init = Init::new(seed);
+    if !missing_head.is_empty() {
+        tracing::warn!(
+            "{} has no {}: the training objective's head is newly initialised \
+             (N(0, 0.02) matrices, zero biases, unit norm scales), as transformers does",
+            first.display(),
+            missing_head.join(", ")
+        );
+    }
     wanted
         .into_iter()
         .map(|(name, shape)| {
-            let (tensor, path) = found.remove(&name).ok_or_else(|| {
+            let Some((tensor, path)) = found.remove(&name) else {
+                if is_objective_head(config.family, &name) {
+                    return Ok((name.clone(), init.tensor(&name, &shape)?));
+                }
                 let files = if paths.len() == 1 {
                     String::new()
                 } else {
                     format!(" (in {} files)", paths.len())
                 };
-                Error::input(first, format!("missing tensor `{name}`{files}"))
-            })?;
+                return Err(Error::input(
+                    first,
+                    format!("missing tensor `{name}`{files}"),
+                ));
+            };
             if tensor.dims() != shape.as_slice() {
                 return Err(Error::input(
                     path,
@@ -555,23 +582,52 @@ fn load_tensors(config: &ModelConfig, paths: &[PathBuf]) -> Result<Vec<(String, 
 
 /// Random f32 tensors on the CPU for every tensor of `config`.
 fn random_tensors(config: &ModelConfig, seed: u64) -> Result<Vec<(String, Tensor)>> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let normal = Normal::new(0f32, INIT_STD).expect("a positive standard deviation");
+    let mut init = Init::new(seed);
     config
         .tensors()
         .into_iter()
-        .map(|(name, shape)| {
-            let n = shape.iter().product();
-            let values: Vec<f32> = if shape.len() >= 2 {
-                (0..n).map(|_| normal.sample(&mut rng)).collect()
-            } else if name.ends_with(".weight") {
-                vec![1.0; n] // a norm's scale
-            } else {
-                vec![0.0; n] // a bias
-            };
-            Ok((name, Tensor::from_vec(values, shape, &Device::Cpu)?))
-        })
+        .map(|(name, shape)| Ok((name.clone(), init.tensor(&name, &shape)?)))
         .collect()
+}
+
+/// The initialisation of new parameters, as transformers' `_init_weights`
+/// does it: matrices from N(0, 0.02²), norm scales ones, biases zeros.
+struct Init {
+    rng: StdRng,
+    normal: Normal<f32>,
+}
+
+impl Init {
+    fn new(seed: u64) -> Self {
+        Init {
+            rng: StdRng::seed_from_u64(seed),
+            normal: Normal::new(0f32, INIT_STD).expect("a positive standard deviation"),
+        }
+    }
+
+    /// A new f32 tensor `name` of `shape` on the CPU.
+    fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let n = shape.iter().product();
+        let values: Vec<f32> = if shape.len() >= 2 {
+            (0..n).map(|_| self.normal.sample(&mut self.rng)).collect()
+        } else if name.ends_with(".weight") {
+            vec![1.0; n] // a norm's scale
+        } else {
+            vec![0.0; n] // a bias
+        };
+        Ok(Tensor::from_vec(values, shape, &Device::Cpu)?)
+    }
+}
+
+/// Whether `name` belongs to the head of the training objective rather than
+/// to the model body: BERT's masked-LM head (`cls.*`, absent from
+/// sentence-transformers checkpoints) or a causal LM's untied `lm_head`
+/// (absent from a base model's checkpoint).
+fn is_objective_head(family: Family, name: &str) -> bool {
+    match family {
+        Family::Bert => name.starts_with("cls."),
+        _ => name == "lm_head.weight",
+    }
 }
 
 /// The parameters by Hub name, as the families look them up.
