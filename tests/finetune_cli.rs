@@ -697,20 +697,22 @@ fn a_checkpoint_without_the_objectives_head_gets_it_initialised_with_a_warning()
         .map(|(n, t)| (n.clone(), t.clone()))
         .collect();
     assert!(body.len() < all.len(), "the fixture has a head to remove");
-    candle_core::safetensors::save(&body, d.path("model.safetensors")).unwrap();
-    let out = d
-        .oomfix(&[
+    let train = || {
+        let args = [
             "train",
             "model.safetensors",
             "--steps",
             "1",
             "--seq-len",
             "8",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
+        ];
+        let out = d.oomfix(&args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), stderr)
+    };
+    candle_core::safetensors::save(&body, d.path("model.safetensors")).unwrap();
+    let (code, stderr) = train();
+    assert_eq!(code, Some(0), "{stderr}");
     assert!(
         stderr.contains("cls.predictions.transform.dense.weight")
             && stderr.contains("newly initialised"),
@@ -720,18 +722,7 @@ fn a_checkpoint_without_the_objectives_head_gets_it_initialised_with_a_warning()
     let mut no_body = body.clone();
     no_body.remove("bert.encoder.layer.0.output.dense.weight");
     candle_core::safetensors::save(&no_body, d.path("model.safetensors")).unwrap();
-    let out = d
-        .oomfix(&[
-            "train",
-            "model.safetensors",
-            "--steps",
-            "1",
-            "--seq-len",
-            "8",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = train();
+    assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("missing tensor"), "{stderr}");
 }

@@ -10,7 +10,7 @@ use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm};
-use super::{batch_dims, Batch, Forward, Params, StepOutput, TrainableModel};
+use super::{batch_dims, Batch, Forward, Params};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -189,21 +189,4 @@ impl Llama {
     }
 }
 
-impl TrainableModel for Llama {
-    fn config(&self) -> &ModelConfig {
-        &self.config
-    }
-
-    fn vars(&self) -> &[(String, Var)] {
-        &self.vars
-    }
-
-    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
-        self.forward(batch, exec)?
-            .backward(&self.vars, self.config.vocab, batch, exec)
-    }
-
-    fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor> {
-        self.forward(batch, exec)?.logits(self.config.vocab)
-    }
-}
+super::trainable_family!(Llama);

@@ -688,6 +688,42 @@ impl Params {
     }
 }
 
+/// Implements [`TrainableModel`] for a family's model: a struct with
+/// `config: ModelConfig` and `vars: Vec<(String, Var)>` fields and an
+/// inherent `forward(&self, &Batch, &Execution) -> Result<Forward>`, whose
+/// pass both the training step and the logits run.
+macro_rules! trainable_family {
+    ($model:ty) => {
+        impl $crate::train::TrainableModel for $model {
+            fn config(&self) -> &$crate::ModelConfig {
+                &self.config
+            }
+
+            fn vars(&self) -> &[(String, candle_core::Var)] {
+                &self.vars
+            }
+
+            fn forward_backward(
+                &self,
+                batch: &$crate::train::Batch,
+                exec: &oomfix_strategies::Execution,
+            ) -> $crate::Result<$crate::train::StepOutput> {
+                self.forward(batch, exec)?
+                    .backward(&self.vars, self.config.vocab, batch, exec)
+            }
+
+            fn logits(
+                &self,
+                batch: &$crate::train::Batch,
+                exec: &oomfix_strategies::Execution,
+            ) -> $crate::Result<candle_core::Tensor> {
+                self.forward(batch, exec)?.logits(self.config.vocab)
+            }
+        }
+    };
+}
+pub(crate) use trainable_family;
+
 /// A hidden-state map of a [`Forward`]: a block, or the head.
 type Layer<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
 
