@@ -323,3 +323,51 @@ fn a_checkpoint_of_2_ranks_is_one_directory_that_resumes_on_1_or_4() {
     assert_eq!(code, 0, "{stderr}");
     assert_close(&losses(&lines).0, &want[STEPS - 1..], "resumed on 4 ranks");
 }
+
+/// With accumulation, ZeRO 2 reduces each micro-batch to the gradients'
+/// owners, so a rank carries half the accumulated gradients of ZeRO 1 at 2
+/// ranks: each rank's measured peak (the summary gathers them all) falls
+/// from stage 1 to stage 2, and so does the estimate.
+#[test]
+fn each_ranks_peak_is_reported_and_falls_from_zero_1_to_zero_2_as_estimated() {
+    let run_dir = Run::new();
+    let summary = |stage: &str| {
+        let extra = [
+            "--zero-stage",
+            stage,
+            "--gpus",
+            "2",
+            "--grad-accum",
+            "4",
+            "--json",
+        ];
+        let out = run_dir
+            .oomfix()
+            .args(run_dir.args(2, &extra))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "stage {stage}: {stderr}");
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let t = &v["training"];
+        let ranks: Vec<u64> = t["rank_peak_bytes"]
+            .as_array()
+            .unwrap_or_else(|| panic!("stage {stage}: {t}"))
+            .iter()
+            .map(|p| p.as_u64().unwrap())
+            .collect();
+        assert_eq!(ranks.len(), 2, "stage {stage}: {t}");
+        assert!(ranks.iter().all(|&p| p > 0), "stage {stage}: {t}");
+        assert_eq!(t["peak_bytes"].as_u64(), ranks.iter().copied().max());
+        let estimate = t["estimated_peak_bytes"].as_u64().unwrap();
+        eprintln!("stage {stage}: peaks by rank {ranks:?}, estimate {estimate}");
+        (ranks.into_iter().max().unwrap(), estimate)
+    };
+    let (one, one_estimate) = summary("1");
+    let (two, two_estimate) = summary("2");
+    assert!(
+        two_estimate < one_estimate,
+        "{two_estimate} vs {one_estimate}"
+    );
+    assert!(two < one, "measured: stage 2 {two} vs stage 1 {one}");
+}

@@ -298,6 +298,9 @@ fn run_rank(
     if let Some(p) = &progress {
         p.finish();
     }
+    if let Some(comm) = trainer.comm() {
+        summary.record_rank_peaks(rank_peaks(comm, summary.peak_bytes.unwrap_or(0))?);
+    }
     save(&trainer, &data, &mut saved_at)?;
     if let Some(result) = &searched {
         if plan_args.json {
@@ -442,4 +445,16 @@ fn load_data(
         eos,
     };
     Ok(DataSource::load(path, width, config.vocab, &text)?)
+}
+
+/// Every rank's `peak` (collective), by rank.
+fn rank_peaks(comm: &dyn oomfix::strategies::shard::Comm, peak: u64) -> Result<Vec<u64>, Failure> {
+    let collect = || -> oomfix::Result<Vec<u64>> {
+        let mine = candle_core::Tensor::new(&[peak as i64], &candle_core::Device::Cpu)?;
+        comm.all_gather(&mine)?
+            .iter()
+            .map(|t| Ok(t.to_vec1::<i64>()?[0] as u64))
+            .collect()
+    };
+    Ok(collect()?)
 }

@@ -27,6 +27,9 @@ pub struct TrainSummary {
     pub peak_bytes: Option<u64>,
     /// The plan's estimated peak.
     pub estimated_peak_bytes: u64,
+    /// With several ranks: each rank's highest measured peak, by rank
+    /// ([`peak_bytes`](Self::peak_bytes) is then the largest).
+    pub rank_peak_bytes: Vec<u64>,
 }
 
 impl TrainSummary {
@@ -55,6 +58,12 @@ impl TrainSummary {
         self.seconds += e.seconds;
         self.eval = Some(*e);
         self.record_peak(e.peak);
+    }
+
+    /// Takes every rank's highest peak (by rank): the run's peak is the largest.
+    pub fn record_rank_peaks(&mut self, peaks: Vec<u64>) {
+        self.peak_bytes = peaks.iter().copied().filter(|&p| p > 0).max();
+        self.rank_peak_bytes = peaks;
     }
 
     fn record_peak(&mut self, peak: u64) {
@@ -101,8 +110,14 @@ pub fn train_summary_text(s: &TrainSummary) -> String {
         );
     }
     if let Some(peak) = s.peak_bytes {
+        let ranks = if s.rank_peak_bytes.len() > 1 {
+            let each: Vec<String> = s.rank_peak_bytes.iter().map(|&p| format_bytes(p)).collect();
+            format!(" (the largest rank's; by rank: {})", each.join(", "))
+        } else {
+            String::new()
+        };
         out += &format!(
-            "peak    {} measured, {} estimated ({:.0}%)\n",
+            "peak    {} measured{ranks}, {} estimated per rank ({:.0}%)\n",
             format_bytes(peak),
             format_bytes(s.estimated_peak_bytes),
             100.0 * peak as f64 / s.estimated_peak_bytes.max(1) as f64
@@ -130,6 +145,7 @@ pub fn train_summary_json(s: &TrainSummary) -> Value {
             "peak_bytes": (e.peak > 0).then_some(e.peak),
         })),
         "peak_bytes": s.peak_bytes,
+        "rank_peak_bytes": (s.rank_peak_bytes.len() > 1).then_some(&s.rank_peak_bytes),
         "estimated_peak_bytes": s.estimated_peak_bytes,
     })
 }
