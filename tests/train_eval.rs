@@ -143,7 +143,7 @@ fn the_text_summary_follows_the_plan() {
         .expect("a summary after the plan");
     assert!(summary.starts_with("3 steps, 96 tokens in "), "{stdout}");
     assert!(
-        summary.contains("\nloss    ") && summary.contains(" at step 1, "),
+        summary.contains("\nloss    ") && summary.contains(" at step 1 -> "),
         "{stdout}"
     );
     let eval = summary

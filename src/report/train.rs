@@ -94,7 +94,7 @@ pub fn train_summary_text(s: &TrainSummary) -> String {
     );
     if let (Some(first), Some(last)) = (s.first_loss, s.last_loss) {
         out += &format!(
-            "loss    {first:.4} at step {}, {last:.4} at step {}\n",
+            "loss    {first:.4} at step {} -> {last:.4} at step {}\n",
             s.last_step + 1 - s.steps,
             s.last_step
         );
