@@ -371,3 +371,49 @@ fn each_ranks_peak_is_reported_and_falls_from_zero_1_to_zero_2_as_estimated() {
     );
     assert!(two < one, "measured: stage 2 {two} vs stage 1 {one}");
 }
+
+/// A rank that fails with an error of its own (here a data file only it is
+/// given, missing) tells the others and leaves: nobody waits for it in a
+/// collective, the job ends within the timeout, non-zero, and the failing
+/// rank names its cause.
+#[test]
+fn a_rank_that_fails_stops_the_others_without_a_hang() {
+    let run_dir = Run::new();
+    let bin = env!("CARGO_BIN_EXE_oomfix");
+    let good = run_dir.args(3, &["--zero-stage", "1"]);
+    let bad: Vec<String> = good
+        .iter()
+        .map(|a| {
+            if a == "data.bin" {
+                "missing.bin".to_string()
+            } else {
+                a.clone()
+            }
+        })
+        .collect();
+    let mut cmd = run_dir.mpirun(1, &[]);
+    // mpirun's MPMD form: rank 0 runs the first command, rank 1 the second.
+    cmd.args(&good)
+        .args([":", "-n", "1", "--oversubscribe", "--bind-to", "none", bin])
+        .args(&bad)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let start = Instant::now();
+    let mut child = cmd.spawn().unwrap();
+    let deadline = start + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("the job still runs after 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(stderr.contains("missing.bin"), "{stderr}");
+    assert!(stderr.contains("rank 1 failed"), "{stderr}");
+}

@@ -31,10 +31,14 @@ pub fn rank_from_env() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
 }
 
-/// Tells the other ranks that this one failed (a no-op outside a job).
+/// Tells the other ranks that this one failed (a no-op outside a job, and
+/// after the first time).
 pub fn report_failure(failure: &Failure) {
+    static REPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if let Some(c) = CONTROL.get() {
-        c.report_failure(&failure.to_string());
+        if !REPORTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            c.report_failure(&failure.to_string());
+        }
     }
 }
 

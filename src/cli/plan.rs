@@ -136,6 +136,7 @@ pub fn search_quietly(
         planner = planner.seq_len(n);
     }
     if let Some(mode) = o.verify {
+        refuse_verify_over_ranks(o.gpus)?;
         let verifier = match target {
             Target::Cpu => {
                 let exe = std::env::current_exe().map_err(|e| {
@@ -264,4 +265,17 @@ fn write_all(f: &mut std::fs::File, path: &Path, bytes: &[u8]) -> oomfix::Result
         context: format!("writing {}", path.display()),
         source: e,
     })
+}
+
+/// `--verify` measures plans on this one device: plans over `ranks` > 1
+/// would need the ranks.
+pub fn refuse_verify_over_ranks(ranks: usize) -> Result<(), Failure> {
+    if ranks > 1 {
+        return Err(Failure::Usage(
+            "--verify measures plans on one device and cannot measure plans over --gpus N ranks yet; \
+             train the plan (`oomfix train --gpus N`: its summary gives each rank's measured peak)"
+                .into(),
+        ));
+    }
+    Ok(())
 }

@@ -45,6 +45,10 @@ pub fn run(args: &TrainArgs) -> Outcome {
         None => (Target::Cpu, true),
     };
     let job = Job::from_env()?;
+    if args.plan.opts.verify.is_some() {
+        let ranks = job.as_ref().map_or(args.plan.opts.gpus, |j| j.world_size);
+        plan::refuse_verify_over_ranks(ranks)?;
+    }
     let joined = match job {
         None if args.plan.opts.gpus > 1 => return super::launch::run(args.plan.opts.gpus, target),
         Some(job) if job.world_size > 1 => {
@@ -60,8 +64,17 @@ pub fn run(args: &TrainArgs) -> Outcome {
         _ => None,
     };
     let outcome = run_rank(args, init, target, defaulted, joined.as_ref());
-    if outcome.is_ok() {
-        job::finish();
+    match (&outcome, &joined) {
+        (Ok(_), _) => job::finish(),
+        // A rank of a job that failed tells the others (they would wait for
+        // it in a collective), says why and leaves at once, as its watchdog
+        // does: closing the communicator (MPI's finalisation) would wait
+        // for ranks that are stopping.
+        (Err(failure), Some(_)) => {
+            job::report_failure(failure);
+            std::process::exit(logging::report(failure).into());
+        }
+        (Err(_), None) => {}
     }
     outcome
 }
