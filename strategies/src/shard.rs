@@ -538,9 +538,14 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// global batch when each rank's loss is its own mean), in the order of the
     /// owned vars; starts a new round. Local: no collective. An error if
     /// nothing was [`reduce`](Self::reduce)d.
+    ///
+    /// The sums leave with the returned tensors: nothing stays allocated
+    /// for the next step (whose first [`reduce`](Self::reduce) keeps what
+    /// the collective returns, without a copy), so the next forward and
+    /// backward do not carry this step's share.
     pub fn take_reduced(&mut self, scale: f64) -> Result<Vec<Tensor>> {
         let inv_world = 1.0 / self.comm.world_size() as f64;
-        self.reduced.finish(scale * inv_world)
+        std::mem::take(&mut self.reduced).finish(scale * inv_world)
     }
 
     /// The global L2 norm of the step's gradients, from this rank's owned
