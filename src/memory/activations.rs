@@ -345,7 +345,7 @@ pub const HEAD_WEIGHT_BACKWARD_COPIES: u64 = 2;
 pub const EMBEDDING_BACKWARD_COPIES: u64 = 2;
 
 /// `EMBEDDING_BACKWARD_COPIES` for a tied embedding; for an untied one none
-/// (patched) or [`STOCK_UNTIED_EMBEDDING_COPIES`] (stock).
+/// (patched) or `STOCK_UNTIED_EMBEDDING_COPIES` (stock).
 pub fn embedding_backward_copies(spec: &ModelSpec, backward: Backward) -> u64 {
     let tied = match spec.config.family {
         Family::Gpt2 | Family::Bert => true,

@@ -110,14 +110,17 @@ pub fn train_summary_text(s: &TrainSummary) -> String {
         );
     }
     if let Some(peak) = s.peak_bytes {
-        let ranks = if s.rank_peak_bytes.len() > 1 {
+        let (ranks, per_rank) = if s.rank_peak_bytes.len() > 1 {
             let each: Vec<String> = s.rank_peak_bytes.iter().map(|&p| format_bytes(p)).collect();
-            format!(" (the largest rank's; by rank: {})", each.join(", "))
+            (
+                format!(" (the largest rank's; by rank: {})", each.join(", ")),
+                " per rank",
+            )
         } else {
-            String::new()
+            (String::new(), "")
         };
         out += &format!(
-            "peak    {} measured{ranks}, {} estimated per rank ({:.0}%)\n",
+            "peak    {} measured{ranks}, {} estimated{per_rank} ({:.0}%)\n",
             format_bytes(peak),
             format_bytes(s.estimated_peak_bytes),
             100.0 * peak as f64 / s.estimated_peak_bytes.max(1) as f64

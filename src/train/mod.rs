@@ -367,7 +367,7 @@ pub trait TrainableModel {
     fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor>;
 
     /// The mean loss [`forward_backward`](Self::forward_backward) computes on
-    /// `batch` ([`lm_loss`] of its [`logits`](Self::logits)), forward only
+    /// `batch` (the cross-entropy of its [`logits`](Self::logits)), forward only
     /// (evaluation): no gradients, and no block's activations kept beyond
     /// that block, so it needs no more memory than a training step.
     fn loss(&self, batch: &Batch, exec: &Execution) -> Result<f32> {

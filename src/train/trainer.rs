@@ -115,7 +115,7 @@ pub struct StepStats {
     /// The global L2 norm of the step's gradients before clipping: after
     /// accumulation, of the unscaled fp32 values under fp16 loss scaling, over
     /// all ranks. Not finite on a step skipped for an fp16 overflow (NaN
-    /// where it was not computed: sharded, or [`crate::AnyTrainer`]).
+    /// where it was not computed: sharded, or [`crate::anymodel::AnyTrainer`]).
     pub grad_norm: f64,
 }
 
