@@ -345,12 +345,9 @@ impl Trainer {
         let optim = match (comm, plan.optimizer) {
             (Some(comm), _) if comm.world_size() > 1 => {
                 let stage = ZeroStage::try_from(plan.shard.stage)?;
-                Optim::Sharded(ShardedOptimizer::new(
-                    comm,
-                    opt_vars,
-                    options.adamw.clone(),
-                    stage,
-                )?)
+                let mut opt = ShardedOptimizer::new(comm, opt_vars, options.adamw.clone(), stage)?;
+                opt.exempt_from_weight_decay(is_decay_exempt);
+                Optim::Sharded(opt)
             }
             (_, OptimizerImpl::CandleAdamW) => Optim::Candle(
                 names

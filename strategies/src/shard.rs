@@ -708,6 +708,13 @@ impl<C: Comm> ShardedOptimizer<C> {
         &mut self.opt
     }
 
+    /// Exempts from weight decay the owned vars `exempt` accepts (called with
+    /// the var's global index as its name): see
+    /// [`FusedAdamW::exempt_from_weight_decay`].
+    pub fn exempt_from_weight_decay(&mut self, exempt: impl Fn(&str, &Var) -> bool) {
+        self.opt.exempt_from_weight_decay(exempt);
+    }
+
     /// Sets the learning rate.
     pub fn set_learning_rate(&mut self, lr: f64) {
         self.opt.set_learning_rate(lr);
