@@ -65,6 +65,57 @@ fn any_trainer_applies_the_learning_rate_schedule() {
     assert_eq!(rates, [peak, peak / 2.0, 0.0]);
 }
 
+/// AnyTrainer clips by global norm as `train` does. AdamW's first update is
+/// about `lr` per weight whatever the gradients' scale, unless they are
+/// clipped down to the size of its epsilon: a limit far above the norm
+/// leaves the first step's mean change at about `lr`, a limit of 1e-12
+/// shrinks it. (Each run starts from its own random weights.)
+#[test]
+fn any_trainer_clips_gradients_by_global_norm() {
+    let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let lr = 1e-2;
+    let first_step = |max_grad_norm: Option<f64>| {
+        let mut options = TrainOptions::default();
+        options.adamw.lr = lr;
+        options.max_grad_norm = max_grad_norm;
+        let mut trainer =
+            AnyTrainer::new(mixer::build, Plan::baseline(2, 1), &Device::Cpu, &options).unwrap();
+        let weights = |t: &AnyTrainer<mixer::Mixer>| -> Vec<f32> {
+            let vars = oomfix::strategies::model::Model::vars(t.model());
+            vars.iter()
+                .flat_map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+                .collect()
+        };
+        let before = weights(&trainer);
+        let norm = trainer.step().unwrap().grad_norm;
+        let after = weights(&trainer);
+        let change = before
+            .iter()
+            .zip(&after)
+            .map(|(a, b)| f64::from((a - b).abs()))
+            .sum::<f64>()
+            / before.len() as f64;
+        (norm, change / lr)
+    };
+    let (free_norm, free) = first_step(None);
+    let (loose_norm, loose) = first_step(Some(1e9));
+    let (tight_norm, tight) = first_step(Some(1e-12));
+    for norm in [free_norm, loose_norm, tight_norm] {
+        assert!(
+            norm.is_finite() && norm > 1e-3,
+            "the norm before clipping: {norm}"
+        );
+    }
+    assert!(
+        free > 0.5 && loose > 0.5,
+        "unclipped: {free}, {loose} of lr"
+    );
+    assert!(
+        tight < 0.1 * free,
+        "clipped to 1e-12: {tight} of lr (unclipped {free})"
+    );
+}
+
 /// A prober that measures a made-up line and runs out of memory from a
 /// micro-batch of 2 on under checkpointing.
 struct Fake(Vec<(Setting, usize)>);

@@ -6,7 +6,8 @@ use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer};
 use oomfix_strategies::accumulate::GradAccumulator;
-use oomfix_strategies::adamw::FusedAdamW;
+use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
+use oomfix_strategies::clip;
 use oomfix_strategies::model::{self, MicroBatch, Model};
 use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
@@ -78,6 +79,8 @@ pub struct AnyTrainer<M: Model> {
     peak_lr: f64,
     /// The learning rate over the run (the main trainer's, [`crate::train::LrSchedule`]).
     schedule: crate::train::LrSchedule,
+    /// The global norm the gradients are clipped to (`None`: no clipping).
+    max_grad_norm: Option<f64>,
 }
 
 /// Whether `model` can run `plan`'s fixes; a usage error naming the first
@@ -164,12 +167,6 @@ impl<M: Model> AnyTrainer<M> {
     where
         B: FnOnce(DType, &Device) -> candle_core::Result<M>,
     {
-        if options.max_grad_norm.is_some() {
-            return Err(Error::Usage(
-                "AnyTrainer does not clip gradients: max_grad_norm is not supported here yet"
-                    .into(),
-            ));
-        }
         if plan.micro_batch == 0 || plan.grad_accum == 0 {
             return Err(Error::Usage(
                 "a plan needs a micro-batch and accumulation of at least 1".into(),
@@ -195,29 +192,37 @@ impl<M: Model> AnyTrainer<M> {
                 .map(|(i, v)| (i.to_string(), v.clone()))
                 .collect::<Vec<_>>()
         };
+        // Weight decay as `train` applies it: not to biases and norm scales.
         let optim = match (comm, plan.optimizer) {
-            (Some(comm), _) => Optim::Sharded(ShardedOptimizer::new(
-                comm,
-                opt_vars.clone(),
-                options.adamw.clone(),
-                ZeroStage::try_from(plan.shard.stage)?,
-            )?),
+            (Some(comm), _) => {
+                let stage = ZeroStage::try_from(plan.shard.stage)?;
+                let mut opt =
+                    ShardedOptimizer::new(comm, opt_vars.clone(), options.adamw.clone(), stage)?;
+                opt.exempt_from_weight_decay(is_decay_exempt);
+                Optim::Sharded(opt)
+            }
             (None, OptimizerImpl::CandleAdamW) => Optim::Candle(
                 opt_vars
                     .iter()
                     .map(|v| {
-                        Ok((
-                            AdamW::new(vec![v.clone()], options.adamw.clone())?,
-                            v.clone(),
-                        ))
+                        let mut params = options.adamw.clone();
+                        if is_decay_exempt("", v) {
+                            params.weight_decay = 0.0;
+                        }
+                        Ok((AdamW::new(vec![v.clone()], params)?, v.clone()))
                     })
                     .collect::<Result<_>>()?,
             ),
             (None, OptimizerImpl::FusedAdamW) => {
-                Optim::Fused(FusedAdamW::new_named(named(), options.adamw.clone())?)
+                let mut opt = FusedAdamW::new_named(named(), options.adamw.clone())?;
+                opt.exempt_from_weight_decay(is_decay_exempt);
+                Optim::Fused(opt)
             }
             (None, OptimizerImpl::OffloadedAdamW) => {
-                Optim::Offloaded(OffloadedAdamW::new(named(), options.adamw.clone())?)
+                let mut opt = OffloadedAdamW::new(named(), options.adamw.clone())?;
+                opt.optimizer_mut()
+                    .exempt_from_weight_decay(is_decay_exempt);
+                Optim::Offloaded(opt)
             }
         };
         let scaler = (plan.precision == Precision::F16)
@@ -238,6 +243,7 @@ impl<M: Model> AnyTrainer<M> {
             step: 0,
             peak_lr: options.adamw.lr,
             schedule: options.schedule,
+            max_grad_norm: options.max_grad_norm,
         })
     }
 
@@ -264,7 +270,7 @@ impl<M: Model> AnyTrainer<M> {
         let start = Instant::now();
         let outcome = self.phases();
         alloc::set_phase(Phase::Setup);
-        let (loss, forward_backward_peak, optimizer_peak, skipped) = outcome?;
+        let (loss, forward_backward_peak, optimizer_peak, skipped, grad_norm) = outcome?;
         let lr = self.schedule.rate(self.peak_lr, self.step);
         self.step += 1;
         Ok(StepStats {
@@ -275,11 +281,11 @@ impl<M: Model> AnyTrainer<M> {
             optimizer_peak,
             skipped,
             lr,
-            grad_norm: f64::NAN,
+            grad_norm,
         })
     }
 
-    fn phases(&mut self) -> Result<(f32, u64, u64, bool)> {
+    fn phases(&mut self) -> Result<(f32, u64, u64, bool, f64)> {
         alloc::set_phase(Phase::Forward);
         alloc::reset_peak();
         reset_device_peak(&self.device)?;
@@ -321,51 +327,80 @@ impl<M: Model> AnyTrainer<M> {
             scaler.update(!finite);
             skipped = !finite;
         }
-        if !skipped {
-            self.optimizer_step(grads)?;
-        }
+        let grad_norm = if skipped {
+            f64::NAN
+        } else {
+            self.optimizer_step(grads)?
+        };
         Ok((
             loss,
             forward_backward_peak,
             phase_peak(&self.device)?,
             skipped,
+            grad_norm,
         ))
     }
 
-    fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<()> {
+    /// The step, its gradients clipped to `max_grad_norm` (the coefficient a
+    /// factor of the update, as in [`crate::Trainer`]); returns their global
+    /// norm before clipping (over all ranks when sharded).
+    fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<f64> {
         let lr = self.schedule.rate(self.peak_lr, self.step);
-        match &mut self.optim {
-            Optim::Fused(opt) => opt.set_learning_rate(lr),
-            Optim::Offloaded(opt) => opt.optimizer_mut().set_learning_rate(lr),
-            Optim::Sharded(opt) => opt.set_learning_rate(lr),
-            Optim::Candle(opts) => opts.iter_mut().for_each(|(o, _)| o.set_learning_rate(lr)),
-        }
-        match &mut self.optim {
-            Optim::Fused(opt) => opt.step(&grads)?,
-            Optim::Offloaded(opt) => opt.step(grads)?,
+        let max_norm = self.max_grad_norm;
+        let factor = |norm: f64, step: u64| {
+            if !norm.is_finite() {
+                return Err(Error::Runtime(format!(
+                    "step {step}: the gradient norm is {norm}; training stopped"
+                )));
+            }
+            Ok(max_norm.map_or(1.0, |max| clip::clip_coefficient(norm, max)))
+        };
+        let step = self.step + 1;
+        let norm = match &mut self.optim {
             Optim::Sharded(opt) => {
-                opt.step(grads)?;
+                opt.set_learning_rate(lr);
+                opt.reduce(grads)?;
+                let mine = opt.take_reduced(1.0)?;
+                let norm = opt.global_norm(&mine)?;
+                opt.step_owned(&mine, factor(norm, step)?)?;
                 if let Some(m) = &self.master {
                     // Stage 3 freed the masters this rank does not own.
                     opt.gather_params()?;
                     m.sync_to_compute()?;
                     opt.release_params()?;
                 }
-                return Ok(());
+                return Ok(norm);
+            }
+            _ => clip::global_norm(&grads)?,
+        };
+        let factor = factor(norm, step)?;
+        match &mut self.optim {
+            Optim::Fused(opt) => {
+                opt.set_learning_rate(lr);
+                opt.step_scaled(&grads, factor)?;
+            }
+            Optim::Offloaded(opt) => {
+                opt.optimizer_mut().set_learning_rate(lr);
+                opt.step_scaled(grads, factor)?;
             }
             Optim::Candle(opts) => {
                 for ((opt, var), g) in opts.iter_mut().zip(grads) {
+                    opt.set_learning_rate(lr);
                     // candle_nn::AdamW reads a GradStore: one holding this gradient only.
                     let mut store = Tensor::new(0f32, &self.device)?.backward()?;
-                    store.insert(var.as_tensor(), g.to_dtype(DType::F32)?);
+                    store.insert(
+                        var.as_tensor(),
+                        g.to_dtype(DType::F32)?.affine(factor, 0.0)?,
+                    );
                     opt.step(&store)?;
                 }
             }
+            Optim::Sharded(_) => unreachable!("stepped above"),
         }
         if let Some(m) = &self.master {
             m.sync_to_compute()?;
         }
-        Ok(())
+        Ok(norm)
     }
 }
 
