@@ -497,6 +497,20 @@ fn finetune_fixture() -> (PathBuf, serde_json::Value) {
     (dir, serde_json::from_str(&text).unwrap())
 }
 
+/// `oomfix train` of the fine-tuning fixture `dir` on its `train.txt`, in
+/// `work`: on the CPU, fp32, within 1 GiB.
+fn train_fixture(dir: &Path, work: &Path) -> Command {
+    let mut cmd = Command::cargo_bin("oomfix").unwrap();
+    cmd.current_dir(work)
+        .env_remove("RUST_LOG")
+        .arg("train")
+        .arg(dir)
+        .arg("--data")
+        .arg(dir.join("train.txt"))
+        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"]);
+    cmd
+}
+
 #[test]
 fn the_first_micro_batch_is_the_reference_tokens() {
     use oomfix::train::data::{DataSource, TextOptions, TokenWidth};
@@ -539,15 +553,7 @@ fn fine_tuning_the_pretrained_fixture_starts_from_the_transformers_loss() {
     let work = tempfile::tempdir().unwrap();
     let seq = reference["seq_len"].to_string();
     let micro_batch = reference["micro_batch"].to_string();
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .current_dir(work.path())
-        .env_remove("RUST_LOG")
-        .arg("train")
-        .arg(&dir)
-        .arg("--data")
-        .arg(dir.join("train.txt"))
-        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
+    let out = train_fixture(&dir, work.path())
         .args(["--seq-len", &seq, "--global-batch", &micro_batch])
         .args(["--micro-batch", &micro_batch, "--grad-accum", "1"])
         .args(["--steps", "3", "--lr", "1e-3", "--log-format", "json"])
@@ -596,18 +602,10 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
     let (dir, reference) = finetune_fixture();
     let work = tempfile::tempdir().unwrap();
     let seq = reference["seq_len"].to_string();
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .current_dir(work.path())
-        .env_remove("RUST_LOG")
-        .arg("train")
-        .arg(&dir)
-        .arg("--data")
-        .arg(dir.join("train.txt"))
+    let out = train_fixture(&dir, work.path())
         .arg("--eval-data")
         .arg(dir.join("eval.txt"))
         .args(["--eval-every", "2", "--save", "tuned"])
-        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
         .args([
             "--seq-len",
             &seq,
