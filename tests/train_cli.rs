@@ -692,12 +692,7 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
     ] {
         std::fs::write(run.path("src").join(name), format!("{name} of the source")).unwrap();
     }
-    let base = run.args_with("1GiB", &[("model", "src")]);
-    let base: Vec<&str> = base
-        .iter()
-        .map(String::as_str)
-        .filter(|a| *a != "--init" && *a != "random")
-        .collect();
+    let base = run.args_with("1GiB", &[("model", "src"), ("--init", "pretrained")]);
     run.oomfix()
         .args(&base)
         .args(["--steps", "2", "--save", "ck"])
@@ -768,12 +763,10 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
 
     // The directory is a model: trained from its weights (a learning rate of
     // 0 leaves them as they are), and the run saved from it says so.
-    let from_dir = run.args_with("1GiB", &[("model", "ck"), ("--lr", "0")]);
-    let from_dir: Vec<&str> = from_dir
-        .iter()
-        .map(String::as_str)
-        .filter(|a| *a != "--init" && *a != "random")
-        .collect();
+    let from_dir = run.args_with(
+        "1GiB",
+        &[("model", "ck"), ("--lr", "0"), ("--init", "pretrained")],
+    );
     run.oomfix()
         .args(&from_dir)
         .args(["--steps", "1", "--save", "again"])
