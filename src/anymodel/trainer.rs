@@ -1,6 +1,7 @@
 //! Training steps of a plan on any [`Model`].
 
 use crate::track::alloc::{self, Phase};
+use crate::train::clip_factor;
 use crate::train::{StepStats, TrainOptions};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -346,23 +347,14 @@ impl<M: Model> AnyTrainer<M> {
     /// norm before clipping (over all ranks when sharded).
     fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<f64> {
         let lr = self.schedule.rate(self.peak_lr, self.step);
-        let max_norm = self.max_grad_norm;
-        let factor = |norm: f64, step: u64| {
-            if !norm.is_finite() {
-                return Err(Error::Runtime(format!(
-                    "step {step}: the gradient norm is {norm}; training stopped"
-                )));
-            }
-            Ok(max_norm.map_or(1.0, |max| clip::clip_coefficient(norm, max)))
-        };
-        let step = self.step + 1;
+        let (step, max_norm) = (self.step + 1, self.max_grad_norm);
         let norm = match &mut self.optim {
             Optim::Sharded(opt) => {
                 opt.set_learning_rate(lr);
                 opt.reduce(grads)?;
                 let mine = opt.take_reduced(1.0)?;
                 let norm = opt.global_norm(&mine)?;
-                opt.step_owned(&mine, factor(norm, step)?)?;
+                opt.step_owned(&mine, clip_factor(step, norm, max_norm)?)?;
                 if let Some(m) = &self.master {
                     // Stage 3 freed the masters this rank does not own.
                     opt.gather_params()?;
@@ -373,7 +365,7 @@ impl<M: Model> AnyTrainer<M> {
             }
             _ => clip::global_norm(&grads)?,
         };
-        let factor = factor(norm, step)?;
+        let factor = clip_factor(step, norm, max_norm)?;
         match &mut self.optim {
             Optim::Fused(opt) => {
                 opt.set_learning_rate(lr);

@@ -175,6 +175,7 @@ pub use crate::state_file::StateFile;
 mod schedule;
 pub use saved::{Checkpoint, ModelSource};
 pub use schedule::{Decay, LrSchedule};
+pub(crate) use trainer::clip_factor;
 pub use trainer::{compute_dtype, plan_changes, Evaluation, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;

@@ -198,6 +198,18 @@ pub struct Trainer {
     step: u64,
 }
 
+/// The factor step `step`'s gradients of global norm `norm` are multiplied
+/// by to clip them to `max_norm` (1 without a limit); a non-finite norm stops
+/// training (such gradients would make every weight NaN).
+pub(crate) fn clip_factor(step: u64, norm: f64, max_norm: Option<f64>) -> Result<f64> {
+    if !norm.is_finite() {
+        return Err(Error::Runtime(format!(
+            "step {step}: the gradient norm is {norm}; training stopped"
+        )));
+    }
+    Ok(max_norm.map_or(1.0, |max| clip::clip_coefficient(norm, max)))
+}
+
 /// A model shape in a few words, for messages.
 fn describe(c: &ModelConfig) -> String {
     format!(
@@ -1055,23 +1067,13 @@ impl Trainer {
     fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<f64> {
         let _scope = Scope::new(Module::intern("optimizer"), Op::AdamW);
         let lr = self.lr();
-        let non_finite = |step: u64, norm: f64| {
-            Error::Runtime(format!(
-                "step {step}: the gradient norm is {norm}; training stopped"
-            ))
-        };
         // On a sharded plan `grads` are this rank's share: the norm is the
         // ranks' together.
         let norm = match &self.optim {
             Optim::Sharded(opt) => opt.global_norm(&grads)?,
             _ => clip::global_norm(&grads)?,
         };
-        if !norm.is_finite() {
-            return Err(non_finite(self.step + 1, norm));
-        }
-        let factor = self
-            .max_grad_norm
-            .map_or(1.0, |max| clip::clip_coefficient(norm, max));
+        let factor = clip_factor(self.step + 1, norm, self.max_grad_norm)?;
         match &mut self.optim {
             Optim::Fused(opt) => opt.set_learning_rate(lr),
             Optim::Offloaded(opt) => opt.optimizer_mut().set_learning_rate(lr),
