@@ -805,6 +805,12 @@ fn logits_and_losses_match_hugging_face_transformers_in_f32_and_bf16() {
                 assert_eq!(got.dtype(), DType::F32);
                 let logits_rel = max_diff(&got, want) / largest;
                 let loss = model.forward_backward(&r.batch, &exec).unwrap().loss;
+                let forward_only = model.loss(&r.batch, &exec).unwrap();
+                assert!(
+                    (forward_only - loss).abs() <= 1e-5 * loss.abs(),
+                    "{} {dtype:?} {attention}: forward-only loss {forward_only} vs {loss}",
+                    r.name
+                );
                 let loss_rel = (loss - expected_loss).abs() / expected_loss;
                 eprintln!(
                     "{} {dtype:?} {attention}: logits {logits_rel:.2e}, loss {loss_rel:.2e}",

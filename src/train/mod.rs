@@ -370,13 +370,9 @@ pub trait TrainableModel {
     /// The mean loss [`forward_backward`](Self::forward_backward) computes on
     /// `batch` (the cross-entropy of its [`logits`](Self::logits)), forward only
     /// (evaluation): no gradients, and no block's activations kept beyond
-    /// that block, so it needs no more memory than a training step.
-    fn loss(&self, batch: &Batch, exec: &Execution) -> Result<f32> {
-        let logits = self.logits(batch, exec)?;
-        let (b, s, v) = logits.dims3()?;
-        let loss = lm_loss(&logits.reshape((b * s, v))?, v, batch)?;
-        Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
-    }
+    /// that block, and the logits kept as the head makes them (padded, in
+    /// the compute dtype), so it needs no more memory than a training step.
+    fn loss(&self, batch: &Batch, exec: &Execution) -> Result<f32>;
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).
@@ -719,6 +715,16 @@ macro_rules! trainable_family {
                 exec: &oomfix_strategies::Execution,
             ) -> $crate::Result<candle_core::Tensor> {
                 self.forward(batch, exec)?.logits(self.config.vocab)
+            }
+
+            fn loss(
+                &self,
+                batch: &$crate::train::Batch,
+                exec: &oomfix_strategies::Execution,
+            ) -> $crate::Result<f32> {
+                let logits = self.forward(batch, exec)?.padded_logits()?;
+                let loss = $crate::train::lm_loss(&logits, self.config.vocab, batch)?;
+                Ok(loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?)
             }
         }
     };
