@@ -50,9 +50,7 @@ fn main() -> ExitCode {
     };
     match outcome {
         Ok(exit) => exit.into(),
-        Err(failure) => {
-            cli::job::report_failure(&failure);
-            ExitCode::from(logging::report(&failure))
-        }
+        // A rank of a job reports its own failure to the others (`cli::train`).
+        Err(failure) => ExitCode::from(logging::report(&failure)),
     }
 }

@@ -31,14 +31,10 @@ pub fn rank_from_env() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
 }
 
-/// Tells the other ranks that this one failed (a no-op outside a job, and
-/// after the first time).
+/// Tells the other ranks that this one failed (a no-op outside a job).
 pub fn report_failure(failure: &Failure) {
-    static REPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if let Some(c) = CONTROL.get() {
-        if !REPORTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            c.report_failure(&failure.to_string());
-        }
+        c.report_failure(&failure.to_string());
     }
 }
 
