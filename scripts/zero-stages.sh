@@ -1,28 +1,70 @@
 #!/usr/bin/env bash
-# Per-rank memory of ZeRO stages 1-3 on the CPU, as run: 2 ranks over Open MPI
-# (the binary built with `--features mpi`), the built-in GPT-2 small shape, fp32,
-# fused AdamW, micro-batch 1 x 4 accumulated, sequence 64, 2 steps; and the
-# same global batch on one process (stage 0). Prints, per stage, each rank's
+# Per-rank memory and step time of ZeRO stages 1-3, as run: 2 ranks beside one
+# process (stage 0) with the same global batch. Prints, per stage, each rank's
 # measured peak (the training summary's rank_peak_bytes) beside the plan's
-# estimate. Needs jq.
+# estimate, the last loss, and the median step time after the first step.
 #
-# Usage: scripts/zero-stages.sh [OOMFIX_BINARY]   (default target/release/oomfix)
+#   cpu  (default): the built-in GPT-2 small shape, fp32, composed attention,
+#        micro-batch 1 x 4 accumulated on 2 ranks over Open MPI (the binary
+#        built with `--features mpi`), sequence 64, 2 steps.
+#   cuda: the built-in GPT-2 small shape, bf16, flash attention, micro-batch 8
+#        on 2 ranks over NCCL (`--features nccl`), sequence 1024, 6 steps. Two
+#        ranks on one GPU need NCCL 2.30 or newer and
+#        NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment.
+#
+# Usage: scripts/zero-stages.sh [--device cpu|cuda] [--logs DIR] [OOMFIX_BINARY]
+#   (default binary target/release/oomfix; --logs keeps each run's JSON log lines)
 set -euo pipefail
+device=cpu logs=
+while (($#)); do
+    case $1 in
+        --device) device=${2:?--device needs cpu or cuda}; shift 2 ;;
+        --logs) logs=${2:?--logs needs a directory}; shift 2 ;;
+        *) break ;;
+    esac
+done
 bin=${1:-target/release/oomfix}
-common=(train --device cpu --precision fp32 --optimizer fused-adamw --checkpoint none
-        --attention composed --micro-batch 1 --global-batch 8 --seq-len 64 --steps 2
-        --budget 16GiB --json)
-printf '%-6s %-26s %-12s %s\n' stage "measured peak by rank (MB)" "estimate (MB)" "measured / estimate"
+case $device in
+    cpu)
+        common=(--device cpu --precision fp32 --attention composed --micro-batch 1 --global-batch 8
+                --seq-len 64 --steps 2 --budget 16GiB)
+        one=(--grad-accum 8) two=(--grad-accum 4) ;;
+    cuda)
+        common=(--device cuda --precision bf16 --attention flash --micro-batch 8 --global-batch 16
+                --seq-len 1024 --steps 6 --budget 100GiB)
+        one=(--grad-accum 2) two=(--grad-accum 1) ;;
+    *) echo "--device must be cpu or cuda, not '$device'" >&2; exit 2 ;;
+esac
+common=(train "${common[@]}" --optimizer fused-adamw --checkpoint none --json --log-format json)
+[ -n "$logs" ] && mkdir -p "$logs"
+printf '%-6s %-24s %-14s %-10s %-10s %s\n' stage "peak by rank (MB)" "estimate (MB)" "max/est" "last loss" "step ms (median after the 1st)"
 for stage in 0 1 2 3; do
     if [ "$stage" = 0 ]; then
-        args=(--grad-accum 8 --zero-stage 0)
+        args=("${one[@]}" --zero-stage 0)
     else
-        args=(--grad-accum 4 --zero-stage "$stage" --gpus 2)
+        args=("${two[@]}" --zero-stage "$stage" --gpus 2)
     fi
-    "$bin" "${common[@]}" "${args[@]}" 2>/dev/null | jq -r --arg s "$stage" '.training
-        | (.rank_peak_bytes // [.peak_bytes]) as $r
-        | [$s, ($r | map(. / 1e6 | floor) | map(tostring) | join(" ")),
-           (.estimated_peak_bytes / 1e6 | floor | tostring),
-           (($r | max) / .estimated_peak_bytes * 1000 | floor / 1000 | tostring)]
-        | "\(.[0])      \(.[1])\t\t   \(.[2])\t\(.[3])"'
+    log=${logs:-/tmp}/zero-stage-$stage-$device.log
+    if ! timeout 300 "$bin" "${common[@]}" "${args[@]}" 2>"$log" >"$log.json"; then
+        echo "stage $stage failed:" >&2; tail -5 "$log" >&2; continue
+    fi
+    python3 - "$stage" "$log" "$log.json" <<'PY'
+import json, sys
+stage, log, report = sys.argv[1:]
+t = json.load(open(report))["training"]
+ranks = t.get("rank_peak_bytes") or [t["peak_bytes"]]
+steps = []
+for line in open(log):
+    try:
+        f = json.loads(line)["fields"]
+    except (ValueError, KeyError):
+        continue
+    if f.get("message") == "step" and f.get("step", 0) > 1:
+        steps.append(f["seconds"])
+steps.sort()
+ms = f"{steps[len(steps) // 2] * 1e3:.1f}" if steps else "-"
+est = t["estimated_peak_bytes"]
+print(f"{stage:<6} {', '.join(str(r // 10**6) for r in ranks):<24} {est // 10**6:<14} "
+      f"{max(ranks) / est:<10.3f} {t['last_loss']:<10.4f} {ms}")
+PY
 done

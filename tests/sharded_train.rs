@@ -96,6 +96,53 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_rank_steps() {
 }
 
 #[test]
+fn mixed_precision_ranks_keep_the_masters_of_their_share_and_take_the_one_rank_steps() {
+    let bf16 = |p: Plan| Plan {
+        precision: Precision::Bf16,
+        ..p
+    };
+    let mut options = TrainOptions::default();
+    options.adamw.lr = 1e-2;
+    let mut one = Trainer::new(&common::tiny_llama(), bf16(plan(1, 0, 4)), &Device::Cpu, &options)
+        .unwrap();
+    let want = losses(&mut one);
+    let vars = one.model().vars().len();
+    let masters = |t: &Trainer| {
+        t.parameter_buffers()
+            .iter()
+            .filter(|(n, _)| n.starts_with("master."))
+            .count()
+    };
+    assert_eq!(masters(&one), vars, "one rank keeps every master");
+    let moved = want.iter().map(|l| ((l - want[0]) / want[0]).abs()).fold(0.0, f32::max);
+    assert!(moved > 2e-3, "the steps move the loss: {want:?}");
+    for stage in 1..=3 {
+        let got = on_ranks(bf16(plan(2, stage, 2)), &options, |t| (losses(t), masters(t)));
+        let kept: Vec<usize> = got.iter().map(|g| g.1).collect();
+        assert_eq!(
+            kept.iter().sum::<usize>(),
+            vars,
+            "stage {stage}: each master on one rank, {kept:?}"
+        );
+        assert!(kept.iter().all(|&k| k > 0), "stage {stage}: {kept:?}");
+        // bf16 weights: the ranks sum the gradients in another order (the
+        // losses differ by ~1.3e-4 relative), and the losses move by ~3e-3,
+        // so steps that left the weights alone would fail.
+        for (rank, (l, _)) in got.iter().enumerate() {
+            let worst = l
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| ((a - b) / b).abs())
+                .fold(0.0, f32::max);
+            assert!(
+                worst < 1e-3,
+                "stage {stage}, rank {rank}: {l:?} vs {want:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_plan_for_another_world_size_is_refused() {
     let options = TrainOptions::default();
     let comm: Box<dyn Comm> = Box::new(ThreadComm::group(1).pop().unwrap());
@@ -116,25 +163,24 @@ fn a_plan_for_another_world_size_is_refused() {
     assert!(err.is_input(), "{err}");
 }
 
-/// Runs `f` on each rank of a `world`-rank trainer of `plan(world, stage, 2)`
-/// (threads over `ThreadComm`); gives back each rank's result.
-fn on_ranks<R: Send>(world: usize, stage: u8, f: impl Fn(&mut Trainer) -> R + Sync) -> Vec<R> {
-    let options = TrainOptions::default();
+/// Runs `f` on each rank of a trainer of `plan` (its world size of threads
+/// over `ThreadComm`); gives back each rank's result.
+fn on_ranks<R: Send>(
+    plan: Plan,
+    options: &TrainOptions,
+    f: impl Fn(&mut Trainer) -> R + Sync,
+) -> Vec<R> {
+    let world = plan.shard.world_size;
     std::thread::scope(|s| {
         let handles: Vec<_> = ThreadComm::group(world)
             .into_iter()
             .map(|comm| {
-                let (options, f) = (&options, &f);
+                let f = &f;
                 s.spawn(move || {
                     let comm: Box<dyn Comm> = Box::new(comm);
-                    let mut t = Trainer::new_sharded(
-                        &common::tiny_llama(),
-                        plan(world, stage, 2),
-                        &Device::Cpu,
-                        options,
-                        comm,
-                    )
-                    .unwrap();
+                    let mut t =
+                        Trainer::new_sharded(&common::tiny_llama(), plan, &Device::Cpu, options, comm)
+                            .unwrap();
                     f(&mut t)
                 })
             })
@@ -153,7 +199,7 @@ fn a_sharded_run_saves_one_directory_that_resumes_at_another_world_size() {
     for stage in [1, 3] {
         // Two steps on 2 ranks, saved; the last step on 1 rank, from the directory.
         let ck = dir.path().join(format!("stage{stage}"));
-        let first = on_ranks(2, stage, |t| {
+        let first = on_ranks(plan(2, stage, 2), &TrainOptions::default(), |t| {
             let mut data = DataSource::synthetic(11);
             let l: Vec<f32> = (0..2).map(|_| t.step(&mut data).unwrap().loss).collect();
             t.save(&ck, &data).unwrap();
@@ -177,7 +223,7 @@ fn a_sharded_run_saves_one_directory_that_resumes_at_another_world_size() {
         first.step(&mut data).unwrap();
         first.step(&mut data).unwrap();
         first.save(&ck1, &data).unwrap();
-        let last = on_ranks(2, stage, |t| {
+        let last = on_ranks(plan(2, stage, 2), &TrainOptions::default(), |t| {
             let mut data = DataSource::synthetic(5);
             t.resume(&ck1, &mut data).unwrap();
             t.step(&mut data).unwrap().loss

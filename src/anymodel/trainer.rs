@@ -179,7 +179,8 @@ impl<M: Model> AnyTrainer<M> {
         if vars.is_empty() {
             return Err(Error::Usage("the model has no variables to train".into()));
         }
-        let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded())
+        // A sharded optimizer keeps the masters of its own share itself.
+        let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded() && comm.is_none())
             .then(|| MasterWeights::new(vars.clone()))
             .transpose()?;
         let opt_vars = master
@@ -291,9 +292,7 @@ impl<M: Model> AnyTrainer<M> {
         alloc::reset_peak();
         reset_device_peak(&self.device)?;
         if let Optim::Sharded(opt) = &mut self.optim {
-            if self.master.is_none() {
-                opt.gather_params()?; // stage 3: the model's own vars
-            }
+            opt.gather_params()?; // stage 3
         }
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let exec = self.execution.loss_scale(scale);
@@ -355,12 +354,6 @@ impl<M: Model> AnyTrainer<M> {
                 let mine = opt.take_reduced(1.0)?;
                 let norm = opt.global_norm(&mine)?;
                 opt.step_owned(&mine, clip_factor(step, norm, max_norm)?)?;
-                if let Some(m) = &self.master {
-                    // Stage 3 freed the masters this rank does not own.
-                    opt.gather_params()?;
-                    m.sync_to_compute()?;
-                    opt.release_params()?;
-                }
                 return Ok(norm);
             }
             _ => clip::global_norm(&grads)?,

@@ -158,8 +158,9 @@ fn join_nccl(
     if target == Target::Cpu {
         return Err(cpu_under_torchrun());
     }
-    let device = candle_core::Device::new_cuda(job.local_rank)
-        .map_err(|e| Failure::Usage(format!("cannot use cuda:{}: {e}", job.local_rank)))?;
+    let ordinal = gpu_of(job.local_rank)?;
+    let device = candle_core::Device::new_cuda(ordinal)
+        .map_err(|e| Failure::Usage(format!("cannot use cuda:{ordinal}: {e}")))?;
     let port = job.master_port.unwrap_or(29500);
     let (control, id) = if job.rank == 0 {
         let listener = Listener::bind(&job.master_addr, port)?;
@@ -171,6 +172,27 @@ fn join_nccl(
     let comm = NcclComm::new(&device, job.rank, job.world_size, &id)
         .map_err(|e| Failure::Run(format!("NCCL: {e}")))?;
     Ok((Arc::new(comm), device, control))
+}
+
+/// The GPU of the rank with this `LOCAL_RANK`: `cuda:LOCAL_RANK`, as torchrun
+/// places ranks. Where NCCL may put several ranks on one GPU
+/// (`NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL 2.30 or newer; for testing), local
+/// ranks beyond the machine's GPUs wrap around them.
+#[cfg(feature = "nccl")]
+fn gpu_of(local_rank: usize) -> Result<usize, Failure> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let gpus = CudaContext::device_count()
+        .map_err(|e| Failure::Run(format!("cannot count the GPUs: {e}")))?
+        .max(0) as usize;
+    let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
+    match (local_rank < gpus, shared && gpus > 0) {
+        (true, _) => Ok(local_rank),
+        (false, true) => Ok(local_rank % gpus),
+        (false, false) => Err(Failure::Usage(format!(
+            "LOCAL_RANK {local_rank} has no GPU: this machine has {gpus} (several ranks share a GPU \
+             only with NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL 2.30 or newer)"
+        ))),
+    }
 }
 
 #[cfg(not(feature = "nccl"))]

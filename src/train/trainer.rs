@@ -287,7 +287,7 @@ impl Trainer {
     /// The plan's world size must be `comm`'s and its ZeRO stage 1 to 3; the
     /// optimizer is fused AdamW over this rank's share (a plan for
     /// `candle_nn::AdamW` runs it too: it holds less); an offloaded optimizer
-    /// is refused. Stage 3 frees parameters on the CPU only and in fp32.
+    /// is refused.
     pub fn new_sharded(
         config: &ModelConfig,
         plan: Plan,
@@ -312,11 +312,6 @@ impl Trainer {
             return Err(Error::Usage(
                 "an offloaded optimizer is not sharded yet: plan without the offload strategy"
                     .into(),
-            ));
-        }
-        if plan.shard.stage == 3 && (plan.precision.is_mixed() || !device.is_cpu()) {
-            return Err(Error::Usage(
-                "ZeRO stage 3 frees parameters on the CPU in fp32 only; pin --zero-stage 2 or --precision fp32 --device cpu".into(),
             ));
         }
         Self::build(config, plan, device, options, Some(comm))
@@ -345,7 +340,9 @@ impl Trainer {
             options.seed,
         )?;
         let compute: Vec<Var> = model.vars().iter().map(|(_, v)| v.clone()).collect();
-        let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded())
+        // A sharded optimizer keeps the masters of its own share itself.
+        let sharded = comm.as_ref().is_some_and(|c| c.world_size() > 1);
+        let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded() && !sharded)
             .then(|| MasterWeights::new(compute.clone()))
             .transpose()?;
         drop(scope);
@@ -442,6 +439,16 @@ impl Trainer {
             for ((name, c), v) in vars.iter().zip(masters) {
                 if offloaded || c.dtype() != v.dtype() {
                     out.push((format!("master.{name}"), v.as_tensor().clone()));
+                }
+            }
+        }
+        if let Optim::Sharded(opt) = &self.optim {
+            for (i, (name, c)) in vars.iter().enumerate() {
+                match opt.weights_of_record(i) {
+                    Some(m) if m.dtype() != c.dtype() => {
+                        out.push((format!("master.{name}"), m.as_tensor().clone()))
+                    }
+                    _ => {}
                 }
             }
         }
@@ -637,13 +644,11 @@ impl Trainer {
         for (i, (name, w)) in names.zip(&record).enumerate() {
             let owner = opt.owners()[i];
             let zeros = |dtype| Tensor::zeros(w.shape(), dtype, w.device());
-            // Stage 3 frees the parameters a rank does not own: their owner sends them.
-            let w = if !opt.is_released() {
-                w.as_tensor().clone()
-            } else if owner == rank {
-                comm.broadcast(w.as_tensor(), owner)?
-            } else {
-                comm.broadcast(&zeros(w.dtype())?, owner)?
+            // The owner holds the fp32 weights of record (its master under
+            // mixed precision; stage 3 freed the others' copies): it sends them.
+            let w = match opt.weights_of_record(i) {
+                Some(m) => comm.broadcast(&m.as_tensor().to_dtype(DType::F32)?, owner)?,
+                None => comm.broadcast(&zeros(DType::F32)?, owner)?,
             };
             let (m, v) = match owned.get(i.to_string().as_str()) {
                 Some((m, v)) => (m.clone(), v.clone()),
@@ -740,7 +745,10 @@ impl Trainer {
             if let Some(m) = masters {
                 set(&m[i], &t)?;
             }
-            set(compute, &t)?;
+            match &self.optim {
+                Optim::Sharded(opt) => opt.set_weights(i, &t)?,
+                _ => set(compute, &t)?,
+            }
         }
         let saved_moments = ck.state.optimizer_step.filter(|_| {
             vars.first()

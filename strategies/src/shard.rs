@@ -10,12 +10,12 @@
 
 use std::sync::{Arc, Barrier, Mutex};
 
-use candle_core::backend::BackendDevice;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cpu_backend::CpuDevice;
-use candle_core::{CpuStorage, DType, Device, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Tensor, Var};
 
 use crate::accumulate::{divisors, GradAccumulator};
-use crate::adamw::{one_gradient_each, with_cpu_mut, FusedAdamW, ParamsAdamW};
+use crate::adamw::{one_gradient_each, FusedAdamW, ParamsAdamW};
 use crate::{Error, ModelFacts, Plan, Result, SearchContext, Sharding, StateBytes, Strategy};
 
 #[cfg(feature = "mpi")]
@@ -354,7 +354,10 @@ impl TryFrom<u8> for ZeroStage {
 /// ZeRO-style sharded AdamW over whole parameters.
 ///
 /// Each parameter is owned by one rank ([`partition`]); each rank keeps
-/// [`FusedAdamW`] state for the parameters it owns only. Gradients and
+/// [`FusedAdamW`] state for the parameters it owns only. Under mixed
+/// precision (bf16 or f16 vars) it also keeps the fp32 master weights of
+/// those parameters only: the owner steps its masters, casts them into its
+/// vars, and the vars travel in their 16-bit dtype. Gradients and
 /// parameters travel in buckets: flat buffers of the parameters one rank owns,
 /// consecutive in var order, of one dtype, up to `bucket_bytes` each (a
 /// parameter larger than that is a bucket of its own); one collective per
@@ -385,10 +388,10 @@ impl TryFrom<u8> for ZeroStage {
 /// * stage 3 gathers every parameter at once before the forward and frees them
 ///   after the step, so the forward and backward peak still holds all
 ///   parameters: it saves parameter memory between steps and during the
-///   optimizer step only. Freeing is CPU-only here: a freed parameter's storage
-///   is swapped for an empty one while the var (and every model tensor sharing
-///   it) stays in place; reading a freed parameter is a bug (most ops report a
-///   dtype mismatch, some may panic on an out-of-range index).
+///   optimizer step only. A freed parameter's storage (on the CPU or a GPU)
+///   is swapped for a one-element one while the var (and every model tensor
+///   sharing it) stays in place; reading a freed parameter is a bug (most ops
+///   report a shape mismatch, some may panic on an out-of-range index).
 ///
 /// Every rank must construct it with the same vars (same order and shapes).
 /// Construction is collective: each owner broadcasts its initial parameters so
@@ -412,6 +415,8 @@ pub struct ShardedOptimizer<C: Comm> {
     stage: ZeroStage,
     vars: Vec<Var>,
     owners: Vec<usize>,
+    /// The fp32 masters of the owned 16-bit vars, by var index.
+    masters: Vec<Option<Var>>,
     opt: FusedAdamW,
     /// Whether the non-owned parameters are freed (stage 3 only).
     released: bool,
@@ -422,10 +427,10 @@ pub struct ShardedOptimizer<C: Comm> {
 }
 
 impl<C: Comm> ShardedOptimizer<C> {
-    /// Partitions `vars` over the ranks of `comm`, creates AdamW state for this
-    /// rank's share (named by global index, as [`FusedAdamW::new`] would), and
-    /// synchronises the parameters from their owners. Stage 3 then frees the
-    /// non-owned parameters and needs CPU vars.
+    /// Partitions `vars` over the ranks of `comm`, creates AdamW state (and
+    /// fp32 masters of 16-bit vars) for this rank's share (named by global
+    /// index, as [`FusedAdamW::new`] would), and synchronises the parameters
+    /// from their owners. Stage 3 then frees the non-owned parameters.
     pub fn new(comm: C, vars: Vec<Var>, params: ParamsAdamW, stage: ZeroStage) -> Result<Self> {
         Self::with_buckets(comm, vars, params, stage, DEFAULT_BUCKET_BYTES)
     }
@@ -446,27 +451,34 @@ impl<C: Comm> ShardedOptimizer<C> {
         if rank >= world {
             return Err(Error::Comm(format!("rank {rank} in a group of {world}")));
         }
-        if stage == ZeroStage::Parameters && !vars.iter().all(|v| v.device().is_cpu()) {
-            return Err(Error::Unsupported(
-                "ZeRO stage 3 frees parameters on the CPU only".into(),
-            ));
-        }
         check_same_vars(&comm, &vars)?;
         let owners = partition(
             &vars.iter().map(|v| v.elem_count()).collect::<Vec<_>>(),
             world,
         )?;
-        let owned = vars
+        let masters = vars
             .iter()
             .enumerate()
+            .map(|(i, v)| {
+                let narrow = matches!(v.dtype(), DType::BF16 | DType::F16);
+                (narrow && owners[i] == rank)
+                    .then(|| Var::from_tensor(&v.to_dtype(DType::F32)?))
+                    .transpose()
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let owned = vars
+            .iter()
+            .zip(&masters)
+            .enumerate()
             .filter(|&(i, _)| owners[i] == rank)
-            .map(|(i, v)| (i.to_string(), v.clone()));
+            .map(|(i, (v, m))| (i.to_string(), m.as_ref().unwrap_or(v).clone()));
         let opt = FusedAdamW::new_named(owned.collect(), params)?;
         let mut s = ShardedOptimizer {
             comm,
             stage,
             vars,
             owners,
+            masters,
             opt,
             released: false,
             bucket_bytes,
@@ -569,6 +581,11 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// non-owned ones.
     pub fn step_owned(&mut self, grads: &[Tensor], factor: f64) -> Result<()> {
         self.opt.step_scaled(grads, factor)?;
+        for (var, master) in self.vars.iter().zip(&self.masters) {
+            if let Some(m) = master {
+                var.set(&m.as_tensor().to_dtype(var.dtype())?)?;
+            }
+        }
         match self.stage {
             ZeroStage::Parameters => self.release_params(),
             _ => self.broadcast_params(),
@@ -622,10 +639,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             return Ok(());
         }
         for var in self.non_owned() {
-            with_cpu_mut(var.as_tensor(), |s, _| {
-                *s = CpuStorage::U8(Vec::new());
-                Ok(())
-            })?;
+            var.as_tensor().inplace_op1(&Reallocate::Free)?;
         }
         self.released = true;
         Ok(())
@@ -658,11 +672,7 @@ impl<C: Comm> ShardedOptimizer<C> {
                 let var = &self.vars[i];
                 let n = var.elem_count();
                 if self.released {
-                    let storage = CpuDevice.zeros_impl(var.shape(), var.dtype())?;
-                    with_cpu_mut(var.as_tensor(), |s, _| {
-                        *s = storage;
-                        Ok(())
-                    })?;
+                    var.as_tensor().inplace_op1(&Reallocate::Restore)?;
                 }
                 var.set(&t.narrow(0, offset, n)?.reshape(var.shape())?)?;
                 offset += n;
@@ -678,6 +688,24 @@ impl<C: Comm> ShardedOptimizer<C> {
             .zip(&self.owners)
             .filter(move |&(_, &o)| o != rank)
             .map(|(v, _)| v)
+    }
+
+    /// The fp32 weights this rank steps for var `i`: its master (16-bit
+    /// vars) or the var itself; `None` for a var another rank owns.
+    pub fn weights_of_record(&self, i: usize) -> Option<&Var> {
+        (self.owners.get(i)? == &self.comm.rank())
+            .then(|| self.masters[i].as_ref().unwrap_or(&self.vars[i]))
+    }
+
+    /// Sets var `i` to `t` (cast to its dtype) and, where this rank keeps
+    /// its fp32 master, the master too (local; e.g. when resuming).
+    pub fn set_weights(&self, i: usize, t: &Tensor) -> Result<()> {
+        let var = &self.vars[i];
+        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+        if let Some(m) = &self.masters[i] {
+            m.set(&t.to_dtype(DType::F32)?.to_device(m.device())?)?;
+        }
+        Ok(())
     }
 
     /// Owner rank of each var, in order.
@@ -732,6 +760,46 @@ impl<C: Comm> ShardedOptimizer<C> {
 }
 
 /// `ts` flattened and concatenated into one 1-D tensor.
+/// Frees or restores a tensor's memory in place, on the CPU or a GPU
+/// (candle cannot free the storage of a var that lives on): [`Free`] leaves
+/// one element of its dtype, [`Restore`] zeros of the tensor's shape (before
+/// its values are set again).
+///
+/// [`Free`]: Reallocate::Free
+/// [`Restore`]: Reallocate::Restore
+enum Reallocate {
+    Free,
+    Restore,
+}
+
+impl Reallocate {
+    fn shape(&self, l: &Layout) -> Shape {
+        match self {
+            Reallocate::Free => Shape::from(1),
+            Reallocate::Restore => l.shape().clone(),
+        }
+    }
+}
+
+impl InplaceOp1 for Reallocate {
+    fn name(&self) -> &'static str {
+        "oomfix-reallocate"
+    }
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        *s = CpuDevice.zeros_impl(&self.shape(l), s.dtype())?;
+        Ok(())
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &mut candle_core::CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<()> {
+        *s = s.device().zeros_impl(&self.shape(l), s.dtype())?;
+        Ok(())
+    }
+}
+
 fn flatten(ts: impl Iterator<Item = Tensor>) -> Result<Tensor> {
     let flat: Vec<Tensor> = ts
         .map(|t| t.flatten_all())
