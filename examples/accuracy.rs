@@ -321,6 +321,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             out_of_memory: false,
             step_seconds: None,
         };
+        // The pool's reserved peak is known for configurations measured here only.
+        let mut reserved = None;
         let m = match (earlier, cache.get(&key)) {
             (Some(Some(peak_bytes)), _) | (None, Some(&peak_bytes)) => measured(peak_bytes),
             (Some(None), _) => oomfix::search::Measurement {
@@ -329,7 +331,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             },
             (None, None) => {
                 measured_here += 1;
-                measure_plan(&spec, &plan, target)?
+                let m = measure_plan(&spec, &plan, target)?;
+                reserved = (gpu && !m.out_of_memory).then_some(m.reserved_bytes);
+                m
             }
         };
         if let Some(path) = cache_path
@@ -361,7 +365,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         rows.push(serde_json::json!({"model": name, "parameters": spec.parameters(), "plan": plan.to_string(),
             "estimated_bytes": est_peak, "measured_bytes": (!m.out_of_memory).then_some(m.peak_bytes),
-            "relative_error": err}));
+            "relative_error": err, "measured_reserved_bytes": reserved}));
     }
     let mut md = String::from(
         "| model | params | plan | estimated | measured | error |\n|---|---:|---|---:|---:|---:|\n",

@@ -1,6 +1,7 @@
 //! The exhaustive sweep behind the step-time model and the search's choice.
 //!
-//! For small GPT-2 and Llama shapes on the CPU, every configuration of the
+//! For small GPT-2 and Llama shapes on the CPU (GPT-2 small and a 160M Llama
+//! at sequence 1024 with `--device cuda:N`), every configuration of the
 //! pipeline's space that runs there (micro-batch × precision × attention ×
 //! checkpointing × optimizer, the global batch held) is trained for a few
 //! steps: its shortest step time and its measured peak are recorded beside the
@@ -13,6 +14,8 @@
 //!
 //! ```sh
 //! cargo run --release --example sweep -- [--steps N] [--out docs/sweep.json] [--models gpt2,llama] [--measured FILE]
+//! scripts/build-cuda.sh --example sweep   # then, on the GPU machine:
+//! sweep --device cuda:0 --out sweep-cuda.json
 //! ```
 //!
 //! `--measured FILE` takes the measured times and peaks from an earlier run's
@@ -41,9 +44,25 @@ use serde_json::{json, Value};
 static ALLOC: CountingAlloc = CountingAlloc;
 
 const GLOBAL_BATCH: usize = 8;
-const SEQ_LEN: usize = 128;
 
-fn models() -> Vec<(&'static str, ModelConfig)> {
+/// The sequence length of the sweep on `target`.
+fn seq_len(target: Target) -> usize {
+    match target {
+        Target::Cpu => 128,
+        Target::Cuda(_) => 1024,
+    }
+}
+
+fn models(target: Target) -> Vec<(&'static str, ModelConfig)> {
+    if let Target::Cuda(_) = target {
+        return vec![
+            ("gpt2-small", ModelConfig::gpt2_small()),
+            (
+                "llama-160m",
+                ModelConfig::llama(12, 768, 12, 4, 2048, 32000, false),
+            ),
+        ];
+    }
     vec![
         (
             "gpt2-4l-128",
@@ -63,9 +82,9 @@ fn models() -> Vec<(&'static str, ModelConfig)> {
     ]
 }
 
-/// Every configuration of the space the pipeline searches on one CPU.
-fn space() -> Vec<Plan> {
-    let base = Plan::baseline(GLOBAL_BATCH, SEQ_LEN);
+/// Every configuration of the space the pipeline searches on one device.
+fn space(target: Target) -> Vec<Plan> {
+    let base = Plan::baseline(GLOBAL_BATCH, seq_len(target));
     let mut plans = Vec::new();
     for micro in [1, 2, 4, 8] {
         for precision in [Precision::F32, Precision::Bf16] {
@@ -91,13 +110,12 @@ fn space() -> Vec<Plan> {
 
 /// The shortest wall time of `steps` optimizer steps after one warm-up step
 /// (the least disturbed by other work on the machine).
-fn time_steps(spec: &ModelSpec, plan: &Plan, steps: usize) -> oomfix::Result<f64> {
-    let mut trainer = Trainer::new(
-        &spec.config,
-        *plan,
-        &candle_core::Device::Cpu,
-        &TrainOptions::default(),
-    )?;
+fn time_steps(spec: &ModelSpec, plan: &Plan, steps: usize, target: Target) -> oomfix::Result<f64> {
+    let device = match target {
+        Target::Cpu => candle_core::Device::Cpu,
+        Target::Cuda(n) => candle_core::Device::new_cuda(n)?,
+    };
+    let mut trainer = Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())?;
     let mut data = DataSource::synthetic(0);
     trainer.step(&mut data)?;
     let times: Vec<f64> = (0..steps)
@@ -152,7 +170,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
     let mut report = String::new();
-    for (name, config) in models() {
+    for (name, config) in models(target) {
         if only
             .as_ref()
             .is_some_and(|o| !o.iter().any(|p| name.starts_with(p.as_str())))
@@ -161,12 +179,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let spec = ModelSpec::from_config(name, config);
         let mut measured = Vec::new();
-        for plan in space() {
+        for plan in space(target) {
             let (peak, seconds) = match measured_before(name, &plan) {
                 Some((Some(peak), Some(seconds))) => (peak, seconds),
                 _ => (
-                    measure_plan(&spec, &plan, target)?.peak_bytes,
-                    time_steps(&spec, &plan, steps)?,
+                    // What the device must hold: on CUDA the pool's reserved peak.
+                    measure_plan(&spec, &plan, target)
+                        .map(|m| m.reserved_bytes.max(m.peak_bytes))?,
+                    time_steps(&spec, &plan, steps, target)?,
                 ),
             };
             let estimate = MemoryModel.estimate(&spec, &plan, &target);
@@ -201,7 +221,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .expect("the budget is a measured peak");
         let result = Planner::new(budget)
             .global_batch(GLOBAL_BATCH)
-            .seq_len(SEQ_LEN)
+            .seq_len(seq_len(target))
             .target(target)
             .run(&spec)?;
         let headroom = result.headroom;
@@ -257,7 +277,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ));
         summaries.push(summary);
     }
-    let doc: Value = json!({ "steps": steps, "global_batch": GLOBAL_BATCH, "seq_len": SEQ_LEN, "summaries": summaries, "rows": rows });
+    let doc: Value = json!({ "steps": steps, "global_batch": GLOBAL_BATCH, "seq_len": seq_len(target), "device": target.to_string(), "summaries": summaries, "rows": rows });
     std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")?;
     print!("{report}");
     Ok(())

@@ -103,8 +103,13 @@ fn mixed_precision_ranks_keep_the_masters_of_their_share_and_take_the_one_rank_s
     };
     let mut options = TrainOptions::default();
     options.adamw.lr = 1e-2;
-    let mut one = Trainer::new(&common::tiny_llama(), bf16(plan(1, 0, 4)), &Device::Cpu, &options)
-        .unwrap();
+    let mut one = Trainer::new(
+        &common::tiny_llama(),
+        bf16(plan(1, 0, 4)),
+        &Device::Cpu,
+        &options,
+    )
+    .unwrap();
     let want = losses(&mut one);
     let vars = one.model().vars().len();
     let masters = |t: &Trainer| {
@@ -114,10 +119,15 @@ fn mixed_precision_ranks_keep_the_masters_of_their_share_and_take_the_one_rank_s
             .count()
     };
     assert_eq!(masters(&one), vars, "one rank keeps every master");
-    let moved = want.iter().map(|l| ((l - want[0]) / want[0]).abs()).fold(0.0, f32::max);
+    let moved = want
+        .iter()
+        .map(|l| ((l - want[0]) / want[0]).abs())
+        .fold(0.0, f32::max);
     assert!(moved > 2e-3, "the steps move the loss: {want:?}");
     for stage in 1..=3 {
-        let got = on_ranks(bf16(plan(2, stage, 2)), &options, |t| (losses(t), masters(t)));
+        let got = on_ranks(bf16(plan(2, stage, 2)), &options, |t| {
+            (losses(t), masters(t))
+        });
         let kept: Vec<usize> = got.iter().map(|g| g.1).collect();
         assert_eq!(
             kept.iter().sum::<usize>(),
@@ -178,9 +188,14 @@ fn on_ranks<R: Send>(
                 let f = &f;
                 s.spawn(move || {
                     let comm: Box<dyn Comm> = Box::new(comm);
-                    let mut t =
-                        Trainer::new_sharded(&common::tiny_llama(), plan, &Device::Cpu, options, comm)
-                            .unwrap();
+                    let mut t = Trainer::new_sharded(
+                        &common::tiny_llama(),
+                        plan,
+                        &Device::Cpu,
+                        options,
+                        comm,
+                    )
+                    .unwrap();
                     f(&mut t)
                 })
             })

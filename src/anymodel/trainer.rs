@@ -12,7 +12,7 @@ use oomfix_strategies::clip;
 use oomfix_strategies::model::{self, MicroBatch, Model};
 use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
-use oomfix_strategies::shard::{Comm, ShardedOptimizer, ZeroStage};
+use oomfix_strategies::shard::{Comm, ShardedOptimizer, Traffic, ZeroStage};
 use oomfix_strategies::{Attention, Execution, OptimizerImpl, Plan, Precision};
 use std::time::Instant;
 
@@ -180,9 +180,10 @@ impl<M: Model> AnyTrainer<M> {
             return Err(Error::Usage("the model has no variables to train".into()));
         }
         // A sharded optimizer keeps the masters of its own share itself.
-        let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded() && comm.is_none())
-            .then(|| MasterWeights::new(vars.clone()))
-            .transpose()?;
+        let master =
+            (plan.precision.is_mixed() && !plan.optimizer.is_offloaded() && comm.is_none())
+                .then(|| MasterWeights::new(vars.clone()))
+                .transpose()?;
         let opt_vars = master
             .as_ref()
             .map_or_else(|| vars.clone(), |m| m.master_vars().to_vec());
@@ -270,6 +271,7 @@ impl<M: Model> AnyTrainer<M> {
     /// [`crate::track::CountingAlloc`]), or on CUDA the pool's.
     pub fn step(&mut self) -> Result<StepStats> {
         let start = Instant::now();
+        let before = self.traffic();
         let outcome = self.phases();
         alloc::set_phase(Phase::Setup);
         let (loss, forward_backward_peak, optimizer_peak, skipped, grad_norm) = outcome?;
@@ -284,7 +286,16 @@ impl<M: Model> AnyTrainer<M> {
             skipped,
             lr,
             grad_norm,
+            collectives: self.traffic() - before,
         })
+    }
+
+    /// What the sharded optimizer's collectives moved and took so far.
+    fn traffic(&self) -> Traffic {
+        match &self.optim {
+            Optim::Sharded(opt) => opt.traffic(),
+            _ => Traffic::default(),
+        }
     }
 
     fn phases(&mut self) -> Result<(f32, u64, u64, bool, f64)> {

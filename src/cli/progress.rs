@@ -41,6 +41,9 @@ impl Progress {
             forward_backward_peak_bytes = s.forward_backward_peak,
             optimizer_peak_bytes = s.optimizer_peak,
             skipped = s.skipped,
+            collective_calls = s.collectives.calls,
+            collective_bytes = s.collectives.bytes,
+            collective_seconds = s.collectives.seconds,
             "step"
         );
         let msg = format!(

@@ -41,7 +41,7 @@ use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
 use oomfix_strategies::clip;
 use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
-use oomfix_strategies::shard::{Comm, ShardedOptimizer, ZeroStage};
+use oomfix_strategies::shard::{Comm, ShardedOptimizer, Traffic, ZeroStage};
 use oomfix_strategies::{Attention, Execution, OptimizerImpl, Plan, Precision, Strategy};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -117,6 +117,9 @@ pub struct StepStats {
     /// all ranks. Not finite on a step skipped for an fp16 overflow (NaN
     /// where it was not computed: sharded, or [`crate::anymodel::AnyTrainer`]).
     pub grad_norm: f64,
+    /// What this rank's collectives of gradients and parameters moved and
+    /// took during the step (zero unless sharded).
+    pub collectives: Traffic,
 }
 
 impl StepStats {
@@ -896,6 +899,7 @@ impl Trainer {
     /// recorded timelines.
     pub fn step(&mut self, data: &mut DataSource) -> Result<StepStats> {
         let start = Instant::now();
+        let before = self.traffic();
         let outcome = self.step_phases(data);
         alloc::set_phase(Phase::Setup);
         let (loss, forward_backward_peak, optimizer_peak, skipped, grad_norm) = outcome?;
@@ -913,7 +917,16 @@ impl Trainer {
             skipped,
             lr,
             grad_norm,
+            collectives: self.traffic() - before,
         })
+    }
+
+    /// What the sharded optimizer's collectives moved and took so far.
+    fn traffic(&self) -> Traffic {
+        match &self.optim {
+            Optim::Sharded(opt) => opt.traffic(),
+            _ => Traffic::default(),
+        }
     }
 
     /// The phases of [`step`](Self::step): `(loss, forward/backward peak,

@@ -10,9 +10,9 @@
 
 use std::sync::{Arc, Barrier, Mutex};
 
-use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::backend::BackendDevice;
 use candle_core::cpu_backend::CpuDevice;
-use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
 
 use crate::accumulate::{divisors, GradAccumulator};
 use crate::adamw::{one_gradient_each, FusedAdamW, ParamsAdamW};
@@ -389,9 +389,9 @@ impl TryFrom<u8> for ZeroStage {
 ///   after the step, so the forward and backward peak still holds all
 ///   parameters: it saves parameter memory between steps and during the
 ///   optimizer step only. A freed parameter's storage (on the CPU or a GPU)
-///   is swapped for a one-element one while the var (and every model tensor
+///   is swapped for an empty one while the var (and every model tensor
 ///   sharing it) stays in place; reading a freed parameter is a bug (most ops
-///   report a shape mismatch, some may panic on an out-of-range index).
+///   report a dtype mismatch, some may panic on an out-of-range index).
 ///
 /// Every rank must construct it with the same vars (same order and shapes).
 /// Construction is collective: each owner broadcasts its initial parameters so
@@ -424,6 +424,33 @@ pub struct ShardedOptimizer<C: Comm> {
     bucket_bytes: usize,
     /// The running sums of the owned parameters' reduced gradients.
     reduced: GradAccumulator,
+    /// What the collectives moved and took.
+    traffic: std::cell::Cell<Traffic>,
+}
+
+/// What a rank's collectives of gradients and parameters moved and took
+/// ([`ShardedOptimizer::traffic`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Traffic {
+    /// Collective calls (one per bucket).
+    pub calls: u64,
+    /// Bytes this rank handed to them: each call's input (a bucket of
+    /// gradients or parameters, in their dtype), whatever the algorithm
+    /// puts on the wire.
+    pub bytes: u64,
+    /// Wall time inside them, in seconds.
+    pub seconds: f64,
+}
+
+impl std::ops::Sub for Traffic {
+    type Output = Traffic;
+    fn sub(self, earlier: Traffic) -> Traffic {
+        Traffic {
+            calls: self.calls - earlier.calls,
+            bytes: self.bytes - earlier.bytes,
+            seconds: self.seconds - earlier.seconds,
+        }
+    }
 }
 
 impl<C: Comm> ShardedOptimizer<C> {
@@ -483,6 +510,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             released: false,
             bucket_bytes,
             reduced: GradAccumulator::new(),
+            traffic: Default::default(),
         };
         s.broadcast_params()?;
         s.release_params()?;
@@ -523,10 +551,11 @@ impl<C: Comm> ShardedOptimizer<C> {
             )?;
             let reduced = match self.stage {
                 ZeroStage::OptimizerState => {
-                    Some(self.comm.all_reduce_sum(&flat)?).filter(|_| owner == rank)
+                    Some(self.timed(&flat, || self.comm.all_reduce_sum(&flat))?)
+                        .filter(|_| owner == rank)
                 }
                 ZeroStage::Gradients | ZeroStage::Parameters => {
-                    self.comm.reduce_sum(&flat, owner)?
+                    self.timed(&flat, || self.comm.reduce_sum(&flat, owner))?
                 }
             };
             drop(flat);
@@ -590,6 +619,29 @@ impl<C: Comm> ShardedOptimizer<C> {
             ZeroStage::Parameters => self.release_params(),
             _ => self.broadcast_params(),
         }
+    }
+
+    /// What this rank's collectives of gradients and parameters moved and
+    /// took since it was built (the steps' differences give a step's).
+    pub fn traffic(&self) -> Traffic {
+        self.traffic.get()
+    }
+
+    /// Runs the collective `f` of the bucket `flat`, counted in
+    /// [`traffic`](Self::traffic): the device is synchronised before and
+    /// after, so the time is the collective's own (candle runs all work on
+    /// one stream, so nothing overlapped it anyway).
+    fn timed<T>(&self, flat: &Tensor, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        flat.device().synchronize()?;
+        let start = std::time::Instant::now();
+        let out = f()?;
+        flat.device().synchronize()?;
+        let mut t = self.traffic.get();
+        t.calls += 1;
+        t.bytes += (flat.elem_count() * flat.dtype().size_in_bytes()) as u64;
+        t.seconds += start.elapsed().as_secs_f64();
+        self.traffic.set(t);
+        Ok(out)
     }
 
     /// Forgets the gradients reduced so far (after a failed step).
@@ -662,7 +714,7 @@ impl<C: Comm> ShardedOptimizer<C> {
                 let dev = self.vars[bucket[0]].device();
                 Tensor::zeros(n, dtypes[bucket[0]], dev)?
             };
-            let t = self.comm.broadcast(&flat, owner)?;
+            let t = self.timed(&flat, || self.comm.broadcast(&flat, owner))?;
             drop(flat);
             if owner == rank {
                 continue;
@@ -672,7 +724,8 @@ impl<C: Comm> ShardedOptimizer<C> {
                 let var = &self.vars[i];
                 let n = var.elem_count();
                 if self.released {
-                    var.as_tensor().inplace_op1(&Reallocate::Restore)?;
+                    var.as_tensor()
+                        .inplace_op1(&Reallocate::Restore(var.dtype()))?;
                 }
                 var.set(&t.narrow(0, offset, n)?.reshape(var.shape())?)?;
                 offset += n;
@@ -762,23 +815,16 @@ impl<C: Comm> ShardedOptimizer<C> {
 /// `ts` flattened and concatenated into one 1-D tensor.
 /// Frees or restores a tensor's memory in place, on the CPU or a GPU
 /// (candle cannot free the storage of a var that lives on): [`Free`] leaves
-/// one element of its dtype, [`Restore`] zeros of the tensor's shape (before
+/// a storage of one byte (none on the CPU) of another dtype, so that an op
+/// reading the freed tensor fails on the dtype mismatch instead of reading
+/// out of range; [`Restore`] zeros of the tensor's shape and dtype (before
 /// its values are set again).
 ///
 /// [`Free`]: Reallocate::Free
 /// [`Restore`]: Reallocate::Restore
 enum Reallocate {
     Free,
-    Restore,
-}
-
-impl Reallocate {
-    fn shape(&self, l: &Layout) -> Shape {
-        match self {
-            Reallocate::Free => Shape::from(1),
-            Reallocate::Restore => l.shape().clone(),
-        }
-    }
+    Restore(DType),
 }
 
 impl InplaceOp1 for Reallocate {
@@ -786,16 +832,21 @@ impl InplaceOp1 for Reallocate {
         "oomfix-reallocate"
     }
     fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
-        *s = CpuDevice.zeros_impl(&self.shape(l), s.dtype())?;
+        *s = match *self {
+            Reallocate::Free => CpuStorage::U8(Vec::new()),
+            Reallocate::Restore(dtype) => CpuDevice.zeros_impl(l.shape(), dtype)?,
+        };
         Ok(())
     }
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &mut candle_core::CudaStorage,
-        l: &Layout,
-    ) -> candle_core::Result<()> {
-        *s = s.device().zeros_impl(&self.shape(l), s.dtype())?;
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> candle_core::Result<()> {
+        use candle_core::backend::BackendStorage;
+        *s = match *self {
+            Reallocate::Free => s
+                .device()
+                .zeros_impl(&candle_core::Shape::from(1), DType::U8)?,
+            Reallocate::Restore(dtype) => s.device().zeros_impl(l.shape(), dtype)?,
+        };
         Ok(())
     }
 }
