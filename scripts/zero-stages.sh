@@ -12,8 +12,10 @@
 #        ranks on one GPU need NCCL 2.30 or newer and
 #        NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment.
 #
-# Usage: scripts/zero-stages.sh [--device cpu|cuda] [--logs DIR] [OOMFIX_BINARY]
-#   (default binary target/release/oomfix; --logs keeps each run's JSON log lines)
+# Usage: scripts/zero-stages.sh [--device cpu|cuda] [--logs DIR] [OOMFIX_BINARY [TRAIN_ARGS...]]
+#   (default binary target/release/oomfix; --logs keeps each run's JSON log
+#   lines; TRAIN_ARGS go to every `oomfix train`, e.g. a model file and
+#   `--init random`)
 set -euo pipefail
 device=cpu logs=
 while (($#)); do
@@ -24,6 +26,8 @@ while (($#)); do
     esac
 done
 bin=${1:-target/release/oomfix}
+shift $(($# > 0 ? 1 : 0))
+extra=("$@")
 case $device in
     cpu)
         common=(--device cpu --precision fp32 --attention composed --micro-batch 1 --global-batch 8
@@ -31,13 +35,13 @@ case $device in
         one=(--grad-accum 8) two=(--grad-accum 4) ;;
     cuda)
         common=(--device cuda --precision bf16 --attention flash --micro-batch 8 --global-batch 16
-                --seq-len 1024 --steps 6 --budget 100GiB)
+                --seq-len 1024 --steps 6 --budget 60GiB)
         one=(--grad-accum 2) two=(--grad-accum 1) ;;
     *) echo "--device must be cpu or cuda, not '$device'" >&2; exit 2 ;;
 esac
-common=(train "${common[@]}" --optimizer fused-adamw --checkpoint none --json --log-format json)
+common=(train "${extra[@]}" "${common[@]}" --optimizer fused-adamw --checkpoint none --json --log-format json)
 [ -n "$logs" ] && mkdir -p "$logs"
-printf '%-6s %-24s %-14s %-10s %-10s %s\n' stage "peak by rank (MB)" "estimate (MB)" "max/est" "last loss" "step ms (median after the 1st)"
+printf '%-6s %-22s %-14s %-8s %-10s %-8s %s\n' stage "peak by rank (MB)" "estimate (MB)" "max/est" "last loss" "step ms" "device MiB by process (nvidia-smi)"
 for stage in 0 1 2 3; do
     if [ "$stage" = 0 ]; then
         args=("${one[@]}" --zero-stage 0)
@@ -45,14 +49,26 @@ for stage in 0 1 2 3; do
         args=("${two[@]}" --zero-stage "$stage" --gpus 2)
     fi
     log=${logs:-/tmp}/zero-stage-$stage-$device.log
-    if ! timeout 300 "$bin" "${common[@]}" "${args[@]}" 2>"$log" >"$log.json"; then
-        echo "stage $stage failed:" >&2; tail -5 "$log" >&2; continue
+    : >"$log.smi"
+    if [ "$device" = cuda ]; then
+        nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 >"$log.smi" &
+        smi=$!
     fi
-    python3 - "$stage" "$log" "$log.json" <<'PY'
+    status=0
+    timeout 300 "$bin" "${common[@]}" "${args[@]}" 2>"$log" >"$log.json" || status=$?
+    [ "$device" = cuda ] && kill "$smi"
+    if [ "$status" != 0 ]; then
+        echo "stage $stage failed (exit $status):" >&2; tail -5 "$log" >&2; continue
+    fi
+    python3 - "$stage" "$log" "$log.json" "$log.smi" <<'PY'
 import json, sys
-stage, log, report = sys.argv[1:]
-t = json.load(open(report))["training"]
+stage, log, report, smi = sys.argv[1:]
+doc = json.load(open(report))
+t, est = doc["training"], doc["estimate"]
 ranks = t.get("rank_peak_bytes") or [t["peak_bytes"]]
+# The measured peak is live tensor bytes (on CUDA the pool's used high-water
+# mark): compare the estimate without the runtime and the pool's slack.
+live = est["peak_bytes"] - est["runtime_bytes"] - est["pool_slack_bytes"]
 steps = []
 for line in open(log):
     try:
@@ -63,8 +79,12 @@ for line in open(log):
         steps.append(f["seconds"])
 steps.sort()
 ms = f"{steps[len(steps) // 2] * 1e3:.1f}" if steps else "-"
-est = t["estimated_peak_bytes"]
-print(f"{stage:<6} {', '.join(str(r // 10**6) for r in ranks):<24} {est // 10**6:<14} "
-      f"{max(ranks) / est:<10.3f} {t['last_loss']:<10.4f} {ms}")
+procs = {}
+for line in open(smi):
+    pid, _, mib = line.partition(",")
+    if mib.strip().isdigit():
+        procs[pid] = max(procs.get(pid, 0), int(mib))
+print(f"{stage:<6} {', '.join(str(r // 10**6) for r in ranks):<22} {live // 10**6:<14} "
+      f"{max(ranks) / live:<8.3f} {t['last_loss']:<10.4f} {ms:<8} {', '.join(map(str, sorted(procs.values()))) or '-'}")
 PY
 done
