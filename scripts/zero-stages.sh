@@ -12,14 +12,16 @@
 #        ranks on one GPU need NCCL 2.30 or newer and
 #        NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment.
 #
-# Usage: scripts/zero-stages.sh [--device cpu|cuda] [--logs DIR] [OOMFIX_BINARY [TRAIN_ARGS...]]
+# Usage: scripts/zero-stages.sh [--device cpu|cuda] [--checkpoint POLICY] [--logs DIR] [OOMFIX_BINARY [TRAIN_ARGS...]]
+#   (--checkpoint none by default; `every` makes stage 3 gather one block at a time)
 #   (default binary target/release/oomfix; --logs keeps each run's JSON log
 #   lines; TRAIN_ARGS go to every `oomfix train`, e.g. a model file and
 #   `--init random`)
 set -euo pipefail
-device=cpu logs=
+device=cpu logs= checkpoint=none
 while (($#)); do
     case $1 in
+        --checkpoint) checkpoint=${2:?--checkpoint needs a policy}; shift 2 ;;
         --device) device=${2:?--device needs cpu or cuda}; shift 2 ;;
         --logs) logs=${2:?--logs needs a directory}; shift 2 ;;
         *) break ;;
@@ -39,7 +41,7 @@ case $device in
         one=(--grad-accum 2) two=(--grad-accum 1) ;;
     *) echo "--device must be cpu or cuda, not '$device'" >&2; exit 2 ;;
 esac
-common=(train "${extra[@]}" "${common[@]}" --optimizer fused-adamw --checkpoint none --json --log-format json)
+common=(train "${extra[@]}" "${common[@]}" --optimizer fused-adamw --checkpoint "$checkpoint" --json --log-format json)
 [ -n "$logs" ] && mkdir -p "$logs"
 printf '%-6s %-22s %-14s %-8s %-10s %-8s %s\n' stage "peak by rank (MB)" "estimate (MB)" "max/est" "last loss" "step ms" "device MiB by process (nvidia-smi)"
 for stage in 0 1 2 3; do
@@ -48,7 +50,7 @@ for stage in 0 1 2 3; do
     else
         args=("${two[@]}" --zero-stage "$stage" --gpus 2)
     fi
-    log=${logs:-/tmp}/zero-stage-$stage-$device.log
+    log=${logs:-/tmp}/zero-stage-$stage-$device-$checkpoint.log
     : >"$log.smi"
     if [ "$device" = cuda ]; then
         nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 200 >"$log.smi" &

@@ -368,6 +368,27 @@ impl ModelConfig {
         t
     }
 
+    /// The transformer block the tensor named `name` belongs to: `h.N.`
+    /// (GPT-2), `layers.N.` (Llama), `layer.N.` (BERT) name block N; `None`
+    /// for tensors outside the blocks (embeddings, final norm, head).
+    pub fn block_of(name: &str) -> Option<usize> {
+        let parts: Vec<&str> = name.split('.').collect();
+        parts.windows(2).find_map(|w| {
+            matches!(w[0], "h" | "layers" | "layer")
+                .then(|| w[1].parse().ok())
+                .flatten()
+        })
+    }
+
+    /// Parameters of one transformer block (the first; all are alike).
+    pub fn block_parameters(&self) -> u64 {
+        self.tensors()
+            .iter()
+            .filter(|(n, _)| Self::block_of(n) == Some(0))
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum()
+    }
+
     /// Trainable parameter count implied by the shapes (tied weights once).
     pub fn parameter_count(&self) -> u64 {
         self.tensors()

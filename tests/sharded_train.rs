@@ -153,6 +153,41 @@ fn mixed_precision_ranks_keep_the_masters_of_their_share_and_take_the_one_rank_s
 }
 
 #[test]
+fn stage_3_with_checkpointing_gathers_one_block_at_a_time_and_takes_the_one_rank_steps() {
+    let every_block = |p: Plan| Plan {
+        checkpoint: Checkpointing::Every(1),
+        ..p
+    };
+    let options = TrainOptions::default();
+    let mut one = Trainer::new(
+        &common::tiny_llama(),
+        every_block(plan(1, 0, 4)),
+        &Device::Cpu,
+        &options,
+    )
+    .unwrap();
+    let want = losses(&mut one);
+    let step = |t: &mut Trainer| {
+        let mut data = DataSource::synthetic(11);
+        (0..STEPS)
+            .map(|_| t.step(&mut data).unwrap())
+            .map(|s| (s.collectives.bytes, s.loss))
+            .unzip::<_, _, Vec<_>, Vec<_>>()
+    };
+    let whole = on_ranks(plan(2, 3, 2), &options, step);
+    let units = on_ranks(every_block(plan(2, 3, 2)), &options, step);
+    for (rank, ((bytes_whole, _), (bytes_units, l))) in whole.iter().zip(&units).enumerate() {
+        // Per micro-batch, each block is gathered for its forward and again
+        // for its recomputation, instead of all parameters once a step.
+        assert!(
+            bytes_units[1] > bytes_whole[1],
+            "rank {rank}: {bytes_units:?} vs {bytes_whole:?}"
+        );
+        assert!(close(l, &want), "rank {rank}: {l:?} vs {want:?}");
+    }
+}
+
+#[test]
 fn a_plan_for_another_world_size_is_refused() {
     let options = TrainOptions::default();
     let comm: Box<dyn Comm> = Box::new(ThreadComm::group(1).pop().unwrap());

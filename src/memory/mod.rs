@@ -253,7 +253,8 @@ impl Estimator for WithFixes {
 /// The training state's bytes of `plan` on one rank: the unfixed state,
 /// changed by each of `fixes`' memory hooks in order.
 pub fn state_bytes(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StateBytes {
-    let facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers);
+    let facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
+        .with_block_parameters(spec.config.block_parameters());
     let mut state = StateBytes::unfixed(&facts);
     for fix in fixes {
         fix.memory(plan, &facts, &mut state);

@@ -134,7 +134,42 @@ proptest! {
             prop_assert_eq!(b.accumulated_gradients, acc);
             prop_assert_eq!(b.activations, one_b.activations);
             prop_assert!(b.peak <= one_b.peak);
+            // Stage 3 with checkpointed segments keeps its share of the weights
+            // whole, plus the others' shares of what one segment uses.
+            let units = stage == 3 && one.checkpoint.segments(spec.config.layers).iter().any(|s| !s.is_empty());
+            if units {
+                prop_assert!(b.weights < one_b.weights, "{} vs {}", b.weights, one_b.weights);
+                prop_assert!(b.weights >= one_b.weights.div_ceil(n));
+            } else {
+                prop_assert_eq!(b.weights, one_b.weights);
+            }
         }
+    }
+}
+
+#[test]
+fn zero_3_gathers_the_weights_outside_the_blocks_and_one_segment() {
+    let spec = ModelSpec::default_model();
+    let (p, block) = (spec.parameters(), spec.config.block_parameters());
+    assert_eq!(block, 7_087_872, "GPT-2 small's block");
+    let outside = p - 12 * block;
+    let plan = |checkpoint| Plan {
+        checkpoint,
+        shard: Sharding {
+            world_size: 4,
+            stage: 3,
+        },
+        ..Plan::baseline(8, 128)
+    };
+    let weights = |c| MemoryModel.estimate(&spec, &plan(c), &Target::Cpu).weights;
+    assert_eq!(weights(Checkpointing::None), 4 * p);
+    for k in [1, 2, 12] {
+        let whole = 4 * (outside + k as u64 * block);
+        assert_eq!(
+            weights(Checkpointing::Every(k)),
+            (4 * p).div_ceil(4) + whole - whole / 4,
+            "segments of {k}"
+        );
     }
 }
 

@@ -185,7 +185,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
-use oomfix_strategies::checkpoint;
+use oomfix_strategies::checkpoint::{self, NoHook, SegmentHook};
 use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
 #[cfg(doc)]
@@ -356,7 +356,19 @@ pub trait TrainableModel {
     /// masked positions), and the gradients of `loss × exec.loss_scale`, with
     /// blocks recomputed and attention computed as `exec` says
     /// ([`Attention::Flash`] runs on the CPU and on CUDA devices).
-    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput>;
+    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
+        self.forward_backward_with(batch, exec, &mut NoHook)
+    }
+
+    /// [`forward_backward`](Self::forward_backward), calling `hook` around
+    /// each segment of blocks ([`checkpoint::backward_with`]): e.g. ZeRO
+    /// stage 3 gathering a segment's parameters only while it runs.
+    fn forward_backward_with(
+        &self,
+        batch: &Batch,
+        exec: &Execution,
+        hook: &mut dyn SegmentHook,
+    ) -> Result<StepOutput>;
 
     /// The logits of `batch.input_ids`: f32 `[b, s, V]`, detached, from a
     /// forward pass without backward (attention computed as `exec` says; its
@@ -700,13 +712,14 @@ macro_rules! trainable_family {
                 &self.vars
             }
 
-            fn forward_backward(
+            fn forward_backward_with(
                 &self,
                 batch: &$crate::train::Batch,
                 exec: &oomfix_strategies::Execution,
+                hook: &mut dyn oomfix_strategies::checkpoint::SegmentHook,
             ) -> $crate::Result<$crate::train::StepOutput> {
                 self.forward(batch, exec)?
-                    .backward(&self.vars, self.config.vocab, batch, exec)
+                    .backward(&self.vars, self.config.vocab, batch, exec, hook)
             }
 
             fn logits(
@@ -761,6 +774,7 @@ impl<'a> Forward<'a> {
         vocab: usize,
         batch: &Batch,
         exec: &Execution,
+        hook: &mut dyn SegmentHook,
     ) -> Result<StepOutput> {
         let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
         // Everything after the loss is backward (with checkpointing: recomputed
@@ -772,13 +786,14 @@ impl<'a> Forward<'a> {
             tag::set(Tag::new(Module::ROOT, Op::Backward));
             Ok(loss)
         };
-        let out = checkpoint::backward(
+        let out = checkpoint::backward_with(
             &self.stem,
             &self.blocks,
             head,
             &vars,
             exec.checkpoint,
             exec.loss_scale,
+            hook,
         )?;
         let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let grads = out

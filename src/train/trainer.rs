@@ -38,12 +38,16 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
+use oomfix_strategies::checkpoint::SegmentHook;
 use oomfix_strategies::clip;
 use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
 use oomfix_strategies::shard::{Comm, ShardedOptimizer, Traffic, ZeroStage};
-use oomfix_strategies::{Attention, Execution, OptimizerImpl, Plan, Precision, Strategy};
+use oomfix_strategies::{
+    Attention, Checkpointing, Execution, OptimizerImpl, Plan, Precision, Strategy,
+};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -199,6 +203,60 @@ pub struct Trainer {
     source: ModelSource,
     max_grad_norm: Option<f64>,
     step: u64,
+    /// ZeRO stage 3 with checkpointed segments: the parameters of each block,
+    /// gathered while its segment runs (FSDP's unit); `None` otherwise.
+    units: Option<BlockVars>,
+}
+
+/// The model's vars by transformer block (indices into
+/// [`TrainableModel::vars`]), and those outside every block (embeddings,
+/// final norm, head).
+#[derive(Debug)]
+struct BlockVars {
+    blocks: Vec<Vec<usize>>,
+    outside: Vec<usize>,
+}
+
+impl BlockVars {
+    /// From the vars' Hub names ([`ModelConfig::block_of`]).
+    fn new(names: impl Iterator<Item = impl AsRef<str>>, layers: usize) -> Self {
+        let mut units = BlockVars {
+            blocks: vec![Vec::new(); layers],
+            outside: Vec::new(),
+        };
+        for (i, name) in names.enumerate() {
+            match ModelConfig::block_of(name.as_ref()).filter(|&b| b < layers) {
+                Some(b) => units.blocks[b].push(i),
+                None => units.outside.push(i),
+            }
+        }
+        units
+    }
+}
+
+/// ZeRO stage 3's unit as a [`SegmentHook`]: a segment's blocks' parameters
+/// are gathered before it runs and freed after.
+struct GatherSegments<'a> {
+    opt: &'a mut ShardedOptimizer<Box<dyn Comm>>,
+    units: &'a BlockVars,
+}
+
+impl GatherSegments<'_> {
+    fn vars(&self, blocks: Range<usize>) -> Vec<usize> {
+        self.units.blocks[blocks].concat()
+    }
+}
+
+impl SegmentHook for GatherSegments<'_> {
+    fn before(&mut self, blocks: Range<usize>) -> oomfix_strategies::Result<()> {
+        let _op = Scope::op(Op::WeightSync);
+        let vars = self.vars(blocks);
+        self.opt.gather(&vars)
+    }
+    fn after(&mut self, blocks: Range<usize>) -> oomfix_strategies::Result<()> {
+        let vars = self.vars(blocks);
+        self.opt.release(&vars)
+    }
 }
 
 /// The factor step `step`'s gradients of global norm `norm` are multiplied
@@ -387,6 +445,16 @@ impl Trainer {
                 Optim::Offloaded(opt)
             }
         };
+        let units = match &optim {
+            Optim::Sharded(opt)
+                if opt.stage() == ZeroStage::Parameters
+                    && plan.checkpoint != Checkpointing::None =>
+            {
+                let names = model.vars().iter().map(|(n, _)| n);
+                Some(BlockVars::new(names, model.config().layers))
+            }
+            _ => None,
+        };
         let scaler = (plan.precision == Precision::F16)
             .then(|| LossScaler::new(LossScalerConfig::default()))
             .transpose()?;
@@ -404,6 +472,7 @@ impl Trainer {
             source: options.source.clone(),
             max_grad_norm: options.max_grad_norm,
             step: 0,
+            units,
         })
     }
 
@@ -944,7 +1013,11 @@ impl Trainer {
         data.skip_windows(rank * per_rank, self.plan.seq_len);
         if let Optim::Sharded(opt) = &mut self.optim {
             let _op = Scope::op(Op::WeightSync);
-            opt.gather_params()?;
+            match &self.units {
+                // Each segment gathers its blocks' parameters itself.
+                Some(units) => opt.gather(&units.outside)?,
+                None => opt.gather_params()?,
+            }
         }
         // ZeRO 2 and 3 reduce each micro-batch's gradients to their owners at
         // once; otherwise they are summed here (stage 1 reduces the sum once).
@@ -961,9 +1034,14 @@ impl Trainer {
                 let _op = Scope::op(Op::Batch);
                 self.batch(data, self.step)?
             };
-            let out = self
-                .model
-                .forward_backward(&batch, &self.execution.loss_scale(scale))?;
+            let exec = self.execution.loss_scale(scale);
+            let out = match (&mut self.optim, &self.units) {
+                (Optim::Sharded(opt), Some(units)) => {
+                    let mut hook = GatherSegments { opt, units };
+                    self.model.forward_backward_with(&batch, &exec, &mut hook)?
+                }
+                _ => self.model.forward_backward(&batch, &exec)?,
+            };
             alloc::set_phase(Phase::Backward);
             self.trace_pool("backward");
             mark_tensors(&out.grads, Component::Gradients);

@@ -51,6 +51,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::ops::Range;
+
 use candle_core::{backprop::GradStore, Tensor, Var};
 
 use crate::{Checkpointing, Error, Execution, Plan, Result, SearchContext, Strategy};
@@ -113,6 +115,32 @@ impl<F: Fn(&Tensor) -> candle_core::Result<Tensor>> Block for F {
     }
 }
 
+/// What runs around each segment of [`backward_with`]: e.g. ZeRO stage 3
+/// gathering the parameters of a segment's blocks before the segment runs and
+/// freeing them after (FSDP's unit), so that one segment's parameters are
+/// whole at a time.
+pub trait SegmentHook {
+    /// Before the blocks `blocks` run: in the forward, or recomputed for
+    /// their backward.
+    fn before(&mut self, blocks: Range<usize>) -> Result<()>;
+    /// After they ran (forward) or after their backward, once nothing built
+    /// from them is alive but their output and gradients.
+    fn after(&mut self, blocks: Range<usize>) -> Result<()>;
+}
+
+/// The [`SegmentHook`] that does nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoHook;
+
+impl SegmentHook for NoHook {
+    fn before(&mut self, _: Range<usize>) -> Result<()> {
+        Ok(())
+    }
+    fn after(&mut self, _: Range<usize>) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// The result of [`backward`]: nothing in it refers to a computation graph.
 #[derive(Debug)]
 pub struct Gradients {
@@ -147,15 +175,36 @@ pub fn backward<B: Block>(
     policy: Checkpointing,
     loss_scale: f64,
 ) -> Result<Gradients> {
+    backward_with(stem, blocks, head, vars, policy, loss_scale, &mut NoHook)
+}
+
+/// [`backward`], calling `hook` around each segment: before and after its
+/// forward, and before and after its recomputation and backward. Without
+/// checkpointing the whole stack is one segment, from before the forward to
+/// after the backward (one graph holds every block).
+pub fn backward_with<B: Block>(
+    stem: &Tensor,
+    blocks: &[B],
+    head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    vars: &[Var],
+    policy: Checkpointing,
+    loss_scale: f64,
+    hook: &mut dyn SegmentHook,
+) -> Result<Gradients> {
     let segments = policy.segments(blocks.len());
     if segments.is_empty() {
-        return plain(stem, blocks, head, vars, loss_scale);
+        hook.before(0..blocks.len())?;
+        let out = plain(stem, blocks, head, vars, loss_scale)?;
+        hook.after(0..blocks.len())?;
+        return Ok(out);
     }
     // Forward: keep only each segment's input (segment 0: the attached stem).
     let mut inputs = Vec::with_capacity(segments.len());
     let mut x = stem.clone();
     for segment in &segments {
+        hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &x)?.detach();
+        hook.after(segment.clone())?;
         inputs.push(x);
         x = Var::from_tensor(&y)?.into_inner();
     }
@@ -170,12 +219,16 @@ pub fn backward<B: Block>(
     drop(x);
     // Segments, last to first, each recomputed from its input.
     for (i, (segment, input)) in segments.iter().zip(inputs).enumerate().rev() {
+        hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &input)?;
         let mut store = crate::reduce::sum_all(&y.mul(&grad_y)?)?.backward()?;
+        drop(y);
         accumulate(&mut grads, &mut store, vars)?;
         if i > 0 {
             grad_y = input_grad(&mut store, &input)?;
         }
+        drop(store);
+        hook.after(segment.clone())?;
     }
     Ok(Gradients { loss, grads })
 }

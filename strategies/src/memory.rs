@@ -23,6 +23,8 @@ pub struct ModelFacts {
     pub largest_tensor: u64,
     /// Transformer blocks.
     pub layers: usize,
+    /// Parameters of one block (0 when not known).
+    pub block_parameters: u64,
 }
 
 impl ModelFacts {
@@ -33,6 +35,15 @@ impl ModelFacts {
             parameters,
             largest_tensor,
             layers,
+            block_parameters: 0,
+        }
+    }
+
+    /// These facts with `n` parameters in each block.
+    pub fn with_block_parameters(self, n: u64) -> Self {
+        ModelFacts {
+            block_parameters: n,
+            ..self
         }
     }
 }

@@ -69,15 +69,29 @@ impl Strategy for Shard {
     }
     /// Stage 1 divides master weights and optimizer state over the ranks,
     /// stage 2 also the accumulated gradients and those the step holds,
-    /// stage 3 also the weights between passes (each rank gathers all of them
-    /// for forward and backward).
-    fn memory(&self, plan: &Plan, _model: &ModelFacts, state: &mut StateBytes) {
+    /// stage 3 also the weights between passes. For forward and backward a
+    /// stage-3 rank gathers all weights, or with checkpointed segments the
+    /// weights outside the blocks and one segment's blocks at a time (FSDP's
+    /// unit): its own share plus the others' shares of those.
+    fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
         let share = |bytes: &mut u64, from_stage: u8| *bytes = per_rank(plan, *bytes, from_stage);
         share(&mut state.master_weights, 1);
         share(&mut state.optimizer_state, 1);
         share(&mut state.accumulated_gradients, 2);
         share(&mut state.step_gradients, 2);
         share(&mut state.step_weights, 3);
+        let segment = plan.checkpoint.segments(model.layers).into_iter().map(|s| s.len()).max();
+        let units = plan.shard.world_size > 1 && plan.shard.stage >= 3;
+        if let Some(blocks) = segment.filter(|_| units && model.block_parameters > 0) {
+            let n = plan.shard.world_size as u64;
+            let in_blocks = model.layers as u64 * model.block_parameters;
+            // Parameters whole during a segment: outside the blocks, and its blocks'.
+            let whole = model.parameters.saturating_sub(in_blocks)
+                + blocks as u64 * model.block_parameters;
+            let whole_bytes = (u128::from(whole) * u128::from(state.weights)
+                / u128::from(model.parameters.max(1))) as u64;
+            state.weights = state.weights.div_ceil(n) + whole_bytes - whole_bytes / n;
+        }
     }
 }
 
@@ -418,8 +432,9 @@ pub struct ShardedOptimizer<C: Comm> {
     /// The fp32 masters of the owned 16-bit vars, by var index.
     masters: Vec<Option<Var>>,
     opt: FusedAdamW,
-    /// Whether the non-owned parameters are freed (stage 3 only).
-    released: bool,
+    /// Whether each var is whole on every rank (always outside stage 3;
+    /// at stage 3 between [`gather`](Self::gather) and [`release`](Self::release)).
+    whole: Vec<bool>,
     /// The most bytes of one bucket.
     bucket_bytes: usize,
     /// The running sums of the owned parameters' reduced gradients.
@@ -483,6 +498,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             &vars.iter().map(|v| v.elem_count()).collect::<Vec<_>>(),
             world,
         )?;
+        let n_vars = vars.len();
         let masters = vars
             .iter()
             .enumerate()
@@ -507,7 +523,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             owners,
             masters,
             opt,
-            released: false,
+            whole: vec![true; n_vars],
             bucket_bytes,
             reduced: GradAccumulator::new(),
             traffic: Default::default(),
@@ -543,7 +559,8 @@ impl<C: Comm> ShardedOptimizer<C> {
         let dtypes: Vec<DType> = grads.iter().map(|g| g.dtype()).collect();
         let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
         let mut mine: Vec<(usize, Tensor)> = Vec::new();
-        for (owner, bucket) in self.buckets(&dtypes) {
+        let all: Vec<usize> = (0..self.vars.len()).collect();
+        for (owner, bucket) in self.buckets(&dtypes, &all) {
             let flat = flatten(
                 bucket
                     .iter()
@@ -651,12 +668,12 @@ impl<C: Comm> ShardedOptimizer<C> {
 
     /// The buckets, in the order every rank sends them: per owner rank, runs
     /// of its vars in var order with one `dtypes` entry, up to `bucket_bytes`.
-    fn buckets(&self, dtypes: &[DType]) -> Vec<(usize, Vec<usize>)> {
+    fn buckets(&self, dtypes: &[DType], which: &[usize]) -> Vec<(usize, Vec<usize>)> {
         let mut out = Vec::new();
         for owner in 0..self.comm.world_size() {
             let mut bucket: Vec<usize> = Vec::new();
             let mut bytes = 0;
-            for (i, _) in self.owners.iter().enumerate().filter(|&(_, &o)| o == owner) {
+            for i in which.iter().copied().filter(|&i| self.owners[i] == owner) {
                 let size = self.vars[i].elem_count() * dtypes[i].size_in_bytes();
                 let same_dtype = bucket.last().is_none_or(|&j| dtypes[j] == dtypes[i]);
                 if !bucket.is_empty() && (!same_dtype || bytes + size > self.bucket_bytes) {
@@ -676,34 +693,63 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// Stage 3: materialises every parameter on every rank (collective; call
     /// before the forward). A no-op when nothing is freed, and always in stages 1 and 2.
     pub fn gather_params(&mut self) -> Result<()> {
-        if self.released {
-            self.broadcast_params()?;
-            self.released = false;
-        }
-        Ok(())
+        self.gather(&(0..self.vars.len()).collect::<Vec<_>>())
     }
 
     /// Stage 3: frees this rank's non-owned parameters (local; e.g. right after
     /// backward, before [`step`](Self::step)). A no-op when already freed, and
     /// always in stages 1 and 2.
     pub fn release_params(&mut self) -> Result<()> {
-        if self.stage != ZeroStage::Parameters || self.released {
+        self.release(&(0..self.vars.len()).collect::<Vec<_>>())
+    }
+
+    /// Stage 3: materialises the vars `which` (indices; every rank passes
+    /// the same) on every rank, their owners sending those that are freed
+    /// (collective). A no-op for vars already whole, and always in stages 1
+    /// and 2. With [`release`](Self::release), one block's parameters can
+    /// be whole at a time (FSDP's unit).
+    pub fn gather(&mut self, which: &[usize]) -> Result<()> {
+        let freed: Vec<usize> = which.iter().copied().filter(|&i| !self.whole[i]).collect();
+        if freed.is_empty() {
             return Ok(());
         }
-        for var in self.non_owned() {
-            var.as_tensor().inplace_op1(&Reallocate::Free)?;
+        self.broadcast_vars(&freed)?;
+        for i in freed {
+            self.whole[i] = true;
         }
-        self.released = true;
+        Ok(())
+    }
+
+    /// Stage 3: frees this rank's copies of the vars `which` that another
+    /// rank owns (local, but every rank passes the same `which`). A no-op in
+    /// stages 1 and 2.
+    pub fn release(&mut self, which: &[usize]) -> Result<()> {
+        if self.stage != ZeroStage::Parameters {
+            return Ok(());
+        }
+        let rank = self.comm.rank();
+        for &i in which {
+            if self.whole[i] && self.owners[i] != rank {
+                self.vars[i].as_tensor().inplace_op1(&Reallocate::Free)?;
+            }
+            self.whole[i] = false;
+        }
         Ok(())
     }
 
     /// Every owner sends its parameters to the other ranks, bucket by bucket,
-    /// and they copy them into their vars (re-allocating a freed var's
-    /// storage first).
+    /// and they copy them into their vars.
     fn broadcast_params(&self) -> Result<()> {
+        self.broadcast_vars(&(0..self.vars.len()).collect::<Vec<_>>())
+    }
+
+    /// The owners of the vars `which` (ascending) send them to the other
+    /// ranks, bucket by bucket, and they copy them into their vars
+    /// (re-allocating a freed var's storage first).
+    fn broadcast_vars(&self, which: &[usize]) -> Result<()> {
         let rank = self.comm.rank();
         let dtypes: Vec<DType> = self.vars.iter().map(|v| v.dtype()).collect();
-        for (owner, bucket) in self.buckets(&dtypes) {
+        for (owner, bucket) in self.buckets(&dtypes, which) {
             let flat = if owner == rank {
                 flatten(bucket.iter().map(|&i| self.vars[i].as_tensor().clone()))?
             } else {
@@ -723,7 +769,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             for &i in &bucket {
                 let var = &self.vars[i];
                 let n = var.elem_count();
-                if self.released {
+                if !self.whole[i] {
                     var.as_tensor()
                         .inplace_op1(&Reallocate::Restore(var.dtype()))?;
                 }
@@ -732,15 +778,6 @@ impl<C: Comm> ShardedOptimizer<C> {
             }
         }
         Ok(())
-    }
-
-    fn non_owned(&self) -> impl Iterator<Item = &Var> {
-        let rank = self.comm.rank();
-        self.vars
-            .iter()
-            .zip(&self.owners)
-            .filter(move |&(_, &o)| o != rank)
-            .map(|(v, _)| v)
     }
 
     /// The fp32 weights this rank steps for var `i`: its master (16-bit
@@ -774,7 +811,7 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// Whether the non-owned parameters are currently freed (stage 3; also
     /// `true` on a rank that owns every parameter, where there is nothing to free).
     pub fn is_released(&self) -> bool {
-        self.released
+        self.stage == ZeroStage::Parameters && self.whole.iter().all(|w| !w)
     }
 
     /// The AdamW over this rank's parameters: its state is this rank's shard
