@@ -72,7 +72,9 @@ impl Strategy for Shard {
     /// stage 3 also the weights between passes. For forward and backward a
     /// stage-3 rank gathers all weights, or with checkpointed segments the
     /// weights outside the blocks and one segment's blocks at a time (FSDP's
-    /// unit): its own share plus the others' shares of those.
+    /// unit). Ranks own whole tensors, so the rank that owns none of the
+    /// weights outside the blocks holds the most: its share, those weights
+    /// whole, and the others' shares of one segment.
     fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
         let share = |bytes: &mut u64, from_stage: u8| *bytes = per_rank(plan, *bytes, from_stage);
         share(&mut state.master_weights, 1);
@@ -85,12 +87,14 @@ impl Strategy for Shard {
         if let Some(blocks) = segment.filter(|_| units && model.block_parameters > 0) {
             let n = plan.shard.world_size as u64;
             let in_blocks = model.layers as u64 * model.block_parameters;
-            // Parameters whole during a segment: outside the blocks, and its blocks'.
-            let whole = model.parameters.saturating_sub(in_blocks)
-                + blocks as u64 * model.block_parameters;
-            let whole_bytes = (u128::from(whole) * u128::from(state.weights)
-                / u128::from(model.parameters.max(1))) as u64;
-            state.weights = state.weights.div_ceil(n) + whole_bytes - whole_bytes / n;
+            let bytes = |params: u64| {
+                (u128::from(params) * u128::from(state.weights)
+                    / u128::from(model.parameters.max(1))) as u64
+            };
+            let outside = bytes(model.parameters.saturating_sub(in_blocks));
+            let segment = bytes(blocks as u64 * model.block_parameters);
+            let most = state.weights.div_ceil(n) + outside + segment - segment / n;
+            state.weights = state.weights.min(most);
         }
     }
 }
