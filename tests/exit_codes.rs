@@ -98,16 +98,7 @@ fn exit_2_for_usage_and_input_errors() {
         &["--budget", "8GiB", "missing.safetensors"],
         &["inspect", "missing.safetensors"],
         &["inspect"],
-        // --verify measures on one device, not over ranks (refused before any starts)
-        &[
-            "plan",
-            "tiny.safetensors",
-            "--budget",
-            "2GiB",
-            "--gpus",
-            "2",
-            "--verify",
-        ],
+        // train --verify plans in rank 0, which cannot start a job of its own
         &[
             "train",
             "tiny.safetensors",

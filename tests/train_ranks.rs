@@ -372,6 +372,76 @@ fn each_ranks_peak_is_reported_and_falls_from_zero_1_to_zero_2_as_estimated() {
     assert!(two < one, "measured: stage 2 {two} vs stage 1 {one}");
 }
 
+/// `plan --gpus 2 --verify` measures each plan it verifies with 2 real
+/// ranks: the measured peak is the fullest rank's, as training measures it.
+#[test]
+fn plan_verify_measures_sharded_plans_with_their_ranks() {
+    let run_dir = Run::new();
+    let pinned = [
+        "--device",
+        "cpu",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "8",
+        "--budget",
+        "4GiB",
+        "--precision",
+        "fp32",
+        "--optimizer",
+        "fused-adamw",
+        "--checkpoint",
+        "none",
+        "--attention",
+        "composed",
+        "--micro-batch",
+        "1",
+        "--gpus",
+        "2",
+        "--zero-stage",
+        "2",
+        "--json",
+    ];
+    let out = run_dir
+        .oomfix()
+        .args(["plan", "model.safetensors", "--verify"])
+        .args(pinned)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let chosen = v["attempts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|a| a["measured_bytes"].is_u64())
+        .unwrap_or_else(|| panic!("no attempt was measured: {v}"));
+    assert_eq!(chosen["shard_stage"].as_u64(), Some(2), "{chosen}");
+    assert_eq!(chosen["world_size"].as_u64(), Some(2), "{chosen}");
+    let measured = chosen["measured_bytes"].as_u64().unwrap();
+    // The same plan trained over 2 ranks: its summary's fullest rank.
+    let train = run_dir
+        .oomfix()
+        .args(run_dir.args(2, &["--zero-stage", "2", "--gpus", "2", "--json"]))
+        .output()
+        .unwrap();
+    assert_eq!(
+        train.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&train.stderr)
+    );
+    let t: Value = serde_json::from_slice(&train.stdout).unwrap();
+    let trained = t["training"]["peak_bytes"].as_u64().unwrap();
+    let ratio = measured as f64 / trained as f64;
+    assert!(
+        (0.8..1.25).contains(&ratio),
+        "verify {measured} vs training {trained}"
+    );
+}
+
 /// A rank that fails with an error of its own (here a data file only it is
 /// given, missing) tells the others and leaves: nobody waits for it in a
 /// collective, the job ends within the timeout, non-zero, and the failing

@@ -197,9 +197,16 @@ pub struct MeasureStepArgs {
     /// The model's shape as JSON (a `ModelConfig`).
     #[arg(long)]
     pub config: String,
-    /// Address-space limit in bytes.
+    /// Address-space limit in bytes (each rank's).
     #[arg(long)]
     pub address_space: Option<u64>,
+    /// The device to measure on.
+    #[arg(long, default_value = "cpu")]
+    pub device: Target,
+    /// Ranks to measure the plan with (more than 1: this command starts
+    /// them, as `train --gpus N` does, and prints the fullest rank's peak).
+    #[arg(long, default_value_t = 1)]
+    pub ranks: usize,
 }
 
 /// Options of `oomfix inspect`.

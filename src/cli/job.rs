@@ -2,7 +2,7 @@
 //! control connection), the watchdog's reaction to another rank's failure,
 //! and the plan rank 0 chooses for all.
 
-use super::{logging, Failure};
+use super::{logging, Failure, Outcome};
 use candle_core::{Device, Tensor};
 use oomfix::dist::{Control, Job, Launcher, PeerFailure};
 use oomfix::strategies::shard::Comm;
@@ -38,11 +38,24 @@ pub fn report_failure(failure: &Failure) {
     }
 }
 
-/// Tells the other ranks that this one finished.
-pub fn finish() {
-    if let Some(c) = CONTROL.get() {
-        c.finish();
+/// Ends this rank's part of the job with `outcome`: a success tells the
+/// others that this rank finished; a failure tells them (they would wait for
+/// it in a collective), says why and leaves at once, as the watchdog does:
+/// closing the communicator (MPI's finalisation) would wait for ranks that
+/// are stopping.
+pub fn conclude(outcome: Outcome) -> Outcome {
+    match &outcome {
+        Ok(_) => {
+            if let Some(c) = CONTROL.get() {
+                c.finish();
+            }
+        }
+        Err(failure) => {
+            report_failure(failure);
+            std::process::exit(logging::report(failure).into());
+        }
     }
+    outcome
 }
 
 /// Joins the job as rank `job.rank`: the communicator, the control

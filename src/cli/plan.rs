@@ -136,17 +136,19 @@ pub fn search_quietly(
         planner = planner.seq_len(n);
     }
     if let Some(mode) = o.verify {
-        refuse_verify_over_ranks(o.gpus)?;
+        let exe = || {
+            std::env::current_exe().map_err(|e| {
+                Failure::Usage(format!(
+                    "--verify: cannot locate the oomfix binary to run measurements in: {}",
+                    super::io_text(&e)
+                ))
+            })
+        };
+        // Plans over several ranks are measured with their ranks, started
+        // by a child `measure-step` as `train --gpus N` starts them.
         let verifier = match target {
-            Target::Cpu => {
-                let exe = std::env::current_exe().map_err(|e| {
-                    Failure::Usage(format!(
-                        "--verify: cannot locate the oomfix binary to run measurements in: {}",
-                        super::io_text(&e)
-                    ))
-                })?;
-                StepVerifier::isolated(target, exe, budget)
-            }
+            _ if o.gpus > 1 => StepVerifier::isolated(target, exe()?, budget).over_ranks(o.gpus),
+            Target::Cpu => StepVerifier::isolated(target, exe()?, budget),
             Target::Cuda(_) => StepVerifier::in_process(target),
         };
         let mode = match mode {
@@ -267,13 +269,14 @@ fn write_all(f: &mut std::fs::File, path: &Path, bytes: &[u8]) -> oomfix::Result
     })
 }
 
-/// `--verify` measures plans on this one device: plans over `ranks` > 1
-/// would need the ranks.
+/// `train --verify` measures plans in the process that plans: over `ranks`
+/// > 1 that is rank 0 of the job, which cannot start another job's ranks.
 pub fn refuse_verify_over_ranks(ranks: usize) -> Result<(), Failure> {
     if ranks > 1 {
         return Err(Failure::Usage(
-            "--verify measures plans on one device and cannot measure plans over --gpus N ranks yet; \
-             train the plan (`oomfix train --gpus N`: its summary gives each rank's measured peak)"
+            "train --verify cannot measure plans over several ranks: measure them with \
+             `oomfix plan --gpus N --verify`, then train the plan it prints with its fields pinned \
+             (--micro-batch, --grad-accum, --precision, --checkpoint, --attention, --optimizer, --zero-stage)"
                 .into(),
         ));
     }

@@ -64,19 +64,10 @@ pub fn run(args: &TrainArgs) -> Outcome {
         _ => None,
     };
     let outcome = run_rank(args, init, target, defaulted, joined.as_ref());
-    match (&outcome, &joined) {
-        (Ok(_), _) => job::finish(),
-        // A rank of a job that failed tells the others (they would wait for
-        // it in a collective), says why and leaves at once, as its watchdog
-        // does: closing the communicator (MPI's finalisation) would wait
-        // for ranks that are stopping.
-        (Err(failure), Some(_)) => {
-            job::report_failure(failure);
-            std::process::exit(logging::report(failure).into());
-        }
-        (Err(_), None) => {}
+    match joined {
+        Some(_) => job::conclude(outcome),
+        None => outcome,
     }
-    outcome
 }
 
 /// `train` in this process, alone or as one rank of `joined`.

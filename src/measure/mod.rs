@@ -7,5 +7,5 @@ pub mod timeline;
 #[doc(hidden)]
 pub use step::limit_address_space;
 pub(crate) use step::warm_up_threads;
-pub use step::{measure_plan, record_plan, StepVerifier, MAX_EVENTS};
+pub use step::{measure_plan, measure_sharded, record_plan, StepVerifier, MAX_EVENTS};
 pub use timeline::Timeline;

@@ -32,6 +32,52 @@ pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Mea
     measure(spec, plan, target, false).map(|(m, _)| m)
 }
 
+/// Measures `plan` as one rank of a job (every rank calls it at once): this
+/// rank's trainer over `comm` on `device` takes a warm-up step and a measured
+/// step; the ranks' peaks are gathered, and each gets the largest (a plan
+/// fits when its fullest rank does) and the slowest rank's step time. On the
+/// CPU the peak is the counting allocator's high-water mark above what the
+/// process held before (it must be the global allocator), on CUDA the pool's
+/// used high-water mark.
+pub fn measure_sharded(
+    spec: &ModelSpec,
+    plan: &Plan,
+    device: &Device,
+    comm: Box<dyn oomfix_strategies::shard::Comm>,
+) -> Result<Measurement> {
+    if device.is_cpu() && !alloc::installed() {
+        return Err(Error::Usage(
+            "CPU measurement needs oomfix::track::CountingAlloc as the global allocator".into(),
+        ));
+    }
+    if device.is_cpu() {
+        warm_up_threads()?;
+    }
+    let before = if device.is_cpu() { alloc::current() } else { 0 };
+    let mut trainer =
+        Trainer::new_sharded(&spec.config, *plan, device, &TrainOptions::default(), comm)?;
+    let mut data = DataSource::synthetic(0);
+    trainer.step(&mut data)?;
+    let stats = trainer.step(&mut data)?;
+    let mine = [stats.peak().saturating_sub(before) as f64, stats.seconds];
+    let comm = trainer
+        .comm()
+        .expect("a sharded trainer has a communicator");
+    let all = comm.all_gather(&candle_core::Tensor::new(&mine, &Device::Cpu)?)?;
+    let (mut peak, mut seconds) = (0f64, 0f64);
+    for t in all {
+        let v = t.to_vec1::<f64>()?;
+        peak = peak.max(v[0]);
+        seconds = seconds.max(v[1]);
+    }
+    Ok(Measurement {
+        peak_bytes: peak as u64,
+        reserved_bytes: peak as u64,
+        out_of_memory: false,
+        step_seconds: Some(seconds),
+    })
+}
+
 /// Capacity of the event buffer of a recording (40 bytes an event; memory is
 /// touched only as events are written). A recording holds the trainer's
 /// construction, a warm-up step and the measured step: GPT-2 small at 1 × 4
@@ -264,6 +310,8 @@ pub struct StepVerifier {
     target: Target,
     /// The `oomfix` binary to run `measure-step` in, with the budget as its limit.
     isolate: Option<(PathBuf, u64)>,
+    /// The ranks each plan is measured with (an isolated verifier's child starts them).
+    ranks: usize,
 }
 
 impl StepVerifier {
@@ -272,6 +320,7 @@ impl StepVerifier {
         StepVerifier {
             target,
             isolate: None,
+            ranks: 1,
         }
     }
 
@@ -281,7 +330,16 @@ impl StepVerifier {
         StepVerifier {
             target,
             isolate: Some((oomfix_binary, budget)),
+            ranks: 1,
         }
+    }
+
+    /// Measures each plan with its `ranks` real ranks (an isolated verifier
+    /// only): the child `oomfix measure-step --ranks N` starts them as
+    /// `oomfix train --gpus N` does (under `mpirun` on the CPU), each held to
+    /// the budget on the CPU, and reports the fullest rank's peak.
+    pub fn over_ranks(self, ranks: usize) -> Self {
+        StepVerifier { ranks, ..self }
     }
 }
 
@@ -291,14 +349,20 @@ impl Verifier for StepVerifier {
             return measure_plan(spec, plan, self.target);
         };
         let limit = budget.saturating_add(ADDRESS_SPACE_SLACK);
-        let out = Command::new(exe)
-            .arg("measure-step")
+        let mut cmd = Command::new(exe);
+        cmd.arg("measure-step")
             .arg("--plan")
             .arg(serde_json::to_string(plan).expect("a plan serialises"))
             .arg("--config")
             .arg(serde_json::to_string(&spec.config).expect("config serialises"))
-            .arg("--address-space")
-            .arg(limit.to_string())
+            .arg("--device")
+            .arg(self.target.to_string())
+            .arg("--ranks")
+            .arg(self.ranks.to_string());
+        if self.target == Target::Cpu {
+            cmd.arg("--address-space").arg(limit.to_string());
+        }
+        let out = cmd
             .env_remove("RUST_BACKTRACE")
             .env("MALLOC_ARENA_MAX", "2")
             .output()

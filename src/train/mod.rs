@@ -718,8 +718,13 @@ macro_rules! trainable_family {
                 exec: &oomfix_strategies::Execution,
                 hook: &mut dyn oomfix_strategies::checkpoint::SegmentHook,
             ) -> $crate::Result<$crate::train::StepOutput> {
-                self.forward(batch, exec)?
-                    .backward(&self.vars, self.config.vocab, batch, exec, hook)
+                self.forward(batch, exec)?.backward(
+                    &self.vars,
+                    self.config.vocab,
+                    batch,
+                    exec,
+                    hook,
+                )
             }
 
             fn logits(

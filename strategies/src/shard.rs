@@ -82,7 +82,12 @@ impl Strategy for Shard {
         share(&mut state.accumulated_gradients, 2);
         share(&mut state.step_gradients, 2);
         share(&mut state.step_weights, 3);
-        let segment = plan.checkpoint.segments(model.layers).into_iter().map(|s| s.len()).max();
+        let segment = plan
+            .checkpoint
+            .segments(model.layers)
+            .into_iter()
+            .map(|s| s.len())
+            .max();
         let units = plan.shard.world_size > 1 && plan.shard.stage >= 3;
         if let Some(blocks) = segment.filter(|_| units && model.block_parameters > 0) {
             let n = plan.shard.world_size as u64;
