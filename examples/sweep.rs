@@ -18,6 +18,13 @@
 //! sweep --device cuda:0 --out sweep-cuda.json
 //! ```
 //!
+//! `--plans A+B` keeps the configurations whose description contains every
+//! `+`-separated part (e.g. `micro-batch 8 x`): a partial sweep, whose
+//! choice and budget are of those configurations only.
+//!
+//! `--measured-log FILE` takes them from the lines an earlier run printed
+//! (e.g. one stopped before its summary).
+//!
 //! `--measured FILE` takes the measured times and peaks from an earlier run's
 //! JSON and recomputes everything else (the model's estimates, the planner's
 //! choice): how a recalibrated model is checked against the same steps.
@@ -124,6 +131,16 @@ fn time_steps(spec: &ModelSpec, plan: &Plan, steps: usize, target: Target) -> oo
     Ok(times.into_iter().fold(f64::INFINITY, f64::min))
 }
 
+/// One line this example prints per configuration, as `(model, plan,
+/// measured seconds, measured peak bytes)`.
+fn parse_logged(line: &str) -> Option<(String, String, f64, u64)> {
+    let (name, rest) = line.split_once("  ")?;
+    let (plan, rest) = rest.rsplit_once(": ")?;
+    let ms: f64 = rest.split(" ms measured").next()?.parse().ok()?;
+    let peak: u64 = rest.split("peak ").nth(1)?.split(' ').next()?.parse().ok()?;
+    Some((name.to_string(), plan.to_string(), ms / 1e3, peak))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() {
@@ -151,7 +168,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         None => Vec::new(),
     };
+    // `--measured-log FILE`: the per-configuration lines an earlier run printed.
+    let logged: Vec<(String, String, f64, u64)> = match value("--measured-log") {
+        Some(path) => std::fs::read_to_string(path)?
+            .lines()
+            .filter_map(parse_logged)
+            .collect(),
+        None => Vec::new(),
+    };
     let measured_before = |name: &str, plan: &Plan| {
+        let shown = plan.to_string();
+        let from_log = logged.iter().find(|l| l.0 == name && l.1 == shown);
+        if let Some((_, _, seconds, peak)) = from_log {
+            return Some((Some(*peak), Some(*seconds)));
+        }
         earlier.iter().find_map(|r| {
             let same = r["model"] == name
                 && serde_json::from_value::<Plan>(r["plan"].clone()).ok() == Some(*plan);
@@ -164,6 +194,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
     };
     let target: Target = value("--device").unwrap_or("cpu".into()).parse()?;
+    // `--plans A+B`: only the configurations whose description contains every part.
+    let plans = value("--plans");
+    let keep = |p: &Plan| {
+        plans
+            .as_ref()
+            .is_none_or(|f| f.split('+').all(|part| p.to_string().contains(part)))
+    };
     if let Some(csv) = value("--rows") {
         return measured_elsewhere(&csv, &target, &out);
     }
@@ -179,7 +216,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let spec = ModelSpec::from_config(name, config);
         let mut measured = Vec::new();
-        for plan in space(target) {
+        for plan in space(target).into_iter().filter(|p| keep(p)) {
             let (peak, seconds) = match measured_before(name, &plan) {
                 Some((Some(peak), Some(seconds))) => (peak, seconds),
                 _ => (
