@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Fit the CPU throughputs of oomfix's step-time model to a sweep's measured steps.
 
-Usage: scripts/fit-speed.py docs/sweep.json
+Usage: scripts/fit-speed.py [--fix NAME=RATE ...] docs/sweep.json
+
+--fix holds a throughput at a rate measured elsewhere (e.g. the bf16 matrix
+product rate of a probe, `--fix matmul_half=7.34e14`) and fits the others:
+a free fit may trade one term against another to rates no device reaches.
 
 The sweep (`cargo run --release --example sweep`) records, for every
 configuration, the work terms of `oomfix::speed::StepWork` and the measured
@@ -82,25 +86,37 @@ def nnls(x, y):
     return coef
 
 
-def main(path):
+def main(path, fixed):
     rows = json.load(open(path))["rows"]
+    free = [(i, name) for i, (name, _) in enumerate(COLUMNS) if name not in fixed]
     x, y = [], []
     for r in rows:
         t = r["measured_seconds"]
-        x.append([f(r["work"]) / t for _, f in COLUMNS])
-        y.append(1.0)
+        full = [f(r["work"]) / t for _, f in COLUMNS]
+        known = sum(full[i] / fixed[name] for i, (name, _) in enumerate(COLUMNS) if name in fixed)
+        x.append([full[i] for i, _ in free])
+        y.append(1.0 - known)
     # Scale columns to comparable magnitudes for the solver.
-    scale = [max(abs(r[j]) for r in x) or 1.0 for j in range(len(COLUMNS))]
+    scale = [max(abs(r[j]) for r in x) or 1.0 for j in range(len(free))]
     xs = [[v / s for v, s in zip(r, scale)] for r in x]
     coef = [c / s for c, s in zip(nnls(xs, y), scale)]
-    errors = sorted(abs(sum(c * v for c, v in zip(coef, r)) - 1.0) for r in x)
+    errors = sorted(abs(sum(c * v for c, v in zip(coef, r)) - yy) for r, yy in zip(x, y))
     print(f"{len(rows)} rows; relative error median {100 * errors[len(errors) // 2]:.1f}%, max {100 * errors[-1]:.1f}%")
-    for (name, _), c in zip(COLUMNS, coef):
-        if name == "micro_batch_seconds":
-            print(f"    {name}: {c:.3e},")
-        else:
-            print(f"    {name}: {'f64::INFINITY' if c == 0 else f'{1.0 / c:.3e}'},")
+    rates = dict(fixed)
+    for (_, name), c in zip(free, coef):
+        rates[name] = c if name == "micro_batch_seconds" else (float("inf") if c == 0 else 1.0 / c)
+    for name, _ in COLUMNS:
+        v = rates[name]
+        shown = "f64::INFINITY" if v == float("inf") else f"{v:.3e}"
+        print(f"    {name}: {shown},{'  (fixed)' if name in fixed else ''}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs/sweep.json")
+    args, fixed = sys.argv[1:], {}
+    while args and args[0] == "--fix":
+        name, _, rate = args[1].partition("=")
+        if name not in dict(COLUMNS) or not rate:
+            sys.exit(f"--fix NAME=RATE with NAME one of {', '.join(n for n, _ in COLUMNS)}")
+        fixed[name] = float(rate)
+        args = args[2:]
+    main(args[0] if args else "docs/sweep.json", fixed)

@@ -137,25 +137,30 @@ const CPU: Throughput = Throughput {
     micro_batch_seconds: 1.029e-2,
 };
 
-/// Fitted by `scripts/fit-speed.py` to the H200's 17 measured steps of
-/// docs/speed-cuda-rows.csv (docs/gpu-side-by-side.md, run Q: GPT-2 small and
-/// medium, TinyLlama-1.1B, fp32 and bf16, composed and flash attention,
-/// checkpointed or not, accumulated or not; `sweep --rows … --device cuda`):
-/// relative error of the fit median 4.4%, max 19.6%. The host bus (PCIe Gen5
-/// x16's ~50 GB/s), the host's AdamW rate and NVLink's per-rank collective
-/// bandwidth (~300 GB/s) are not fitted: no offloaded or sharded step was
-/// timed.
+/// Fitted by `scripts/fit-speed.py --fix matmul_half=7.34e14` to 65
+/// measured H200 steps: the 17 of docs/speed-cuda-rows.csv (docs/gpu-side-by-side.md,
+/// run Q: GPT-2 small and medium, TinyLlama-1.1B, fp32 and bf16, composed
+/// and flash attention, checkpointed or not, accumulated or not) and the 48
+/// of the GPT-2 small sweep at micro-batches 1, 2 and 4 (docs/sweep-cuda-gpt2.log;
+/// candle's AdamW and fused AdamW; `sweep --device cuda:0 --measured-log`):
+/// relative error of the fit median 3.7%, max 31.3%. The bf16 matrix-product
+/// rate is held at the probe's measured 734 TFLOP/s (DESIGN.md §7): left
+/// free, the fit traded it against the elementwise rate to 2.4 PFLOP/s, more
+/// than the H200 has. The host bus (PCIe Gen5 x16's ~50 GB/s), the host's
+/// AdamW rate and NVLink's per-rank collective bandwidth (~300 GB/s) are not
+/// fitted: no offloaded step was timed, and the sharded steps timed
+/// (docs/zero-stages-gpu.md) ran 2 ranks on one GPU, not over NVLink.
 const CUDA_H200: Throughput = Throughput {
-    matmul_f32: 4.464e13,
-    matmul_half: 6.831e14,
+    matmul_f32: 4.709e13,
+    matmul_half: 7.34e14,
     attention: f64::INFINITY,
-    elementwise: 6.830e11,
-    probabilities: 4.575e12,
-    optimizer: 9.460e11,
+    elementwise: 6.065e11,
+    probabilities: 4.731e12,
+    optimizer: 5.584e11,
     host_bus: 50e9,
     host_adamw: 2e9,
     collective: 300e9,
-    micro_batch_seconds: 1.532e-2,
+    micro_batch_seconds: 8.898e-3,
 };
 
 /// Modelled seconds of one optimizer step, by part.
