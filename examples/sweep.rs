@@ -137,7 +137,13 @@ fn parse_logged(line: &str) -> Option<(String, String, f64, u64)> {
     let (name, rest) = line.split_once("  ")?;
     let (plan, rest) = rest.rsplit_once(": ")?;
     let ms: f64 = rest.split(" ms measured").next()?.parse().ok()?;
-    let peak: u64 = rest.split("peak ").nth(1)?.split(' ').next()?.parse().ok()?;
+    let peak: u64 = rest
+        .split("peak ")
+        .nth(1)?
+        .split(' ')
+        .next()?
+        .parse()
+        .ok()?;
     Some((name.to_string(), plan.to_string(), ms / 1e3, peak))
 }
 

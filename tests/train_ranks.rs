@@ -52,23 +52,16 @@ impl Run {
         Run { dir }
     }
 
-    /// `train`'s arguments: fp32, fused AdamW, micro-batch 1, plus `extra`.
-    fn args(&self, steps: usize, extra: &[&str]) -> Vec<String> {
+    /// The planning options every run pins: fp32, fused AdamW, micro-batch 1.
+    fn planning() -> Vec<String> {
         let global = GLOBAL_BATCH.to_string();
-        let steps = steps.to_string();
-        let mut a: Vec<&str> = vec![
-            "train",
-            "model.safetensors",
+        [
             "--device",
             "cpu",
             "--seq-len",
             "16",
             "--global-batch",
             &global,
-            "--data",
-            "data.bin",
-            "--lr",
-            "3e-3",
             "--budget",
             "4GiB",
             "--precision",
@@ -81,16 +74,36 @@ impl Run {
             "composed",
             "--micro-batch",
             "1",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect()
+    }
+
+    /// `train`'s arguments: [`planning`](Self::planning), then `extra`.
+    fn args(&self, steps: usize, extra: &[&str]) -> Vec<String> {
+        let steps = steps.to_string();
+        let mut a: Vec<String> = vec!["train".into(), "model.safetensors".into()];
+        a.extend(Self::planning());
+        // The test's model file holds zeros: start from random weights.
+        let rest = [
+            "--data",
+            "data.bin",
+            "--lr",
+            "3e-3",
             "--steps",
             &steps,
-            // The test's model file holds zeros: start from random weights.
             "--init",
             "random",
             "--log-format",
             "json",
         ];
-        a.extend(extra);
-        a.into_iter().map(String::from).collect()
+        a.extend(
+            rest.into_iter()
+                .chain(extra.iter().copied())
+                .map(String::from),
+        );
+        a
     }
 
     fn oomfix(&self) -> Command {
@@ -377,35 +390,11 @@ fn each_ranks_peak_is_reported_and_falls_from_zero_1_to_zero_2_as_estimated() {
 #[test]
 fn plan_verify_measures_sharded_plans_with_their_ranks() {
     let run_dir = Run::new();
-    let pinned = [
-        "--device",
-        "cpu",
-        "--seq-len",
-        "16",
-        "--global-batch",
-        "8",
-        "--budget",
-        "4GiB",
-        "--precision",
-        "fp32",
-        "--optimizer",
-        "fused-adamw",
-        "--checkpoint",
-        "none",
-        "--attention",
-        "composed",
-        "--micro-batch",
-        "1",
-        "--gpus",
-        "2",
-        "--zero-stage",
-        "2",
-        "--json",
-    ];
     let out = run_dir
         .oomfix()
         .args(["plan", "model.safetensors", "--verify"])
-        .args(pinned)
+        .args(Run::planning())
+        .args(["--gpus", "2", "--zero-stage", "2", "--json"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
