@@ -408,10 +408,11 @@ impl TryFrom<u8> for ZeroStage {
 /// * gradients are reduced after the whole backward (no overlap of
 ///   communication with backward), so the full local gradient set exists
 ///   once per rank at the end of backward;
-/// * stage 3 gathers every parameter at once before the forward and frees them
-///   after the step, so the forward and backward peak still holds all
-///   parameters: it saves parameter memory between steps and during the
-///   optimizer step only. A freed parameter's storage (on the CPU or a GPU)
+/// * [`gather_params`](Self::gather_params) gathers every parameter at once;
+///   a caller that runs the model in segments gathers and frees each
+///   segment's parameters with [`gather`](Self::gather) and
+///   [`release`](Self::release) (the trainer does, with checkpointing). A
+///   freed parameter's storage (on the CPU or a GPU)
 ///   is swapped for an empty one while the var (and every model tensor
 ///   sharing it) stays in place; reading a freed parameter is a bug (most ops
 ///   report a dtype mismatch, some may panic on an out-of-range index).
