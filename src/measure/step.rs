@@ -59,7 +59,8 @@ pub fn measure_sharded(
     let mut data = DataSource::synthetic(0);
     trainer.step(&mut data)?;
     let stats = trainer.step(&mut data)?;
-    let mine = [stats.peak().saturating_sub(before) as f64, stats.seconds];
+    let peak = stats.peak().saturating_sub(before) + outside_pool(device)?;
+    let mine = [peak as f64, stats.seconds];
     let comm = trainer
         .comm()
         .expect("a sharded trainer has a communicator");
@@ -246,13 +247,8 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
             Ok(seconds) => seconds,
             Err(e) => return Ok(Err(e)),
         };
-        // Device memory outside the pool (CUDA context, cuBLAS workspace) counts
-        // against the budget too, as the estimate's `runtime` term does.
         let stats = PoolStats::read(cuda)?;
-        // The ballast of --enforce-budget is outside the pool too, but not the plan's.
-        let outside = (stats.device_total - stats.device_free)
-            .saturating_sub(stats.reserved)
-            .saturating_sub(crate::track::cuda::ballast_bytes());
+        let outside = outside_pool(&device)?;
         Ok(Ok(Measurement {
             peak_bytes: stats.used_high + outside,
             reserved_bytes: stats.reserved_high + outside,
@@ -288,6 +284,22 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
 
 /// A candle error, also one inside a strategy's error (a CUDA out-of-memory in
 /// the fused AdamW or a checkpointed block), as `Err`; any other error as `Ok`.
+/// Device memory outside the CUDA pool (the context, modules, cuBLAS
+/// workspaces, NCCL's buffers), which counts against the budget as the
+/// estimate's `runtime` term does; the ballast of `--enforce-budget` is
+/// outside the pool too, but not the plan's. 0 on the CPU.
+fn outside_pool(device: &Device) -> candle_core::Result<u64> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        let stats = crate::track::cuda::PoolStats::read(cuda)?;
+        return Ok((stats.device_total - stats.device_free)
+            .saturating_sub(stats.reserved)
+            .saturating_sub(crate::track::cuda::ballast_bytes()));
+    }
+    let _ = device;
+    Ok(0)
+}
+
 #[cfg(feature = "cuda")]
 fn candle_error(e: Error) -> candle_core::Result<Error> {
     match e {
