@@ -2,7 +2,8 @@
 # Per-rank memory and step time of ZeRO stages 1-3, as run: 2 ranks beside one
 # process (stage 0) with the same global batch. Prints, per stage, each rank's
 # measured peak (the training summary's rank_peak_bytes) beside the plan's
-# estimate, the last loss, and the median step time after the first step.
+# estimate, the last loss, the median step time after the first step, and
+# rank 0's collectives in that step (megabytes handed over, milliseconds).
 #
 #   cpu  (default): the built-in GPT-2 small shape, fp32, composed attention,
 #        micro-batch 1 x 4 accumulated on 2 ranks over Open MPI (the binary
@@ -43,7 +44,7 @@ case $device in
 esac
 common=(train "${extra[@]}" "${common[@]}" --optimizer fused-adamw --checkpoint "$checkpoint" --json --log-format json)
 [ -n "$logs" ] && mkdir -p "$logs"
-printf '%-6s %-22s %-14s %-8s %-10s %-8s %s\n' stage "peak by rank (MB)" "estimate (MB)" "max/est" "last loss" "step ms" "device MiB by process (nvidia-smi)"
+printf '%-6s %-22s %-14s %-8s %-10s %-8s %-22s %s\n' stage "peak by rank (MB)" "estimate (MB)" "max/est" "last loss" "step ms" "collectives (MB, ms)" "device MiB by process (nvidia-smi)"
 for stage in 0 1 2 3; do
     if [ "$stage" = 0 ]; then
         args=("${one[@]}" --zero-stage 0)
@@ -78,15 +79,19 @@ for line in open(log):
     except (ValueError, KeyError):
         continue
     if f.get("message") == "step" and f.get("step", 0) > 1:
-        steps.append(f["seconds"])
+        steps.append((f["seconds"], f.get("collective_bytes", 0), f.get("collective_seconds", 0)))
 steps.sort()
-ms = f"{steps[len(steps) // 2] * 1e3:.1f}" if steps else "-"
+# The median step after the first (which loads and compiles the kernels), and its collectives.
+mid = steps[len(steps) // 2] if steps else None
+ms = f"{mid[0] * 1e3:.1f}" if mid else "-"
+coll = f"{mid[1] / 1e6:.1f}, {mid[2] * 1e3:.1f}" if mid else "-"
 procs = {}
 for line in open(smi):
     pid, _, mib = line.partition(",")
     if mib.strip().isdigit():
         procs[pid] = max(procs.get(pid, 0), int(mib))
 print(f"{stage:<6} {', '.join(str(r // 10**6) for r in ranks):<22} {live // 10**6:<14} "
-      f"{max(ranks) / live:<8.3f} {t['last_loss']:<10.4f} {ms:<8} {', '.join(map(str, sorted(procs.values()))) or '-'}")
+      f"{max(ranks) / live:<8.3f} {t['last_loss']:<10.4f} {ms:<8} {coll:<22} "
+      f"{', '.join(map(str, sorted(procs.values()))) or '-'}")
 PY
 done
