@@ -98,7 +98,7 @@ fn exit_2_for_usage_and_input_errors() {
         &["--budget", "8GiB", "missing.safetensors"],
         &["inspect", "missing.safetensors"],
         &["inspect"],
-        // train --verify plans in rank 0, which cannot start a job of its own
+        // ranks on the CPU need MPI, which the default build lacks (refused before measuring)
         &[
             "train",
             "tiny.safetensors",

@@ -291,6 +291,11 @@ fn a_wrong_environment_is_a_usage_error() {
             .is_some_and(|m| m.contains("WORLD_SIZE=3"))),
         "{stderr}"
     );
+    // --verify in a job mpirun started: rank 0 cannot start the ranks measuring needs.
+    let verify = run_dir.args(1, &["--zero-stage", "1", "--verify"]);
+    let (code, _, stderr) = run(run_dir.mpirun(2, &[]).args(&verify));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("another launcher"), "{stderr}");
     // torchrun's variables, by hand: a rank beyond the world, and CPU ranks outside mpirun.
     for (rank, says) in [("2", "RANK=2 is not below WORLD_SIZE=2"), ("0", "mpirun")] {
         let (code, _, stderr) = run(run_dir
@@ -428,6 +433,46 @@ fn plan_verify_measures_sharded_plans_with_their_ranks() {
     assert!(
         (0.8..1.25).contains(&ratio),
         "verify {measured} vs training {trained}"
+    );
+}
+
+/// `train --gpus 2 --verify`: the launcher measures the candidates with 2
+/// real ranks before it starts the job, and the ranks train its choice; with
+/// `--json` the run still prints one object (rank 0's).
+#[test]
+fn train_verify_measures_with_ranks_before_starting_them() {
+    let run_dir = Run::new();
+    let extra = [
+        "--gpus",
+        "2",
+        "--zero-stage",
+        "2",
+        "--verify",
+        "--json",
+        "-v",
+    ];
+    let out = run_dir
+        .oomfix()
+        .args(run_dir.args(1, &extra))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let measured: Vec<u64> = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|l| l["span"]["measured_bytes"].as_u64())
+        .collect();
+    assert!(
+        !measured.is_empty(),
+        "the launcher measured no attempt: {stderr}"
+    );
+    assert!(measured.iter().all(|&m| m > 0), "{measured:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    assert_eq!(
+        v["training"]["rank_peak_bytes"].as_array().map(Vec::len),
+        Some(2),
+        "{v}"
     );
 }
 

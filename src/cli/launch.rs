@@ -21,13 +21,38 @@ pub const GRACE: Duration = Duration::from_secs(30);
 
 /// Starts `n` ranks of this command line on `target` and waits for them.
 pub fn run(n: usize, target: Target) -> Outcome {
+    run_with(n, target, &[])
+}
+
+/// Whether this build can start ranks on `target`: on the CPU it needs MPI,
+/// on GPUs NCCL (a usage error otherwise).
+pub fn can_start(target: Target) -> Result<(), Failure> {
+    let (needs, present) = match target {
+        Target::Cpu => (
+            "MPI (--device cpu runs them under mpirun)",
+            cfg!(feature = "mpi"),
+        ),
+        Target::Cuda(_) => ("NCCL", cfg!(feature = "nccl")),
+    };
+    if present {
+        return Ok(());
+    }
+    let feature = if target == Target::Cpu { "mpi" } else { "nccl" };
+    Err(Failure::Usage(format!(
+        "--gpus N runs N processes over {needs}: this build has none (build with --features {feature})"
+    )))
+}
+
+/// [`run`], with `env` added to the ranks' environment.
+pub fn run_with(n: usize, target: Target, env: &[(&str, String)]) -> Outcome {
+    can_start(target)?;
     let exe = std::env::current_exe()
         .map_err(|e| Failure::Run(format!("cannot find this program: {}", super::io_text(&e))))?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
     let signals = StopSignals::install()?;
     let children = match target {
-        Target::Cpu => vec![(None, spawn_mpirun(n, &exe, &args)?)],
-        Target::Cuda(_) => spawn_torchrun(n, &exe, &args)?,
+        Target::Cpu => vec![(None, spawn_mpirun(n, &exe, &args, env)?)],
+        Target::Cuda(_) => spawn_torchrun(n, &exe, &args, env)?,
     };
     logging::notice(format_args!("started {n} ranks"));
     wait(children, &signals)
@@ -42,9 +67,12 @@ fn spawn_mpirun(
     n: usize,
     exe: &std::path::Path,
     args: &[std::ffi::OsString],
+    env: &[(&str, String)],
 ) -> Result<Child, Failure> {
     let mut cmd = Command::new("mpirun");
     cmd.args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"]);
+    // mpirun passes its own environment on to the ranks.
+    cmd.envs(env.iter().map(|(k, v)| (k, v)));
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
         cmd.arg("--allow-run-as-root");
@@ -63,17 +91,21 @@ fn spawn_mpirun(
 }
 
 #[cfg(not(feature = "mpi"))]
-fn spawn_mpirun(_: usize, _: &std::path::Path, _: &[std::ffi::OsString]) -> Result<Child, Failure> {
-    Err(Failure::Usage(
-        "--gpus N with --device cpu runs N processes under MPI: this build has none (build with --features mpi)"
-            .into(),
-    ))
+fn spawn_mpirun(
+    _: usize,
+    _: &std::path::Path,
+    _: &[std::ffi::OsString],
+    _: &[(&str, String)],
+) -> Result<Child, Failure> {
+    can_start(Target::Cpu)
+        .map(|()| unreachable!("a build without MPI cannot start ranks on the CPU"))
 }
 
 fn spawn_torchrun(
     n: usize,
     exe: &std::path::Path,
     args: &[std::ffi::OsString],
+    env: &[(&str, String)],
 ) -> Result<Vec<(Option<usize>, Child)>, Failure> {
     let port = match std::env::var("MASTER_PORT") {
         Ok(p) => p,
@@ -91,6 +123,7 @@ fn spawn_torchrun(
     for rank in 0..n {
         let child = Command::new(exe)
             .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())

@@ -96,6 +96,22 @@ fn pins(o: &PlanOptions) -> oomfix::Pins {
     pins
 }
 
+/// Pins every field of `plan` in `o` (the search then finds `plan` alone).
+pub fn pin(o: &mut PlanOptions, plan: &oomfix::Plan) {
+    use oomfix::strategies::Precision;
+    o.precision = match plan.precision {
+        Precision::F32 => HalfArg::Fp32,
+        Precision::Bf16 => HalfArg::Bf16,
+        Precision::F16 => HalfArg::Fp16,
+    };
+    o.micro_batch = Some(plan.micro_batch);
+    o.grad_accum = Some(plan.grad_accum);
+    o.checkpoint = Some(plan.checkpoint);
+    o.attention = Some(plan.attention);
+    o.optimizer = Some(plan.optimizer);
+    o.zero_stage = Some(plan.shard.stage);
+}
+
 /// Runs the search of a prepared plan, writes `--snapshot` and `--plot`, and
 /// prints the result on stdout; gives back the model with the result.
 pub fn search(args: &PlanArgs, prepared: Prepared) -> Result<(ModelSpec, SearchResult), Failure> {
@@ -269,14 +285,15 @@ fn write_all(f: &mut std::fs::File, path: &Path, bytes: &[u8]) -> oomfix::Result
     })
 }
 
-/// `train --verify` measures plans in the process that plans: over `ranks`
-/// > 1 that is rank 0 of the job, which cannot start another job's ranks.
+/// `train --verify` in a job another launcher started (`mpirun`,
+/// `torchrun`): rank 0 plans inside the job and cannot start the ranks that
+/// measuring a plan of `ranks` > 1 needs.
 pub fn refuse_verify_over_ranks(ranks: usize) -> Result<(), Failure> {
     if ranks > 1 {
         return Err(Failure::Usage(
-            "train --verify cannot measure plans over several ranks: measure them with \
-             `oomfix plan --gpus N --verify`, then train the plan it prints with its fields pinned \
-             (--micro-batch, --grad-accum, --precision, --checkpoint, --attention, --optimizer, --zero-stage)"
+            "train --verify cannot measure plans inside a job of several ranks started by another launcher: \
+             run `oomfix train --gpus N --verify` (it measures before it starts the ranks), or measure with \
+             `oomfix plan --gpus N --verify` and train the plan it prints with its fields pinned"
                 .into(),
         ));
     }

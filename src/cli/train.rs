@@ -21,7 +21,7 @@ use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
 use oomfix::train::saved::{self, Checkpoint, ModelSource};
 use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
-use oomfix::{ModelConfig, Target};
+use oomfix::{ModelConfig, Plan, Target};
 use std::path::{Path, PathBuf};
 
 /// Runs `oomfix train`: in this process; as one rank of a job (started by
@@ -45,12 +45,22 @@ pub fn run(args: &TrainArgs) -> Outcome {
         None => (Target::Cpu, true),
     };
     let job = Job::from_env()?;
-    if args.plan.opts.verify.is_some() {
-        let ranks = job.as_ref().map_or(args.plan.opts.gpus, |j| j.world_size);
-        plan::refuse_verify_over_ranks(ranks)?;
+    let verified = verified_plan()?;
+    if let (Some(_), Some(j), None) = (args.plan.opts.verify, &job, verified) {
+        plan::refuse_verify_over_ranks(j.world_size)?;
     }
     let joined = match job {
-        None if args.plan.opts.gpus > 1 => return super::launch::run(args.plan.opts.gpus, target),
+        None if args.plan.opts.gpus > 1 => {
+            super::launch::can_start(target)?;
+            let env = match args.plan.opts.verify {
+                Some(_) => match verify_before_launch(args, target)? {
+                    Some(chosen) => vec![(VERIFIED_PLAN, plan_json(&chosen))],
+                    None => return Ok(Exit::NothingFits),
+                },
+                None => Vec::new(),
+            };
+            return super::launch::run_with(args.plan.opts.gpus, target, &env);
+        }
         Some(job) if job.world_size > 1 => {
             let gpus = args.plan.opts.gpus;
             if gpus != 1 && gpus != job.world_size {
@@ -63,11 +73,45 @@ pub fn run(args: &TrainArgs) -> Outcome {
         }
         _ => None,
     };
-    let outcome = run_rank(args, init, target, defaulted, joined.as_ref());
+    let outcome = run_rank(args, init, target, defaulted, joined.as_ref(), verified);
     match joined {
         Some(_) => job::conclude(outcome),
         None => outcome,
     }
+}
+
+/// The variable through which `train --gpus N --verify`'s launcher hands
+/// the ranks the plan it verified (JSON).
+const VERIFIED_PLAN: &str = "OOMFIX_VERIFIED_PLAN";
+
+/// The plan this rank's launcher verified, if it did.
+fn verified_plan() -> Result<Option<Plan>, Failure> {
+    std::env::var(VERIFIED_PLAN)
+        .ok()
+        .map(|json| {
+            serde_json::from_str(&json)
+                .map_err(|e| Failure::Usage(format!("{VERIFIED_PLAN} is not a plan ({e}): {json}")))
+        })
+        .transpose()
+}
+
+fn plan_json(plan: &Plan) -> String {
+    serde_json::to_string(plan).expect("a plan serialises")
+}
+
+/// `train --gpus N --verify` outside a job: this process (the launcher)
+/// searches, measuring candidates with N real ranks as `plan --gpus N
+/// --verify` does, and prints the result (with `--json` only when nothing
+/// fits: rank 0 prints the run's one object); the ranks then train the plan
+/// it chose. `None` when nothing fits.
+fn verify_before_launch(args: &TrainArgs, target: Target) -> Result<Option<Plan>, Failure> {
+    let prepared = plan::prepare(&args.plan, target, &[])?;
+    let (spec, result) = plan::search_quietly(&args.plan, prepared)?;
+    let chosen = result.chosen().map(|a| a.plan);
+    if !args.plan.json || chosen.is_none() {
+        plan::print_result(&args.plan, &spec, &result)?;
+    }
+    Ok(chosen)
 }
 
 /// `train` in this process, alone or as one rank of `joined`.
@@ -77,12 +121,18 @@ fn run_rank(
     target: Target,
     defaulted: bool,
     joined: Option<&Joined>,
+    verified: Option<Plan>,
 ) -> Outcome {
     let o = &args.opts;
     let rank = joined.map_or(0, |j| j.job.rank);
     let mut plan_args = args.plan.clone();
     if let Some(j) = joined {
         plan_args.opts.gpus = j.job.world_size;
+    }
+    // The launcher measured the plans already: the ranks plan with its choice pinned.
+    if let (Some(chosen), Some(_)) = (verified, joined) {
+        plan::pin(&mut plan_args.opts, &chosen);
+        plan_args.opts.verify = None;
     }
     let device = match (joined, target) {
         (Some(j), _) => j.device.clone(),
