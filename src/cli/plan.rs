@@ -56,6 +56,13 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
                 .into(),
         ));
     }
+    if o.enforce_budget && o.gpus > 1 {
+        return Err(Failure::Usage(
+            "--enforce-budget holds the one device this process plans on to the budget; with --gpus N \
+             it would hold back memory on cuda:0 only, not on each rank's device (not supported yet)"
+                .into(),
+        ));
+    }
     let pipeline =
         Pipeline::from_names(&o.strategies).map_err(|e| Failure::Usage(e.to_string()))?;
     let spec = match &args.model {
