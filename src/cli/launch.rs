@@ -27,17 +27,17 @@ pub fn run(n: usize, target: Target) -> Outcome {
 /// Whether this build can start ranks on `target`: on the CPU it needs MPI,
 /// on GPUs NCCL (a usage error otherwise).
 pub fn can_start(target: Target) -> Result<(), Failure> {
-    let (needs, present) = match target {
+    let (needs, feature, present) = match target {
         Target::Cpu => (
             "MPI (--device cpu runs them under mpirun)",
+            "mpi",
             cfg!(feature = "mpi"),
         ),
-        Target::Cuda(_) => ("NCCL", cfg!(feature = "nccl")),
+        Target::Cuda(_) => ("NCCL", "nccl", cfg!(feature = "nccl")),
     };
     if present {
         return Ok(());
     }
-    let feature = if target == Target::Cpu { "mpi" } else { "nccl" };
     Err(Failure::Usage(format!(
         "--gpus N runs N processes over {needs}: this build has none (build with --features {feature})"
     )))

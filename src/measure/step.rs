@@ -248,7 +248,7 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
             Err(e) => return Ok(Err(e)),
         };
         let stats = PoolStats::read(cuda)?;
-        let outside = outside_pool(&device)?;
+        let outside = outside_bytes(&stats);
         Ok(Ok(Measurement {
             peak_bytes: stats.used_high + outside,
             reserved_bytes: stats.reserved_high + outside,
@@ -282,24 +282,29 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
     outcome
 }
 
-/// A candle error, also one inside a strategy's error (a CUDA out-of-memory in
-/// the fused AdamW or a checkpointed block), as `Err`; any other error as `Ok`.
 /// Device memory outside the CUDA pool (the context, modules, cuBLAS
-/// workspaces, NCCL's buffers), which counts against the budget as the
-/// estimate's `runtime` term does; the ballast of `--enforce-budget` is
-/// outside the pool too, but not the plan's. 0 on the CPU.
+/// workspaces, NCCL's buffers) by the pool's statistics `stats`, which counts
+/// against the budget as the estimate's `runtime` term does; the ballast of
+/// `--enforce-budget` is outside the pool too, but not the plan's.
+#[cfg(feature = "cuda")]
+fn outside_bytes(stats: &crate::track::cuda::PoolStats) -> u64 {
+    (stats.device_total - stats.device_free)
+        .saturating_sub(stats.reserved)
+        .saturating_sub(crate::track::cuda::ballast_bytes())
+}
+
+/// [`outside_bytes`] of `device` now; 0 on the CPU.
 fn outside_pool(device: &Device) -> candle_core::Result<u64> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(cuda) = device {
-        let stats = crate::track::cuda::PoolStats::read(cuda)?;
-        return Ok((stats.device_total - stats.device_free)
-            .saturating_sub(stats.reserved)
-            .saturating_sub(crate::track::cuda::ballast_bytes()));
+        return Ok(outside_bytes(&crate::track::cuda::PoolStats::read(cuda)?));
     }
     let _ = device;
     Ok(0)
 }
 
+/// A candle error, also one inside a strategy's error (a CUDA out-of-memory in
+/// the fused AdamW or a checkpointed block), as `Err`; any other error as `Ok`.
 #[cfg(feature = "cuda")]
 fn candle_error(e: Error) -> candle_core::Result<Error> {
     match e {

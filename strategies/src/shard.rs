@@ -569,8 +569,7 @@ impl<C: Comm> ShardedOptimizer<C> {
         let dtypes: Vec<DType> = grads.iter().map(|g| g.dtype()).collect();
         let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
         let mut mine: Vec<(usize, Tensor)> = Vec::new();
-        let all: Vec<usize> = (0..self.vars.len()).collect();
-        for (owner, bucket) in self.buckets(&dtypes, &all) {
+        for (owner, bucket) in self.buckets(&dtypes, &self.every_var()) {
             let flat = flatten(
                 bucket
                     .iter()
@@ -703,14 +702,14 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// Stage 3: materialises every parameter on every rank (collective; call
     /// before the forward). A no-op when nothing is freed, and always in stages 1 and 2.
     pub fn gather_params(&mut self) -> Result<()> {
-        self.gather(&(0..self.vars.len()).collect::<Vec<_>>())
+        self.gather(&self.every_var())
     }
 
     /// Stage 3: frees this rank's non-owned parameters (local; e.g. right after
     /// backward, before [`step`](Self::step)). A no-op when already freed, and
     /// always in stages 1 and 2.
     pub fn release_params(&mut self) -> Result<()> {
-        self.release(&(0..self.vars.len()).collect::<Vec<_>>())
+        self.release(&self.every_var())
     }
 
     /// Stage 3: materialises the vars `which` (indices; every rank passes
@@ -750,7 +749,7 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// Every owner sends its parameters to the other ranks, bucket by bucket,
     /// and they copy them into their vars.
     fn broadcast_params(&self) -> Result<()> {
-        self.broadcast_vars(&(0..self.vars.len()).collect::<Vec<_>>())
+        self.broadcast_vars(&self.every_var())
     }
 
     /// The owners of the vars `which` (ascending) send them to the other
@@ -788,6 +787,11 @@ impl<C: Comm> ShardedOptimizer<C> {
             }
         }
         Ok(())
+    }
+
+    /// The indices of all vars.
+    fn every_var(&self) -> Vec<usize> {
+        (0..self.vars.len()).collect()
     }
 
     /// The fp32 weights this rank steps for var `i`: its master (16-bit
