@@ -95,11 +95,18 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_rank_steps() {
     }
 }
 
+/// Also with the optimizer offloaded: each rank keeps its share's masters
+/// and moments on the host (one process's offloaded steps are those of
+/// fused AdamW over fp32 masters, bit for bit).
 #[test]
 fn mixed_precision_ranks_keep_the_masters_of_their_share_and_take_the_one_rank_steps() {
     let bf16 = |p: Plan| Plan {
         precision: Precision::Bf16,
         ..p
+    };
+    let offloaded = |p: Plan| Plan {
+        optimizer: OptimizerImpl::OffloadedAdamW,
+        ..bf16(p)
     };
     let mut options = TrainOptions::default();
     options.adamw.lr = 1e-2;
@@ -124,10 +131,12 @@ fn mixed_precision_ranks_keep_the_masters_of_their_share_and_take_the_one_rank_s
         .map(|l| ((l - want[0]) / want[0]).abs())
         .fold(0.0, f32::max);
     assert!(moved > 2e-3, "the steps move the loss: {want:?}");
-    for stage in 1..=3 {
-        let got = on_ranks(bf16(plan(2, stage, 2)), &options, |t| {
-            (losses(t), masters(t))
-        });
+    let sharded = (1..=3)
+        .map(|stage| bf16(plan(2, stage, 2)))
+        .chain([offloaded(plan(2, 1, 2)), offloaded(plan(2, 3, 2))]);
+    for ranks_plan in sharded {
+        let stage = format!("{}, {}", ranks_plan.shard.stage, ranks_plan.optimizer);
+        let got = on_ranks(ranks_plan, &options, |t| (losses(t), masters(t)));
         let kept: Vec<usize> = got.iter().map(|g| g.1).collect();
         assert_eq!(
             kept.iter().sum::<usize>(),

@@ -80,11 +80,16 @@ impl Run {
         .collect()
     }
 
-    /// `train`'s arguments: [`planning`](Self::planning), then `extra`.
+    /// `train`'s arguments: [`planning`](Self::planning) but the options
+    /// `extra` gives again, then `extra`.
     fn args(&self, steps: usize, extra: &[&str]) -> Vec<String> {
         let steps = steps.to_string();
         let mut a: Vec<String> = vec!["train".into(), "model.safetensors".into()];
-        a.extend(Self::planning());
+        for pair in Self::planning().chunks(2) {
+            if !extra.contains(&pair[0].as_str()) {
+                a.extend_from_slice(pair);
+            }
+        }
         // The test's model file holds zeros: start from random weights.
         let rest = [
             "--data",
@@ -202,6 +207,18 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_process_steps() {
         let (got, _) = losses(&lines);
         assert_close(&got, &want, &format!("stage {stage}, 4 ranks"));
     }
+    // Each rank's share of the optimizer offloaded (the same arithmetic).
+    let offloaded = [
+        "--zero-stage",
+        "2",
+        "--optimizer",
+        "cpu-adamw",
+        "--gpus",
+        "2",
+    ];
+    let (code, lines, stderr) = run(run_dir.oomfix().args(run_dir.args(STEPS, &offloaded)));
+    assert_eq!(code, 0, "offloaded, 2 ranks: {stderr}");
+    assert_close(&losses(&lines).0, &want, "offloaded, 2 ranks");
 }
 
 #[test]
@@ -335,11 +352,17 @@ fn a_checkpoint_of_2_ranks_is_one_directory_that_resumes_on_1_or_4() {
         &want[STEPS - 1..],
         "resumed on 1 process",
     );
+    // On 4 ranks, with each rank's moments restored into its offloaded share.
+    let four = ["--zero-stage", "1", "--optimizer", "cpu-adamw"];
     let (code, lines, stderr) = run(run_dir
         .mpirun(4, &[])
-        .args(run_dir.args(STEPS, &[&["--zero-stage", "1"][..], &resume].concat())));
+        .args(run_dir.args(STEPS, &[&four[..], &resume].concat())));
     assert_eq!(code, 0, "{stderr}");
-    assert_close(&losses(&lines).0, &want[STEPS - 1..], "resumed on 4 ranks");
+    assert_close(
+        &losses(&lines).0,
+        &want[STEPS - 1..],
+        "resumed on 4 ranks, offloaded",
+    );
 }
 
 /// With accumulation, ZeRO 2 reduces each micro-batch to the gradients'

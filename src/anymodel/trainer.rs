@@ -150,11 +150,6 @@ impl<M: Model> AnyTrainer<M> {
                 "fp16 loss scaling is not supported with sharding here; use bf16 or fp32".into(),
             ));
         }
-        if plan.optimizer.is_offloaded() {
-            return Err(Error::Usage(
-                "an offloaded optimizer is not sharded here; plan one or the other".into(),
-            ));
-        }
         Self::build(build, plan, &Device::Cpu, options, Some(comm))
     }
 
@@ -199,8 +194,12 @@ impl<M: Model> AnyTrainer<M> {
         let optim = match (comm, plan.optimizer) {
             (Some(comm), _) => {
                 let stage = ZeroStage::try_from(plan.shard.stage)?;
-                let mut opt =
-                    ShardedOptimizer::new(comm, opt_vars.clone(), options.adamw.clone(), stage)?;
+                let (adamw, vars) = (options.adamw.clone(), opt_vars.clone());
+                let mut opt = if plan.optimizer.is_offloaded() {
+                    ShardedOptimizer::offloaded(comm, vars, adamw, stage)?
+                } else {
+                    ShardedOptimizer::new(comm, vars, adamw, stage)?
+                };
                 opt.exempt_from_weight_decay(is_decay_exempt);
                 Optim::Sharded(opt)
             }

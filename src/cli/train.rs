@@ -244,10 +244,14 @@ fn run_rank(
         (InitArg::Pretrained, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
         _ => None,
     };
+    // On the CPU an offloaded optimizer's "host" state is the same memory.
     let estimated_peak = searched
         .as_ref()
         .and_then(|r| r.chosen())
-        .map_or(0, |a| a.estimate.peak);
+        .map_or(0, |a| match target {
+            Target::Cpu => a.estimate.peak + a.estimate.host,
+            Target::Cuda(_) => a.estimate.peak,
+        });
     let mut options = TrainOptions::default();
     options.adamw.lr = o.lr;
     options.adamw.weight_decay = o.weight_decay;

@@ -347,8 +347,8 @@ impl Trainer {
     ///
     /// The plan's world size must be `comm`'s and its ZeRO stage 1 to 3; the
     /// optimizer is fused AdamW over this rank's share (a plan for
-    /// `candle_nn::AdamW` runs it too: it holds less); an offloaded optimizer
-    /// is refused.
+    /// `candle_nn::AdamW` runs it too: it holds less), on the host with an
+    /// offloaded plan.
     pub fn new_sharded(
         config: &ModelConfig,
         plan: Plan,
@@ -368,12 +368,6 @@ impl Trainer {
                 "world size {world} needs ZeRO stage 1, 2 or 3, not {}",
                 plan.shard.stage
             )));
-        }
-        if plan.optimizer.is_offloaded() {
-            return Err(Error::Usage(
-                "an offloaded optimizer is not sharded yet: plan without the offload strategy"
-                    .into(),
-            ));
         }
         Self::build(config, plan, device, options, Some(comm))
     }
@@ -415,7 +409,12 @@ impl Trainer {
         let optim = match (comm, plan.optimizer) {
             (Some(comm), _) if comm.world_size() > 1 => {
                 let stage = ZeroStage::try_from(plan.shard.stage)?;
-                let mut opt = ShardedOptimizer::new(comm, opt_vars, options.adamw.clone(), stage)?;
+                let (adamw, vars) = (options.adamw.clone(), opt_vars);
+                let mut opt = if plan.optimizer.is_offloaded() {
+                    ShardedOptimizer::offloaded(comm, vars, adamw, stage)?
+                } else {
+                    ShardedOptimizer::new(comm, vars, adamw, stage)?
+                };
                 opt.exempt_from_weight_decay(is_decay_exempt);
                 Optim::Sharded(opt)
             }
@@ -517,7 +516,7 @@ impl Trainer {
         if let Optim::Sharded(opt) = &self.optim {
             for (i, (name, c)) in vars.iter().enumerate() {
                 match opt.weights_of_record(i) {
-                    Some(m) if m.dtype() != c.dtype() => {
+                    Some(m) if offloaded || m.dtype() != c.dtype() => {
                         out.push((format!("master.{name}"), m.as_tensor().clone()))
                     }
                     _ => {}

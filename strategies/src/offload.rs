@@ -57,9 +57,9 @@ impl Strategy for Offload {
             ..*plan
         })
     }
-    /// Offloaded, the fp32 master weights and both moments are host memory
-    /// (this rank's share under ZeRO stage 1+), with staging tensors for the
-    /// gradients going down (stage 2+: the rank's share); on the device the
+    /// Offloaded, the fp32 master weights and both moments are host memory,
+    /// with staging tensors for the gradients going down (all of it this
+    /// rank's share under ZeRO stage 1+); on the device the
     /// step's only temporary is a strided gradient made contiguous before
     /// its copy, one at a time (the largest tensor in the compute dtype).
     fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
@@ -68,7 +68,7 @@ impl Strategy for Offload {
         }
         let compute = plan.precision.compute_bytes();
         state.host = crate::shard::per_rank(plan, 12 * model.parameters, 1)
-            + crate::shard::per_rank(plan, compute * model.parameters, 2);
+            + crate::shard::per_rank(plan, compute * model.parameters, 1);
         state.master_weights = 0;
         state.optimizer_state = 0;
         state.optimizer_transient = compute * model.largest_tensor;

@@ -16,6 +16,7 @@ use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
 
 use crate::accumulate::{divisors, GradAccumulator};
 use crate::adamw::{one_gradient_each, FusedAdamW, ParamsAdamW};
+use crate::offload::OffloadedAdamW;
 use crate::{Error, ModelFacts, Plan, Result, SearchContext, Sharding, StateBytes, Strategy};
 
 #[cfg(feature = "mpi")]
@@ -380,7 +381,10 @@ impl TryFrom<u8> for ZeroStage {
 /// [`FusedAdamW`] state for the parameters it owns only. Under mixed
 /// precision (bf16 or f16 vars) it also keeps the fp32 master weights of
 /// those parameters only: the owner steps its masters, casts them into its
-/// vars, and the vars travel in their 16-bit dtype. Gradients and
+/// vars, and the vars travel in their 16-bit dtype. Built with
+/// [`offloaded`](Self::offloaded), a rank keeps its share's masters and
+/// moments in host memory instead and steps them there ([`OffloadedAdamW`]
+/// over the owned vars: ZeRO-Offload's partitioned optimizer). Gradients and
 /// parameters travel in buckets: flat buffers of the parameters one rank owns,
 /// consecutive in var order, of one dtype, up to `bucket_bytes` each (a
 /// parameter larger than that is a bucket of its own); one collective per
@@ -439,9 +443,10 @@ pub struct ShardedOptimizer<C: Comm> {
     stage: ZeroStage,
     vars: Vec<Var>,
     owners: Vec<usize>,
-    /// The fp32 masters of the owned 16-bit vars, by var index.
+    /// The fp32 masters of the owned 16-bit vars, by var index (none when
+    /// the optimizer is offloaded: it keeps its masters on the host).
     masters: Vec<Option<Var>>,
-    opt: FusedAdamW,
+    opt: OwnedAdamW,
     /// Whether each var is whole on every rank (always outside stage 3;
     /// at stage 3 between [`gather`](Self::gather) and [`release`](Self::release)).
     whole: Vec<bool>,
@@ -451,6 +456,30 @@ pub struct ShardedOptimizer<C: Comm> {
     reduced: GradAccumulator,
     /// What the collectives moved and took.
     traffic: std::cell::Cell<Traffic>,
+}
+
+/// The AdamW over a rank's share of the parameters.
+#[derive(Debug)]
+enum OwnedAdamW {
+    /// On the vars' device, over the vars or their fp32 masters.
+    Device(FusedAdamW),
+    /// Masters and moments on the host; it writes the vars itself.
+    Host(OffloadedAdamW),
+}
+
+impl OwnedAdamW {
+    fn fused(&self) -> &FusedAdamW {
+        match self {
+            OwnedAdamW::Device(opt) => opt,
+            OwnedAdamW::Host(opt) => opt.optimizer(),
+        }
+    }
+    fn fused_mut(&mut self) -> &mut FusedAdamW {
+        match self {
+            OwnedAdamW::Device(opt) => opt,
+            OwnedAdamW::Host(opt) => opt.optimizer_mut(),
+        }
+    }
 }
 
 /// What a rank's collectives of gradients and parameters moved and took
@@ -496,6 +525,32 @@ impl<C: Comm> ShardedOptimizer<C> {
         stage: ZeroStage,
         bucket_bytes: usize,
     ) -> Result<Self> {
+        Self::build(comm, vars, params, stage, bucket_bytes, false)
+    }
+
+    /// As [`new`](Self::new), with this rank's fp32 masters and moments in
+    /// host memory, stepped there by [`OffloadedAdamW`] (its share only:
+    /// the host holds 12 bytes per owned parameter element, plus staging
+    /// in the vars' dtype). Gradients and parameters travel as with
+    /// [`new`](Self::new); the owner's reduced gradients go to the host for
+    /// its step and its updated vars come back before they are sent.
+    pub fn offloaded(
+        comm: C,
+        vars: Vec<Var>,
+        params: ParamsAdamW,
+        stage: ZeroStage,
+    ) -> Result<Self> {
+        Self::build(comm, vars, params, stage, DEFAULT_BUCKET_BYTES, true)
+    }
+
+    fn build(
+        comm: C,
+        vars: Vec<Var>,
+        params: ParamsAdamW,
+        stage: ZeroStage,
+        bucket_bytes: usize,
+        offload: bool,
+    ) -> Result<Self> {
         if bucket_bytes == 0 {
             return Err(Error::Config("a bucket must hold at least 1 byte".into()));
         }
@@ -514,7 +569,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             .enumerate()
             .map(|(i, v)| {
                 let narrow = matches!(v.dtype(), DType::BF16 | DType::F16);
-                (narrow && owners[i] == rank)
+                (narrow && owners[i] == rank && !offload)
                     .then(|| Var::from_tensor(&v.to_dtype(DType::F32)?))
                     .transpose()
             })
@@ -524,8 +579,13 @@ impl<C: Comm> ShardedOptimizer<C> {
             .zip(&masters)
             .enumerate()
             .filter(|&(i, _)| owners[i] == rank)
-            .map(|(i, (v, m))| (i.to_string(), m.as_ref().unwrap_or(v).clone()));
-        let opt = FusedAdamW::new_named(owned.collect(), params)?;
+            .map(|(i, (v, m))| (i.to_string(), m.as_ref().unwrap_or(v).clone()))
+            .collect();
+        let opt = if offload {
+            OwnedAdamW::Host(OffloadedAdamW::new(owned, params)?)
+        } else {
+            OwnedAdamW::Device(FusedAdamW::new_named(owned, params)?)
+        };
         let mut s = ShardedOptimizer {
             comm,
             stage,
@@ -635,11 +695,16 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// broadcast each owner's updated parameters, stage 3 frees the
     /// non-owned ones.
     pub fn step_owned(&mut self, grads: &[Tensor], factor: f64) -> Result<()> {
-        self.opt.step_scaled(grads, factor)?;
-        for (var, master) in self.vars.iter().zip(&self.masters) {
-            if let Some(m) = master {
-                var.set(&m.as_tensor().to_dtype(var.dtype())?)?;
+        match &mut self.opt {
+            OwnedAdamW::Device(opt) => {
+                opt.step_scaled(grads, factor)?;
+                for (var, master) in self.vars.iter().zip(&self.masters) {
+                    if let Some(m) = master {
+                        var.set(&m.as_tensor().to_dtype(var.dtype())?)?;
+                    }
+                }
             }
+            OwnedAdamW::Host(opt) => opt.step_scaled(grads.to_vec(), factor)?,
         }
         match self.stage {
             ZeroStage::Parameters => self.release_params(),
@@ -795,21 +860,40 @@ impl<C: Comm> ShardedOptimizer<C> {
     }
 
     /// The fp32 weights this rank steps for var `i`: its master (16-bit
-    /// vars) or the var itself; `None` for a var another rank owns.
+    /// vars, or any var with the optimizer offloaded: then on the host) or
+    /// the var itself; `None` for a var another rank owns.
     pub fn weights_of_record(&self, i: usize) -> Option<&Var> {
-        (self.owners.get(i)? == &self.comm.rank())
-            .then(|| self.masters[i].as_ref().unwrap_or(&self.vars[i]))
+        let rank = self.comm.rank();
+        if self.owners.get(i)? != &rank {
+            return None;
+        }
+        Some(match &self.opt {
+            OwnedAdamW::Device(_) => self.masters[i].as_ref().unwrap_or(&self.vars[i]),
+            OwnedAdamW::Host(opt) => {
+                // The host masters are in the order of the owned vars.
+                let position = self.owners[..i].iter().filter(|&&o| o == rank).count();
+                &opt.master_vars()[position]
+            }
+        })
     }
 
     /// Sets var `i` to `t` (cast to its dtype) and, where this rank keeps
-    /// its fp32 master, the master too (local; e.g. when resuming).
+    /// an fp32 master of it, the master too (local; e.g. when resuming).
     pub fn set_weights(&self, i: usize, t: &Tensor) -> Result<()> {
         let var = &self.vars[i];
         var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
-        if let Some(m) = &self.masters[i] {
-            m.set(&t.to_dtype(DType::F32)?.to_device(m.device())?)?;
+        match self.weights_of_record(i) {
+            Some(m) if m.as_tensor().id() != var.as_tensor().id() => {
+                m.set(&t.to_dtype(DType::F32)?.to_device(m.device())?)?
+            }
+            _ => {}
         }
         Ok(())
+    }
+
+    /// Whether this rank's masters and moments are in host memory ([`offloaded`](Self::offloaded)).
+    pub fn is_offloaded(&self) -> bool {
+        matches!(self.opt, OwnedAdamW::Host(_))
     }
 
     /// Owner rank of each var, in order.
@@ -831,25 +915,25 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// The AdamW over this rank's parameters: its state is this rank's shard
     /// (for checkpoints, keyed by global var index).
     pub fn optimizer(&self) -> &FusedAdamW {
-        &self.opt
+        self.opt.fused()
     }
 
     /// The AdamW over this rank's parameters, to restore its shard from a
     /// checkpoint ([`FusedAdamW::set_moments`] by global var index).
     pub fn optimizer_mut(&mut self) -> &mut FusedAdamW {
-        &mut self.opt
+        self.opt.fused_mut()
     }
 
     /// Exempts from weight decay the owned vars `exempt` accepts (called with
     /// the var's global index as its name): see
     /// [`FusedAdamW::exempt_from_weight_decay`].
     pub fn exempt_from_weight_decay(&mut self, exempt: impl Fn(&str, &Var) -> bool) {
-        self.opt.exempt_from_weight_decay(exempt);
+        self.opt.fused_mut().exempt_from_weight_decay(exempt);
     }
 
     /// Sets the learning rate.
     pub fn set_learning_rate(&mut self, lr: f64) {
-        self.opt.set_learning_rate(lr);
+        self.opt.fused_mut().set_learning_rate(lr);
     }
 
     /// The communicator.

@@ -58,10 +58,15 @@ fn adamw() -> ParamsAdamW {
     }
 }
 
-/// Trains on `world` threads at `stage`; every rank sees its slice of each global
-/// batch. Returns each rank's final parameters (gathered for stage 3) and its
+/// Trains on `world` threads at `stage`, with each rank's optimizer on the
+/// host when `offload`; every rank sees its slice of each global batch.
+/// Returns each rank's final parameters (gathered for stage 3) and its
 /// optimizer state shard.
-fn train(world: usize, stage: ZeroStage) -> Vec<(Vec<Tensor>, HashMap<String, Tensor>)> {
+fn train(
+    world: usize,
+    stage: ZeroStage,
+    offload: bool,
+) -> Vec<(Vec<Tensor>, HashMap<String, Tensor>)> {
     std::thread::scope(|s| {
         let handles: Vec<_> = ThreadComm::group(world)
             .into_iter()
@@ -69,8 +74,22 @@ fn train(world: usize, stage: ZeroStage) -> Vec<(Vec<Tensor>, HashMap<String, Te
                 s.spawn(move || {
                     let rank = comm.rank();
                     let params = init_params();
-                    let mut opt =
-                        ShardedOptimizer::new(comm, params.clone(), adamw(), stage).unwrap();
+                    let mut opt = if offload {
+                        ShardedOptimizer::offloaded(comm, params.clone(), adamw(), stage)
+                    } else {
+                        ShardedOptimizer::new(comm, params.clone(), adamw(), stage)
+                    }
+                    .unwrap();
+                    assert_eq!(opt.is_offloaded(), offload);
+                    // Offloaded, a rank's fp32 weights of record are masters of
+                    // their own (the host's), one per owned parameter.
+                    for (i, p) in params.iter().enumerate() {
+                        let record = opt.weights_of_record(i);
+                        assert_eq!(record.is_some(), opt.owners()[i] == rank);
+                        let separate =
+                            record.is_some_and(|m| m.as_tensor().id() != p.as_tensor().id());
+                        assert_eq!(separate, offload && record.is_some());
+                    }
                     let rows = GLOBAL_BATCH / world;
                     for step in 0..STEPS {
                         opt.gather_params().unwrap();
@@ -128,10 +147,10 @@ fn every_stage_and_world_size_matches_one_rank() {
         ZeroStage::Gradients,
         ZeroStage::Parameters,
     ] {
-        for world in [1, 2, 4] {
+        for (world, offload) in [(1, false), (2, false), (4, false), (2, true), (4, true)] {
             let mut state_keys = 0;
-            for (rank, (got, state)) in train(world, stage).iter().enumerate() {
-                let what = format!("{stage:?}, world {world}, rank {rank}");
+            for (rank, (got, state)) in train(world, stage, offload).iter().enumerate() {
+                let what = format!("{stage:?}, world {world}, offload {offload}, rank {rank}");
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert_close(g, w, 1e-5, &format!("{what}, param {i}"));
                 }
