@@ -44,27 +44,72 @@ pub struct Measurement {
 }
 
 /// How much of the budget a plan must leave unused: the estimate's margin of
-/// error, so that a plan reported as fitting does not run out of memory.
+/// error, so that a plan reported as fitting does not run out of memory. A
+/// fixed part and a part proportional to the estimated peak, as the
+/// estimate's misses are: a few allocations it does not model (the same
+/// size whatever the model) and a fraction of what it does.
+///
+/// ```
+/// use oomfix::Headroom;
+///
+/// let h: Headroom = "1MiB+1%".parse().unwrap();
+/// assert_eq!(h, Headroom { fixed: 1 << 20, fraction: 0.01 });
+/// assert_eq!(h.bytes(100 << 20), 2 << 20);
+/// assert_eq!("5%".parse::<Headroom>().unwrap(), Headroom::fraction(0.05));
+/// assert_eq!("512MiB".parse::<Headroom>().unwrap(), Headroom::fixed(512 << 20));
+/// assert_eq!(h.to_string(), "1.00 MiB + 1%");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Headroom {
-    /// A number of bytes.
-    Bytes(u64),
-    /// A fraction of the estimated peak (0.05: the estimate plus 5% must fit).
-    Fraction(f64),
+pub struct Headroom {
+    /// Bytes kept whatever the estimate.
+    pub fixed: u64,
+    /// A fraction of the estimated peak kept besides (0.05: 5%).
+    pub fraction: f64,
 }
 
-/// The default headroom of CPU plans: the estimate was at most 7.1% below the
-/// measured peak over docs/accuracy.md's 270 configurations (estimate ×
-/// 1.076 covers the worst), rounded up.
-pub const CPU_HEADROOM: Headroom = Headroom::Fraction(0.08);
+/// The default headroom of CPU plans, from docs/accuracy.md's 270
+/// configurations: the estimate's largest misses are a fixed amount (at
+/// most 1.33 MB below the measured peak, from 11 MB to 570 MB estimates;
+/// 7.1% of the smallest), so 1% of the estimate leaves at most 0.70 MiB
+/// uncovered, rounded up to 1 MiB.
+pub const CPU_HEADROOM: Headroom = Headroom {
+    fixed: 1 << 20,
+    fraction: 0.01,
+};
 
-/// The default headroom of CUDA plans: the estimate was at most 4.1% below
-/// the pool's measured peak over docs/accuracy-gpu.md's 180 configurations
-/// on the H200 (estimate × 1.043 covers the worst), rounded up.
-pub const CUDA_HEADROOM: Headroom = Headroom::Fraction(0.05);
+/// The default headroom of CUDA plans, from docs/accuracy-gpu.md's 180
+/// configurations on the H200: the estimate was at most 100 MiB (4.2%)
+/// below the pool's measured peak; 1% of the estimate leaves at most 63 MiB
+/// uncovered, rounded up by half again to 96 MiB (the larger models were
+/// not measured).
+pub const CUDA_HEADROOM: Headroom = Headroom {
+    fixed: 96 << 20,
+    fraction: 0.01,
+};
 
 impl Headroom {
+    /// No headroom: the estimate itself must fit.
+    pub const NONE: Headroom = Headroom {
+        fixed: 0,
+        fraction: 0.0,
+    };
+
+    /// A headroom of `bytes` whatever the estimate.
+    pub fn fixed(bytes: u64) -> Headroom {
+        Headroom {
+            fixed: bytes,
+            ..Headroom::NONE
+        }
+    }
+
+    /// A headroom of `fraction` of the estimated peak (0.05: 5%).
+    pub fn fraction(fraction: f64) -> Headroom {
+        Headroom {
+            fraction,
+            ..Headroom::NONE
+        }
+    }
+
     /// The headroom taken when none is set: measured from the estimate's
     /// error on `target` ([`CPU_HEADROOM`], [`CUDA_HEADROOM`]).
     pub fn default_for(target: &Target) -> Headroom {
@@ -76,29 +121,54 @@ impl Headroom {
 
     /// Bytes to keep free above an estimated peak of `peak` bytes.
     pub fn bytes(&self, peak: u64) -> u64 {
-        match *self {
-            Headroom::Bytes(b) => b,
-            Headroom::Fraction(f) => (peak as f64 * f.max(0.0)).ceil() as u64,
+        let proportional = (peak as f64 * self.fraction.max(0.0)).ceil() as u64;
+        self.fixed.saturating_add(proportional)
+    }
+}
+
+impl std::fmt::Display for Headroom {
+    /// `1.00 MiB + 1%`, `5%`, `512.00 MiB`, `0`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pct = format!("{}%", self.fraction * 100.0);
+        match (self.fixed, self.fraction > 0.0) {
+            (0, false) => f.write_str("0"),
+            (0, true) => f.write_str(&pct),
+            (b, false) => f.write_str(&crate::units::format_bytes(b)),
+            (b, true) => write!(f, "{} + {pct}", crate::units::format_bytes(b)),
         }
     }
 }
 
 impl std::str::FromStr for Headroom {
     type Err = String;
-    /// `5%`, `0.5GiB`, `512MiB`, a number of bytes, `0`.
+    /// `5%`, `0.5GiB`, `512MiB`, a number of bytes, `0`, or a size and a
+    /// percentage joined by `+` (`64MiB+1%`).
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let t = s.trim();
-        if let Some(pct) = t.strip_suffix('%') {
-            return match pct.trim().parse::<f64>() {
-                Ok(p) if p.is_finite() && (0.0..100.0).contains(&p) => {
-                    Ok(Headroom::Fraction(p / 100.0))
+        let invalid = || {
+            format!(
+                "`{s}` is not a headroom (a percentage from 0% to below 100%, a size, \
+                 or both joined by `+`, e.g. 64MiB+1%)"
+            )
+        };
+        let mut headroom = Headroom::NONE;
+        let (mut sized, mut pct) = (false, false);
+        for term in s.split('+').map(str::trim) {
+            if let Some(p) = term.strip_suffix('%') {
+                match p.trim().parse::<f64>() {
+                    Ok(p) if !pct && p.is_finite() && (0.0..100.0).contains(&p) => {
+                        headroom.fraction = p / 100.0;
+                        pct = true;
+                    }
+                    _ => return Err(invalid()),
                 }
-                _ => Err(format!(
-                    "`{s}` is not a headroom (a percentage from 0% to below 100%, or a size)"
-                )),
-            };
+            } else if !sized {
+                headroom.fixed = crate::units::parse_bytes(term).map_err(|_| invalid())?;
+                sized = true;
+            } else {
+                return Err(invalid());
+            }
         }
-        crate::units::parse_bytes(t).map(Headroom::Bytes)
+        Ok(headroom)
     }
 }
 
@@ -929,7 +999,7 @@ mod tests {
                 planner: &planner,
                 estimator: &estimator,
                 spec: &spec,
-                headroom: Headroom::Bytes(0),
+                headroom: Headroom::NONE,
                 attempts: Vec::new(),
                 explored: HashMap::new(),
                 usable: Vec::new(),

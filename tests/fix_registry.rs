@@ -64,7 +64,7 @@ fn a_fix_from_outside_takes_part_in_the_search() {
     // does (no headroom: the budget is set from the estimates themselves).
     let budget = (before.peak + after.peak) / 2;
     let result = Planner::new(budget)
-        .headroom(Headroom::Bytes(0))
+        .headroom(Headroom::NONE)
         .global_batch(4)
         .seq_len(64)
         .target(Target::Cpu)

@@ -94,18 +94,32 @@ fn the_headroom_is_kept_below_the_budget() {
             .unwrap()
             .fits()
     };
-    assert!(at(peak, Headroom::Bytes(0)));
-    assert!(!at(peak, Headroom::Fraction(0.05)));
-    assert!(at(peak + peak / 20 + 1, Headroom::Fraction(0.05)));
-    assert!(!at(peak + (64 << 20) - 1, Headroom::Bytes(64 << 20)));
-    // The default on CUDA is the estimate's measured error, 5%.
+    assert!(at(peak, Headroom::NONE));
+    assert!(!at(peak, Headroom::fraction(0.05)));
+    assert!(at(peak + peak / 20 + 1, Headroom::fraction(0.05)));
+    assert!(!at(peak + (64 << 20) - 1, Headroom::fixed(64 << 20)));
+    let both = Headroom {
+        fixed: 64 << 20,
+        fraction: 0.01,
+    };
+    let needed = peak + (64 << 20) + peak.div_ceil(100);
+    assert!(!at(needed - 1, both) && at(needed, both));
+    // The default on CUDA is the estimate's measured error: 96 MiB + 1%.
     assert_eq!(
         Headroom::default_for(&Target::Cuda(0)),
-        Headroom::Fraction(0.05)
+        Headroom {
+            fixed: 96 << 20,
+            fraction: 0.01
+        }
     );
     assert!(!Planner::new(peak).pins(pins).run(&spec).unwrap().fits());
-    assert_eq!("5%".parse::<Headroom>(), Ok(Headroom::Fraction(0.05)));
-    assert_eq!("1GiB".parse::<Headroom>(), Ok(Headroom::Bytes(1 << 30)));
+    assert_eq!("5%".parse::<Headroom>(), Ok(Headroom::fraction(0.05)));
+    assert_eq!("1GiB".parse::<Headroom>(), Ok(Headroom::fixed(1 << 30)));
+    assert_eq!(" 64MiB + 1% ".parse::<Headroom>(), Ok(both));
+    assert_eq!("1%+64MiB".parse::<Headroom>(), Ok(both));
+    for bad in ["1%+2%", "1MiB+1MiB", "64MiB+", "+1%", "lots"] {
+        assert!(bad.parse::<Headroom>().is_err(), "{bad}");
+    }
     assert!("100%".parse::<Headroom>().is_err() && "-1%".parse::<Headroom>().is_err());
 }
 

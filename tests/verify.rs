@@ -7,7 +7,9 @@ use common::*;
 use oomfix::measure::StepVerifier;
 use oomfix::search::{Measurement, Verifier};
 use oomfix::track::CountingAlloc;
-use oomfix::{Breakdown, Estimator, ModelConfig, ModelSpec, Plan, Planner, Target, Verify};
+use oomfix::{
+    Breakdown, Estimator, Headroom, ModelConfig, ModelSpec, Plan, Planner, Target, Verify,
+};
 use serde_json::Value;
 
 #[global_allocator]
@@ -29,6 +31,7 @@ fn a_measured_peak_over_the_budget_is_not_a_fit() {
     let spec = ModelSpec::from_config("tiny", tiny_gpt2());
     let budget = 64 << 10; // the estimate (1 byte) fits, no real step does
     let result = Planner::new(budget)
+        .headroom(Headroom::NONE)
         .global_batch(2)
         .seq_len(16)
         .target(Target::Cpu)

@@ -291,9 +291,9 @@ pub struct PlanOptions {
     #[arg(long, value_name = "N", global = true, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: Option<u8>,
     /// Memory a plan must leave free below the budget: a percentage of its
-    /// estimate (5%) or a size (512MiB) [default: the estimate's measured
-    /// error: 8% on the CPU, 5% on CUDA].
-    #[arg(long, value_name = "SIZE|PCT", global = true, value_parser = parse_from_str::<oomfix::Headroom>)]
+    /// estimate (5%), a size (512MiB) or both (64MiB+1%) [default: the
+    /// estimate's measured error: 1MiB+1% on the CPU, 96MiB+1% on CUDA].
+    #[arg(long, value_name = "SIZE+PCT", global = true, value_parser = parse_from_str::<oomfix::Headroom>)]
     pub headroom: Option<oomfix::Headroom>,
     /// Host memory the offloaded optimizer state may use [default: the
     /// machine's available memory].

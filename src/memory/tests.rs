@@ -328,7 +328,7 @@ fn cuda_plans_keep_room_for_the_pools_slack() {
     // (no headroom: the budget is the estimate itself).
     let fits = |budget: u64| {
         crate::Planner::new(budget)
-            .headroom(crate::Headroom::Bytes(0))
+            .headroom(crate::Headroom::NONE)
             .global_batch(8)
             .seq_len(1024)
             .pipeline(Pipeline::new())
@@ -372,6 +372,17 @@ fn offloading_moves_master_weights_and_optimizer_state_to_the_host() {
             assert_ne!(a.peak_phase, Phase::OptimizerStep);
             assert_eq!(b.peak_phase, a.peak_phase);
             assert_eq!(a.peak - b.peak, a.master_weights + a.optimizer_state);
+            // Sharded, each rank offloads the masters, moments and staging
+            // tensors of its own share only (ShardedOptimizer::offloaded).
+            let sharded = Plan {
+                shard: Sharding {
+                    world_size: 2,
+                    stage: 1,
+                },
+                ..offloaded
+            };
+            let c = MemoryModel.estimate(&spec, &sharded, &Target::Cpu);
+            assert_eq!(c.host, (12 * p).div_ceil(2) + (cb * p).div_ceil(2));
         }
     }
 }
