@@ -98,18 +98,6 @@ fn exit_2_for_usage_and_input_errors() {
         &["--budget", "8GiB", "missing.safetensors"],
         &["inspect", "missing.safetensors"],
         &["inspect"],
-        // --enforce-budget is not applied per rank
-        &[
-            "plan",
-            "tiny.safetensors",
-            "--budget",
-            "2GiB",
-            "--gpus",
-            "2",
-            "--enforce-budget",
-            "--device",
-            "cuda",
-        ],
         // ranks on the CPU need MPI, which the default build lacks (refused before measuring)
         &[
             "train",

@@ -207,6 +207,9 @@ pub struct MeasureStepArgs {
     /// them, as `train --gpus N` does, and prints the fullest rank's peak).
     #[arg(long, default_value_t = 1)]
     pub ranks: usize,
+    /// Hold each rank's GPU to this many bytes (`--enforce-budget`).
+    #[arg(long, value_name = "BYTES")]
+    pub enforce_budget: Option<u64>,
 }
 
 /// Options of `oomfix inspect`.

@@ -187,16 +187,45 @@ fn join_nccl(
     Ok((Arc::new(comm), device, control))
 }
 
+/// `--enforce-budget` in a job: holds this rank's GPU to `budget` bytes,
+/// each rank its own. Refused (exit 2) where the machine's ranks share its
+/// GPUs: a rank's hold on free memory would take the others' share.
+pub fn enforce_budget(joined: &Joined, budget: u64) -> Result<(), Failure> {
+    let gpus = gpu_count()?;
+    let ranks = joined.job.local_world_size;
+    if ranks > gpus {
+        return Err(Failure::Usage(format!(
+            "--enforce-budget holds each rank's GPU to the budget, but {ranks} ranks share {gpus} GPU(s) \
+             on this machine"
+        )));
+    }
+    super::plan::enforce_on(&joined.device, budget)
+}
+
+/// The GPUs of this machine.
+#[cfg(feature = "nccl")]
+fn gpu_count() -> Result<usize, Failure> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    let gpus = CudaContext::device_count()
+        .map_err(|e| Failure::Run(format!("cannot count the GPUs: {e}")))?;
+    Ok(gpus.max(0) as usize)
+}
+
+/// Without NCCL a job's ranks are on the CPU, which has no GPU to hold.
+#[cfg(not(feature = "nccl"))]
+fn gpu_count() -> Result<usize, Failure> {
+    Err(Failure::Usage(
+        "--enforce-budget limits a CUDA device's memory; ranks on the CPU have none".into(),
+    ))
+}
+
 /// The GPU of the rank with this `LOCAL_RANK`: `cuda:LOCAL_RANK`, as torchrun
 /// places ranks. Where NCCL may put several ranks on one GPU
 /// (`NCCL_MULTI_RANK_GPU_ENABLE=1`, NCCL 2.30 or newer; for testing), local
 /// ranks beyond the machine's GPUs wrap around them.
 #[cfg(feature = "nccl")]
 fn gpu_of(local_rank: usize) -> Result<usize, Failure> {
-    use candle_core::cuda_backend::cudarc::driver::CudaContext;
-    let gpus = CudaContext::device_count()
-        .map_err(|e| Failure::Run(format!("cannot count the GPUs: {e}")))?
-        .max(0) as usize;
+    let gpus = gpu_count()?;
     let shared = std::env::var("NCCL_MULTI_RANK_GPU_ENABLE").is_ok_and(|v| v.trim() == "1");
     match (local_rank < gpus, shared && gpus > 0) {
         (true, _) => Ok(local_rank),

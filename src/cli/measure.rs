@@ -33,6 +33,12 @@ pub fn run(args: &MeasureStepArgs) -> Outcome {
         return print_measurement(&m);
     };
     let joined = job::join(job, args.device)?;
+    if let Some(budget) = args.enforce_budget {
+        // A refusal ends the job on every rank, as any other failure does.
+        if let Err(e) = job::enforce_budget(&joined, budget) {
+            return job::conclude(Err(e));
+        }
+    }
     let outcome = oomfix::measure::measure_sharded(
         &spec,
         &plan,

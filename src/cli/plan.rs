@@ -56,13 +56,6 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
                 .into(),
         ));
     }
-    if o.enforce_budget && o.gpus > 1 {
-        return Err(Failure::Usage(
-            "--enforce-budget holds the one device this process plans on to the budget; with --gpus N \
-             it would hold back memory on cuda:0 only, not on each rank's device (not supported yet)"
-                .into(),
-        ));
-    }
     let pipeline =
         Pipeline::from_names(&o.strategies).map_err(|e| Failure::Usage(e.to_string()))?;
     let spec = match &args.model {
@@ -140,7 +133,9 @@ pub fn search_quietly(
         plot,
     } = prepared;
     let o = &args.opts;
-    if o.enforce_budget {
+    // With several ranks each rank holds its own GPU (train's ranks, and
+    // --verify's through its verifier), not the planning process.
+    if o.enforce_budget && o.gpus <= 1 {
         enforce_budget(target, budget)?;
     }
     let mut planner = Planner::new(budget)
@@ -170,7 +165,14 @@ pub fn search_quietly(
         // Plans over several ranks are measured with their ranks, started
         // by a child `measure-step` as `train --gpus N` starts them.
         let verifier = match target {
-            _ if o.gpus > 1 => StepVerifier::isolated(target, exe()?, budget).over_ranks(o.gpus),
+            _ if o.gpus > 1 => {
+                let v = StepVerifier::isolated(target, exe()?, budget).over_ranks(o.gpus);
+                if o.enforce_budget {
+                    v.enforcing()
+                } else {
+                    v
+                }
+            }
             Target::Cpu => StepVerifier::isolated(target, exe()?, budget),
             Target::Cuda(_) => StepVerifier::in_process(target),
         };
@@ -207,20 +209,36 @@ pub fn print_result(
     }
 }
 
+const NEEDS_CUDA: &str = "--enforce-budget on CUDA needs a build with --features cuda";
+
 /// `--enforce-budget`: leaves only `budget` bytes of the CUDA device usable by
 /// this process until it exits.
 fn enforce_budget(target: Target, budget: u64) -> Result<(), Failure> {
     match target {
-        Target::Cuda(ordinal) => enforce_cuda(ordinal, budget),
+        Target::Cuda(_) if !cfg!(feature = "cuda") => Err(Failure::Usage(NEEDS_CUDA.into())),
+        Target::Cuda(ordinal) => {
+            let device = candle_core::Device::new_cuda(ordinal).map_err(|e| {
+                Failure::Usage(format!("--enforce-budget: cannot use cuda:{ordinal}: {e}"))
+            })?;
+            enforce_on(&device, budget)
+        }
         // Refused by `prepare`.
         Target::Cpu => Ok(()),
     }
 }
 
+/// Leaves only `budget` bytes of `device` (a CUDA device) usable by this
+/// process until it exits; says what it held back.
 #[cfg(feature = "cuda")]
-fn enforce_cuda(ordinal: usize, budget: u64) -> Result<(), Failure> {
-    let device = candle_core::Device::new_cuda(ordinal)
-        .map_err(|e| Failure::Usage(format!("--enforce-budget: cannot use cuda:{ordinal}: {e}")))?;
+pub fn enforce_on(device: &candle_core::Device, budget: u64) -> Result<(), Failure> {
+    let ordinal = match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+        _ => {
+            return Err(Failure::Usage(
+                "--enforce-budget limits a CUDA device's memory".into(),
+            ))
+        }
+    };
     let cuda = device.as_cuda_device().map_err(Error::from)?;
     let done = oomfix::track::cuda::enforce_budget(cuda, budget)
         .map_err(|e| Failure::Usage(format!("--enforce-budget: {e}")))?;
@@ -240,11 +258,10 @@ fn enforce_cuda(ordinal: usize, budget: u64) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Without the `cuda` feature there is no device to hold.
 #[cfg(not(feature = "cuda"))]
-fn enforce_cuda(_: usize, _: u64) -> Result<(), Failure> {
-    Err(Failure::Usage(
-        "--enforce-budget on CUDA needs a build with --features cuda".into(),
-    ))
+pub fn enforce_on(_: &candle_core::Device, _: u64) -> Result<(), Failure> {
+    Err(Failure::Usage(NEEDS_CUDA.into()))
 }
 
 /// Measures the chosen (or closest) plan with its allocations recorded and

@@ -155,6 +155,9 @@ fn run_rank(
         .map(PathBuf::as_path)
         .collect();
     let prepared = plan::prepare(&plan_args, target, &data_inputs)?;
+    if let (Some(j), true) = (joined, plan_args.opts.enforce_budget) {
+        job::enforce_budget(j, prepared.budget)?;
+    }
     let model_dir = args.plan.model.as_deref().map(model_dir);
     if let Some(dir) = &model_dir {
         let seq_len = match args.plan.opts.seq_len {

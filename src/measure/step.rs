@@ -329,6 +329,8 @@ pub struct StepVerifier {
     isolate: Option<(PathBuf, u64)>,
     /// The ranks each plan is measured with (an isolated verifier's child starts them).
     ranks: usize,
+    /// Whether each rank holds its GPU to the budget.
+    enforcing: bool,
 }
 
 impl StepVerifier {
@@ -338,6 +340,7 @@ impl StepVerifier {
             target,
             isolate: None,
             ranks: 1,
+            enforcing: false,
         }
     }
 
@@ -348,6 +351,7 @@ impl StepVerifier {
             target,
             isolate: Some((oomfix_binary, budget)),
             ranks: 1,
+            enforcing: false,
         }
     }
 
@@ -357,6 +361,16 @@ impl StepVerifier {
     /// the budget on the CPU, and reports the fullest rank's peak.
     pub fn over_ranks(self, ranks: usize) -> Self {
         StepVerifier { ranks, ..self }
+    }
+
+    /// On CUDA, each rank of [`over_ranks`](Self::over_ranks) holds its GPU
+    /// to the budget (`--enforce-budget`): a plan that needs more is a CUDA
+    /// out-of-memory, recorded as such.
+    pub fn enforcing(self) -> Self {
+        StepVerifier {
+            enforcing: true,
+            ..self
+        }
     }
 }
 
@@ -376,9 +390,13 @@ impl Verifier for StepVerifier {
             .arg(self.target.to_string())
             .arg("--ranks")
             .arg(self.ranks.to_string());
-        if self.target == Target::Cpu {
-            cmd.arg("--address-space").arg(limit.to_string());
-        }
+        match self.target {
+            Target::Cpu => cmd.arg("--address-space").arg(limit.to_string()),
+            Target::Cuda(_) if self.enforcing => {
+                cmd.arg("--enforce-budget").arg(budget.to_string())
+            }
+            Target::Cuda(_) => &mut cmd,
+        };
         let out = cmd
             .env_remove("RUST_BACKTRACE")
             .env("MALLOC_ARENA_MAX", "2")

@@ -464,7 +464,7 @@ enum OwnedAdamW {
     /// On the vars' device, over the vars or their fp32 masters.
     Device(FusedAdamW),
     /// Masters and moments on the host; it writes the vars itself.
-    Host(OffloadedAdamW),
+    Host(Box<OffloadedAdamW>),
 }
 
 impl OwnedAdamW {
@@ -582,7 +582,7 @@ impl<C: Comm> ShardedOptimizer<C> {
             .map(|(i, (v, m))| (i.to_string(), m.as_ref().unwrap_or(v).clone()))
             .collect();
         let opt = if offload {
-            OwnedAdamW::Host(OffloadedAdamW::new(owned, params)?)
+            OwnedAdamW::Host(Box::new(OffloadedAdamW::new(owned, params)?))
         } else {
             OwnedAdamW::Device(FusedAdamW::new_named(owned, params)?)
         };
