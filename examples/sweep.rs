@@ -22,6 +22,11 @@
 //! `+`-separated part (e.g. `micro-batch 8 x`): a partial sweep, whose
 //! choice and budget are of those configurations only.
 //!
+//! `--recheck N`: where the plan chosen is not the fastest measured, times
+//! the two again, alternately, N rounds of `--steps` steps each (the
+//! shortest step of each over all rounds): single timings of configurations
+//! within a few percent of each other are ordered by the machine's noise.
+//!
 //! `--measured-log FILE` takes them from the lines an earlier run printed
 //! (e.g. one stopped before its summary).
 //!
@@ -164,6 +169,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .cloned()
     };
     let steps: usize = value("--steps").map_or(Ok(5), |s| s.parse())?;
+    let rounds: usize = value("--recheck").map_or(Ok(0), |s| s.parse())?;
     let out = value("--out").unwrap_or("docs/sweep.json".into());
     let only: Option<Vec<String>> =
         value("--models").map(|v| v.split(',').map(str::to_string).collect());
@@ -279,6 +285,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let fastest_reported = reported.iter().min_by(|a, b| a.1.total_cmp(&b.1));
         let errors: Vec<f64> = measured.iter().map(|m| (m.3 / m.1 - 1.0).abs()).collect();
         let ratio = chosen_row.map(|c| c.1 / fastest.1);
+        let recheck = match chosen_row {
+            Some(c) if rounds > 0 && c.0 != fastest.0 => {
+                let (mut a, mut b) = (f64::INFINITY, f64::INFINITY);
+                for _ in 0..rounds {
+                    a = a.min(time_steps(&spec, &c.0, steps, target)?);
+                    b = b.min(time_steps(&spec, &fastest.0, steps, target)?);
+                }
+                Some((a, b))
+            }
+            _ => None,
+        };
         let summary = json!({
             "model": name,
             "budget_bytes": budget,
@@ -291,6 +308,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "chosen": chosen,
             "chosen_seconds": chosen_row.map(|c| c.1),
             "chosen_over_fastest": ratio,
+            "recheck_rounds": rounds,
+            "rechecked_chosen_seconds": recheck.map(|r| r.0),
+            "rechecked_fastest_seconds": recheck.map(|r| r.1),
             "fastest_reported_fitting": fastest_reported.map(|m| m.0),
             "fastest_reported_fitting_seconds": fastest_reported.map(|m| m.1),
             "time_error_median": median(errors.clone()),
@@ -301,7 +321,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
              {} reported fitting by the estimate with the headroom, {} of those measured over the budget.\n\n\
              - fastest measured that fits: {} — {:.1} ms\n\
              - fastest measured of those the estimate reports fitting: {}\n\
-             - chosen by oomfix: {} — {}\n\
+             - chosen by oomfix: {} — {}\n{}\
              - step-time model |error|: median {:.1}%, max {:.1}%\n\n",
             summary["fitting_measured"],
             measured.len(),
@@ -315,6 +335,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 (Some(c), Some(r)) => format!("{:.1} ms, {r:.3}× the fastest", c.1 * 1e3),
                 _ => "not in the sweep".into(),
             },
+            recheck.map_or(String::new(), |(a, b)| format!(
+                "- timed again, alternately, {rounds} rounds: chosen {:.1} ms, fastest {:.1} ms, {:.3}×\n",
+                a * 1e3,
+                b * 1e3,
+                a / b
+            )),
             100.0 * median(errors.clone()),
             100.0 * errors.iter().copied().fold(0.0, f64::max),
         ));

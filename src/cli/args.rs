@@ -209,7 +209,7 @@ pub struct MeasureStepArgs {
     pub ranks: usize,
     /// Hold each rank's GPU to this many bytes (`--enforce-budget`).
     #[arg(long, value_name = "BYTES")]
-    pub enforce_budget: Option<u64>,
+    pub hold_device_to: Option<u64>,
 }
 
 /// Options of `oomfix inspect`.

@@ -33,7 +33,7 @@ pub fn run(args: &MeasureStepArgs) -> Outcome {
         return print_measurement(&m);
     };
     let joined = job::join(job, args.device)?;
-    if let Some(budget) = args.enforce_budget {
+    if let Some(budget) = args.hold_device_to {
         // A refusal ends the job on every rank, as any other failure does.
         if let Err(e) = job::enforce_budget(&joined, budget) {
             return job::conclude(Err(e));

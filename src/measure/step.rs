@@ -393,7 +393,7 @@ impl Verifier for StepVerifier {
         match self.target {
             Target::Cpu => cmd.arg("--address-space").arg(limit.to_string()),
             Target::Cuda(_) if self.enforcing => {
-                cmd.arg("--enforce-budget").arg(budget.to_string())
+                cmd.arg("--hold-device-to").arg(budget.to_string())
             }
             Target::Cuda(_) => &mut cmd,
         };
