@@ -1,28 +1,16 @@
 //! Training steps of a plan on any [`Model`].
 
 use crate::track::alloc::{self, Phase};
-use crate::train::clip_factor;
+use crate::train::{clip_factor, Optim};
 use crate::train::{StepStats, TrainOptions};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{AdamW, Optimizer};
 use oomfix_strategies::accumulate::GradAccumulator;
-use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
-use oomfix_strategies::clip;
 use oomfix_strategies::model::{self, MicroBatch, Model};
-use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
-use oomfix_strategies::shard::{Comm, ShardedOptimizer, Traffic, ZeroStage};
-use oomfix_strategies::{Attention, Execution, OptimizerImpl, Plan, Precision};
+use oomfix_strategies::shard::{Comm, Traffic};
+use oomfix_strategies::{Attention, Execution, Plan, Precision};
 use std::time::Instant;
-
-enum Optim {
-    /// One `candle_nn::AdamW` per tensor, stepped and its gradient freed in turn.
-    Candle(Vec<(AdamW, Var)>),
-    Fused(FusedAdamW),
-    Offloaded(OffloadedAdamW),
-    Sharded(ShardedOptimizer<Box<dyn Comm>>),
-}
 
 /// Runs optimizer steps of a [`Plan`] on a model oomfix does not know.
 ///
@@ -32,10 +20,11 @@ enum Optim {
 /// master weights under mixed precision ([`MasterWeights`]) with dynamic
 /// loss scaling for fp16, blocks recomputed and attention computed as the
 /// plan's [`Execution`] says, and the plan's optimizer: `candle_nn::AdamW`
-/// one tensor at a time, [`FusedAdamW`], [`OffloadedAdamW`] (on the CPU the
+/// one tensor at a time, [`FusedAdamW`](oomfix_strategies::adamw::FusedAdamW),
+/// [`OffloadedAdamW`](oomfix_strategies::offload::OffloadedAdamW) (on the CPU the
 /// "host" is the same memory: offload then changes where the step runs, not
 /// how much memory it takes), or, built with [`sharded`](Self::sharded),
-/// [`ShardedOptimizer`] over a [`Comm`], at the learning rate of
+/// [`ShardedOptimizer`](oomfix_strategies::shard::ShardedOptimizer) over a [`Comm`], at the learning rate of
 /// `options.schedule` (as the main trainer: [`crate::train::LrSchedule`]).
 ///
 /// Micro-batch `k` of step `t` on rank `r` of `w` asks the model for
@@ -175,58 +164,17 @@ impl<M: Model> AnyTrainer<M> {
             return Err(Error::Usage("the model has no variables to train".into()));
         }
         // A sharded optimizer keeps the masters of its own share itself.
-        let master =
-            (plan.precision.is_mixed() && !plan.optimizer.is_offloaded() && comm.is_none())
-                .then(|| MasterWeights::new(vars.clone()))
-                .transpose()?;
+        let sharded = comm.as_ref().is_some_and(|c| c.world_size() > 1);
+        let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded() && !sharded)
+            .then(|| MasterWeights::new(vars.clone()))
+            .transpose()?;
         let opt_vars = master
             .as_ref()
             .map_or_else(|| vars.clone(), |m| m.master_vars().to_vec());
         let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world_size()));
-        let named = || {
-            opt_vars
-                .iter()
-                .enumerate()
-                .map(|(i, v)| (i.to_string(), v.clone()))
-                .collect::<Vec<_>>()
-        };
-        // Weight decay as `train` applies it: not to biases and norm scales.
-        let optim = match (comm, plan.optimizer) {
-            (Some(comm), _) => {
-                let stage = ZeroStage::try_from(plan.shard.stage)?;
-                let (adamw, vars) = (options.adamw.clone(), opt_vars.clone());
-                let mut opt = if plan.optimizer.is_offloaded() {
-                    ShardedOptimizer::offloaded(comm, vars, adamw, stage)?
-                } else {
-                    ShardedOptimizer::new(comm, vars, adamw, stage)?
-                };
-                opt.exempt_from_weight_decay(is_decay_exempt);
-                Optim::Sharded(opt)
-            }
-            (None, OptimizerImpl::CandleAdamW) => Optim::Candle(
-                opt_vars
-                    .iter()
-                    .map(|v| {
-                        let mut params = options.adamw.clone();
-                        if is_decay_exempt("", v) {
-                            params.weight_decay = 0.0;
-                        }
-                        Ok((AdamW::new(vec![v.clone()], params)?, v.clone()))
-                    })
-                    .collect::<Result<_>>()?,
-            ),
-            (None, OptimizerImpl::FusedAdamW) => {
-                let mut opt = FusedAdamW::new_named(named(), options.adamw.clone())?;
-                opt.exempt_from_weight_decay(is_decay_exempt);
-                Optim::Fused(opt)
-            }
-            (None, OptimizerImpl::OffloadedAdamW) => {
-                let mut opt = OffloadedAdamW::new(named(), options.adamw.clone())?;
-                opt.optimizer_mut()
-                    .exempt_from_weight_decay(is_decay_exempt);
-                Optim::Offloaded(opt)
-            }
-        };
+        let named = opt_vars.iter().enumerate();
+        let named = named.map(|(i, v)| (i.to_string(), v.clone())).collect();
+        let optim = Optim::new(&plan, named, &options.adamw, comm)?;
         let scaler = (plan.precision == Precision::F16)
             .then(|| LossScaler::new(LossScalerConfig::default()))
             .transpose()?;
@@ -291,10 +239,7 @@ impl<M: Model> AnyTrainer<M> {
 
     /// What the sharded optimizer's collectives moved and took so far.
     fn traffic(&self) -> Traffic {
-        match &self.optim {
-            Optim::Sharded(opt) => opt.traffic(),
-            _ => Traffic::default(),
-        }
+        self.optim.traffic()
     }
 
     fn phases(&mut self) -> Result<(f32, u64, u64, bool, f64)> {
@@ -357,41 +302,16 @@ impl<M: Model> AnyTrainer<M> {
     fn optimizer_step(&mut self, grads: Vec<Tensor>) -> Result<f64> {
         let lr = self.schedule.rate(self.peak_lr, self.step);
         let (step, max_norm) = (self.step + 1, self.max_grad_norm);
-        let norm = match &mut self.optim {
+        let grads = match &mut self.optim {
             Optim::Sharded(opt) => {
-                opt.set_learning_rate(lr);
                 opt.reduce(grads)?;
-                let mine = opt.take_reduced(1.0)?;
-                let norm = opt.global_norm(&mine)?;
-                opt.step_owned(&mine, clip_factor(step, norm, max_norm)?)?;
-                return Ok(norm);
+                opt.take_reduced(1.0)?
             }
-            _ => clip::global_norm(&grads)?,
+            _ => grads,
         };
+        let norm = self.optim.global_norm(&grads)?;
         let factor = clip_factor(step, norm, max_norm)?;
-        match &mut self.optim {
-            Optim::Fused(opt) => {
-                opt.set_learning_rate(lr);
-                opt.step_scaled(&grads, factor)?;
-            }
-            Optim::Offloaded(opt) => {
-                opt.optimizer_mut().set_learning_rate(lr);
-                opt.step_scaled(grads, factor)?;
-            }
-            Optim::Candle(opts) => {
-                for ((opt, var), g) in opts.iter_mut().zip(grads) {
-                    opt.set_learning_rate(lr);
-                    // candle_nn::AdamW reads a GradStore: one holding this gradient only.
-                    let mut store = Tensor::new(0f32, &self.device)?.backward()?;
-                    store.insert(
-                        var.as_tensor(),
-                        g.to_dtype(DType::F32)?.affine(factor, 0.0)?,
-                    );
-                    opt.step(&store)?;
-                }
-            }
-            Optim::Sharded(_) => unreachable!("stepped above"),
-        }
+        self.optim.step(grads, lr, factor, &self.device)?;
         if let Some(m) = &self.master {
             m.sync_to_compute()?;
         }

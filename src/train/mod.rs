@@ -168,11 +168,13 @@
 
 mod bert;
 pub mod data;
+mod optim;
 pub mod saved;
 pub mod tokenizer;
 mod trainer;
 pub use crate::state_file::StateFile;
 mod schedule;
+pub(crate) use optim::Optim;
 pub use saved::{Checkpoint, ModelSource};
 pub use schedule::{Decay, LrSchedule};
 pub(crate) use trainer::clip_factor;

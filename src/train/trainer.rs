@@ -5,7 +5,7 @@
 //! ([`GradAccumulator`]), unscales and checks them under fp16 loss scaling, and
 //! steps the optimizer: `candle_nn::AdamW` one tensor at a time (each gradient
 //! dropped as soon as its tensor is updated), [`FusedAdamW`] in place, or
-//! [`OffloadedAdamW`] on the host. Under mixed precision the optimizer updates
+//! [`OffloadedAdamW`](oomfix_strategies::offload::OffloadedAdamW) on the host. Under mixed precision the optimizer updates
 //! fp32 master weights, copied back into the 16-bit compute weights after the
 //! step; offloaded, the masters always live on the host.
 //!
@@ -26,6 +26,7 @@
 //! same weights, moments and data position.
 
 use super::data::{DataPosition, DataSource};
+use super::optim::Optim;
 use super::saved::{self, Checkpoint, DataState, ModelSource, ScalerState, TrainerState};
 use super::{build_model, Batch, TrainableModel};
 use crate::output::write_dir_atomic;
@@ -35,17 +36,14 @@ use crate::track::alloc::{self, Phase};
 use crate::track::tag::{Component, Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use candle_nn::ParamsAdamW;
 use oomfix_strategies::accumulate::GradAccumulator;
-use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
+use oomfix_strategies::adamw::FusedAdamW;
 use oomfix_strategies::checkpoint::SegmentHook;
 use oomfix_strategies::clip;
-use oomfix_strategies::offload::OffloadedAdamW;
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
 use oomfix_strategies::shard::{Comm, ShardedOptimizer, Traffic, ZeroStage};
-use oomfix_strategies::{
-    Attention, Checkpointing, Execution, OptimizerImpl, Plan, Precision, Strategy,
-};
+use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, Precision, Strategy};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -152,36 +150,6 @@ pub struct Evaluation {
     /// Heap high-water mark during the evaluation (0 without a counting
     /// allocator); on CUDA the memory pool's used high-water mark.
     pub peak: u64,
-}
-
-enum Optim {
-    /// One `candle_nn::AdamW` per tensor (with the var it updates), so each is
-    /// stepped and its gradient freed in turn.
-    Candle(Vec<(AdamW, Var)>),
-    Fused(FusedAdamW),
-    /// Masters and state in host memory; it writes the compute weights itself.
-    Offloaded(OffloadedAdamW),
-    /// Fused AdamW over this rank's share of the parameters (world size > 1).
-    Sharded(ShardedOptimizer<Box<dyn Comm>>),
-}
-
-impl Optim {
-    /// The fused optimizer whose state a checkpoint holds (none for candle's).
-    fn fused(&self) -> Option<&FusedAdamW> {
-        match self {
-            Optim::Candle(_) | Optim::Sharded(_) => None,
-            Optim::Fused(opt) => Some(opt),
-            Optim::Offloaded(opt) => Some(opt.optimizer()),
-        }
-    }
-
-    fn fused_mut(&mut self) -> Option<&mut FusedAdamW> {
-        match self {
-            Optim::Candle(_) | Optim::Sharded(_) => None,
-            Optim::Fused(opt) => Some(opt),
-            Optim::Offloaded(opt) => Some(opt.optimizer_mut()),
-        }
-    }
 }
 
 /// Runs training steps of a plan.
@@ -406,44 +374,7 @@ impl Trainer {
             .map_or(compute, |m| m.master_vars().to_vec());
         let _scope = Scope::new(Module::intern("optimizer"), Op::InitOptimizer);
         let names = model.vars().iter().map(|(n, _)| n.clone());
-        let optim = match (comm, plan.optimizer) {
-            (Some(comm), _) if comm.world_size() > 1 => {
-                let stage = ZeroStage::try_from(plan.shard.stage)?;
-                let (adamw, vars) = (options.adamw.clone(), opt_vars);
-                let mut opt = if plan.optimizer.is_offloaded() {
-                    ShardedOptimizer::offloaded(comm, vars, adamw, stage)?
-                } else {
-                    ShardedOptimizer::new(comm, vars, adamw, stage)?
-                };
-                opt.exempt_from_weight_decay(is_decay_exempt);
-                Optim::Sharded(opt)
-            }
-            (_, OptimizerImpl::CandleAdamW) => Optim::Candle(
-                names
-                    .zip(opt_vars)
-                    .map(|(name, v)| {
-                        let mut params = options.adamw.clone();
-                        if is_decay_exempt(&name, &v) {
-                            params.weight_decay = 0.0;
-                        }
-                        Ok((AdamW::new(vec![v.clone()], params)?, v))
-                    })
-                    .collect::<Result<_>>()?,
-            ),
-            (_, OptimizerImpl::FusedAdamW) => {
-                let mut opt =
-                    FusedAdamW::new_named(names.zip(opt_vars).collect(), options.adamw.clone())?;
-                opt.exempt_from_weight_decay(is_decay_exempt);
-                Optim::Fused(opt)
-            }
-            (_, OptimizerImpl::OffloadedAdamW) => {
-                let mut opt =
-                    OffloadedAdamW::new(names.zip(opt_vars).collect(), options.adamw.clone())?;
-                opt.optimizer_mut()
-                    .exempt_from_weight_decay(is_decay_exempt);
-                Optim::Offloaded(opt)
-            }
-        };
+        let optim = Optim::new(&plan, names.zip(opt_vars).collect(), &options.adamw, comm)?;
         let units = match &optim {
             Optim::Sharded(opt)
                 if opt.stage() == ZeroStage::Parameters
@@ -991,10 +922,7 @@ impl Trainer {
 
     /// What the sharded optimizer's collectives moved and took so far.
     fn traffic(&self) -> Traffic {
-        match &self.optim {
-            Optim::Sharded(opt) => opt.traffic(),
-            _ => Traffic::default(),
-        }
+        self.optim.traffic()
     }
 
     /// The phases of [`step`](Self::step): `(loss, forward/backward peak,
@@ -1167,40 +1095,9 @@ impl Trainer {
         let lr = self.lr();
         // On a sharded plan `grads` are this rank's share: the norm is the
         // ranks' together.
-        let norm = match &self.optim {
-            Optim::Sharded(opt) => opt.global_norm(&grads)?,
-            _ => clip::global_norm(&grads)?,
-        };
+        let norm = self.optim.global_norm(&grads)?;
         let factor = clip_factor(self.step + 1, norm, self.max_grad_norm)?;
-        match &mut self.optim {
-            Optim::Fused(opt) => opt.set_learning_rate(lr),
-            Optim::Offloaded(opt) => opt.optimizer_mut().set_learning_rate(lr),
-            Optim::Sharded(opt) => opt.set_learning_rate(lr),
-            Optim::Candle(opts) => opts.iter_mut().for_each(|(o, _)| o.set_learning_rate(lr)),
-        }
-        match &mut self.optim {
-            Optim::Fused(opt) => opt.step_scaled(&grads, factor)?,
-            Optim::Offloaded(opt) => opt.step_scaled(grads, factor)?,
-            Optim::Sharded(opt) => opt.step_owned(&grads, factor)?,
-            Optim::Candle(opts) => {
-                for ((opt, var), g) in opts.iter_mut().zip(grads) {
-                    // candle_nn::AdamW reads a GradStore: make one holding this gradient only.
-                    let mut store = Tensor::new(0f32, &self.device)?.backward()?;
-                    // candle's AdamW takes no factor: this one gradient is scaled
-                    // (its unscaled tensor dropped first when it is not shared).
-                    let g = match g.to_dtype(DType::F32)? {
-                        g32 if factor != 1.0 => {
-                            drop(g);
-                            g32.affine(factor, 0.0)?
-                        }
-                        g32 => g32,
-                    };
-                    mark_tensors([&g], Component::Gradients);
-                    store.insert(var.as_tensor(), g);
-                    opt.step(&store)?;
-                }
-            }
-        }
+        self.optim.step(grads, lr, factor, &self.device)?;
         if let Some(m) = &self.master {
             let _op = Scope::op(Op::WeightSync);
             m.sync_to_compute()?;
