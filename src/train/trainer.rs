@@ -55,7 +55,7 @@ use std::time::Instant;
 #[non_exhaustive]
 pub struct TrainOptions {
     /// AdamW hyper-parameters. Weight decay applies to matrices only, not to
-    /// biases and norm scales ([`is_decay_exempt`]); default 0.
+    /// biases and norm scales ([`is_decay_exempt`](oomfix_strategies::adamw::is_decay_exempt)); default 0.
     pub adamw: ParamsAdamW,
     /// Seed of the random initialisation and of synthetic data.
     pub seed: u64,
