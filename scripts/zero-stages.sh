@@ -13,17 +13,20 @@
 #        ranks on one GPU need NCCL 2.30 or newer and
 #        NCCL_MULTI_RANK_GPU_ENABLE=1 in the environment.
 #
-# Usage: scripts/zero-stages.sh [--device cpu|cuda] [--checkpoint POLICY] [--logs DIR] [OOMFIX_BINARY [TRAIN_ARGS...]]
-#   (--checkpoint none by default; `every` makes stage 3 gather one block at a time)
+# Usage: scripts/zero-stages.sh [--device cpu|cuda] [--checkpoint POLICY] [--optimizer NAME] [--logs DIR] [OOMFIX_BINARY [TRAIN_ARGS...]]
+#   (--checkpoint none by default; `every` makes stage 3 gather one block at a time;
+#   --optimizer fused-adamw by default; cpu-adamw offloads each rank's share, and on
+#   the CPU, whose host memory is the same, the estimate then counts the host's bytes)
 #   (default binary target/release/oomfix; --logs keeps each run's JSON log
 #   lines; TRAIN_ARGS go to every `oomfix train`, e.g. a model file and
 #   `--init random`)
 set -euo pipefail
-device=cpu logs= checkpoint=none
+device=cpu logs= checkpoint=none optimizer=fused-adamw
 while (($#)); do
     case $1 in
         --checkpoint) checkpoint=${2:?--checkpoint needs a policy}; shift 2 ;;
         --device) device=${2:?--device needs cpu or cuda}; shift 2 ;;
+        --optimizer) optimizer=${2:?--optimizer needs a name}; shift 2 ;;
         --logs) logs=${2:?--logs needs a directory}; shift 2 ;;
         *) break ;;
     esac
@@ -42,7 +45,7 @@ case $device in
         one=(--grad-accum 2) two=(--grad-accum 1) ;;
     *) echo "--device must be cpu or cuda, not '$device'" >&2; exit 2 ;;
 esac
-common=(train "${extra[@]}" "${common[@]}" --optimizer fused-adamw --checkpoint "$checkpoint" --json --log-format json)
+common=(train "${extra[@]}" "${common[@]}" --optimizer "$optimizer" --checkpoint "$checkpoint" --json --log-format json)
 [ -n "$logs" ] && mkdir -p "$logs"
 printf '%-6s %-22s %-14s %-8s %-10s %-8s %-22s %s\n' stage "peak by rank (MB)" "estimate (MB)" "max/est" "last loss" "step ms" "collectives (MB, ms)" "device MiB by process (nvidia-smi)"
 for stage in 0 1 2 3; do
@@ -63,15 +66,17 @@ for stage in 0 1 2 3; do
     if [ "$status" != 0 ]; then
         echo "stage $stage failed (exit $status):" >&2; tail -5 "$log" >&2; continue
     fi
-    python3 - "$stage" "$log" "$log.json" "$log.smi" <<'PY'
+    python3 - "$stage" "$log" "$log.json" "$log.smi" "$device" <<'PY'
 import json, sys
-stage, log, report, smi = sys.argv[1:]
+stage, log, report, smi, device = sys.argv[1:]
 doc = json.load(open(report))
 t, est = doc["training"], doc["estimate"]
 ranks = t.get("rank_peak_bytes") or [t["peak_bytes"]]
 # The measured peak is live tensor bytes (on CUDA the pool's used high-water
 # mark): compare the estimate without the runtime and the pool's slack.
 live = est["peak_bytes"] - est["runtime_bytes"] - est["pool_slack_bytes"]
+if device == "cpu":
+    live += est.get("host_bytes", 0)  # an offloaded optimizer's state: the same memory
 steps = []
 for line in open(log):
     try:
