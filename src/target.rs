@@ -51,6 +51,20 @@ impl Target {
         }
     }
 
+    /// Bytes a rank's collective backend holds for one call on a bucket of
+    /// `elements` in a dtype of `bytes` each, beside the bucket itself.
+    /// The CPU's ranks run over MPI (`MpiComm`): a copy of the bucket in
+    /// its f32 wire format and the f32 result (measured: 2 × the bucket in
+    /// fp32, tests/train_ranks.rs), plus the result cast back to a 16-bit
+    /// dtype. CUDA's over NCCL (`NcclComm`): the result only (by the code;
+    /// not measured on a GPU; NCCL's own buffers are not counted).
+    pub fn collective_buffer_bytes(&self, elements: u64, bytes: u64) -> u64 {
+        match self {
+            Target::Cpu => elements * (8 + if bytes < 4 { bytes } else { 0 }),
+            Target::Cuda(_) => elements * bytes,
+        }
+    }
+
     /// Rounds a peak up to what the allocator reserves for it.
     pub fn round_up(&self, bytes: u64) -> u64 {
         match self {

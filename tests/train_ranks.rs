@@ -413,6 +413,54 @@ fn each_ranks_peak_is_reported_and_falls_from_zero_1_to_zero_2_as_estimated() {
     assert!(two < one, "measured: stage 2 {two} vs stage 1 {one}");
 }
 
+/// A model whose largest bucket is large beside its activations (an untied
+/// 32000-token vocabulary, hidden 64, 16-token sequences): at ZeRO 2 a
+/// rank peaks while it reduces a micro-batch's gradients, where MPI holds a
+/// copy of the bucket and the result besides; the estimate counts them
+/// (`collective_buffers`), and without them it would be exceeded.
+#[test]
+fn each_ranks_peak_counts_the_collectives_buffers() {
+    let run_dir = Run::new();
+    let config = ModelConfig::llama(2, 64, 2, 1, 128, 32000, false);
+    common::write_safetensors(
+        &run_dir.dir.path().join("wide.safetensors"),
+        &common::with_dtype(config.tensors(), "F32"),
+    );
+    let mut args = run_dir.args(
+        2,
+        &[
+            "--zero-stage",
+            "2",
+            "--gpus",
+            "2",
+            "--grad-accum",
+            "4",
+            "--json",
+        ],
+    );
+    args[1] = "wide.safetensors".into();
+    let out = run_dir.oomfix().args(&args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (t, e) = (&v["training"], &v["estimate"]);
+    assert_eq!(e["peak_phase"], "gradient_reduction", "{e}");
+    let buffers = e["collective_buffers_bytes"].as_u64().unwrap();
+    let estimate = t["estimated_peak_bytes"].as_u64().unwrap();
+    let most = t["peak_bytes"].as_u64().unwrap();
+    let ratio = most as f64 / estimate as f64;
+    eprintln!("{most} measured, {estimate} estimated ({ratio:.3}), buffers {buffers}");
+    assert!(
+        (0.97..1.06).contains(&ratio),
+        "{most} measured, {estimate} estimated"
+    );
+    // Most of the buffers are really there: the estimate without them is exceeded.
+    assert!(
+        most > estimate - buffers / 2,
+        "{most}, {estimate}, buffers {buffers}"
+    );
+}
+
 /// `plan --gpus 2 --verify` measures each plan it verifies with 2 real
 /// ranks: the measured peak is the fullest rank's, as training measures it.
 #[test]

@@ -331,6 +331,9 @@ impl Estimator for MeasuredModel {
             optimizer_transient: s.optimizer_transient,
             runtime,
             pool_slack,
+            // Not modelled for measured models: their sharded runs are the
+            // in-process ranks of AnyTrainer::sharded.
+            collective_buffers: 0,
             peak: if peak == u64::MAX {
                 u64::MAX
             } else {

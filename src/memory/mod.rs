@@ -60,6 +60,10 @@ pub enum Phase {
     /// End of backward (activations and fresh gradients both alive).
     #[default]
     Backward,
+    /// A sharded plan's reduction of a micro-batch's gradients (stage 1: of
+    /// the step's sums): the gradients backward left and the collective's
+    /// buffers, no activations.
+    GradientReduction,
     /// Inside the optimizer step.
     OptimizerStep,
 }
@@ -69,6 +73,7 @@ impl std::fmt::Display for Phase {
         f.write_str(match self {
             Phase::LossBackward => "loss backward",
             Phase::Backward => "end of backward",
+            Phase::GradientReduction => "gradient reduction",
             Phase::OptimizerStep => "optimizer step",
         })
     }
@@ -99,6 +104,11 @@ pub struct Breakdown {
     /// What the device's memory pool holds beyond live tensors at the peak
     /// ([`Target::pool_slack_bytes`]).
     pub pool_slack: u64,
+    /// What the collective backend holds for the largest bucket of a
+    /// sharded plan ([`Target::collective_buffer_bytes`]), where the peak
+    /// is a moment of a collective (a gradient reduction, or the
+    /// parameters' broadcast in the step); 0 at other moments.
+    pub collective_buffers: u64,
     /// Peak device bytes over the step: live bytes, runtime and pool slack.
     pub peak: u64,
     /// When the peak occurs.
@@ -114,7 +124,7 @@ pub struct Breakdown {
 
 impl Breakdown {
     /// The components as `(name, bytes)`, in display order.
-    pub fn components(&self) -> [(&'static str, u64); 10] {
+    pub fn components(&self) -> [(&'static str, u64); 11] {
         [
             ("weights", self.weights),
             ("master_weights", self.master_weights),
@@ -126,6 +136,7 @@ impl Breakdown {
             ("optimizer_transient", self.optimizer_transient),
             ("runtime", self.runtime),
             ("pool_slack", self.pool_slack),
+            ("collective_buffers", self.collective_buffers),
         ]
     }
 
@@ -150,6 +161,10 @@ impl Breakdown {
         match self.peak_phase {
             Phase::LossBackward => !matches!(component, "gradients" | "optimizer_transient"),
             Phase::Backward => component != "optimizer_transient",
+            Phase::GradientReduction => !matches!(
+                component,
+                "activations" | "backward_transient" | "optimizer_transient"
+            ),
             Phase::OptimizerStep => !matches!(component, "activations" | "backward_transient"),
         }
     }
@@ -297,17 +312,41 @@ fn estimate(
                 best
             }
         });
+    // A sharded plan's collectives: the reduction of a micro-batch's
+    // gradients (stage 1 reduces the step's sums: the accumulated ones, or
+    // the gradients themselves with one micro-batch), and the owners'
+    // broadcast of their updated parameters in stages 1 and 2.
+    let buffers = target.collective_buffer_bytes(s.collective_bucket, cb);
+    let reduction = (s.collective_bucket > 0).then(|| {
+        let local = if plan.shard.stage >= 2 || s.accumulated_gradients == 0 {
+            s.gradients
+        } else {
+            0
+        };
+        state + local + buffers
+    });
+    let broadcast = if (1..=2).contains(&plan.shard.stage) {
+        buffers
+    } else {
+        0
+    };
     let step = s.step_weights
         + s.master_weights
         + s.optimizer_state
         + s.step_gradients
         + s.optimizer_transient
+        + broadcast
         + runtime;
-    let (peak, peak_phase) = if step > backward {
-        (step, Phase::OptimizerStep)
-    } else {
-        (backward, backward_phase)
-    };
+    let (peak, peak_phase, collective_buffers) = [
+        (backward, backward_phase, 0),
+        (reduction.unwrap_or(0), Phase::GradientReduction, buffers),
+        (step, Phase::OptimizerStep, broadcast),
+    ]
+    .into_iter()
+    .fold(
+        (0, Phase::Backward, 0),
+        |best, x| if x.0 > best.0 { x } else { best },
+    );
     Breakdown {
         weights: s.weights,
         master_weights: s.master_weights,
@@ -319,6 +358,7 @@ fn estimate(
         optimizer_transient: s.optimizer_transient,
         runtime,
         pool_slack,
+        collective_buffers,
         peak: target.round_up(peak) + pool_slack,
         peak_phase,
         host: s.host,

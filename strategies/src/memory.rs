@@ -74,6 +74,10 @@ pub struct StateBytes {
     pub optimizer_transient: u64,
     /// Host memory the plan needs besides the device's.
     pub host: u64,
+    /// Elements of the largest bucket one collective call moves (0 on one
+    /// rank). What the collective backend holds for it besides the bucket
+    /// (copies, its output) depends on the backend: the memory model counts it.
+    pub collective_bucket: u64,
 }
 
 impl StateBytes {
@@ -91,6 +95,7 @@ impl StateBytes {
             optimizer_state: 8 * p,
             optimizer_transient: 0,
             host: 0,
+            collective_bucket: 0,
         }
     }
 }

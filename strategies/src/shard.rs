@@ -76,13 +76,34 @@ impl Strategy for Shard {
     /// unit). Ranks own whole tensors, so the rank that owns none of the
     /// weights outside the blocks holds the most: its share, those weights
     /// whole, and the others' shares of one segment.
+    ///
+    /// At stage 1 the step holds the owned share of the reduced gradients
+    /// beside the local sums, which the accumulator keeps allocated between
+    /// steps when there are several micro-batches. Collectives move buckets
+    /// of at most [`DEFAULT_BUCKET_BYTES`] of one owner's parameters (a
+    /// larger parameter is a bucket of its own): `collective_bucket`.
     fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
+        let sharded = plan.shard.world_size > 1 && plan.shard.stage >= 1;
+        if sharded && plan.shard.stage == 1 {
+            let owned = per_rank(plan, state.step_gradients, 1);
+            let kept = if plan.grad_accum > 1 {
+                state.step_gradients
+            } else {
+                0
+            };
+            state.step_gradients = kept + owned;
+        }
         let share = |bytes: &mut u64, from_stage: u8| *bytes = per_rank(plan, *bytes, from_stage);
         share(&mut state.master_weights, 1);
         share(&mut state.optimizer_state, 1);
         share(&mut state.accumulated_gradients, 2);
         share(&mut state.step_gradients, 2);
         share(&mut state.step_weights, 3);
+        if sharded {
+            let bucket = DEFAULT_BUCKET_BYTES as u64 / plan.precision.compute_bytes().max(1);
+            let owners_share = model.parameters.div_ceil(plan.shard.world_size as u64);
+            state.collective_bucket = bucket.min(owners_share).max(model.largest_tensor);
+        }
         let segment = plan
             .checkpoint
             .segments(model.layers)
