@@ -810,3 +810,78 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
         .stderr(predicate::str::contains("resumed from ck at step 2"));
     assert_eq!(Checkpoint::open(&run.path("ck")).unwrap().state.step, 3);
 }
+
+/// The first step of an accumulated run adds its second micro-batch's
+/// gradients into sums the accumulator does not own yet (the first
+/// micro-batch's gradients): one new sum beside both. With an untied
+/// 32000-token vocabulary and few activations that moment is the peak; the
+/// estimate has it, and later steps (which add in place) peak lower.
+#[test]
+fn the_first_steps_accumulation_is_in_the_estimate() {
+    let run = Run::new();
+    let config = ModelConfig::llama(2, 64, 2, 1, 128, 32000, false);
+    common::write_safetensors(
+        &run.path("wide.safetensors"),
+        &common::with_dtype(config.tensors(), "F32"),
+    );
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .current_dir(run.dir.path())
+        .env_remove("RUST_LOG")
+        .args([
+            "train",
+            "wide.safetensors",
+            "--device",
+            "cpu",
+            "--init",
+            "random",
+        ])
+        .args([
+            "--seq-len",
+            "16",
+            "--global-batch",
+            "4",
+            "--micro-batch",
+            "1",
+        ])
+        .args(["--precision", "fp32", "--optimizer", "fused-adamw"])
+        .args([
+            "--attention",
+            "composed",
+            "--checkpoint",
+            "none",
+            "--budget",
+            "1GiB",
+        ])
+        .args(["--steps", "3", "--json", "--log-format", "json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let t = &v["training"];
+    let (most, estimate) = (
+        t["peak_bytes"].as_u64().unwrap(),
+        t["estimated_peak_bytes"].as_u64().unwrap(),
+    );
+    let ratio = most as f64 / estimate as f64;
+    eprintln!("{most} measured, {estimate} estimated ({ratio:.3})");
+    // Measured 1.037 (a few vocabulary-sized tensors of the loss's are not
+    // modelled at this tiny hidden size); without the extra sum it is 1.14.
+    assert!(
+        (0.97..1.05).contains(&ratio),
+        "{most} measured, {estimate} estimated"
+    );
+    let peaks: Vec<u64> = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["fields"]["message"] == "step")
+        .map(|l| l["fields"]["forward_backward_peak_bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(peaks.len(), 3, "{stderr}");
+    // The first step's extra sum is the embedding's (32000 x 64 f32); the
+    // later steps peak at another moment, 5.4 MB lower here.
+    let extra = peaks[0].saturating_sub(peaks[1]);
+    assert!(extra >= 32000 * 64 * 4 / 2, "{peaks:?}");
+    assert_eq!(peaks[1], peaks[2]);
+}

@@ -297,10 +297,25 @@ fn estimate(
     let state =
         s.weights + s.master_weights + s.optimizer_state + s.accumulated_gradients + runtime;
     let block_gradients = s.gradients - (stem_only_parameters(spec).min(p) * cb).min(s.gradients);
+    // The first step's local accumulation adds the second micro-batch's
+    // gradients into sums it does not own yet (the first micro-batch's
+    // gradients): one new sum at a time beside both, after the backward;
+    // later steps add in place. (ZeRO 2-3 accumulate the reduced share,
+    // below the gradient reduction's moment.)
+    let first_sum = if plan.grad_accum > 1 && plan.shard.stage <= 1 {
+        spec.largest_tensor() * (s.accumulated_gradients / p.max(1))
+    } else {
+        0
+    };
+    let accumulation = Moment {
+        activations: 0,
+        transient: first_sum,
+    };
     let moments = [
         (Phase::LossBackward, act.loss, 0),
         (Phase::Backward, act.blocks, block_gradients),
         (Phase::Backward, act.embedding, s.gradients),
+        (Phase::Backward, accumulation, s.gradients),
     ];
     let (backward_phase, moment, backward) = moments
         .into_iter()
