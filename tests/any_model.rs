@@ -175,3 +175,95 @@ fn a_probe_out_of_memory_is_a_recorded_failure() {
     assert_eq!(probes[3].outcome, ProbeOutcome::OutOfMemory);
     assert_eq!(measured.fits().len(), 2);
 }
+
+/// A regression whose data is a function of the micro-batch's index (the
+/// same micro-batches on one rank as on several): a weight matrix, which
+/// decays, and a bias, which does not.
+struct Regression {
+    w: candle_core::Var,
+    b: candle_core::Var,
+}
+
+impl oomfix::strategies::model::Model for Regression {
+    fn vars(&self) -> Vec<candle_core::Var> {
+        vec![self.w.clone(), self.b.clone()]
+    }
+    fn forward(
+        &self,
+        batch: &oomfix::strategies::model::MicroBatch,
+    ) -> candle_core::Result<oomfix::strategies::model::Forward<'_>> {
+        let (n, device) = (batch.size, self.w.device());
+        let at = (batch.index as usize * n * 4) as f32;
+        let x = ((candle_core::Tensor::arange(at, at + (n * 4) as f32, device)? * 0.37)?
+            .sin()?
+            .reshape((n, 4)))?;
+        let y = (x.sum_keepdim(1)? * 0.5)?.cos()?;
+        let pred = x
+            .matmul(self.w.as_tensor())?
+            .broadcast_add(self.b.as_tensor())?;
+        let loss = (pred - y)?.sqr()?.mean_all()?;
+        Ok(oomfix::strategies::model::Forward::Loss(loss))
+    }
+}
+
+/// A model given as code, sharded over 2 in-process ranks at ZeRO 1-3 with 2
+/// micro-batches each, takes the steps of one rank with the same global
+/// batch: the mean of the ranks' losses is the one rank's loss, step by
+/// step (stages 2 and 3 reduce each micro-batch's gradients to their
+/// owners at once; the weight and the bias have different owners).
+#[test]
+fn any_trainer_sharded_takes_the_one_rank_steps() {
+    use candle_core::{DType, Tensor, Var};
+    use oomfix::strategies::shard::ThreadComm;
+    use oomfix::strategies::Sharding;
+    let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let build = |dtype: DType, device: &Device| {
+        let w = Tensor::new(&[[0.3f32], [-0.2], [0.1], [0.4]], device)?.to_dtype(dtype)?;
+        let b = Tensor::new(&[0.05f32], device)?.to_dtype(dtype)?;
+        Ok(Regression {
+            w: Var::from_tensor(&w)?,
+            b: Var::from_tensor(&b)?,
+        })
+    };
+    let mut options = TrainOptions::default();
+    options.adamw.lr = 5e-2;
+    let plan = Plan {
+        micro_batch: 2,
+        grad_accum: 4,
+        ..Plan::baseline(8, 1)
+    };
+    let mut one = AnyTrainer::new(build, plan, &Device::Cpu, &options).unwrap();
+    let want: Vec<f32> = (0..4).map(|_| one.step().unwrap().loss).collect();
+    assert!(want[3] < want[0] * 0.9, "the steps train: {want:?}");
+    for stage in 1..=3 {
+        let per_rank = Plan {
+            grad_accum: 2,
+            shard: Sharding {
+                world_size: 2,
+                stage,
+            },
+            ..plan
+        };
+        let losses: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ThreadComm::group(2)
+                .into_iter()
+                .map(|comm| {
+                    let options = &options;
+                    s.spawn(move || {
+                        let mut t =
+                            AnyTrainer::sharded(build, per_rank, Box::new(comm), options).unwrap();
+                        (0..4).map(|_| t.step().unwrap().loss).collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (k, w) in want.iter().enumerate() {
+            let got = (losses[0][k] + losses[1][k]) / 2.0;
+            assert!(
+                ((got - w) / w).abs() < 1e-5,
+                "stage {stage}, step {k}: {got} vs {w} ({losses:?})"
+            );
+        }
+    }
+}
