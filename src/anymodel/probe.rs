@@ -304,18 +304,44 @@ impl Estimator for MeasuredModel {
         let held =
             s.weights + buffers + s.master_weights + s.optimizer_state + s.accumulated_gradients;
         let backward = pass.map(|p| held + p + runtime);
+        // As the analytic model: the first step's accumulation (one new sum
+        // beside the sums and the fresh gradients), a sharded plan's
+        // gradient reduction and the owners' broadcast in the step.
+        let p = self.facts.parameters.max(1);
+        let first_sum = if plan.grad_accum > 1 && plan.shard.stage <= 1 {
+            self.facts.largest_tensor * (s.accumulated_gradients / p)
+        } else {
+            0
+        };
+        let collective =
+            target.collective_buffer_bytes(s.collective_bucket, plan.precision.compute_bytes());
+        // (0 unsharded: no bucket)
+        let reduction = collective;
+        let after_backward = held + s.gradients + first_sum.max(reduction) + runtime;
+        let broadcast = if (1..=2).contains(&plan.shard.stage) {
+            collective
+        } else {
+            0
+        };
         let step = s.step_weights
             + buffers
             + s.master_weights
             + s.optimizer_state
             + s.step_gradients
             + s.optimizer_transient
+            + broadcast
             + runtime;
         let host_shared = if *target == Target::Cpu { s.host } else { 0 };
-        let (peak, peak_phase) = match backward {
-            None => (u64::MAX, Phase::Backward),
-            Some(b) if b >= step => (b + host_shared, Phase::Backward),
-            Some(_) => (step + host_shared, Phase::OptimizerStep),
+        let (peak, peak_phase, collective_buffers) = match backward {
+            None => (u64::MAX, Phase::Backward, 0),
+            Some(b) if b >= step && b >= after_backward => (b + host_shared, Phase::Backward, 0),
+            Some(_) if after_backward >= step && reduction > first_sum => (
+                after_backward + host_shared,
+                Phase::GradientReduction,
+                reduction,
+            ),
+            Some(_) if after_backward >= step => (after_backward + host_shared, Phase::Backward, 0),
+            Some(_) => (step + host_shared, Phase::OptimizerStep, broadcast),
         };
         let pass = pass.unwrap_or(u64::MAX);
         Breakdown {
@@ -331,9 +357,7 @@ impl Estimator for MeasuredModel {
             optimizer_transient: s.optimizer_transient,
             runtime,
             pool_slack,
-            // Not modelled for measured models: their sharded runs are the
-            // in-process ranks of AnyTrainer::sharded.
-            collective_buffers: 0,
+            collective_buffers,
             peak: if peak == u64::MAX {
                 u64::MAX
             } else {
