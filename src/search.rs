@@ -58,6 +58,7 @@ pub struct Measurement {
 /// assert_eq!("5%".parse::<Headroom>().unwrap(), Headroom::fraction(0.05));
 /// assert_eq!("512MiB".parse::<Headroom>().unwrap(), Headroom::fixed(512 << 20));
 /// assert_eq!(h.to_string(), "1.00 MiB + 1%");
+/// assert_eq!("7%".parse::<Headroom>().unwrap().to_string(), "7%");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Headroom {
@@ -130,7 +131,7 @@ impl Headroom {
 impl std::fmt::Display for Headroom {
     /// `1.00 MiB + 1%`, `5%`, `512.00 MiB`, `0`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let pct = format!("{}%", self.fraction * 100.0);
+        let pct = format!("{}%", (self.fraction * 1e4).round() / 100.0);
         match (self.fixed, self.fraction > 0.0) {
             (0, false) => f.write_str("0"),
             (0, true) => f.write_str(&pct),
