@@ -883,5 +883,7 @@ fn the_first_steps_accumulation_is_in_the_estimate() {
     // later steps peak at another moment, 5.4 MB lower here.
     let extra = peaks[0].saturating_sub(peaks[1]);
     assert!(extra >= 32000 * 64 * 4 / 2, "{peaks:?}");
-    assert_eq!(peaks[1], peaks[2]);
+    // (steady from the second step on, up to the matrix kernels' per-thread
+    // buffers, made when a thread first joins in)
+    assert!(peaks[2].abs_diff(peaks[1]) < peaks[1] / 100, "{peaks:?}");
 }
