@@ -8,7 +8,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::model::{self, MicroBatch, Model};
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
-use oomfix_strategies::shard::{Comm, Traffic, ZeroStage};
+use oomfix_strategies::shard::{Comm, Traffic};
 use oomfix_strategies::{Attention, Execution, Plan, Precision};
 use std::time::Instant;
 
@@ -251,17 +251,7 @@ impl<M: Model> AnyTrainer<M> {
         }
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let exec = self.execution.loss_scale(scale);
-        self.accumulator.restart();
-        // ZeRO 2 and 3 reduce each micro-batch's gradients to their owners at
-        // once (a rank then holds the sums of its own share only, as the
-        // memory model has it); stage 1 reduces the local sums once.
-        let reduce_each = match &mut self.optim {
-            Optim::Sharded(opt) => {
-                opt.restart();
-                opt.stage() != ZeroStage::OptimizerState
-            }
-            _ => false,
-        };
+        self.optim.start_gradients(&mut self.accumulator);
         let accum = self.plan.grad_accum as u64;
         let mut loss_sum = 0.0;
         for k in 0..accum {
@@ -273,21 +263,12 @@ impl<M: Model> AnyTrainer<M> {
             alloc::set_phase(Phase::Backward);
             loss_sum += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
             let grads = out.grads.into_iter().flatten().collect();
-            match &mut self.optim {
-                Optim::Sharded(opt) if reduce_each => opt.reduce(grads)?,
-                _ => self.accumulator.add(grads)?,
-            }
+            self.optim.add_gradients(&mut self.accumulator, grads)?;
         }
         // The mean gradient of the step: on a sharded plan, of this rank's share.
-        let mean = 1.0 / accum as f64;
-        let mut grads = match &mut self.optim {
-            Optim::Sharded(opt) if reduce_each => opt.take_reduced(mean)?,
-            Optim::Sharded(opt) => {
-                opt.reduce(self.accumulator.finish(mean)?)?;
-                opt.take_reduced(1.0)?
-            }
-            _ => self.accumulator.finish(mean)?,
-        };
+        let mut grads = self
+            .optim
+            .mean_gradients(&mut self.accumulator, self.plan.grad_accum)?;
         let loss = loss_sum / accum as f32;
         if !loss.is_finite() {
             return Err(Error::NonFinite {

@@ -6,6 +6,7 @@ use crate::track::tag::Component;
 use crate::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::{is_decay_exempt, FusedAdamW};
 use oomfix_strategies::clip;
 use oomfix_strategies::offload::OffloadedAdamW;
@@ -91,6 +92,51 @@ impl Optim {
             Optim::Fused(opt) => Some(opt),
             Optim::Offloaded(opt) => Some(opt.optimizer_mut()),
         }
+    }
+
+    /// Starts a step's gradients: forgets what a failed step summed in `acc`
+    /// or reduced.
+    pub fn start_gradients(&mut self, acc: &mut GradAccumulator) {
+        acc.restart();
+        if let Optim::Sharded(opt) = self {
+            opt.restart();
+        }
+    }
+
+    /// Whether each micro-batch's gradients are reduced at once: ZeRO 2 and
+    /// 3, so that a rank holds the sums of its own share only.
+    fn reduces_each_micro_batch(&self) -> bool {
+        matches!(self, Optim::Sharded(opt) if opt.stage() != ZeroStage::OptimizerState)
+    }
+
+    /// Takes one micro-batch's gradients (one per var): reduced to their
+    /// owners at once at ZeRO 2-3, otherwise summed in `acc`.
+    pub fn add_gradients(&mut self, acc: &mut GradAccumulator, grads: Vec<Tensor>) -> Result<()> {
+        let each = self.reduces_each_micro_batch();
+        match self {
+            Optim::Sharded(opt) if each => opt.reduce(grads)?,
+            _ => acc.add(grads)?,
+        }
+        Ok(())
+    }
+
+    /// The step's mean gradient over its `micro_batches`: on a sharded plan
+    /// this rank's share of it (stage 1 reduces the sums of `acc` here, once).
+    pub fn mean_gradients(
+        &mut self,
+        acc: &mut GradAccumulator,
+        micro_batches: usize,
+    ) -> Result<Vec<Tensor>> {
+        let mean = 1.0 / micro_batches as f64;
+        let each = self.reduces_each_micro_batch();
+        Ok(match self {
+            Optim::Sharded(opt) if each => opt.take_reduced(mean)?,
+            Optim::Sharded(opt) => {
+                opt.reduce(acc.finish(mean)?)?;
+                opt.take_reduced(1.0)?
+            }
+            _ => acc.finish(mean)?,
+        })
     }
 
     /// What the sharded optimizer's collectives moved and took so far.

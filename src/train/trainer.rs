@@ -933,7 +933,7 @@ impl Trainer {
         alloc::reset_peak();
         self.reset_device_peak()?;
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        self.accumulator.restart();
+        self.optim.start_gradients(&mut self.accumulator);
         let mut loss_sum = 0.0;
         let (rank, world) = (self.rank(), self.world_size());
         let per_rank = self.plan.micro_batch * self.plan.grad_accum;
@@ -945,15 +945,6 @@ impl Trainer {
                 Some(units) => opt.gather(&units.outside)?,
                 None => opt.gather_params()?,
             }
-        }
-        // ZeRO 2 and 3 reduce each micro-batch's gradients to their owners at
-        // once; otherwise they are summed here (stage 1 reduces the sum once).
-        let reduce_each = matches!(
-            &self.optim,
-            Optim::Sharded(opt) if opt.stage() != ZeroStage::OptimizerState
-        );
-        if let Optim::Sharded(opt) = &mut self.optim {
-            opt.restart();
         }
         for _ in 0..self.plan.grad_accum {
             alloc::set_phase(Phase::Forward);
@@ -974,25 +965,15 @@ impl Trainer {
             mark_tensors(&out.grads, Component::Gradients);
             loss_sum += out.loss;
             let _op = Scope::op(Op::GradAccumulate);
-            match &mut self.optim {
-                Optim::Sharded(opt) if reduce_each => opt.reduce(out.grads)?,
-                _ => self.accumulator.add(out.grads)?,
-            }
+            self.optim.add_gradients(&mut self.accumulator, out.grads)?;
             self.trace_pool("accumulate");
         }
         data.skip_windows((world - 1 - rank) * per_rank, self.plan.seq_len);
         // The mean gradient of the step: on a sharded plan, of this rank's share.
         let mut grads = {
             let _op = Scope::op(Op::GradAccumulate);
-            let mean = 1.0 / self.plan.grad_accum as f64;
-            match &mut self.optim {
-                Optim::Sharded(opt) if reduce_each => opt.take_reduced(mean)?,
-                Optim::Sharded(opt) => {
-                    opt.reduce(self.accumulator.finish(mean)?)?;
-                    opt.take_reduced(1.0)?
-                }
-                _ => self.accumulator.finish(mean)?,
-            }
+            self.optim
+                .mean_gradients(&mut self.accumulator, self.plan.grad_accum)?
         };
         mark_tensors(&grads, Component::Gradients);
         let mut loss = loss_sum / self.plan.grad_accum as f32;
