@@ -1,6 +1,6 @@
 //! The memory of a model given as code, from a few measured passes.
 
-use crate::memory::{Breakdown, Estimator, Phase, Target};
+use crate::memory::{AfterBackward, Breakdown, Estimator, Phase, Target};
 use crate::spec::ModelSpec;
 use crate::speed::{step_time, StepTime};
 use crate::track::alloc;
@@ -307,22 +307,18 @@ impl Estimator for MeasuredModel {
         // As the analytic model: the first step's accumulation (one new sum
         // beside the sums and the fresh gradients), a sharded plan's
         // gradient reduction and the owners' broadcast in the step.
-        let p = self.facts.parameters.max(1);
-        let first_sum = if plan.grad_accum > 1 && plan.shard.stage <= 1 {
-            self.facts.largest_tensor * (s.accumulated_gradients / p)
-        } else {
-            0
-        };
-        let collective =
-            target.collective_buffer_bytes(s.collective_bucket, plan.precision.compute_bytes());
-        // (0 unsharded: no bucket)
-        let reduction = collective;
+        let AfterBackward {
+            first_sum,
+            buffers: reduction,
+            broadcast,
+        } = AfterBackward::of(
+            plan,
+            &s,
+            self.facts.parameters,
+            self.facts.largest_tensor,
+            target,
+        );
         let after_backward = held + s.gradients + first_sum.max(reduction) + runtime;
-        let broadcast = if (1..=2).contains(&plan.shard.stage) {
-            collective
-        } else {
-            0
-        };
         let step = s.step_weights
             + buffers
             + s.master_weights

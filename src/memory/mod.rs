@@ -297,19 +297,10 @@ fn estimate(
     let state =
         s.weights + s.master_weights + s.optimizer_state + s.accumulated_gradients + runtime;
     let block_gradients = s.gradients - (stem_only_parameters(spec).min(p) * cb).min(s.gradients);
-    // The first step's local accumulation adds the second micro-batch's
-    // gradients into sums it does not own yet (the first micro-batch's
-    // gradients): one new sum at a time beside both, after the backward;
-    // later steps add in place. (ZeRO 2-3 accumulate the reduced share,
-    // below the gradient reduction's moment.)
-    let first_sum = if plan.grad_accum > 1 && plan.shard.stage <= 1 {
-        spec.largest_tensor() * (s.accumulated_gradients / p.max(1))
-    } else {
-        0
-    };
+    let after = AfterBackward::of(plan, &s, p, spec.largest_tensor(), target);
     let accumulation = Moment {
         activations: 0,
-        transient: first_sum,
+        transient: after.first_sum,
     };
     let moments = [
         (Phase::LossBackward, act.loss, 0),
@@ -327,35 +318,32 @@ fn estimate(
                 best
             }
         });
-    // A sharded plan's collectives: the reduction of a micro-batch's
-    // gradients (stage 1 reduces the step's sums: the accumulated ones, or
-    // the gradients themselves with one micro-batch), and the owners'
-    // broadcast of their updated parameters in stages 1 and 2.
-    let buffers = target.collective_buffer_bytes(s.collective_bucket, cb);
+    // A sharded plan's reduction of a micro-batch's gradients (stage 1
+    // reduces the step's sums: the accumulated ones, or the gradients
+    // themselves with one micro-batch).
     let reduction = (s.collective_bucket > 0).then(|| {
         let local = if plan.shard.stage >= 2 || s.accumulated_gradients == 0 {
             s.gradients
         } else {
             0
         };
-        state + local + buffers
+        state + local + after.buffers
     });
-    let broadcast = if (1..=2).contains(&plan.shard.stage) {
-        buffers
-    } else {
-        0
-    };
     let step = s.step_weights
         + s.master_weights
         + s.optimizer_state
         + s.step_gradients
         + s.optimizer_transient
-        + broadcast
+        + after.broadcast
         + runtime;
     let (peak, peak_phase, collective_buffers) = [
         (backward, backward_phase, 0),
-        (reduction.unwrap_or(0), Phase::GradientReduction, buffers),
-        (step, Phase::OptimizerStep, broadcast),
+        (
+            reduction.unwrap_or(0),
+            Phase::GradientReduction,
+            after.buffers,
+        ),
+        (step, Phase::OptimizerStep, after.broadcast),
     ]
     .into_iter()
     .fold(
@@ -377,6 +365,53 @@ fn estimate(
         peak: target.round_up(peak) + pool_slack,
         peak_phase,
         host: s.host,
+    }
+}
+
+/// What a step holds after its backward besides the training state, for
+/// every estimator ([`MemoryModel`], [`crate::anymodel::MeasuredModel`]).
+pub(crate) struct AfterBackward {
+    /// The first step's local accumulation adds the second micro-batch's
+    /// gradients into sums it does not own yet (the first micro-batch's
+    /// gradients): one new sum at a time (the largest tensor) beside both;
+    /// later steps add in place. ZeRO 2-3 accumulate the reduced share,
+    /// below the gradient reduction's moment: 0 there.
+    pub first_sum: u64,
+    /// What the collective backend holds for the largest bucket of a
+    /// sharded plan ([`Target::collective_buffer_bytes`]; 0 unsharded).
+    pub buffers: u64,
+    /// The buffers of the owners' broadcast of their updated parameters in
+    /// the step (ZeRO 1 and 2; stage 3 frees them instead).
+    pub broadcast: u64,
+}
+
+impl AfterBackward {
+    /// Of `plan` with the state `s` of a model of `parameters`, the largest
+    /// tensor of `largest` elements, on `target`.
+    pub(crate) fn of(
+        plan: &Plan,
+        s: &StateBytes,
+        parameters: u64,
+        largest: u64,
+        target: &Target,
+    ) -> Self {
+        let first_sum = if plan.grad_accum > 1 && plan.shard.stage <= 1 {
+            largest * (s.accumulated_gradients / parameters.max(1))
+        } else {
+            0
+        };
+        let buffers =
+            target.collective_buffer_bytes(s.collective_bucket, plan.precision.compute_bytes());
+        let broadcast = if (1..=2).contains(&plan.shard.stage) {
+            buffers
+        } else {
+            0
+        };
+        AfterBackward {
+            first_sum,
+            buffers,
+            broadcast,
+        }
     }
 }
 
