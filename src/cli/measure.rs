@@ -33,23 +33,25 @@ pub fn run(args: &MeasureStepArgs) -> Outcome {
         return print_measurement(&m);
     };
     let joined = job::join(job, args.device)?;
-    if let Some(budget) = args.hold_device_to {
-        // A refusal ends the job on every rank, as any other failure does.
-        if let Err(e) = job::enforce_budget(&joined, budget) {
-            return job::conclude(Err(e));
-        }
-    }
-    let outcome = oomfix::measure::measure_sharded(
-        &spec,
-        &plan,
-        &joined.device,
-        Box::new(std::sync::Arc::clone(&joined.comm)),
-    )
-    .map_err(Failure::from)
-    .and_then(|m| match joined.job.rank {
-        0 => print_measurement(&m),
-        _ => Ok(Exit::Done),
-    });
+    // A refusal to hold the device ends the job on every rank, as any other failure does.
+    let held = match args.hold_device_to {
+        Some(budget) => job::enforce_budget(&joined, budget),
+        None => Ok(()),
+    };
+    let outcome = held
+        .and_then(|()| {
+            let comm = Box::new(std::sync::Arc::clone(&joined.comm));
+            Ok(oomfix::measure::measure_sharded(
+                &spec,
+                &plan,
+                &joined.device,
+                comm,
+            )?)
+        })
+        .and_then(|m| match joined.job.rank {
+            0 => print_measurement(&m),
+            _ => Ok(Exit::Done),
+        });
     job::conclude(outcome)
 }
 
