@@ -151,6 +151,16 @@ fn run(cmd: &mut Command) -> (i32, Vec<Value>, String) {
     (out.status.code().unwrap_or(-1), lines, stderr)
 }
 
+/// The JSON object `cmd` prints on stdout (`--json`), once it exited with
+/// 0 (the test fails with `what` and its stderr otherwise).
+fn json_of(cmd: &mut Command, what: &str) -> Value {
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{what}: {stderr}");
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{what}: not one JSON object on stdout ({e}): {stderr}"))
+}
+
 /// The losses of the `step` events, and the ranks that logged them.
 fn losses(lines: &[Value]) -> (Vec<f64>, Vec<Value>) {
     let steps: Vec<&Value> = lines
@@ -382,14 +392,8 @@ fn each_ranks_peak_is_reported_and_falls_from_zero_1_to_zero_2_as_estimated() {
             "4",
             "--json",
         ];
-        let out = run_dir
-            .oomfix()
-            .args(run_dir.args(2, &extra))
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(0), "stage {stage}: {stderr}");
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let what = format!("stage {stage}");
+        let v = json_of(run_dir.oomfix().args(run_dir.args(2, &extra)), &what);
         let t = &v["training"];
         let ranks: Vec<u64> = t["rank_peak_bytes"]
             .as_array()
@@ -439,10 +443,7 @@ fn each_ranks_peak_counts_the_collectives_buffers() {
         ],
     );
     args[1] = "wide.safetensors".into();
-    let out = run_dir.oomfix().args(&args).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of(run_dir.oomfix().args(&args), "ZeRO 2 over 2 ranks");
     let (t, e) = (&v["training"], &v["estimate"]);
     assert_eq!(e["peak_phase"], "gradient_reduction", "{e}");
     let buffers = e["collective_buffers_bytes"].as_u64().unwrap();
@@ -466,16 +467,14 @@ fn each_ranks_peak_counts_the_collectives_buffers() {
 #[test]
 fn plan_verify_measures_sharded_plans_with_their_ranks() {
     let run_dir = Run::new();
-    let out = run_dir
-        .oomfix()
-        .args(["plan", "model.safetensors", "--verify"])
-        .args(Run::planning())
-        .args(["--gpus", "2", "--zero-stage", "2", "--json"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of(
+        run_dir
+            .oomfix()
+            .args(["plan", "model.safetensors", "--verify"])
+            .args(Run::planning())
+            .args(["--gpus", "2", "--zero-stage", "2", "--json"]),
+        "plan --verify",
+    );
     let chosen = v["attempts"]
         .as_array()
         .unwrap()
@@ -487,18 +486,12 @@ fn plan_verify_measures_sharded_plans_with_their_ranks() {
     assert_eq!(chosen["world_size"].as_u64(), Some(2), "{chosen}");
     let measured = chosen["measured_bytes"].as_u64().unwrap();
     // The same plan trained over 2 ranks: its summary's fullest rank.
-    let train = run_dir
-        .oomfix()
-        .args(run_dir.args(2, &["--zero-stage", "2", "--gpus", "2", "--json"]))
-        .output()
-        .unwrap();
-    assert_eq!(
-        train.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&train.stderr)
+    let t = json_of(
+        run_dir
+            .oomfix()
+            .args(run_dir.args(2, &["--zero-stage", "2", "--gpus", "2", "--json"])),
+        "train",
     );
-    let t: Value = serde_json::from_slice(&train.stdout).unwrap();
     let trained = t["training"]["peak_bytes"].as_u64().unwrap();
     let ratio = measured as f64 / trained as f64;
     assert!(
