@@ -140,6 +140,8 @@ struct Variant {
     data: DataSource,
     /// Heap held by this trainer between steps.
     resident: i64,
+    /// The heap when the trainer was built, which its step peaks are above.
+    base: i64,
     peaks: Vec<f64>,
     seconds: Vec<f64>,
     loss: f32,
@@ -157,6 +159,7 @@ impl Variant {
             trainer,
             data: DataSource::synthetic(0),
             resident,
+            base: before,
             peaks: vec![],
             seconds: vec![],
             loss: 0.0,
@@ -167,7 +170,8 @@ impl Variant {
     fn step(&mut self, warm_up: bool) -> Res<()> {
         let before = heap();
         let stats = self.trainer.step(&mut self.data)?;
-        let peak = self.resident + (stats.peak() as i64 - before);
+        // The step's high-water mark, less what other variants hold.
+        let peak = self.resident + (self.base + stats.peak() as i64 - before);
         self.resident += heap() - before;
         self.loss = stats.loss;
         if !warm_up {

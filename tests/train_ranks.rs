@@ -462,6 +462,67 @@ fn each_ranks_peak_counts_the_collectives_buffers() {
     );
 }
 
+/// With every block checkpointed, ZeRO 2 reduces each block's gradients as
+/// soon as its backward made them. On a model whose gradients outweigh its
+/// activations (8 blocks, 16-token sequences) each rank's peak stays within
+/// its estimate, which counts one block's local gradients besides those
+/// outside the blocks and the rank's reduced share, and it is lower than
+/// without checkpointing by more than half the weights (where the whole
+/// local gradient set waits for the end of the backward).
+#[test]
+fn zero_2_with_checkpointing_reduces_each_blocks_gradients_at_once() {
+    let run_dir = Run::new();
+    let config = ModelConfig {
+        layers: 8,
+        hidden: 384,
+        intermediate: 1536,
+        ..tiny_config()
+    };
+    common::write_safetensors(
+        &run_dir.dir.path().join("deep.safetensors"),
+        &common::with_dtype(config.tensors(), "F32"),
+    );
+    let summary = |checkpoint: &str| {
+        let extra = [
+            "--zero-stage",
+            "2",
+            "--gpus",
+            "2",
+            "--checkpoint",
+            checkpoint,
+            "--json",
+        ];
+        let mut args = run_dir.args(2, &extra);
+        args[1] = "deep.safetensors".into();
+        let v = json_of(run_dir.oomfix().args(&args), checkpoint);
+        let (t, e) = (&v["training"], &v["estimate"]);
+        let measured = t["peak_bytes"].as_u64().unwrap();
+        let estimate = t["estimated_peak_bytes"].as_u64().unwrap();
+        eprintln!("checkpoint {checkpoint}: {measured} measured, {estimate} estimated; {e}");
+        (measured, estimate, e["gradients_bytes"].as_u64().unwrap())
+    };
+    let parameters: usize = config
+        .tensors()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    let weights = parameters as u64 * 4;
+    let (whole, _, whole_grads) = summary("none");
+    assert_eq!(whole_grads, weights);
+    let (units, estimate, grads) = summary("every");
+    let ratio = units as f64 / estimate as f64;
+    assert!(
+        (0.97..1.03).contains(&ratio),
+        "{units} measured, {estimate} estimated"
+    );
+    // One of 8 blocks and half the blocks' reduced sums at most.
+    assert!(grads < weights * 3 / 4, "{grads} of {weights}");
+    assert!(
+        units + weights / 2 < whole,
+        "every block {units}, none {whole}"
+    );
+}
+
 /// `plan --gpus 2 --verify` measures each plan it verifies with 2 real
 /// ranks: the measured peak is the fullest rank's, as training measures it.
 #[test]

@@ -336,12 +336,11 @@ where
                 .into(),
         ));
     }
-    let before = probe::live_bytes(device)?;
     let mut trainer = AnyTrainer::new(build, plan, device, options)?;
     let stats = trainer.step()?;
     Ok(Measurement {
-        peak_bytes: stats.peak().saturating_sub(before),
-        reserved_bytes: stats.peak().saturating_sub(before),
+        peak_bytes: stats.peak(),
+        reserved_bytes: stats.peak(),
         out_of_memory: false,
         step_seconds: Some(stats.seconds),
     })

@@ -310,6 +310,7 @@ impl Estimator for MeasuredModel {
         let AfterBackward {
             first_sum,
             buffers: reduction,
+            reduced,
             broadcast,
         } = AfterBackward::of(
             plan,
@@ -318,7 +319,7 @@ impl Estimator for MeasuredModel {
             self.facts.largest_tensor,
             target,
         );
-        let after_backward = held + s.gradients + first_sum.max(reduction) + runtime;
+        let after_backward = held + s.gradients + first_sum.max(reduction + reduced) + runtime;
         let step = s.step_weights
             + buffers
             + s.master_weights
@@ -479,16 +480,6 @@ where
     fn buffer_bytes(&self) -> u64 {
         self.buffers
     }
-}
-
-/// Bytes live now: the heap's, or on CUDA the pool's.
-pub(super) fn live_bytes(device: &Device) -> Result<u64> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = device {
-        return Ok(crate::track::cuda::PoolStats::read(cuda)?.used);
-    }
-    let _ = device;
-    Ok(alloc::current())
 }
 
 /// Resets the high-water mark; returns the bytes live now.

@@ -1,5 +1,6 @@
 //! Training steps of a plan on any [`Model`].
 
+use crate::track;
 use crate::track::alloc::{self, Phase};
 use crate::train::{clip_factor, Optim};
 use crate::train::{StepStats, TrainOptions};
@@ -71,6 +72,8 @@ pub struct AnyTrainer<M: Model> {
     schedule: crate::train::LrSchedule,
     /// The global norm the gradients are clipped to (`None`: no clipping).
     max_grad_norm: Option<f64>,
+    /// What was live before the model was built ([`track::phase_peak`]).
+    live_base: u64,
 }
 
 /// Whether `model` can run `plan`'s fixes; a usage error naming the first
@@ -157,6 +160,7 @@ impl<M: Model> AnyTrainer<M> {
                 "a plan needs a micro-batch and accumulation of at least 1".into(),
             ));
         }
+        let live_base = track::live_bytes(device)?;
         let model = build(model::dtype_of(plan.precision), device)?;
         check_capabilities(&model, &plan)?;
         let vars = model.vars();
@@ -194,6 +198,7 @@ impl<M: Model> AnyTrainer<M> {
             peak_lr: options.adamw.lr,
             schedule: options.schedule,
             max_grad_norm: options.max_grad_norm,
+            live_base,
         })
     }
 
@@ -214,8 +219,9 @@ impl<M: Model> AnyTrainer<M> {
 
     /// One optimizer step over `grad_accum` micro-batches the model makes.
     /// The peaks of [`StepStats`] are the heap's high-water marks of the
-    /// passes and of the optimizer step (absolute: 0 without
-    /// [`crate::track::CountingAlloc`]), or on CUDA the pool's.
+    /// passes and of the optimizer step (0 without
+    /// [`crate::track::CountingAlloc`]), or on CUDA the pool's, above what
+    /// was live before the trainer was built.
     pub fn step(&mut self) -> Result<StepStats> {
         let start = Instant::now();
         let before = self.traffic();
@@ -245,7 +251,7 @@ impl<M: Model> AnyTrainer<M> {
     fn phases(&mut self) -> Result<(f32, u64, u64, bool, f64)> {
         alloc::set_phase(Phase::Forward);
         alloc::reset_peak();
-        reset_device_peak(&self.device)?;
+        track::reset_device_peak(&self.device)?;
         if let Optim::Sharded(opt) = &mut self.optim {
             opt.gather_params()?; // stage 3
         }
@@ -276,7 +282,7 @@ impl<M: Model> AnyTrainer<M> {
                 loss,
             });
         }
-        let forward_backward_peak = phase_peak(&self.device)?;
+        let forward_backward_peak = track::phase_peak(&self.device, self.live_base)?;
         alloc::set_phase(Phase::OptimizerStep);
         alloc::reset_peak();
         let mut skipped = false;
@@ -293,7 +299,7 @@ impl<M: Model> AnyTrainer<M> {
         Ok((
             loss,
             forward_backward_peak,
-            phase_peak(&self.device)?,
+            track::phase_peak(&self.device, self.live_base)?,
             skipped,
             grad_norm,
         ))
@@ -314,24 +320,4 @@ impl<M: Model> AnyTrainer<M> {
         }
         Ok(norm)
     }
-}
-
-/// On CUDA, sets the pool's high-water marks back to the bytes in use.
-fn reset_device_peak(device: &Device) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = device {
-        crate::track::cuda::reset_peaks(cuda)?;
-    }
-    let _ = device;
-    Ok(())
-}
-
-/// The heap's high-water mark, or on CUDA the pool's used high-water mark.
-fn phase_peak(device: &Device) -> Result<u64> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(cuda) = device {
-        return Ok(crate::track::cuda::PoolStats::read(cuda)?.used_high);
-    }
-    let _ = device;
-    Ok(alloc::peak())
 }

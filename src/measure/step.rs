@@ -53,13 +53,13 @@ pub fn measure_sharded(
     if device.is_cpu() {
         warm_up_threads()?;
     }
-    let before = if device.is_cpu() { alloc::current() } else { 0 };
+    // The trainer's peaks are above the heap it was built on.
     let mut trainer =
         Trainer::new_sharded(&spec.config, *plan, device, &TrainOptions::default(), comm)?;
     let mut data = DataSource::synthetic(0);
     trainer.step(&mut data)?;
     let stats = trainer.step(&mut data)?;
-    let peak = stats.peak().saturating_sub(before) + outside_pool(device)?;
+    let peak = stats.peak() + outside_pool(device)?;
     let mine = [peak as f64, stats.seconds];
     let comm = trainer
         .comm()
@@ -142,7 +142,8 @@ fn measure(
     };
     let (trainer, stats) = outcome?;
     let stats = stats?;
-    let peak = stats.peak().saturating_sub(before);
+    // Above `before`, the heap the trainer was built on.
+    let peak = stats.peak();
     if recorded && !events.iter().any(|e| e.kind == alloc::EventKind::StepStart) {
         return Err(Error::Runtime(format!(
             "building the model and its warm-up step made more than {MAX_EVENTS} allocations: \

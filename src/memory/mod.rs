@@ -327,7 +327,7 @@ fn estimate(
         } else {
             0
         };
-        state + local + after.buffers
+        state + local + after.reduced + after.buffers
     });
     let step = s.step_weights
         + s.master_weights
@@ -378,8 +378,13 @@ pub(crate) struct AfterBackward {
     /// below the gradient reduction's moment: 0 there.
     pub first_sum: u64,
     /// What the collective backend holds for the largest bucket of a
-    /// sharded plan ([`Target::collective_buffer_bytes`]; 0 unsharded).
+    /// gradient reduction ([`Target::collective_buffer_bytes`]; 0 unsharded).
     pub buffers: u64,
+    /// What a gradient reduction holds besides the local gradients and the
+    /// buffers: at ZeRO 1 the owned share of the reduced gradients (kept
+    /// for the step) and, when the accumulator keeps the sums being sent,
+    /// the bucket's flat copy of them.
+    pub reduced: u64,
     /// The buffers of the owners' broadcast of their updated parameters in
     /// the step (ZeRO 1 and 2; stage 3 frees them instead).
     pub broadcast: u64,
@@ -400,16 +405,27 @@ impl AfterBackward {
         } else {
             0
         };
-        let buffers =
-            target.collective_buffer_bytes(s.collective_bucket, plan.precision.compute_bytes());
+        let cb = plan.precision.compute_bytes();
+        let buffers = target.collective_buffer_bytes(s.reduction_bucket, cb);
+        let reduced = if plan.shard.stage == 1 && s.collective_bucket > 0 {
+            let flat = if plan.grad_accum > 1 {
+                s.reduction_bucket * cb
+            } else {
+                0
+            };
+            oomfix_strategies::shard::per_rank(plan, s.gradients, 1) + flat
+        } else {
+            0
+        };
         let broadcast = if (1..=2).contains(&plan.shard.stage) {
-            buffers
+            target.collective_buffer_bytes(s.collective_bucket, cb)
         } else {
             0
         };
         AfterBackward {
             first_sum,
             buffers,
+            reduced,
             broadcast,
         }
     }

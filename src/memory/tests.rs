@@ -1,5 +1,6 @@
 use super::*;
 use crate::spec::{ModelConfig, ModelSpec};
+use oomfix_strategies::shard::DEFAULT_BUCKET_BYTES;
 use oomfix_strategies::{
     Attention, Checkpointing, OptimizerImpl, Pipeline, Plan, Precision, SearchContext, Sharding,
 };
@@ -184,6 +185,75 @@ fn zero_3_gathers_the_weights_outside_the_blocks_and_one_segment() {
             "segments of {k}"
         );
     }
+}
+
+/// With checkpointed segments, ZeRO 2 and 3 reduce each segment's gradients
+/// once its backward made them: the backward's gradients are at most those
+/// outside the blocks, one segment's and the rank's share of the blocks'
+/// (in the accumulated sums when there are several micro-batches), and a
+/// reduction moves one segment's (or the outside's) buckets only.
+#[test]
+fn zero_2_and_3_reduce_each_segments_gradients() {
+    let spec = ModelSpec::default_model();
+    let (p, block) = (spec.parameters(), spec.config.block_parameters());
+    let outside = p - 12 * block;
+    let plan = |stage, checkpoint, grad_accum| Plan {
+        checkpoint,
+        grad_accum,
+        micro_batch: 8 / grad_accum,
+        shard: Sharding {
+            world_size: 4,
+            stage,
+        },
+        ..Plan::baseline(8, 128)
+    };
+    let estimate =
+        |stage, c, accum| MemoryModel.estimate(&spec, &plan(stage, c, accum), &Target::Cpu);
+    for stage in [1, 2, 3] {
+        assert_eq!(
+            estimate(stage, Checkpointing::None, 1).gradients,
+            4 * p,
+            "stage {stage}"
+        );
+    }
+    assert_eq!(estimate(1, Checkpointing::Every(1), 1).gradients, 4 * p);
+    for stage in [2, 3] {
+        for k in [1, 2] {
+            let segment = 4 * k as u64 * block;
+            let share = (4 * 12 * block).div_ceil(4);
+            let every = Checkpointing::Every(k);
+            let what = format!("stage {stage}, segments of {k}");
+            assert_eq!(
+                estimate(stage, every, 1).gradients,
+                4 * outside + segment + share,
+                "{what}"
+            );
+            assert_eq!(
+                estimate(stage, every, 2).gradients,
+                4 * outside + segment,
+                "{what}"
+            );
+        }
+    }
+    // A segment's reduction moves that segment's gradients only: with a
+    // small vocabulary and bf16, one block's are less than a full bucket.
+    let small = ModelSpec::from_config(
+        "test",
+        ModelConfig {
+            vocab: 64,
+            ..ModelConfig::gpt2_small()
+        },
+    );
+    let bf16 = |checkpoint| Plan {
+        precision: Precision::Bf16,
+        ..plan(2, checkpoint, 1)
+    };
+    let full = (DEFAULT_BUCKET_BYTES / 2) as u64;
+    let fixes = Pipeline::default();
+    let s = state_bytes(&small, &bf16(Checkpointing::None), fixes.strategies());
+    assert_eq!((s.collective_bucket, s.reduction_bucket), (full, full));
+    let s = state_bytes(&small, &bf16(Checkpointing::Every(1)), fixes.strategies());
+    assert_eq!((s.collective_bucket, s.reduction_bucket), (full, block));
 }
 
 #[test]

@@ -340,9 +340,11 @@ impl Batch {
 pub struct StepOutput {
     /// The loss (not multiplied by the loss scale).
     pub loss: f32,
-    /// Gradients of `loss × loss_scale`, one per [`TrainableModel::vars`] entry, in
-    /// the compute dtype, detached from any graph. A parameter the batch does not
-    /// reach gets zeros.
+    /// Gradients of `loss × loss_scale`, one per [`TrainableModel::vars`] entry
+    /// whose gradient the segment hook did not take
+    /// ([`SegmentHook::gradients`]; every entry without a hook), in order, in
+    /// the compute dtype, detached from any graph. A parameter the batch does
+    /// not reach gets zeros.
     pub grads: Vec<Tensor>,
 }
 
@@ -807,7 +809,9 @@ impl<'a> Forward<'a> {
             .grads
             .into_iter()
             .zip(&vars)
-            .map(|(g, v)| g.map_or_else(|| v.zeros_like(), Ok))
+            .zip(out.taken)
+            .filter(|(_, taken)| !taken)
+            .map(|((g, v), _)| g.map_or_else(|| v.zeros_like(), Ok))
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(StepOutput { loss, grads })
     }

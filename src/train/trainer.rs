@@ -16,8 +16,10 @@
 //! [`ShardedOptimizer`] over fused AdamW steps at the plan's ZeRO stage: 1
 //! shards the optimizer state, 2 also reduces each gradient to its owner
 //! only, 3 also frees the parameters a rank does not own between steps and
-//! gathers them before the forward. The loss reported is the mean over all
-//! ranks, the same number on every rank.
+//! gathers them before the forward. With checkpointed segments, stages 2
+//! and 3 reduce a segment's gradients as soon as its backward made them, and
+//! stage 3 gathers a segment's parameters only while it runs. The loss
+//! reported is the mean over all ranks, the same number on every rank.
 //!
 //! [`Trainer::save`] writes a Hugging Face model directory with the whole
 //! training state beside it ([`super::saved`]) and [`Trainer::resume`]
@@ -31,6 +33,7 @@ use super::saved::{self, Checkpoint, DataState, ModelSource, ScalerState, Traine
 use super::{build_model, Batch, TrainableModel};
 use crate::output::write_dir_atomic;
 use crate::state_file::{self, StateFile};
+use crate::track;
 use crate::track::alloc::mark_tensors;
 use crate::track::alloc::{self, Phase};
 use crate::track::tag::{Component, Module, Op, Scope};
@@ -104,11 +107,13 @@ pub struct StepStats {
     pub tokens: usize,
     /// Wall time of the step in seconds.
     pub seconds: f64,
-    /// Heap high-water mark during forward and backward (0 without a counting
-    /// allocator); on CUDA the memory pool's used high-water mark.
+    /// Heap high-water mark during forward and backward (0 without a
+    /// counting allocator), or on CUDA the memory pool's used high-water
+    /// mark, above what was live before the trainer was built.
     pub forward_backward_peak: u64,
-    /// Heap high-water mark during the optimizer step; on CUDA the pool's used
-    /// high-water mark over the whole step.
+    /// Heap high-water mark during the optimizer step (as
+    /// `forward_backward_peak`); on CUDA the pool's used high-water mark over
+    /// the whole step.
     pub optimizer_peak: u64,
     /// The optimizer step was skipped because fp16 gradients overflowed.
     pub skipped: bool,
@@ -148,7 +153,8 @@ pub struct Evaluation {
     /// Wall time in seconds.
     pub seconds: f64,
     /// Heap high-water mark during the evaluation (0 without a counting
-    /// allocator); on CUDA the memory pool's used high-water mark.
+    /// allocator), or on CUDA the memory pool's used high-water mark, above
+    /// what was live before the trainer was built.
     pub peak: u64,
 }
 
@@ -171,8 +177,12 @@ pub struct Trainer {
     source: ModelSource,
     max_grad_norm: Option<f64>,
     step: u64,
-    /// ZeRO stage 3 with checkpointed segments: the parameters of each block,
-    /// gathered while its segment runs (FSDP's unit); `None` otherwise.
+    /// What was live before the model was built ([`track::phase_peak`]).
+    live_base: u64,
+    /// ZeRO stage 2 or 3 with checkpointed segments: the parameters of each
+    /// block, whose gradients are reduced once its segment's backward made
+    /// them and (stage 3) which are gathered only while it runs (FSDP's
+    /// unit); `None` otherwise.
     units: Option<BlockVars>,
 }
 
@@ -202,20 +212,25 @@ impl BlockVars {
     }
 }
 
-/// ZeRO stage 3's unit as a [`SegmentHook`]: a segment's blocks' parameters
-/// are gathered before it runs and freed after.
-struct GatherSegments<'a> {
+/// ZeRO's unit as a [`SegmentHook`] (FSDP's): at stage 3 a segment's blocks'
+/// parameters are gathered before it runs and freed after; at stages 2 and
+/// 3 their gradients are reduced to their owners as soon as the segment's
+/// backward made them, so that a rank never holds more local gradients than
+/// one segment's and those outside the blocks.
+struct ShardedSegments<'a> {
     opt: &'a mut ShardedOptimizer<Box<dyn Comm>>,
     units: &'a BlockVars,
+    /// The model's vars (for zeros where a parameter got no gradient).
+    vars: &'a [(String, Var)],
 }
 
-impl GatherSegments<'_> {
+impl ShardedSegments<'_> {
     fn vars(&self, blocks: Range<usize>) -> Vec<usize> {
         self.units.blocks[blocks].concat()
     }
 }
 
-impl SegmentHook for GatherSegments<'_> {
+impl SegmentHook for ShardedSegments<'_> {
     fn before(&mut self, blocks: Range<usize>) -> oomfix_strategies::Result<()> {
         let _op = Scope::op(Op::WeightSync);
         let vars = self.vars(blocks);
@@ -224,6 +239,25 @@ impl SegmentHook for GatherSegments<'_> {
     fn after(&mut self, blocks: Range<usize>) -> oomfix_strategies::Result<()> {
         let vars = self.vars(blocks);
         self.opt.release(&vars)
+    }
+    fn gradients(
+        &mut self,
+        blocks: Range<usize>,
+        grads: &mut [Option<Tensor>],
+        taken: &mut [bool],
+    ) -> oomfix_strategies::Result<()> {
+        let _op = Scope::op(Op::GradAccumulate);
+        let vars = self.vars(blocks);
+        let mut mine = Vec::with_capacity(vars.len());
+        for &i in &vars {
+            mine.push(match grads[i].take() {
+                Some(g) => g,
+                None => self.vars[i].1.zeros_like()?,
+            });
+            taken[i] = true;
+        }
+        mark_tensors(&mine, Component::Gradients);
+        self.opt.reduce_some(&vars, mine)
     }
 }
 
@@ -352,6 +386,7 @@ impl Trainer {
                 "flash attention runs on the CPU and CUDA only; plan without the flash-attention strategy".into(),
             ));
         }
+        let live_base = track::live_bytes(device)?;
         let dtype = compute_dtype(plan.precision);
         // Recorded timelines classify what is built here as weights, then optimizer state.
         let scope = Scope::new(Module::intern("model"), Op::InitWeights);
@@ -377,7 +412,7 @@ impl Trainer {
         let optim = Optim::new(&plan, names.zip(opt_vars).collect(), &options.adamw, comm)?;
         let units = match &optim {
             Optim::Sharded(opt)
-                if opt.stage() == ZeroStage::Parameters
+                if opt.stage() != ZeroStage::OptimizerState
                     && plan.checkpoint != Checkpointing::None =>
             {
                 let names = model.vars().iter().map(|(n, _)| n);
@@ -402,6 +437,7 @@ impl Trainer {
             source: options.source.clone(),
             max_grad_norm: options.max_grad_norm,
             step: 0,
+            live_base,
             units,
         })
     }
@@ -829,11 +865,11 @@ impl Trainer {
         let _scope = Scope::module(Module::ROOT);
         alloc::set_phase(Phase::Forward);
         alloc::reset_peak();
-        self.reset_device_peak()?;
+        track::reset_device_peak(&self.device)?;
         let outcome = self.eval_batches(data, batches);
         alloc::set_phase(Phase::Setup);
         let (sum, count) = outcome?;
-        let peak = self.phase_peak()?;
+        let peak = track::phase_peak(&self.device, self.live_base)?;
         let (sum, count) = match self.comm() {
             None => (sum, count),
             Some(comm) => {
@@ -931,7 +967,7 @@ impl Trainer {
         let _scope = Scope::module(Module::ROOT);
         alloc::set_phase(Phase::Forward);
         alloc::reset_peak();
-        self.reset_device_peak()?;
+        track::reset_device_peak(&self.device)?;
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
         self.optim.start_gradients(&mut self.accumulator);
         let mut loss_sum = 0.0;
@@ -955,7 +991,8 @@ impl Trainer {
             let exec = self.execution.loss_scale(scale);
             let out = match (&mut self.optim, &self.units) {
                 (Optim::Sharded(opt), Some(units)) => {
-                    let mut hook = GatherSegments { opt, units };
+                    let vars = self.model.vars();
+                    let mut hook = ShardedSegments { opt, units, vars };
                     self.model.forward_backward_with(&batch, &exec, &mut hook)?
                 }
                 _ => self.model.forward_backward(&batch, &exec)?,
@@ -965,7 +1002,11 @@ impl Trainer {
             mark_tensors(&out.grads, Component::Gradients);
             loss_sum += out.loss;
             let _op = Scope::op(Op::GradAccumulate);
-            self.optim.add_gradients(&mut self.accumulator, out.grads)?;
+            match (&mut self.optim, &self.units) {
+                // The blocks' gradients were reduced segment by segment.
+                (Optim::Sharded(opt), Some(units)) => opt.reduce_some(&units.outside, out.grads)?,
+                _ => self.optim.add_gradients(&mut self.accumulator, out.grads)?,
+            }
             self.trace_pool("accumulate");
         }
         data.skip_windows((world - 1 - rank) * per_rank, self.plan.seq_len);
@@ -990,7 +1031,7 @@ impl Trainer {
                 loss,
             });
         }
-        let forward_backward_peak = self.phase_peak()?;
+        let forward_backward_peak = track::phase_peak(&self.device, self.live_base)?;
         alloc::set_phase(Phase::OptimizerStep);
         alloc::reset_peak();
         let mut skipped = false;
@@ -1026,30 +1067,10 @@ impl Trainer {
         Ok((
             loss,
             forward_backward_peak,
-            self.phase_peak()?,
+            track::phase_peak(&self.device, self.live_base)?,
             skipped,
             grad_norm,
         ))
-    }
-
-    /// On CUDA, sets the pool's high-water marks back to the bytes in use (the
-    /// heap's is reset by the caller).
-    fn reset_device_peak(&self) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(cuda) = &self.device {
-            crate::track::cuda::reset_peaks(cuda)?;
-        }
-        Ok(())
-    }
-
-    /// The peak of the phase that just ended: the heap's high-water mark, or on
-    /// CUDA the pool's used high-water mark since the step began.
-    fn phase_peak(&self) -> Result<u64> {
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(cuda) = &self.device {
-            return Ok(crate::track::cuda::PoolStats::read(cuda)?.used_high);
-        }
-        Ok(alloc::peak())
     }
 
     /// Logs the CUDA pool's counters after `moment` when debug logging is on

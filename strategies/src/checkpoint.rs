@@ -118,7 +118,8 @@ impl<F: Fn(&Tensor) -> candle_core::Result<Tensor>> Block for F {
 /// What runs around each segment of [`backward_with`]: e.g. ZeRO stage 3
 /// gathering the parameters of a segment's blocks before the segment runs and
 /// freeing them after (FSDP's unit), so that one segment's parameters are
-/// whole at a time.
+/// whole at a time; or ZeRO 2-3 reducing a segment's gradients as soon as its
+/// backward made them ([`gradients`](Self::gradients)).
 pub trait SegmentHook {
     /// Before the blocks `blocks` run: in the forward, or recomputed for
     /// their backward.
@@ -126,6 +127,23 @@ pub trait SegmentHook {
     /// After they ran (forward) or after their backward, once nothing built
     /// from them is alive but their output and gradients.
     fn after(&mut self, blocks: Range<usize>) -> Result<()>;
+    /// After the backward of `blocks` (and [`after`](Self::after)): the
+    /// gradients of the parameters only these blocks use are final in
+    /// `grads` (indexed like the vars given to [`backward_with`]; `None`
+    /// where the loss does not depend on a var). The hook may take some, e.g.
+    /// to reduce them across ranks at once so that the whole local gradient
+    /// set never exists: it leaves `None` and sets `taken` at each var it
+    /// takes. The gradients of parameters outside the blocks (the stem's,
+    /// the head's) are final only when the backward returns. By default
+    /// nothing is taken.
+    fn gradients(
+        &mut self,
+        _blocks: Range<usize>,
+        _grads: &mut [Option<Tensor>],
+        _taken: &mut [bool],
+    ) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The [`SegmentHook`] that does nothing.
@@ -147,8 +165,20 @@ pub struct Gradients {
     /// The loss as the head returned it (not multiplied by the loss scale), detached.
     pub loss: Tensor,
     /// Gradient of `loss × loss_scale` for each of the `vars` passed in, in the same
-    /// order and dtype; `None` for a variable the loss does not depend on. Detached.
+    /// order and dtype; `None` for a variable the loss does not depend on or
+    /// whose gradient the hook took. Detached.
     pub grads: Vec<Option<Tensor>>,
+    /// Whether the hook took each var's gradient ([`SegmentHook::gradients`];
+    /// never with [`backward`]).
+    pub taken: Vec<bool>,
+}
+
+impl Gradients {
+    /// A result of which the hook took no gradient.
+    pub fn untaken(loss: Tensor, grads: Vec<Option<Tensor>>) -> Self {
+        let taken = vec![false; grads.len()];
+        Gradients { loss, grads, taken }
+    }
 }
 
 /// Computes the loss and the gradients of `vars` for the model `head(blocks(stem))`,
@@ -179,9 +209,9 @@ pub fn backward<B: Block>(
 }
 
 /// [`backward`], calling `hook` around each segment: before and after its
-/// forward, and before and after its recomputation and backward. Without
-/// checkpointing the whole stack is one segment, from before the forward to
-/// after the backward (one graph holds every block).
+/// forward, and before and after its recomputation and backward, then with
+/// its gradients. Without checkpointing the whole stack is one segment, from
+/// before the forward to after the backward (one graph holds every block).
 pub fn backward_with<B: Block>(
     stem: &Tensor,
     blocks: &[B],
@@ -194,8 +224,9 @@ pub fn backward_with<B: Block>(
     let segments = policy.segments(blocks.len());
     if segments.is_empty() {
         hook.before(0..blocks.len())?;
-        let out = plain(stem, blocks, head, vars, loss_scale)?;
+        let mut out = plain(stem, blocks, head, vars, loss_scale)?;
         hook.after(0..blocks.len())?;
+        hook.gradients(0..blocks.len(), &mut out.grads, &mut out.taken)?;
         return Ok(out);
     }
     // Forward: keep only each segment's input (segment 0: the attached stem).
@@ -216,6 +247,7 @@ pub fn backward_with<B: Block>(
         accumulate(&mut grads, &mut store, vars)?;
         (loss.detach(), grads, input_grad(&mut store, &x)?)
     };
+    let mut taken = vec![false; vars.len()];
     drop(x);
     // Segments, last to first, each recomputed from its input.
     for (i, (segment, input)) in segments.iter().zip(inputs).enumerate().rev() {
@@ -229,8 +261,9 @@ pub fn backward_with<B: Block>(
         }
         drop(store);
         hook.after(segment.clone())?;
+        hook.gradients(segment.clone(), &mut grads, &mut taken)?;
     }
-    Ok(Gradients { loss, grads })
+    Ok(Gradients { loss, grads, taken })
 }
 
 /// The plain backward: one graph from the stem to the loss.
@@ -245,10 +278,7 @@ fn plain<B: Block>(
     let mut store = scaled(&loss, loss_scale)?.backward()?;
     let mut grads = vec![None; vars.len()];
     accumulate(&mut grads, &mut store, vars)?;
-    Ok(Gradients {
-        loss: loss.detach(),
-        grads,
-    })
+    Ok(Gradients::untaken(loss.detach(), grads))
 }
 
 fn run<B: Block>(blocks: &[B], x: &Tensor) -> candle_core::Result<Tensor> {

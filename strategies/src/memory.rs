@@ -78,6 +78,10 @@ pub struct StateBytes {
     /// rank). What the collective backend holds for it besides the bucket
     /// (copies, its output) depends on the backend: the memory model counts it.
     pub collective_bucket: u64,
+    /// Elements of the largest bucket of a gradient reduction:
+    /// `collective_bucket`, or fewer where each segment's gradients are
+    /// reduced on their own (0 on one rank).
+    pub reduction_bucket: u64,
 }
 
 impl StateBytes {
@@ -96,6 +100,7 @@ impl StateBytes {
             optimizer_transient: 0,
             host: 0,
             collective_bucket: 0,
+            reduction_bucket: 0,
         }
     }
 }

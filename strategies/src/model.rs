@@ -335,10 +335,7 @@ pub fn forward_backward<M: Model + ?Sized>(
             None => Ok(Some(v.zeros_like()?)),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Gradients {
-        loss: out.loss,
-        grads,
-    })
+    Ok(Gradients::untaken(out.loss, grads))
 }
 
 /// Whether the linked candle-core stores a tensor's first gradient as it is

@@ -75,13 +75,18 @@ impl Strategy for Shard {
     /// weights outside the blocks and one segment's blocks at a time (FSDP's
     /// unit). Ranks own whole tensors, so the rank that owns none of the
     /// weights outside the blocks holds the most: its share, those weights
-    /// whole, and the others' shares of one segment.
+    /// whole, and the others' shares of one segment. With checkpointed
+    /// segments, stages 2 and 3 reduce each segment's gradients once its
+    /// backward made them, so the backward's gradients are at most those
+    /// outside the blocks, one segment's and the rank's reduced share.
     ///
     /// At stage 1 the step holds the owned share of the reduced gradients
     /// beside the local sums, which the accumulator keeps allocated between
     /// steps when there are several micro-batches. Collectives move buckets
     /// of at most [`DEFAULT_BUCKET_BYTES`] of one owner's parameters (a
-    /// larger parameter is a bucket of its own): `collective_bucket`.
+    /// larger parameter is a bucket of its own): `collective_bucket`; a
+    /// segment's reduction moves only its own gradients, or those outside
+    /// the blocks: `reduction_bucket`.
     fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
         let sharded = plan.shard.world_size > 1 && plan.shard.stage >= 1;
         if sharded && plan.shard.stage == 1 {
@@ -99,10 +104,17 @@ impl Strategy for Shard {
         share(&mut state.accumulated_gradients, 2);
         share(&mut state.step_gradients, 2);
         share(&mut state.step_weights, 3);
-        if sharded {
+        let bucket_of = |params: u64| {
             let bucket = DEFAULT_BUCKET_BYTES as u64 / plan.precision.compute_bytes().max(1);
             let owners_share = model.parameters.div_ceil(plan.shard.world_size as u64);
-            state.collective_bucket = bucket.min(owners_share).max(model.largest_tensor);
+            bucket
+                .min(owners_share)
+                .min(params)
+                .max(model.largest_tensor)
+        };
+        if sharded {
+            state.collective_bucket = bucket_of(model.parameters);
+            state.reduction_bucket = state.collective_bucket;
         }
         let segment = plan
             .checkpoint
@@ -110,18 +122,35 @@ impl Strategy for Shard {
             .into_iter()
             .map(|s| s.len())
             .max();
-        let units = plan.shard.world_size > 1 && plan.shard.stage >= 3;
-        if let Some(blocks) = segment.filter(|_| units && model.block_parameters > 0) {
+        let sharded_from = |stage: u8| sharded && plan.shard.stage >= stage;
+        if let Some(blocks) = segment.filter(|_| sharded_from(2) && model.block_parameters > 0) {
             let n = plan.shard.world_size as u64;
-            let in_blocks = model.layers as u64 * model.block_parameters;
-            let bytes = |params: u64| {
-                (u128::from(params) * u128::from(state.weights)
-                    / u128::from(model.parameters.max(1))) as u64
+            let in_blocks = (model.layers as u64 * model.block_parameters).min(model.parameters);
+            // `params` parameters' part of the state term `total`.
+            let part = |total: u64, params: u64| {
+                (u128::from(params) * u128::from(total) / u128::from(model.parameters.max(1)))
+                    as u64
             };
-            let outside = bytes(model.parameters.saturating_sub(in_blocks));
-            let segment = bytes(blocks as u64 * model.block_parameters);
-            let most = state.weights.div_ceil(n) + outside + segment - segment / n;
-            state.weights = state.weights.min(most);
+            let segment = (blocks as u64 * model.block_parameters).min(in_blocks);
+            let outside = model.parameters - in_blocks;
+            // Each segment's gradients are reduced once its backward made
+            // them: the most a rank holds is the gradients outside the blocks
+            // (the last made), one segment's, and its reduced share of the
+            // blocks' (with several micro-batches, in the accumulated sums).
+            let share = if plan.grad_accum > 1 {
+                0
+            } else {
+                part(state.gradients, in_blocks).div_ceil(n)
+            };
+            let g = state.gradients;
+            state.gradients = g.min(part(g, outside) + part(g, segment) + share);
+            state.reduction_bucket = bucket_of(segment.max(outside));
+            if sharded_from(3) {
+                let w = state.weights;
+                let most =
+                    w.div_ceil(n) + part(w, outside) + part(w, segment) - part(w, segment) / n;
+                state.weights = w.min(most);
+            }
         }
     }
 }
@@ -430,9 +459,12 @@ impl TryFrom<u8> for ZeroStage {
 /// What it does not do:
 /// * whole parameters are the unit of ownership: the balance is as good as
 ///   the greedy partition of parameter sizes;
-/// * gradients are reduced after the whole backward (no overlap of
-///   communication with backward), so the full local gradient set exists
-///   once per rank at the end of backward;
+/// * [`reduce`](Self::reduce) takes a whole backward's gradients, so the
+///   full local gradient set exists once per rank at the end of backward; a
+///   caller that runs the backward in segments reduces each segment's
+///   gradients once they are made with [`reduce_some`](Self::reduce_some)
+///   (the trainer does, with checkpointing). Communication does not overlap
+///   computation: candle runs all work on one stream;
 /// * [`gather_params`](Self::gather_params) gathers every parameter at once;
 ///   a caller that runs the model in segments gathers and frees each
 ///   segment's parameters with [`gather`](Self::gather) and
@@ -473,8 +505,9 @@ pub struct ShardedOptimizer<C: Comm> {
     whole: Vec<bool>,
     /// The most bytes of one bucket.
     bucket_bytes: usize,
-    /// The running sums of the owned parameters' reduced gradients.
-    reduced: GradAccumulator,
+    /// The running sums of the reduced gradients, by var index (`None` for
+    /// the vars another rank owns).
+    reduced: Vec<Option<GradAccumulator>>,
     /// What the collectives moved and took.
     traffic: std::cell::Cell<Traffic>,
 }
@@ -616,9 +649,10 @@ impl<C: Comm> ShardedOptimizer<C> {
             opt,
             whole: vec![true; n_vars],
             bucket_bytes,
-            reduced: GradAccumulator::new(),
+            reduced: Vec::new(),
             traffic: Default::default(),
         };
+        s.reduced = s.fresh_sums();
         s.broadcast_params()?;
         s.release_params()?;
         Ok(s)
@@ -645,16 +679,34 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// step with locally accumulated gradients (stage 1: one collective per
     /// step instead of one per micro-batch).
     pub fn reduce(&mut self, grads: Vec<Tensor>) -> Result<()> {
-        one_gradient_each(grads.len(), self.vars.len())?;
+        self.reduce_some(&self.every_var(), grads)
+    }
+
+    /// [`reduce`](Self::reduce) for the vars `which` only (var indices, every
+    /// rank the same, each var once per micro-batch), `grads` one per entry of
+    /// `which`: e.g. a segment's parameters as soon as its backward made their
+    /// gradients, so that a rank never holds the whole local gradient set
+    /// (FSDP's reduce-scatter per unit). Each var's gradient must be reduced
+    /// once per micro-batch, in one call or another, before
+    /// [`take_reduced`](Self::take_reduced).
+    pub fn reduce_some(&mut self, which: &[usize], grads: Vec<Tensor>) -> Result<()> {
+        one_gradient_each(grads.len(), which.len())?;
+        let n = self.vars.len();
+        if let Some(&i) = which.iter().find(|&&i| i >= n) {
+            return Err(Error::Config(format!("var {i} of {n} reduced")));
+        }
         let rank = self.comm.rank();
-        let dtypes: Vec<DType> = grads.iter().map(|g| g.dtype()).collect();
-        let mut grads: Vec<Option<Tensor>> = grads.into_iter().map(Some).collect();
-        let mut mine: Vec<(usize, Tensor)> = Vec::new();
-        for (owner, bucket) in self.buckets(&dtypes, &self.every_var()) {
+        let mut dtypes: Vec<DType> = self.vars.iter().map(|v| v.dtype()).collect();
+        let mut slots: Vec<Option<Tensor>> = vec![None; n];
+        for (&i, g) in which.iter().zip(grads) {
+            dtypes[i] = g.dtype();
+            slots[i] = Some(g);
+        }
+        for (owner, bucket) in self.buckets(&dtypes, which) {
             let flat = flatten(
                 bucket
                     .iter()
-                    .map(|&i| grads[i].take().expect("each gradient is in one bucket")),
+                    .map(|&i| slots[i].take().expect("each gradient is in one bucket")),
             )?;
             let reduced = match self.stage {
                 ZeroStage::OptimizerState => {
@@ -669,16 +721,18 @@ impl<C: Comm> ShardedOptimizer<C> {
             if let Some(sum) = reduced {
                 let mut offset = 0;
                 for &i in &bucket {
-                    let n = self.vars[i].elem_count();
-                    mine.push((i, sum.narrow(0, offset, n)?.reshape(self.vars[i].shape())?));
+                    let var = &self.vars[i];
+                    let n = var.elem_count();
+                    let g = sum.narrow(0, offset, n)?.reshape(var.shape())?;
+                    self.reduced[i]
+                        .as_mut()
+                        .expect("the owner keeps a sum")
+                        .add(vec![g])?;
                     offset += n;
                 }
             }
         }
-        drop(grads);
-        // The sums are kept in the order of the owned vars (FusedAdamW's order).
-        mine.sort_by_key(|(i, _)| *i);
-        self.reduced.add(mine.into_iter().map(|(_, g)| g).collect())
+        Ok(())
     }
 
     /// The sums of this rank's owned gradients since the last call, times
@@ -693,7 +747,33 @@ impl<C: Comm> ShardedOptimizer<C> {
     /// backward do not carry this step's share.
     pub fn take_reduced(&mut self, scale: f64) -> Result<Vec<Tensor>> {
         let inv_world = 1.0 / self.comm.world_size() as f64;
-        std::mem::take(&mut self.reduced).finish(scale * inv_world)
+        let fresh = self.fresh_sums();
+        let sums = std::mem::replace(&mut self.reduced, fresh);
+        let counts: Vec<(usize, usize)> = sums
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s.as_ref()?.micro_batches())))
+            .collect();
+        if let Some(&(i, c)) = counts.iter().find(|&&(_, c)| c != counts[0].1) {
+            return Err(Error::Config(format!(
+                "var {i}'s gradient was reduced {c} times, var {}'s {} times",
+                counts[0].0, counts[0].1
+            )));
+        }
+        let mut out = Vec::with_capacity(counts.len());
+        for mut sum in sums.into_iter().flatten() {
+            out.extend(sum.finish(scale * inv_world)?);
+        }
+        Ok(out)
+    }
+
+    /// Empty running sums for the owned vars.
+    fn fresh_sums(&self) -> Vec<Option<GradAccumulator>> {
+        let rank = self.comm.rank();
+        self.owners
+            .iter()
+            .map(|&o| (o == rank).then(GradAccumulator::new))
+            .collect()
     }
 
     /// The global L2 norm of the step's gradients, from this rank's owned
@@ -758,7 +838,10 @@ impl<C: Comm> ShardedOptimizer<C> {
 
     /// Forgets the gradients reduced so far (after a failed step).
     pub fn restart(&mut self) {
-        self.reduced.restart();
+        self.reduced
+            .iter_mut()
+            .flatten()
+            .for_each(GradAccumulator::restart);
     }
 
     /// The buckets, in the order every rank sends them: per owner rank, runs
