@@ -40,7 +40,7 @@ pub struct StepWork {
     pub host_bus_bytes: f64,
     /// Parameters the host's AdamW steps (offloaded).
     pub host_parameters: f64,
-    /// Bytes each rank sends through collectives (ZeRO's volumes).
+    /// Bytes each rank's collectives move ([`collective_bytes`]).
     pub collective_bytes: f64,
     /// Forward and backward passes of a micro-batch (fixed costs: graph
     /// building, kernel launches).
@@ -127,8 +127,14 @@ impl Throughput {
 /// either (fused AdamW measured 0.97× candle's at the median, within the
 /// noise of single pairs), so it is held at the rate an earlier fit gave it:
 /// the model still ranks fused AdamW, which moves fewer bytes, ahead. The
-/// host and collective rates are not measured on the CPU, where plans
-/// neither offload nor shard.
+/// host rates are nominal: the CPU's host is its device. The collective
+/// rate is Open MPI's between 2 ranks on the same 2 cores, fitted (least
+/// squares through the origin) to the time rank 0 spent in collectives in
+/// the six runs of `scripts/zero-stages.sh` (GPT-2 small, fp32, 4
+/// micro-batches a rank, stages 1-3, with and without checkpointing;
+/// docs/zero-stages-cpu.md, 2026-12-05) against [`collective_bytes`]:
+/// 0.74 GB/s, each run off by 18-81% (all-reduces ran faster per byte than
+/// reductions, whose time includes waiting for the other rank's backward).
 const CPU: Throughput = Throughput {
     matmul_f32: 5.888e10,
     matmul_half: 2.734e10,
@@ -138,7 +144,7 @@ const CPU: Throughput = Throughput {
     optimizer: 2.083e10,
     host_bus: 10e9,
     host_adamw: 1e9,
-    collective: 5e9,
+    collective: 7.37e8,
     micro_batch_seconds: 1.180e-2,
 };
 
@@ -269,18 +275,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan) -> StepWork {
     } else {
         (0.0, 0.0)
     };
-    // ZeRO's volumes per rank: an all-reduce or a reduce-scatter plus an
-    // all-gather moves 2Ψ(N−1)/N, stage 3 gathers the parameters twice: 3Ψ(N−1)/N.
-    let collective_bytes = if world > 1.0 {
-        let psi = params * bytes * (world - 1.0) / world;
-        if plan.shard.stage >= 3 {
-            3.0 * psi
-        } else {
-            2.0 * psi
-        }
-    } else {
-        0.0
-    };
+    let collective_bytes = collective_bytes(spec, plan);
     StepWork {
         matmul_flops: accum * matmul_flops,
         attention_flops: accum * attention_flops,
@@ -293,6 +288,46 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan) -> StepWork {
         micro_batches: accum,
         half: plan.precision != Precision::F32,
     }
+}
+
+/// The bytes one rank's collectives move in a step of `plan`, as the trainer
+/// runs them, with ring algorithms (an all-reduce of `B` bytes moves
+/// `2B(N−1)/N` per rank; a reduction to one rank, a broadcast or an
+/// all-gather `B(N−1)/N`), Ψ being the parameters' bytes in the compute
+/// dtype:
+///
+/// * ZeRO 1 all-reduces the step's summed gradients once (2Ψ) and each
+///   owner broadcasts its updated parameters (Ψ): 3Ψ, where ZeRO's
+///   reduce-scatter and all-gather would move 2Ψ;
+/// * ZeRO 2 reduces every micro-batch's gradients to their owners (Ψ each)
+///   and broadcasts the updated parameters (Ψ);
+/// * ZeRO 3 reduces as ZeRO 2 and gathers the parameters for the passes:
+///   all of them once a step (Ψ), or with checkpointed segments those
+///   outside the blocks once and each block's before its forward and again
+///   before its recomputation, every micro-batch;
+/// * without ZeRO, data parallel ranks all-reduce the summed gradients (2Ψ).
+pub fn collective_bytes(spec: &ModelSpec, plan: &Plan) -> f64 {
+    let world = plan.shard.world_size.max(1) as f64;
+    if world <= 1.0 {
+        return 0.0;
+    }
+    let psi = spec.parameters() as f64 * plan.precision.compute_bytes() as f64;
+    let accum = plan.grad_accum as f64;
+    let blocks = (spec.config.block_parameters() as f64 * spec.config.layers as f64
+        / spec.parameters().max(1) as f64)
+        .min(1.0)
+        * psi;
+    let gathered = match plan.checkpoint {
+        Checkpointing::Every(k) if k > 0 => (psi - blocks) + 2.0 * accum * blocks,
+        _ => psi,
+    };
+    let volume = match plan.shard.stage {
+        0 => 2.0 * psi,
+        1 => 3.0 * psi,
+        2 => accum * psi + psi,
+        _ => accum * psi + gathered,
+    };
+    volume * (world - 1.0) / world
 }
 
 #[cfg(test)]
@@ -342,21 +377,39 @@ mod tests {
     }
 
     #[test]
-    fn zero_volumes_are_two_and_three_psi() {
+    fn collectives_move_what_each_zero_stage_runs() {
         let spec = spec();
         let psi = spec.parameters() as f64 * 4.0;
-        for (stage, factor) in [(1, 2.0), (2, 2.0), (3, 3.0)] {
-            let plan = Plan {
-                micro_batch: 1,
-                grad_accum: 1,
-                shard: oomfix_strategies::Sharding {
-                    world_size: 8,
-                    stage,
-                },
-                ..Plan::baseline(8, 512)
-            };
-            let w = step_work(&spec, &plan);
-            assert!((w.collective_bytes - factor * psi * 7.0 / 8.0).abs() < 1.0);
+        let blocks = (spec.config.block_parameters() * spec.config.layers as u64) as f64 * 4.0;
+        let plan = |stage, grad_accum, checkpoint| Plan {
+            micro_batch: 8 / grad_accum,
+            grad_accum,
+            checkpoint,
+            shard: oomfix_strategies::Sharding {
+                world_size: 8,
+                stage,
+            },
+            ..Plan::baseline(8, 512)
+        };
+        let none = Checkpointing::None;
+        let every = Checkpointing::Every(1);
+        for (stage, accum, checkpoint, volume) in [
+            (1, 1, none, 3.0 * psi),
+            (1, 4, none, 3.0 * psi),
+            (2, 1, none, 2.0 * psi),
+            (2, 4, none, 5.0 * psi),
+            (3, 1, none, 2.0 * psi),
+            (3, 4, none, 5.0 * psi),
+            (3, 1, every, psi + (psi - blocks) + 2.0 * blocks),
+            (3, 4, every, 4.0 * psi + (psi - blocks) + 8.0 * blocks),
+        ] {
+            let w = step_work(&spec, &plan(stage, accum, checkpoint));
+            let want = volume * 7.0 / 8.0;
+            assert!(
+                (w.collective_bytes - want).abs() < 1.0,
+                "stage {stage}, {accum} micro-batches, {checkpoint:?}: {} vs {want}",
+                w.collective_bytes
+            );
         }
     }
 }
