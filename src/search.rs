@@ -193,6 +193,9 @@ pub struct Pins {
     pub optimizer: Option<OptimizerImpl>,
     /// ZeRO stage (1–3 shard over the planner's GPUs; 0 runs on one).
     pub shard_stage: Option<u8>,
+    /// The most bytes one collective of a sharded plan moves (a setting
+    /// rather than a searched field: every plan takes it).
+    pub bucket_bytes: Option<usize>,
 }
 
 impl Pins {
@@ -206,6 +209,7 @@ impl Pins {
             ("attention", self.attention.is_some()),
             ("optimizer", self.optimizer.is_some()),
             ("shard_stage", self.shard_stage.is_some()),
+            ("bucket_bytes", self.bucket_bytes.is_some()),
         ]
         .into_iter()
         .filter_map(|(n, pinned)| pinned.then_some(n))
@@ -231,6 +235,12 @@ impl Pins {
     /// each other or the global batch.
     fn baseline(&self, global: usize, seq_len: usize, gpus: usize) -> Result<Plan> {
         let mut plan = Plan::baseline(global, seq_len);
+        if let Some(bytes) = self.bucket_bytes {
+            if bytes == 0 {
+                return Err(Error::Usage("a bucket must hold at least 1 byte".into()));
+            }
+            plan.shard.bucket_bytes = bytes;
+        }
         if let Some(stage) = self.shard_stage {
             if stage > 3 {
                 return Err(Error::Usage(format!(
@@ -241,6 +251,7 @@ impl Pins {
                 plan.shard = Sharding {
                     world_size: gpus,
                     stage,
+                    ..plan.shard
                 };
             }
         }
@@ -955,6 +966,7 @@ impl Run<'_> {
                     shard: Sharding {
                         world_size: n,
                         stage: 3,
+                        ..base.shard
                     },
                     ..base
                 })

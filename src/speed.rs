@@ -385,10 +385,7 @@ mod tests {
             micro_batch: 8 / grad_accum,
             grad_accum,
             checkpoint,
-            shard: oomfix_strategies::Sharding {
-                world_size: 8,
-                stage,
-            },
+            shard: oomfix_strategies::Sharding::new(8, stage),
             ..Plan::baseline(8, 512)
         };
         let none = Checkpointing::None;

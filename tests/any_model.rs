@@ -238,10 +238,7 @@ fn any_trainer_sharded_takes_the_one_rank_steps() {
     for stage in 1..=3 {
         let per_rank = Plan {
             grad_accum: 2,
-            shard: Sharding {
-                world_size: 2,
-                stage,
-            },
+            shard: Sharding::new(2, stage),
             ..plan
         };
         let losses: Vec<Vec<f32>> = std::thread::scope(|s| {

@@ -32,10 +32,7 @@ fn plan(grad_accum: usize, precision: Precision, optimizer: OptimizerImpl) -> Pl
 
 fn sharded(plan: Plan, world: usize, stage: u8) -> Plan {
     Plan {
-        shard: Sharding {
-            world_size: world,
-            stage,
-        },
+        shard: Sharding::new(world, stage),
         ..plan
     }
 }

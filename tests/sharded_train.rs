@@ -21,10 +21,7 @@ fn plan(world: usize, stage: u8, grad_accum: usize) -> Plan {
         checkpoint: Checkpointing::None,
         attention: Attention::Composed,
         optimizer: OptimizerImpl::FusedAdamW,
-        shard: Sharding {
-            world_size: world,
-            stage,
-        },
+        shard: Sharding::new(world, stage),
         ..Plan::baseline(2 * world, 16)
     }
 }

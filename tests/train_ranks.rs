@@ -523,6 +523,38 @@ fn zero_2_with_checkpointing_reduces_each_blocks_gradients_at_once() {
     );
 }
 
+/// `--bucket-size` sets the most one collective moves: smaller buckets make
+/// more, smaller collectives over the same bytes, the same steps, and a
+/// plan that says so.
+#[test]
+fn the_bucket_size_sets_what_one_collective_moves() {
+    let run_dir = Run::new();
+    let step = |bucket: &[&str]| {
+        let extra = [&["--zero-stage", "2", "--gpus", "2", "--json"][..], bucket].concat();
+        let out = run_dir.oomfix().args(run_dir.args(2, &extra)).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{bucket:?}: {stderr}");
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let last = stderr
+            .lines()
+            .rev()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["fields"]["message"] == "step")
+            .unwrap_or_else(|| panic!("{bucket:?}: no step record: {stderr}"));
+        let f = &last["fields"];
+        let calls = f["collective_calls"].as_u64().unwrap();
+        let bytes = f["collective_bytes"].as_u64().unwrap();
+        (v["plan"].clone(), calls, bytes, f["loss"].as_f64().unwrap())
+    };
+    let (plan, calls, bytes, loss) = step(&[]);
+    assert!(plan.get("bucket_bytes").is_none(), "{plan}");
+    let (small_plan, small_calls, small_bytes, small_loss) = step(&["--bucket-size", "16KiB"]);
+    assert_eq!(small_plan["bucket_bytes"], 16 * 1024, "{small_plan}");
+    assert!(small_calls > 2 * calls, "{small_calls} vs {calls}");
+    assert_eq!(small_bytes, bytes);
+    assert_eq!(small_loss, loss);
+}
+
 /// `plan --gpus 2 --verify` measures each plan it verifies with 2 real
 /// ranks: the measured peak is the fullest rank's, as training measures it.
 #[test]

@@ -293,6 +293,11 @@ pub struct PlanOptions {
     /// Pin the ZeRO stage (0: no sharding; 1–3 over --gpus).
     #[arg(long, value_name = "N", global = true, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero_stage: Option<u8>,
+    /// Sharded plans: the most one collective moves; gradients and
+    /// parameters travel in flat buckets of up to this size (PyTorch DDP's
+    /// bucket_cap_mb) [default: 25MiB].
+    #[arg(long, value_name = "SIZE", global = true, value_parser = parse_bucket_size)]
+    pub bucket_size: Option<usize>,
     /// Memory a plan must leave free below the budget: a percentage of its
     /// estimate (5%), a size (512MiB) or both (64MiB+1%) [default: the
     /// estimate's measured error: 1MiB+1% on the CPU, 64MiB+2% on CUDA].
@@ -652,6 +657,13 @@ fn parse_budget(s: &str) -> Result<u64, String> {
     match parse_bytes(s)? {
         0 => Err("a budget of 0 bytes fits nothing".into()),
         n => Ok(n),
+    }
+}
+
+fn parse_bucket_size(s: &str) -> Result<usize, String> {
+    match parse_bytes(s)? {
+        0 => Err("a bucket of 0 bytes holds nothing: give a size like 25MiB (a tensor larger than the bucket travels alone)".into()),
+        n => usize::try_from(n).map_err(|_| format!("a bucket of {n} bytes is too large")),
     }
 }
 

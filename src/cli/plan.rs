@@ -93,6 +93,7 @@ fn pins(o: &PlanOptions) -> oomfix::Pins {
     pins.attention = o.attention;
     pins.optimizer = o.optimizer;
     pins.shard_stage = o.zero_stage;
+    pins.bucket_bytes = o.bucket_size;
     pins
 }
 
@@ -110,6 +111,7 @@ pub fn pin(o: &mut PlanOptions, plan: &oomfix::Plan) {
     o.attention = Some(plan.attention);
     o.optimizer = Some(plan.optimizer);
     o.zero_stage = Some(plan.shard.stage);
+    o.bucket_size = Some(plan.shard.bucket_bytes);
 }
 
 /// Runs the search of a prepared plan, writes `--snapshot` and `--plot`, and

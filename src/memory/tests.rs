@@ -50,10 +50,7 @@ fn arb_plan() -> impl Strategy<Value = Plan> {
                     OptimizerImpl::FusedAdamW,
                     OptimizerImpl::OffloadedAdamW,
                 ][optimizer],
-                shard: Sharding {
-                    world_size: world,
-                    stage: if world > 1 { stage } else { 0 },
-                },
+                shard: Sharding::new(world, if world > 1 { stage } else { 0 }),
                 ..Plan::baseline(1, 64)
             },
         )
@@ -136,7 +133,7 @@ proptest! {
         let one = Plan { shard: Sharding::NONE, grad_accum: 2, ..plan };
         let one_b = MemoryModel.estimate(&spec, &one, &Target::Cpu);
         for stage in 1..=3u8 {
-            let sharded = Plan { shard: Sharding { world_size: n, stage }, ..one };
+            let sharded = Plan { shard: Sharding::new(n, stage), ..one };
             let b = MemoryModel.estimate(&spec, &sharded, &Target::Cpu);
             let n = n as u64;
             prop_assert_eq!(b.optimizer_state, one_b.optimizer_state.div_ceil(n));
@@ -169,10 +166,7 @@ fn zero_3_gathers_the_weights_outside_the_blocks_and_one_segment() {
     let outside = p - 12 * block;
     let plan = |checkpoint| Plan {
         checkpoint,
-        shard: Sharding {
-            world_size: 4,
-            stage: 3,
-        },
+        shard: Sharding::new(4, 3),
         ..Plan::baseline(8, 128)
     };
     let weights = |c| MemoryModel.estimate(&spec, &plan(c), &Target::Cpu).weights;
@@ -201,10 +195,7 @@ fn zero_2_and_3_reduce_each_segments_gradients() {
         checkpoint,
         grad_accum,
         micro_batch: 8 / grad_accum,
-        shard: Sharding {
-            world_size: 4,
-            stage,
-        },
+        shard: Sharding::new(4, stage),
         ..Plan::baseline(8, 128)
     };
     let estimate =
@@ -458,10 +449,7 @@ fn offloading_moves_master_weights_and_optimizer_state_to_the_host() {
             // Sharded, each rank offloads the masters, moments and staging
             // tensors of its own share only (ShardedOptimizer::offloaded).
             let sharded = Plan {
-                shard: Sharding {
-                    world_size: 2,
-                    stage: 1,
-                },
+                shard: Sharding::new(2, 1),
                 ..offloaded
             };
             let c = MemoryModel.estimate(&spec, &sharded, &Target::Cpu);
@@ -491,4 +479,33 @@ fn the_stock_backward_holds_more_at_every_moment() {
             assert!(stock.embedding.transient >= patched.embedding.transient);
         }
     }
+}
+
+/// The plan's bucket size bounds what a collective moves, and so the
+/// buffers the estimate counts for it (a tensor larger than the bucket
+/// travels alone).
+#[test]
+fn the_bucket_size_bounds_the_collective_buckets() {
+    let spec = ModelSpec::from_config(
+        "test",
+        ModelConfig {
+            vocab: 64,
+            ..ModelConfig::gpt2_small()
+        },
+    );
+    let plan = |bucket_bytes| Plan {
+        shard: Sharding {
+            bucket_bytes,
+            ..Sharding::new(4, 2)
+        },
+        ..Plan::baseline(8, 128)
+    };
+    let fixes = Pipeline::default();
+    let bucket = |bytes| state_bytes(&spec, &plan(bytes), fixes.strategies()).collective_bucket;
+    assert_eq!(
+        bucket(DEFAULT_BUCKET_BYTES),
+        (DEFAULT_BUCKET_BYTES / 4) as u64
+    );
+    assert_eq!(bucket(16 << 20), 4 << 20);
+    assert_eq!(bucket(1024), spec.largest_tensor());
 }

@@ -42,10 +42,11 @@ impl Optim {
             (Some(comm), optimizer) if comm.world_size() > 1 => {
                 let stage = ZeroStage::try_from(plan.shard.stage)?;
                 let vars = vars.into_iter().map(|(_, v)| v).collect();
+                let buckets = plan.shard.bucket_bytes;
                 let mut opt = if optimizer.is_offloaded() {
-                    ShardedOptimizer::offloaded(comm, vars, adamw, stage)?
+                    ShardedOptimizer::offloaded(comm, vars, adamw, stage, buckets)?
                 } else {
-                    ShardedOptimizer::new(comm, vars, adamw, stage)?
+                    ShardedOptimizer::with_buckets(comm, vars, adamw, stage, buckets)?
                 };
                 opt.exempt_from_weight_decay(is_decay_exempt);
                 Optim::Sharded(opt)

@@ -253,14 +253,40 @@ pub struct Sharding {
     /// 0: replicated; 1: optimizer state sharded; 2: also gradients; 3: also parameters.
     #[serde(rename = "shard_stage")]
     pub stage: u8,
+    /// The most bytes one collective moves: gradients and parameters travel
+    /// in flat buckets of up to this size (a larger tensor is a bucket of
+    /// its own). Serialized only when not [`DEFAULT_BUCKET_BYTES`].
+    #[serde(
+        default = "default_bucket_bytes",
+        skip_serializing_if = "is_default_bucket_bytes"
+    )]
+    pub bucket_bytes: usize,
+}
+
+/// The default size of a bucket of a sharded plan's collectives: 25 MiB, as
+/// PyTorch's `DistributedDataParallel` buckets gradients.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+fn default_bucket_bytes() -> usize {
+    DEFAULT_BUCKET_BYTES
+}
+
+fn is_default_bucket_bytes(bytes: &usize) -> bool {
+    *bytes == DEFAULT_BUCKET_BYTES
 }
 
 impl Sharding {
     /// One device, nothing sharded.
-    pub const NONE: Sharding = Sharding {
-        world_size: 1,
-        stage: 0,
-    };
+    pub const NONE: Sharding = Sharding::new(1, 0);
+
+    /// `world_size` ranks at ZeRO `stage`, in buckets of [`DEFAULT_BUCKET_BYTES`].
+    pub const fn new(world_size: usize, stage: u8) -> Sharding {
+        Sharding {
+            world_size,
+            stage,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+        }
+    }
 }
 
 /// A complete training configuration: everything the memory model and the
@@ -379,6 +405,9 @@ impl fmt::Display for Plan {
                 ", ZeRO-{} over {}",
                 self.shard.stage, self.shard.world_size
             )?;
+            if self.shard.bucket_bytes != DEFAULT_BUCKET_BYTES {
+                write!(f, " in buckets of {} bytes", self.shard.bucket_bytes)?;
+            }
         }
         for (name, value) in self.extensions.iter() {
             write!(f, ", {name} {value}")?;

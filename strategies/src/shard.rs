@@ -47,7 +47,11 @@ fn with_stage(plan: &Plan, world_size: usize, stage: u8) -> Option<Plan> {
     Some(Plan {
         micro_batch: micro,
         grad_accum: per_rank / micro,
-        shard: Sharding { world_size, stage },
+        shard: Sharding {
+            world_size,
+            stage,
+            ..plan.shard
+        },
         ..*plan
     })
 }
@@ -83,7 +87,7 @@ impl Strategy for Shard {
     /// At stage 1 the step holds the owned share of the reduced gradients
     /// beside the local sums, which the accumulator keeps allocated between
     /// steps when there are several micro-batches. Collectives move buckets
-    /// of at most [`DEFAULT_BUCKET_BYTES`] of one owner's parameters (a
+    /// of at most the plan's `bucket_bytes` of one owner's parameters (a
     /// larger parameter is a bucket of its own): `collective_bucket`; a
     /// segment's reduction moves only its own gradients, or those outside
     /// the blocks: `reduction_bucket`.
@@ -105,7 +109,7 @@ impl Strategy for Shard {
         share(&mut state.step_gradients, 2);
         share(&mut state.step_weights, 3);
         let bucket_of = |params: u64| {
-            let bucket = DEFAULT_BUCKET_BYTES as u64 / plan.precision.compute_bytes().max(1);
+            let bucket = plan.shard.bucket_bytes as u64 / plan.precision.compute_bytes().max(1);
             let owners_share = model.parameters.div_ceil(plan.shard.world_size as u64);
             bucket
                 .min(owners_share)
@@ -227,9 +231,7 @@ macro_rules! forward_comm {
 
 forward_comm!(Box, Arc);
 
-/// The default size of a bucket of [`ShardedOptimizer`]: 25 MiB, as PyTorch's
-/// `DistributedDataParallel` buckets gradients.
-pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+pub use crate::plan::DEFAULT_BUCKET_BYTES;
 
 /// An in-process [`Comm`]: one value per thread, meeting at barriers and
 /// exchanging tensors through shared slots. For tests and CPU runs of the
@@ -582,19 +584,21 @@ impl<C: Comm> ShardedOptimizer<C> {
         Self::build(comm, vars, params, stage, bucket_bytes, false)
     }
 
-    /// As [`new`](Self::new), with this rank's fp32 masters and moments in
-    /// host memory, stepped there by [`OffloadedAdamW`] (its share only:
-    /// the host holds 12 bytes per owned parameter element, plus staging
-    /// in the vars' dtype). Gradients and parameters travel as with
-    /// [`new`](Self::new); the owner's reduced gradients go to the host for
-    /// its step and its updated vars come back before they are sent.
+    /// As [`with_buckets`](Self::with_buckets), with this rank's fp32
+    /// masters and moments in host memory, stepped there by
+    /// [`OffloadedAdamW`] (its share only: the host holds 12 bytes per owned
+    /// parameter element, plus staging in the vars' dtype). Gradients and
+    /// parameters travel as with [`new`](Self::new); the owner's reduced
+    /// gradients go to the host for its step and its updated vars come back
+    /// before they are sent.
     pub fn offloaded(
         comm: C,
         vars: Vec<Var>,
         params: ParamsAdamW,
         stage: ZeroStage,
+        bucket_bytes: usize,
     ) -> Result<Self> {
-        Self::build(comm, vars, params, stage, DEFAULT_BUCKET_BYTES, true)
+        Self::build(comm, vars, params, stage, bucket_bytes, true)
     }
 
     fn build(

@@ -8,7 +8,9 @@ use candle_core::{Device, Tensor, Var};
 use common::{assert_close, det, values};
 use oomfix_strategies::accumulate::collect_grads;
 use oomfix_strategies::adamw::{ParamsAdamW, STEP_KEY};
-use oomfix_strategies::shard::{partition, Comm, ShardedOptimizer, ThreadComm, ZeroStage};
+use oomfix_strategies::shard::{
+    partition, Comm, ShardedOptimizer, ThreadComm, ZeroStage, DEFAULT_BUCKET_BYTES,
+};
 
 const GLOBAL_BATCH: usize = 8;
 const STEPS: u64 = 5;
@@ -75,7 +77,13 @@ fn train(
                     let rank = comm.rank();
                     let params = init_params();
                     let mut opt = if offload {
-                        ShardedOptimizer::offloaded(comm, params.clone(), adamw(), stage)
+                        ShardedOptimizer::offloaded(
+                            comm,
+                            params.clone(),
+                            adamw(),
+                            stage,
+                            DEFAULT_BUCKET_BYTES,
+                        )
                     } else {
                         ShardedOptimizer::new(comm, params.clone(), adamw(), stage)
                     }
