@@ -62,7 +62,8 @@ pub struct StateBytes {
     pub step_weights: u64,
     /// fp32 master weights kept beside 16-bit compute weights.
     pub master_weights: u64,
-    /// Gradients as the backward produces them (the full set).
+    /// The most gradients the backward holds at once: the full set, or
+    /// less where each segment's are reduced as soon as they are made.
     pub gradients: u64,
     /// Gradients held during the optimizer step.
     pub step_gradients: u64,
