@@ -49,8 +49,10 @@ pub struct Job {
     pub local_world_size: usize,
     /// `MASTER_ADDR` (default `127.0.0.1`).
     pub master_addr: String,
-    /// `MASTER_PORT` (default 29500, as PyTorch's); `None` under mpirun
-    /// when not set (rank 0 then picks a free port).
+    /// The control connection's port: `MASTER_PORT` (default 29500, as
+    /// PyTorch's), or the port after it under torchrun's agent, which
+    /// serves its own store at `MASTER_PORT` (`TORCHELASTIC_USE_AGENT_STORE`);
+    /// `None` under mpirun when not set (rank 0 then picks a free port).
     pub master_port: Option<u16>,
 }
 
@@ -145,6 +147,20 @@ impl Job {
                     "LOCAL_RANK={local_rank} is not below LOCAL_WORLD_SIZE={local_world_size}"
                 )));
             }
+            // torchrun's agent serves its own store at MASTER_PORT and says
+            // so to its workers: the control connection takes the next port.
+            let agent_store = get("TORCHELASTIC_USE_AGENT_STORE")
+                .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+            let port = master_port.unwrap_or(29500);
+            let port = if agent_store {
+                port.checked_add(1).ok_or_else(|| {
+                    Error::Usage(format!(
+                        "MASTER_PORT={port} is torchrun's store, and no port follows it for oomfix's"
+                    ))
+                })?
+            } else {
+                port
+            };
             Job {
                 launcher: Launcher::Torchrun,
                 rank,
@@ -152,7 +168,7 @@ impl Job {
                 local_rank,
                 local_world_size,
                 master_addr,
-                master_port: Some(master_port.unwrap_or(29500)),
+                master_port: Some(port),
             }
         };
         if job.world_size == 0 {
@@ -496,6 +512,15 @@ mod tests {
             (j.master_addr.as_str(), j.master_port),
             ("127.0.0.1", Some(1234))
         );
+        // Under torchrun's agent, whose store holds MASTER_PORT: the next port.
+        let j = job(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(j.master_port, Some(29501));
         let j = job(&[("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_SIZE", "3")])
             .unwrap()
             .unwrap();

@@ -531,7 +531,11 @@ fn the_bucket_size_sets_what_one_collective_moves() {
     let run_dir = Run::new();
     let step = |bucket: &[&str]| {
         let extra = [&["--zero-stage", "2", "--gpus", "2", "--json"][..], bucket].concat();
-        let out = run_dir.oomfix().args(run_dir.args(2, &extra)).output().unwrap();
+        let out = run_dir
+            .oomfix()
+            .args(run_dir.args(2, &extra))
+            .output()
+            .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(0), "{bucket:?}: {stderr}");
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -7,6 +7,7 @@ use candle_core::{Device, Tensor};
 use oomfix::dist::{Control, Job, Launcher, PeerFailure};
 use oomfix::strategies::shard::Comm;
 use oomfix::{Plan, Target};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// The control connection of this process, once it joined its job: a
@@ -31,10 +32,14 @@ pub fn rank_from_env() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
 }
 
+/// Set when another rank's failure stops this one: the watchdog reports it
+/// and exits, and what the aborted collectives make fail here is not news.
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
 /// Tells the other ranks that this one failed (a no-op outside a job).
 pub fn report_failure(failure: &Failure) {
     if let Some(c) = CONTROL.get() {
-        c.report_failure(&failure.to_string());
+        c.report_failure(logging::without_backtrace(&failure.to_string()));
     }
 }
 
@@ -51,6 +56,11 @@ pub fn conclude(outcome: Outcome) -> Outcome {
             }
         }
         Err(failure) => {
+            if STOPPING.load(Ordering::SeqCst) {
+                // The watchdog is reporting the cause and ending the process.
+                std::thread::sleep(std::time::Duration::from_secs(10));
+                std::process::exit(Failure::Run(String::new()).code().into());
+            }
             report_failure(failure);
             std::process::exit(logging::report(failure).into());
         }
@@ -69,6 +79,7 @@ pub fn join(job: Job, target: Target) -> Result<Joined, Failure> {
     // Weak: the communicator is dropped (MPI finalised) when training ends.
     let abort = Arc::downgrade(&comm);
     control.watch(move |f: PeerFailure| {
+        STOPPING.store(true, Ordering::SeqCst);
         if let Some(comm) = abort.upgrade() {
             comm.abort();
         }

@@ -147,12 +147,56 @@ pub fn say(line: std::fmt::Arguments<'_>) {
 pub fn report(failure: &Failure) -> u8 {
     let code = failure.code();
     tracing::debug!(?failure, "failed");
+    let text = failure.to_string();
+    let text = without_backtrace(&text);
     if stderr_json() || to_file() {
         match rank() {
-            Some(rank) => tracing::error!(exit_code = code, rank, "{failure}"),
-            None => tracing::error!(exit_code = code, "{failure}"),
+            Some(rank) => tracing::error!(exit_code = code, rank, "{text}"),
+            None => tracing::error!(exit_code = code, "{text}"),
         }
     }
-    say(format_args!("oomfix: {failure}"));
+    say(format_args!("oomfix: {text}"));
     code
+}
+
+/// `message` without the backtrace a library error may carry (candle's, when
+/// `RUST_BACKTRACE` is set): the lines from the first numbered frame on.
+pub fn without_backtrace(message: &str) -> &str {
+    let frame = |line: &str| {
+        let t = line.trim_start();
+        line.len() > t.len()
+            && t.split_once(": ")
+                .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let mut end = message.len();
+    let mut at = 0;
+    for line in message.split_inclusive('\n') {
+        if frame(line) {
+            end = at;
+            break;
+        }
+        at += line.len();
+    }
+    message[..end].trim_end()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_backtrace;
+
+    #[test]
+    fn a_backtrace_is_cut_from_a_message() {
+        let with = "DriverError(CUDA_ERROR_DEINITIALIZED, \"x\")\n   0: <unknown>\n   1: main\n             at src/main.rs:3";
+        assert_eq!(
+            without_backtrace(with),
+            "DriverError(CUDA_ERROR_DEINITIALIZED, \"x\")"
+        );
+        for plain in [
+            "one line",
+            "two lines\nthe second: 3 of them",
+            "step 2: loss NaN",
+        ] {
+            assert_eq!(without_backtrace(plain), plain);
+        }
+    }
 }

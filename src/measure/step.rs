@@ -38,7 +38,8 @@ pub fn measure_plan(spec: &ModelSpec, plan: &Plan, target: Target) -> Result<Mea
 /// fits when its fullest rank does) and the slowest rank's step time. On the
 /// CPU the peak is the counting allocator's high-water mark above what the
 /// process held before (it must be the global allocator), on CUDA the pool's
-/// used high-water mark.
+/// used high-water mark plus the rank's part of the device memory outside
+/// the pools (its own GPU's, or an equal part of a GPU it shares).
 pub fn measure_sharded(
     spec: &ModelSpec,
     plan: &Plan,
@@ -59,16 +60,28 @@ pub fn measure_sharded(
     let mut data = DataSource::synthetic(0);
     trainer.step(&mut data)?;
     let stats = trainer.step(&mut data)?;
-    let peak = stats.peak() + outside_pool(device)?;
-    let mine = [peak as f64, stats.seconds];
     let comm = trainer
         .comm()
         .expect("a sharded trainer has a communicator");
-    let all = comm.all_gather(&candle_core::Tensor::new(&mine, &Device::Cpu)?)?;
+    // Every rank at rest before the device is read: ranks sharing a GPU
+    // then see the same memory outside their pools.
+    comm.all_reduce_sum(&candle_core::Tensor::new(&[0f32], &Device::Cpu)?)?;
+    let (gpu, outside, reserved) = device_reading(device)?;
+    let mine = [stats.peak() as f64, stats.seconds, gpu, outside, reserved];
+    let all = comm
+        .all_gather(&candle_core::Tensor::new(&mine, &Device::Cpu)?)?
+        .iter()
+        .map(|t| t.to_vec1::<f64>())
+        .collect::<candle_core::Result<Vec<_>>>()?;
     let (mut peak, mut seconds) = (0f64, 0f64);
-    for t in all {
-        let v = t.to_vec1::<f64>()?;
-        peak = peak.max(v[0]);
+    for v in &all {
+        // What the device holds outside the pools of the ranks on it, in
+        // equal parts (the same program each: context, modules, cuBLAS and
+        // NCCL); all of it for a rank alone on its GPU.
+        let sharing: Vec<&Vec<f64>> = all.iter().filter(|w| w[2] == v[2]).collect();
+        let pools: f64 = sharing.iter().map(|w| w[4]).sum();
+        let own_outside = (v[3] - pools).max(0.0) / sharing.len() as f64;
+        peak = peak.max(v[0] + own_outside);
         seconds = seconds.max(v[1]);
     }
     Ok(Measurement {
@@ -294,14 +307,22 @@ fn outside_bytes(stats: &crate::track::cuda::PoolStats) -> u64 {
         .saturating_sub(crate::track::cuda::ballast_bytes())
 }
 
-/// [`outside_bytes`] of `device` now; 0 on the CPU.
-fn outside_pool(device: &Device) -> candle_core::Result<u64> {
+/// `(GPU, device memory in use less the ballast, this process's pool's
+/// reservation)` of `device` now; `(-1, 0, 0)` on the CPU.
+fn device_reading(device: &Device) -> candle_core::Result<(f64, f64, f64)> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(cuda) = device {
-        return Ok(outside_bytes(&crate::track::cuda::PoolStats::read(cuda)?));
+        let stats = crate::track::cuda::PoolStats::read(cuda)?;
+        let gpu = match device.location() {
+            candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id as f64,
+            _ => -1.0,
+        };
+        let used = (stats.device_total - stats.device_free)
+            .saturating_sub(crate::track::cuda::ballast_bytes());
+        return Ok((gpu, used as f64, stats.reserved as f64));
     }
     let _ = device;
-    Ok(0)
+    Ok((-1.0, 0.0, 0.0))
 }
 
 /// A candle error, also one inside a strategy's error (a CUDA out-of-memory in
