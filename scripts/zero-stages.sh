@@ -19,7 +19,8 @@
 #   the CPU, whose host memory is the same, the estimate then counts the host's bytes)
 #   (default binary target/release/oomfix; --logs keeps each run's JSON log
 #   lines; TRAIN_ARGS go to every `oomfix train`, e.g. a model file and
-#   `--init random`)
+#   `--init random`; a planning option among them, e.g. `--micro-batch 1`,
+#   replaces the device's default)
 set -euo pipefail
 device=cpu logs= checkpoint=none optimizer=fused-adamw
 while (($#)); do
@@ -45,7 +46,14 @@ case $device in
         one=(--grad-accum 2) two=(--grad-accum 1) ;;
     *) echo "--device must be cpu or cuda, not '$device'" >&2; exit 2 ;;
 esac
-common=(train "${extra[@]}" "${common[@]}" --optimizer "$optimizer" --checkpoint "$checkpoint" --json --log-format json)
+# A planning option TRAIN_ARGS give replaces the device's default (a given
+# micro-batch or accumulation also the accumulation each stage pins).
+[[ " ${extra[*]} " == *" --micro-batch "* || " ${extra[*]} " == *" --grad-accum "* ]] && one=() two=()
+defaults=()
+for ((i = 0; i < ${#common[@]}; i += 2)); do
+    [[ " ${extra[*]} " == *" ${common[i]} "* ]] || defaults+=("${common[i]}" "${common[i + 1]}")
+done
+common=(train "${extra[@]}" "${defaults[@]}" --optimizer "$optimizer" --checkpoint "$checkpoint" --json --log-format json)
 [ -n "$logs" ] && mkdir -p "$logs"
 printf '%-6s %-22s %-14s %-8s %-10s %-8s %-22s %s\n' stage "peak by rank (MB)" "estimate (MB)" "max/est" "last loss" "step ms" "collectives (MB, ms)" "device MiB by process (nvidia-smi)"
 for stage in 0 1 2 3; do
