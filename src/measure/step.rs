@@ -74,13 +74,16 @@ pub fn measure_sharded(
         .map(|t| t.to_vec1::<f64>())
         .collect::<candle_core::Result<Vec<_>>>()?;
     let (mut peak, mut seconds) = (0f64, 0f64);
-    for v in &all {
+    for (rank, v) in all.iter().enumerate() {
         // What the device holds outside the pools of the ranks on it, in
         // equal parts (the same program each: context, modules, cuBLAS and
         // NCCL); all of it for a rank alone on its GPU.
         let sharing: Vec<&Vec<f64>> = all.iter().filter(|w| w[2] == v[2]).collect();
         let pools: f64 = sharing.iter().map(|w| w[4]).sum();
         let own_outside = (v[3] - pools).max(0.0) / sharing.len() as f64;
+        if rank == comm.rank() && !device.is_cpu() {
+            log_outside_pool(v[0] as u64, own_outside as u64, sharing.len());
+        }
         peak = peak.max(v[0] + own_outside);
         seconds = seconds.max(v[1]);
     }
@@ -263,6 +266,7 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
         };
         let stats = PoolStats::read(cuda)?;
         let outside = outside_bytes(&stats);
+        log_outside_pool(stats.used_high, outside, 1);
         Ok(Ok(Measurement {
             peak_bytes: stats.used_high + outside,
             reserved_bytes: stats.reserved_high + outside,
@@ -305,6 +309,19 @@ fn outside_bytes(stats: &crate::track::cuda::PoolStats) -> u64 {
     (stats.device_total - stats.device_free)
         .saturating_sub(stats.reserved)
         .saturating_sub(crate::track::cuda::ballast_bytes())
+}
+
+/// One record of what a measured step held on its GPU: the pool's used
+/// high-water mark and the process's part of the memory outside the pools
+/// (`ranks_on_gpu` processes sharing it), which the estimate's `runtime` and
+/// `communicator` terms stand for.
+fn log_outside_pool(pool_used_peak: u64, outside_pool_bytes: u64, ranks_on_gpu: usize) {
+    tracing::info!(
+        pool_used_peak,
+        outside_pool_bytes,
+        ranks_on_gpu,
+        "device memory outside the pool"
+    );
 }
 
 /// `(GPU, device memory in use less the ballast, this process's pool's
