@@ -313,8 +313,8 @@ fn outside_bytes(stats: &crate::track::cuda::PoolStats) -> u64 {
 
 /// One record of what a measured step held on its GPU: the pool's used
 /// high-water mark and the process's part of the memory outside the pools
-/// (`ranks_on_gpu` processes sharing it), which the estimate's `runtime` and
-/// `communicator` terms stand for.
+/// (`ranks_on_gpu` processes sharing it), what the estimate's `runtime` term
+/// stands for (NCCL's own part, in a sharded plan, is not yet a term).
 fn log_outside_pool(pool_used_peak: u64, outside_pool_bytes: u64, ranks_on_gpu: usize) {
     tracing::info!(
         pool_used_peak,
