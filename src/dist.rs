@@ -16,12 +16,21 @@
 //!   exiting ([`Control::report_failure`]), rank 0 passes it on, and a rank
 //!   whose connection closes without a word (killed, crashed) is reported as
 //!   such, so every rank learns of a failure within moments instead of
-//!   waiting in a collective for ever. It carries no tensor: collectives go
-//!   through MPI or NCCL.
+//!   waiting in a collective for ever. It also carries a heartbeat: every
+//!   rank says every few seconds that it is alive and how many collectives
+//!   it has entered ([`Watched`] counts them). A rank that says nothing for
+//!   the rank timeout ([`Job::rank_timeout`]: stopped, or its machine gone)
+//!   is reported as hung, and so is one that stays behind the others, which
+//!   wait for it in a collective, for that long: the job stops instead of
+//!   hanging, as PyTorch's NCCL watchdog makes it. It carries no tensor:
+//!   collectives go through MPI or NCCL.
 
+use crate::strategies::shard::Comm;
 use crate::{Error, Result};
+use candle_core::Tensor;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -61,6 +70,12 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The environment variable that sets the rendezvous timeout in seconds.
 pub const TIMEOUT_VAR: &str = "OOMFIX_RENDEZVOUS_TIMEOUT";
+
+/// The default rank timeout: 600 s, as PyTorch's NCCL watchdog.
+pub const DEFAULT_RANK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The environment variable that sets the rank timeout in seconds.
+pub const RANK_TIMEOUT_VAR: &str = "OOMFIX_RANK_TIMEOUT";
 
 fn var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
@@ -185,9 +200,73 @@ impl Job {
 
     /// The rendezvous timeout: [`TIMEOUT_VAR`] in seconds, else [`DEFAULT_TIMEOUT`].
     pub fn timeout() -> Result<Duration> {
-        Ok(optional(TIMEOUT_VAR)?
-            .map(|s| Duration::from_secs(s as u64))
-            .unwrap_or(DEFAULT_TIMEOUT))
+        seconds(TIMEOUT_VAR, DEFAULT_TIMEOUT)
+    }
+
+    /// The rank timeout: how long a rank may say nothing, or stay behind the
+    /// others waiting for it in a collective, before the job stops as hung:
+    /// [`RANK_TIMEOUT_VAR`] in seconds, else [`DEFAULT_RANK_TIMEOUT`].
+    pub fn rank_timeout() -> Result<Duration> {
+        seconds(RANK_TIMEOUT_VAR, DEFAULT_RANK_TIMEOUT)
+    }
+}
+
+fn seconds(name: &str, default: Duration) -> Result<Duration> {
+    match optional(name)? {
+        Some(0) => Err(Error::Usage(format!("{name} must be at least 1 second"))),
+        Some(s) => Ok(Duration::from_secs(s as u64)),
+        None => Ok(default),
+    }
+}
+
+/// A [`Comm`] that counts the collectives this rank entered: the progress
+/// its heartbeat reports (see [`Control::watch`]).
+pub struct Watched {
+    inner: Arc<dyn Comm>,
+    entered: Arc<AtomicU64>,
+}
+
+impl Watched {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn Comm>) -> Watched {
+        Watched {
+            inner,
+            entered: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The count of collectives entered, shared with the heartbeat.
+    pub fn progress(&self) -> Arc<AtomicU64> {
+        self.entered.clone()
+    }
+
+    fn enter(&self) -> &dyn Comm {
+        self.entered.fetch_add(1, Ordering::SeqCst);
+        self.inner.as_ref()
+    }
+}
+
+impl Comm for Watched {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> crate::strategies::Result<Tensor> {
+        self.enter().all_reduce_sum(t)
+    }
+    fn reduce_sum(&self, t: &Tensor, root: usize) -> crate::strategies::Result<Option<Tensor>> {
+        self.enter().reduce_sum(t, root)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> crate::strategies::Result<Tensor> {
+        self.enter().broadcast(t, root)
+    }
+    fn all_gather(&self, t: &Tensor) -> crate::strategies::Result<Vec<Tensor>> {
+        self.enter().all_gather(t)
+    }
+    fn abort(&self) {
+        self.inner.abort()
     }
 }
 
@@ -388,12 +467,44 @@ impl Control {
     }
 
     /// Starts the watchdog: a thread per connection that calls `on_failure`
-    /// (once) when another rank reports a failure or its connection closes
-    /// before it said it was done. `on_failure` is expected to end the
-    /// process. Rank 0 first passes the failure on to every other rank.
-    pub fn watch(&self, on_failure: impl Fn(PeerFailure) + Send + Sync + 'static) {
+    /// (once) when another rank reports a failure, its connection closes
+    /// before it said it was done, or it is hung; `on_failure` is expected to
+    /// end the process. Rank 0 first passes the failure on to every other
+    /// rank.
+    ///
+    /// Every rank sends a heartbeat with `progress` (the collectives it
+    /// entered, [`Watched::progress`]) every `timeout / 5` (0.1 to 5 s). A
+    /// peer is hung when it sends nothing for `timeout` (rank 0 watches
+    /// every rank, the others rank 0), or, as rank 0 sees it, when the least
+    /// progress of any rank stays the same for `timeout` while some rank is
+    /// further: the ranks that stay behind are the ones the others wait for
+    /// (all ranks equal for that long: the job is stuck in one collective,
+    /// reported against the lowest rank).
+    pub fn watch(
+        &self,
+        progress: Arc<AtomicU64>,
+        timeout: Duration,
+        on_failure: impl Fn(PeerFailure) + Send + Sync + 'static,
+    ) {
         let on_failure = Arc::new(on_failure);
-        let fired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let fired = Arc::new(AtomicBool::new(false));
+        let fail = {
+            let (streams, on_failure, fired) = (self.streams.clone(), on_failure, fired.clone());
+            let rank = self.rank;
+            Arc::new(move |failure: PeerFailure| {
+                if fired.swap(true, Ordering::SeqCst) {
+                    return;
+                }
+                if rank == 0 {
+                    send_all(
+                        &streams,
+                        &format!("failed {} {}", failure.rank, failure.cause),
+                        Some(failure.rank),
+                    );
+                }
+                on_failure(failure);
+            })
+        };
         let readers: Vec<(usize, TcpStream)> = {
             let streams = self.streams.lock().unwrap_or_else(|e| e.into_inner());
             streams
@@ -402,13 +513,23 @@ impl Control {
                 .filter_map(|(i, s)| Some((i, s.as_ref()?.try_clone().ok()?)))
                 .collect()
         };
-        for (index, stream) in readers {
-            // Rank 0 reads rank `index`; the others read rank 0.
-            let peer = if self.rank == 0 { index } else { 0 };
-            let (streams, on_failure, fired) =
-                (self.streams.clone(), on_failure.clone(), fired.clone());
-            let rank = self.rank;
+        let now = Instant::now();
+        // What this rank heard of each peer it reads: when, its progress, done.
+        let heard: Arc<Mutex<Vec<Heard>>> = Arc::new(Mutex::new(
+            readers
+                .iter()
+                .map(|&(index, _)| Heard {
+                    rank: if self.rank == 0 { index } else { 0 },
+                    at: now,
+                    progress: 0,
+                    done: false,
+                })
+                .collect(),
+        ));
+        for (slot, (_, stream)) in readers.into_iter().enumerate() {
+            let (heard, fail) = (heard.clone(), fail.clone());
             std::thread::spawn(move || {
+                let peer = heard.lock().unwrap_or_else(|e| e.into_inner())[slot].rank;
                 let mut reader = BufReader::new(stream);
                 let mut line = String::new();
                 let failure = loop {
@@ -424,10 +545,14 @@ impl Control {
                         Ok(_) => {}
                     }
                     let l = line.trim_end();
-                    if l == "done" {
+                    let mut heard = heard.lock().unwrap_or_else(|e| e.into_inner());
+                    heard[slot].at = Instant::now();
+                    if let Some(n) = l.strip_prefix("alive ") {
+                        heard[slot].progress = n.parse().unwrap_or(heard[slot].progress);
+                    } else if l == "done" {
+                        heard[slot].done = true;
                         return;
-                    }
-                    if let Some(rest) = l.strip_prefix("failed ") {
+                    } else if let Some(rest) = l.strip_prefix("failed ") {
                         let (r, cause) = rest.split_once(' ').unwrap_or((rest, "failed"));
                         break PeerFailure {
                             rank: r.parse().unwrap_or(peer),
@@ -435,19 +560,24 @@ impl Control {
                         };
                     }
                 };
-                if fired.swap(true, std::sync::atomic::Ordering::SeqCst) {
-                    return;
-                }
-                if rank == 0 {
-                    send_all(
-                        &streams,
-                        &format!("failed {} {}", failure.rank, failure.cause),
-                        Some(failure.rank),
-                    );
-                }
-                on_failure(failure);
+                fail(failure);
             });
         }
+        let beat = (timeout / 5).clamp(Duration::from_millis(100), Duration::from_secs(5));
+        let (streams, rank) = (self.streams.clone(), self.rank);
+        std::thread::spawn(move || {
+            let mut least = (0, Instant::now());
+            loop {
+                std::thread::sleep(beat);
+                let mine = progress.load(Ordering::SeqCst);
+                send_all(&streams, &format!("alive {mine}"), None);
+                let heard = heard.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                if let Some(f) = hung(rank, mine, &heard, &mut least, timeout) {
+                    fail(f);
+                    return;
+                }
+            }
+        });
     }
 
     /// Tells the other ranks that this rank failed and why (one line).
@@ -465,6 +595,64 @@ impl Control {
     pub fn finish(&self) {
         send_all(&self.streams, "done", None);
     }
+}
+
+/// What a rank heard of one peer over the control connection.
+#[derive(Debug, Clone)]
+struct Heard {
+    rank: usize,
+    at: Instant,
+    progress: u64,
+    done: bool,
+}
+
+/// The hung rank, if any, as rank `rank` sees its peers (see
+/// [`Control::watch`]): `least` is the least progress and since when.
+fn hung(
+    rank: usize,
+    mine: u64,
+    heard: &[Heard],
+    least: &mut (u64, Instant),
+    timeout: Duration,
+) -> Option<PeerFailure> {
+    let now = Instant::now();
+    let live: Vec<&Heard> = heard.iter().filter(|h| !h.done).collect();
+    if let Some(h) = live.iter().find(|h| now - h.at > timeout) {
+        return Some(PeerFailure {
+            rank: h.rank,
+            cause: format!(
+                "it sent nothing for {} s (stopped, hung, or its machine unreachable)",
+                timeout.as_secs()
+            ),
+        });
+    }
+    if rank != 0 || live.is_empty() {
+        return None;
+    }
+    let all = || std::iter::once((rank, mine)).chain(live.iter().map(|h| (h.rank, h.progress)));
+    let min = all().map(|(_, p)| p).min().unwrap_or(mine);
+    if min != least.0 {
+        *least = (min, now);
+        return None;
+    }
+    if now - least.1 <= timeout {
+        return None;
+    }
+    let behind = all().filter(|&(_, p)| p == min).map(|(r, _)| r).min()?;
+    let ahead = all().any(|(_, p)| p > min);
+    let secs = timeout.as_secs();
+    Some(PeerFailure {
+        rank: behind,
+        cause: if ahead {
+            format!(
+                "it made no progress for {secs} s while other ranks waited for it in a collective (hung)"
+            )
+        } else {
+            format!(
+                "no rank made progress for {secs} s: every rank waits in collective {min} (hung)"
+            )
+        },
+    })
 }
 
 fn send_all(streams: &Mutex<Vec<Option<TcpStream>>>, line: &str, except: Option<usize>) {
@@ -598,6 +786,47 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_silent_or_behind_for_the_timeout_is_hung() {
+        let t = Duration::from_secs(10);
+        let long_ago = Instant::now() - Duration::from_secs(11);
+        let peer = |rank, at, progress| Heard {
+            rank,
+            at,
+            progress,
+            done: false,
+        };
+        let now = Instant::now();
+        // Silent for longer than the timeout: named, on any rank.
+        let f = hung(3, 5, &[peer(0, long_ago, 5)], &mut (5, now), t).unwrap();
+        assert_eq!(f.rank, 0);
+        assert!(f.cause.contains("sent nothing for 10 s"), "{}", f.cause);
+        // A finished peer is not watched.
+        let mut done = peer(0, long_ago, 5);
+        done.done = true;
+        assert!(hung(3, 5, &[done], &mut (5, now), t).is_none());
+        // Rank 2 stays behind while the others wait: not yet, then named.
+        let heard = [peer(1, now, 8), peer(2, now, 7)];
+        let mut least = (0, now);
+        assert!(hung(0, 8, &heard, &mut least, t).is_none());
+        assert_eq!(least.0, 7, "the least progress is tracked");
+        least.1 = long_ago;
+        let f = hung(0, 8, &heard, &mut least, t).unwrap();
+        assert_eq!(f.rank, 2);
+        assert!(f.cause.contains("other ranks waited for it"), "{}", f.cause);
+        // Everyone equal for that long: stuck in one collective, lowest rank.
+        let heard = [peer(1, now, 7), peer(2, now, 7)];
+        let f = hung(0, 7, &heard, &mut (7, long_ago), t).unwrap();
+        assert_eq!(f.rank, 0);
+        assert!(
+            f.cause.contains("every rank waits in collective 7"),
+            "{}",
+            f.cause
+        );
+        // Only rank 0 judges progress.
+        assert!(hung(1, 7, &[peer(0, now, 9)], &mut (7, long_ago), t).is_none());
+    }
+
+    #[test]
     fn the_watchdog_names_a_rank_that_dies_or_fails() {
         let l = Listener::bind("127.0.0.1", 0).unwrap();
         let port = l.port();
@@ -614,9 +843,14 @@ mod tests {
         let mut peers: Vec<Control> = peers.into_iter().map(|p| p.join().unwrap()).collect();
         let (tx, rx) = std::sync::mpsc::channel();
         let tx0 = Mutex::new(tx.clone());
-        zero.watch(move |f| tx0.lock().unwrap().send((0, f)).unwrap());
+        let (progress, long) = (Arc::new(AtomicU64::new(0)), Duration::from_secs(60));
+        zero.watch(progress.clone(), long, move |f| {
+            tx0.lock().unwrap().send((0, f)).unwrap()
+        });
         let tx2 = Mutex::new(tx);
-        peers[1].watch(move |f| tx2.lock().unwrap().send((2, f)).unwrap());
+        peers[1].watch(progress, long, move |f| {
+            tx2.lock().unwrap().send((2, f)).unwrap()
+        });
         // rank 1's connection closes without a word: rank 0 and, through it, rank 2 learn of it
         drop(peers.remove(0));
         let mut heard: Vec<(usize, PeerFailure)> = (0..2)

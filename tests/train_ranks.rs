@@ -29,6 +29,11 @@ fn tiny_config() -> ModelConfig {
     }
 }
 
+/// Threads per rank: the CPU matrix product keeps a packing buffer per
+/// thread (megabytes at a wide vocabulary, not in the memory model), so the
+/// peaks compared with estimates are the same on every machine.
+const THREADS: &str = "1";
+
 const GLOBAL_BATCH: usize = 8;
 const STEPS: usize = 3;
 
@@ -113,7 +118,9 @@ impl Run {
 
     fn oomfix(&self) -> Command {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_oomfix"));
-        cmd.current_dir(self.dir.path()).env_remove("RUST_LOG");
+        cmd.current_dir(self.dir.path())
+            .env_remove("RUST_LOG")
+            .env("RAYON_NUM_THREADS", THREADS);
         for v in [
             "RANK",
             "WORLD_SIZE",
@@ -131,6 +138,7 @@ impl Run {
         let mut cmd = Command::new("mpirun");
         cmd.current_dir(self.dir.path())
             .env_remove("RUST_LOG")
+            .env("RAYON_NUM_THREADS", THREADS)
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
             .args(["-n", &n.to_string(), "--oversubscribe", "--bind-to", "none"])
@@ -231,76 +239,190 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_process_steps() {
     assert_close(&losses(&lines).0, &want, "offloaded, 2 ranks");
 }
 
-#[test]
-fn a_rank_that_dies_stops_the_others() {
-    let run_dir = Run::new();
-    let mut child = run_dir
-        .oomfix()
-        .args(run_dir.args(1_000_000, &["--zero-stage", "1", "--gpus", "2"]))
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
+/// A long job of 2 ranks started by `train --gpus 2` with `extra` options
+/// and `env`, once both ranks joined and one step was logged: the
+/// launcher, its stderr's lines so far and to come, and the ranks' pids.
+struct Started {
+    launcher: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+    pids: [u64; 2],
+}
+
+impl Started {
+    fn new(run_dir: &Run, extra: &[&str], env: &[(&str, &str)]) -> Started {
+        let mut extra = extra.to_vec();
+        extra.extend(["--zero-stage", "1", "--gpus", "2"]);
+        // A process group of its own, as a terminal's foreground job has.
+        let mut launcher =
+            std::os::unix::process::CommandExt::process_group(&mut run_dir.oomfix(), 0)
+                .args(run_dir.args(1_000_000, &extra))
+                .envs(env.iter().copied())
+                .stderr(Stdio::piped())
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+        let stderr = launcher.stderr.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
             }
-        }
-    });
-    // Each rank logs its pid when it has joined; wait for a first step of both.
-    let mut pids = [None, None];
-    let mut seen = Vec::new();
-    let start = Instant::now();
-    let mut stepped = false;
-    while !(stepped && pids.iter().all(Option::is_some)) {
-        let line = rx
-            .recv_timeout(Duration::from_secs(120).saturating_sub(start.elapsed()))
-            .unwrap_or_else(|_| panic!("no start in time: {seen:#?}"));
-        if let Ok(v) = serde_json::from_str::<Value>(&line) {
-            if v["fields"]["message"] == "rank started" {
-                let rank = v["fields"]["rank"].as_u64().unwrap() as usize;
-                pids[rank] = v["fields"]["pid"].as_u64();
+        });
+        // Each rank logs its pid when it has joined; wait for a first step.
+        let mut pids = [None, None];
+        let mut seen = Vec::new();
+        let start = Instant::now();
+        let mut stepped = false;
+        while !(stepped && pids.iter().all(Option::is_some)) {
+            let line = lines
+                .recv_timeout(Duration::from_secs(120).saturating_sub(start.elapsed()))
+                .unwrap_or_else(|_| panic!("no start in time: {seen:#?}"));
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if v["fields"]["message"] == "rank started" {
+                    let rank = v["fields"]["rank"].as_u64().unwrap() as usize;
+                    pids[rank] = v["fields"]["pid"].as_u64();
+                }
+                stepped |= v["fields"]["message"] == "step";
             }
-            stepped |= v["fields"]["message"] == "step";
+            seen.push(line);
         }
-        seen.push(line);
+        let pids = pids.map(Option::unwrap);
+        Started {
+            launcher,
+            lines,
+            seen,
+            pids,
+        }
     }
-    let [Some(pid0), Some(pid1)] = pids else {
-        unreachable!()
-    };
-    // SAFETY: kill has no memory preconditions; pid1 is a rank of this test's job.
-    unsafe { libc::kill(pid1 as i32, libc::SIGKILL) };
-    let killed = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if killed.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("the job did not stop within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let rest: Vec<String> = rx.try_iter().collect();
-    assert_eq!(status.code(), Some(3), "{rest:#?}");
-    // Rank 0 stopped (no such process any more, or a zombie nobody reaps) and
-    // said why, naming rank 1.
-    let state = std::fs::read_to_string(format!("/proc/{pid0}/stat")).unwrap_or_default();
+
+    /// The launcher's exit code, once it exited within `limit` (the test
+    /// fails otherwise), and every line it printed.
+    fn exit_within(mut self, limit: Duration) -> (Option<i32>, Vec<String>) {
+        let since = Instant::now();
+        let status = loop {
+            if let Some(status) = self.launcher.try_wait().unwrap() {
+                break status;
+            }
+            if since.elapsed() > limit {
+                let _ = self.launcher.kill();
+                panic!("the job did not stop within {} s", limit.as_secs());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        self.seen.extend(self.lines.try_iter());
+        (status.code(), self.seen)
+    }
+}
+
+/// Whether process `pid` is gone (no such process, or a zombie nobody reaps).
+fn gone(pid: u64) -> bool {
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let state = state.rsplit(") ").next().unwrap_or("").chars().next();
-    assert!(
-        matches!(state, None | Some('Z') | Some('X')),
-        "rank 0 is {state:?}"
-    );
-    let said = rest
+    matches!(state, None | Some('Z') | Some('X'))
+}
+
+/// The message of rank 0's error record among `lines`.
+fn rank_0_error(lines: &[String]) -> String {
+    lines
         .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .find(|v| v["level"] == "ERROR" && v["fields"]["rank"] == 0)
-        .unwrap_or_else(|| panic!("{rest:#?}"));
-    let msg = said["fields"]["message"].as_str().unwrap();
+        .unwrap_or_else(|| panic!("{lines:#?}"))["fields"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Sends `sig` to process `pid` (to process group `-pid` when negative).
+fn signal(pid: i64, sig: i32) {
+    // SAFETY: kill has no memory preconditions; pid is a process of this test's job.
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+#[test]
+fn a_rank_that_dies_stops_the_others() {
+    let run_dir = Run::new();
+    let job = Started::new(&run_dir, &[], &[]);
+    let [pid0, pid1] = job.pids;
+    signal(pid1 as i64, libc::SIGKILL);
+    let (code, lines) = job.exit_within(Duration::from_secs(60));
+    assert_eq!(code, Some(3), "{lines:#?}");
+    // Rank 0 stopped and said why, naming rank 1.
+    assert!(gone(pid0), "rank 0 is still there");
+    let msg = rank_0_error(&lines);
     assert!(msg.contains("rank 1 failed"), "{msg}");
+}
+
+/// A rank that stops answering (SIGSTOP: its process is there, its
+/// connections open, but it neither computes nor speaks) stops the job
+/// after the rank timeout instead of leaving rank 0 in a collective.
+#[test]
+fn a_hung_rank_stops_the_others_after_the_rank_timeout() {
+    let run_dir = Run::new();
+    let job = Started::new(&run_dir, &[], &[("OOMFIX_RANK_TIMEOUT", "3")]);
+    let [pid0, pid1] = job.pids;
+    signal(pid1 as i64, libc::SIGSTOP);
+    let (code, lines) = job.exit_within(Duration::from_secs(60));
+    signal(pid1 as i64, libc::SIGKILL);
+    assert_eq!(code, Some(3), "{lines:#?}");
+    assert!(gone(pid0), "rank 0 is still there");
+    let msg = rank_0_error(&lines);
+    assert!(
+        msg.contains("rank 1 failed: it sent nothing for 3 s"),
+        "{msg}"
+    );
+}
+
+/// SIGTERM to the launcher, and SIGINT to its process group (a Ctrl-C at
+/// the terminal), stop every rank at the same step boundary; rank 0 writes
+/// the checkpoint once, and it resumes.
+#[test]
+fn a_stop_signal_stops_every_rank_with_one_checkpoint() {
+    for (sig, code, name, group) in [
+        (libc::SIGTERM, 143, "SIGTERM", false),
+        (libc::SIGINT, 130, "SIGINT", true),
+    ] {
+        let run_dir = Run::new();
+        let job = Started::new(&run_dir, &["--save", "ck"], &[]);
+        let pid = i64::from(job.launcher.id());
+        signal(if group { -pid } else { pid }, sig);
+        let (exit, lines) = job.exit_within(Duration::from_secs(60));
+        assert_eq!(exit, Some(code), "{name}: {lines:#?}");
+        let stopped: Vec<&String> = lines
+            .iter()
+            // (mpirun passes a SIGINT on to the ranks as SIGTERM)
+            .filter(|l| l.contains("stopped by SIG") && l.contains("after step"))
+            .collect();
+        assert_eq!(stopped.len(), 1, "{name}: {lines:#?}");
+        assert!(
+            stopped[0].contains("checkpoint written to ck"),
+            "{}",
+            stopped[0]
+        );
+        let state: Value = serde_json::from_str(
+            &std::fs::read_to_string(run_dir.dir.path().join("ck/trainer_state.json")).unwrap(),
+        )
+        .unwrap();
+        let step = state["step"].as_u64().unwrap();
+        assert!(
+            stopped[0].contains(&format!("after step {step};")),
+            "{}",
+            stopped[0]
+        );
+        let (code, lines, stderr) = run(run_dir
+            .oomfix()
+            .args(run_dir.args(step as usize + 1, &["--zero-stage", "1", "--gpus", "2"]))
+            .args(["--resume", "ck"]));
+        assert_eq!(code, 0, "{stderr}");
+        assert_eq!(
+            losses(&lines).0.len(),
+            1,
+            "one step after step {step}: {stderr}"
+        );
+    }
 }
 
 #[test]

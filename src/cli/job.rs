@@ -4,7 +4,7 @@
 
 use super::{logging, Failure, Outcome};
 use candle_core::{Device, Tensor};
-use oomfix::dist::{Control, Job, Launcher, PeerFailure};
+use oomfix::dist::{Control, Job, Launcher, PeerFailure, Watched};
 use oomfix::strategies::shard::Comm;
 use oomfix::{Plan, Target};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,14 +71,17 @@ pub fn conclude(outcome: Outcome) -> Outcome {
 /// Joins the job as rank `job.rank`: the communicator, the control
 /// connection and its watchdog, on the device `target` asks for.
 pub fn join(job: Job, target: Target) -> Result<Joined, Failure> {
-    let timeout = oomfix::dist::Job::timeout()?;
+    let (timeout, rank_timeout) = (Job::timeout()?, Job::rank_timeout()?);
     let (comm, device, control): (Arc<dyn Comm>, Device, Control) = match job.launcher {
         Launcher::Mpi => join_mpi(&job, target, timeout)?,
         Launcher::Torchrun => join_nccl(&job, target, timeout)?,
     };
+    let watched = Watched::new(comm);
+    let progress = watched.progress();
+    let comm: Arc<dyn Comm> = Arc::new(watched);
     // Weak: the communicator is dropped (MPI finalised) when training ends.
     let abort = Arc::downgrade(&comm);
-    control.watch(move |f: PeerFailure| {
+    control.watch(progress, rank_timeout, move |f: PeerFailure| {
         STOPPING.store(true, Ordering::SeqCst);
         if let Some(comm) = abort.upgrade() {
             comm.abort();

@@ -8,7 +8,9 @@
 //! watchdog, see `oomfix::dist`); the launcher names the first rank that
 //! failed and exits with its code when that is 1 or 2, else 3. After a first
 //! failure it gives the others [`GRACE`] to stop, then kills them. SIGINT and
-//! SIGTERM are passed on to the ranks, which stop together at a step boundary.
+//! SIGTERM are passed on to the ranks, which stop together at a step boundary
+//! (the ranks have a process group of their own: a Ctrl-C at the terminal
+//! reaches them once, through the launcher).
 
 use super::signals::StopSignals;
 use super::{logging, Exit, Failure, Outcome};
@@ -58,6 +60,22 @@ pub fn run_with(n: usize, target: Target, env: &[(&str, String)]) -> Outcome {
     wait(children, &signals)
 }
 
+/// Puts a rank (or mpirun) in a process group of its own, so that a Ctrl-C
+/// at the terminal reaches the launcher alone, which passes it on once (a
+/// second SIGINT stops a rank at once, without its checkpoint), and has it
+/// receive SIGTERM should the launcher die.
+fn own_group(cmd: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0);
+    // SAFETY: prctl is async-signal-safe and reads no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        })
+    }
+}
+
 fn spawn_error(what: &str) -> impl FnOnce(std::io::Error) -> Failure + '_ {
     move |e| Failure::Run(format!("cannot start {what}: {}", super::io_text(&e)))
 }
@@ -78,7 +96,7 @@ fn spawn_mpirun(
         cmd.arg("--allow-run-as-root");
     }
     cmd.arg(exe).args(args);
-    cmd.spawn().map_err(|e| {
+    own_group(&mut cmd).spawn().map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             Failure::Usage(
                 "--gpus N with --device cpu runs the ranks under mpirun, which is not installed (Open MPI's openmpi-bin)"
@@ -121,7 +139,7 @@ fn spawn_torchrun(
     };
     let mut children = Vec::with_capacity(n);
     for rank in 0..n {
-        let child = Command::new(exe)
+        let child = own_group(&mut Command::new(exe))
             .args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .env("RANK", rank.to_string())
@@ -202,6 +220,12 @@ fn wait(mut children: Vec<(Option<usize>, Child)>, signals: &StopSignals) -> Out
     let Some((rank, status)) = first_failure else {
         return Ok(Exit::Done);
     };
+    // Stopped as asked: the ranks exit with 128 + the signal, mpirun with 1.
+    if let Some(sig) = signals.received() {
+        if matches!(status.code(), Some(1)) || status.code() == Some(128 + sig) {
+            return Ok(Exit::Signal(sig));
+        }
+    }
     let who = rank.map_or_else(
         || "a rank (under mpirun)".to_string(),
         |r| format!("rank {r}"),
@@ -212,7 +236,6 @@ fn wait(mut children: Vec<(Option<usize>, Child)>, signals: &StopSignals) -> Out
             "{who} stopped on a usage or input error ({})",
             describe(status)
         ))),
-        Some(c) if signals.received().is_some_and(|s| 128 + s == c) => Ok(Exit::Signal(c - 128)),
         _ => Err(Failure::Run(format!("{who} failed: {}", describe(status)))),
     }
 }

@@ -306,7 +306,9 @@ fn run_rank(
             };
             if *saved_at != Some(trainer.steps()) {
                 trainer.save(path, data)?;
-                tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "saved");
+                if rank == 0 {
+                    tracing::info!(step = trainer.steps(), checkpoint = %path.display(), "saved");
+                }
                 *saved_at = Some(trainer.steps());
             }
             Ok(())
@@ -382,11 +384,13 @@ fn run_rank(
         Some(path) => format!("checkpoint written to {}", path.display()),
         None => "no checkpoint written (no --save)".into(),
     };
-    logging::notice(format_args!(
-        "stopped by {} after step {}; {saved}",
-        signals::name(stopped_by),
-        trainer.steps()
-    ));
+    if rank == 0 {
+        logging::notice(format_args!(
+            "stopped by {} after step {}; {saved}",
+            signals::name(stopped_by),
+            trainer.steps()
+        ));
+    }
     Ok(Exit::Signal(stopped_by))
 }
 
