@@ -1,6 +1,7 @@
 //! The device a plan is for ([`Target`]): what it costs besides tensors,
 //! how its allocator rounds, which kernels and precisions it has.
 
+use oomfix_strategies::Plan;
 use serde::Serialize;
 
 /// Device memory the CUDA context itself takes (module images, per-thread
@@ -15,13 +16,29 @@ pub(crate) const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
 pub(crate) const CUDA_POOL_GRANULARITY: u64 = 2 << 20;
 
 /// What a CUDA device's stream-ordered pool holds at a step's peak beyond its
-/// live allocations: blocks freed earlier in the step and not yet reused or
-/// released (it trims only at synchronisations). A device that must hold the
-/// plan needs this much above the live bytes. Measured on the H200 as the
-/// pool's reserved minus used high-water marks: 0.43–0.46 GiB for GPT-2
-/// medium under a hard 8 GiB limit (`--enforce-budget`), 0.17–1.05 GiB for
-/// GPT-2 small and medium steps without one (docs/gpu-8gib.md).
-pub(crate) const CUDA_POOL_SLACK: u64 = 512 << 20;
+/// live allocations: blocks freed earlier in the step that later requests
+/// of other sizes could not reuse, kept until the next synchronisation
+/// returns them (release threshold 0). A device that must hold the plan
+/// needs this much above the live bytes ([`Target::pool_slack_bytes`]):
+/// per block of the model, its backward's gradients and activation
+/// gradients freed among requests of other sizes ...
+pub(crate) const CUDA_POOL_SLACK_PER_BLOCK: u64 = 12 << 20;
+
+/// ... with checkpointing, every segment's recomputed internals freed before
+/// the head's and the loss's large tensors are asked for ...
+pub(crate) const CUDA_POOL_SLACK_RECOMPUTED: u64 = 176 << 20;
+
+/// ... and with checkpointing or accumulation, a pass's buffers freed before
+/// the next pass (a recomputation, or the next micro-batch) asks again.
+///
+/// The three are fitted to the reserved and used high-water marks of 62
+/// steps of the H200 accuracy matrix (GPT-2 6-layer/small/medium, Llama
+/// 160M/400M, TinyLlama; docs/pool-reserve-gpu.md, `scripts/fit-pool-slack.py`):
+/// the estimate with them is a median 1.0%, at most 5.1%, from the
+/// reserved peak (61 of 62 within 3%; the former constant 512 MiB: 3.1%,
+/// 9.7%, 31 of 62), and 1.3% / 11.0% on the 64 steps of the GPT-2 small
+/// sweep it was not fitted to.
+pub(crate) const CUDA_POOL_SLACK_REPEATED: u64 = 120 << 20;
 
 /// Where the plan runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -42,12 +59,22 @@ impl Target {
         }
     }
 
-    /// Bytes the device's allocator holds beyond live tensors at the peak
-    /// (`CUDA_POOL_SLACK`, 512 MiB, on CUDA; the CPU's heap is measured live).
-    pub fn pool_slack_bytes(&self) -> u64 {
+    /// Bytes the device's allocator holds beyond live tensors at the peak of
+    /// `plan` on a model of `blocks` blocks: on CUDA what the stream-ordered
+    /// pool keeps of the blocks freed in the step (`CUDA_POOL_SLACK_*`), in
+    /// whole 2 MiB pages; 0 on the CPU, whose heap is measured live.
+    pub fn pool_slack_bytes(&self, blocks: usize, plan: &Plan) -> u64 {
         match self {
             Target::Cpu => 0,
-            Target::Cuda(_) => CUDA_POOL_SLACK,
+            Target::Cuda(_) => {
+                let recomputed = !plan.checkpoint.segments(blocks).is_empty();
+                let repeated = recomputed || plan.grad_accum > 1;
+                self.round_up(
+                    blocks as u64 * CUDA_POOL_SLACK_PER_BLOCK
+                        + u64::from(recomputed) * CUDA_POOL_SLACK_RECOMPUTED
+                        + u64::from(repeated) * CUDA_POOL_SLACK_REPEATED,
+                )
+            }
         }
     }
 

@@ -299,7 +299,7 @@ impl Estimator for MeasuredModel {
         let buffers = self.prober.lock().expect("not poisoned").buffer_bytes();
         let s = self.state(plan);
         let runtime = target.runtime_bytes();
-        let pool_slack = target.pool_slack_bytes();
+        let pool_slack = target.pool_slack_bytes(self.facts.layers, plan);
         let pass = fit.bytes(plan.micro_batch);
         let held =
             s.weights + buffers + s.master_weights + s.optimizer_state + s.accumulated_gradients;

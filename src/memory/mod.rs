@@ -38,8 +38,6 @@
 mod activations;
 
 pub use crate::target::Target;
-#[cfg(test)]
-use crate::target::CUDA_POOL_SLACK;
 pub use activations::{
     activation_bytes, activation_bytes_for, embedding_backward_copies, mlp_backward_ni,
     widen_cpu_bf16_matmuls, Activations, Backward, Moment,
@@ -291,7 +289,7 @@ fn estimate(
         widen_cpu_bf16_matmuls(&mut act, spec, plan);
     }
     let runtime = target.runtime_bytes();
-    let pool_slack = target.pool_slack_bytes();
+    let pool_slack = target.pool_slack_bytes(spec.config.layers, plan);
 
     // Alive at every moment of the backward.
     let state =
