@@ -19,7 +19,8 @@ dir=$(mktemp -d)
 run() { # label, then the arguments; prints "label pool-used outside"
     local label=$1 log=$dir/$1.log
     shift
-    if ! timeout 300 "$bin" "${plan[@]}" "$@" >/dev/null 2>"$log"; then
+    # RUST_LOG=info: the measuring ranks log their records at info level.
+    if ! RUST_LOG=info timeout 300 "$bin" "${plan[@]}" "$@" >/dev/null 2>"$log"; then
         echo "$label failed:" >&2; tail -5 "$log" >&2; return
     fi
     python3 - "$label" "$log" <<'PY'

@@ -82,7 +82,7 @@ t, est = doc["training"], doc["estimate"]
 ranks = t.get("rank_peak_bytes") or [t["peak_bytes"]]
 # The measured peak is live tensor bytes (on CUDA the pool's used high-water
 # mark): compare the estimate without the runtime and the pool's slack.
-live = est["peak_bytes"] - est["runtime_bytes"] - est["pool_slack_bytes"]
+live = est["peak_bytes"] - est["runtime_bytes"] - est["pool_slack_bytes"] - est.get("communicator_bytes", 0)
 if device == "cpu":
     live += est.get("host_bytes", 0)  # an offloaded optimizer's state: the same memory
 steps = []

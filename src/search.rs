@@ -885,6 +885,7 @@ impl Run<'_> {
             optimizer_transient_bytes = estimate.optimizer_transient,
             runtime_bytes = estimate.runtime,
             pool_slack_bytes = estimate.pool_slack,
+            communicator_bytes = estimate.communicator,
             peak_phase = %estimate.peak_phase,
             host_bytes = estimate.host,
             estimated_step_seconds = time.total,

@@ -40,6 +40,23 @@ pub(crate) const CUDA_POOL_SLACK_RECOMPUTED: u64 = 176 << 20;
 /// sweep it was not fitted to.
 pub(crate) const CUDA_POOL_SLACK_REPEATED: u64 = 120 << 20;
 
+/// What NCCL's communicator keeps on each rank's device for the whole job
+/// beside the tensors: work queues, proxy state and its kernels' module (a
+/// fixed part) ...
+pub(crate) const NCCL_COMMUNICATOR_BYTES: u64 = 316 << 20;
+
+/// ... and its buffers, per channel (send and receive, for its protocols).
+/// Both measured with NCCL 2.32.6 on an H100 with 2 ranks on the one GPU
+/// (`scripts/comm-memory.sh`: device memory outside the pool of a rank
+/// against one process's, with `NCCL_MIN_CTAS = NCCL_MAX_CTAS` = 2, 4, 8,
+/// 16 channels: 352, 388, 460 and 604 MiB, docs/zero-stages-gpu.md).
+pub(crate) const NCCL_CHANNEL_BYTES: u64 = 18 << 20;
+
+/// The channels assumed when `NCCL_MAX_CTAS` does not set them: NCCL's
+/// default ceiling on NVLink machines (it chose 64 for 2 ranks sharing one
+/// H100, where `NCCL_MAX_CTAS` is advised anyway).
+pub const NCCL_DEFAULT_CHANNELS: u64 = 32;
+
 /// Where the plan runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", content = "ordinal", rename_all = "lowercase")]
@@ -78,13 +95,29 @@ impl Target {
         }
     }
 
+    /// Bytes a rank's collective backend keeps for the whole job, beside the
+    /// tensors, when the plan runs on `world_size` ranks: on CUDA NCCL's
+    /// communicator (`NCCL_COMMUNICATOR_BYTES` and `NCCL_CHANNEL_BYTES` per
+    /// channel: `channels`, else [`NCCL_DEFAULT_CHANNELS`]); 0 for one
+    /// process, and on the CPU, whose MPI buffers are measured per call
+    /// ([`collective_buffer_bytes`](Self::collective_buffer_bytes)).
+    pub fn communicator_bytes(&self, world_size: usize, channels: Option<u64>) -> u64 {
+        match self {
+            Target::Cuda(_) if world_size > 1 => {
+                NCCL_COMMUNICATOR_BYTES
+                    + channels.unwrap_or(NCCL_DEFAULT_CHANNELS) * NCCL_CHANNEL_BYTES
+            }
+            _ => 0,
+        }
+    }
+
     /// Bytes a rank's collective backend holds for one call on a bucket of
     /// `elements` in a dtype of `bytes` each, beside the bucket itself.
     /// The CPU's ranks run over MPI (`MpiComm`): a copy of the bucket in
     /// its f32 wire format and the f32 result (measured: 2 × the bucket in
     /// fp32, tests/train_ranks.rs), plus the result cast back to a 16-bit
     /// dtype. CUDA's over NCCL (`NcclComm`): the result only (by the code;
-    /// not measured on a GPU; NCCL's own buffers are not counted).
+    /// NCCL's own buffers are [`communicator_bytes`](Self::communicator_bytes)).
     pub fn collective_buffer_bytes(&self, elements: u64, bytes: u64) -> u64 {
         match self {
             Target::Cpu => elements * (8 + if bytes < 4 { bytes } else { 0 }),

@@ -298,7 +298,10 @@ impl Estimator for MeasuredModel {
         let fit = self.fit(Setting::of(plan));
         let buffers = self.prober.lock().expect("not poisoned").buffer_bytes();
         let s = self.state(plan);
-        let runtime = target.runtime_bytes();
+        let communicator =
+            target.communicator_bytes(plan.shard.world_size, crate::memory::nccl_channels());
+        // Outside the tensors, at every moment.
+        let runtime = target.runtime_bytes() + communicator;
         let pool_slack = target.pool_slack_bytes(self.facts.layers, plan);
         let pass = fit.bytes(plan.micro_batch);
         let held =
@@ -352,8 +355,9 @@ impl Estimator for MeasuredModel {
             activations: pass.saturating_sub(s.gradients),
             backward_transient: 0,
             optimizer_transient: s.optimizer_transient,
-            runtime,
+            runtime: runtime - communicator,
             pool_slack,
+            communicator,
             collective_buffers,
             peak: if peak == u64::MAX {
                 u64::MAX

@@ -446,6 +446,8 @@ impl Verifier for StepVerifier {
             })?;
         let stdout = String::from_utf8_lossy(&out.stdout);
         if out.status.success() {
+            // The child's (and its ranks') log records, as if logged here.
+            let _ = std::io::Write::write_all(&mut std::io::stderr(), &out.stderr);
             let printed = stdout.trim();
             let bad = || {
                 Error::Runtime(format!(

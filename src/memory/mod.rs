@@ -102,6 +102,10 @@ pub struct Breakdown {
     /// What the device's memory pool holds beyond live tensors at the peak
     /// ([`Target::pool_slack_bytes`]).
     pub pool_slack: u64,
+    /// What the collective backend keeps on each rank for the whole job
+    /// ([`Target::communicator_bytes`]: NCCL's communicator), alive at
+    /// every moment; 0 for one process.
+    pub communicator: u64,
     /// What the collective backend holds for the largest bucket of a
     /// sharded plan ([`Target::collective_buffer_bytes`]), where the peak
     /// is a moment of a collective (a gradient reduction, or the
@@ -122,7 +126,7 @@ pub struct Breakdown {
 
 impl Breakdown {
     /// The components as `(name, bytes)`, in display order.
-    pub fn components(&self) -> [(&'static str, u64); 11] {
+    pub fn components(&self) -> [(&'static str, u64); 12] {
         [
             ("weights", self.weights),
             ("master_weights", self.master_weights),
@@ -134,6 +138,7 @@ impl Breakdown {
             ("optimizer_transient", self.optimizer_transient),
             ("runtime", self.runtime),
             ("pool_slack", self.pool_slack),
+            ("communicator", self.communicator),
             ("collective_buffers", self.collective_buffers),
         ]
     }
@@ -290,10 +295,13 @@ fn estimate(
     }
     let runtime = target.runtime_bytes();
     let pool_slack = target.pool_slack_bytes(spec.config.layers, plan);
+    let communicator = target.communicator_bytes(plan.shard.world_size, nccl_channels());
+    // Outside the tensors, at every moment.
+    let outside = runtime + communicator;
 
     // Alive at every moment of the backward.
     let state =
-        s.weights + s.master_weights + s.optimizer_state + s.accumulated_gradients + runtime;
+        s.weights + s.master_weights + s.optimizer_state + s.accumulated_gradients + outside;
     let block_gradients = s.gradients - (stem_only_parameters(spec).min(p) * cb).min(s.gradients);
     let after = AfterBackward::of(plan, &s, p, spec.largest_tensor(), target);
     let accumulation = Moment {
@@ -333,7 +341,7 @@ fn estimate(
         + s.step_gradients
         + s.optimizer_transient
         + after.broadcast
-        + runtime;
+        + outside;
     let (peak, peak_phase, collective_buffers) = [
         (backward, backward_phase, 0),
         (
@@ -359,11 +367,17 @@ fn estimate(
         optimizer_transient: s.optimizer_transient,
         runtime,
         pool_slack,
+        communicator,
         collective_buffers,
         peak: target.round_up(peak) + pool_slack,
         peak_phase,
         host: s.host,
     }
+}
+
+/// The channels `NCCL_MAX_CTAS` gives NCCL's communicators, when set.
+pub(crate) fn nccl_channels() -> Option<u64> {
+    std::env::var("NCCL_MAX_CTAS").ok()?.trim().parse().ok()
 }
 
 /// What a step holds after its backward besides the training state, for

@@ -75,7 +75,8 @@ proptest! {
     /// * shard: the collective backend's buffers for its largest bucket,
     ///   and at stage 1 the owned share of the reduced gradients beside the
     ///   local sums, which outweigh what stage 1 saves where nothing it
-    ///   divides is on the device (an offloaded optimizer);
+    ///   divides is on the device (an offloaded optimizer), and on CUDA
+    ///   NCCL's communicator;
     /// * checkpoint and accumulate, on CUDA: what the pool keeps of the
     ///   buffers a recomputed or repeated pass frees (`pool_slack`).
     /// Every other step must not raise it at all.
@@ -107,7 +108,7 @@ proptest! {
                         acc + spec.largest_tensor() * (acc / spec.parameters())
                     }
                     "flash-attention" => super::activations::flash_backward_bytes(&spec, &next),
-                    "shard" => next_estimate.collective_buffers + next_estimate.gradients.div_ceil(ctx.gpus as u64),
+                    "shard" => next_estimate.collective_buffers + next_estimate.gradients.div_ceil(ctx.gpus as u64) + next_estimate.communicator,
                     _ => 0,
                 } + match s.name() {
                     "checkpoint" | "accumulate" => next_estimate.pool_slack.saturating_sub(estimate.pool_slack),
@@ -428,6 +429,33 @@ fn cuda_plans_keep_room_for_the_pools_slack() {
     let baseline = MemoryModel.estimate(&spec, &Plan::baseline(8, 1024), &Target::Cuda(0));
     assert!(!fits(baseline.allocated_peak()));
     assert!(fits(baseline.peak));
+}
+
+#[test]
+fn sharded_cuda_plans_keep_room_for_nccls_communicator() {
+    let spec = spec_for(0);
+    let one = Plan::baseline(8, 1024);
+    let sharded = Plan {
+        shard: Sharding::new(2, 2),
+        ..one
+    };
+    let channels = nccl_channels().unwrap_or(crate::target::NCCL_DEFAULT_CHANNELS);
+    let nccl = (316 << 20) + channels * (18 << 20);
+    let cuda = MemoryModel.estimate(&spec, &sharded, &Target::Cuda(0));
+    assert_eq!(cuda.communicator, nccl);
+    assert!(cuda.peak_components().contains(&("communicator", nccl)));
+    assert_eq!(
+        MemoryModel
+            .estimate(&spec, &one, &Target::Cuda(0))
+            .communicator,
+        0
+    );
+    assert_eq!(
+        MemoryModel
+            .estimate(&spec, &sharded, &Target::Cpu)
+            .communicator,
+        0
+    );
 }
 
 #[test]
