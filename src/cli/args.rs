@@ -300,7 +300,7 @@ pub struct PlanOptions {
     pub bucket_size: Option<usize>,
     /// Memory a plan must leave free below the budget: a percentage of its
     /// estimate (5%), a size (512MiB) or both (64MiB+1%) [default: the
-    /// estimate's measured error: 1MiB+1% on the CPU, 64MiB+2% on CUDA].
+    /// estimate's measured error: 1MiB+1% on the CPU, 192MiB+3% on CUDA].
     #[arg(long, value_name = "SIZE+PCT", global = true, value_parser = parse_from_str::<oomfix::Headroom>)]
     pub headroom: Option<oomfix::Headroom>,
     /// Host memory the offloaded optimizer state may use [default: the
