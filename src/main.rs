@@ -35,12 +35,12 @@ fn main() -> ExitCode {
             return ExitCode::from(logging::report(&failure));
         }
     };
-    if let Err(failure) = logging::init(&invocation.log) {
-        return ExitCode::from(logging::report(&failure));
-    }
     // Every log record of a rank of a job carries its rank.
     let rank = cli::job::rank_from_env();
     logging::set_rank(rank);
+    if let Err(failure) = logging::init(&invocation.log) {
+        return ExitCode::from(logging::report(&failure));
+    }
     let _span = rank.map(|rank| tracing::info_span!("rank", rank).entered());
     let outcome = match &invocation.command {
         Command::Plan(args) => cli::plan::run(args),

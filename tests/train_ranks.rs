@@ -425,6 +425,62 @@ fn a_stop_signal_stops_every_rank_with_one_checkpoint() {
     }
 }
 
+/// Every JSON record of a rank names it, also those inside another span (a
+/// planning attempt's), so the ranks' lines can be merged and told apart.
+#[test]
+fn every_record_of_a_rank_carries_its_rank() {
+    let run_dir = Run::new();
+    let (code, lines, stderr) = run(run_dir
+        .oomfix()
+        .args(run_dir.args(1, &["--zero-stage", "2", "--gpus", "2"])));
+    assert_eq!(code, 0, "{stderr}");
+    let of_ranks: Vec<&Value> = lines.iter().filter(|v| v.get("spans").is_some()).collect();
+    let rank_of = |v: &Value| v["spans"][0]["rank"].as_u64();
+    assert!(
+        of_ranks
+            .iter()
+            .all(|v| v["spans"][0]["name"] == "rank" && rank_of(v).is_some()),
+        "{stderr}"
+    );
+    for rank in [0, 1] {
+        assert!(
+            of_ranks.iter().any(|v| rank_of(v) == Some(rank)),
+            "{stderr}"
+        );
+    }
+    let attempts: Vec<&&Value> = of_ranks
+        .iter()
+        .filter(|v| v["span"]["name"] == "attempt")
+        .collect();
+    assert!(!attempts.is_empty(), "{stderr}");
+    assert!(attempts.iter().all(|v| rank_of(v) == Some(0)), "{stderr}");
+    // What is not a rank's is the launcher's.
+    assert!(lines
+        .iter()
+        .filter(|v| v.get("spans").is_none())
+        .all(|v| v.get("span").is_none()));
+}
+
+/// Rendezvous settings rank 0 cannot use (a port in use, an address not
+/// this machine's) are usage errors, at once, for every rank.
+#[test]
+fn bad_rendezvous_settings_are_usage_errors() {
+    let run_dir = Run::new();
+    let args = run_dir.args(1, &["--zero-stage", "1"]);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = format!("MASTER_PORT={}", taken.local_addr().unwrap().port());
+    for (setting, said) in [
+        (port.as_str(), "cannot listen"),
+        ("MASTER_ADDR=192.0.2.1", "cannot listen"),
+    ] {
+        let start = Instant::now();
+        let (code, _, stderr) = run(run_dir.mpirun(2, &["-x", setting]).args(&args));
+        assert_eq!(code, 2, "{setting}: {stderr}");
+        assert!(start.elapsed() < Duration::from_secs(60), "{setting}");
+        assert!(stderr.contains(said), "{setting}: {stderr}");
+    }
+}
+
 #[test]
 fn a_wrong_environment_is_a_usage_error() {
     let run_dir = Run::new();

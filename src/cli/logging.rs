@@ -95,10 +95,12 @@ fn install(json: bool, file: Option<std::fs::File>, filter: EnvFilter) {
         None => fmt::writer::BoxMakeWriter::new(std::io::stderr),
     };
     let layer: BoxedLayer = if json {
+        // A rank's records list their spans too: the `rank` span is then in
+        // every record, also those of a span inside it (an attempt's).
         fmt::layer()
             .json()
             .with_current_span(true)
-            .with_span_list(false)
+            .with_span_list(rank().is_some())
             .with_target(false)
             .with_ansi(false)
             .with_writer(writer)
