@@ -1,6 +1,6 @@
 //! `oomfix train` at world size 2 and 4 on the CPU, as separate processes
 //! over MPI: started by `--gpus N` (the binary's launcher) and by `mpirun`
-//! by hand; every ZeRO stage takes the steps of one process with the same
+//! by hand (each world size both ways); every ZeRO stage takes the steps of one process with the same
 //! global batch; a rank that dies stops the others; a wrong environment is a
 //! usage error. Needs Open MPI's `mpirun` (the `mpi` feature).
 #![cfg(feature = "mpi")]
@@ -208,22 +208,30 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_process_steps() {
         want[STEPS - 1] < want[0],
         "training lowers the loss: {want:?}"
     );
-    for stage in ["1", "2", "3"] {
-        // 2 ranks through the launcher, 4 through mpirun by hand.
+    // Each world size started both ways: through the launcher and through
+    // mpirun by hand (2 and 4 ranks, then 4 and 2, then 2 and 4).
+    for (stage, launched, by_hand) in [("1", 2, 4), ("2", 4, 2), ("3", 2, 4)] {
         let extra = ["--zero-stage", stage];
+        let gpus = launched.to_string();
         let (code, lines, stderr) = run(run_dir
             .oomfix()
-            .args(run_dir.args(STEPS, &[&extra[..], &["--gpus", "2"]].concat())));
-        assert_eq!(code, 0, "stage {stage}, 2 ranks: {stderr}");
+            .args(run_dir.args(STEPS, &[&extra[..], &["--gpus", &gpus]].concat())));
+        assert_eq!(code, 0, "stage {stage}, {launched} ranks: {stderr}");
         let (got, ranks) = losses(&lines);
-        assert_close(&got, &want, &format!("stage {stage}, 2 ranks"));
+        assert_close(&got, &want, &format!("stage {stage}, {launched} ranks"));
         // The progress comes from rank 0 only, and says so.
         assert!(ranks.iter().all(|r| r == 0), "{ranks:?}");
 
-        let (code, lines, stderr) = run(run_dir.mpirun(4, &[]).args(run_dir.args(STEPS, &extra)));
-        assert_eq!(code, 0, "stage {stage}, 4 ranks: {stderr}");
+        let (code, lines, stderr) = run(run_dir
+            .mpirun(by_hand, &[])
+            .args(run_dir.args(STEPS, &extra)));
+        assert_eq!(code, 0, "stage {stage}, {by_hand} ranks by hand: {stderr}");
         let (got, _) = losses(&lines);
-        assert_close(&got, &want, &format!("stage {stage}, 4 ranks"));
+        assert_close(
+            &got,
+            &want,
+            &format!("stage {stage}, {by_hand} ranks by hand"),
+        );
     }
     // Each rank's share of the optimizer offloaded (the same arithmetic).
     let offloaded = [
