@@ -1,8 +1,10 @@
 //! `oomfix train` at world size 2 and 4 on the CPU, as separate processes
 //! over MPI: started by `--gpus N` (the binary's launcher) and by `mpirun`
-//! by hand (each world size both ways); every ZeRO stage takes the steps of one process with the same
-//! global batch; a rank that dies stops the others; a wrong environment is a
-//! usage error. Needs Open MPI's `mpirun` (the `mpi` feature).
+//! by hand, each world size both ways; every ZeRO stage takes the steps of
+//! one process with the same global batch; a rank that dies or hangs stops
+//! the others; a stop signal stops all with one checkpoint; a wrong
+//! environment is a usage error. Needs Open MPI's `mpirun` (the `mpi`
+//! feature).
 #![cfg(feature = "mpi")]
 
 mod common;
