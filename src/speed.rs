@@ -157,10 +157,15 @@ const CPU: Throughput = Throughput {
 /// relative error of the fit median 3.7%, max 31.3%. The bf16 matrix-product
 /// rate is held at the probe's measured 734 TFLOP/s (DESIGN.md §7): left
 /// free, the fit traded it against the elementwise rate to 2.4 PFLOP/s, more
-/// than the H200 has. The host bus (PCIe Gen5 x16's ~50 GB/s), the host's
-/// AdamW rate and NVLink's per-rank collective bandwidth (~300 GB/s) are not
-/// fitted: no offloaded step was timed, and the sharded steps timed
-/// (docs/zero-stages-gpu.md) ran 2 ranks on one GPU, not over NVLink.
+/// than the H200 has. The host bus and the host's AdamW rate are fitted to
+/// offloaded steps against fused ones of the same plans
+/// (`scripts/offload-timing.sh`, docs/offload-timing.txt: GPT-2 small and a
+/// TinyLlama-1.1B shape in fp32 and bf16, on an H100 machine with 16 host
+/// cores, 2026-12-06): the fp32 step moves 4 more bytes per parameter over
+/// the bus than the bf16 one, which gives 39.8 and 47.9 GB/s, and the rest
+/// 4.05e9 and 4.48e9 parameters stepped per second on the host; the means
+/// are kept. NVLink's per-rank collective bandwidth (~300 GB/s) is nominal:
+/// the sharded steps timed (docs/zero-stages-gpu.md) ran 2 ranks on one GPU.
 const CUDA_H200: Throughput = Throughput {
     matmul_f32: 4.709e13,
     matmul_half: 7.34e14,
@@ -168,8 +173,8 @@ const CUDA_H200: Throughput = Throughput {
     elementwise: 6.065e11,
     probabilities: 4.731e12,
     optimizer: 5.584e11,
-    host_bus: 50e9,
-    host_adamw: 2e9,
+    host_bus: 44e9,
+    host_adamw: 4.27e9,
     collective: 300e9,
     micro_batch_seconds: 8.898e-3,
 };
