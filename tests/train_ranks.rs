@@ -372,7 +372,7 @@ fn a_rank_that_dies_stops_the_others() {
 #[test]
 fn a_hung_rank_stops_the_others_after_the_rank_timeout() {
     let run_dir = Run::new();
-    let job = Started::new(&run_dir, &[], &[("OOMFIX_RANK_TIMEOUT", "3")]);
+    let job = Started::new(&run_dir, &[], &[("OOMFIX_RANK_TIMEOUT", "5")]);
     let [pid0, pid1] = job.pids;
     signal(pid1 as i64, libc::SIGSTOP);
     let (code, lines) = job.exit_within(Duration::from_secs(60));
@@ -381,7 +381,7 @@ fn a_hung_rank_stops_the_others_after_the_rank_timeout() {
     assert!(gone(pid0), "rank 0 is still there");
     let msg = rank_0_error(&lines);
     assert!(
-        msg.contains("rank 1 failed: it sent nothing for 3 s"),
+        msg.contains("rank 1 failed: it sent nothing for 5 s"),
         "{msg}"
     );
 }
