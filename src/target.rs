@@ -56,7 +56,7 @@ pub(crate) const NCCL_CHANNEL_BYTES: u64 = 18 << 20;
 /// The channels assumed when `NCCL_MAX_CTAS` does not set them: NCCL's
 /// default ceiling on NVLink machines (it chose 64 for 2 ranks sharing one
 /// H100, where `NCCL_MAX_CTAS` is advised anyway).
-pub const NCCL_DEFAULT_CHANNELS: u64 = 32;
+pub(crate) const NCCL_DEFAULT_CHANNELS: u64 = 32;
 
 /// Where the plan runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -99,7 +99,7 @@ impl Target {
     /// Bytes a rank's collective backend keeps for the whole job, beside the
     /// tensors, when the plan runs on `world_size` ranks: on CUDA NCCL's
     /// communicator (`NCCL_COMMUNICATOR_BYTES` and `NCCL_CHANNEL_BYTES` per
-    /// channel: `channels`, else [`NCCL_DEFAULT_CHANNELS`]); 0 for one
+    /// channel: `channels`, else 32, `NCCL_DEFAULT_CHANNELS`); 0 for one
     /// process, and on the CPU, whose MPI buffers are measured per call
     /// ([`collective_buffer_bytes`](Self::collective_buffer_bytes)).
     pub fn communicator_bytes(&self, world_size: usize, channels: Option<u64>) -> u64 {
