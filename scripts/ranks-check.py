@@ -11,6 +11,9 @@ and NCCL_MULTI_RANK_GPU_ENABLE=1), and prints one line per check:
                losses (relative 1e-5 in fp32, 1e-2 in 16 bits)
   rank killed  SIGKILL to the last rank after the first step: the launcher
                exits 3 within 60 s, naming the rank, and no rank is left
+  rank hung    SIGSTOP to the last rank after the first step, with a rank
+               timeout of 10 s: the others stop, naming it, and the launcher
+               exits 3 within 90 s with no rank left
   verify       `plan --gpus N --verify`: the chosen plan is measured with
                N ranks (its measured bytes against its estimate)
 
@@ -128,27 +131,32 @@ def main():
     check("by hand", run.returncode == 0 and close(got, want, tol),
           f"exit {run.returncode}, losses {got}" + ("" if run.returncode == 0 else f": {run.stderr[-500:]}"))
 
-    # 3. A rank killed after the first step.
-    job = subprocess.Popen(train + ["--gpus", str(n), "--steps", "1000000"], env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    pids, stepped, lines = {}, False, []
-    deadline = time.time() + 600
-    while not (stepped and len(pids) == n) and time.time() < deadline:
-        line = job.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        for r in records(line):
-            f = r.get("fields", {})
-            if f.get("message") == "rank started":
-                pids[f["rank"]] = f["pid"]
-            stepped |= f.get("message") == "step"
-    if len(pids) == n and stepped:
-        os.kill(pids[n - 1], signal.SIGKILL)
-        killed = time.time()
+    # 3. A rank killed after the first step, and one stopped (hung) there.
+    def broken(name, sig, extra_env, limit):
+        job = subprocess.Popen(train + ["--gpus", str(n), "--steps", "1000000"],
+                               env=dict(env, **extra_env), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+        pids, stepped, lines = {}, False, []
+        deadline = time.time() + 600
+        while not (stepped and len(pids) == n) and time.time() < deadline:
+            line = job.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            for r in records(line):
+                f = r.get("fields", {})
+                if f.get("message") == "rank started":
+                    pids[f["rank"]] = f["pid"]
+                stepped |= f.get("message") == "step"
+        if not (len(pids) == n and stepped):
+            job.kill()
+            check(name, False, f"the job did not start: {''.join(lines)[-500:]}")
+            return
+        os.kill(pids[n - 1], sig)
+        broke = time.time()
         try:
-            _, rest = job.communicate(timeout=60)
-            code, waited = job.returncode, time.time() - killed
+            _, rest = job.communicate(timeout=limit)
+            code, waited = job.returncode, time.time() - broke
         except subprocess.TimeoutExpired:
             job.kill()
             _, rest = job.communicate()
@@ -157,12 +165,14 @@ def main():
                  and open(f"/proc/{p}/stat").read().rsplit(") ", 1)[-1][:1] not in "ZX"]
         said = [r["fields"]["message"] for r in records(rest) if r.get("level") == "ERROR"]
         named = any(f"rank {n - 1}" in m for m in said)
-        check("rank killed", code == 3 and not alive and named,
+        check(name, code == 3 and not alive and named,
               f"exit {code} after {waited and round(waited, 1)} s, ranks still running {alive}, "
               f"errors {said[:2]}")
-    else:
-        job.kill()
-        check("rank killed", False, f"the job did not start: {''.join(lines)[-500:]}")
+
+    broken("rank killed", signal.SIGKILL, {}, 60)
+    # Stopped: silent for the rank timeout (10 s), then the others stop; the
+    # launcher kills what is left after its grace period (30 s).
+    broken("rank hung", signal.SIGSTOP, {"OOMFIX_RANK_TIMEOUT": "10"}, 90)
 
     # 4. --verify with ranks.
     plan = [binary, "plan", *planning, "--gpus", str(n), "--verify", "--json"]
