@@ -786,6 +786,23 @@ mod tests {
     }
 
     #[test]
+    fn timeouts_are_whole_seconds_above_zero() {
+        std::env::set_var("OOMFIX_TEST_TIMEOUT_A", "7");
+        std::env::set_var("OOMFIX_TEST_TIMEOUT_B", "0");
+        std::env::set_var("OOMFIX_TEST_TIMEOUT_C", "soon");
+        let d = Duration::from_secs(600);
+        assert_eq!(
+            seconds("OOMFIX_TEST_TIMEOUT_A", d).unwrap(),
+            Duration::from_secs(7)
+        );
+        assert_eq!(seconds("OOMFIX_TEST_TIMEOUT_UNSET", d).unwrap(), d);
+        for bad in ["OOMFIX_TEST_TIMEOUT_B", "OOMFIX_TEST_TIMEOUT_C"] {
+            let e = seconds(bad, d).unwrap_err();
+            assert!(e.is_input() && e.to_string().contains(bad), "{e}");
+        }
+    }
+
+    #[test]
     fn a_rank_silent_or_behind_for_the_timeout_is_hung() {
         let t = Duration::from_secs(10);
         let long_ago = Instant::now() - Duration::from_secs(11);
