@@ -513,23 +513,24 @@ impl Control {
                 .filter_map(|(i, s)| Some((i, s.as_ref()?.try_clone().ok()?)))
                 .collect()
         };
+        // Rank 0 reads every other rank; the others read rank 0.
+        let peer_of = |index: usize| if self.rank == 0 { index } else { 0 };
         let now = Instant::now();
         // What this rank heard of each peer it reads: when, its progress, done.
         let heard: Arc<Mutex<Vec<Heard>>> = Arc::new(Mutex::new(
             readers
                 .iter()
                 .map(|&(index, _)| Heard {
-                    rank: if self.rank == 0 { index } else { 0 },
+                    rank: peer_of(index),
                     at: now,
                     progress: 0,
                     done: false,
                 })
                 .collect(),
         ));
-        for (slot, (_, stream)) in readers.into_iter().enumerate() {
-            let (heard, fail) = (heard.clone(), fail.clone());
+        for (slot, (index, stream)) in readers.into_iter().enumerate() {
+            let (heard, fail, peer) = (heard.clone(), fail.clone(), peer_of(index));
             std::thread::spawn(move || {
-                let peer = heard.lock().unwrap_or_else(|e| e.into_inner())[slot].rank;
                 let mut reader = BufReader::new(stream);
                 let mut line = String::new();
                 let failure = loop {

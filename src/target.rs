@@ -58,6 +58,15 @@ pub(crate) const NCCL_CHANNEL_BYTES: u64 = 18 << 20;
 /// H100, where `NCCL_MAX_CTAS` is advised anyway).
 pub(crate) const NCCL_DEFAULT_CHANNELS: u64 = 32;
 
+/// The channels NCCL's communicators get: `NCCL_MAX_CTAS`, when set, else
+/// [`NCCL_DEFAULT_CHANNELS`].
+pub(crate) fn nccl_channels() -> u64 {
+    std::env::var("NCCL_MAX_CTAS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(NCCL_DEFAULT_CHANNELS)
+}
+
 /// Where the plan runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "kind", content = "ordinal", rename_all = "lowercase")]
@@ -99,14 +108,13 @@ impl Target {
     /// Bytes a rank's collective backend keeps for the whole job, beside the
     /// tensors, when the plan runs on `world_size` ranks: on CUDA NCCL's
     /// communicator (`NCCL_COMMUNICATOR_BYTES` and `NCCL_CHANNEL_BYTES` per
-    /// channel: `channels`, else 32, `NCCL_DEFAULT_CHANNELS`); 0 for one
-    /// process, and on the CPU, whose MPI buffers are measured per call
+    /// channel: `NCCL_MAX_CTAS`'s, else 32, `NCCL_DEFAULT_CHANNELS`); 0 for
+    /// one process, and on the CPU, whose MPI buffers are measured per call
     /// ([`collective_buffer_bytes`](Self::collective_buffer_bytes)).
-    pub fn communicator_bytes(&self, world_size: usize, channels: Option<u64>) -> u64 {
+    pub fn communicator_bytes(&self, world_size: usize) -> u64 {
         match self {
             Target::Cuda(_) if world_size > 1 => {
-                NCCL_COMMUNICATOR_BYTES
-                    + channels.unwrap_or(NCCL_DEFAULT_CHANNELS) * NCCL_CHANNEL_BYTES
+                NCCL_COMMUNICATOR_BYTES + nccl_channels() * NCCL_CHANNEL_BYTES
             }
             _ => 0,
         }

@@ -298,15 +298,15 @@ impl Estimator for MeasuredModel {
         let fit = self.fit(Setting::of(plan));
         let buffers = self.prober.lock().expect("not poisoned").buffer_bytes();
         let s = self.state(plan);
-        let communicator =
-            target.communicator_bytes(plan.shard.world_size, crate::memory::nccl_channels());
+        let runtime = target.runtime_bytes();
+        let communicator = target.communicator_bytes(plan.shard.world_size);
         // Outside the tensors, at every moment.
-        let runtime = target.runtime_bytes() + communicator;
+        let outside = runtime + communicator;
         let pool_slack = target.pool_slack_bytes(self.facts.layers, plan);
         let pass = fit.bytes(plan.micro_batch);
         let held =
             s.weights + buffers + s.master_weights + s.optimizer_state + s.accumulated_gradients;
-        let backward = pass.map(|p| held + p + runtime);
+        let backward = pass.map(|p| held + p + outside);
         // As the analytic model: the first step's accumulation (one new sum
         // beside the sums and the fresh gradients), a sharded plan's
         // gradient reduction and the owners' broadcast in the step.
@@ -322,7 +322,7 @@ impl Estimator for MeasuredModel {
             self.facts.largest_tensor,
             target,
         );
-        let after_backward = held + s.gradients + first_sum.max(reduction + reduced) + runtime;
+        let after_backward = held + s.gradients + first_sum.max(reduction + reduced) + outside;
         let step = s.step_weights
             + buffers
             + s.master_weights
@@ -330,7 +330,7 @@ impl Estimator for MeasuredModel {
             + s.step_gradients
             + s.optimizer_transient
             + broadcast
-            + runtime;
+            + outside;
         let host_shared = if *target == Target::Cpu { s.host } else { 0 };
         let (peak, peak_phase, collective_buffers) = match backward {
             None => (u64::MAX, Phase::Backward, 0),
@@ -355,7 +355,7 @@ impl Estimator for MeasuredModel {
             activations: pass.saturating_sub(s.gradients),
             backward_transient: 0,
             optimizer_transient: s.optimizer_transient,
-            runtime: runtime - communicator,
+            runtime,
             pool_slack,
             communicator,
             collective_buffers,

@@ -295,7 +295,7 @@ fn estimate(
     }
     let runtime = target.runtime_bytes();
     let pool_slack = target.pool_slack_bytes(spec.config.layers, plan);
-    let communicator = target.communicator_bytes(plan.shard.world_size, nccl_channels());
+    let communicator = target.communicator_bytes(plan.shard.world_size);
     // Outside the tensors, at every moment.
     let outside = runtime + communicator;
 
@@ -373,11 +373,6 @@ fn estimate(
         peak_phase,
         host: s.host,
     }
-}
-
-/// The channels `NCCL_MAX_CTAS` gives NCCL's communicators, when set.
-pub(crate) fn nccl_channels() -> Option<u64> {
-    std::env::var("NCCL_MAX_CTAS").ok()?.trim().parse().ok()
 }
 
 /// What a step holds after its backward besides the training state, for

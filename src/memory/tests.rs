@@ -439,7 +439,7 @@ fn sharded_cuda_plans_keep_room_for_nccls_communicator() {
         shard: Sharding::new(2, 2),
         ..one
     };
-    let channels = nccl_channels().unwrap_or(crate::target::NCCL_DEFAULT_CHANNELS);
+    let channels = crate::target::nccl_channels();
     let nccl = (316 << 20) + channels * (18 << 20);
     let cuda = MemoryModel.estimate(&spec, &sharded, &Target::Cuda(0));
     assert_eq!(cuda.communicator, nccl);
