@@ -11,6 +11,13 @@
 //! runtime, so `estimate_pool_bytes` is the figure to compare with `peak_alloc_bytes`).
 //! A CUDA out-of-memory is reported as `"status":"oom"`, then the pool is trimmed.
 //!
+//! With `--norm MODEL`, instead times the global gradient norm over bf16
+//! tensors of MODEL's parameter shapes, random values: the one-pass
+//! `clip::squared_norm` against the per-tensor composition of candle ops the
+//! trainer used before it (4 Mi-element slices, each converted to f32,
+//! squared, summed and read back), median of 5 after one untimed run each,
+//! and prints one JSON line with both times and their relative difference.
+//!
 //! Usage: `gpu_side_by_side [--steps N] CONFIG...`, CONFIG =
 //! `MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM[:ATTN]]`, e.g. `gpt2:8:1024:bf16:1:fused:1:flash`:
 //! MODEL gpt2 | gpt2-medium | tinyllama; PRECISION fp32 | bf16; CKPT 0 (none) or
@@ -23,7 +30,8 @@ use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::Device;
+use candle_core::{DType, Device, Tensor};
+use oomfix::strategies::clip;
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl, Precision};
 use oomfix::track::cuda::{is_out_of_memory, reset_peaks, trim, PoolStats};
 use oomfix::train::data::DataSource;
@@ -41,6 +49,12 @@ fn main() -> Result<()> {
             .parse()
             .context("--steps needs a number")?;
         args.drain(i..i + 2);
+    }
+    if let Some(i) = args.iter().position(|a| a == "--norm") {
+        let model = args.get(i + 1).context("--norm needs a model")?.clone();
+        let line = norm_bench(&Device::new_cuda(0)?, &model)?;
+        println!("{line}");
+        return Ok(());
     }
     if args.is_empty() || steps == 0 {
         bail!("usage: gpu_side_by_side [--steps N>0] MODEL:BATCH:SEQ:PRECISION:CKPT:OPTIMIZER[:ACCUM]...");
@@ -71,12 +85,7 @@ fn parse(arg: &str) -> Result<(String, ModelConfig, Plan)> {
         "flash" => Attention::Flash,
         _ => bail!("unknown attention `{attention}` (composed, flash)"),
     };
-    let config = match model {
-        "gpt2" => ModelConfig::gpt2_small(),
-        "gpt2-medium" => ModelConfig::gpt2_medium(),
-        "tinyllama" => ModelConfig::tinyllama_1_1b(),
-        _ => bail!("unknown model `{model}` (gpt2, gpt2-medium, tinyllama)"),
-    };
+    let config = model_config(model)?;
     let precision: Precision = precision.parse().map_err(anyhow::Error::msg)?;
     let checkpoint = match ckpt
         .parse::<usize>()
@@ -104,6 +113,79 @@ fn parse(arg: &str) -> Result<(String, ModelConfig, Plan)> {
         ..Plan::baseline(1, 1)
     };
     Ok((model.to_string(), config, plan))
+}
+
+/// The shape of a model named on the command line.
+fn model_config(model: &str) -> Result<ModelConfig> {
+    Ok(match model {
+        "gpt2" => ModelConfig::gpt2_small(),
+        "gpt2-medium" => ModelConfig::gpt2_medium(),
+        "tinyllama" => ModelConfig::tinyllama_1_1b(),
+        _ => bail!("unknown model `{model}` (gpt2, gpt2-medium, tinyllama)"),
+    })
+}
+
+/// The sum of squares of `t` as the trainer took it before the one-pass
+/// norm: slices of 4 Mi elements, each converted to f32, squared, summed and
+/// read back to the host.
+fn sliced_sum_of_squares(t: &Tensor) -> candle_core::Result<f64> {
+    let flat = t.flatten_all()?;
+    let n = flat.elem_count();
+    let mut total = Tensor::zeros((), DType::F32, t.device())?;
+    let mut start = 0;
+    while start < n {
+        let len = (1 << 22).min(n - start);
+        let part = flat.narrow(0, start, len)?.to_dtype(DType::F32)?;
+        total = (total + part.sqr()?.sum_all()?)?;
+        start += len;
+    }
+    Ok(f64::from(total.to_scalar::<f32>()?))
+}
+
+/// Median milliseconds of 5 runs of `f` after one untimed run, each between
+/// device synchronisations; and `f`'s last result.
+fn time_ms(device: &Device, mut f: impl FnMut() -> Result<f64>) -> Result<(f64, f64)> {
+    let mut value = f()?;
+    device.synchronize()?;
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let start = Instant::now();
+        value = f()?;
+        device.synchronize()?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((times[2], value))
+}
+
+/// `--norm MODEL`: the global gradient norm over bf16 tensors of the model's
+/// parameter shapes, one pass against the sliced composition.
+fn norm_bench(device: &Device, model: &str) -> Result<Value> {
+    let config = model_config(model)?;
+    let grads = config
+        .tensors()
+        .iter()
+        .map(|(_, shape)| {
+            Tensor::randn(0f32, 1e-3, shape.as_slice(), device)?.to_dtype(DType::BF16)
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let elements: usize = grads.iter().map(Tensor::elem_count).sum();
+    let (one_pass_ms, one_pass) = time_ms(device, || Ok(clip::squared_norm(&grads)?))?;
+    let (sliced_ms, sliced) = time_ms(device, || {
+        Ok(grads
+            .iter()
+            .map(sliced_sum_of_squares)
+            .sum::<candle_core::Result<f64>>()?)
+    })?;
+    Ok(json!({
+        "side": "norm",
+        "model": model,
+        "tensors": grads.len(),
+        "elements": elements,
+        "one_pass_ms": one_pass_ms,
+        "sliced_ms": sliced_ms,
+        "relative_difference": (one_pass - sliced).abs() / sliced,
+    }))
 }
 
 /// Measures one configuration; the JSON line to print.

@@ -5,6 +5,10 @@ A configuration measured in several rounds (ROUNDS > 1) gets one row: the
 median of its rounds' step times, the largest peaks, and the range of the
 per-round time ratios.
 
+Where torch.compile rows ran (PHASES=speed), a speed table comes first: each
+row on oomfix, PyTorch eager and torch.compile, with time and memory ratios,
+MFU and the compilation time; then oomfix's gradient-norm timings.
+
 usage: side-by-side-tables.py TORCH_JSONL OOMFIX_JSONL CLI_TXT
 """
 import json, statistics, sys
@@ -20,7 +24,7 @@ def load(path):
     return rows
 
 key = lambda r: (r["model"], r["batch"], r["seq"], r["precision"], r["ckpt"], r.get("accum", 1),
-                 r.get("optimizer", "fused-adamw"))
+                 r.get("optimizer", "fused-adamw"), bool(r.get("compile")))
 
 def merge(rows):
     """One row per configuration and attention; rounds keep their step times in `rounds_ms`."""
@@ -44,7 +48,12 @@ def merge(rows):
 
 ORDER = {"gpt2": 0, "gpt2-medium": 1, "tinyllama": 2}
 by_model = lambda rows: sorted(rows, key=lambda r: ORDER.get(r["model"], 3))
-torch_rows, oomfix_rows = by_model(merge(load(sys.argv[1]))), by_model(merge(load(sys.argv[2])))
+oomfix_all = load(sys.argv[2])
+norm_rows = [r for r in oomfix_all if r.get("side") == "norm"]
+torch_all = by_model(merge(load(sys.argv[1])))
+oomfix_rows = by_model(merge([r for r in oomfix_all if r.get("side") != "norm"]))
+compiled_rows = [r for r in torch_all if r.get("compile")]
+torch_rows = [r for r in torch_all if not r.get("compile")]
 # oomfix's attention per row: composed (eager-style) or flash. PyTorch's eager
 # rows compare with composed; its SDPA rows with flash where it ran, else composed.
 ours = {(key(r), r.get("attn", "composed")): r for r in oomfix_rows}
@@ -73,9 +82,72 @@ def spread(o, t):
 plan = lambda r: (f'{r["model"]} | {r["batch"]}×{r["seq"]} | {r["precision"]}'
                   f'{" offloaded" if r.get("optimizer") == "cpu-adamw" else ""} | {"every block" if r["ckpt"] else "no"}')
 
+# Matrix-product parameters per model (the LM head included, embedding
+# lookups not): (layers, hidden, that count).
+def _llama(layers, h, kv, inter, vocab):
+    return layers, h, layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + vocab * h
+MODELS = {
+    "gpt2": (12, 768, 12 * 12 * 768 * 768 + 50257 * 768),
+    "gpt2-medium": (24, 1024, 24 * 12 * 1024 * 1024 + 50257 * 1024),
+    "tinyllama": _llama(22, 2048, 256, 5632, 32000),
+}
+# Dense datasheet peaks of the SXM parts (the same for H100 and H200), FLOP/s.
+PEAK = {"bf16": 989.4e12, "fp32": 66.9e12}
+
+def step_flops(r):
+    """Model FLOPs of one step: tokens × (6 N + 12 L h s) (PaLM's count; a
+    checkpointed block's recomputation is not counted)."""
+    layers, h, n = MODELS[r["model"]]
+    tokens = r["batch"] * r["seq"] * r.get("accum", 1)
+    return tokens * (6 * n + 12 * layers * h * r["seq"])
+
+def mfu(r, card):
+    if r is None or r.get("status") != "ok" or r["model"] not in MODELS:
+        return ""
+    if not any(c in card for c in ("H100", "H200")):
+        return ""
+    peak = PEAK["fp32" if r["precision"] == "fp32" else "bf16"]
+    return f'{100 * step_flops(r) / (r["step_ms"] / 1e3) / peak:.1f}%'
+
+def ms(r):
+    return cell(r, "step_ms", "{:.1f}".format)
+
+if compiled_rows:
+    card = next((r["device"] for r in compiled_rows if r.get("device")), "unknown GPU")
+    eager = {(key(r)[:-1], r["attn"]): r for r in torch_rows}
+    print(f"## Speed: oomfix vs PyTorch eager vs torch.compile, same plan, on one {card}\n")
+    print("Step ms: median of the measured steady-state steps (after the warm-up: one step, two under "
+          "torch.compile); GiB: allocated peak over those steps (oomfix: the CUDA pool's used high-water "
+          "mark; PyTorch: max_memory_allocated). Ratios are oomfix / the other side. MFU: model FLOPs "
+          "(6 N + 12 L h s per token, N the matrix-product parameters; a checkpointed block's recomputation "
+          "not counted) per second over the dense datasheet peak (bf16 989.4 TFLOP/s, fp32 66.9 TFLOP/s "
+          "for the fp32 row; the offloaded row's weights are bf16). compile s: torch.compile's first step "
+          "less a steady-state step.\n")
+    print("| model | b×s | precision | ckpt | oomfix ms | eager ms | compile ms | oomfix GiB | eager GiB "
+          "| compile GiB | time ÷ eager | time ÷ compile | memory ÷ compile | MFU oomfix | MFU eager "
+          "| MFU compile | compile s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for c in compiled_rows:
+        e = eager.get((key(c)[:-1], c["attn"]))
+        o = match({**c, "compile": False})
+        comp_s = f'{c["compile_s"]:.0f}' if c.get("status") == "ok" and "compile_s" in c else ""
+        print(f'| {plan(c)} | {ms(o)} | {ms(e)} | {ms(c)} | {cell(o, "peak_alloc_bytes", gib)} '
+              f'| {cell(e, "peak_alloc_bytes", gib)} | {cell(c, "peak_alloc_bytes", gib)} '
+              f'| {ratio(o, e, "step_ms")} | {ratio(o, c, "step_ms")} | {ratio(o, c, "peak_alloc_bytes")} '
+              f'| {mfu(o, card)} | {mfu(e, card)} | {mfu(c, card)} | {comp_s} |')
+    print()
+if norm_rows:
+    print("## oomfix: the global gradient norm of one step (bf16 gradients of the model's shapes)\n")
+    print("| model | tensors | elements | per-tensor slices through candle ops, ms | one pass, ms | relative difference |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in norm_rows:
+        print(f'| {r["model"]} | {r["tensors"]} | {r["elements"]:,} | {r["sliced_ms"]:.2f} '
+              f'| {r["one_pass_ms"]:.2f} | {r["relative_difference"]:.1e} |')
+    print()
+
 print("## oomfix vs PyTorch 2.11, same plan, fused AdamW (offloaded: AdamW on the CPU, both sides)\n")
 print("Peaks in GiB (oomfix: CUDA pool used/reserved high-water; PyTorch: max_memory_allocated/reserved); "
-      "step ms: median of 5 steady-state steps (over several rounds: the median of the rounds, the two sides "
+      "step ms: median of the steady-state steps measured (5 unless STEPS said otherwise; over several rounds: the median of the rounds, the two sides "
       "alternating; the last column gives the range of the per-round time ratios). Ratios are oomfix / PyTorch.\n")
 print("| model | b×s | precision | ckpt | PyTorch attn | oomfix attn | PyTorch alloc | PyTorch reserved | PyTorch ms "
       "| oomfix alloc | oomfix reserved | oomfix ms | alloc ratio | reserved ratio | time ratio | per-round time ratios |")

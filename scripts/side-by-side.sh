@@ -3,14 +3,18 @@
 # --verify` on GPT-2 medium and TinyLlama-1.1B headers. Run on the GPU machine.
 #
 # Usage: scripts/side-by-side.sh [BIN_DIR] [OUT_DIR]
-#   BIN_DIR  holds gpu_side_by_side-cuda.xz and oomfix-cuda.xz from
-#            scripts/build-cuda.sh (default: .gpu)
+#   BIN_DIR  holds gpu_side_by_side-cuda.xz and (for the cli and medium
+#            phases) oomfix-cuda.xz from scripts/build-cuda.sh (default: .gpu)
 #   OUT_DIR  results, written as they come (default: $OUT, else side-by-side-out):
 #            torch.jsonl, oomfix.jsonl (one JSON line per configuration),
 #            cli.txt (the two CLI runs), log.txt (progress, stderr), tables.md
 # Environment: DEADLINE (seconds from start after which no new run starts; 480),
-#   CAP (seconds one configuration may take; 100), PHASES (which runs, in this
-#   order: default "gpt2 cli medium llama eager offload"), ROUNDS (how many times the
+#   CAP (seconds one configuration may take; 100), COMPILE_CAP (the same for a
+#   torch.compile configuration, compilation included; 300), STEPS (measured
+#   steps per configuration, both sides; 5), PHASES (which runs, in this
+#   order: default "gpt2 cli medium llama eager offload"; "speed" is the speed
+#   guard below), SPEED_ROWS (the speed guard's rows, MODEL:BATCH:SEQ:PRECISION:CKPT[:offload];
+#   default all six, in the order below), ROUNDS (how many times the
 #   gpt2, llama and offload phases run, the two sides alternating; 1): the tables give
 #   the median over rounds and the range of the per-round time ratios;
 #   ROWS=flash runs only the memory-efficient attention rows (PyTorch's SDPA,
@@ -23,12 +27,23 @@
 # (eager), the optimizer offloaded to the CPU on both sides (offload: GPT-2
 # small, and TinyLlama at the plan `oomfix --budget 8GiB` finds). The tables
 # (scripts/side-by-side-tables.py) are printed last from whatever finished.
+#
+# PHASES=speed is the speed guard: six rows, each run by oomfix, PyTorch eager
+# and torch.compile one after the other (GPT-2 small 8 x 1024 bf16 with flash
+# attention / SDPA, TinyLlama-1.1B 4 x 2048 bf16, each plain and with every
+# block checkpointed, GPT-2 small fp32, GPT-2 small checkpointed with the
+# optimizer offloaded to the CPU), after oomfix's gradient-norm timing on both
+# models' shapes (`gpu_side_by_side --norm`). Its table gives each row's step
+# time, allocated peak and MFU on all three sides, the ratios to eager and to
+# torch.compile, and torch.compile's compilation time apart.
 set -uo pipefail
 
 BIN_DIR=${1:-.gpu}
 OUT_DIR=${2:-${OUT:-side-by-side-out}}
 DEADLINE=${DEADLINE:-480}
 CAP=${CAP:-100}
+COMPILE_CAP=${COMPILE_CAP:-300}
+STEPS=${STEPS:-5}
 PHASES=${PHASES:-gpt2 cli medium llama eager offload}
 ROUNDS=${ROUNDS:-1}
 ROWS=${ROWS:-all}
@@ -53,7 +68,12 @@ budget() {
     echo $((left < ${1:-$CAP} ? left : ${1:-$CAP}))
 }
 
-for name in gpu_side_by_side oomfix; do
+# Whether PHASES names phase $1.
+want() { [[ " $PHASES " == *" $1 "* ]]; }
+
+binaries=gpu_side_by_side
+{ want cli || want medium; } && binaries+=" oomfix"
+for name in $binaries; do
     xz -dc "$BIN_DIR/$name-cuda.xz" >"$WORK/$name" && chmod +x "$WORK/$name" ||
         { say "cannot unpack $BIN_DIR/$name-cuda.xz"; exit 1; }
 done
@@ -79,15 +99,17 @@ rows() {
     done
 }
 
-# PyTorch configurations MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN[:OPT], one process.
+# PyTorch configurations MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN[:OPT[:compile]], one
+# process; a configuration may take CAP seconds, COMPILE_CAP under compile.
 torch_side() {
-    local t
+    local t cap=$CAP
     set -- $(rows "$@")
     (($# > 0)) || return 0
-    t=$(budget $((CAP * $#)))
+    [[ " $* " == *:compile\ * ]] && cap=$COMPILE_CAP
+    t=$(budget $((cap * $#)))
     ((t > 0)) || { say "skipped (deadline): pytorch $*"; return; }
     say "pytorch: $*"
-    timeout "$t" python3 "$HERE/torch_step.py" --cap "$CAP" "$@" >>"$TORCH" 2>>"$LOG" ||
+    timeout "$t" python3 "$HERE/torch_step.py" --steps "$STEPS" --cap "$cap" "$@" >>"$TORCH" 2>>"$LOG" ||
         say "torch_step.py exited with $? (timeout is 124)"
 }
 
@@ -101,7 +123,7 @@ oomfix_side() {
             continue
         fi
         say "oomfix: $c"
-        line=$(timeout "$t" "$WORK/gpu_side_by_side" "$c" 2>>"$LOG")
+        line=$(timeout "$t" "$WORK/gpu_side_by_side" --steps "$STEPS" "$c" 2>>"$LOG")
         rc=$?
         if [[ -n $line ]]; then
             printf '%s\n' "$line" >>"$OOMFIX"
@@ -124,10 +146,25 @@ cli() {
       printf '(exit status %s)\n\n' "$?"; } >>"$CLI"
 }
 
-# Whether PHASES names phase $1.
-want() { [[ " $PHASES " == *" $1 "* ]]; }
-
 G=gpt2:8:1024 L=tinyllama:4:2048 M=gpt2-medium
+if want speed; then
+    for model in gpt2 tinyllama; do
+        say "oomfix gradient norm: $model"
+        timeout "$(budget 60)" "$WORK/gpu_side_by_side" --norm $model >>"$OOMFIX" 2>>"$LOG" ||
+            say "gpu_side_by_side --norm exited with $?"
+    done
+    # Most telling rows first, so that a cut-off loses the least.
+    for row in ${SPEED_ROWS:-$G:bf16:0 $L:bf16:0 $G:bf16:1 $L:bf16:1 $G:fp32:0 $G:bf16:1:offload}; do
+        case $row in
+            *:offload)
+                torch_side ${row%:offload}:sdpa:offload ${row%:offload}:sdpa:offload:compile
+                oomfix_side ${row%:offload}:cpu:1:flash ;;
+            *)
+                torch_side $row:sdpa $row:sdpa:fused:compile
+                oomfix_side $row:fused:1:flash ;;
+        esac
+    done
+fi
 if want gpt2; then
     for ((round = 1; round <= ROUNDS; round++)); do
         torch_side $G:fp32:0:sdpa $G:bf16:0:sdpa $G:bf16:1:sdpa $G:fp32:0:eager $G:bf16:0:eager $G:bf16:1:eager
@@ -136,10 +173,12 @@ if want gpt2; then
     done
 fi
 
-mkdir -p "$WORK/gpt2-medium" "$WORK/tinyllama"
-python3 "$HERE/make-sparse-gpt2.py" "$WORK/gpt2-medium/model.safetensors" 24 1024 >>"$LOG"
-python3 "$HERE/make-sparse-llama.py" "$WORK/tinyllama/model.safetensors" 22 2048 32 4 5632 32000 >>"$LOG"
-echo '{"num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}' >"$WORK/tinyllama/config.json"
+if want cli || want medium; then
+    mkdir -p "$WORK/gpt2-medium" "$WORK/tinyllama"
+    python3 "$HERE/make-sparse-gpt2.py" "$WORK/gpt2-medium/model.safetensors" 24 1024 >>"$LOG"
+    python3 "$HERE/make-sparse-llama.py" "$WORK/tinyllama/model.safetensors" 22 2048 32 4 5632 32000 >>"$LOG"
+    echo '{"num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}' >"$WORK/tinyllama/config.json"
+fi
 if want cli; then
     cli "$WORK/gpt2-medium/model.safetensors"
     cli "$WORK/tinyllama/model.safetensors"

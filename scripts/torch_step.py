@@ -4,7 +4,7 @@ models built from config with random init, trained on cuda:0 with
 torch.optim.AdamW(fused=True); one JSON line per configuration.
 
 usage: torch_step.py [--steps N] [--cap SECONDS] CONFIG...
-  CONFIG = MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN[:OPT]
+  CONFIG = MODEL:BATCH:SEQ:PRECISION:CKPT:ATTN[:OPT[:compile]]
   MODEL gpt2 (GPT2Config(), dropout off) | gpt2-medium | tinyllama (TinyLlama-1.1B shape)
   PRECISION fp32 | bf16 (torch.autocast, fp32 weights and optimizer state)
   CKPT 0 | 1 (model.gradient_checkpointing_enable(): every block)
@@ -14,10 +14,16 @@ usage: torch_step.py [--steps N] [--cap SECONDS] CONFIG...
       the PRECISION dtype on the GPU, no autocast; fp32 masters and gradient
       buffers in pinned host memory, torch.optim.AdamW(fused=True) on the CPU;
       each step copies the gradients down and the updated weights back up)
+  compile: the model wrapped in torch.compile (default mode, the whole
+      model; the optimizer step stays as OPT says). Its first step compiles
+      and a second warms up any recompilation; both are untimed, and the
+      first's time is reported as first_step_s, with compile_s = first_step_s
+      less the median step
 
-Step 1 is a warm-up (optimizer state, cuBLAS handles); the peak statistics are
-reset before step 2 and cover steps 2..N+1; step time is the median of those
-steps, each bracketed by torch.cuda.synchronize(). A configuration that runs
+Step 1 is a warm-up (optimizer state, cuBLAS handles; under compile, steps 1
+and 2); the peak statistics are reset after the warm-up and cover the N
+measured steps; step time is the median of those steps, each bracketed by
+torch.cuda.synchronize(). Each line names the GPU (`device`). A configuration that runs
 out of memory or past --cap seconds is reported as such and the next one runs.
 """
 import gc
@@ -82,12 +88,14 @@ def offloaded_adamw(params):
 def run(spec, steps):
     fields = spec.split(":")
     model_name, batch, seq, precision, ckpt, attn = fields[:6]
-    offload = fields[6:] == ["offload"]
-    if fields[6:] not in ([], ["fused"], ["offload"]):
-        raise SystemExit(f"unknown optimizer in {spec!r} (fused, offload)")
+    offload = fields[6:7] == ["offload"]
+    compiled = fields[7:] == ["compile"]
+    if fields[6:7] not in ([], ["fused"], ["offload"]) or fields[7:] not in ([], ["compile"]):
+        raise SystemExit(f"unknown optimizer or mode in {spec!r} (OPT fused|offload, then compile)")
     batch, seq, ckpt = int(batch), int(seq), int(ckpt)
     line = dict(side="pytorch", model=model_name, batch=batch, seq=seq, precision=precision,
-                ckpt=ckpt, optimizer="cpu-adamw" if offload else "fused-adamw", attn=attn)
+                ckpt=ckpt, optimizer="cpu-adamw" if offload else "fused-adamw", attn=attn,
+                compile=compiled, device=torch.cuda.get_device_name())
     model = opt = None
     try:
         model, vocab = build(model_name, attn)
@@ -97,6 +105,7 @@ def run(spec, steps):
         model.train()
         if ckpt:
             model.gradient_checkpointing_enable()
+        forward = torch.compile(model) if compiled else model
         gen = torch.Generator(device="cuda").manual_seed(0)
         ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -108,7 +117,7 @@ def run(spec, steps):
 
         def step():
             with torch.autocast("cuda", dtype=dtype, enabled=precision == "bf16" and not offload):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = forward(input_ids=ids, labels=ids).loss
             loss.backward()
             if offload:
                 opt()
@@ -122,6 +131,9 @@ def run(spec, steps):
         step()
         torch.cuda.synchronize()
         line["first_step_s"] = time.perf_counter() - t
+        if compiled:
+            step()
+            torch.cuda.synchronize()
         line["resident_bytes"] = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         times = []
@@ -133,12 +145,19 @@ def run(spec, steps):
         line.update(status="ok", peak_alloc_bytes=torch.cuda.max_memory_allocated(),
                     peak_reserved_bytes=torch.cuda.max_memory_reserved(),
                     step_ms=statistics.median(times), step_ms_all=times, loss=float(loss))
+        if compiled:
+            line["compile_s"] = line["first_step_s"] - line["step_ms"] / 1e3
     except torch.cuda.OutOfMemoryError as e:
         line.update(status="oom", error=str(e).splitlines()[0])
     except Timeout:
         line.update(status="timeout")
+    except Exception as e:  # a failure of one configuration (say, under compile) ends only it
+        line.update(status="error", error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     finally:
         del model, opt
+        forward = None
+        if compiled:
+            torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
     return line
