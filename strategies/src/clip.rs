@@ -26,7 +26,7 @@ use std::ops::Range;
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::adamw::{is_kernel_dtype, with_float_vec, Float, CHUNK};
+use crate::float::{is_kernel_dtype, with_float_vec, Float, CHUNK};
 use crate::Result;
 
 #[cfg(feature = "cuda")]
