@@ -11,7 +11,8 @@
 # Environment: DEADLINE (seconds from start after which no new run starts; 480),
 #   CAP (seconds one configuration may take; 100), COMPILE_CAP (the same for a
 #   torch.compile configuration, compilation included; 300), STEPS (measured
-#   steps per configuration, both sides; 5), PHASES (which runs, in this
+#   steps per configuration, both sides; 5), WARMUP (0: no untimed oomfix
+#   process first; 1), PHASES (which runs, in this
 #   order: default "gpt2 cli medium llama eager offload"; "speed" is the speed
 #   guard below), SPEED_ROWS (the speed guard's rows, MODEL:BATCH:SEQ:PRECISION:CKPT[:offload];
 #   default all six, in the order below), ROUNDS (how many times the
@@ -83,10 +84,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,cl
 # kernels into the driver's cache (CUDA_CACHE_PATH) and the run-time kernels
 # once, so the first timed configuration does not pay for that (on a fresh
 # machine the first row, GPT-2 fp32 with flash attention, ran past a 60 s CAP).
+if ((${WARMUP:-1})); then
 say "warm-up: one untimed oomfix process"
 timeout 150 "$WORK/gpu_side_by_side" --steps 1 gpt2:1:128:fp32:0:fused:1:flash \
     gpt2:1:128:bf16:1:fused:1:flash gpt2:1:128:bf16:0:fused >/dev/null 2>>"$LOG" ||
     say "warm-up exited with $? (timeout is 124)"
+fi
 
 # The configurations among "$@" that ROWS selects, one per line.
 rows() {
@@ -157,11 +160,11 @@ if want speed; then
     for row in ${SPEED_ROWS:-$G:bf16:0 $L:bf16:0 $G:bf16:1 $L:bf16:1 $G:fp32:0 $G:bf16:1:offload}; do
         case $row in
             *:offload)
-                torch_side ${row%:offload}:sdpa:offload ${row%:offload}:sdpa:offload:compile
-                oomfix_side ${row%:offload}:cpu:1:flash ;;
+                oomfix_side ${row%:offload}:cpu:1:flash
+                torch_side ${row%:offload}:sdpa:offload ${row%:offload}:sdpa:offload:compile ;;
             *)
-                torch_side $row:sdpa $row:sdpa:fused:compile
-                oomfix_side $row:fused:1:flash ;;
+                oomfix_side $row:fused:1:flash
+                torch_side $row:sdpa $row:sdpa:fused:compile ;;
         esac
     done
 fi
