@@ -190,7 +190,9 @@ if outside:
     print(f"Device memory outside the pool (context, modules, cuBLAS), after each run: "
           f"{gib(min(outside))}–{gib(max(outside))} GiB")
 
-print("\n## `oomfix --budget 8GiB --verify --device cuda:0`\n")
-print("```text")
-print(open(sys.argv[3]).read().rstrip())
-print("```")
+cli_text = open(sys.argv[3]).read().rstrip()
+if cli_text:
+    print("\n## `oomfix --budget 8GiB --verify --device cuda:0`\n")
+    print("```text")
+    print(cli_text)
+    print("```")
