@@ -23,8 +23,9 @@ usage: torch_step.py [--steps N] [--cap SECONDS] CONFIG...
 Step 1 is a warm-up (optimizer state, cuBLAS handles; under compile, steps 1
 and 2); the peak statistics are reset after the warm-up and cover the N
 measured steps; step time is the median of those steps, each bracketed by
-torch.cuda.synchronize(). Each line names the GPU (`device`). A configuration that runs
-out of memory or past --cap seconds is reported as such and the next one runs.
+torch.cuda.synchronize(). Each line names the GPU (`device`). A configuration
+that runs out of memory, past --cap seconds or into another error is reported
+as such and the next one runs.
 """
 import gc
 import json
