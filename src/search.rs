@@ -21,6 +21,7 @@ use crate::memory::{Breakdown, Estimator, MemoryModel, Target};
 use crate::spec::ModelSpec;
 use crate::speed::{step_time, StepTime};
 use crate::{Error, Result};
+use oomfix_strategies::lora::{BasePrecision, Lora};
 use oomfix_strategies::model::Capabilities;
 use oomfix_strategies::{
     Attention, Checkpointing, OptimizerImpl, Pipeline, Plan, Precision, SearchContext, Sharding,
@@ -199,6 +200,11 @@ pub struct Pins {
     /// The most bytes one collective of a sharded plan moves (a setting
     /// rather than a searched field: every plan takes it).
     pub bucket_bytes: Option<usize>,
+    /// Low-rank adapters to train on the frozen model (`lora`): every plan
+    /// carries them; the search starts from their base precision.
+    pub lora: Option<Lora>,
+    /// The frozen base's storage, kept as given (needs [`lora`](Self::lora)).
+    pub base_precision: Option<BasePrecision>,
 }
 
 impl Pins {
@@ -213,6 +219,8 @@ impl Pins {
             ("optimizer", self.optimizer.is_some()),
             ("shard_stage", self.shard_stage.is_some()),
             ("bucket_bytes", self.bucket_bytes.is_some()),
+            ("lora", self.lora.is_some()),
+            ("base_precision", self.base_precision.is_some()),
         ]
         .into_iter()
         .filter_map(|(n, pinned)| pinned.then_some(n))
@@ -231,6 +239,10 @@ impl Pins {
             && keeps(self.attention, plan.attention)
             && keeps(self.optimizer, plan.optimizer)
             && keeps(self.shard_stage, plan.shard.stage)
+            && self.lora.is_some() == plan.lora.is_some()
+            && self
+                .base_precision
+                .is_none_or(|b| plan.lora.is_some_and(|l| l.base == b))
     }
 
     /// The baseline plan for `global` sequences of `seq_len` tokens over
@@ -287,6 +299,18 @@ impl Pins {
         plan.checkpoint = self.checkpoint.unwrap_or(plan.checkpoint);
         plan.attention = self.attention.unwrap_or(plan.attention);
         plan.optimizer = self.optimizer.unwrap_or(plan.optimizer);
+        plan.lora = match (self.lora, self.base_precision) {
+            (None, Some(base)) => {
+                return Err(Error::Usage(format!(
+                    "a base precision ({base}) is the storage of LoRA's frozen weights: it needs a LoRA rank (--lora)"
+                )))
+            }
+            (Some(lora), base) => Some(Lora {
+                base: base.unwrap_or(lora.base),
+                ..lora
+            }),
+            (None, None) => None,
+        };
         Ok(plan)
     }
 }
@@ -666,6 +690,10 @@ impl Planner {
     }
 }
 
+/// The LoRA rank the advice of a search that fits nothing tries (PEFT's
+/// examples' and the QLoRA paper's common choice).
+pub const HINT_LORA_RANK: u32 = 16;
+
 /// How many plans the search estimates at most while looking for the fastest.
 const MAX_EXPLORED: usize = 4096;
 /// How many of the fastest candidates a verifier measures.
@@ -876,6 +904,7 @@ impl Run<'_> {
             world_size = tracing::field::Empty,
             shard_stage = tracing::field::Empty,
             extensions = tracing::field::Empty,
+            lora = tracing::field::Empty,
             budget_bytes = self.planner.budget,
             estimated_bytes = estimate.peak,
             weights_bytes = estimate.weights,
@@ -935,7 +964,39 @@ impl Run<'_> {
         Ok(fits)
     }
 
-    /// What would make the closest attempt fit: a budget, more GPUs, a shorter sequence.
+    /// For a search that trains every parameter: whether the closest plan
+    /// would fit with rank-[`HINT_LORA_RANK`] adapters on every linear
+    /// projection of the blocks, the base in 16 bits or else in NF4; the
+    /// flags and the estimated peak.
+    fn lora_hint(&self, base: &Plan) -> Option<String> {
+        if base.lora.is_some() || !crate::memory::analytic_activations(self.spec) {
+            return None;
+        }
+        let facts = crate::memory::model_facts(self.spec);
+        [BasePrecision::Bf16, BasePrecision::Nf4]
+            .into_iter()
+            .find_map(|precision| {
+                let lora = Lora::new(HINT_LORA_RANK, None, None, precision, &facts).ok()?;
+                let plan = Plan {
+                    lora: Some(lora),
+                    ..*base
+                };
+                let estimate = self.estimator.estimate(self.spec, &plan, &self.planner.target);
+                let flag = match precision {
+                    BasePrecision::Bf16 => String::new(),
+                    other => format!(" --base-precision {other}"),
+                };
+                self.estimate_fits(&estimate).then(|| {
+                    format!(
+                        "--lora {HINT_LORA_RANK}{flag} would fit ({})",
+                        crate::units::format_bytes(estimate.peak)
+                    )
+                })
+            })
+    }
+
+    /// What would make the closest attempt fit: a budget, more GPUs, a
+    /// shorter sequence, LoRA.
     fn advice(&self, ctx: &SearchContext) -> Vec<String> {
         let p = self.planner;
         let closest = self
@@ -978,6 +1039,9 @@ impl Run<'_> {
         {
             advice.push(format!("{n} GPUs with ZeRO stage 3 would fit (--gpus {n})"));
         }
+        if let Some(hint) = self.lora_hint(&base) {
+            advice.push(hint);
+        }
         let mut seq = base.seq_len / 2;
         while seq >= 16 {
             if fits(&Plan {
@@ -1004,6 +1068,8 @@ mod tests {
     fn every_plan_field_is_an_attempt_span_field() {
         let mut plan = Plan::baseline(8, 64);
         plan.extensions.set("toy", Some(1)).unwrap();
+        let facts = oomfix_strategies::ModelFacts::new(64, 64, 1).with_linear("proj", 8, 8);
+        plan.lora = Some(Lora::new(4, None, None, BasePrecision::Nf4, &facts).unwrap());
         let keys: Vec<String> = match serde_json::to_value(plan).unwrap() {
             serde_json::Value::Object(map) => map.keys().cloned().collect(),
             _ => unreachable!("a plan is an object"),

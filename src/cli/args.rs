@@ -10,6 +10,7 @@
 use super::Failure;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use oomfix::strategies::lora::BasePrecision;
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl};
 use oomfix::units::parse_bytes;
 use oomfix::Target;
@@ -30,7 +31,7 @@ pub const MAX_GPUS: usize = 1 << 16;
 
 /// `--strategies`' default: [`Pipeline::DEFAULT_ORDER`](oomfix::Pipeline::DEFAULT_ORDER), comma-separated.
 pub const DEFAULT_STRATEGIES: &str =
-    "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard,offload";
+    "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard,offload,lora";
 
 /// Find a training configuration that fits in memory.
 ///
@@ -322,6 +323,23 @@ pub struct PlanOptions {
     /// snapshot (open it in pytorch.org/memory_viz). Needs --device cpu.
     #[arg(long, value_name = "PATH", global = true)]
     pub snapshot: Option<PathBuf>,
+    /// Train rank-RANK LoRA adapters on the frozen model instead of every
+    /// parameter (PEFT's LoRA): y = W·x + (ALPHA/RANK)·B·A·x, W frozen.
+    #[arg(long, value_name = "RANK", global = true, allow_negative_numbers = true, value_parser = parse_lora_rank)]
+    pub lora: Option<u32>,
+    /// LoRA's alpha: the adapters' output is scaled by ALPHA/RANK
+    /// [default: 2 x RANK].
+    #[arg(long, value_name = "ALPHA", global = true, allow_negative_numbers = true, value_parser = parse_lora_alpha)]
+    pub lora_alpha: Option<u32>,
+    /// The projections LoRA adapts, by module name (q_proj,v_proj)
+    /// [default: every linear projection of the blocks, PEFT's all-linear].
+    #[arg(long, value_delimiter = ',', value_name = "LIST", global = true)]
+    pub lora_targets: Option<Vec<String>>,
+    /// LoRA's frozen base weights: bf16, nf4 (4-bit NormalFloat, QLoRA) or
+    /// nf4-dq (its absmax values in 8 bits too) [default: the search's
+    /// choice, from bf16].
+    #[arg(long, value_name = "KIND", global = true, value_parser = parse_from_str::<BasePrecision>)]
+    pub base_precision: Option<BasePrecision>,
     /// Measure the chosen plan (or the closest) and draw live memory over its
     /// step, stacked by component, phases shaded, budget as a line: an SVG or
     /// a PNG, by the file's extension (.svg, .png). Needs --device cpu.
@@ -704,6 +722,17 @@ fn parse_target(s: &str) -> Result<Target, String> {
 
 fn parse_positive(s: &str) -> Result<usize, String> {
     whole_number(s, 1, MAX_GLOBAL_BATCH as u64).map(|n| n as usize)
+}
+
+fn parse_lora_rank(s: &str) -> Result<u32, String> {
+    match whole_number(s, 0, u64::from(u32::MAX))? {
+        0 => Err("a LoRA rank of 0 trains nothing (at least 1)".into()),
+        n => Ok(n as u32),
+    }
+}
+
+fn parse_lora_alpha(s: &str) -> Result<u32, String> {
+    whole_number(s, 1, u64::from(u32::MAX)).map(|n| n as u32)
 }
 
 fn parse_from_str<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {

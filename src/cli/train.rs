@@ -28,6 +28,12 @@ use std::path::{Path, PathBuf};
 /// `mpirun`, `torchrun` or this command's launcher); or, with `--gpus N` (N >
 /// 1) outside a job, as the launcher of N ranks.
 pub fn run(args: &TrainArgs) -> Outcome {
+    if args.plan.opts.lora.is_some() {
+        return Err(Failure::Usage(
+            "--lora: oomfix plans LoRA fine-tuning (`oomfix plan --lora RANK`) but does not train it yet"
+                .into(),
+        ));
+    }
     let o = &args.opts;
     let init = match (o.init_given(), &args.plan.model) {
         (Some(InitArg::Pretrained), None) => {

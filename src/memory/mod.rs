@@ -268,6 +268,139 @@ impl Estimator for WithFixes {
     }
 }
 
+/// What the fixes' hooks know of `spec` before any fix: every parameter
+/// trained, and the linear projections of its first block (2-D `.weight`
+/// tensors, named by their module, the last part of the path before
+/// `weight`; GPT-2's `Conv1D` weights are `[in, out]`, the others `[out, in]`).
+pub fn model_facts(spec: &ModelSpec) -> ModelFacts {
+    let mut facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
+        .with_block_parameters(spec.config.block_parameters());
+    for t in &spec.tensors {
+        let module = t.name.strip_suffix(".weight").and_then(|m| m.rsplit('.').next());
+        let (Some(module), [rows, cols]) = (module, t.shape[..]) else {
+            continue;
+        };
+        if crate::spec::ModelConfig::block_of(&t.name) != Some(0) {
+            continue;
+        }
+        let (inputs, outputs) = match spec.config.family {
+            Family::Gpt2 => (rows, cols),
+            _ => (cols, rows),
+        };
+        facts = facts.with_linear(module, inputs as u64, outputs as u64);
+    }
+    facts
+}
+
+/// The training state's bytes of `plan` on one rank: the unfixed state,
+/// changed by each of `fixes`' memory hooks in order.
+pub fn state_bytes(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StateBytes {
+    trained_state(spec, plan, fixes).1
+}
+
+/// The facts of what `plan` trains of `spec` (every parameter, or under
+/// `lora` the adapters) and the training state's bytes
+/// ([`oomfix_strategies::memory::state_of`]).
+pub fn trained_state(
+    spec: &ModelSpec,
+    plan: &Plan,
+    fixes: &[Arc<dyn Strategy>],
+) -> (ModelFacts, StateBytes) {
+    oomfix_strategies::memory::state_of(plan, &model_facts(spec), fixes)
+}
+
+fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown;
+    /// The time of one optimizer step of `plan`, when this estimator models
+    /// it (a measuring one does); `None`, the default, leaves it to
+    /// [`crate::speed::step_time`].
+    fn step_time(
+        &self,
+        _spec: &ModelSpec,
+        _plan: &Plan,
+        _target: &Target,
+    ) -> Option<crate::speed::StepTime> {
+        None
+    }
+    /// Whether the estimates of `spec` include its activations. When they
+    /// do not, a peak is a lower bound (weights, gradients, optimizer state
+    /// and the step's temporaries only) and reports say so. Default: yes.
+    fn models_activations(&self, _spec: &ModelSpec) -> bool {
+        true
+    }
+}
+
+/// A shared estimator is one (so that its owner can read what it learnt
+/// after a search, as with [`crate::anymodel::MeasuredModel`]).
+impl<E: Estimator + ?Sized> Estimator for Arc<E> {
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
+        (**self).estimate(spec, plan, target)
+    }
+    fn step_time(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+    ) -> Option<crate::speed::StepTime> {
+        (**self).step_time(spec, plan, target)
+    }
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        (**self).models_activations(spec)
+    }
+}
+
+/// The analytic model documented in this module, with the built-in fixes'
+/// memory hooks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryModel;
+
+impl MemoryModel {
+    /// The analytic model with the memory hooks of every fix `pipeline` can
+    /// use ([`oomfix_strategies::registered`]): the built-in ones and the
+    /// pipeline's others.
+    pub fn registered(pipeline: &Pipeline) -> WithFixes {
+        WithFixes {
+            fixes: oomfix_strategies::registered(pipeline),
+        }
+    }
+}
+
+/// Whether the analytic model knows `spec`'s op sequence: not for an
+/// unknown architecture ([`Family::Generic`]), whose activations it does
+/// not model.
+pub fn analytic_activations(spec: &ModelSpec) -> bool {
+    spec.config.family != Family::Generic
+}
+
+impl Estimator for MemoryModel {
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        analytic_activations(spec)
+    }
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
+        static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
+        estimate(
+            spec,
+            plan,
+            target,
+            BUILTINS.get_or_init(oomfix_strategies::builtins),
+        )
+    }
+}
+
+/// The analytic model with the memory hooks of a list of fixes
+/// ([`MemoryModel::registered`]).
+pub struct WithFixes {
+    fixes: Vec<Arc<dyn Strategy>>,
+}
+
+impl Estimator for WithFixes {
+    fn models_activations(&self, spec: &ModelSpec) -> bool {
+        analytic_activations(spec)
+    }
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
+        estimate(spec, plan, target, &self.fixes)
+    }
+}
+
 /// The training state's bytes of `plan` on one rank: the unfixed state,
 /// changed by each of `fixes`' memory hooks in order.
 pub fn state_bytes(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StateBytes {
@@ -286,13 +419,15 @@ fn estimate(
     target: &Target,
     fixes: &[Arc<dyn Strategy>],
 ) -> Breakdown {
-    let p = spec.parameters();
+    let (facts, s) = trained_state(spec, plan, fixes);
+    let p = facts.parameters;
     let cb = plan.precision.compute_bytes();
-    let s = state_bytes(spec, plan, fixes);
     let mut act = activation_bytes(spec, plan);
     if *target == Target::Cpu {
         widen_cpu_bf16_matmuls(&mut act, spec, plan);
     }
+    // A frozen weight converted for the pass, while the backward crosses a block.
+    act.blocks.transient += s.pass_transient;
     let runtime = target.runtime_bytes();
     let pool_slack = target.pool_slack_bytes(spec.config.layers, plan);
     let communicator = target.communicator_bytes(plan.shard.world_size);
@@ -302,8 +437,13 @@ fn estimate(
     // Alive at every moment of the backward.
     let state =
         s.weights + s.master_weights + s.optimizer_state + s.accumulated_gradients + outside;
-    let block_gradients = s.gradients - (stem_only_parameters(spec).min(p) * cb).min(s.gradients);
-    let after = AfterBackward::of(plan, &s, p, spec.largest_tensor(), target);
+    // The stem's own gradients come last (none under LoRA: it is frozen).
+    let stem_gradients = match plan.lora {
+        Some(_) => 0,
+        None => (stem_only_parameters(spec).min(p) * cb).min(s.gradients),
+    };
+    let block_gradients = s.gradients - stem_gradients;
+    let after = AfterBackward::of(plan, &s, p, facts.largest_tensor, target);
     let accumulation = Moment {
         activations: 0,
         transient: after.first_sum,

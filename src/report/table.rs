@@ -49,7 +49,11 @@ fn row(i: usize, a: &Attempt, lower_bound: bool) -> String {
         a.strategy,
         p.micro_batch,
         p.grad_accum,
-        p.precision.as_str(),
+        match p.lora {
+            // LoRA: the compute precision, then the frozen base's storage.
+            Some(lora) => format!("{}/{}", p.precision, lora.base),
+            None => p.precision.as_str().to_string(),
+        },
         p.attention.as_str(),
         p.checkpoint.to_string(),
         p.optimizer.as_str(),
