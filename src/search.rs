@@ -208,7 +208,8 @@ pub struct Pins {
 }
 
 impl Pins {
-    /// The names of the pinned fields, as the plan's serde form names them.
+    /// The names of the pinned fields, as the plan's serde form names them
+    /// (`base_precision`: the base of its `lora`).
     pub fn names(&self) -> Vec<&'static str> {
         [
             ("micro_batch", self.micro_batch.is_some()),
@@ -966,15 +967,19 @@ impl Run<'_> {
 
     /// For a search that trains every parameter: whether the closest plan
     /// would fit with rank-[`HINT_LORA_RANK`] adapters on every linear
-    /// projection of the blocks, the base in 16 bits or else in NF4; the
-    /// flags and the estimated peak.
+    /// projection of the blocks, the base in 16 bits, else in NF4, else in
+    /// double-quantized NF4; the flags and the estimated peak.
     fn lora_hint(&self, base: &Plan) -> Option<String> {
         if base.lora.is_some() || !crate::memory::analytic_activations(self.spec) {
             return None;
         }
         let facts = crate::memory::model_facts(self.spec);
-        [BasePrecision::Bf16, BasePrecision::Nf4]
-            .into_iter()
+        [
+            BasePrecision::Bf16,
+            BasePrecision::Nf4,
+            BasePrecision::Nf4Double,
+        ]
+        .into_iter()
             .find_map(|precision| {
                 let lora = Lora::new(HINT_LORA_RANK, None, None, precision, &facts).ok()?;
                 let plan = Plan {

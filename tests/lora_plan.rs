@@ -68,7 +68,17 @@ fn plan_json(dir: &Path, args: &[&str]) -> (i32, Value) {
 #[test]
 fn qlora_fits_llama3_8b_in_8_gib() {
     let d = llama3_8b();
-    let args = [".", "--budget", "8GiB", "--lora", "16", "--base-precision", "nf4"];
+    let args = [
+        ".",
+        "--budget",
+        "8GiB",
+        "--lora",
+        "16",
+        "--base-precision",
+        "nf4",
+        "--seq-len",
+        "512",
+    ];
     let (code, out) = plan_json(d.path(), &args);
     assert_eq!(code, 0, "{out:#}");
     let plan = &out["plan"];
@@ -99,6 +109,25 @@ fn qlora_fits_llama3_8b_in_8_gib() {
     let table = oomfix(d.path()).args(args).output().unwrap();
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(text.contains("LoRA r16 α32"), "{text}");
+    assert!(text.contains("bf16/nf4"), "{text}");
+
+    // At 1024 tokens (the default here) NF4 with the CUDA headroom needs
+    // a little more than 8 GiB; 512 tokens fit, and so does the
+    // double-quantized base, which the search takes when the base is not
+    // pinned.
+    let (code, out) = plan_json(d.path(), &args[..7]);
+    assert_eq!(code, 1, "{out:#}");
+    assert!(
+        out["advice"]
+            .to_string()
+            .contains("a sequence length of 512 would fit"),
+        "{out:#}"
+    );
+    let (code, out) = plan_json(d.path(), &args[..5]);
+    assert_eq!(code, 0, "{out:#}");
+    assert_eq!(out["plan"]["lora"]["base"], "nf4-dq");
+    assert_eq!(out["plan"]["seq_len"], 1024);
+    assert!(out["estimate"]["peak_bytes"].as_u64().unwrap() <= 8 * GIB);
 }
 
 #[test]
@@ -169,8 +198,9 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
         format!("--lora 16 would fit ({})", oomfix::units::format_bytes(peak))
     );
 
-    // At 8 GiB only NF4 base weights fit; the table says so too.
-    let (code, out) = plan_json(d.path(), &[".", "--budget", "8GiB"]);
+    // At 8 GiB and 512 tokens only NF4 base weights fit; at 1024 tokens
+    // only double-quantized ones; the table says so too.
+    let (code, out) = plan_json(d.path(), &[".", "--budget", "8GiB", "--seq-len", "512"]);
     assert_eq!(code, 1);
     let advice = out["advice"].to_string();
     assert!(
@@ -184,7 +214,7 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(
         text.lines()
-            .any(|l| l.starts_with("hint: --lora 16 --base-precision nf4 would fit (")),
+            .any(|l| l.starts_with("hint: --lora 16 --base-precision nf4-dq would fit (")),
         "{text}"
     );
     // Nothing fits even with LoRA: no LoRA hint.

@@ -276,8 +276,11 @@ pub fn model_facts(spec: &ModelSpec) -> ModelFacts {
     let mut facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
         .with_block_parameters(spec.config.block_parameters());
     for t in &spec.tensors {
-        let module = t.name.strip_suffix(".weight").and_then(|m| m.rsplit('.').next());
-        let (Some(module), [rows, cols]) = (module, t.shape[..]) else {
+        let module = t
+            .name
+            .strip_suffix(".weight")
+            .and_then(|m| m.rsplit('.').next());
+        let (Some(module), &[rows, cols]) = (module, t.shape.as_slice()) else {
             continue;
         };
         if crate::spec::ModelConfig::block_of(&t.name) != Some(0) {
@@ -307,110 +310,6 @@ pub fn trained_state(
     fixes: &[Arc<dyn Strategy>],
 ) -> (ModelFacts, StateBytes) {
     oomfix_strategies::memory::state_of(plan, &model_facts(spec), fixes)
-}
-
-fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown;
-    /// The time of one optimizer step of `plan`, when this estimator models
-    /// it (a measuring one does); `None`, the default, leaves it to
-    /// [`crate::speed::step_time`].
-    fn step_time(
-        &self,
-        _spec: &ModelSpec,
-        _plan: &Plan,
-        _target: &Target,
-    ) -> Option<crate::speed::StepTime> {
-        None
-    }
-    /// Whether the estimates of `spec` include its activations. When they
-    /// do not, a peak is a lower bound (weights, gradients, optimizer state
-    /// and the step's temporaries only) and reports say so. Default: yes.
-    fn models_activations(&self, _spec: &ModelSpec) -> bool {
-        true
-    }
-}
-
-/// A shared estimator is one (so that its owner can read what it learnt
-/// after a search, as with [`crate::anymodel::MeasuredModel`]).
-impl<E: Estimator + ?Sized> Estimator for Arc<E> {
-    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        (**self).estimate(spec, plan, target)
-    }
-    fn step_time(
-        &self,
-        spec: &ModelSpec,
-        plan: &Plan,
-        target: &Target,
-    ) -> Option<crate::speed::StepTime> {
-        (**self).step_time(spec, plan, target)
-    }
-    fn models_activations(&self, spec: &ModelSpec) -> bool {
-        (**self).models_activations(spec)
-    }
-}
-
-/// The analytic model documented in this module, with the built-in fixes'
-/// memory hooks.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct MemoryModel;
-
-impl MemoryModel {
-    /// The analytic model with the memory hooks of every fix `pipeline` can
-    /// use ([`oomfix_strategies::registered`]): the built-in ones and the
-    /// pipeline's others.
-    pub fn registered(pipeline: &Pipeline) -> WithFixes {
-        WithFixes {
-            fixes: oomfix_strategies::registered(pipeline),
-        }
-    }
-}
-
-/// Whether the analytic model knows `spec`'s op sequence: not for an
-/// unknown architecture ([`Family::Generic`]), whose activations it does
-/// not model.
-pub fn analytic_activations(spec: &ModelSpec) -> bool {
-    spec.config.family != Family::Generic
-}
-
-impl Estimator for MemoryModel {
-    fn models_activations(&self, spec: &ModelSpec) -> bool {
-        analytic_activations(spec)
-    }
-    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
-        estimate(
-            spec,
-            plan,
-            target,
-            BUILTINS.get_or_init(oomfix_strategies::builtins),
-        )
-    }
-}
-
-/// The analytic model with the memory hooks of a list of fixes
-/// ([`MemoryModel::registered`]).
-pub struct WithFixes {
-    fixes: Vec<Arc<dyn Strategy>>,
-}
-
-impl Estimator for WithFixes {
-    fn models_activations(&self, spec: &ModelSpec) -> bool {
-        analytic_activations(spec)
-    }
-    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        estimate(spec, plan, target, &self.fixes)
-    }
-}
-
-/// The training state's bytes of `plan` on one rank: the unfixed state,
-/// changed by each of `fixes`' memory hooks in order.
-pub fn state_bytes(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StateBytes {
-    let facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
-        .with_block_parameters(spec.config.block_parameters());
-    let mut state = StateBytes::unfixed(&facts);
-    for fix in fixes {
-        fix.memory(plan, &facts, &mut state);
-    }
-    state
 }
 
 fn estimate(
