@@ -978,24 +978,26 @@ impl Run<'_> {
             BasePrecision::Nf4Double,
         ]
         .into_iter()
-            .find_map(|precision| {
-                let lora = Lora::new(HINT_LORA_RANK, None, None, precision, &facts).ok()?;
-                let plan = Plan {
-                    lora: Some(lora),
-                    ..*base
-                };
-                let estimate = self.estimator.estimate(self.spec, &plan, &self.planner.target);
-                let flag = match precision {
-                    BasePrecision::Bf16 => String::new(),
-                    other => format!(" --base-precision {other}"),
-                };
-                self.estimate_fits(&estimate).then(|| {
-                    format!(
-                        "--lora {HINT_LORA_RANK}{flag} would fit ({})",
-                        crate::units::format_bytes(estimate.peak)
-                    )
-                })
+        .find_map(|precision| {
+            let lora = Lora::new(HINT_LORA_RANK, None, None, precision, &facts).ok()?;
+            let plan = Plan {
+                lora: Some(lora),
+                ..*base
+            };
+            let estimate = self
+                .estimator
+                .estimate(self.spec, &plan, &self.planner.target);
+            let flag = match precision {
+                BasePrecision::Bf16 => String::new(),
+                other => format!(" --base-precision {other}"),
+            };
+            self.estimate_fits(&estimate).then(|| {
+                format!(
+                    "--lora {HINT_LORA_RANK}{flag} would fit ({})",
+                    crate::units::format_bytes(estimate.peak)
+                )
             })
+        })
     }
 
     /// What would make the closest attempt fit: a budget, more GPUs, a

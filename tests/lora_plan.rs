@@ -195,7 +195,10 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
     let peak = lora["estimate"]["peak_bytes"].as_u64().unwrap();
     assert_eq!(
         *hint,
-        format!("--lora 16 would fit ({})", oomfix::units::format_bytes(peak))
+        format!(
+            "--lora 16 would fit ({})",
+            oomfix::units::format_bytes(peak)
+        )
     );
 
     // At 8 GiB and 512 tokens only NF4 base weights fit; at 1024 tokens
@@ -262,7 +265,11 @@ fn bad_lora_settings_are_one_line_and_exit_2() {
         &plan(&["--lora", "16", "--base-precision", "int3"]),
         "unknown base precision",
     );
-    refused(dir, &plan(&["--lora", "16", "--lora-alpha", "0"]), "--lora-alpha");
+    refused(
+        dir,
+        &plan(&["--lora", "16", "--lora-alpha", "0"]),
+        "--lora-alpha",
+    );
     refused(
         dir,
         &plan(&["--lora", "16", "--verify", "--device", "cpu"]),
@@ -276,7 +283,14 @@ fn bad_lora_settings_are_one_line_and_exit_2() {
     // Within bounds: a rank as wide as the narrowest target, and targets given.
     let (code, out) = plan_json(
         dir,
-        &plan(&["--lora", "1024", "--lora-targets", "v_proj,q_proj", "--lora-alpha", "8"]),
+        &plan(&[
+            "--lora",
+            "1024",
+            "--lora-targets",
+            "v_proj,q_proj",
+            "--lora-alpha",
+            "8",
+        ]),
     );
     assert!(code <= 1, "{out:#}");
     let lora = &out["attempts"][0]["lora"];
@@ -288,7 +302,16 @@ fn bad_lora_settings_are_one_line_and_exit_2() {
 fn the_attempt_spans_log_the_lora() {
     let d = llama3_8b();
     let out = oomfix(d.path())
-        .args([".", "--budget", "8GiB", "--lora", "16", "--log-format", "json", "-v"])
+        .args([
+            ".",
+            "--budget",
+            "8GiB",
+            "--lora",
+            "16",
+            "--log-format",
+            "json",
+            "-v",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0));

@@ -5,8 +5,8 @@
 use super::args::{HalfArg, PlanArgs, PlanOptions, VerifyArg};
 use super::{check_writable, logging, print_stdout, Exit, Failure, Outcome};
 use oomfix::measure::StepVerifier;
-use oomfix::strategies::lora::{BasePrecision, Lora};
 use oomfix::report::{self, PlotFormat};
+use oomfix::strategies::lora::{BasePrecision, Lora};
 use oomfix::{inspect, Error, ModelSpec, Pipeline, Planner, SearchResult, Target, Verify};
 use std::path::Path;
 

@@ -605,8 +605,10 @@ mod lora {
         );
         // GPT-2's Conv1D weights are [in, out]; two projections are c_proj.
         let gpt2 = model_facts(&ModelSpec::default_model());
-        let names: Vec<(&str, u64, u64)> =
-            gpt2.linears().map(|l| (l.name, l.inputs, l.outputs)).collect();
+        let names: Vec<(&str, u64, u64)> = gpt2
+            .linears()
+            .map(|l| (l.name, l.inputs, l.outputs))
+            .collect();
         assert_eq!(
             names,
             [
@@ -632,8 +634,13 @@ mod lora {
         };
         let target = Target::Cuda(0);
         let full = MemoryModel.estimate(&spec, &plan, &target);
-        let bf16 = MemoryModel.estimate(&spec, &with(&spec, plan, Some(BasePrecision::Bf16)), &target);
-        let nf4 = MemoryModel.estimate(&spec, &with(&spec, plan, Some(BasePrecision::Nf4)), &target);
+        let bf16 = MemoryModel.estimate(
+            &spec,
+            &with(&spec, plan, Some(BasePrecision::Bf16)),
+            &target,
+        );
+        let nf4 =
+            MemoryModel.estimate(&spec, &with(&spec, plan, Some(BasePrecision::Nf4)), &target);
         let p = spec.parameters();
         let adapters = 41_943_040u64;
         // Fully trained: bf16 weights and gradients, fp32 masters and moments.
@@ -645,7 +652,12 @@ mod lora {
         assert_eq!(bf16.master_weights, 4 * adapters);
         assert_eq!(bf16.optimizer_state, 8 * adapters);
         assert_eq!(bf16.accumulated_gradients, 2 * adapters);
-        assert!(nf4.weights < bf16.weights / 2, "{} {}", nf4.weights, bf16.weights);
+        assert!(
+            nf4.weights < bf16.weights / 2,
+            "{} {}",
+            nf4.weights,
+            bf16.weights
+        );
         assert!(nf4.peak < bf16.peak && bf16.peak < full.peak);
         // The frozen head makes no weight gradient, so the loss's moment
         // holds less; a block's moment holds the adapters' [n, r] pair and,

@@ -56,12 +56,12 @@ pub mod adamw;
 pub mod attention;
 pub mod checkpoint;
 pub mod clip;
-pub mod lora;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
 mod execution;
 mod float;
+pub mod lora;
 pub mod memory;
 pub mod model;
 pub mod nn;

@@ -452,10 +452,7 @@ impl FrozenWeight {
             BasePrecision::Bf16 => Ok(FrozenWeight::Dense(weight)),
             BasePrecision::Nf4 => {
                 let shape = weight.dims2()?;
-                let values: Vec<f32> = weight
-                    .to_dtype(DType::F32)?
-                    .flatten_all()?
-                    .to_vec1()?;
+                let values: Vec<f32> = weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
                 Ok(FrozenWeight::Nf4 {
                     values: nf4::quantize(&values),
                     shape,
@@ -848,7 +845,10 @@ mod tests {
         let new = |rank, alpha, targets: Option<&[&str]>| {
             Lora::new(rank, alpha, targets, BasePrecision::Bf16, &facts)
         };
-        assert!(new(0, None, None).unwrap_err().to_string().contains("rank of 0"));
+        assert!(new(0, None, None)
+            .unwrap_err()
+            .to_string()
+            .contains("rank of 0"));
         // k_proj is 1024 wide: the narrowest of all-linear.
         assert!(new(1024, None, None).is_ok());
         let e = new(1025, None, None).unwrap_err().to_string();
@@ -864,8 +864,14 @@ mod tests {
     #[test]
     fn the_plan_carries_it_in_its_json() {
         let facts = llama3_8b();
-        let lora = Lora::new(16, Some(8), Some(&["v_proj", "q_proj"]), BasePrecision::Nf4, &facts)
-            .unwrap();
+        let lora = Lora::new(
+            16,
+            Some(8),
+            Some(&["v_proj", "q_proj"]),
+            BasePrecision::Nf4,
+            &facts,
+        )
+        .unwrap();
         let plan = Plan {
             lora: Some(lora),
             ..Plan::baseline(8, 128)
@@ -916,7 +922,10 @@ mod tests {
         let (_, q) = state_of(&nf4, &facts, &fixes);
         let linears = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336u64);
         let others = facts.parameters - linears;
-        assert_eq!(q.weights, 2 * a + 2 * others + linears / 2 + linears / 64 * 4);
+        assert_eq!(
+            q.weights,
+            2 * a + 2 * others + linears / 2 + linears / 64 * 4
+        );
         assert_eq!(q.pass_transient, 2 * 4096 * 14336);
         // 5.69 GiB: about 4.5 bits per projection weight beside 16-bit
         // embeddings and head (1.05 billion values).
@@ -971,14 +980,32 @@ mod tests {
         let layer = LoraLinear::new(&w, Some(&bias), 8, 16.0, BasePrecision::Bf16).unwrap();
         let y = layer.forward(&x).unwrap();
         assert_eq!(y.dims(), [2, 5, 24]);
-        let base = x.broadcast_matmul(&w.t().unwrap()).unwrap().broadcast_add(&bias).unwrap();
+        let base = x
+            .broadcast_matmul(&w.t().unwrap())
+            .unwrap()
+            .broadcast_add(&bias)
+            .unwrap();
         assert_eq!(max_diff(&y, &base), 0.0);
         // PEFT's initialisation: A uniform in ±1/√in, B zeros.
-        let a = layer.a().as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let a = layer
+            .a()
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         let bound = 1.0 / 4.0;
         assert!(a.iter().all(|v| v.abs() <= bound));
         assert!(a.iter().any(|v| v.abs() > bound / 2.0));
-        assert!(layer.b().as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().all(|v| *v == 0.0));
+        assert!(layer
+            .b()
+            .as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .all(|v| *v == 0.0));
         assert_eq!(layer.scale(), 2.0);
         // On an NF4 base: the dequantized weight's function.
         let q = LoraLinear::new(&w, None, 8, 16.0, BasePrecision::Nf4).unwrap();
@@ -987,7 +1014,10 @@ mod tests {
         let expected = Tensor::from_vec(nf4::quantize(&wv).dequantize(), (24, 16), &dev).unwrap();
         assert_eq!(max_diff(&deq, &expected), 0.0);
         let yq = q.forward(&x).unwrap();
-        assert_eq!(max_diff(&yq, &x.broadcast_matmul(&deq.t().unwrap()).unwrap()), 0.0);
+        assert_eq!(
+            max_diff(&yq, &x.broadcast_matmul(&deq.t().unwrap()).unwrap()),
+            0.0
+        );
         assert!(LoraLinear::new(&w, None, 17, 1.0, BasePrecision::Bf16).is_err());
         assert!(LoraLinear::new(&w, None, 0, 1.0, BasePrecision::Bf16).is_err());
     }
@@ -1025,7 +1055,10 @@ mod tests {
                     layer.forward(x.as_tensor()).unwrap()
                 } else {
                     let base_y = x.as_tensor().broadcast_matmul(&wq.t().unwrap()).unwrap();
-                    let t = x.as_tensor().broadcast_matmul(&a.as_tensor().t().unwrap()).unwrap();
+                    let t = x
+                        .as_tensor()
+                        .broadcast_matmul(&a.as_tensor().t().unwrap())
+                        .unwrap();
                     let u = t.broadcast_matmul(&b.as_tensor().t().unwrap()).unwrap();
                     (base_y + u.affine(scale, 0.0).unwrap()).unwrap()
                 };
@@ -1054,12 +1087,20 @@ mod tests {
                 )
                 .unwrap();
                 let y = layer.forward(&x0).unwrap();
-                (y * &r).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64
+                (y * &r)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap() as f64
             };
             let h = 1e-2;
             let numeric = (loss_at(h) - loss_at(-h)) / (2.0 * h as f64);
             let analytic = fused.2.flatten_all().unwrap().to_vec1::<f32>().unwrap()[5] as f64;
-            assert!((numeric - analytic).abs() < 1e-2 * analytic.abs().max(1.0), "{numeric} {analytic}");
+            assert!(
+                (numeric - analytic).abs() < 1e-2 * analytic.abs().max(1.0),
+                "{numeric} {analytic}"
+            );
         }
     }
 
@@ -1069,7 +1110,8 @@ mod tests {
         let w = Tensor::randn(0f32, 0.2, (6, 5), &dev).unwrap();
         let a = Var::randn(0f32, 0.3, (2, 5), &dev).unwrap();
         let b = Var::randn(0f32, 0.3, (6, 2), &dev).unwrap();
-        let layer = LoraLinear::with_adapter(FrozenWeight::Dense(w.clone()), None, a, b, 2.0).unwrap();
+        let layer =
+            LoraLinear::with_adapter(FrozenWeight::Dense(w.clone()), None, a, b, 2.0).unwrap();
         let x = Tensor::randn(0f32, 1.0, (4, 5), &dev).unwrap();
         let merged = layer.merged(DType::F32).unwrap();
         let y = layer.forward(&x).unwrap();
@@ -1079,24 +1121,44 @@ mod tests {
     #[test]
     fn peft_adapter_files() {
         let facts = llama3_8b();
-        let lora = Lora::new(4, Some(8), Some(&["q_proj", "v_proj"]), BasePrecision::Nf4, &facts).unwrap();
+        let lora = Lora::new(
+            4,
+            Some(8),
+            Some(&["q_proj", "v_proj"]),
+            BasePrecision::Nf4,
+            &facts,
+        )
+        .unwrap();
         let dev = Device::Cpu;
         let a = Tensor::randn(0f32, 1.0, (4, 16), &dev).unwrap();
         let b = Tensor::randn(0f32, 1.0, (8, 4), &dev).unwrap();
         let dir = std::env::temp_dir().join(format!("oomfix-peft-{}", std::process::id()));
-        let adapters = vec![("model.layers.0.self_attn.q_proj".to_string(), a.clone(), b.clone())];
+        let adapters = vec![(
+            "model.layers.0.self_attn.q_proj".to_string(),
+            a.clone(),
+            b.clone(),
+        )];
         save_peft(&dir, "meta-llama/Meta-Llama-3-8B", &lora, &adapters).unwrap();
-        let config: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json")).unwrap()).unwrap();
+        let config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
         assert_eq!(config["peft_type"], "LORA");
         assert_eq!(config["task_type"], "CAUSAL_LM");
         assert_eq!(config["r"], 4);
         assert_eq!(config["lora_alpha"], 8);
-        assert_eq!(config["target_modules"], serde_json::json!(["q_proj", "v_proj"]));
-        assert_eq!(config["base_model_name_or_path"], "meta-llama/Meta-Llama-3-8B");
+        assert_eq!(
+            config["target_modules"],
+            serde_json::json!(["q_proj", "v_proj"])
+        );
+        assert_eq!(
+            config["base_model_name_or_path"],
+            "meta-llama/Meta-Llama-3-8B"
+        );
         assert_eq!(config["bias"], "none");
         assert_eq!(config["fan_in_fan_out"], false);
-        let saved = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &dev).unwrap();
+        let saved =
+            candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &dev).unwrap();
         let mut names: Vec<&String> = saved.keys().collect();
         names.sort();
         assert_eq!(

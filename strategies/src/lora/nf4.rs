@@ -268,7 +268,13 @@ mod tests {
 
     #[test]
     fn round_trips_equal_the_blockwise_reference_bit_for_bit() {
-        for (n, seed) in [(64 * 1000, 1), (64 * 37 + 10, 2), (1, 3), (63, 4), (4096 * 3, 5)] {
+        for (n, seed) in [
+            (64 * 1000, 1),
+            (64 * 37 + 10, 2),
+            (1, 3),
+            (63, 4),
+            (4096 * 3, 5),
+        ] {
             let v = values(n, seed);
             let q = quantize(&v);
             let (indices, absmax, back) = reference(&v);
@@ -276,7 +282,9 @@ mod tests {
             assert_eq!(q.absmax(), absmax.as_slice());
             let ours = q.dequantize();
             assert!(
-                ours.iter().zip(&back).all(|(a, b)| a.to_bits() == b.to_bits()),
+                ours.iter()
+                    .zip(&back)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "values, n = {n}"
             );
             let bf: Vec<u16> = q.dequantize_bf16().iter().map(|b| b.to_bits()).collect();
