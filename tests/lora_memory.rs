@@ -45,7 +45,14 @@ fn the_adapted_projection_keeps_its_input_and_converts_one_weight_at_a_time() {
         })
     };
     // Warm up (the thread pool, the matmul kernels' buffers).
-    drop(fused(x.as_tensor()).sqr().unwrap().sum_all().unwrap().backward());
+    drop(
+        fused(x.as_tensor())
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward(),
+    );
 
     let base = reset_peak();
     let loss = fused(x.as_tensor()).sqr().unwrap().sum_all().unwrap();

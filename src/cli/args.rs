@@ -437,8 +437,9 @@ pub struct TrainArgs {
 /// A command to run.
 #[derive(Debug)]
 pub enum Command {
-    /// `oomfix plan` (or no subcommand).
-    Plan(PlanArgs),
+    /// `oomfix plan` (or no subcommand; boxed: its options outweigh
+    /// `inspect`'s and `measure-step`'s).
+    Plan(Box<PlanArgs>),
     /// `oomfix inspect`.
     Inspect(InspectArgs),
     /// `oomfix train` (boxed: its options outweigh the other commands').
@@ -510,7 +511,7 @@ fn parse_normalized(argv: Vec<OsString>) -> Result<Invocation, Stop> {
         json: cli.output.json,
     };
     let command = match cli.command {
-        None => Command::Plan(plan(cli.model.clone())),
+        None => Command::Plan(Box::new(plan(cli.model.clone()))),
         Some(sub) => {
             if let Some(model) = &cli.model {
                 return Err(Stop::Usage(Failure::Usage(format!(
@@ -521,7 +522,7 @@ fn parse_normalized(argv: Vec<OsString>) -> Result<Invocation, Stop> {
                 ))));
             }
             match sub {
-                Sub::Plan(m) => Command::Plan(plan(m.model)),
+                Sub::Plan(m) => Command::Plan(Box::new(plan(m.model))),
                 Sub::Train(t) => Command::Train(Box::new(TrainArgs {
                     plan: plan(t.model),
                     opts: t.train,
