@@ -446,6 +446,7 @@ pub struct Planner {
     pins: Pins,
     headroom: Option<Headroom>,
     host_budget: Option<u64>,
+    beyond_context: bool,
 }
 
 impl Planner {
@@ -467,7 +468,17 @@ impl Planner {
             pins: Pins::default(),
             headroom: None,
             host_budget: None,
+            beyond_context: false,
         }
+    }
+    /// Whether a sequence length beyond the model's context
+    /// (`max_position_embeddings`) is planned (default: no, a usage error).
+    /// A model with rotary positions computes positions past its context,
+    /// but was not trained on them; a model with learned positions has none
+    /// there and is refused either way.
+    pub fn allow_beyond_context(mut self, allow: bool) -> Self {
+        self.beyond_context = allow;
+        self
     }
     /// Plan fields the search keeps as given.
     pub fn pins(mut self, pins: Pins) -> Self {
@@ -576,6 +587,18 @@ impl Planner {
         if spec.config.family.has_learned_positions() && seq_len > max {
             return Err(Error::Usage(format!(
                 "a sequence length of {seq_len} exceeds the model's {max} learned positions"
+            )));
+        }
+        if max > 0 && seq_len > max && !self.beyond_context {
+            let assumed = spec
+                .assumptions
+                .iter()
+                .find(|a| a.starts_with("context limit"))
+                .map_or(String::new(), |a| format!("; {a}"));
+            return Err(Error::Usage(format!(
+                "a sequence length of {seq_len} is beyond the model's context of {max} tokens \
+                 (max_position_embeddings{assumed}), which it was not trained for: \
+                 --allow-beyond-context plans it anyway"
             )));
         }
         let mut ctx = SearchContext::new(self.global_batch, spec.config.layers);
@@ -935,48 +958,92 @@ impl Run<'_> {
         Ok(fits)
     }
 
-    /// What would make the closest attempt fit: a budget, more GPUs, a shorter sequence.
+    /// What would make the closest attempt fit: a budget (or host memory,
+    /// when that is what fails), more GPUs (on CUDA, where ranks add device
+    /// memory), a shorter sequence.
     fn advice(&self, ctx: &SearchContext) -> Vec<String> {
+        use crate::units::format_bytes;
         let p = self.planner;
         let closest = self
             .attempts
             .iter()
             .min_by_key(|a| a.peak())
             .expect("at least one attempt");
-        let mut advice = vec![if closest.ran_out_of_memory() {
-            format!(
+        let needed = closest.peak() + self.headroom.bytes(closest.peak());
+        let host_short = p.host_budget.filter(|&h| closest.estimate.host > h);
+        let mut advice = Vec::new();
+        if closest.ran_out_of_memory() {
+            advice.push(format!(
                 "the closest plan ran out of memory when measured: it needs more than {} (the estimates below may be low too)",
-                crate::units::format_bytes(p.budget)
-            )
-        } else {
-            format!(
-                "a budget of {} would fit the closest plan",
-                crate::units::format_bytes(closest.peak() + self.headroom.bytes(closest.peak()))
-            )
-        }];
+                format_bytes(p.budget)
+            ));
+        } else if needed > p.budget {
+            advice.push(match host_short {
+                None => format!(
+                    "a budget of {} would fit the closest plan",
+                    format_bytes(needed)
+                ),
+                Some(_) => format!(
+                    "a budget of {} and {} of host memory would fit the closest plan",
+                    format_bytes(needed),
+                    format_bytes(closest.estimate.host)
+                ),
+            });
+        }
+        if let Some(host_budget) = host_short {
+            advice.push(format!(
+                "host memory is what fails: the closest plan keeps {} on the host (the offloaded \
+                 optimizer state) and {} may be used there (--host-budget SIZE; default: the \
+                 memory available now)",
+                format_bytes(closest.estimate.host),
+                format_bytes(host_budget)
+            ));
+            if let Some(on_device) = self
+                .attempts
+                .iter()
+                .filter(|a| a.estimate.host == 0 && !a.ran_out_of_memory())
+                .min_by_key(|a| a.peak())
+            {
+                advice.push(format!(
+                    "without offloading, a budget of {} would fit ({})",
+                    format_bytes(on_device.peak() + self.headroom.bytes(on_device.peak())),
+                    on_device.plan
+                ));
+            }
+        }
         let fits =
             |plan: &Plan| self.estimate_fits(&self.estimator.estimate(self.spec, plan, &p.target));
         let base = closest.plan;
-        let divisors_of_batch = oomfix_strategies::accumulate::divisors(ctx.global_batch);
-        if let Some(n) = divisors_of_batch
-            .iter()
-            .copied()
-            .filter(|&n| n > 1)
-            .find(|&n| {
-                let per_rank = ctx.global_batch / n;
-                fits(&Plan {
-                    micro_batch: 1,
-                    grad_accum: per_rank,
-                    shard: Sharding {
-                        world_size: n,
-                        stage: 3,
-                        ..base.shard
-                    },
-                    ..base
+        // Ranks add device memory on GPUs; on the CPU they share the host's.
+        if matches!(p.target, Target::Cuda(_)) {
+            let divisors_of_batch = oomfix_strategies::accumulate::divisors(ctx.global_batch);
+            if let Some(n) = divisors_of_batch
+                .iter()
+                .copied()
+                .filter(|&n| n > 1)
+                .find(|&n| {
+                    let per_rank = ctx.global_batch / n;
+                    fits(&Plan {
+                        micro_batch: 1,
+                        grad_accum: per_rank,
+                        shard: Sharding {
+                            world_size: n,
+                            stage: 3,
+                            ..base.shard
+                        },
+                        ..base
+                    })
                 })
-            })
-        {
-            advice.push(format!("{n} GPUs with ZeRO stage 3 would fit (--gpus {n})"));
+            {
+                advice.push(if cfg!(feature = "nccl") {
+                    format!("{n} GPUs with ZeRO stage 3 would fit (--gpus {n})")
+                } else {
+                    format!(
+                        "{n} GPUs with ZeRO stage 3 would fit (--gpus {n}); training over them \
+                         needs a build with --features nccl"
+                    )
+                });
+            }
         }
         let mut seq = base.seq_len / 2;
         while seq >= 16 {

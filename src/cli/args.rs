@@ -250,8 +250,16 @@ pub struct PlanOptions {
     #[arg(short, long, value_parser = parse_budget, value_name = "SIZE", global = true, allow_hyphen_values = true)]
     pub budget: Option<u64>,
     /// Tokens per sequence [default: the model's maximum, at most 1024].
+    /// Beyond the model's context (max_position_embeddings) it is refused
+    /// unless --allow-beyond-context is given.
     #[arg(long, value_name = "N", global = true, allow_negative_numbers = true, value_parser = parse_seq_len)]
     pub seq_len: Option<usize>,
+    /// Plan (and train) a --seq-len beyond the model's context
+    /// (max_position_embeddings): a rotary-position model computes those
+    /// positions but was not trained on them. Learned positions stop at the
+    /// context either way.
+    #[arg(long, global = true)]
+    pub allow_beyond_context: bool,
     /// Sequences per optimizer step, held constant by every fix.
     #[arg(long, default_value_t = 8, value_name = "N", global = true, allow_negative_numbers = true, value_parser = parse_global_batch)]
     pub global_batch: usize,

@@ -145,7 +145,8 @@ pub fn search_quietly(
         .target(target)
         .gpus(o.gpus)
         .pipeline(pipeline)
-        .pins(pins(o));
+        .pins(pins(o))
+        .allow_beyond_context(o.allow_beyond_context);
     if let Some(h) = o.headroom {
         planner = planner.headroom(h);
     }
