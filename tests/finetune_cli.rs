@@ -590,7 +590,8 @@ fn events(stderr: &str, message: &str) -> Vec<serde_json::Value> {
 }
 
 /// Fine-tuning the pretrained fixture on its text lowers the loss on the
-/// held-out text (evaluated every 2 steps and after the last), and the directory `--save` writes loads as a model.
+/// held-out text (evaluated before the first step, every 2 steps and after
+/// the last), and the directory `--save` writes loads as a model.
 #[test]
 fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
     let (dir, reference) = finetune_fixture();
@@ -623,8 +624,8 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
         })
         .collect();
     let steps: Vec<u64> = evals.iter().map(|e| e.0).collect();
-    assert_eq!(steps, [2, 4, 6, 8], "{stderr}");
-    assert!(evals[3].1 < evals[0].1, "held-out loss falls: {evals:?}");
+    assert_eq!(steps, [0, 2, 4, 6, 8], "{stderr}");
+    assert!(evals[4].1 < evals[0].1, "held-out loss falls: {evals:?}");
     saved_logits(&work.path().join("tuned"), work.path());
 }
 
@@ -755,4 +756,168 @@ fn a_checkpoint_without_the_objectives_head_gets_it_initialised_with_a_warning()
     let (code, stderr) = train();
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("missing tensor"), "{stderr}");
+}
+
+/// `train`'s one JSON object (`--json`) of a run of the fine-tuning fixture
+/// with `args`, and its stderr.
+fn train_json(dir: &Path, work: &Path, args: &[&str]) -> (serde_json::Value, String) {
+    let out = train_fixture(dir, work)
+        .args(args)
+        .args(["--json", "--log-format", "json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+    let v = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    (v, stderr)
+}
+
+/// Without `--lr`, a run from pretrained weights steps at the Hugging Face
+/// Trainer's 5e-5 and one from a random initialisation at 3e-4; the rate and
+/// where it came from are said on stderr and in the summary, and the steps
+/// take it.
+#[test]
+fn the_default_learning_rate_depends_on_where_the_weights_start() {
+    let (dir, reference) = finetune_fixture();
+    let seq = reference["seq_len"].to_string();
+    for (extra, lr, source) in [
+        (&[][..], 5e-5, "the default from pretrained weights"),
+        (
+            &["--init", "random"],
+            3e-4,
+            "the default from a random initialisation",
+        ),
+        (&["--lr", "1e-3"], 1e-3, "--lr"),
+    ] {
+        let work = tempfile::tempdir().unwrap();
+        let args = [&["--seq-len", &seq, "--steps", "1"][..], extra].concat();
+        let (v, stderr) = train_json(&dir, work.path(), &args);
+        assert_eq!(v["training"]["lr"], lr, "{extra:?}");
+        let from = v["training"]["lr_source"].as_str().unwrap();
+        assert!(from.starts_with(source), "{extra:?}: {from}");
+        let steps = events(&stderr, "step");
+        assert_eq!(steps[0]["fields"]["lr"], lr, "{extra:?}: {stderr}");
+        let said = stderr.contains(&format!("learning rate {lr:e} ({source}"));
+        assert_eq!(said, extra.is_empty() || extra[0] == "--init", "{stderr}");
+    }
+    let work = tempfile::tempdir().unwrap();
+    let out = train_fixture(&dir, work.path())
+        .args(["--seq-len", &seq, "--steps", "1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("lr      5e-5 (the default from pretrained weights; --lr sets it)"),
+        "{stdout}"
+    );
+}
+
+/// With `--eval-data`, the model is evaluated before the first step: on the
+/// training text's first micro-batch that is the original model's loss as
+/// transformers computes it.
+#[test]
+fn evaluation_before_the_first_step_is_the_original_models_loss() {
+    let (dir, reference) = finetune_fixture();
+    let work = tempfile::tempdir().unwrap();
+    let seq = reference["seq_len"].to_string();
+    let micro_batch = reference["micro_batch"].to_string();
+    let eval = dir.join("train.txt");
+    let (v, stderr) = train_json(
+        &dir,
+        work.path(),
+        &[
+            "--eval-data",
+            eval.to_str().unwrap(),
+            "--eval-batches",
+            "1",
+            "--seq-len",
+            &seq,
+            "--global-batch",
+            &micro_batch,
+            "--micro-batch",
+            &micro_batch,
+            "--steps",
+            "2",
+            "--lr",
+            "1e-3",
+        ],
+    );
+    let t = &v["training"];
+    assert_eq!(t["first_eval"]["step"], 0, "{t:#}");
+    assert_eq!(t["eval"]["step"], 2, "{t:#}");
+    let before = t["first_eval"]["loss"].as_f64().unwrap();
+    let expected = reference["first_loss"].as_f64().unwrap();
+    assert!(
+        (before - expected).abs() / expected < 1e-4,
+        "evaluated before training {before}, transformers {expected}"
+    );
+    let steps: Vec<u64> = events(&stderr, "eval")
+        .iter()
+        .map(|e| e["fields"]["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [0, 2], "{stderr}");
+}
+
+/// The directory `--save` writes carries the model's licence files and model
+/// card from the model directory, and a run from that directory carries them
+/// on; other files stay behind.
+#[test]
+fn the_saved_directory_carries_the_models_licence_and_card() {
+    let (fixture, reference) = finetune_fixture();
+    let model = tempfile::tempdir().unwrap();
+    for name in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "train.txt",
+    ] {
+        std::fs::copy(fixture.join(name), model.path().join(name)).unwrap();
+    }
+    let terms = [
+        ("LICENSE", "the licence's terms\n"),
+        ("NOTICE.txt", "a notice\n"),
+        ("README.md", "# the model card\n"),
+    ];
+    for (name, text) in terms {
+        std::fs::write(model.path().join(name), text).unwrap();
+    }
+    std::fs::write(model.path().join("notes.txt"), "not the model's\n").unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let seq = reference["seq_len"].to_string();
+    let train = |from: &Path, save: &str| {
+        let out = Command::cargo_bin("oomfix")
+            .unwrap()
+            .current_dir(work.path())
+            .env_remove("RUST_LOG")
+            .arg("train")
+            .arg(from)
+            .arg("--data")
+            .arg(model.path().join("train.txt"))
+            .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
+            .args(["--seq-len", &seq, "--steps", "1", "--save", save])
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        work.path().join(save)
+    };
+    let first = train(model.path(), "tuned");
+    let second = train(&first, "tuned-again");
+    for saved in [&first, &second] {
+        for (name, text) in terms {
+            assert_eq!(
+                std::fs::read_to_string(saved.join(name)).unwrap(),
+                text,
+                "{}",
+                saved.join(name).display()
+            );
+        }
+        assert!(!saved.join("notes.txt").exists());
+    }
 }

@@ -115,9 +115,10 @@ pub struct TrainOptions {
     /// Token ids in a `.bin` file are u32 instead of u16.
     #[arg(long)]
     pub u32_tokens: bool,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 3e-4, allow_negative_numbers = true, value_parser = parse_lr)]
-    pub lr: f64,
+    /// AdamW's peak learning rate [default: 5e-5 from pretrained weights,
+    /// as the Hugging Face Trainer; 3e-4 from a random initialisation].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_lr)]
+    pub lr: Option<f64>,
     /// Learning-rate schedule after the warmup: constant, linear or cosine
     /// (the last two decay to 0 at the last of --steps).
     #[arg(long, value_name = "KIND", default_value = "constant", value_parser = parse_decay)]

@@ -176,7 +176,7 @@ pub use crate::state_file::StateFile;
 mod schedule;
 pub(crate) use optim::Optim;
 pub use saved::{Checkpoint, ModelSource};
-pub use schedule::{Decay, LrSchedule};
+pub use schedule::{default_lr, Decay, LrSchedule, PRETRAINED_LR, RANDOM_INIT_LR};
 pub(crate) use trainer::clip_factor;
 pub use trainer::{compute_dtype, plan_changes, Evaluation, StepStats, TrainOptions, Trainer};
 mod gpt2;
