@@ -221,6 +221,19 @@ impl<E: Estimator + ?Sized> Estimator for Arc<E> {
 pub struct MemoryModel;
 
 impl MemoryModel {
+    /// [`Estimator::estimate`] with the backward working sets of `backward`
+    /// instead of the linked candle-core's: what the same plan needs with
+    /// the other backward (`vendor/README.md`).
+    pub fn estimate_with(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+        backward: Backward,
+    ) -> Breakdown {
+        estimate(spec, plan, target, builtins(), backward)
+    }
+
     /// The analytic model with the memory hooks of every fix `pipeline` can
     /// use ([`oomfix_strategies::registered`]): the built-in ones and the
     /// pipeline's others.
@@ -243,14 +256,14 @@ impl Estimator for MemoryModel {
         analytic_activations(spec)
     }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
-        estimate(
-            spec,
-            plan,
-            target,
-            BUILTINS.get_or_init(oomfix_strategies::builtins),
-        )
+        estimate(spec, plan, target, builtins(), Backward::linked())
     }
+}
+
+/// The built-in fixes, made once.
+fn builtins() -> &'static [Arc<dyn Strategy>] {
+    static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
+    BUILTINS.get_or_init(oomfix_strategies::builtins)
 }
 
 /// The analytic model with the memory hooks of a list of fixes
@@ -264,7 +277,21 @@ impl Estimator for WithFixes {
         analytic_activations(spec)
     }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        estimate(spec, plan, target, &self.fixes)
+        estimate(spec, plan, target, &self.fixes, Backward::linked())
+    }
+}
+
+impl WithFixes {
+    /// [`Estimator::estimate`] with the backward working sets of `backward`
+    /// ([`MemoryModel::estimate_with`]).
+    pub fn estimate_with(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+        backward: Backward,
+    ) -> Breakdown {
+        estimate(spec, plan, target, &self.fixes, backward)
     }
 }
 
@@ -285,11 +312,12 @@ fn estimate(
     plan: &Plan,
     target: &Target,
     fixes: &[Arc<dyn Strategy>],
+    backward: Backward,
 ) -> Breakdown {
     let p = spec.parameters();
     let cb = plan.precision.compute_bytes();
     let s = state_bytes(spec, plan, fixes);
-    let mut act = activation_bytes(spec, plan);
+    let mut act = activation_bytes_for(spec, plan, backward);
     if *target == Target::Cpu {
         widen_cpu_bf16_matmuls(&mut act, spec, plan);
     }

@@ -118,6 +118,9 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
         first.global_batch(),
         first.seq_len
     );
+    for note in &result.notes {
+        let _ = writeln!(out, "NOTE    {note}\n");
+    }
     if !result.activations_modelled {
         let _ = writeln!(
             out,
