@@ -632,7 +632,7 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
 /// The logits of the model saved in `saved`, computed here from its files,
 /// written as `logits.safetensors` in `work` beside the input ids.
 fn saved_logits(saved: &Path, work: &Path) -> PathBuf {
-    use oomfix::train::{build_model, Batch};
+    use oomfix::train::{build_model, TokenBatch};
     let spec = oomfix::inspect(saved).unwrap();
     let model = build_model(
         &spec.config,
@@ -645,7 +645,7 @@ fn saved_logits(saved: &Path, work: &Path) -> PathBuf {
     let vocab = spec.config.vocab as u32;
     let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 + 11) % vocab).collect();
     let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap();
-    let batch = Batch {
+    let batch = TokenBatch {
         input_ids: ids.clone(),
         targets: ids.clone(),
         loss_mask: None,

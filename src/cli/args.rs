@@ -28,9 +28,12 @@ pub const MAX_TOKENS_PER_STEP: u64 = 1 << 28;
 /// The largest `--gpus` accepted.
 pub const MAX_GPUS: usize = 1 << 16;
 
-/// `--strategies`' default: [`Pipeline::DEFAULT_ORDER`](oomfix::Pipeline::DEFAULT_ORDER), comma-separated.
-pub const DEFAULT_STRATEGIES: &str =
-    "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard,offload";
+/// `--strategies`' default: the built-in fixes in their default order
+/// ([`oomfix::strategies::builtins`]), comma-separated.
+pub fn default_strategies() -> &'static str {
+    static NAMES: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAMES.get_or_init(|| oomfix::Pipeline::default().names().join(","))
+}
 
 /// Find a training configuration that fits in memory.
 ///
@@ -163,6 +166,10 @@ pub struct TrainOptions {
     /// file, nor over a directory that is not an earlier checkpoint.
     #[arg(long, value_name = "DIR")]
     pub save: Option<PathBuf>,
+    /// With --snapshot or --plot: the run's first N steps are recorded (the
+    /// first step's one-off allocations, then steady steps).
+    #[arg(long, default_value_t = 2, value_name = "N", allow_negative_numbers = true, value_parser = parse_steps)]
+    pub snapshot_steps: u64,
     /// Also write the checkpoint every N steps [default: only at the end].
     #[arg(long, value_name = "N", requires = "save", allow_negative_numbers = true, value_parser = parse_steps)]
     pub save_every: Option<u64>,
@@ -276,7 +283,7 @@ pub struct PlanOptions {
         long,
         value_delimiter = ',',
         value_name = "LIST",
-        default_value = DEFAULT_STRATEGIES,
+        default_value = default_strategies(),
         global = true
     )]
     pub strategies: Vec<String>,
@@ -328,12 +335,15 @@ pub struct PlanOptions {
     pub enforce_budget: bool,
     /// Measure the chosen plan (or the closest) and write every allocation of
     /// its step, tagged with module, op and component, as a PyTorch memory
-    /// snapshot (open it in pytorch.org/memory_viz). Needs --device cpu.
+    /// snapshot (open it in pytorch.org/memory_viz); with `train`, of the
+    /// run's own first steps (--snapshot-steps), one file per rank
+    /// (`NAME.rankR.EXT`) when there are several. Needs --device cpu.
     #[arg(long, value_name = "PATH", global = true)]
     pub snapshot: Option<PathBuf>,
     /// Measure the chosen plan (or the closest) and draw live memory over its
     /// step, stacked by component, phases shaded, budget as a line: an SVG or
-    /// a PNG, by the file's extension (.svg, .png). Needs --device cpu.
+    /// a PNG, by the file's extension (.svg, .png); with `train`, of the
+    /// run's own first steps, as --snapshot. Needs --device cpu.
     #[arg(long, value_name = "PATH", global = true)]
     pub plot: Option<PathBuf>,
 }
@@ -731,14 +741,6 @@ mod tests {
             ParseStop::Info(e) => format!("info: {e}"),
             ParseStop::Usage { failure, .. } => failure.to_string(),
         })
-    }
-
-    #[test]
-    fn default_strategies_are_the_pipelines_default_order() {
-        assert_eq!(
-            DEFAULT_STRATEGIES,
-            oomfix::Pipeline::default().names().join(",")
-        );
     }
 
     #[test]
