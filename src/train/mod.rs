@@ -422,7 +422,7 @@ impl Model for HubModel {
     }
 
     /// The stages of the micro-batch's tokens: the head ends in the loss
-    /// ([`lm_loss`]), after which every allocation is backward's.
+    /// (`lm_loss`), after which every allocation is backward's.
     fn forward(&self, batch: &MicroBatch) -> candle_core::Result<model::Forward<'_>> {
         let tokens = batch.tokens.clone().ok_or_else(|| {
             candle_core::Error::Msg(
