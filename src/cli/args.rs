@@ -119,9 +119,10 @@ pub struct TrainOptions {
     /// Token ids in a `.bin` file are u32 instead of u16.
     #[arg(long)]
     pub u32_tokens: bool,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 3e-4, allow_negative_numbers = true, value_parser = parse_lr)]
-    pub lr: f64,
+    /// AdamW's peak learning rate [default: 5e-5 from pretrained weights,
+    /// as the Hugging Face Trainer; 3e-4 from a random initialisation].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_lr)]
+    pub lr: Option<f64>,
     /// Learning-rate schedule after the warmup: constant, linear or cosine
     /// (the last two decay to 0 at the last of --steps).
     #[arg(long, value_name = "KIND", default_value = "constant", value_parser = parse_decay)]
@@ -258,8 +259,16 @@ pub struct PlanOptions {
     #[arg(short, long, value_parser = parse_budget, value_name = "SIZE", global = true, allow_hyphen_values = true)]
     pub budget: Option<u64>,
     /// Tokens per sequence [default: the model's maximum, at most 1024].
+    /// Beyond the model's context (max_position_embeddings) it is refused
+    /// unless --allow-beyond-context is given.
     #[arg(long, value_name = "N", global = true, allow_negative_numbers = true, value_parser = parse_seq_len)]
     pub seq_len: Option<usize>,
+    /// Plan (and train) a --seq-len beyond the model's context
+    /// (max_position_embeddings): a rotary-position model computes those
+    /// positions but was not trained on them. Learned positions stop at the
+    /// context either way.
+    #[arg(long, global = true)]
+    pub allow_beyond_context: bool,
     /// Sequences per optimizer step, held constant by every fix.
     #[arg(long, default_value_t = 8, value_name = "N", global = true, allow_negative_numbers = true, value_parser = parse_global_batch)]
     pub global_batch: usize,

@@ -217,7 +217,8 @@ pub fn search_quietly(
         .target(target)
         .gpus(o.gpus)
         .pipeline(pipeline)
-        .pins(pins);
+        .pins(pins)
+        .allow_beyond_context(o.allow_beyond_context);
     if let Some(h) = o.headroom {
         planner = planner.headroom(h);
     }

@@ -210,6 +210,19 @@ impl<E: Estimator + ?Sized> Estimator for Arc<E> {
 pub struct MemoryModel;
 
 impl MemoryModel {
+    /// [`Estimator::estimate`] with the backward working sets of `backward`
+    /// instead of the linked candle-core's: what the same plan needs with
+    /// the other backward (`vendor/README.md`).
+    pub fn estimate_with(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+        backward: Backward,
+    ) -> Breakdown {
+        estimate(spec, plan, target, builtins(), backward)
+    }
+
     /// The analytic model with the memory hooks of every fix `pipeline` can
     /// use ([`oomfix_strategies::registered`]): the built-in ones and the
     /// pipeline's others.
@@ -244,7 +257,7 @@ impl Estimator for MemoryModel {
         analytic_activations(spec)
     }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        estimate(spec, plan, target, builtins())
+        estimate(spec, plan, target, builtins(), Backward::linked())
     }
 }
 
@@ -259,7 +272,7 @@ impl Estimator for WithFixes {
         analytic_activations(spec)
     }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        estimate(spec, plan, target, &self.fixes)
+        estimate(spec, plan, target, &self.fixes, Backward::linked())
     }
     fn step_time(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> crate::speed::StepTime {
         crate::speed::step_time(spec, plan, &self.fixes, target)
@@ -291,6 +304,20 @@ pub fn model_facts(spec: &ModelSpec) -> ModelFacts {
         facts = facts.with_linear(module, inputs as u64, outputs as u64);
     }
     facts
+}
+
+impl WithFixes {
+    /// [`Estimator::estimate`] with the backward working sets of `backward`
+    /// ([`MemoryModel::estimate_with`]).
+    pub fn estimate_with(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+        backward: Backward,
+    ) -> Breakdown {
+        estimate(spec, plan, target, &self.fixes, backward)
+    }
 }
 
 /// The training state's bytes of `plan` on one rank: the unfixed state,
@@ -336,12 +363,13 @@ fn estimate(
     plan: &Plan,
     target: &Target,
     fixes: &[Arc<dyn Strategy>],
+    backward: Backward,
 ) -> Breakdown {
     let (facts, s) = trained_state(spec, plan, fixes);
     let p = facts.parameters;
     let cb = plan.precision.compute_bytes();
     let exec = Execution::for_plan(plan, fixes);
-    let mut act = activation_bytes(spec, plan, &exec);
+    let mut act = activation_bytes_for(spec, plan, &exec, backward);
     if *target == Target::Cpu {
         widen_cpu_bf16_matmuls(&mut act, spec, plan, &exec);
     }
