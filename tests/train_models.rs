@@ -529,6 +529,27 @@ fn bad_weight_files_are_input_errors_naming_the_tensor() {
         "{err}"
     );
 
+    // A tensor the model has no parameter for: the checkpoint is refused.
+    let extra = Tensor::ones(32, DType::F32, &Device::Cpu).unwrap();
+    let sub = tempfile::tempdir().unwrap();
+    let unused = write_renamed(
+        original.as_ref(),
+        &sub,
+        1,
+        str::to_string,
+        &[("h.0.attn.q_norm.weight", extra)],
+    );
+    let err = build_model(&config, Some(&unused), DType::F32, &Device::Cpu, 0)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, Error::Input { .. })
+            && err
+                .to_string()
+                .contains("would not use: h.0.attn.q_norm.weight"),
+        "{err}"
+    );
+
     let not_safetensors = temp_file(&dir, "garbage.safetensors");
     std::fs::write(&not_safetensors, b"not a safetensors file").unwrap();
     let err = build_model(
@@ -1008,10 +1029,10 @@ fn what_the_families_do_not_implement_is_refused() {
         (
             Family::Llama,
             ModelSettings {
-                rope_scaling: Some("llama3".into()),
+                rope_scaling: Some("longrope".into()),
                 ..Default::default()
             },
-            "rope_scaling is \"llama3\"",
+            "rope_scaling is \"longrope\"",
         ),
         (
             Family::Llama,

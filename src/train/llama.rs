@@ -1,7 +1,8 @@
 //! Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention
-//! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`), with the
-//! checkpoint's RMSNorm epsilon and RoPE base, and optional biases on every
-//! attention projection (`attention_bias`) and the MLP (`mlp_bias`).
+//! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`; Qwen3 with
+//! RMSNorm on each query and key head), with the checkpoint's RMSNorm
+//! epsilon, head size, RoPE base and scaling ([`rope`]), and optional biases
+//! on every attention projection (`attention_bias`) and the MLP (`mlp_bias`).
 
 use std::rc::Rc;
 
@@ -10,7 +11,7 @@ use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm};
-use super::{batch_dims, Batch, Forward, Params};
+use super::{batch_dims, rope, Batch, Forward, Params};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -24,6 +25,9 @@ struct Block {
     gate_proj: Linear,
     up_proj: Linear,
     down_proj: Linear,
+    /// Qwen3's RMSNorm over each query and key head, before RoPE.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    head_dim: usize,
     heads: usize,
     kv_heads: usize,
     /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
@@ -61,6 +65,12 @@ impl Block {
             gate_proj: proj("mlp.gate_proj", mlp_bias)?,
             up_proj: proj("mlp.up_proj", mlp_bias)?,
             down_proj: proj("mlp.down_proj", mlp_bias)?,
+            qk_norm: if config.settings.qk_norm {
+                Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
+            } else {
+                None
+            },
+            head_dim: config.head_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
             tags: [
@@ -81,11 +91,18 @@ impl Block {
         };
         let x = {
             let _m = Scope::module(attn);
+            let (mut q, mut k) = (self.q_proj.forward(&h)?, self.k_proj.forward(&h)?);
+            if let Some((q_norm, k_norm)) = &self.qk_norm {
+                // Over each head: [b, s, heads, d] (views of the projections).
+                let (b, s, _) = q.dims3()?;
+                q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
+                k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
+            }
             let (q, k) = {
                 let _op = Scope::op(Op::Rope);
                 (
-                    ops::rope(&self.q_proj.forward(&h)?, self.heads, &ctx.rope_q)?,
-                    ops::rope(&self.k_proj.forward(&h)?, self.kv_heads, &ctx.rope_k)?,
+                    ops::rope(&q, self.heads, &ctx.rope_q)?,
+                    ops::rope(&k, self.kv_heads, &ctx.rope_k)?,
                 )
             };
             let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
@@ -156,13 +173,13 @@ impl Llama {
         let (h, d) = (self.config.hidden, self.config.head_dim());
         let device = self.embed.device();
         let [embed, rotary, norm, lm_head] = self.tags;
-        let theta = self.config.rope_theta();
+        let (freqs, factor) = rope::frequencies(&self.config, s)?;
         let ctx = {
             let _m = Scope::new(rotary, Op::Rope);
             Rc::new(Context {
                 attend: Attend::causal(exec),
-                rope_q: RopeTables::new(s, d, theta, 1.0 / (d as f64).sqrt(), device)?,
-                rope_k: RopeTables::new(s, d, theta, 1.0, device)?,
+                rope_q: RopeTables::from_inv_freq(s, &freqs, factor / (d as f64).sqrt(), device)?,
+                rope_k: RopeTables::from_inv_freq(s, &freqs, factor, device)?,
             })
         };
         let stem = {

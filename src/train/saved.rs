@@ -359,6 +359,13 @@ fn made_config(c: &ModelConfig) -> Result<Map<String, Value>> {
     let Value::Object(mut m) = value else {
         unreachable!("json! of an object")
     };
+    if let Some(d) = s.head_dim {
+        m.insert("head_dim".into(), json!(d));
+    }
+    if s.qk_norm {
+        m.insert("architectures".into(), json!(["Qwen3ForCausalLM"]));
+        m.insert("model_type".into(), json!("qwen3"));
+    }
     if let Some(eos) = s.eos_token_id {
         m.insert("eos_token_id".into(), json!(eos));
         if c.family != Family::Bert {
