@@ -159,6 +159,42 @@ mod tests {
         assert!((f[4] - plain[4] / 8.0).abs() < 1e-15); // 628 > 64
     }
 
+    /// The frequencies and attention factor of the parity fixtures'
+    /// configurations (8 positions) against those transformers' rotary
+    /// embedding held after its forward pass (computed in f32).
+    #[test]
+    fn frequencies_match_transformers() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train");
+        for name in [
+            "qwen3",
+            "llama3",
+            "llama-linear",
+            "llama-dynamic",
+            "llama-yarn",
+        ] {
+            let spec = crate::inspect(&dir.join(name)).unwrap();
+            let reference = candle_core::safetensors::load(
+                dir.join(format!("{name}.ref.safetensors")),
+                &candle_core::Device::Cpu,
+            )
+            .unwrap();
+            let want: Vec<f64> = reference["rope.inv_freq"].to_vec1().unwrap();
+            let factor: Vec<f64> = reference["rope.attention_scaling"].to_vec1().unwrap();
+            let (got, got_factor) = frequencies(&spec.config, 8).unwrap();
+            assert_eq!(got.len(), want.len(), "{name}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-6 * w.abs(),
+                    "{name}: frequency {i}: {g} vs {w}"
+                );
+            }
+            assert!(
+                (got_factor - factor[0]).abs() < 1e-6,
+                "{name}: {got_factor} vs {factor:?}"
+            );
+        }
+    }
+
     #[test]
     fn a_scaling_without_its_numbers_is_an_error() {
         let c = config("llama3", Default::default());
