@@ -462,7 +462,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// Prints the estimate's moments: what is alive besides the activations, and
 /// each backward moment's total (activations + working set).
 fn print_moments(spec: &ModelSpec, plan: &Plan, est: &oomfix::memory::Breakdown) {
-    let a = oomfix::memory::activation_bytes(spec, plan);
+    let a = oomfix::memory::activation_bytes(spec, plan, &oomfix::memory::builtin_execution(plan));
     let state = est.weights + est.master_weights + est.optimizer_state + est.accumulated_gradients;
     let stem_grads = oomfix::memory::stem_only_parameters(spec) * plan.precision.compute_bytes();
     let mb = |x: u64| format!("{:.2}", x as f64 / 1e6);

@@ -12,10 +12,11 @@
 //! `cargo run --release --example any_models` (a few seconds).
 
 use candle_core::Device;
-use oomfix::anymodel::{AnyTrainer, MeasuredPlan, MeasuredPlanner, Verification};
+use oomfix::anymodel::{MeasuredPlan, MeasuredPlanner, Verification};
 use oomfix::strategies::shard::{Comm, ThreadComm};
 use oomfix::strategies::OptimizerImpl;
-use oomfix::{Pins, Planner, Target, TrainOptions};
+use oomfix::train::data::DataSource;
+use oomfix::{Pins, Planner, Target, TrainOptions, Trainer};
 
 #[global_allocator]
 static ALLOC: oomfix::track::CountingAlloc = oomfix::track::CountingAlloc;
@@ -62,9 +63,12 @@ fn main() -> oomfix::Result<()> {
     let planned = MeasuredPlanner::new(planner, vit).name("vit").run()?;
     show("vit", &planned);
     let plan = planned.result.chosen().expect("the ViT fits").plan;
-    let mut trainer = AnyTrainer::new(vit, plan, &cpu, &options)?;
+    let mut trainer = Trainer::of_model(vit, plan, &cpu, &options)?;
     for step in 0..3 {
-        println!("  step {step}: loss {:.4}", trainer.step()?.loss);
+        println!(
+            "  step {step}: loss {:.4}",
+            trainer.step(&mut DataSource::ModelMade)?.loss
+        );
     }
 
     // The convolution LM under 24 MiB, 16 sequences of 128 tokens.
@@ -77,9 +81,12 @@ fn main() -> oomfix::Result<()> {
     let planned = MeasuredPlanner::new(lm(), conv_lm).name("conv-lm").run()?;
     show("conv-lm", &planned);
     let plan = planned.result.chosen().expect("the LM fits").plan;
-    let mut trainer = AnyTrainer::new(conv_lm, plan, &cpu, &options)?;
+    let mut trainer = Trainer::of_model(conv_lm, plan, &cpu, &options)?;
     for step in 0..3 {
-        println!("  step {step}: loss {:.4}", trainer.step()?.loss);
+        println!(
+            "  step {step}: loss {:.4}",
+            trainer.step(&mut DataSource::ModelMade)?.loss
+        );
     }
 
     // The same with the optimizer offloaded (pinned: the planner does not
@@ -92,9 +99,12 @@ fn main() -> oomfix::Result<()> {
         .run()?;
     show("conv-lm, optimizer offloaded", &planned);
     let plan = planned.result.chosen().expect("the offloaded LM fits").plan;
-    let mut trainer = AnyTrainer::new(conv_lm, plan, &cpu, &options)?;
+    let mut trainer = Trainer::of_model(conv_lm, plan, &cpu, &options)?;
     for step in 0..3 {
-        println!("  step {step}: loss {:.4}", trainer.step()?.loss);
+        println!(
+            "  step {step}: loss {:.4}",
+            trainer.step(&mut DataSource::ModelMade)?.loss
+        );
     }
 
     // Sharded over two in-process ranks (ZeRO stage 2 pinned), half the budget each.
@@ -118,9 +128,15 @@ fn main() -> oomfix::Result<()> {
             .map(|comm| {
                 s.spawn(move || -> oomfix::Result<Vec<f32>> {
                     let rank = comm.rank();
-                    let mut t = AnyTrainer::sharded(conv_lm, plan, Box::new(comm), options)?;
+                    let mut t = Trainer::of_model_sharded(
+                        conv_lm,
+                        plan,
+                        &Device::Cpu,
+                        options,
+                        Box::new(comm),
+                    )?;
                     let losses = (0..3)
-                        .map(|_| Ok(t.step()?.loss))
+                        .map(|_| Ok(t.step(&mut DataSource::ModelMade)?.loss))
                         .collect::<oomfix::Result<Vec<f32>>>()?;
                     println!("  rank {rank}: losses {losses:?}");
                     Ok(losses)

@@ -29,7 +29,7 @@ use oomfix::strategies::adamw::FusedAdamW;
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Plan, Precision};
 use oomfix::track::{alloc, CountingAlloc};
 use oomfix::train::data::DataSource;
-use oomfix::train::{build_model, Batch, TrainOptions, Trainer};
+use oomfix::train::{build_model, synthetic_batch, TrainOptions, Trainer};
 use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Planner, Target};
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -475,7 +475,7 @@ fn checkpoint_comparison(
     let model = build_model(config, None, DType::F32, &dev, 0)?;
     let weights = (heap() - before_model) as f64;
     let grads = 4.0 * config.parameter_count() as f64;
-    let batch = Batch::synthetic(config.family, config.vocab, GLOBAL_BATCH, args.seq, 0, &dev)?;
+    let batch = synthetic_batch(config.family, config.vocab, GLOBAL_BATCH, args.seq, 0, &dev)?;
     let policies = [Checkpointing::None, Checkpointing::Every(1)];
     let mut time = [vec![], vec![]];
     let mut peak = [vec![], vec![]];

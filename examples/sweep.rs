@@ -239,7 +239,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ),
             };
             let estimate = MemoryModel.estimate(&spec, &plan, &target);
-            let modelled = step_time(&spec, &plan, &target).total;
+            let modelled = step_time(&spec, &plan, oomfix::memory::builtins(), &target).total;
             eprintln!(
                 "{name}  {plan}: {:.1} ms measured, {:.1} ms modelled, peak {peak} (estimated {})",
                 seconds * 1e3,
@@ -253,7 +253,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "estimated_seconds": modelled,
                 "measured_peak_bytes": peak,
                 "estimated_peak_bytes": estimate.peak,
-                "work": step_work(&spec, &plan),
+                "work": step_work(&spec, &plan, oomfix::memory::builtins()),
             }));
             measured.push((plan, seconds, peak, modelled, estimate.peak));
         }
@@ -388,7 +388,7 @@ fn measured_elsewhere(
             ..Plan::baseline(micro * accum, seq.parse()?)
         };
         let measured = ms.parse::<f64>()? / 1e3;
-        let modelled = step_time(&spec, &plan, target).total;
+        let modelled = step_time(&spec, &plan, oomfix::memory::builtins(), target).total;
         errors.push((modelled / measured - 1.0).abs());
         println!(
             "{model} {plan}: {:.1} ms measured, {:.1} ms modelled",
@@ -400,7 +400,7 @@ fn measured_elsewhere(
             "plan": plan,
             "measured_seconds": measured,
             "estimated_seconds": modelled,
-            "work": step_work(&spec, &plan),
+            "work": step_work(&spec, &plan, oomfix::memory::builtins()),
         }));
     }
     println!(

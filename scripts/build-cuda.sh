@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the `oomfix` binary with CUDA on a machine that has no GPU and no
-# NVIDIA driver, for running on the GPU machine (DESIGN.md §7).
+# NVIDIA driver, for running on the GPU machine (the recipe: scripts/cuda-env.sh).
 #
 # Steps (each skipped when its cached result is already up to date):
 #   1-2. set up the CUDA 13.0 toolkit from PyPI wheels in the cache, with a

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA toolkit for building or checking oomfix's `cuda` and `nccl`
-# features on a machine that has no GPU and no NVIDIA driver (DESIGN.md §7).
+# features on a machine that has no GPU and no NVIDIA driver.
 #
 # Run: sets the toolkit up in the cache (each step skipped when its cached
 # result is already up to date) and writes CACHE/ENV, the `export` lines that

@@ -19,7 +19,7 @@
 
 use crate::memory::{Breakdown, Estimator, MemoryModel, Target};
 use crate::spec::ModelSpec;
-use crate::speed::{step_time, StepTime};
+use crate::speed::StepTime;
 use crate::{Error, Result};
 use oomfix_strategies::model::Capabilities;
 use oomfix_strategies::{
@@ -713,12 +713,10 @@ struct Explored {
 }
 
 impl Run<'_> {
-    /// The modelled time of `plan`: the estimator's own, else [`step_time`].
+    /// The modelled time of `plan`: the estimator's.
     fn time(&self, plan: &Plan) -> StepTime {
-        let target = &self.planner.target;
         self.estimator
-            .step_time(self.spec, plan, target)
-            .unwrap_or_else(|| step_time(self.spec, plan, target))
+            .step_time(self.spec, plan, &self.planner.target)
     }
 
     /// Whether an estimate (and its host memory) fits, with the headroom.

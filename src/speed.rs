@@ -14,8 +14,9 @@
 
 use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
 use crate::target::Target;
-use oomfix_strategies::{Attention, Checkpointing, OptimizerImpl, Plan, Precision};
+use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, Precision, Strategy};
 use serde::Serialize;
+use std::sync::Arc;
 
 /// The work of one optimizer step of a plan on one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
@@ -155,7 +156,7 @@ const CPU: Throughput = Throughput {
 /// of the GPT-2 small sweep at micro-batches 1, 2 and 4 (docs/sweep-cuda-gpt2.log;
 /// candle's AdamW and fused AdamW; `sweep --device cuda:0 --measured-log`):
 /// relative error of the fit median 3.7%, max 31.3%. The bf16 matrix-product
-/// rate is held at the probe's measured 734 TFLOP/s (DESIGN.md §7): left
+/// rate is held at 734 TFLOP/s, a bf16 4096³ matmul through candle on the H200: left
 /// free, the fit traded it against the elementwise rate to 2.4 PFLOP/s, more
 /// than the H200 has. The host bus and the host's AdamW rate are fitted to
 /// offloaded steps against fused ones of the same plans
@@ -194,13 +195,24 @@ pub struct StepTime {
     pub total: f64,
 }
 
-/// Modelled time of one optimizer step of `plan` on `target`.
-pub fn step_time(spec: &ModelSpec, plan: &Plan, target: &Target) -> StepTime {
-    Throughput::of(target).seconds(&step_work(spec, plan))
+/// Modelled time of one optimizer step of `plan` with `fixes` (e.g.
+/// [`crate::memory::builtins`]) on `target`.
+pub fn step_time(
+    spec: &ModelSpec,
+    plan: &Plan,
+    fixes: &[Arc<dyn Strategy>],
+    target: &Target,
+) -> StepTime {
+    Throughput::of(target).seconds(&step_work(spec, plan, fixes))
 }
 
-/// The work of one optimizer step of `plan` on one rank.
-pub fn step_work(spec: &ModelSpec, plan: &Plan) -> StepWork {
+/// The work of one optimizer step of `plan` on one rank with `fixes`: the
+/// passes as their execution hooks make them (what they recompute, how they
+/// compute attention), the optimizer step as their time hooks
+/// ([`crate::memory::step_cost`]).
+pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StepWork {
+    let exec = &Execution::for_plan(plan, fixes);
+    let cost = crate::memory::step_cost(spec, plan, fixes);
     let c = &spec.config;
     let (b, s) = (plan.micro_batch as f64, plan.seq_len as f64);
     let n = b * s;
@@ -221,7 +233,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan) -> StepWork {
     // Attention's q·kᵀ and P·v per block; causal flash skips the masked half.
     let causal = c.family != Family::Bert;
     let attention_macs = 2.0 * b * heads * s * s * c.head_dim() as f64;
-    let flash = plan.attention == Attention::Flash;
+    let flash = exec.attention == Attention::Flash;
     let attention_pass = if flash && causal {
         attention_macs
     } else {
@@ -230,7 +242,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan) -> StepWork {
     // Backward is two passes' worth; flash's backward recomputes the
     // probabilities (one more pass).
     let attention_backward = if flash { 3.0 } else { 2.0 };
-    let recompute = match plan.checkpoint {
+    let recompute = match exec.checkpoint {
         Checkpointing::Every(k) if k > 0 => 1.0,
         _ => 0.0,
     };
@@ -252,35 +264,14 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan) -> StepWork {
         bytes * layers * 5.0 * b * heads * s * s * (3.0 + 2.0 * recompute)
     };
 
-    // The optimizer: fused reads and writes weights, both moments and (mixed)
-    // masters once, reads the gradients; candle's AdamW makes
-    // CANDLE_ADAMW_TEMPORARIES full-size fp32 outputs, each read again.
-    let world = plan.shard.world_size.max(1) as f64;
-    let stepped = if plan.shard.stage >= 1 {
-        params / world
-    } else {
-        params
-    };
-    let mixed = plan.precision.is_mixed();
-    let fused_bytes = stepped * (2.0 * 4.0 * 3.0 + bytes + if mixed { bytes } else { 0.0 });
-    let mut optimizer_bytes = match plan.optimizer {
-        OptimizerImpl::FusedAdamW => fused_bytes,
-        OptimizerImpl::CandleAdamW => {
-            stepped
-                * (2.0 * 4.0 * oomfix_strategies::adamw::CANDLE_ADAMW_TEMPORARIES as f64
-                    + 2.0 * 4.0 * 3.0
-                    + if mixed { 4.0 + 2.0 * bytes } else { 0.0 })
-        }
-        OptimizerImpl::OffloadedAdamW => 0.0,
-    };
+    // The optimizer step, as the fixes' time hooks cost it.
+    let stepped = cost.stepped_parameters;
+    let mut optimizer_bytes = stepped * cost.device_bytes_per_parameter;
     // Accumulation: each later micro-batch's gradients added into the sums.
     optimizer_bytes += (accum - 1.0).max(0.0) * params * bytes * 3.0;
-    let (host_bus_bytes, host_parameters) = if plan.optimizer.is_offloaded() {
-        (2.0 * stepped * bytes, stepped)
-    } else {
-        (0.0, 0.0)
-    };
-    let collective_bytes = collective_bytes(spec, plan);
+    let host_bus_bytes = stepped * cost.bus_bytes_per_parameter;
+    let host_parameters = if cost.on_host { stepped } else { 0.0 };
+    let collective_bytes = collective_bytes(spec, plan, exec);
     StepWork {
         matmul_flops: accum * matmul_flops,
         attention_flops: accum * attention_flops,
@@ -311,7 +302,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan) -> StepWork {
 ///   outside the blocks once and each block's before its forward and again
 ///   before its recomputation, every micro-batch;
 /// * without ZeRO, data parallel ranks all-reduce the summed gradients (2Ψ).
-pub fn collective_bytes(spec: &ModelSpec, plan: &Plan) -> f64 {
+pub fn collective_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> f64 {
     let world = plan.shard.world_size.max(1) as f64;
     if world <= 1.0 {
         return 0.0;
@@ -322,7 +313,7 @@ pub fn collective_bytes(spec: &ModelSpec, plan: &Plan) -> f64 {
         / spec.parameters().max(1) as f64)
         .min(1.0)
         * psi;
-    let gathered = match plan.checkpoint {
+    let gathered = match exec.checkpoint {
         Checkpointing::Every(k) if k > 0 => (psi - blocks) + 2.0 * accum * blocks,
         _ => psi,
     };
@@ -338,17 +329,24 @@ pub fn collective_bytes(spec: &ModelSpec, plan: &Plan) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::builtins;
     use crate::spec::ModelConfig;
+    use oomfix_strategies::OptimizerImpl;
 
     fn spec() -> ModelSpec {
         ModelSpec::from_config("gpt2", ModelConfig::gpt2_small())
+    }
+
+    /// The work of `plan` with the built-in fixes.
+    fn work(spec: &ModelSpec, plan: &Plan) -> StepWork {
+        step_work(spec, plan, builtins())
     }
 
     #[test]
     fn checkpointing_costs_a_forward_and_fused_adamw_is_cheaper() {
         let spec = spec();
         let plain = Plan::baseline(8, 1024);
-        let t = |p: &Plan| step_time(&spec, p, &Target::Cuda(0)).total;
+        let t = |p: &Plan| step_time(&spec, p, builtins(), &Target::Cuda(0)).total;
         let ck = Plan {
             checkpoint: Checkpointing::Every(1),
             ..plain
@@ -359,8 +357,8 @@ mod tests {
             ..plain
         };
         assert!(t(&fused) < t(&plain));
-        let w = step_work(&spec, &plain);
-        let wc = step_work(&spec, &ck);
+        let w = work(&spec, &plain);
+        let wc = work(&spec, &ck);
         // One more forward of the blocks: matmuls up by a third of the blocks' share at most.
         assert!(wc.matmul_flops > w.matmul_flops && wc.matmul_flops < w.matmul_flops * 4.0 / 3.0);
     }
@@ -368,8 +366,8 @@ mod tests {
     #[test]
     fn the_global_batch_costs_about_the_same_in_any_split() {
         let spec = spec();
-        let whole = step_work(&spec, &Plan::baseline(8, 512));
-        let split = step_work(
+        let whole = work(&spec, &Plan::baseline(8, 512));
+        let split = work(
             &spec,
             &Plan {
                 micro_batch: 1,
@@ -405,7 +403,7 @@ mod tests {
             (3, 1, every, psi + (psi - blocks) + 2.0 * blocks),
             (3, 4, every, 4.0 * psi + (psi - blocks) + 8.0 * blocks),
         ] {
-            let w = step_work(&spec, &plan(stage, accum, checkpoint));
+            let w = work(&spec, &plan(stage, accum, checkpoint));
             let want = volume * 7.0 / 8.0;
             assert!(
                 (w.collective_bytes - want).abs() < 1.0,

@@ -1,7 +1,7 @@
 //! The device a plan is for ([`Target`]): what it costs besides tensors,
 //! how its allocator rounds, which kernels and precisions it has.
 
-use oomfix_strategies::Plan;
+use oomfix_strategies::{Execution, Plan};
 use serde::Serialize;
 
 /// Device memory the CUDA context itself takes (module images, per-thread
@@ -87,14 +87,14 @@ impl Target {
     }
 
     /// Bytes the device's allocator holds beyond live tensors at the peak of
-    /// `plan` on a model of `blocks` blocks: on CUDA what the stream-ordered
+    /// `plan` (run as `exec` says) on a model of `blocks` blocks: on CUDA what the stream-ordered
     /// pool keeps of the blocks freed in the step (`CUDA_POOL_SLACK_*`), in
     /// whole 2 MiB pages; 0 on the CPU, whose heap is measured live.
-    pub fn pool_slack_bytes(&self, blocks: usize, plan: &Plan) -> u64 {
+    pub fn pool_slack_bytes(&self, blocks: usize, plan: &Plan, exec: &Execution) -> u64 {
         match self {
             Target::Cpu => 0,
             Target::Cuda(_) => {
-                let recomputed = !plan.checkpoint.segments(blocks).is_empty();
+                let recomputed = !exec.checkpoint.segments(blocks).is_empty();
                 let repeated = recomputed || plan.grad_accum > 1;
                 self.round_up(
                     blocks as u64 * CUDA_POOL_SLACK_PER_BLOCK

@@ -2,10 +2,11 @@
 //! the CPU, verified with a real step, trained by the plan's fixes.
 
 use candle_core::Device;
-use oomfix::anymodel::{AnyTrainer, MeasuredModel, Probe, ProbeOutcome, Prober, Setting};
+use oomfix::anymodel::{MeasuredModel, Probe, ProbeOutcome, Prober, Setting};
 use oomfix::track::CountingAlloc;
+use oomfix::train::data::DataSource;
 use oomfix::train::{Decay, LrSchedule};
-use oomfix::{Estimator, ModelSpec, Plan, Target, TrainOptions};
+use oomfix::{Estimator, ModelSpec, Plan, Target, TrainOptions, Trainer};
 
 #[path = "common/mixer.rs"]
 mod mixer;
@@ -23,17 +24,21 @@ fn a_model_given_as_code_is_planned_by_measurement() {
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let plan = mixer::plan_and_check();
     let mut trainer =
-        AnyTrainer::new(mixer::build, plan, &Device::Cpu, &TrainOptions::default()).unwrap();
+        Trainer::of_model(mixer::build, plan, &Device::Cpu, &TrainOptions::default()).unwrap();
     for _ in 0..2 {
-        assert!(trainer.step().unwrap().loss.is_finite());
+        assert!(trainer
+            .step(&mut DataSource::ModelMade)
+            .unwrap()
+            .loss
+            .is_finite());
     }
 }
 
-/// AnyTrainer follows the learning-rate schedule of the options: linear
+/// Trainer follows the learning-rate schedule of the options: linear
 /// decay over two steps gives the peak, half of it, then 0, which leaves
 /// the weights as they were.
 #[test]
-fn any_trainer_applies_the_learning_rate_schedule() {
+fn a_model_given_as_code_follows_the_learning_rate_schedule() {
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let mut options = TrainOptions::default();
     options.schedule = LrSchedule {
@@ -43,9 +48,9 @@ fn any_trainer_applies_the_learning_rate_schedule() {
     };
     let peak = options.adamw.lr;
     let plan = Plan::baseline(2, 1);
-    let mut trainer = AnyTrainer::new(mixer::build, plan, &Device::Cpu, &options).unwrap();
-    let weights = |t: &AnyTrainer<mixer::Mixer>| -> Vec<Vec<f32>> {
-        let vars = oomfix::strategies::model::Model::vars(t.model());
+    let mut trainer = Trainer::of_model(mixer::build, plan, &Device::Cpu, &options).unwrap();
+    let weights = |t: &Trainer| -> Vec<Vec<f32>> {
+        let vars = t.model().vars();
         vars.iter()
             .map(|v| v.flatten_all().unwrap().to_vec1().unwrap())
             .collect()
@@ -53,7 +58,7 @@ fn any_trainer_applies_the_learning_rate_schedule() {
     let mut rates = Vec::new();
     let mut before = weights(&trainer);
     for _ in 0..3 {
-        rates.push(trainer.step().unwrap().lr);
+        rates.push(trainer.step(&mut DataSource::ModelMade).unwrap().lr);
         let after = weights(&trainer);
         assert_eq!(
             after == before,
@@ -65,13 +70,13 @@ fn any_trainer_applies_the_learning_rate_schedule() {
     assert_eq!(rates, [peak, peak / 2.0, 0.0]);
 }
 
-/// AnyTrainer clips by global norm as `train` does. AdamW's first update is
+/// Trainer clips by global norm as `train` does. AdamW's first update is
 /// about `lr` per weight whatever the gradients' scale, unless they are
 /// clipped down to the size of its epsilon: a limit far above the norm
 /// leaves the first step's mean change at about `lr`, a limit of 1e-12
 /// shrinks it. (Each run starts from its own random weights.)
 #[test]
-fn any_trainer_clips_gradients_by_global_norm() {
+fn a_model_given_as_code_has_its_gradients_clipped_by_global_norm() {
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let lr = 1e-2;
     let first_step = |max_grad_norm: Option<f64>| {
@@ -79,15 +84,15 @@ fn any_trainer_clips_gradients_by_global_norm() {
         options.adamw.lr = lr;
         options.max_grad_norm = max_grad_norm;
         let mut trainer =
-            AnyTrainer::new(mixer::build, Plan::baseline(2, 1), &Device::Cpu, &options).unwrap();
-        let weights = |t: &AnyTrainer<mixer::Mixer>| -> Vec<f32> {
-            let vars = oomfix::strategies::model::Model::vars(t.model());
+            Trainer::of_model(mixer::build, Plan::baseline(2, 1), &Device::Cpu, &options).unwrap();
+        let weights = |t: &Trainer| -> Vec<f32> {
+            let vars = t.model().vars();
             vars.iter()
                 .flat_map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap())
                 .collect()
         };
         let before = weights(&trainer);
-        let norm = trainer.step().unwrap().grad_norm;
+        let norm = trainer.step(&mut DataSource::ModelMade).unwrap().grad_norm;
         let after = weights(&trainer);
         let change = before
             .iter()
@@ -212,7 +217,7 @@ impl oomfix::strategies::model::Model for Regression {
 /// step (stages 2 and 3 reduce each micro-batch's gradients to their
 /// owners at once; the weight and the bias have different owners).
 #[test]
-fn any_trainer_sharded_takes_the_one_rank_steps() {
+fn a_model_given_as_code_sharded_takes_the_one_rank_steps() {
     use candle_core::{DType, Tensor, Var};
     use oomfix::strategies::shard::ThreadComm;
     use oomfix::strategies::Sharding;
@@ -232,8 +237,10 @@ fn any_trainer_sharded_takes_the_one_rank_steps() {
         grad_accum: 4,
         ..Plan::baseline(8, 1)
     };
-    let mut one = AnyTrainer::new(build, plan, &Device::Cpu, &options).unwrap();
-    let want: Vec<f32> = (0..4).map(|_| one.step().unwrap().loss).collect();
+    let mut one = Trainer::of_model(build, plan, &Device::Cpu, &options).unwrap();
+    let want: Vec<f32> = (0..4)
+        .map(|_| one.step(&mut DataSource::ModelMade).unwrap().loss)
+        .collect();
     assert!(want[3] < want[0] * 0.9, "the steps train: {want:?}");
     for stage in 1..=3 {
         let per_rank = Plan {
@@ -247,9 +254,17 @@ fn any_trainer_sharded_takes_the_one_rank_steps() {
                 .map(|comm| {
                     let options = &options;
                     s.spawn(move || {
-                        let mut t =
-                            AnyTrainer::sharded(build, per_rank, Box::new(comm), options).unwrap();
-                        (0..4).map(|_| t.step().unwrap().loss).collect()
+                        let mut t = Trainer::of_model_sharded(
+                            build,
+                            per_rank,
+                            &Device::Cpu,
+                            options,
+                            Box::new(comm),
+                        )
+                        .unwrap();
+                        (0..4)
+                            .map(|_| t.step(&mut DataSource::ModelMade).unwrap().loss)
+                            .collect()
                     })
                 })
                 .collect();

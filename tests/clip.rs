@@ -14,7 +14,7 @@ use oomfix::strategies::{
     Attention, Checkpointing, Execution, OptimizerImpl, Plan, Precision, Sharding,
 };
 use oomfix::train::data::DataSource;
-use oomfix::train::{build_model, compute_dtype, Batch, TrainOptions, Trainer};
+use oomfix::train::{build_model, compute_dtype, TrainOptions, Trainer};
 
 const DATA_SEED: u64 = 11;
 
@@ -64,7 +64,7 @@ fn reference_grads(plan: &Plan, world: usize, loss_scale: f64) -> (Vec<Var>, Vec
     let mut sums: Vec<Vec<f64>> = Vec::new();
     for _ in 0..micro_batches {
         let windows = data.next_windows(plan.micro_batch, plan.seq_len, config.vocab);
-        let batch = Batch::from_windows(
+        let batch = oomfix::train::batch_from_windows(
             config.family,
             config.vocab,
             &windows,
@@ -85,7 +85,7 @@ fn reference_grads(plan: &Plan, world: usize, loss_scale: f64) -> (Vec<Var>, Vec
             }
         }
     }
-    let vars = model.vars().iter().map(|(_, v)| v.clone()).collect();
+    let vars = model.named_vars().iter().map(|(_, v)| v.clone()).collect();
     (vars, sums)
 }
 
@@ -100,7 +100,7 @@ fn first_step(plan: Plan, options: &TrainOptions) -> (oomfix::train::StepStats, 
         .model()
         .vars()
         .iter()
-        .map(|(_, v)| common::values(v.as_tensor()))
+        .map(|v| common::values(v.as_tensor()))
         .collect();
     (stats, weights)
 }

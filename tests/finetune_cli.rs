@@ -600,7 +600,7 @@ fn events(stderr: &str, message: &str) -> Vec<serde_json::Value> {
 /// `from_pretrained` gives the same logits.
 #[test]
 fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
-    use oomfix::train::{build_model, Batch};
+    use oomfix::train::{build_model, TokenBatch};
     let (dir, reference) = finetune_fixture();
     let work = tempfile::tempdir().unwrap();
     let seq = reference["seq_len"].to_string();
@@ -641,7 +641,7 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
     let vocab = spec.config.vocab as u32;
     let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 + 11) % vocab).collect();
     let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap();
-    let batch = Batch {
+    let batch = TokenBatch {
         input_ids: ids.clone(),
         targets: ids.clone(),
         loss_mask: None,

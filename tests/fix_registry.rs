@@ -128,3 +128,35 @@ fn search_context() -> SearchContext {
     ctx.host_offload = false;
     ctx
 }
+
+/// The fix's recomputation reaches every estimate as the built-in
+/// checkpoint fix's does: the squeezed plan's activations and modelled step
+/// time equal those of the plan checkpointed every block by the built-in
+/// fix (the moments aside), and differ from the plain plan's.
+#[test]
+fn a_fix_from_outside_that_recomputes_every_block_is_estimated_as_checkpointing() {
+    let spec = ModelSpec::from_config("tiny", common::tiny_gpt2());
+    let pipeline = Pipeline::default().with(Squeeze);
+    let model = MemoryModel::registered(&pipeline);
+    let plain = Plan::baseline(4, 64);
+    let mut squeezed = plain;
+    squeezed.extensions.set(NAME, Some(1)).unwrap();
+    let checkpointed = Plan {
+        checkpoint: Checkpointing::Every(1),
+        ..plain
+    };
+    for target in [Target::Cpu, Target::Cuda(0)] {
+        let [p, s, c] =
+            [&plain, &squeezed, &checkpointed].map(|x| model.estimate(&spec, x, &target));
+        assert_eq!(s.activations, c.activations, "{target:?}");
+        assert_eq!(s.backward_transient, c.backward_transient, "{target:?}");
+        assert!(s.activations < p.activations, "{target:?}");
+        let [tp, ts, tc] =
+            [&plain, &squeezed, &checkpointed].map(|x| model.step_time(&spec, x, &target));
+        assert_eq!(ts.compute, tc.compute, "{target:?}");
+        assert!(
+            ts.compute > tp.compute,
+            "recomputation costs time on {target:?}"
+        );
+    }
+}

@@ -28,12 +28,7 @@ fn train(trainer: &mut Trainer, data: &mut DataSource, steps: usize) -> (Vec<f32
     let losses = (0..steps)
         .map(|_| trainer.step(data).unwrap().loss)
         .collect();
-    let params = trainer
-        .model()
-        .vars()
-        .iter()
-        .map(|(_, v)| values(v))
-        .collect();
+    let params = trainer.model().vars().iter().map(|v| values(v)).collect();
     (losses, params)
 }
 

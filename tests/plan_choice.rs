@@ -70,7 +70,8 @@ fn on_the_cpu_fp32_is_chosen_over_bf16_when_both_fit() {
         ..chosen
     };
     assert!(
-        step_time(&spec, &bf16, &Target::Cpu).total > step_time(&spec, &chosen, &Target::Cpu).total
+        step_time(&spec, &bf16, oomfix::memory::builtins(), &Target::Cpu).total
+            > step_time(&spec, &chosen, oomfix::memory::builtins(), &Target::Cpu).total
     );
 }
 
@@ -211,7 +212,9 @@ impl Verifier for Reversed {
             peak_bytes: estimate.peak,
             reserved_bytes: estimate.peak,
             out_of_memory: false,
-            step_seconds: Some(1.0 / step_time(spec, plan, &Target::Cuda(0)).total),
+            step_seconds: Some(
+                1.0 / step_time(spec, plan, oomfix::memory::builtins(), &Target::Cuda(0)).total,
+            ),
         })
     }
 }

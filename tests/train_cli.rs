@@ -7,7 +7,7 @@
 mod common;
 
 use assert_cmd::Command;
-use oomfix::train::Checkpoint;
+use oomfix::train::TrainingState;
 use oomfix::{Family, ModelConfig};
 use predicates::prelude::*;
 use serde_json::Value;
@@ -260,7 +260,7 @@ fn save_then_resume_takes_the_same_steps_as_an_uninterrupted_run() {
                 "{precision} step {s1}: {a} straight, {b} resumed"
             );
         }
-        let ck = Checkpoint::open(&run.path("ck")).unwrap();
+        let ck = TrainingState::open(&run.path("ck")).unwrap();
         assert_eq!(ck.state.step, 4);
         assert_eq!(ck.state.optimizer_step, Some(4));
         assert!(ck.optimizer.contains("wte.weight.m") && ck.optimizer.contains("wte.weight.v"));
@@ -289,7 +289,7 @@ fn candle_adamw_checkpoints_say_the_moments_are_not_saved() {
         log.contains("WARN") && log.contains("restarts them from zero"),
         "{log}"
     );
-    let ck = Checkpoint::open(&run.path("ck")).unwrap();
+    let ck = TrainingState::open(&run.path("ck")).unwrap();
     assert!(ck.model.contains("wte.weight") && !ck.optimizer.contains("wte.weight.m"));
     assert_eq!(ck.state.optimizer_step, None);
     assert_eq!(
@@ -524,7 +524,7 @@ fn sigterm_and_sigint_stop_at_a_step_boundary_with_a_checkpoint_that_resumes() {
             .find(|l| l.contains(&format!("stopped by {name} after step")))
             .expect(&rest);
         assert!(stopped.ends_with("checkpoint written to ck"), "{stopped}");
-        let step = Checkpoint::open(&run.path("ck")).unwrap().state.step;
+        let step = TrainingState::open(&run.path("ck")).unwrap().state.step;
         assert!(
             stopped.contains(&format!("after step {step};")),
             "{stopped}"
@@ -551,7 +551,7 @@ fn sigkill_while_saving_every_step_never_leaves_a_broken_checkpoint() {
         signal(&child, libc::SIGKILL);
         child.wait().unwrap();
         // The checkpoint is always a complete one: the first save at step 1 or a later one.
-        let step = Checkpoint::open(&ck).unwrap().state.step;
+        let step = TrainingState::open(&ck).unwrap().state.step;
         assert!(step >= 1, "{delay_ms} ms: step {step}");
     }
     // Killed writers may leave their temporary directories, never under the target's name.
@@ -657,7 +657,7 @@ fn a_resumed_run_peaks_no_higher_than_a_fresh_run_of_the_same_plan() {
     assert_eq!(code, 0);
     let (code, resumed) = peak_rss(&run, &args(&["--resume", "ck", "--save", "resumed"]));
     assert_eq!(code, 0);
-    let resumed_from = Checkpoint::open(&run.path("resumed")).unwrap();
+    let resumed_from = TrainingState::open(&run.path("resumed")).unwrap();
     assert_eq!(resumed_from.state.step, 3);
     // The same plan, the same state: within 3% (allocator and page noise;
     // two fresh runs differ by under 1%). Reading every moment before
@@ -726,7 +726,7 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
     assert_eq!(config["model_type"], "gpt2");
     assert_eq!(config["n_layer"], 2);
     assert_eq!(config["torch_dtype"], "bfloat16");
-    let ck = Checkpoint::open(&run.path("ck")).unwrap();
+    let ck = TrainingState::open(&run.path("ck")).unwrap();
     assert_eq!(ck.model.meta("format"), Some("pt"));
     let mut saved = ck.model.names();
     saved.sort();
@@ -773,7 +773,7 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
         .assert()
         .code(0)
         .stdout(predicate::str::contains("gpt2, ").and(predicate::str::contains("(BF16)")));
-    let again = Checkpoint::open(&run.path("again")).unwrap();
+    let again = TrainingState::open(&run.path("again")).unwrap();
     for name in ["wte.weight", "h.1.mlp.c_fc.weight"] {
         assert_eq!(
             common::values(
@@ -808,7 +808,7 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
         .assert()
         .code(0)
         .stderr(predicate::str::contains("resumed from ck at step 2"));
-    assert_eq!(Checkpoint::open(&run.path("ck")).unwrap().state.step, 3);
+    assert_eq!(TrainingState::open(&run.path("ck")).unwrap().state.step, 3);
 }
 
 /// The first step of an accumulated run adds its second micro-batch's

@@ -8,7 +8,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use common::values;
 use oomfix::strategies::{Attention, Checkpointing, Execution};
-use oomfix::train::{build_model, Batch, StepOutput, TrainableModel};
+use oomfix::train::{build_model, synthetic_batch, HubModel, StepOutput, TokenBatch};
 use oomfix::{Error, Family, ModelConfig};
 
 const BATCH: usize = 2;
@@ -56,15 +56,15 @@ fn configs() -> Vec<ModelConfig> {
     ]
 }
 
-fn model(config: &ModelConfig, dtype: DType) -> Box<dyn TrainableModel> {
+fn model(config: &ModelConfig, dtype: DType) -> HubModel {
     build_model(config, None, dtype, &Device::Cpu, 7).unwrap()
 }
 
-fn batch(config: &ModelConfig) -> Batch {
-    Batch::synthetic(config.family, config.vocab, BATCH, SEQ, 11, &Device::Cpu).unwrap()
+fn batch(config: &ModelConfig) -> TokenBatch {
+    synthetic_batch(config.family, config.vocab, BATCH, SEQ, 11, &Device::Cpu).unwrap()
 }
 
-fn step(model: &dyn TrainableModel, batch: &Batch, policy: Checkpointing) -> StepOutput {
+fn step(model: &HubModel, batch: &TokenBatch, policy: Checkpointing) -> StepOutput {
     model
         .forward_backward(
             batch,
@@ -103,7 +103,7 @@ fn analytically_zero(name: &str) -> bool {
 fn every_parameter_receives_a_finite_nonzero_gradient() {
     for config in configs() {
         let model = model(&config, DType::F32);
-        let names: Vec<&str> = model.vars().iter().map(|(n, _)| n.as_str()).collect();
+        let names: Vec<&str> = model.named_vars().iter().map(|(n, _)| n.as_str()).collect();
         let expected: Vec<String> = config.tensors().into_iter().map(|(n, _)| n).collect();
         assert_eq!(
             names,
@@ -111,10 +111,10 @@ fn every_parameter_receives_a_finite_nonzero_gradient() {
             "{}: vars follow ModelConfig::tensors",
             label(&config)
         );
-        let out = step(model.as_ref(), &batch(&config), Checkpointing::None);
+        let out = step(&model, &batch(&config), Checkpointing::None);
         assert!(out.loss.is_finite());
         let largest = out.grads.iter().map(max_abs).fold(0f32, f32::max);
-        for ((name, var), grad) in model.vars().iter().zip(&out.grads) {
+        for ((name, var), grad) in model.named_vars().iter().zip(&out.grads) {
             assert_eq!(grad.dims(), var.dims(), "{name}");
             assert!(
                 values(grad).iter().all(|v| v.is_finite()),
@@ -139,7 +139,7 @@ fn every_parameter_receives_a_finite_nonzero_gradient() {
 fn initial_loss_is_about_log_vocab() {
     for config in configs() {
         let loss = step(
-            model(&config, DType::F32).as_ref(),
+            &model(&config, DType::F32),
             &batch(&config),
             Checkpointing::None,
         )
@@ -157,13 +157,16 @@ fn checkpointed_gradients_equal_plain_gradients() {
     for config in configs() {
         let model = model(&config, DType::F32);
         let batch = batch(&config);
-        let plain = step(model.as_ref(), &batch, Checkpointing::None);
+        let plain = step(&model, &batch, Checkpointing::None);
         let largest = plain.grads.iter().map(max_abs).fold(0f32, f32::max);
         // 3 blocks: Every(1) = three segments; Every(2) = blocks 0..2 and 2..3; Every(3) = one.
         for k in [1, 2, 3] {
-            let ckpt = step(model.as_ref(), &batch, Checkpointing::Every(k));
+            let ckpt = step(&model, &batch, Checkpointing::Every(k));
             assert_eq!(ckpt.loss, plain.loss, "{} Every({k})", label(&config));
-            for ((name, _), (c, p)) in model.vars().iter().zip(ckpt.grads.iter().zip(&plain.grads))
+            for ((name, _), (c, p)) in model
+                .named_vars()
+                .iter()
+                .zip(ckpt.grads.iter().zip(&plain.grads))
             {
                 let scale = if analytically_zero(name) {
                     largest
@@ -182,7 +185,7 @@ fn checkpointed_gradients_equal_plain_gradients() {
 }
 
 /// The families' batches, plus a BERT batch whose last three positions are padding.
-fn batches_with_padding() -> Vec<(ModelConfig, Batch)> {
+fn batches_with_padding() -> Vec<(ModelConfig, TokenBatch)> {
     let mut cases: Vec<_> = configs()
         .into_iter()
         .map(|c| (c.clone(), batch(&c)))
@@ -206,7 +209,7 @@ fn flash_attention_gives_the_composed_loss_and_gradients() {
             batch.attention_mask.is_some()
         );
         let model = model(&config, DType::F32);
-        let composed = step(model.as_ref(), &batch, Checkpointing::None);
+        let composed = step(&model, &batch, Checkpointing::None);
         let largest = composed.grads.iter().map(max_abs).fold(0f32, f32::max);
         for policy in [
             Checkpointing::None,
@@ -229,7 +232,7 @@ fn flash_attention_gives_the_composed_loss_and_gradients() {
                 composed.loss
             );
             for ((name, _), (f, c)) in model
-                .vars()
+                .named_vars()
                 .iter()
                 .zip(flash.grads.iter().zip(&composed.grads))
             {
@@ -253,7 +256,7 @@ fn loss_scale_multiplies_the_gradients_only() {
     let config = tiny(Family::Llama);
     let model = model(&config, DType::F32);
     let batch = batch(&config);
-    let plain = step(model.as_ref(), &batch, Checkpointing::None);
+    let plain = step(&model, &batch, Checkpointing::None);
     let scaled = model
         .forward_backward(
             &batch,
@@ -273,11 +276,11 @@ fn gradient_descent_lowers_the_loss() {
     for config in configs() {
         let model = model(&config, DType::F32);
         let batch = batch(&config);
-        let first = step(model.as_ref(), &batch, Checkpointing::Every(2));
+        let first = step(&model, &batch, Checkpointing::Every(2));
         let mut last = first.loss;
         for _ in 0..10 {
-            let out = step(model.as_ref(), &batch, Checkpointing::Every(2));
-            for ((_, var), grad) in model.vars().iter().zip(&out.grads) {
+            let out = step(&model, &batch, Checkpointing::Every(2));
+            for ((_, var), grad) in model.named_vars().iter().zip(&out.grads) {
                 var.set(&(var.as_tensor() - (grad * 0.1).unwrap()).unwrap())
                     .unwrap();
             }
@@ -304,14 +307,14 @@ fn causal_models_do_not_see_the_future() {
             .step_by(SEQ)
             .for_each(|k| *k = 0.0);
         batch.loss_mask = Some(Tensor::from_vec(keep, (BATCH, SEQ), &Device::Cpu).unwrap());
-        let before = step(model.as_ref(), &batch, Checkpointing::None).loss;
+        let before = step(&model, &batch, Checkpointing::None).loss;
         let mut ids: Vec<u32> = values(&batch.input_ids).iter().map(|&v| v as u32).collect();
         ids.iter_mut()
             .skip(SEQ - 1)
             .step_by(SEQ)
             .for_each(|t| *t = (*t + 1) % VOCAB as u32);
         batch.input_ids = Tensor::from_vec(ids, (BATCH, SEQ), &Device::Cpu).unwrap();
-        let after = step(model.as_ref(), &batch, Checkpointing::None).loss;
+        let after = step(&model, &batch, Checkpointing::None).loss;
         assert_eq!(before, after, "{}", label(&config));
     }
 }
@@ -338,14 +341,14 @@ fn bert_ignores_padded_tokens() {
     batch.loss_mask = Some(Tensor::from_vec(loss_mask, (BATCH, SEQ), &Device::Cpu).unwrap());
     batch.attention_mask =
         Some(Tensor::from_vec(keep.clone(), (BATCH, SEQ), &Device::Cpu).unwrap());
-    let before = step(model.as_ref(), &batch, Checkpointing::Every(1));
+    let before = step(&model, &batch, Checkpointing::Every(1));
     let ids: Vec<u32> = values(&batch.input_ids)
         .iter()
         .zip(&keep)
         .map(|(&v, &k)| if k == 1 { v as u32 } else { 5 })
         .collect();
     batch.input_ids = Tensor::from_vec(ids, (BATCH, SEQ), &Device::Cpu).unwrap();
-    let after = step(model.as_ref(), &batch, Checkpointing::Every(1));
+    let after = step(&model, &batch, Checkpointing::Every(1));
     assert!(
         (before.loss - after.loss).abs() < 1e-6,
         "{} vs {}",
@@ -354,7 +357,7 @@ fn bert_ignores_padded_tokens() {
     );
     // Without the padding mask the padded tokens do change the loss.
     batch.attention_mask = None;
-    let unmasked = step(model.as_ref(), &batch, Checkpointing::Every(1));
+    let unmasked = step(&model, &batch, Checkpointing::Every(1));
     assert!((unmasked.loss - after.loss).abs() > 1e-6);
 }
 
@@ -362,9 +365,9 @@ fn temp_file(dir: &tempfile::TempDir, name: &str) -> PathBuf {
     dir.path().join(name)
 }
 
-fn assert_same_params(a: &dyn TrainableModel, b: &dyn TrainableModel) {
-    assert_eq!(a.vars().len(), b.vars().len());
-    for ((na, va), (nb, vb)) in a.vars().iter().zip(b.vars()) {
+fn assert_same_params(a: &HubModel, b: &HubModel) {
+    assert_eq!(a.named_vars().len(), b.named_vars().len());
+    for ((na, va), (nb, vb)) in a.named_vars().iter().zip(b.named_vars()) {
         assert_eq!(na, nb);
         assert_eq!(va.dtype(), vb.dtype(), "{na}");
         assert_eq!(values(va.as_tensor()), values(vb.as_tensor()), "{na}");
@@ -380,11 +383,11 @@ fn save_then_load_gives_identical_tensors_and_loss() {
             let path = temp_file(&dir, &format!("{i}-{dtype:?}.safetensors"));
             original.save(&path).unwrap();
             let loaded = build_model(&config, Some(&[path]), dtype, &Device::Cpu, 99).unwrap();
-            assert_same_params(original.as_ref(), loaded.as_ref());
+            assert_same_params(&original, &loaded);
             let batch = batch(&config);
             let (a, b) = (
-                step(original.as_ref(), &batch, Checkpointing::None),
-                step(loaded.as_ref(), &batch, Checkpointing::None),
+                step(&original, &batch, Checkpointing::None),
+                step(&loaded, &batch, Checkpointing::None),
             );
             assert_eq!(a.loss, b.loss, "{}", label(&config));
         }
@@ -397,12 +400,12 @@ fn random_init_is_reproducible_from_the_seed() {
     let a = build_model(&config, None, DType::F32, &Device::Cpu, 3).unwrap();
     let b = build_model(&config, None, DType::F32, &Device::Cpu, 3).unwrap();
     let c = build_model(&config, None, DType::F32, &Device::Cpu, 4).unwrap();
-    assert_same_params(a.as_ref(), b.as_ref());
+    assert_same_params(&a, &b);
     assert_ne!(
-        values(a.vars()[0].1.as_tensor()),
-        values(c.vars()[0].1.as_tensor())
+        values(a.named_vars()[0].1.as_tensor()),
+        values(c.named_vars()[0].1.as_tensor())
     );
-    let (name, norm) = &a.vars()[2];
+    let (name, norm) = &a.named_vars()[2];
     assert_eq!(name, "h.0.ln_1.weight");
     assert!(values(norm.as_tensor()).iter().all(|&v| v == 1.0));
 }
@@ -410,14 +413,14 @@ fn random_init_is_reproducible_from_the_seed() {
 /// Writes `model`'s parameters under names rewritten by `rename`, plus `extra` tensors,
 /// split over `files` shards.
 fn write_renamed(
-    model: &dyn TrainableModel,
+    model: &HubModel,
     dir: &tempfile::TempDir,
     files: usize,
     rename: impl Fn(&str) -> String,
     extra: &[(&str, Tensor)],
 ) -> Vec<PathBuf> {
     let mut shards: Vec<HashMap<String, Tensor>> = vec![HashMap::new(); files];
-    for (i, (name, var)) in model.vars().iter().enumerate() {
+    for (i, (name, var)) in model.named_vars().iter().enumerate() {
         shards[i % files].insert(rename(name), var.as_tensor().clone());
     }
     for (name, t) in extra {
@@ -439,21 +442,15 @@ fn loads_gpt2_with_the_transformer_prefix_and_buffers() {
     let dir = tempfile::tempdir().unwrap();
     let config = tiny(Family::Gpt2);
     let original = model(&config, DType::F32);
-    let wte = original.vars()[0].1.as_tensor().clone();
+    let wte = original.named_vars()[0].1.as_tensor().clone();
     let buffer = Tensor::ones((1, 1, 16, 16), DType::F32, &Device::Cpu).unwrap();
     let extra = [
         ("transformer.h.0.attn.bias", buffer),
         ("lm_head.weight", wte),
     ];
-    let paths = write_renamed(
-        original.as_ref(),
-        &dir,
-        1,
-        |n| format!("transformer.{n}"),
-        &extra,
-    );
+    let paths = write_renamed(&original, &dir, 1, |n| format!("transformer.{n}"), &extra);
     let loaded = build_model(&config, Some(&paths), DType::F32, &Device::Cpu, 0).unwrap();
-    assert_same_params(original.as_ref(), loaded.as_ref());
+    assert_same_params(&original, &loaded);
 }
 
 #[test]
@@ -470,14 +467,14 @@ fn loads_bert_without_prefix_and_with_gamma_beta_names() {
     };
     let pooler = Tensor::zeros((32, 32), DType::F32, &Device::Cpu).unwrap();
     let paths = write_renamed(
-        original.as_ref(),
+        &original,
         &dir,
         1,
         rename,
         &[("pooler.dense.weight", pooler)],
     );
     let loaded = build_model(&config, Some(&paths), DType::F32, &Device::Cpu, 0).unwrap();
-    assert_same_params(original.as_ref(), loaded.as_ref());
+    assert_same_params(&original, &loaded);
 }
 
 #[test]
@@ -488,9 +485,9 @@ fn loads_sharded_llama_into_another_dtype() {
         ..tiny(Family::Llama)
     };
     let original = model(&config, DType::F32);
-    let paths = write_renamed(original.as_ref(), &dir, 3, str::to_string, &[]);
+    let paths = write_renamed(&original, &dir, 3, str::to_string, &[]);
     let loaded = build_model(&config, Some(&paths), DType::BF16, &Device::Cpu, 0).unwrap();
-    for ((name, a), (_, b)) in original.vars().iter().zip(loaded.vars()) {
+    for ((name, a), (_, b)) in original.named_vars().iter().zip(loaded.named_vars()) {
         assert_eq!(b.dtype(), DType::BF16);
         let expected = a.as_tensor().to_dtype(DType::BF16).unwrap();
         assert_eq!(values(&expected), values(b.as_tensor()), "{name}");
@@ -503,7 +500,7 @@ fn bad_weight_files_are_input_errors_naming_the_tensor() {
     let config = tiny(Family::Gpt2);
     let original = model(&config, DType::F32);
     let missing = write_renamed(
-        original.as_ref(),
+        &original,
         &dir,
         1,
         |n| n.replace("h.1.ln_2.bias", "unrelated"),
@@ -533,7 +530,7 @@ fn bad_weight_files_are_input_errors_naming_the_tensor() {
     let extra = Tensor::ones(32, DType::F32, &Device::Cpu).unwrap();
     let sub = tempfile::tempdir().unwrap();
     let unused = write_renamed(
-        original.as_ref(),
+        &original,
         &sub,
         1,
         str::to_string,
@@ -589,7 +586,7 @@ fn unusable_requests_are_usage_errors() {
 
     let config = tiny(Family::Gpt2);
     let model = model(&config, DType::F32);
-    let long = Batch::synthetic(Family::Gpt2, VOCAB, 1, 17, 0, &Device::Cpu).unwrap();
+    let long = synthetic_batch(Family::Gpt2, VOCAB, 1, 17, 0, &Device::Cpu).unwrap();
     let err = model
         .forward_backward(
             &long,
@@ -615,7 +612,7 @@ fn unusable_requests_are_usage_errors() {
 
 #[test]
 fn synthetic_batches_follow_the_family() {
-    let causal = Batch::synthetic(Family::Llama, VOCAB, BATCH, SEQ, 5, &Device::Cpu).unwrap();
+    let causal = synthetic_batch(Family::Llama, VOCAB, BATCH, SEQ, 5, &Device::Cpu).unwrap();
     let (ids, targets) = (values(&causal.input_ids), values(&causal.targets));
     for row in 0..BATCH {
         assert_eq!(
@@ -625,7 +622,7 @@ fn synthetic_batches_follow_the_family() {
     }
     assert!(causal.loss_mask.is_none());
 
-    let bert = Batch::synthetic(Family::Bert, 200, BATCH, 32, 5, &Device::Cpu).unwrap();
+    let bert = synthetic_batch(Family::Bert, 200, BATCH, 32, 5, &Device::Cpu).unwrap();
     let (ids, targets, mask) = (
         values(&bert.input_ids),
         values(&bert.targets),
@@ -649,12 +646,7 @@ fn synthetic_batches_follow_the_family() {
 fn sixteen_bit_losses_are_close_to_f32() {
     for config in configs() {
         let batch = batch(&config);
-        let reference = step(
-            model(&config, DType::F32).as_ref(),
-            &batch,
-            Checkpointing::None,
-        )
-        .loss;
+        let reference = step(&model(&config, DType::F32), &batch, Checkpointing::None).loss;
         for dtype in [DType::BF16, DType::F16] {
             let model = model(&config, dtype);
             for (policy, attention) in [
@@ -694,12 +686,12 @@ struct Reference {
     values: HashMap<String, Tensor>,
     /// The same model and batch computed by transformers in bf16.
     bf16: HashMap<String, Tensor>,
-    batch: Batch,
+    batch: TokenBatch,
 }
 
 impl Reference {
     /// The model in compute dtype `dtype`, built as the trainer builds it.
-    fn model(&self, dtype: DType) -> Box<dyn TrainableModel> {
+    fn model(&self, dtype: DType) -> HubModel {
         build_model(
             &self.spec.config,
             Some(&self.spec.files),
@@ -749,7 +741,7 @@ fn references() -> Vec<Reference> {
                 &Device::Cpu,
             )
             .unwrap();
-            let batch = Batch {
+            let batch = TokenBatch {
                 input_ids: ids(&values["input_ids"]),
                 targets: ids(&values["targets"]),
                 loss_mask: Some(values["loss_mask"].clone()),
@@ -833,20 +825,20 @@ fn losses_and_gradients_match_hugging_face_transformers() {
         let (name, expected_loss) = (r.name, r.loss());
         let model = r.model(DType::F32);
         for policy in [Checkpointing::None, Checkpointing::Every(1)] {
-            let out = step(model.as_ref(), &r.batch, policy);
+            let out = step(&model, &r.batch, policy);
             assert!(
                 (out.loss - expected_loss).abs() < 1e-5 * expected_loss,
                 "{name}: {} vs {expected_loss}",
                 out.loss
             );
             let expected: Vec<&Tensor> = model
-                .vars()
+                .named_vars()
                 .iter()
                 .map(|(n, _)| &r.values[&format!("grad.{n}")])
                 .collect();
             let largest = expected.iter().map(|g| max_abs(g)).fold(0f32, f32::max);
             let worst = model
-                .vars()
+                .named_vars()
                 .iter()
                 .zip(&out.grads)
                 .zip(&expected)
@@ -857,7 +849,7 @@ fn losses_and_gradients_match_hugging_face_transformers() {
                 "{name} F32 {policy}: loss {:.2e}, gradients up to {worst:.2e}",
                 (out.loss - expected_loss).abs() / expected_loss
             );
-            for (((n, _), got), want) in model.vars().iter().zip(&out.grads).zip(expected) {
+            for (((n, _), got), want) in model.named_vars().iter().zip(&out.grads).zip(expected) {
                 let scale = if analytically_zero(n) {
                     largest
                 } else {
@@ -942,12 +934,12 @@ fn rel_error(a: &Tensor, b: &Tensor) -> f32 {
 fn bf16_losses_and_gradients_are_as_close_to_f32_as_transformers_bf16() {
     for r in references() {
         let model = r.model(DType::BF16);
-        let out = step(model.as_ref(), &r.batch, Checkpointing::None);
+        let out = step(&model, &r.batch, Checkpointing::None);
         let (want, theirs) = (r.loss(), values(&r.bf16["loss"])[0]);
         let loss_rel = (out.loss - want).abs() / want;
         let mut worst_theirs = 0f32;
         let mut errors = Vec::new();
-        for ((n, _), got) in model.vars().iter().zip(&out.grads) {
+        for ((n, _), got) in model.named_vars().iter().zip(&out.grads) {
             if analytically_zero(n) {
                 continue;
             }
@@ -987,21 +979,21 @@ fn bf16_losses_and_gradients_are_as_close_to_f32_as_transformers_bf16() {
 fn the_fixtures_fail_a_model_without_the_familys_maths() {
     for r in references().into_iter().skip(4) {
         let want = r.loss();
-        let loss_of = |model: &dyn TrainableModel| step(model, &r.batch, Checkpointing::None).loss;
+        let loss_of = |model: &HubModel| step(model, &r.batch, Checkpointing::None).loss;
         let other = if r.name == "qwen3" {
             let model = r.model(DType::F32);
-            for (n, var) in model.vars() {
+            for (n, var) in model.named_vars() {
                 if n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight") {
                     var.set(&var.ones_like().unwrap()).unwrap();
                 }
             }
-            loss_of(model.as_ref())
+            loss_of(&model)
         } else {
             let mut config = r.spec.config.clone();
             config.settings.rope_scaling = None;
             let model =
                 build_model(&config, Some(&r.spec.files), DType::F32, &Device::Cpu, 0).unwrap();
-            loss_of(model.as_ref())
+            loss_of(&model)
         };
         let rel = (other - want).abs() / want;
         eprintln!(
@@ -1071,8 +1063,8 @@ fn gradients_match_finite_differences() {
     for config in unbiased.chain(padded) {
         let m = model(&config, DType::F32);
         let b = batch(&config);
-        let out = step(m.as_ref(), &b, Checkpointing::None);
-        let vars: Vec<_> = m.vars().iter().map(|(_, v)| v.clone()).collect();
+        let out = step(&m, &b, Checkpointing::None);
+        let vars: Vec<_> = m.named_vars().iter().map(|(_, v)| v.clone()).collect();
         let start: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().copy().unwrap()).collect();
         let dirs: Vec<Tensor> = start
             .iter()
@@ -1110,7 +1102,7 @@ fn gradients_match_finite_differences() {
             for ((v, s), d) in vars.iter().zip(&start).zip(&dirs) {
                 v.set(&(s + (d * (t / norm)).unwrap()).unwrap()).unwrap();
             }
-            step(m.as_ref(), &b, Checkpointing::None).loss as f64
+            step(&m, &b, Checkpointing::None).loss as f64
         };
         let measured = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps);
         loss_at(0.0);
@@ -1126,7 +1118,7 @@ fn gradients_match_finite_differences() {
 /// The loss of `config` (random weights, seed 7) on the synthetic batch.
 fn loss_of(config: &ModelConfig) -> f32 {
     step(
-        model(config, DType::F32).as_ref(),
+        &model(config, DType::F32),
         &batch(config),
         Checkpointing::None,
     )
@@ -1175,7 +1167,7 @@ fn the_checkpoints_norm_epsilon_rope_base_and_activation_are_used() {
     // BERT: the gradients show it.
     let grads_of = |config: &ModelConfig| -> Vec<f32> {
         let out = step(
-            model(config, DType::F32).as_ref(),
+            &model(config, DType::F32),
             &batch(config),
             Checkpointing::None,
         );
@@ -1256,9 +1248,9 @@ fn llama_biases_match_finite_differences() {
         .unwrap();
     let m = model(&config, DType::F32);
     let b = batch(&config);
-    let out = step(m.as_ref(), &b, Checkpointing::None);
+    let out = step(&m, &b, Checkpointing::None);
     let mut checked = 0;
-    for ((name, var), grad) in m.vars().iter().zip(&out.grads) {
+    for ((name, var), grad) in m.named_vars().iter().zip(&out.grads) {
         if !name.ends_with(".bias") {
             continue;
         }
@@ -1273,7 +1265,7 @@ fn llama_biases_match_finite_differences() {
             v[k] += d;
             var.set(&Tensor::from_vec(v, var.dims(), &Device::Cpu).unwrap())
                 .unwrap();
-            step(m.as_ref(), &b, Checkpointing::None).loss
+            step(&m, &b, Checkpointing::None).loss
         };
         let measured = (loss_at(h) - loss_at(-h)) / (2.0 * h);
         loss_at(0.0);

@@ -540,7 +540,7 @@ fn a_checkpoint_of_2_ranks_is_one_directory_that_resumes_on_1_or_4() {
         &["--zero-stage", "3", "--gpus", "2", "--save", "ck"],
     )));
     assert_eq!(code, 0, "{stderr}");
-    let ck = oomfix::train::Checkpoint::open(&run_dir.dir.path().join("ck")).unwrap();
+    let ck = oomfix::train::TrainingState::open(&run_dir.dir.path().join("ck")).unwrap();
     assert_eq!(ck.state.plan.shard.world_size, 2);
     assert_eq!(ck.state.step as usize, STEPS - 1);
     // The last step on 1 process and on 4 ranks, each taking its share.

@@ -9,20 +9,22 @@
 //!   [`crate::search`] (the same pipeline, pins and exploration) with a
 //!   [`MeasuredModel`] as the memory model, which measures two small
 //!   micro-batches' forward and backward passes per setting of precision,
-//!   checkpointing and attention that the search reaches (DESIGN §11), and
+//!   checkpointing and attention that the search reaches, and
 //!   adds the training state from the fixes' memory hooks; fixes the model
 //!   cannot take are skipped with the reason
 //!   ([`crate::SearchResult::skipped`]); the chosen plan is verified with
 //!   one real step;
-//! * [`AnyTrainer`] trains it with the plan (one device, or one rank of a
-//!   sharded plan over a [`oomfix_strategies::shard::Comm`]).
+//! * [`crate::Trainer::of_model`] trains it with the plan (one device, or one
+//!   rank of a sharded plan over a [`oomfix_strategies::shard::Comm`]), as
+//!   it trains the Hugging Face families.
 //!
 //! ```
 //! use candle_core::{DType, Device, Module, Tensor, Var};
-//! use oomfix::anymodel::{AnyTrainer, MeasuredPlanner};
+//! use oomfix::anymodel::MeasuredPlanner;
 //! use oomfix::strategies::model::{Capabilities, Forward, MicroBatch, Model, Stages};
 //! use oomfix::strategies::nn::{linear, Linear};
-//! use oomfix::{Planner, Target, TrainOptions};
+//! use oomfix::train::data::DataSource;
+//! use oomfix::{Planner, Target, Trainer, TrainOptions};
 //! # #[global_allocator]
 //! # static ALLOC: oomfix::track::CountingAlloc = oomfix::track::CountingAlloc;
 //!
@@ -57,16 +59,14 @@
 //! let plan = planned.result.chosen().expect("fits in 64 MiB").plan;
 //! assert!(planned.probe_steps() <= 4);
 //! assert!(planned.result.skipped.iter().any(|s| s.strategy == "precision"));
-//! let mut trainer = AnyTrainer::new(build, plan, &Device::Cpu, &TrainOptions::default())?;
-//! trainer.step()?;
+//! let mut trainer = Trainer::of_model(build, plan, &Device::Cpu, &TrainOptions::default())?;
+//! trainer.step(&mut DataSource::ModelMade)?;
 //! # Ok::<(), oomfix::Error>(())
 //! ```
 
 mod probe;
-mod trainer;
 
 pub use probe::{Fit, MeasuredModel, ModelProber, Probe, ProbeOutcome, Prober, Setting};
-pub use trainer::AnyTrainer;
 
 use crate::memory::Target;
 use crate::search::{Measurement, Planner, SearchResult};
@@ -327,7 +327,7 @@ pub fn verify_step<M, B>(
     options: &TrainOptions,
 ) -> Result<Measurement>
 where
-    M: Model,
+    M: Model + 'static,
     B: FnOnce(DType, &Device) -> candle_core::Result<M>,
 {
     if device.is_cpu() && !alloc::installed() {
@@ -336,8 +336,8 @@ where
                 .into(),
         ));
     }
-    let mut trainer = AnyTrainer::new(build, plan, device, options)?;
-    let stats = trainer.step()?;
+    let mut trainer = crate::Trainer::of_model(build, plan, device, options)?;
+    let stats = trainer.step(&mut crate::train::data::DataSource::ModelMade)?;
     Ok(Measurement {
         peak_bytes: stats.peak(),
         reserved_bytes: stats.peak(),

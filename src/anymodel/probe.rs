@@ -1,6 +1,8 @@
 //! The memory of a model given as code, from a few measured passes.
 
-use crate::memory::{AfterBackward, Breakdown, Estimator, Phase, Target};
+use crate::memory::{
+    assemble_peak, step_bytes, AfterBackward, Breakdown, Estimator, PeakMoment, Target,
+};
 use crate::spec::ModelSpec;
 use crate::speed::{step_time, StepTime};
 use crate::track::alloc;
@@ -28,12 +30,12 @@ pub struct Setting {
 }
 
 impl Setting {
-    /// The setting of `plan`.
-    pub fn of(plan: &Plan) -> Self {
+    /// The setting of `plan`, its passes run as `exec` says.
+    pub fn of(plan: &Plan, exec: &Execution) -> Self {
         Setting {
             precision: plan.precision,
-            checkpoint: plan.checkpoint,
-            attention: plan.attention,
+            checkpoint: exec.checkpoint,
+            attention: exec.attention,
         }
     }
 }
@@ -175,7 +177,7 @@ struct Learnt {
     error: Option<String>,
 }
 
-/// A memory model for a model given as code (DESIGN §11): per setting of
+/// A memory model for a model given as code: per setting of
 /// precision, checkpointing and attention, the peak of a forward and
 /// backward pass is measured at two small micro-batches and fitted as an
 /// affine function of the micro-batch, probed the first time a plan of that
@@ -283,6 +285,11 @@ impl MeasuredModel {
         fit
     }
 
+    /// The setting of `plan`, its passes run as the fixes' execution hooks say.
+    fn setting(&self, plan: &Plan) -> Setting {
+        Setting::of(plan, &Execution::for_plan(plan, &self.fixes))
+    }
+
     /// The training state of `plan` from the fixes' memory hooks.
     fn state(&self, plan: &Plan) -> StateBytes {
         let mut state = StateBytes::unfixed(&self.facts);
@@ -295,14 +302,15 @@ impl MeasuredModel {
 
 impl Estimator for MeasuredModel {
     fn estimate(&self, _spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        let fit = self.fit(Setting::of(plan));
+        let fit = self.fit(self.setting(plan));
         let buffers = self.prober.lock().expect("not poisoned").buffer_bytes();
         let s = self.state(plan);
         let runtime = target.runtime_bytes();
         let communicator = target.communicator_bytes(plan.shard.world_size);
         // Outside the tensors, at every moment.
         let outside = runtime + communicator;
-        let pool_slack = target.pool_slack_bytes(self.facts.layers, plan);
+        let exec = Execution::for_plan(plan, &self.fixes);
+        let pool_slack = target.pool_slack_bytes(self.facts.layers, plan, &exec);
         let pass = fit.bytes(plan.micro_batch);
         let held =
             s.weights + buffers + s.master_weights + s.optimizer_state + s.accumulated_gradients;
@@ -310,39 +318,31 @@ impl Estimator for MeasuredModel {
         // As the analytic model: the first step's accumulation (one new sum
         // beside the sums and the fresh gradients), a sharded plan's
         // gradient reduction and the owners' broadcast in the step.
-        let AfterBackward {
-            first_sum,
-            buffers: reduction,
-            reduced,
-            broadcast,
-        } = AfterBackward::of(
+        let after = AfterBackward::of(
             plan,
             &s,
             self.facts.parameters,
             self.facts.largest_tensor,
             target,
         );
+        let (first_sum, reduction, reduced) = (after.first_sum, after.buffers, after.reduced);
         let after_backward = held + s.gradients + first_sum.max(reduction + reduced) + outside;
-        let step = s.step_weights
-            + buffers
-            + s.master_weights
-            + s.optimizer_state
-            + s.step_gradients
-            + s.optimizer_transient
-            + broadcast
-            + outside;
-        let host_shared = if *target == Target::Cpu { s.host } else { 0 };
-        let (peak, peak_phase, collective_buffers) = match backward {
-            None => (u64::MAX, Phase::Backward, 0),
-            Some(b) if b >= step && b >= after_backward => (b + host_shared, Phase::Backward, 0),
-            Some(_) if after_backward >= step && reduction > first_sum => (
-                after_backward + host_shared,
-                Phase::GradientReduction,
-                reduction,
-            ),
-            Some(_) if after_backward >= step => (after_backward + host_shared, Phase::Backward, 0),
-            Some(_) => (step + host_shared, Phase::OptimizerStep, broadcast),
+        let step = step_bytes(&s, &after, buffers) + outside;
+        let (after_moment, after_buffers) = if reduction > first_sum {
+            (PeakMoment::GradientReduction, reduction)
+        } else {
+            (PeakMoment::Backward, 0)
         };
+        let (peak, peak_phase, collective_buffers) = assemble_peak(
+            &[
+                (backward.unwrap_or(u64::MAX), PeakMoment::Backward, 0),
+                (after_backward, after_moment, after_buffers),
+                (step, PeakMoment::OptimizerStep, after.broadcast),
+            ],
+            s.host,
+            target,
+            pool_slack,
+        );
         let pass = pass.unwrap_or(u64::MAX);
         Breakdown {
             weights: s.weights + buffers,
@@ -359,25 +359,22 @@ impl Estimator for MeasuredModel {
             pool_slack,
             communicator,
             collective_buffers,
-            peak: if peak == u64::MAX {
-                u64::MAX
-            } else {
-                target.round_up(peak) + pool_slack
-            },
+            peak,
             peak_phase,
             host: s.host,
         }
     }
 
-    fn step_time(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Option<StepTime> {
-        let fit = self.fit(Setting::of(plan));
-        let analytic = step_time(spec, plan, target);
+    fn step_time(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> StepTime {
+        let exec = Execution::for_plan(plan, &self.fixes);
+        let fit = self.fit(Setting::of(plan, &exec));
+        let analytic = step_time(spec, plan, &self.fixes, target);
         let compute = plan.grad_accum as f64 * fit.seconds(plan.micro_batch);
-        Some(StepTime {
+        StepTime {
             compute,
             total: compute + analytic.optimizer + analytic.transfers + analytic.collectives,
             ..analytic
-        })
+        }
     }
 }
 

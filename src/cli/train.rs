@@ -18,7 +18,7 @@ use super::{io_text, logging, plan, print_stdout, Exit, Failure, Outcome};
 use oomfix::dist::Job;
 use oomfix::report::TrainSummary;
 use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
-use oomfix::train::saved::{self, Checkpoint, ModelSource};
+use oomfix::train::saved::{self, ModelSource, TrainingState};
 use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
 use oomfix::{ModelConfig, Plan, Target};
@@ -168,7 +168,7 @@ fn run_rank(
     }
     let mut data = data_source(args, &prepared.spec.config, model_dir.as_deref())?;
     if let Some(path) = &o.resume {
-        Checkpoint::check(path)?;
+        TrainingState::check(path)?;
     }
     let mut eval_data = match &o.eval_data {
         Some(path) => Some(load_data(
@@ -247,14 +247,10 @@ fn run_rank(
         (InitArg::Pretrained, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
         _ => None,
     };
-    // On the CPU an offloaded optimizer's "host" state is the same memory.
     let estimated_peak = searched
         .as_ref()
         .and_then(|r| r.chosen())
-        .map_or(0, |a| match target {
-            Target::Cpu => a.estimate.peak + a.estimate.host,
-            Target::Cuda(_) => a.estimate.peak,
-        });
+        .map_or(0, |a| a.estimate.peak);
     let mut options = TrainOptions::default();
     options.adamw.lr = o.lr;
     options.adamw.weight_decay = o.weight_decay;

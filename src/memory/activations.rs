@@ -25,7 +25,7 @@
 use crate::spec::VOCAB_ALIGN;
 use crate::spec::{Family, ModelSpec};
 use oomfix_strategies::nn::ops::PROBS_BACKWARD_CHUNKS;
-use oomfix_strategies::{Attention, Checkpointing, Plan, Precision};
+use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, Precision};
 
 /// Activation bytes of one micro-batch on one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -190,7 +190,7 @@ struct Dims {
 }
 
 impl Dims {
-    fn new(spec: &ModelSpec, plan: &Plan) -> Dims {
+    fn new(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> Dims {
         let c = &spec.config;
         Dims {
             n: (plan.micro_batch * plan.seq_len) as u64,
@@ -204,7 +204,7 @@ impl Dims {
             head_dim: c.head_dim() as u64,
             v: c.vocab as u64,
             p: c.vocab.next_multiple_of(VOCAB_ALIGN) as u64,
-            flash: plan.attention == Attention::Flash,
+            flash: exec.attention == Attention::Flash,
         }
     }
     /// `[b, H, s, s]` elements.
@@ -403,7 +403,7 @@ fn flash_backward(d: &Dims) -> u64 {
 /// f32 working set is larger than the probabilities flash attention saves.
 #[cfg(test)]
 pub(crate) fn flash_backward_bytes(spec: &ModelSpec, plan: &Plan) -> u64 {
-    flash_backward(&Dims::new(spec, plan))
+    flash_backward(&Dims::new(spec, plan, &super::builtin_execution(plan)))
 }
 
 /// `[n, I]`-sized tensors alive at once while the backward crosses one MLP,
@@ -427,12 +427,17 @@ pub fn mlp_backward_ni(family: Family) -> u64 {
 /// in a block it is an MLP projection's weight gradient (`[n,h]`, `[n,I]`,
 /// `[h,I]`), beside the `[n,I]` input gradient, with one more f32 `[n,I]`:
 /// the matrix kernel's packed copy of the transposed `[n,I]` operand.
-pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Plan) {
+pub fn widen_cpu_bf16_matmuls(
+    act: &mut Activations,
+    spec: &ModelSpec,
+    plan: &Plan,
+    exec: &Execution,
+) {
     let c = &spec.config;
     if plan.precision != Precision::Bf16 || c.family == Family::Generic {
         return;
     }
-    let d = Dims::new(spec, plan);
+    let d = Dims::new(spec, plan, exec);
     let (nh, nv, vh, ni, hi) = (d.n * d.h, d.n * d.p, d.p * d.h, d.n * d.i, d.h * d.i);
     let widened_grads = if c.family == Family::Bert { 2 } else { 1 };
     let loss = 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * vh;
@@ -470,19 +475,28 @@ pub fn widen_cpu_bf16_matmuls(act: &mut Activations, spec: &ModelSpec, plan: &Pl
 ///
 /// The backward's working sets are those of the linked candle-core
 /// ([`Backward::linked`]; [`activation_bytes_for`] takes one).
-pub fn activation_bytes(spec: &ModelSpec, plan: &Plan) -> Activations {
-    activation_bytes_for(spec, plan, Backward::linked())
+///
+/// What the pass recomputes and how it computes attention are `exec`'s (the
+/// fixes' execution hooks made it from the plan: [`Execution::for_plan`]);
+/// the micro-batch, sequence length and compute dtype are the plan's.
+pub fn activation_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> Activations {
+    activation_bytes_for(spec, plan, exec, Backward::linked())
 }
 
 /// [`activation_bytes`] with the working sets of `backward`.
-pub fn activation_bytes_for(spec: &ModelSpec, plan: &Plan, backward: Backward) -> Activations {
+pub fn activation_bytes_for(
+    spec: &ModelSpec,
+    plan: &Plan,
+    exec: &Execution,
+    backward: Backward,
+) -> Activations {
     let stock = backward == Backward::ZerosPlusGradient;
     let cfg = &spec.config;
     if cfg.family == Family::Generic || cfg.layers == 0 {
         return Activations::default();
     }
     let c = plan.precision.compute_bytes();
-    let d = Dims::new(spec, plan);
+    let d = Dims::new(spec, plan, exec);
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
     let block = block(cfg.family, &d).bytes(c);
@@ -508,7 +522,7 @@ pub fn activation_bytes_for(spec: &ModelSpec, plan: &Plan, backward: Backward) -
     // The backward crosses a block's MLP, then its attention core.
     let block_transient = attention_backward.max(mlp_ni * d.n * d.i * c);
     let embedding_transient = embedding_backward_copies(spec, backward) * d.v * d.h * c;
-    match plan.checkpoint {
+    match exec.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
             let segment_outputs = layers.div_ceil(k) * d.n * d.h * c;

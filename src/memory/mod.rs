@@ -44,14 +44,14 @@ pub use activations::{
 };
 
 use crate::spec::{Family, ModelSpec};
-use oomfix_strategies::{ModelFacts, Pipeline, Plan, StateBytes, Strategy};
+use oomfix_strategies::{Execution, ModelFacts, Pipeline, Plan, StateBytes, StepCost, Strategy};
 use serde::Serialize;
 use std::sync::{Arc, OnceLock};
 
 /// The moment of the step at which the peak occurs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Phase {
+pub enum PeakMoment {
     /// The backward through the loss and the head (activations and the loss's
     /// working set alive, no parameter gradient yet).
     LossBackward,
@@ -66,13 +66,13 @@ pub enum Phase {
     OptimizerStep,
 }
 
-impl std::fmt::Display for Phase {
+impl std::fmt::Display for PeakMoment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            Phase::LossBackward => "loss backward",
-            Phase::Backward => "end of backward",
-            Phase::GradientReduction => "gradient reduction",
-            Phase::OptimizerStep => "optimizer step",
+            PeakMoment::LossBackward => "loss backward",
+            PeakMoment::Backward => "end of backward",
+            PeakMoment::GradientReduction => "gradient reduction",
+            PeakMoment::OptimizerStep => "optimizer step",
         })
     }
 }
@@ -111,16 +111,16 @@ pub struct Breakdown {
     /// is a moment of a collective (a gradient reduction, or the
     /// parameters' broadcast in the step); 0 at other moments.
     pub collective_buffers: u64,
-    /// Peak device bytes over the step: live bytes, runtime and pool slack.
+    /// Peak device bytes over the step: live bytes, runtime and pool slack
+    /// (on [`Target::Cpu`], with the `host` bytes: the same memory).
     pub peak: u64,
     /// When the peak occurs.
-    pub peak_phase: Phase,
-    /// Host memory the plan needs besides the device's, not part of `peak`:
-    /// with the optimizer offloaded, the fp32 master weights and moments, plus
-    /// staging tensors in the compute dtype (gradients down, weights back up);
-    /// 0 otherwise. On [`Target::Cpu`] this is the same memory as the peak's
-    /// (the planner does not offload there; an offloaded plan estimated for
-    /// the CPU needs `peak + host`).
+    pub peak_phase: PeakMoment,
+    /// Host memory the plan needs besides the device's: with the optimizer
+    /// offloaded, the fp32 master weights and moments, plus staging tensors
+    /// in the compute dtype (gradients down, weights back up); 0 otherwise.
+    /// On [`Target::Cpu`] this is the same memory as the device's, and
+    /// already part of `peak` (the planner does not offload there).
     pub host: u64,
 }
 
@@ -162,13 +162,13 @@ impl Breakdown {
 
     fn in_peak(&self, component: &str) -> bool {
         match self.peak_phase {
-            Phase::LossBackward => !matches!(component, "gradients" | "optimizer_transient"),
-            Phase::Backward => component != "optimizer_transient",
-            Phase::GradientReduction => !matches!(
+            PeakMoment::LossBackward => !matches!(component, "gradients" | "optimizer_transient"),
+            PeakMoment::Backward => component != "optimizer_transient",
+            PeakMoment::GradientReduction => !matches!(
                 component,
                 "activations" | "backward_transient" | "optimizer_transient"
             ),
-            Phase::OptimizerStep => !matches!(component, "activations" | "backward_transient"),
+            PeakMoment::OptimizerStep => !matches!(component, "activations" | "backward_transient"),
         }
     }
 }
@@ -177,16 +177,10 @@ impl Breakdown {
 pub trait Estimator: Send + Sync {
     /// Bytes per component and the peak, on one device.
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown;
-    /// The time of one optimizer step of `plan`, when this estimator models
-    /// it (a measuring one does); `None`, the default, leaves it to
-    /// [`crate::speed::step_time`].
-    fn step_time(
-        &self,
-        _spec: &ModelSpec,
-        _plan: &Plan,
-        _target: &Target,
-    ) -> Option<crate::speed::StepTime> {
-        None
+    /// The modelled time of one optimizer step of `plan` (default:
+    /// [`crate::speed::step_time`] of the passes the built-in fixes make).
+    fn step_time(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> crate::speed::StepTime {
+        crate::speed::step_time(spec, plan, builtins(), target)
     }
     /// Whether the estimates of `spec` include its activations. When they
     /// do not, a peak is a lower bound (weights, gradients, optimizer state
@@ -202,12 +196,7 @@ impl<E: Estimator + ?Sized> Estimator for Arc<E> {
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
         (**self).estimate(spec, plan, target)
     }
-    fn step_time(
-        &self,
-        spec: &ModelSpec,
-        plan: &Plan,
-        target: &Target,
-    ) -> Option<crate::speed::StepTime> {
+    fn step_time(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> crate::speed::StepTime {
         (**self).step_time(spec, plan, target)
     }
     fn models_activations(&self, spec: &ModelSpec) -> bool {
@@ -238,18 +227,24 @@ pub fn analytic_activations(spec: &ModelSpec) -> bool {
     spec.config.family != Family::Generic
 }
 
+/// The built-in fixes ([`oomfix_strategies::builtins`]), made once.
+pub fn builtins() -> &'static [Arc<dyn Strategy>] {
+    static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
+    BUILTINS.get_or_init(oomfix_strategies::builtins)
+}
+
+/// What the built-in fixes' execution hooks make a pass of `plan` do
+/// ([`Execution::for_plan`]).
+pub fn builtin_execution(plan: &Plan) -> Execution {
+    Execution::for_plan(plan, builtins())
+}
+
 impl Estimator for MemoryModel {
     fn models_activations(&self, spec: &ModelSpec) -> bool {
         analytic_activations(spec)
     }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        static BUILTINS: OnceLock<Vec<Arc<dyn Strategy>>> = OnceLock::new();
-        estimate(
-            spec,
-            plan,
-            target,
-            BUILTINS.get_or_init(oomfix_strategies::builtins),
-        )
+        estimate(spec, plan, target, builtins())
     }
 }
 
@@ -266,18 +261,37 @@ impl Estimator for WithFixes {
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
         estimate(spec, plan, target, &self.fixes)
     }
+    fn step_time(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> crate::speed::StepTime {
+        crate::speed::step_time(spec, plan, &self.fixes, target)
+    }
 }
 
 /// The training state's bytes of `plan` on one rank: the unfixed state,
 /// changed by each of `fixes`' memory hooks in order.
 pub fn state_bytes(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StateBytes {
-    let facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
-        .with_block_parameters(spec.config.block_parameters());
+    let facts = facts(spec);
     let mut state = StateBytes::unfixed(&facts);
     for fix in fixes {
         fix.memory(plan, &facts, &mut state);
     }
     state
+}
+
+/// What `plan`'s optimizer step costs on one rank: the unfixed step,
+/// changed by each of `fixes`' time hooks in order.
+pub fn step_cost(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StepCost {
+    let facts = facts(spec);
+    let mut cost = StepCost::unfixed(plan, &facts);
+    for fix in fixes {
+        fix.time(plan, &facts, &mut cost);
+    }
+    cost
+}
+
+/// What the fixes' hooks know of `spec`.
+fn facts(spec: &ModelSpec) -> ModelFacts {
+    ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
+        .with_block_parameters(spec.config.block_parameters())
 }
 
 fn estimate(
@@ -289,12 +303,13 @@ fn estimate(
     let p = spec.parameters();
     let cb = plan.precision.compute_bytes();
     let s = state_bytes(spec, plan, fixes);
-    let mut act = activation_bytes(spec, plan);
+    let exec = Execution::for_plan(plan, fixes);
+    let mut act = activation_bytes(spec, plan, &exec);
     if *target == Target::Cpu {
-        widen_cpu_bf16_matmuls(&mut act, spec, plan);
+        widen_cpu_bf16_matmuls(&mut act, spec, plan, &exec);
     }
     let runtime = target.runtime_bytes();
-    let pool_slack = target.pool_slack_bytes(spec.config.layers, plan);
+    let pool_slack = target.pool_slack_bytes(spec.config.layers, plan, &exec);
     let communicator = target.communicator_bytes(plan.shard.world_size);
     // Outside the tensors, at every moment.
     let outside = runtime + communicator;
@@ -309,15 +324,15 @@ fn estimate(
         transient: after.first_sum,
     };
     let moments = [
-        (Phase::LossBackward, act.loss, 0),
-        (Phase::Backward, act.blocks, block_gradients),
-        (Phase::Backward, act.embedding, s.gradients),
-        (Phase::Backward, accumulation, s.gradients),
+        (PeakMoment::LossBackward, act.loss, 0),
+        (PeakMoment::Backward, act.blocks, block_gradients),
+        (PeakMoment::Backward, act.embedding, s.gradients),
+        (PeakMoment::Backward, accumulation, s.gradients),
     ];
     let (backward_phase, moment, backward) = moments
         .into_iter()
         .map(|(phase, m, grads)| (phase, m, state + grads + m.total()))
-        .fold((Phase::Backward, Moment::default(), 0), |best, x| {
+        .fold((PeakMoment::Backward, Moment::default(), 0), |best, x| {
             if x.2 > best.2 {
                 x
             } else {
@@ -335,26 +350,20 @@ fn estimate(
         };
         state + local + after.reduced + after.buffers
     });
-    let step = s.step_weights
-        + s.master_weights
-        + s.optimizer_state
-        + s.step_gradients
-        + s.optimizer_transient
-        + after.broadcast
-        + outside;
-    let (peak, peak_phase, collective_buffers) = [
-        (backward, backward_phase, 0),
-        (
-            reduction.unwrap_or(0),
-            Phase::GradientReduction,
-            after.buffers,
-        ),
-        (step, Phase::OptimizerStep, after.broadcast),
-    ]
-    .into_iter()
-    .fold(
-        (0, Phase::Backward, 0),
-        |best, x| if x.0 > best.0 { x } else { best },
+    let step = step_bytes(&s, &after, 0) + outside;
+    let (peak, peak_phase, collective_buffers) = assemble_peak(
+        &[
+            (backward, backward_phase, 0),
+            (
+                reduction.unwrap_or(0),
+                PeakMoment::GradientReduction,
+                after.buffers,
+            ),
+            (step, PeakMoment::OptimizerStep, after.broadcast),
+        ],
+        s.host,
+        target,
+        pool_slack,
     );
     Breakdown {
         weights: s.weights,
@@ -369,10 +378,58 @@ fn estimate(
         pool_slack,
         communicator,
         collective_buffers,
-        peak: target.round_up(peak) + pool_slack,
+        peak,
         peak_phase,
         host: s.host,
     }
+}
+
+/// The bytes of the optimizer step's moment: the state it holds (its
+/// weights, masters, moments, gradients and temporaries), `extra` bytes the
+/// estimator adds, and the owners' broadcast; without what is outside the
+/// tensors.
+pub(crate) fn step_bytes(s: &StateBytes, after: &AfterBackward, extra: u64) -> u64 {
+    s.step_weights
+        + extra
+        + s.master_weights
+        + s.optimizer_state
+        + s.step_gradients
+        + s.optimizer_transient
+        + after.broadcast
+}
+
+/// A step's peak from the bytes of its moments, `(bytes, moment, collective
+/// buffers held then)` in the step's order: the highest (the first of
+/// equals), with on the CPU the `host` bytes an offloaded optimizer keeps
+/// (the same memory as the device's), rounded to the allocator's
+/// granularity, plus the pool's slack; `u64::MAX` when a moment's bytes are
+/// unknown (`u64::MAX`). Every estimator assembles its peak here.
+pub(crate) fn assemble_peak(
+    moments: &[(u64, PeakMoment, u64)],
+    host: u64,
+    target: &Target,
+    pool_slack: u64,
+) -> (u64, PeakMoment, u64) {
+    let (live, moment, buffers) =
+        moments
+            .iter()
+            .copied()
+            .fold((0, PeakMoment::Backward, 0), |best, x| {
+                if x.0 > best.0 {
+                    x
+                } else {
+                    best
+                }
+            });
+    if live == u64::MAX {
+        return (u64::MAX, moment, 0);
+    }
+    let host_shared = if *target == Target::Cpu { host } else { 0 };
+    (
+        target.round_up(live + host_shared) + pool_slack,
+        moment,
+        buffers,
+    )
 }
 
 /// What a step holds after its backward besides the training state, for
@@ -420,7 +477,7 @@ impl AfterBackward {
             } else {
                 0
             };
-            oomfix_strategies::shard::per_rank(plan, s.gradients, 1) + flat
+            plan.per_rank(s.gradients, 1) + flat
         } else {
             0
         };

@@ -7,7 +7,7 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, split_heads, Attend, LayerNorm, Linear};
-use super::{batch_dims, Batch, Forward, Params};
+use super::{batch_dims, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -131,8 +131,8 @@ impl Bert {
     }
 
     /// The forward pass on `batch`: embeddings, blocks and the masked-LM head.
-    fn forward(&self, batch: &Batch, exec: &Execution) -> Result<Forward<'_>> {
-        let (b, s) = batch_dims(batch, &self.config, true)?;
+    pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
+        let (b, s) = batch_dims(batch, &self.config)?;
         let h = self.config.hidden;
         let [embeddings, mask, transform, decoder] = self.tags;
         let stem = {

@@ -90,9 +90,13 @@ pub enum DataPosition {
         /// Number of ids in the stream.
         len: u64,
     },
+    /// The model makes its own micro-batches (from their index and the seed).
+    ModelMade,
 }
 
-/// Where tokens come from.
+/// Where a training run's micro-batches come from: tokens (random or from a
+/// file) for the Hugging Face families, or the model itself for a model
+/// given as code ([`DataSource::ModelMade`]).
 #[derive(Debug, Clone)]
 pub enum DataSource {
     /// Random ids in `0..vocab` from a seeded xorshift generator.
@@ -109,6 +113,9 @@ pub enum DataSource {
         /// Next read position.
         pos: usize,
     },
+    /// No tokens: a model given as code makes its own micro-batches
+    /// ([`oomfix_strategies::model::MicroBatch::index`] and `seed`).
+    ModelMade,
 }
 
 impl DataSource {
@@ -158,6 +165,7 @@ impl DataSource {
                 pos: *pos as u64,
                 len: ids.len() as u64,
             },
+            DataSource::ModelMade => DataPosition::ModelMade,
         }
     }
 
@@ -167,6 +175,7 @@ impl DataSource {
     pub fn seek(&mut self, position: DataPosition) -> Result<(), String> {
         match (self, position) {
             (DataSource::Synthetic { state }, DataPosition::Synthetic(s)) if s != 0 => *state = s,
+            (DataSource::ModelMade, DataPosition::ModelMade) => {}
             (DataSource::Tokens { ids, pos, .. }, DataPosition::Tokens { pos: p, len })
                 if len == ids.len() as u64 && p < len =>
             {
@@ -196,7 +205,7 @@ impl DataSource {
     /// start); `None` for synthetic data, which never ends.
     pub fn windows_per_pass(&self, seq_len: usize) -> Option<usize> {
         match self {
-            DataSource::Synthetic { .. } => None,
+            DataSource::Synthetic { .. } | DataSource::ModelMade => None,
             DataSource::Tokens { ids, .. } => Some((ids.len() - 1).div_ceil(seq_len.max(1)).max(1)),
         }
     }
@@ -223,10 +232,12 @@ impl DataSource {
                 *pos = ((*pos as u128 + windows as u128 * seq_len as u128) % ids.len() as u128)
                     as usize;
             }
+            DataSource::ModelMade => {}
         }
     }
 
-    /// The next `batch` windows of `seq_len + 1` tokens, row after row.
+    /// The next `batch` windows of `seq_len + 1` tokens, row after row (none
+    /// from [`DataSource::ModelMade`]).
     pub fn next_windows(&mut self, batch: usize, seq_len: usize, vocab: usize) -> Vec<u32> {
         let n = batch * (seq_len + 1);
         match self {
@@ -248,6 +259,7 @@ impl DataSource {
                 }
                 out
             }
+            DataSource::ModelMade => Vec::new(),
         }
     }
 }

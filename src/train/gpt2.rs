@@ -7,7 +7,7 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, Attend, LayerNorm, Linear};
-use super::{batch_dims, Batch, Forward, Params};
+use super::{batch_dims, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -107,8 +107,8 @@ impl Gpt2 {
     }
 
     /// The forward pass on `batch`: embeddings, blocks, `ln_f` and the tied head.
-    fn forward(&self, batch: &Batch, exec: &Execution) -> Result<Forward<'_>> {
-        let (b, s) = batch_dims(batch, &self.config, true)?;
+    pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
+        let (b, s) = batch_dims(batch, &self.config)?;
         let h = self.config.hidden;
         let [wte, ln_f, lm_head] = self.tags;
         let stem = {

@@ -11,7 +11,7 @@ use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm};
-use super::{batch_dims, rope, Batch, Forward, Params};
+use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -168,8 +168,8 @@ impl Llama {
     }
 
     /// The forward pass on `batch`: embedding, blocks, final norm and LM head.
-    fn forward(&self, batch: &Batch, exec: &Execution) -> Result<Forward<'_>> {
-        let (b, s) = batch_dims(batch, &self.config, false)?;
+    pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
+        let (b, s) = batch_dims(batch, &self.config)?;
         let (h, d) = (self.config.hidden, self.config.head_dim());
         let device = self.embed.device();
         let [embed, rotary, norm, lm_head] = self.tags;

@@ -1,16 +1,18 @@
 //! Trainable GPT-2, Llama-style and BERT models, built from differentiable candle ops.
 //!
-//! [`build_model`] makes a [`TrainableModel`] from a [`ModelConfig`], with random
+//! [`build_model`] makes a [`HubModel`] from a [`ModelConfig`], with random
 //! weights or weights loaded by their Hub names from `.safetensors` files, in a
-//! compute dtype (f32, bf16, f16) on a device. [`TrainableModel::forward_backward`]
-//! runs one forward and backward pass on a [`Batch`] under an activation
+//! compute dtype (f32, bf16, f16) on a device. A [`HubModel`] is a
+//! [`Model`] like any model given as code, and [`Trainer`] trains either.
+//! [`HubModel::forward_backward`]
+//! runs one forward and backward pass on a [`TokenBatch`] under an activation
 //! checkpointing policy ([`oomfix_strategies::checkpoint::backward`]), with attention
 //! composed (the probabilities as one
 //! [`attention_probs`](oomfix_strategies::nn::ops::attention_probs) node, then
 //! `P·v`) or computed by
 //! [`oomfix_strategies::attention::flash_attention`] ([`Attention`]), and returns the
-//! loss and detached gradients aligned with [`TrainableModel::vars`];
-//! [`TrainableModel::logits`] runs the same forward pass without backward.
+//! loss and detached gradients aligned with [`HubModel::named_vars`];
+//! [`HubModel::logits`] runs the same forward pass without backward.
 //!
 //! The models are written for training, not inference: no KV cache, no dropout
 //! (recomputation must be deterministic), and none of candle's fused fast paths
@@ -181,10 +183,8 @@ pub mod tokenizer;
 mod trainer;
 pub use crate::state_file::StateFile;
 mod schedule;
-pub(crate) use optim::Optim;
-pub use saved::{Checkpoint, ModelSource};
+pub use saved::{ModelSource, TrainingState};
 pub use schedule::{Decay, LrSchedule};
-pub(crate) use trainer::clip_factor;
 pub use trainer::{compute_dtype, plan_changes, Evaluation, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;
@@ -195,7 +195,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
-use oomfix_strategies::checkpoint::{self, NoHook, SegmentHook};
+use oomfix_strategies::model::{self, Capabilities, MicroBatch, Model};
 use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
 #[cfg(doc)]
@@ -214,173 +214,165 @@ const BERT_MASK_ID: u32 = 103;
 /// Standard deviation of the random initialisation of matrices.
 const INIT_STD: f32 = 0.02;
 
-/// One micro-batch of training data.
-#[derive(Debug, Clone)]
-pub struct Batch {
-    /// Token ids, u32 `[b, s]`.
-    pub input_ids: Tensor,
-    /// Target ids, u32 `[b, s]`: for causal LMs the next token of each position
-    /// (already shifted by the data source); for BERT the original token at each
-    /// position (only masked positions count).
-    pub targets: Tensor,
-    /// Positions that count in the loss, `[b, s]` of 0/1 in any dtype; `None`: all
-    /// positions. BERT batches normally carry one: the masked positions.
-    pub loss_mask: Option<Tensor>,
-    /// Real tokens (nonzero) versus padding (0), `[b, s]` of any dtype. Used by BERT's
-    /// bidirectional attention; causal models ignore it (right padding cannot be
-    /// attended to by earlier positions; keep padded positions out of `loss_mask`).
-    pub attention_mask: Option<Tensor>,
+pub use oomfix_strategies::model::TokenBatch;
+
+/// A random batch for `family` with token ids below `vocab`, reproducible from `seed`.
+///
+/// Causal families get `seq + 1` random tokens per sequence: inputs are the first
+/// `seq`, targets the last `seq`. BERT gets `seq` random tokens; about 15% of the
+/// positions (at least one per sequence) are replaced by the `[MASK]` id (103, or
+/// `vocab − 1` for vocabularies of 103 tokens or fewer), targeted with the original
+/// token and selected by `loss_mask`.
+pub fn synthetic_batch(
+    family: Family,
+    vocab: usize,
+    batch: usize,
+    seq: usize,
+    seed: u64,
+    device: &Device,
+) -> Result<TokenBatch> {
+    if vocab < 2 || batch == 0 || seq == 0 || vocab > u32::MAX as usize {
+        return Err(Error::Usage(format!(
+            "a synthetic batch needs vocab >= 2, batch >= 1 and seq >= 1 (got {vocab}, {batch}, {seq})"
+        )));
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    let windows: Vec<u32> = (0..batch * (seq + 1))
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect();
+    batch_from_windows(family, vocab, &windows, batch, seq, seed, device)
 }
 
-impl Batch {
-    /// A random batch for `family` with token ids below `vocab`, reproducible from `seed`.
-    ///
-    /// Causal families get `seq + 1` random tokens per sequence: inputs are the first
-    /// `seq`, targets the last `seq`. BERT gets `seq` random tokens; about 15% of the
-    /// positions (at least one per sequence) are replaced by the `[MASK]` id (103, or
-    /// `vocab − 1` for vocabularies of 103 tokens or fewer), targeted with the original
-    /// token and selected by `loss_mask`.
-    pub fn synthetic(
-        family: Family,
-        vocab: usize,
-        batch: usize,
-        seq: usize,
-        seed: u64,
-        device: &Device,
-    ) -> Result<Batch> {
-        if vocab < 2 || batch == 0 || seq == 0 || vocab > u32::MAX as usize {
-            return Err(Error::Usage(format!(
-                "a synthetic batch needs vocab >= 2, batch >= 1 and seq >= 1 (got {vocab}, {batch}, {seq})"
-            )));
-        }
-        let mut rng = StdRng::seed_from_u64(seed);
-        let windows: Vec<u32> = (0..batch * (seq + 1))
-            .map(|_| rng.random_range(0..vocab as u32))
-            .collect();
-        Batch::from_windows(family, vocab, &windows, batch, seq, seed, device)
+/// A batch from `batch` windows of `seq + 1` token ids each (row after row).
+///
+/// Causal families take the first `seq` ids of a window as inputs and the last
+/// `seq` as targets. BERT takes the first `seq` ids, replaces about 15% of them
+/// (at least one per sequence, chosen reproducibly from `seed`) by the `[MASK]` id
+/// (103, or `vocab − 1` for vocabularies of 103 tokens or fewer) and targets
+/// the originals at those positions.
+pub fn batch_from_windows(
+    family: Family,
+    vocab: usize,
+    windows: &[u32],
+    batch: usize,
+    seq: usize,
+    seed: u64,
+    device: &Device,
+) -> Result<TokenBatch> {
+    if windows.len() != batch * (seq + 1) {
+        return Err(Error::Usage(format!(
+            "{} token ids do not make {batch} windows of {} tokens",
+            windows.len(),
+            seq + 1
+        )));
     }
-
-    /// A batch from `batch` windows of `seq + 1` token ids each (row after row).
-    ///
-    /// Causal families take the first `seq` ids of a window as inputs and the last
-    /// `seq` as targets. BERT takes the first `seq` ids, replaces about 15% of them
-    /// (at least one per sequence, chosen reproducibly from `seed`) by the `[MASK]` id
-    /// (103, or `vocab − 1` for vocabularies of 103 tokens or fewer) and targets
-    /// the originals at those positions.
-    pub fn from_windows(
-        family: Family,
-        vocab: usize,
-        windows: &[u32],
-        batch: usize,
-        seq: usize,
-        seed: u64,
-        device: &Device,
-    ) -> Result<Batch> {
-        if windows.len() != batch * (seq + 1) {
-            return Err(Error::Usage(format!(
-                "{} token ids do not make {batch} windows of {} tokens",
-                windows.len(),
-                seq + 1
-            )));
-        }
-        let ids = |v: Vec<u32>| Tensor::from_vec(v, (batch, seq), device);
-        let rows = || windows.chunks(seq + 1);
-        let inputs: Vec<u32> = rows().flat_map(|r| r[..seq].to_vec()).collect();
-        if family != Family::Bert {
-            let targets = rows().flat_map(|r| r[1..].to_vec()).collect();
-            return Ok(Batch {
-                input_ids: ids(inputs)?,
-                targets: ids(targets)?,
-                loss_mask: None,
-                attention_mask: None,
-            });
-        }
-        let mut rng = StdRng::seed_from_u64(seed ^ 0x6d61_736b);
-        let mut masked: Vec<bool> = (0..batch * seq).map(|_| rng.random_bool(0.15)).collect();
-        for row in masked.chunks_mut(seq) {
-            if !row.contains(&true) {
-                row[rng.random_range(0..seq)] = true;
-            }
-        }
-        let mask_id = if vocab > BERT_MASK_ID as usize {
-            BERT_MASK_ID
-        } else {
-            vocab as u32 - 1
-        };
-        let masked_inputs = inputs
-            .iter()
-            .zip(&masked)
-            .map(|(&t, &m)| if m { mask_id } else { t })
-            .collect();
-        let loss_mask = masked.iter().map(|&m| f32::from(u8::from(m))).collect();
-        Ok(Batch {
-            input_ids: ids(masked_inputs)?,
-            targets: ids(inputs)?,
-            loss_mask: Some(Tensor::from_vec(loss_mask, (batch, seq), device)?),
+    let ids = |v: Vec<u32>| Tensor::from_vec(v, (batch, seq), device);
+    let rows = || windows.chunks(seq + 1);
+    let inputs: Vec<u32> = rows().flat_map(|r| r[..seq].to_vec()).collect();
+    if family != Family::Bert {
+        let targets = rows().flat_map(|r| r[1..].to_vec()).collect();
+        return Ok(TokenBatch {
+            input_ids: ids(inputs)?,
+            targets: ids(targets)?,
+            loss_mask: None,
             attention_mask: None,
-        })
+        });
     }
-
-    /// `(b, s)` of the inputs, checked against the targets and masks.
-    fn dims(&self) -> Result<(usize, usize)> {
-        let dims = self.input_ids.dims2()?;
-        let others = [
-            Some(&self.targets),
-            self.loss_mask.as_ref(),
-            self.attention_mask.as_ref(),
-        ];
-        if others
-            .into_iter()
-            .flatten()
-            .any(|t| t.dims() != [dims.0, dims.1])
-        {
-            return Err(Error::Usage(format!(
-                "batch tensors disagree: input_ids is {:?}; targets and masks must have the same shape",
-                self.input_ids.dims()
-            )));
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x6d61_736b);
+    let mut masked: Vec<bool> = (0..batch * seq).map(|_| rng.random_bool(0.15)).collect();
+    for row in masked.chunks_mut(seq) {
+        if !row.contains(&true) {
+            row[rng.random_range(0..seq)] = true;
         }
-        Ok(dims)
     }
+    let mask_id = if vocab > BERT_MASK_ID as usize {
+        BERT_MASK_ID
+    } else {
+        vocab as u32 - 1
+    };
+    let masked_inputs = inputs
+        .iter()
+        .zip(&masked)
+        .map(|(&t, &m)| if m { mask_id } else { t })
+        .collect();
+    let loss_mask = masked.iter().map(|&m| f32::from(u8::from(m))).collect();
+    Ok(TokenBatch {
+        input_ids: ids(masked_inputs)?,
+        targets: ids(inputs)?,
+        loss_mask: Some(Tensor::from_vec(loss_mask, (batch, seq), device)?),
+        attention_mask: None,
+    })
 }
 
-/// What one forward and backward pass returns.
+/// What one forward and backward pass of a [`HubModel`] returns.
 #[derive(Debug)]
 pub struct StepOutput {
     /// The loss (not multiplied by the loss scale).
     pub loss: f32,
-    /// Gradients of `loss × loss_scale`, one per [`TrainableModel::vars`] entry
-    /// whose gradient the segment hook did not take
-    /// ([`SegmentHook::gradients`]; every entry without a hook), in order, in
-    /// the compute dtype, detached from any graph. A parameter the batch does
-    /// not reach gets zeros.
+    /// Gradients of `loss × loss_scale`, one per [`HubModel::named_vars`]
+    /// entry, in order, in the compute dtype, detached from any graph. A
+    /// parameter the batch does not reach gets zeros.
     pub grads: Vec<Tensor>,
 }
 
-/// A model that can run training steps.
-pub trait TrainableModel {
+/// The family's model inside a [`HubModel`].
+enum FamilyModel {
+    Gpt2(gpt2::Gpt2),
+    Llama(llama::Llama),
+    Bert(bert::Bert),
+}
+
+/// A model of a Hugging Face family oomfix implements (GPT-2, Llama-style,
+/// BERT), built by [`build_model`] from a [`ModelConfig`]: a
+/// [`Model`] like any model given as code, whose micro-batches carry
+/// tokens ([`MicroBatch::tokens`]), with its Hub names, its blocks
+/// ([`ModelConfig::block_of`]) and every capability a fix may need.
+pub struct HubModel(FamilyModel);
+
+impl HubModel {
     /// The model's shape.
-    fn config(&self) -> &ModelConfig;
-    /// The trainable parameters with their Hub names, in
-    /// [`ModelConfig::tensors`] order (a tied weight appears once).
-    fn vars(&self) -> &[(String, Var)];
-    /// One forward and backward pass on `batch`: the mean cross-entropy over the
-    /// positions `loss_mask` selects (all positions without one; for BERT, the
-    /// masked positions), and the gradients of `loss × exec.loss_scale`, with
-    /// blocks recomputed and attention computed as `exec` says
-    /// ([`Attention::Flash`] runs on the CPU and on CUDA devices).
-    fn forward_backward(&self, batch: &Batch, exec: &Execution) -> Result<StepOutput> {
-        self.forward_backward_with(batch, exec, &mut NoHook)
+    pub fn config(&self) -> &ModelConfig {
+        match &self.0 {
+            FamilyModel::Gpt2(m) => m.config(),
+            FamilyModel::Llama(m) => m.config(),
+            FamilyModel::Bert(m) => m.config(),
+        }
     }
 
-    /// [`forward_backward`](Self::forward_backward), calling `hook` around
-    /// each segment of blocks ([`checkpoint::backward_with`]): e.g. ZeRO
-    /// stage 3 gathering a segment's parameters only while it runs.
-    fn forward_backward_with(
-        &self,
-        batch: &Batch,
-        exec: &Execution,
-        hook: &mut dyn SegmentHook,
-    ) -> Result<StepOutput>;
+    /// The trainable parameters with their Hub names, in
+    /// [`ModelConfig::tensors`] order (a tied weight appears once).
+    pub fn named_vars(&self) -> &[(String, Var)] {
+        match &self.0 {
+            FamilyModel::Gpt2(m) => m.named_vars(),
+            FamilyModel::Llama(m) => m.named_vars(),
+            FamilyModel::Bert(m) => m.named_vars(),
+        }
+    }
+
+    /// The family's forward pass on `batch`, laid out as stem, blocks and
+    /// the head to the padded logits.
+    fn pass(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
+        match &self.0 {
+            FamilyModel::Gpt2(m) => m.forward(batch, exec),
+            FamilyModel::Llama(m) => m.forward(batch, exec),
+            FamilyModel::Bert(m) => m.forward(batch, exec),
+        }
+    }
+
+    /// One forward and backward pass on `batch` ([`model::forward_backward`]):
+    /// the mean cross-entropy over the positions `loss_mask` selects (all
+    /// positions without one; for BERT, the masked positions), and the
+    /// gradients of `loss × exec.loss_scale`, with blocks recomputed and
+    /// attention computed as `exec` says ([`Attention::Flash`] runs on the
+    /// CPU and on CUDA devices).
+    pub fn forward_backward(&self, batch: &TokenBatch, exec: &Execution) -> Result<StepOutput> {
+        let vars = self.vars();
+        let out = model::forward_backward(self, &vars, &self.micro_batch(batch, exec)?)?;
+        Ok(StepOutput {
+            loss: out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+            grads: out.grads.into_iter().flatten().collect(),
+        })
+    }
 
     /// The logits of `batch.input_ids`: f32 `[b, s, V]`, detached, from a
     /// forward pass without backward (attention computed as `exec` says; its
@@ -388,26 +380,81 @@ pub trait TrainableModel {
     /// other, each block's activations dropped once it is done, so the pass
     /// never keeps more than one block's. BERT attends as the batch's
     /// `attention_mask` says; `targets` and `loss_mask` are not read, but
-    /// must have the inputs' shape as in any [`Batch`].
-    fn logits(&self, batch: &Batch, exec: &Execution) -> Result<Tensor>;
+    /// must have the inputs' shape as in any [`TokenBatch`].
+    pub fn logits(&self, batch: &TokenBatch, exec: &Execution) -> Result<Tensor> {
+        self.pass(batch, exec)?.logits(self.config().vocab)
+    }
 
     /// The mean loss [`forward_backward`](Self::forward_backward) computes on
-    /// `batch` (the cross-entropy of its [`logits`](Self::logits)), forward only
-    /// (evaluation): no gradients, and no block's activations kept beyond
-    /// that block, and the logits kept as the head makes them (padded, in
-    /// the compute dtype), so it needs no more memory than a training step.
-    fn loss(&self, batch: &Batch, exec: &Execution) -> Result<f32>;
+    /// `batch`, forward only ([`model::loss_only`]): no gradients, and no
+    /// block's activations kept beyond that block.
+    pub fn loss(&self, batch: &TokenBatch, exec: &Execution) -> Result<f32> {
+        Ok(model::loss_only(self, &self.micro_batch(batch, exec)?)?)
+    }
+
+    /// `batch` as a micro-batch under `exec`, checked against the model's
+    /// position limit.
+    fn micro_batch(&self, batch: &TokenBatch, exec: &Execution) -> Result<MicroBatch> {
+        batch_dims(batch, self.config())?;
+        Ok(MicroBatch::new(0, 0, *exec).with_tokens(batch.clone())?)
+    }
 
     /// Writes the parameters to a `.safetensors` file under their Hub names, in the
     /// compute dtype, atomically ([`crate::output::write_atomic`]).
-    fn save(&self, path: &Path) -> Result<()> {
+    pub fn save(&self, path: &Path) -> Result<()> {
         let tensors = self
-            .vars()
+            .named_vars()
             .iter()
             .map(|(name, var)| (name.clone(), var.as_tensor().clone()))
             .collect();
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         crate::state_file::write_safetensors(path, tensors, metadata)
+    }
+}
+
+impl Model for HubModel {
+    fn vars(&self) -> Vec<Var> {
+        self.named_vars().iter().map(|(_, v)| v.clone()).collect()
+    }
+
+    fn var_names(&self) -> Vec<String> {
+        self.named_vars().iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    fn var_blocks(&self) -> Vec<Option<usize>> {
+        let layers = self.config().layers;
+        self.named_vars()
+            .iter()
+            .map(|(n, _)| ModelConfig::block_of(n).filter(|&b| b < layers))
+            .collect()
+    }
+
+    /// The stages of the micro-batch's tokens: the head ends in the loss
+    /// ([`lm_loss`]), after which every allocation is backward's.
+    fn forward(&self, batch: &MicroBatch) -> candle_core::Result<model::Forward<'_>> {
+        let tokens = batch.tokens.clone().ok_or_else(|| {
+            candle_core::Error::Msg(
+                "a Hugging Face family trains on tokens: the micro-batch has none".into(),
+            )
+        })?;
+        let pass = self
+            .pass(&tokens, &batch.execution)
+            .map_err(candle_core::Error::wrap)?;
+        let (vocab, head) = (self.config().vocab, pass.head);
+        Ok(model::Forward::Stages(model::Stages {
+            stem: pass.stem,
+            blocks: pass.blocks,
+            head: Box::new(move |x: &Tensor| {
+                let loss = lm_loss(&head(x)?, vocab, &tokens)?;
+                alloc::set_phase(Phase::Backward);
+                tag::set(Tag::new(Module::ROOT, Op::Backward));
+                Ok(loss)
+            }),
+        }))
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::ALL.with_blocks(self.config().layers)
     }
 }
 
@@ -428,7 +475,7 @@ pub fn build_model(
     dtype: DType,
     device: &Device,
     seed: u64,
-) -> Result<Box<dyn TrainableModel>> {
+) -> Result<HubModel> {
     if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
         return Err(Error::Usage(format!(
             "compute dtype must be f32, bf16 or f16, not {dtype:?}"
@@ -457,12 +504,12 @@ pub fn build_model(
         })
         .collect::<Result<Vec<_>>>()?;
     let params = Params::new(vars);
-    Ok(match config.family {
-        Family::Gpt2 => Box::new(gpt2::Gpt2::new(config, params)?),
-        Family::Llama => Box::new(llama::Llama::new(config, params)?),
-        Family::Bert => Box::new(bert::Bert::new(config, params)?),
+    Ok(HubModel(match config.family {
+        Family::Gpt2 => FamilyModel::Gpt2(gpt2::Gpt2::new(config, params)?),
+        Family::Llama => FamilyModel::Llama(llama::Llama::new(config, params)?),
+        Family::Bert => FamilyModel::Bert(bert::Bert::new(config, params)?),
         Family::Generic => return Err(untrainable()),
-    })
+    }))
 }
 
 /// The GELU form of `config`'s activation (GPT-2 and BERT): erf for `gelu`,
@@ -715,52 +762,19 @@ impl Params {
     }
 }
 
-/// Implements [`TrainableModel`] for a family's model: a struct with
-/// `config: ModelConfig` and `vars: Vec<(String, Var)>` fields and an
-/// inherent `forward(&self, &Batch, &Execution) -> Result<Forward>`, whose
-/// pass both the training step and the logits run.
+/// The accessors of a family's model: a struct with `config: ModelConfig`
+/// and `vars: Vec<(String, Var)>` fields, which [`HubModel`] reads; its
+/// inherent `forward(&self, &TokenBatch, &Execution) -> Result<Forward>`
+/// makes the pass that the training step and the logits run.
 macro_rules! trainable_family {
     ($model:ty) => {
-        impl $crate::train::TrainableModel for $model {
-            fn config(&self) -> &$crate::ModelConfig {
+        impl $model {
+            pub(super) fn config(&self) -> &$crate::ModelConfig {
                 &self.config
             }
 
-            fn vars(&self) -> &[(String, candle_core::Var)] {
+            pub(super) fn named_vars(&self) -> &[(String, candle_core::Var)] {
                 &self.vars
-            }
-
-            fn forward_backward_with(
-                &self,
-                batch: &$crate::train::Batch,
-                exec: &oomfix_strategies::Execution,
-                hook: &mut dyn oomfix_strategies::checkpoint::SegmentHook,
-            ) -> $crate::Result<$crate::train::StepOutput> {
-                self.forward(batch, exec)?.backward(
-                    &self.vars,
-                    self.config.vocab,
-                    batch,
-                    exec,
-                    hook,
-                )
-            }
-
-            fn logits(
-                &self,
-                batch: &$crate::train::Batch,
-                exec: &oomfix_strategies::Execution,
-            ) -> $crate::Result<candle_core::Tensor> {
-                self.forward(batch, exec)?.logits(self.config.vocab)
-            }
-
-            fn loss(
-                &self,
-                batch: &$crate::train::Batch,
-                exec: &oomfix_strategies::Execution,
-            ) -> $crate::Result<f32> {
-                let logits = self.forward(batch, exec)?.padded_logits()?;
-                let loss = $crate::train::lm_loss(&logits, self.config.vocab, batch)?;
-                Ok(loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?)
             }
         }
     };
@@ -788,53 +802,10 @@ impl<'a> Forward<'a> {
         Box::new(f)
     }
 
-    /// The loss of `batch` ([`lm_loss`] of the logits over `vocab` columns)
-    /// and the gradients of `vars`: [`checkpoint::backward`] over the stem,
-    /// blocks and head, packed as a [`StepOutput`].
-    pub(crate) fn backward(
-        self,
-        vars: &[(String, Var)],
-        vocab: usize,
-        batch: &Batch,
-        exec: &Execution,
-        hook: &mut dyn SegmentHook,
-    ) -> Result<StepOutput> {
-        let vars: Vec<Var> = vars.iter().map(|(_, v)| v.clone()).collect();
-        // Everything after the loss is backward (with checkpointing: recomputed
-        // blocks too, tagged by their own scopes).
-        let _scope = Scope::module(Module::ROOT);
-        let head = |x: &Tensor| {
-            let loss = lm_loss(&(self.head)(x)?, vocab, batch)?;
-            alloc::set_phase(Phase::Backward);
-            tag::set(Tag::new(Module::ROOT, Op::Backward));
-            Ok(loss)
-        };
-        let out = checkpoint::backward_with(
-            &self.stem,
-            &self.blocks,
-            head,
-            &vars,
-            exec.checkpoint,
-            exec.loss_scale,
-            hook,
-        )?;
-        let loss = out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-        let grads = out
-            .grads
-            .into_iter()
-            .zip(&vars)
-            .zip(out.taken)
-            .filter(|(_, taken)| !taken)
-            .map(|((g, v), _)| g.map_or_else(|| v.zeros_like(), Ok))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(StepOutput { loss, grads })
-    }
-
     /// The head's logits `[b·s, P]` in the compute dtype, detached, from a
-    /// pass without backward (what a forward-only loss, [`lm_loss`], takes).
-    /// Each block's input is detached from the graph, so a block's
-    /// activations are dropped once its output exists.
-    pub(crate) fn padded_logits(self) -> Result<Tensor> {
+    /// pass without backward. Each block's input is detached from the
+    /// graph, so a block's activations are dropped once its output exists.
+    fn padded_logits(self) -> Result<Tensor> {
         let _scope = Scope::module(Module::ROOT);
         let mut x = self.stem.detach();
         for block in &self.blocks {
@@ -859,7 +830,11 @@ impl<'a> Forward<'a> {
 /// the batch's `loss_mask` positions or all positions. What it allocates is
 /// tagged `loss` / [`Op::Loss`] in the memory timeline (the op itself, in
 /// `oomfix-strategies`, knows nothing of tags).
-pub(crate) fn lm_loss(logits: &Tensor, vocab: usize, batch: &Batch) -> candle_core::Result<Tensor> {
+pub(crate) fn lm_loss(
+    logits: &Tensor,
+    vocab: usize,
+    batch: &TokenBatch,
+) -> candle_core::Result<Tensor> {
     let _scope = Scope::new(Module::intern("loss"), Op::Loss);
     let mask = match &batch.loss_mask {
         Some(m) => Some(m.flatten_all()?.to_dtype(DType::F32)?),
@@ -869,13 +844,14 @@ pub(crate) fn lm_loss(logits: &Tensor, vocab: usize, batch: &Batch) -> candle_co
     loss::cross_entropy_padded(logits, vocab, &targets, mask.as_ref())
 }
 
-/// `(b, s)` of `batch`, checked against the model's position limit.
-pub(crate) fn batch_dims(
-    batch: &Batch,
-    config: &ModelConfig,
-    learned_positions: bool,
-) -> Result<(usize, usize)> {
-    let (b, s) = batch.dims()?;
+/// `(b, s)` of `batch`, checked against the model's position limit (the
+/// families with learned positions, GPT-2 and BERT, have no more).
+pub(crate) fn batch_dims(batch: &TokenBatch, config: &ModelConfig) -> Result<(usize, usize)> {
+    let (b, s) = batch.dims().map_err(|e| match e {
+        oomfix_strategies::Error::Config(msg) => Error::Usage(msg),
+        e => e.into(),
+    })?;
+    let learned_positions = matches!(config.family, Family::Gpt2 | Family::Bert);
     if learned_positions && s > config.max_positions {
         return Err(Error::Usage(format!(
             "sequence length {s} exceeds the model's {} learned positions",

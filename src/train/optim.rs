@@ -1,5 +1,4 @@
-//! The optimizer a plan asks for, as both trainers ([`super::Trainer`] and
-//! [`crate::anymodel::AnyTrainer`]) hold and step it.
+//! The optimizer a plan asks for, as [`super::Trainer`] holds and steps it.
 
 use crate::track::alloc::mark_tensors;
 use crate::track::tag::Component;

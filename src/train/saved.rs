@@ -144,7 +144,7 @@ pub struct TrainerState {
 }
 
 /// A saved directory, opened: its state read and its tensor files verified.
-pub struct Checkpoint {
+pub struct TrainingState {
     /// The directory.
     pub dir: PathBuf,
     /// `trainer_state.json`.
@@ -155,7 +155,7 @@ pub struct Checkpoint {
     pub optimizer: StateFile,
 }
 
-impl Checkpoint {
+impl TrainingState {
     /// Opens the directory `dir` written by [`crate::train::Trainer::save`].
     /// Every failure is an input error naming the file: a file instead of a
     /// directory (the single-file checkpoints of earlier versions are not
@@ -185,7 +185,7 @@ impl Checkpoint {
         }
         let state: TrainerState = serde_json::from_value(value)
             .map_err(|e| Error::input(&path, format!("unreadable training state: {e}")))?;
-        Ok(Checkpoint {
+        Ok(TrainingState {
             dir: dir.to_path_buf(),
             state,
             model: StateFile::open(&dir.join(MODEL_FILE))?,
@@ -194,7 +194,7 @@ impl Checkpoint {
     }
 }
 
-impl Checkpoint {
+impl TrainingState {
     /// Whether `dir` looks like a saved directory (it is a directory holding
     /// [`STATE_FILE`]), without reading it: for checking a command line
     /// before any work. [`open`](Self::open) checks the rest.

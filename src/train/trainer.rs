@@ -1,4 +1,6 @@
-//! The training loop: one optimizer step of a [`Plan`] on a [`TrainableModel`].
+//! The training loop: one optimizer step of a [`Plan`] on a [`Model`]: a
+//! [`HubModel`] built from a [`ModelConfig`] ([`Trainer::new`]) or a model
+//! given as code, built by its owner's function ([`Trainer::of_model`]).
 //!
 //! A step runs `grad_accum` micro-batches of `micro_batch` sequences through
 //! forward and backward (with the plan's checkpointing and attention), sums their gradients
@@ -29,8 +31,8 @@
 
 use super::data::{DataPosition, DataSource};
 use super::optim::Optim;
-use super::saved::{self, Checkpoint, DataState, ModelSource, ScalerState, TrainerState};
-use super::{build_model, Batch, TrainableModel};
+use super::saved::{self, DataState, ModelSource, ScalerState, TrainerState, TrainingState};
+use super::{batch_dims, batch_from_windows, build_model, TokenBatch};
 use crate::output::write_dir_atomic;
 use crate::state_file::{self, StateFile};
 use crate::track;
@@ -44,6 +46,7 @@ use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::adamw::FusedAdamW;
 use oomfix_strategies::checkpoint::SegmentHook;
 use oomfix_strategies::clip;
+use oomfix_strategies::model::{self, MicroBatch, Model};
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
 use oomfix_strategies::shard::{Comm, ShardedOptimizer, Traffic, ZeroStage};
 use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, Precision, Strategy};
@@ -60,9 +63,12 @@ pub struct TrainOptions {
     /// AdamW hyper-parameters. Weight decay applies to matrices only, not to
     /// biases and norm scales ([`is_decay_exempt`](oomfix_strategies::adamw::is_decay_exempt)); default 0.
     pub adamw: ParamsAdamW,
-    /// Seed of the random initialisation and of synthetic data.
+    /// Seed of the random initialisation and of synthetic data (a model
+    /// given as code gets it in every [`MicroBatch::seed`]; its builder
+    /// initialises it).
     pub seed: u64,
-    /// Pretrained weights to start from (`None`: random initialisation).
+    /// Pretrained weights to start from (`None`: random initialisation). A
+    /// model given as code loads its own: there it is a usage error.
     pub weights: Option<Vec<PathBuf>>,
     /// The fixes whose execution hooks make the plan's forward/backward pass
     /// ([`Execution::for_plan`]); default: the built-in ones.
@@ -122,7 +128,7 @@ pub struct StepStats {
     /// The global L2 norm of the step's gradients before clipping: after
     /// accumulation, of the unscaled fp32 values under fp16 loss scaling, over
     /// all ranks. Not finite on a step skipped for an fp16 overflow (NaN
-    /// where it was not computed: sharded, or [`crate::anymodel::AnyTrainer`]).
+    /// where it was not computed: sharded).
     pub grad_norm: f64,
     /// What this rank's collectives of gradients and parameters moved and
     /// took during the step (zero unless sharded).
@@ -158,9 +164,41 @@ pub struct Evaluation {
     pub peak: u64,
 }
 
-/// Runs training steps of a plan.
+/// Runs training steps of a plan on one model: a Hugging Face family's
+/// ([`Trainer::new`]) or a model given as code ([`Trainer::of_model`]).
+///
+/// ```
+/// # use candle_core::{DType, Device, Tensor, Var};
+/// # use oomfix_strategies::model::{Forward, MicroBatch, Model};
+/// # struct Regression { w: Var }
+/// # impl Model for Regression {
+/// #     fn vars(&self) -> Vec<Var> { vec![self.w.clone()] }
+/// #     fn forward(&self, b: &MicroBatch) -> candle_core::Result<Forward<'_>> {
+/// #         let x = Tensor::ones((b.size, 4), self.w.dtype(), self.w.device())?;
+/// #         Ok(Forward::Loss(x.matmul(self.w.as_tensor())?.sqr()?.mean_all()?))
+/// #     }
+/// # }
+/// use oomfix::train::data::DataSource;
+/// use oomfix::{Plan, Trainer, TrainOptions};
+///
+/// let build = |dtype: DType, dev: &Device| Ok(Regression { w: Var::ones((4, 1), dtype, dev)? });
+/// let plan = Plan { micro_batch: 2, grad_accum: 2, ..Plan::baseline(4, 1) };
+/// let mut trainer = Trainer::of_model(build, plan, &Device::Cpu, &TrainOptions::default())?;
+/// let mut data = DataSource::ModelMade;
+/// let first = trainer.step(&mut data)?.loss;
+/// let second = trainer.step(&mut data)?.loss;
+/// assert!(second < first);
+/// # Ok::<(), oomfix::Error>(())
+/// ```
 pub struct Trainer {
-    model: Box<dyn TrainableModel>,
+    model: Box<dyn Model>,
+    /// The model's vars and their names, taken once ([`Model::vars`]).
+    vars: Vec<Var>,
+    names: Vec<String>,
+    /// The shape of a Hugging Face family's model (`None`: a model given as
+    /// code), which its token batches and saved directories follow.
+    config: Option<ModelConfig>,
+    seed: u64,
     plan: Plan,
     device: Device,
     master: Option<MasterWeights>,
@@ -186,9 +224,8 @@ pub struct Trainer {
     units: Option<BlockVars>,
 }
 
-/// The model's vars by transformer block (indices into
-/// [`TrainableModel::vars`]), and those outside every block (embeddings,
-/// final norm, head).
+/// The model's vars by block (indices into [`Model::vars`]), and those
+/// outside every block (embeddings, final norm, head).
 #[derive(Debug)]
 struct BlockVars {
     blocks: Vec<Vec<usize>>,
@@ -196,14 +233,14 @@ struct BlockVars {
 }
 
 impl BlockVars {
-    /// From the vars' Hub names ([`ModelConfig::block_of`]).
-    fn new(names: impl Iterator<Item = impl AsRef<str>>, layers: usize) -> Self {
+    /// From the block of each var ([`Model::var_blocks`]), of `blocks` blocks.
+    fn new(var_blocks: &[Option<usize>], blocks: usize) -> Self {
         let mut units = BlockVars {
-            blocks: vec![Vec::new(); layers],
+            blocks: vec![Vec::new(); blocks],
             outside: Vec::new(),
         };
-        for (i, name) in names.enumerate() {
-            match ModelConfig::block_of(name.as_ref()).filter(|&b| b < layers) {
+        for (i, block) in var_blocks.iter().enumerate() {
+            match block.filter(|&b| b < blocks) {
                 Some(b) => units.blocks[b].push(i),
                 None => units.outside.push(i),
             }
@@ -221,7 +258,7 @@ struct ShardedSegments<'a> {
     opt: &'a mut ShardedOptimizer<Box<dyn Comm>>,
     units: &'a BlockVars,
     /// The model's vars (for zeros where a parameter got no gradient).
-    vars: &'a [(String, Var)],
+    vars: &'a [Var],
 }
 
 impl ShardedSegments<'_> {
@@ -252,7 +289,7 @@ impl SegmentHook for ShardedSegments<'_> {
         for &i in &vars {
             mine.push(match grads[i].take() {
                 Some(g) => g,
-                None => self.vars[i].1.zeros_like()?,
+                None => self.vars[i].zeros_like()?,
             });
             taken[i] = true;
         }
@@ -264,13 +301,61 @@ impl SegmentHook for ShardedSegments<'_> {
 /// The factor step `step`'s gradients of global norm `norm` are multiplied
 /// by to clip them to `max_norm` (1 without a limit); a non-finite norm stops
 /// training (such gradients would make every weight NaN).
-pub(crate) fn clip_factor(step: u64, norm: f64, max_norm: Option<f64>) -> Result<f64> {
+fn clip_factor(step: u64, norm: f64, max_norm: Option<f64>) -> Result<f64> {
     if !norm.is_finite() {
         return Err(Error::Runtime(format!(
             "step {step}: the gradient norm is {norm}; training stopped"
         )));
     }
     Ok(max_norm.map_or(1.0, |max| clip::clip_coefficient(norm, max)))
+}
+
+/// Whether a model that can do `caps` can run `plan`'s fixes; a usage
+/// error naming the first it cannot.
+fn check_capabilities(caps: model::Capabilities, plan: &Plan) -> Result<()> {
+    if !caps.computes_in(plan.precision) {
+        return Err(Error::Usage(format!(
+            "the plan computes in {}, which the model does not support",
+            plan.precision
+        )));
+    }
+    if !plan.checkpoint.segments(1).is_empty() && caps.blocks == 0 {
+        return Err(Error::Usage(
+            "the plan checkpoints blocks, and the model gives none".into(),
+        ));
+    }
+    if plan.attention == Attention::Flash && !caps.attention {
+        return Err(Error::Usage(
+            "the plan uses flash attention, and the model computes its own attention".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `plan` can run on `comm`'s ranks (one process without); a usage
+/// error saying why not.
+fn check_world(plan: &Plan, comm: Option<&dyn Comm>) -> Result<()> {
+    let world = comm.map_or(1, |c| c.world_size());
+    if comm.is_none() && plan.shard.world_size > 1 {
+        return Err(Error::Usage(
+            "sharded plans run one process per rank: build each rank's trainer with a Comm \
+             (Trainer::new_sharded, Trainer::of_model_sharded)"
+                .into(),
+        ));
+    }
+    if plan.shard.world_size != world {
+        return Err(Error::Usage(format!(
+            "the plan shards over {} ranks; this job has {world}",
+            plan.shard.world_size
+        )));
+    }
+    if world > 1 && !(1..=3).contains(&plan.shard.stage) {
+        return Err(Error::Usage(format!(
+            "world size {world} needs ZeRO stage 1, 2 or 3, not {}",
+            plan.shard.stage
+        )));
+    }
+    Ok(())
 }
 
 /// A model shape in a few words, for messages.
@@ -326,20 +411,16 @@ pub fn compute_dtype(p: Precision) -> DType {
 }
 
 impl Trainer {
-    /// Builds the model and the optimizer for `plan` on `device`.
+    /// Builds the model of `config` (random, or `options.weights`) and the
+    /// optimizer for `plan` on `device`.
     pub fn new(
         config: &ModelConfig,
         plan: Plan,
         device: &Device,
         options: &TrainOptions,
     ) -> Result<Self> {
-        if plan.shard.world_size > 1 {
-            return Err(Error::Usage(
-                "sharded plans run one process per rank: use Trainer::new_sharded with a Comm"
-                    .into(),
-            ));
-        }
-        Self::build(config, plan, device, options, None)
+        check_world(&plan, None)?;
+        Self::build_hub(config, plan, device, options, None)
     }
 
     /// Builds this rank's trainer of a plan sharded over `comm`'s ranks (one
@@ -358,65 +439,157 @@ impl Trainer {
         options: &TrainOptions,
         comm: Box<dyn Comm>,
     ) -> Result<Self> {
-        let world = comm.world_size();
-        if plan.shard.world_size != world {
-            return Err(Error::Usage(format!(
-                "the plan shards over {} ranks; this job has {world}",
-                plan.shard.world_size
-            )));
-        }
-        if world > 1 && !(1..=3).contains(&plan.shard.stage) {
-            return Err(Error::Usage(format!(
-                "world size {world} needs ZeRO stage 1, 2 or 3, not {}",
-                plan.shard.stage
-            )));
-        }
-        Self::build(config, plan, device, options, Some(comm))
+        check_world(&plan, Some(comm.as_ref()))?;
+        Self::build_hub(config, plan, device, options, Some(comm))
     }
 
-    fn build(
+    /// Builds a model given as code with `build(compute dtype, device)` and
+    /// the optimizer for `plan` on `device`. The model makes its own
+    /// micro-batches: train it on [`DataSource::ModelMade`]. Its builder
+    /// initialises or loads its weights (`options.weights` is a usage error
+    /// here), and it cannot be saved as a Hugging Face directory.
+    pub fn of_model<M, B>(
+        build: B,
+        plan: Plan,
+        device: &Device,
+        options: &TrainOptions,
+    ) -> Result<Self>
+    where
+        M: Model + 'static,
+        B: FnOnce(DType, &Device) -> candle_core::Result<M>,
+    {
+        check_world(&plan, None)?;
+        Self::build_code(build, plan, device, options, None)
+    }
+
+    /// [`of_model`](Self::of_model) for one rank of a plan sharded over
+    /// `comm`'s ranks, as [`new_sharded`](Self::new_sharded) (each rank
+    /// builds its own trainer with the same builder).
+    pub fn of_model_sharded<M, B>(
+        build: B,
+        plan: Plan,
+        device: &Device,
+        options: &TrainOptions,
+        comm: Box<dyn Comm>,
+    ) -> Result<Self>
+    where
+        M: Model + 'static,
+        B: FnOnce(DType, &Device) -> candle_core::Result<M>,
+    {
+        check_world(&plan, Some(comm.as_ref()))?;
+        Self::build_code(build, plan, device, options, Some(comm))
+    }
+
+    fn build_hub(
         config: &ModelConfig,
         plan: Plan,
         device: &Device,
         options: &TrainOptions,
         comm: Option<Box<dyn Comm>>,
     ) -> Result<Self> {
-        if plan.attention == Attention::Flash && !(device.is_cpu() || device.is_cuda()) {
-            return Err(Error::Usage(
-                "flash attention runs on the CPU and CUDA only; plan without the flash-attention strategy".into(),
-            ));
-        }
         let live_base = track::live_bytes(device)?;
-        let dtype = compute_dtype(plan.precision);
         // Recorded timelines classify what is built here as weights, then optimizer state.
         let scope = Scope::new(Module::intern("model"), Op::InitWeights);
         let model = build_model(
             config,
             options.weights.as_deref(),
-            dtype,
+            compute_dtype(plan.precision),
             device,
             options.seed,
         )?;
-        let compute: Vec<Var> = model.vars().iter().map(|(_, v)| v.clone()).collect();
+        drop(scope);
+        let config = Some(model.config().clone());
+        Self::build(
+            Box::new(model),
+            config,
+            plan,
+            device,
+            options,
+            comm,
+            live_base,
+        )
+    }
+
+    fn build_code<M, B>(
+        build: B,
+        plan: Plan,
+        device: &Device,
+        options: &TrainOptions,
+        comm: Option<Box<dyn Comm>>,
+    ) -> Result<Self>
+    where
+        M: Model + 'static,
+        B: FnOnce(DType, &Device) -> candle_core::Result<M>,
+    {
+        if options.weights.is_some() {
+            return Err(Error::Usage(
+                "a model given as code loads its own weights in its builder; \
+                 TrainOptions::weights is for the Hugging Face families"
+                    .into(),
+            ));
+        }
+        let live_base = track::live_bytes(device)?;
+        let scope = Scope::new(Module::intern("model"), Op::InitWeights);
+        let model = build(compute_dtype(plan.precision), device)?;
+        drop(scope);
+        Self::build(
+            Box::new(model),
+            None,
+            plan,
+            device,
+            options,
+            comm,
+            live_base,
+        )
+    }
+
+    /// The trainer of `model` (built in the plan's compute dtype, after
+    /// `live_base` bytes were live) for `plan`.
+    fn build(
+        model: Box<dyn Model>,
+        config: Option<ModelConfig>,
+        plan: Plan,
+        device: &Device,
+        options: &TrainOptions,
+        comm: Option<Box<dyn Comm>>,
+        live_base: u64,
+    ) -> Result<Self> {
+        if plan.micro_batch == 0 || plan.grad_accum == 0 {
+            return Err(Error::Usage(
+                "a plan needs a micro-batch and accumulation of at least 1".into(),
+            ));
+        }
+        if plan.attention == Attention::Flash && !(device.is_cpu() || device.is_cuda()) {
+            return Err(Error::Usage(
+                "flash attention runs on the CPU and CUDA only; plan without the flash-attention strategy".into(),
+            ));
+        }
+        check_capabilities(model.capabilities(), &plan)?;
+        let vars = model.vars();
+        if vars.is_empty() {
+            return Err(Error::Usage("the model has no variables to train".into()));
+        }
+        let names = model.var_names();
         // A sharded optimizer keeps the masters of its own share itself.
         let sharded = comm.as_ref().is_some_and(|c| c.world_size() > 1);
+        let scope = Scope::new(Module::intern("model"), Op::InitWeights);
         let master = (plan.precision.is_mixed() && !plan.optimizer.is_offloaded() && !sharded)
-            .then(|| MasterWeights::new(compute.clone()))
+            .then(|| MasterWeights::new(vars.clone()))
             .transpose()?;
         drop(scope);
         let opt_vars = master
             .as_ref()
-            .map_or(compute, |m| m.master_vars().to_vec());
+            .map_or_else(|| vars.clone(), |m| m.master_vars().to_vec());
         let _scope = Scope::new(Module::intern("optimizer"), Op::InitOptimizer);
-        let names = model.vars().iter().map(|(n, _)| n.clone());
-        let optim = Optim::new(&plan, names.zip(opt_vars).collect(), &options.adamw, comm)?;
+        let named = names.iter().cloned().zip(opt_vars).collect();
+        let optim = Optim::new(&plan, named, &options.adamw, comm)?;
         let units = match &optim {
             Optim::Sharded(opt)
                 if opt.stage() != ZeroStage::OptimizerState
                     && plan.checkpoint != Checkpointing::None =>
             {
-                let names = model.vars().iter().map(|(n, _)| n);
-                Some(BlockVars::new(names, model.config().layers))
+                let blocks = model.capabilities().blocks.min(vars.len());
+                Some(BlockVars::new(&model.var_blocks(), blocks))
             }
             _ => None,
         };
@@ -425,6 +598,10 @@ impl Trainer {
             .transpose()?;
         Ok(Trainer {
             model,
+            vars,
+            names,
+            config,
+            seed: options.seed,
             plan,
             device: device.clone(),
             master,
@@ -443,8 +620,25 @@ impl Trainer {
     }
 
     /// The model being trained.
-    pub fn model(&self) -> &dyn TrainableModel {
+    pub fn model(&self) -> &dyn Model {
         self.model.as_ref()
+    }
+
+    /// The shape of the Hugging Face family's model being trained (`None`:
+    /// a model given as code).
+    pub fn config(&self) -> Option<&ModelConfig> {
+        self.config.as_ref()
+    }
+
+    /// The shape of the model, for what only a Hugging Face family's has
+    /// (its saved directory); a usage error naming `what` for a model
+    /// given as code.
+    fn hub_config(&self, what: &str) -> Result<&ModelConfig> {
+        self.config.as_ref().ok_or_else(|| {
+            Error::Usage(format!(
+                "{what} needs a Hugging Face family's model; a model given as code is saved by its owner"
+            ))
+        })
     }
 
     /// The plan.
@@ -467,21 +661,20 @@ impl Trainer {
     /// weights that are buffers of their own as `master.<name>` (for naming
     /// recorded blocks).
     pub fn parameter_buffers(&self) -> Vec<(String, Tensor)> {
-        let vars = self.model.vars();
-        let mut out: Vec<(String, Tensor)> = vars
-            .iter()
+        let vars = || self.names.iter().zip(&self.vars);
+        let mut out: Vec<(String, Tensor)> = vars()
             .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
             .collect();
         let offloaded = self.plan.optimizer.is_offloaded();
         if let Some(masters) = self.masters() {
-            for ((name, c), v) in vars.iter().zip(masters) {
+            for ((name, c), v) in vars().zip(masters) {
                 if offloaded || c.dtype() != v.dtype() {
                     out.push((format!("master.{name}"), v.as_tensor().clone()));
                 }
             }
         }
         if let Optim::Sharded(opt) = &self.optim {
-            for (i, (name, c)) in vars.iter().enumerate() {
+            for (i, (name, c)) in vars().enumerate() {
                 match opt.weights_of_record(i) {
                     Some(m) if offloaded || m.dtype() != c.dtype() => {
                         out.push((format!("master.{name}"), m.as_tensor().clone()))
@@ -545,7 +738,7 @@ impl Trainer {
     fn record_vars(&self) -> Vec<Var> {
         match self.masters() {
             Some(m) => m.to_vec(),
-            None => self.model.vars().iter().map(|(_, v)| v.clone()).collect(),
+            None => self.vars.clone(),
         }
     }
 
@@ -564,7 +757,8 @@ impl Trainer {
     /// returns an error when rank 0's write fails.
     pub fn save(&self, dir: &Path, data: &DataSource) -> Result<()> {
         let source = &self.source;
-        let config = saved::hf_config(self.model.config(), source.config.as_deref(), source.dtype)?;
+        let model = self.hub_config("saving")?;
+        let config = saved::hf_config(model, source.config.as_deref(), source.dtype)?;
         let (weights, moments) = self.consolidated()?;
         let mut optimizer: Vec<(String, Tensor)> = Vec::new();
         if source.dtype != DType::F32 {
@@ -593,13 +787,17 @@ impl Trainer {
                     position: pos,
                     tokens: len,
                 },
+                DataPosition::ModelMade => return Err(Error::Usage(
+                    "a run of a Hugging Face family trains on tokens, not DataSource::ModelMade"
+                        .into(),
+                )),
             },
             loss_scaler: self.scaler.as_ref().map(|s| ScalerState {
                 scale: s.scale(),
                 growth_tracker: s.growth_tracker(),
             }),
             plan: self.plan,
-            model: self.model.config().clone(),
+            model: model.clone(),
         };
         if self.rank() != 0 {
             return self.saved_on_rank_0(true);
@@ -655,7 +853,7 @@ impl Trainer {
     /// the time of a save), the others none.
     #[allow(clippy::type_complexity)]
     fn consolidated(&self) -> Result<(Vec<(String, Tensor)>, Vec<(String, Tensor, Tensor)>)> {
-        let names = self.model.vars().iter().map(|(n, _)| n.clone());
+        let names = self.names.iter().cloned();
         let record = self.record_vars();
         let Optim::Sharded(opt) = &self.optim else {
             let weights = names
@@ -706,7 +904,7 @@ impl Trainer {
     /// used (this trainer's may differ: the weights, moments, step, data
     /// position and loss scale carry over to any plan of the same model).
     ///
-    /// The checkpoint must verify (see [`Checkpoint::open`]) and be of the
+    /// The checkpoint must verify (see [`TrainingState::open`]) and be of the
     /// same model shape (else an input error naming the first difference) and
     /// kind of data; every failure is an input error naming the file. The
     /// checks run before anything changes; a failure while loading tensors
@@ -717,15 +915,16 @@ impl Trainer {
     /// Sharded, every rank calls it (collective at stage 3) and takes its own
     /// share of the moments: a checkpoint of any world size resumes at any other.
     pub fn resume(&mut self, dir: &Path, data: &mut DataSource) -> Result<Plan> {
-        let ck = Checkpoint::open(dir)?;
+        let model = self.hub_config("resuming")?;
+        let ck = TrainingState::open(dir)?;
         let state_path = dir.join(saved::STATE_FILE);
-        if let Some(diff) = saved::first_difference(&ck.state.model, self.model.config()) {
+        if let Some(diff) = saved::first_difference(&ck.state.model, model) {
             return Err(Error::input(
                 &state_path,
                 format!(
                     "checkpoint is of another model ({}): {diff}; this run trains {}",
                     describe(&ck.state.model),
-                    describe(self.model.config())
+                    describe(model)
                 ),
             ));
         }
@@ -748,7 +947,7 @@ impl Trainer {
     }
 
     /// Loads the weights and the optimizer's moments from `ck`, one tensor at a time.
-    fn load_tensors(&mut self, ck: &Checkpoint) -> Result<()> {
+    fn load_tensors(&mut self, ck: &TrainingState) -> Result<()> {
         let read = |file: &StateFile, name: &str, var: &Var| -> Result<Tensor> {
             let t = file.tensor(name)?;
             if t.dims() != var.dims() {
@@ -771,9 +970,9 @@ impl Trainer {
             // Stage 3: every parameter is set, then the non-owned freed again.
             opt.gather_params()?;
         }
-        let vars = self.model.vars();
+        let names = &self.names;
         let masters = self.masters();
-        for (i, (name, compute)) in vars.iter().enumerate() {
+        for (i, (name, compute)) in names.iter().zip(&self.vars).enumerate() {
             let master = format!("master.{name}");
             let t = if ck.optimizer.contains(&master) {
                 read(&ck.optimizer, &master, compute)?
@@ -789,10 +988,10 @@ impl Trainer {
             }
         }
         let saved_moments = ck.state.optimizer_step.filter(|_| {
-            vars.first()
-                .is_some_and(|(n, _)| ck.optimizer.contains(&format!("{n}.m")))
+            names
+                .first()
+                .is_some_and(|n| ck.optimizer.contains(&format!("{n}.m")))
         });
-        let names: Vec<String> = vars.iter().map(|(n, _)| n.clone()).collect();
         if let Optim::Sharded(opt) = &mut self.optim {
             let rank = opt.comm().rank();
             let owned: Vec<usize> = (0..names.len())
@@ -800,7 +999,7 @@ impl Trainer {
                 .collect();
             if let Some(step) = saved_moments {
                 for i in owned {
-                    let (name, var) = (&names[i], &vars[i].1);
+                    let (name, var) = (&names[i], &self.vars[i]);
                     let m = read(&ck.optimizer, &format!("{name}.m"), var)?;
                     let v = read(&ck.optimizer, &format!("{name}.v"), var)?;
                     opt.optimizer_mut()
@@ -818,9 +1017,9 @@ impl Trainer {
         }
         match (self.optim.fused_mut(), saved_moments) {
             (Some(opt), Some(step)) => {
-                for (name, var) in names.iter().zip(vars) {
-                    let m = read(&ck.optimizer, &format!("{name}.m"), &var.1)?;
-                    let v = read(&ck.optimizer, &format!("{name}.v"), &var.1)?;
+                for (name, var) in names.iter().zip(&self.vars) {
+                    let m = read(&ck.optimizer, &format!("{name}.m"), var)?;
+                    let v = read(&ck.optimizer, &format!("{name}.v"), var)?;
                     opt.set_moments(name, &m, &v)
                         .map_err(|e| Error::input(ck.optimizer.path(), e.to_string()))?;
                 }
@@ -837,25 +1036,52 @@ impl Trainer {
         Ok(())
     }
 
-    /// The next micro-batch of `data`; `seed` chooses BERT's masked positions.
-    fn batch(&self, data: &mut DataSource, seed: u64) -> Result<Batch> {
+    /// Micro-batch number `index` of the run under `exec`: a Hugging Face
+    /// family's takes the next windows of tokens from `data` (`seed` chooses
+    /// BERT's masked positions); a model given as code makes its own from
+    /// `index` and the run's seed ([`DataSource::ModelMade`]).
+    fn micro_batch(
+        &self,
+        data: &mut DataSource,
+        index: u64,
+        seed: u64,
+        exec: Execution,
+    ) -> Result<MicroBatch> {
+        let _op = Scope::op(Op::Batch);
         let (b, s) = (self.plan.micro_batch, self.plan.seq_len);
-        let config = self.model.config();
-        let windows = data.next_windows(b, s, config.vocab);
-        Batch::from_windows(
-            config.family,
-            config.vocab,
-            &windows,
-            b,
-            s,
-            seed,
-            &self.device,
-        )
+        let batch = MicroBatch::new(b, index, exec)
+            .with_seq_len(s)
+            .with_seed(self.seed);
+        match (&self.config, &data) {
+            (None, DataSource::ModelMade) => Ok(batch),
+            (None, _) => Err(Error::Usage(
+                "a model given as code makes its own micro-batches: train it on DataSource::ModelMade"
+                    .into(),
+            )),
+            (Some(_), DataSource::ModelMade) => Err(Error::Usage(
+                "a Hugging Face family trains on tokens: give it token data or synthetic tokens"
+                    .into(),
+            )),
+            (Some(config), _) => {
+                let windows = data.next_windows(b, s, config.vocab);
+                let tokens: TokenBatch = batch_from_windows(
+                    config.family,
+                    config.vocab,
+                    &windows,
+                    b,
+                    s,
+                    seed,
+                    &self.device,
+                )?;
+                batch_dims(&tokens, config)?;
+                Ok(batch.with_tokens(tokens)?)
+            }
+        }
     }
 
     /// The model's loss on the first `batches` micro-batches of `data` (the
     /// plan's micro-batch and sequence length), read from where `data`
-    /// stands, forward only ([`TrainableModel::loss`]): no gradients, so no
+    /// stands, forward only ([`model::loss_only`]): no gradients, so no
     /// more memory than a training step of the plan. BERT's masked positions
     /// are the same at every evaluation. Sharded, rank `r` evaluates every
     /// N-th batch from the `r`-th and the mean is of all ranks (collective;
@@ -910,11 +1136,8 @@ impl Trainer {
                 data.skip_windows(self.plan.micro_batch, self.plan.seq_len);
                 continue;
             }
-            let batch = {
-                let _op = Scope::op(Op::Batch);
-                self.batch(data, 0)?
-            };
-            sum += f64::from(self.model.loss(&batch, &exec)?);
+            let batch = self.micro_batch(data, i as u64, 0, exec)?;
+            sum += f64::from(model::loss_only(self.model.as_ref(), &batch)?);
             count += 1;
         }
         if let Optim::Sharded(opt) = &mut self.optim {
@@ -982,30 +1205,31 @@ impl Trainer {
                 None => opt.gather_params()?,
             }
         }
-        for _ in 0..self.plan.grad_accum {
+        let accum = self.plan.grad_accum as u64;
+        for k in 0..accum {
             alloc::set_phase(Phase::Forward);
-            let batch = {
-                let _op = Scope::op(Op::Batch);
-                self.batch(data, self.step)?
-            };
+            let index = (self.step * world as u64 + rank as u64) * accum + k;
             let exec = self.execution.loss_scale(scale);
+            let batch = self.micro_batch(data, index, self.step, exec)?;
+            let vars = &self.vars;
             let out = match (&mut self.optim, &self.units) {
                 (Optim::Sharded(opt), Some(units)) => {
-                    let vars = self.model.vars();
                     let mut hook = ShardedSegments { opt, units, vars };
-                    self.model.forward_backward_with(&batch, &exec, &mut hook)?
+                    model::forward_backward_with(self.model.as_ref(), vars, &batch, &mut hook)?
                 }
-                _ => self.model.forward_backward(&batch, &exec)?,
+                _ => model::forward_backward(self.model.as_ref(), vars, &batch)?,
             };
             alloc::set_phase(Phase::Backward);
             self.trace_pool("backward");
-            mark_tensors(&out.grads, Component::Gradients);
-            loss_sum += out.loss;
+            // The gradients the segments' hook did not take.
+            let grads: Vec<Tensor> = out.grads.into_iter().flatten().collect();
+            mark_tensors(&grads, Component::Gradients);
+            loss_sum += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
             let _op = Scope::op(Op::GradAccumulate);
             match (&mut self.optim, &self.units) {
                 // The blocks' gradients were reduced segment by segment.
-                (Optim::Sharded(opt), Some(units)) => opt.reduce_some(&units.outside, out.grads)?,
-                _ => self.optim.add_gradients(&mut self.accumulator, out.grads)?,
+                (Optim::Sharded(opt), Some(units)) => opt.reduce_some(&units.outside, grads)?,
+                _ => self.optim.add_gradients(&mut self.accumulator, grads)?,
             }
             self.trace_pool("accumulate");
         }

@@ -7,7 +7,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use rayon::prelude::*;
 
-use crate::adamw::{
+use crate::float::{
     contiguous_range, is_kernel_dtype, with_cpu_mut, with_cpu_mut_src, with_float_vec, Float, CHUNK,
 };
 use crate::{Error, ModelFacts, Plan, Result, SearchContext, StateBytes, Strategy};

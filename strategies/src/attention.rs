@@ -39,7 +39,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-use crate::adamw::{contiguous_range, is_kernel_dtype, Float};
+use crate::float::{contiguous_range, is_kernel_dtype, Float};
 use crate::{Attention, Execution, Plan, SearchContext, Strategy};
 
 #[cfg(feature = "cuda")]

@@ -23,7 +23,7 @@
 use candle_core::{CpuStorage, DType, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::adamw::{contiguous_range, is_kernel_dtype, with_float_vec, Float, CHUNK};
+use crate::float::{contiguous_range, is_kernel_dtype, with_float_vec, Float, CHUNK};
 use crate::Result;
 
 /// Elements per partial sum off the CPU (bounds the f32 temporaries).

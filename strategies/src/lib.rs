@@ -59,6 +59,7 @@ pub mod clip;
 mod cuda;
 mod error;
 mod execution;
+mod float;
 pub mod memory;
 pub mod model;
 pub mod nn;
@@ -76,7 +77,7 @@ pub const CUDA_HALF_PRELUDE: &str = include_str!("half.cuh");
 
 pub use error::{Error, Result};
 pub use execution::Execution;
-pub use memory::{ModelFacts, StateBytes};
+pub use memory::{ModelFacts, StateBytes, StepCost};
 pub use plan::{
     Attention, Checkpointing, Extensions, OptimizerImpl, Plan, Precision, Sharding, MAX_EXTENSIONS,
 };
@@ -150,6 +151,11 @@ pub trait Strategy: Send + Sync {
     /// Sets what a forward/backward pass of `plan` does for this fix. The
     /// default changes nothing.
     fn execution(&self, _plan: &Plan, _exec: &mut Execution) {}
+    /// Sets this fix's terms of what `plan`'s optimizer step costs
+    /// ([`memory::StepCost`]: where it runs, the bytes it moves, the
+    /// parameters it steps). The default changes nothing; what a pass
+    /// recomputes is the execution hook's, which the time model reads.
+    fn time(&self, _plan: &Plan, _model: &ModelFacts, _cost: &mut StepCost) {}
     /// Why this fix cannot be used in the search `ctx` describes (the model
     /// lacks what the fix needs of it: [`model`]'s table), or `None` when it
     /// can. A planner skips an unusable fix and records the reason. The

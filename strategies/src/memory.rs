@@ -11,7 +11,15 @@
 //! `fused-adamw` the optimizer step's temporaries, `shard` divides what each
 //! ZeRO stage shards, `offload` moves master weights and moments to the host.
 //! `flash-attention` and `checkpoint` change activations only, which the
-//! memory model reads from the plan's fields.
+//! memory model reads from the [`Execution`](crate::Execution) their
+//! execution hooks make.
+//!
+//! A step-time model does the same with the optimizer step's costs: it
+//! starts from [`StepCost::unfixed`] (`candle_nn::AdamW` over every
+//! parameter on the device) and calls every registered fix's
+//! [`Strategy::time`](crate::Strategy::time) hook: `fused-adamw` makes the
+//! step one pass over the state, `shard` steps this rank's share,
+//! `offload` moves the step to the host and its traffic onto the bus.
 
 /// What the fixes' memory hooks may know about a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -44,6 +52,49 @@ impl ModelFacts {
         ModelFacts {
             block_parameters: n,
             ..self
+        }
+    }
+}
+
+/// What one optimizer step costs on one rank besides the forward and
+/// backward passes, term by term: the fixes' time terms, which a step-time
+/// model turns into seconds with its device's rates.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[non_exhaustive]
+pub struct StepCost {
+    /// Parameters this rank's optimizer steps (all, or its ZeRO share).
+    pub stepped_parameters: f64,
+    /// Device memory traffic of the step per stepped parameter, in bytes.
+    pub device_bytes_per_parameter: f64,
+    /// Host bus traffic per stepped parameter, in bytes (gradients down,
+    /// weights back up).
+    pub bus_bytes_per_parameter: f64,
+    /// Whether the host's CPU runs the step (then at its own rate per
+    /// parameter).
+    pub on_host: bool,
+}
+
+impl StepCost {
+    /// `candle_nn::AdamW` on the device over every parameter of `model`, in
+    /// `plan`'s precision: each of its [`CANDLE_ADAMW_TEMPORARIES`]
+    /// elementwise ops writes a full-size fp32 output that the next reads,
+    /// over the fp32 weights, gradients and moments, and under mixed
+    /// precision the gradient's upcast and the weights' copy back.
+    ///
+    /// [`CANDLE_ADAMW_TEMPORARIES`]: crate::adamw::CANDLE_ADAMW_TEMPORARIES
+    pub fn unfixed(plan: &crate::Plan, model: &ModelFacts) -> Self {
+        let bytes = plan.precision.compute_bytes() as f64;
+        let temporaries = crate::adamw::CANDLE_ADAMW_TEMPORARIES as f64;
+        let mixed = if plan.precision.is_mixed() {
+            4.0 + 2.0 * bytes
+        } else {
+            0.0
+        };
+        StepCost {
+            stepped_parameters: model.parameters as f64,
+            device_bytes_per_parameter: 2.0 * 4.0 * temporaries + 2.0 * 4.0 * 3.0 + mixed,
+            bus_bytes_per_parameter: 0.0,
+            on_host: false,
         }
     }
 }

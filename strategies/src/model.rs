@@ -144,8 +144,51 @@ impl Default for Capabilities {
     }
 }
 
+/// Token tensors of one micro-batch, for models that train on token data
+/// (a trainer reads them from its data source; a model that makes its own
+/// data gets none).
+#[derive(Debug, Clone)]
+pub struct TokenBatch {
+    /// Token ids, u32 `[b, s]`.
+    pub input_ids: Tensor,
+    /// Target ids, u32 `[b, s]`: for causal LMs the next token of each position
+    /// (already shifted by the data source); for masked LMs the original token at
+    /// each position (only masked positions count).
+    pub targets: Tensor,
+    /// Positions that count in the loss, `[b, s]` of 0/1 in any dtype; `None`: all
+    /// positions. Masked-LM batches normally carry one: the masked positions.
+    pub loss_mask: Option<Tensor>,
+    /// Real tokens (nonzero) versus padding (0), `[b, s]` of any dtype. Used by
+    /// bidirectional attention; causal models ignore it (right padding cannot be
+    /// attended to by earlier positions; keep padded positions out of `loss_mask`).
+    pub attention_mask: Option<Tensor>,
+}
+
+impl TokenBatch {
+    /// `(b, s)` of the inputs, checked against the targets and masks.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        let dims = self.input_ids.dims2()?;
+        let others = [
+            Some(&self.targets),
+            self.loss_mask.as_ref(),
+            self.attention_mask.as_ref(),
+        ];
+        if others
+            .into_iter()
+            .flatten()
+            .any(|t| t.dims() != [dims.0, dims.1])
+        {
+            return Err(Error::Config(format!(
+                "batch tensors disagree: input_ids is {:?}; targets and masks must have the same shape",
+                self.input_ids.dims()
+            )));
+        }
+        Ok(dims)
+    }
+}
+
 /// What a model's forward is asked for: one micro-batch.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct MicroBatch {
     /// Samples in the micro-batch.
@@ -162,23 +205,48 @@ pub struct MicroBatch {
     /// declares [`Capabilities::attention`]) and, for [`forward_backward`],
     /// the checkpointing and loss scale.
     pub execution: Execution,
+    /// The run's seed (a trainer's `seed` option): a model that makes its own
+    /// data draws it from this and [`index`](Self::index).
+    pub seed: u64,
+    /// The tokens of the micro-batch, where the trainer reads them from a data
+    /// source; `None` where the model makes its own data.
+    pub tokens: Option<TokenBatch>,
 }
 
 impl MicroBatch {
     /// Micro-batch number `index` of `size` samples, with sequences of one
-    /// token (set [`seq_len`](Self::seq_len) for sequence models).
+    /// token (set [`seq_len`](Self::seq_len) for sequence models), seed 0 and
+    /// no tokens.
     pub fn new(size: usize, index: u64, execution: Execution) -> Self {
         MicroBatch {
             size,
             seq_len: 1,
             index,
             execution,
+            seed: 0,
+            tokens: None,
         }
     }
 
     /// With sequences of `seq_len` tokens.
     pub fn with_seq_len(self, seq_len: usize) -> Self {
         MicroBatch { seq_len, ..self }
+    }
+
+    /// With the run's seed.
+    pub fn with_seed(self, seed: u64) -> Self {
+        MicroBatch { seed, ..self }
+    }
+
+    /// The micro-batch of `tokens`: its size and sequence length are theirs.
+    pub fn with_tokens(self, tokens: TokenBatch) -> Result<Self> {
+        let (size, seq_len) = tokens.dims()?;
+        Ok(MicroBatch {
+            size,
+            seq_len,
+            tokens: Some(tokens),
+            ..self
+        })
     }
 }
 
@@ -220,7 +288,8 @@ pub enum Forward<'a> {
     Stages(Stages<'a>),
 }
 
-/// A trainable candle model as the fixes see it.
+/// A trainable candle model as the fixes see it: a model given as code, or
+/// one of the Hugging Face families a trainer builds from a checkpoint.
 ///
 /// See the [module docs](self) for what each fix needs and an example.
 pub trait Model {
@@ -228,6 +297,18 @@ pub trait Model {
     /// optimizer state and sharding follow it; with a `candle_nn::VarMap`,
     /// [`vars_of`] sorts them by name).
     fn vars(&self) -> Vec<Var>;
+    /// The variables' names, in [`vars`](Self::vars) order, for saved files
+    /// and logs (default: `var.0`, `var.1`, …).
+    fn var_names(&self) -> Vec<String> {
+        (0..self.vars().len()).map(|i| format!("var.{i}")).collect()
+    }
+    /// The block each variable belongs to, in [`vars`](Self::vars) order
+    /// (`None`: outside every block, or unknown; the default): ZeRO stage 3
+    /// gathers a checkpointed segment's parameters only while it runs, and
+    /// stages 2-3 reduce them once its backward made them.
+    fn var_blocks(&self) -> Vec<Option<usize>> {
+        vec![None; self.vars().len()]
+    }
     /// One micro-batch of `batch.size` samples: its loss, or the stages that
     /// compute it. The model makes its micro-batch (or takes it from data it
     /// holds), in its own compute dtype.
@@ -241,6 +322,12 @@ pub trait Model {
 impl<M: Model + ?Sized> Model for Box<M> {
     fn vars(&self) -> Vec<Var> {
         (**self).vars()
+    }
+    fn var_names(&self) -> Vec<String> {
+        (**self).var_names()
+    }
+    fn var_blocks(&self) -> Vec<Option<usize>> {
+        (**self).var_blocks()
     }
     fn forward(&self, batch: &MicroBatch) -> candle_core::Result<Forward<'_>> {
         (**self).forward(batch)
@@ -298,15 +385,30 @@ pub fn forward_backward<M: Model + ?Sized>(
     vars: &[Var],
     batch: &MicroBatch,
 ) -> Result<Gradients> {
+    forward_backward_with(model, vars, batch, &mut checkpoint::NoHook)
+}
+
+/// [`forward_backward`], calling `hook` around each checkpointed segment of
+/// blocks ([`checkpoint::backward_with`]): e.g. ZeRO stage 3 gathering a
+/// segment's parameters only while it runs. A gradient the hook took is
+/// `None` in the result, its [`Gradients::taken`] flag set; every other
+/// variable has one (zeros where the loss does not reach it).
+pub fn forward_backward_with<M: Model + ?Sized>(
+    model: &M,
+    vars: &[Var],
+    batch: &MicroBatch,
+    hook: &mut dyn checkpoint::SegmentHook,
+) -> Result<Gradients> {
     let exec = &batch.execution;
     let out = match model.forward(batch)? {
-        Forward::Stages(s) => checkpoint::backward(
+        Forward::Stages(s) => checkpoint::backward_with(
             &s.stem,
             &s.blocks,
             s.head,
             vars,
             exec.checkpoint,
             exec.loss_scale,
+            hook,
         )?,
         Forward::Loss(loss) => {
             if !exec.checkpoint.segments(1).is_empty() {
@@ -330,12 +432,35 @@ pub fn forward_backward<M: Model + ?Sized>(
         .grads
         .into_iter()
         .zip(vars)
-        .map(|(g, v)| match g {
-            Some(g) => Ok(Some(g)),
-            None => Ok(Some(v.zeros_like()?)),
+        .zip(&out.taken)
+        .map(|((g, v), &taken)| match g {
+            None if !taken => Ok(Some(v.zeros_like()?)),
+            g => Ok(g),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Gradients::untaken(out.loss, grads))
+    Ok(Gradients {
+        loss: out.loss,
+        grads,
+        taken: out.taken,
+    })
+}
+
+/// The loss of `batch` from a forward pass without backward (evaluation):
+/// with [`Forward::Stages`], each block's input is detached, so a block's
+/// activations are dropped once its output exists and the pass never keeps
+/// more than one block's.
+pub fn loss_only<M: Model + ?Sized>(model: &M, batch: &MicroBatch) -> Result<f32> {
+    let loss = match model.forward(batch)? {
+        Forward::Loss(loss) => loss,
+        Forward::Stages(s) => {
+            let mut x = s.stem.detach();
+            for block in &s.blocks {
+                x = block(&x)?.detach();
+            }
+            (s.head)(&x)?
+        }
+    };
+    Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
 }
 
 /// Whether the linked candle-core stores a tensor's first gradient as it is

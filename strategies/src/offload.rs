@@ -15,11 +15,13 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Tensor, Var};
 
 use crate::accumulate::zip_in_place;
-use crate::adamw::{
-    check_param, contiguous_range, one_gradient_each, with_cpu_mut_src, with_float_vec, FusedAdamW,
-    ParamsAdamW,
+use crate::adamw::{FusedAdamW, ParamsAdamW};
+use crate::float::{
+    check_param, contiguous_range, one_gradient_each, with_cpu_mut_src, with_float_vec,
 };
-use crate::{Error, ModelFacts, OptimizerImpl, Plan, Result, SearchContext, StateBytes, Strategy};
+use crate::{
+    Error, ModelFacts, OptimizerImpl, Plan, Result, SearchContext, StateBytes, StepCost, Strategy,
+};
 
 /// Planner half: move master weights and optimizer state to host memory
 /// (`cpu-adamw`). Offered only where the device's memory is apart from the
@@ -67,11 +69,21 @@ impl Strategy for Offload {
             return;
         }
         let compute = plan.precision.compute_bytes();
-        state.host = crate::shard::per_rank(plan, 12 * model.parameters, 1)
-            + crate::shard::per_rank(plan, compute * model.parameters, 1);
+        state.host =
+            plan.per_rank(12 * model.parameters, 1) + plan.per_rank(compute * model.parameters, 1);
         state.master_weights = 0;
         state.optimizer_state = 0;
         state.optimizer_transient = compute * model.largest_tensor;
+    }
+    /// Offloaded, the host runs the step; each stepped parameter's gradient
+    /// goes down the bus and its compute weight comes back up, in the
+    /// compute dtype; the device's memory sees none of the step.
+    fn time(&self, plan: &Plan, _model: &ModelFacts, cost: &mut StepCost) {
+        if plan.optimizer.is_offloaded() {
+            cost.on_host = true;
+            cost.device_bytes_per_parameter = 0.0;
+            cost.bus_bytes_per_parameter = 2.0 * plan.precision.compute_bytes() as f64;
+        }
     }
 }
 

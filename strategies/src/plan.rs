@@ -336,6 +336,25 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// One rank's part of `bytes` of state that the plan shards from ZeRO
+    /// stage `from_stage` on: `bytes / world_size` (rounded up) when
+    /// sharded, else all.
+    ///
+    /// ```
+    /// use oomfix_strategies::{Plan, Sharding};
+    /// let plan = Plan { shard: Sharding::new(4, 2), ..Plan::baseline(8, 16) };
+    /// assert_eq!(plan.per_rank(10, 1), 3);
+    /// assert_eq!(plan.per_rank(10, 3), 10);
+    /// ```
+    pub fn per_rank(&self, bytes: u64, from_stage: u8) -> u64 {
+        let n = self.shard.world_size.max(1) as u64;
+        if n > 1 && self.shard.stage >= from_stage {
+            bytes.div_ceil(n)
+        } else {
+            bytes
+        }
+    }
+
     /// The plan with no fix applied: the whole global batch in one fp32 pass,
     /// plain autograd, composed attention, `candle_nn::AdamW`, one device.
     pub fn baseline(global_batch: usize, seq_len: usize) -> Plan {

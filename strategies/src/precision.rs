@@ -24,7 +24,7 @@ use candle_core::{CpuStorage, DType, Layout, Storage, Tensor, Var};
 use candle_nn::VarMap;
 
 use crate::accumulate::collect_grads;
-use crate::adamw::{contiguous_range, is_kernel_dtype, with_float_vec, Float};
+use crate::float::{contiguous_range, is_kernel_dtype, with_float_vec, Float};
 use crate::{Error, ModelFacts, Plan, Precision, Result, SearchContext, StateBytes, Strategy};
 
 /// Planner half: switch fp32 compute to bf16 (or f16 with loss scaling where

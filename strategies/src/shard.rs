@@ -15,9 +15,12 @@ use candle_core::cpu_backend::CpuDevice;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
 
 use crate::accumulate::{divisors, GradAccumulator};
-use crate::adamw::{one_gradient_each, FusedAdamW, ParamsAdamW};
+use crate::adamw::{FusedAdamW, ParamsAdamW};
+use crate::float::one_gradient_each;
 use crate::offload::OffloadedAdamW;
-use crate::{Error, ModelFacts, Plan, Result, SearchContext, Sharding, StateBytes, Strategy};
+use crate::{
+    Error, ModelFacts, Plan, Result, SearchContext, Sharding, StateBytes, StepCost, Strategy,
+};
 
 #[cfg(feature = "mpi")]
 mod mpi_comm;
@@ -91,10 +94,16 @@ impl Strategy for Shard {
     /// larger parameter is a bucket of its own): `collective_bucket`; a
     /// segment's reduction moves only its own gradients, or those outside
     /// the blocks: `reduction_bucket`.
+    /// From ZeRO stage 1 on, each rank steps the share of the parameters it owns.
+    fn time(&self, plan: &Plan, _model: &ModelFacts, cost: &mut StepCost) {
+        if plan.shard.world_size > 1 && plan.shard.stage >= 1 {
+            cost.stepped_parameters /= plan.shard.world_size as f64;
+        }
+    }
     fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
         let sharded = plan.shard.world_size > 1 && plan.shard.stage >= 1;
         if sharded && plan.shard.stage == 1 {
-            let owned = per_rank(plan, state.step_gradients, 1);
+            let owned = plan.per_rank(state.step_gradients, 1);
             let kept = if plan.grad_accum > 1 {
                 state.step_gradients
             } else {
@@ -102,7 +111,7 @@ impl Strategy for Shard {
             };
             state.step_gradients = kept + owned;
         }
-        let share = |bytes: &mut u64, from_stage: u8| *bytes = per_rank(plan, *bytes, from_stage);
+        let share = |bytes: &mut u64, from_stage: u8| *bytes = plan.per_rank(*bytes, from_stage);
         share(&mut state.master_weights, 1);
         share(&mut state.optimizer_state, 1);
         share(&mut state.accumulated_gradients, 2);
@@ -156,17 +165,6 @@ impl Strategy for Shard {
                 state.weights = w.min(most);
             }
         }
-    }
-}
-
-/// One rank's part of `bytes` of state that `plan` shards from ZeRO stage
-/// `from_stage` on: `bytes / world_size` (rounded up) when sharded, else all.
-pub fn per_rank(plan: &Plan, bytes: u64, from_stage: u8) -> u64 {
-    let n = plan.shard.world_size.max(1) as u64;
-    if n > 1 && plan.shard.stage >= from_stage {
-        bytes.div_ceil(n)
-    } else {
-        bytes
     }
 }
 

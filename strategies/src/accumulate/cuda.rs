@@ -10,10 +10,10 @@ use candle_core::cuda_backend::cudarc::nvrtc::{CompileError, CompileOptions};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::Tensor;
 
-use crate::adamw::contiguous_range;
 use crate::cuda::{
     dtype_name, grid_stride_config, with_cuda_mut, with_cuda_mut_src, with_float_slice,
 };
+use crate::float::contiguous_range;
 
 /// The kernel source (compiled after [`crate::CUDA_HALF_PRELUDE`]).
 const SOURCE: &str = include_str!("accumulate.cu");

@@ -10,8 +10,8 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaContext};
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CpuStorage, CudaDevice, Storage, Tensor};
 
-use crate::adamw::{contiguous_range, with_cpu_mut};
 use crate::cuda::with_cuda_mut;
+use crate::float::{contiguous_range, with_cpu_mut};
 
 /// Queues a copy of the contiguous CUDA tensor `src` into the contiguous host
 /// tensor `dst` on the device's stream, after the work queued before it. Into
