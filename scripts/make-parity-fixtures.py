@@ -10,7 +10,7 @@ train/<name>/model.safetensors, train/<name>/config.json
     scales drawn from N(1, 0.5): Qwen3 (q/k norms, head size 16 where
     hidden / heads is 8); a Llama 3.2-style model (llama3 RoPE scaling, base
     500000, head size 16); Llamas with linear, dynamic (NTK; the batch longer
-    than the context) and yarn RoPE scaling.
+    than the context) and yarn RoPE scaling; Phi-3 (fused projections).
 train/<name>.ref.safetensors
     input_ids, targets, loss_mask (BERT: and attention_mask, the second
     sequence ending with 3 padding tokens), the logits (f32 [b, s, V]), the
@@ -61,7 +61,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
 from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel,
                           LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 B, S, V = 2, 8, 64
 
@@ -105,7 +105,7 @@ def llama_with(scaling, theta=10000.0, **kw):
 
 
 # Fixtures after the first four: their norm scales spread (spread_norms).
-SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn"}
+SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "phi3"}
 
 
 def parity_models():
@@ -150,6 +150,15 @@ def parity_models():
     # YaRN with factor = max_position_embeddings / original (both readings agree).
     yield "llama-yarn", llama_with(
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    # Phi-3: fused qkv_proj (q, k, v rows) and gate_up_proj (gate, up rows),
+    # untied head, full rotary.
+    yield "phi3", Phi3ForCausalLM(Phi3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        original_max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        partial_rotary_factor=1.0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+        bos_token_id=0, eos_token_id=0, pad_token_id=None, sliding_window=None,
+        attn_implementation="eager", **rope(10000.0)))
 
 
 def save_model_dir(model, out):

@@ -9,12 +9,15 @@ use crate::Family;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Support {
     /// Planned and trained as `family`; `qk_norm`: with RMSNorm on each
-    /// query and key head (Qwen3).
+    /// query and key head (Qwen3); `fused`: with one q/k/v and one gate/up
+    /// projection (Phi-3).
     Implemented {
         /// The family whose model computes it.
         family: Family,
         /// Per-head RMSNorm on q and k before RoPE.
         qk_norm: bool,
+        /// Fused `qkv_proj` and `gate_up_proj`.
+        fused: bool,
     },
     /// Known, not implemented: `missing` says what its model computes that
     /// oomfix's families do not.
@@ -32,7 +35,11 @@ struct Entry {
 const fn implemented(names: &'static [&'static str], family: Family, qk_norm: bool) -> Entry {
     Entry {
         names,
-        support: Support::Implemented { family, qk_norm },
+        support: Support::Implemented {
+            family,
+            qk_norm,
+            fused: false,
+        },
     }
 }
 
@@ -46,7 +53,11 @@ const fn missing(names: &'static [&'static str], what: &'static str) -> Entry {
 const MOE: &str = "a mixture-of-experts MLP (router and experts) is not implemented";
 
 const TABLE: &[Entry] = &[
-    implemented(&["GPT2LMHeadModel", "GPT2Model", "gpt2"], Family::Gpt2, false),
+    implemented(
+        &["GPT2LMHeadModel", "GPT2Model", "gpt2"],
+        Family::Gpt2,
+        false,
+    ),
     implemented(
         &["LlamaForCausalLM", "LlamaModel", "llama"],
         Family::Llama,
@@ -94,10 +105,14 @@ const TABLE: &[Entry] = &[
          local and global RoPE bases, alternating sliding-window layers, query_pre_attn_scalar \
          and the GeLU-tanh MLP are not implemented",
     ),
-    missing(
-        &["Phi3ForCausalLM", "Phi3Model", "phi3"],
-        "the fused qkv_proj and gate_up_proj, partial rotary and longrope scaling are not implemented",
-    ),
+    Entry {
+        names: &["Phi3ForCausalLM", "Phi3Model", "phi3"],
+        support: Support::Implemented {
+            family: Family::Llama,
+            qk_norm: false,
+            fused: true,
+        },
+    },
     missing(
         &["PhiForCausalLM", "PhiModel", "phi"],
         "parallel attention and MLP with LayerNorm and partial rotary are not implemented",
@@ -133,7 +148,7 @@ pub fn refusal(name: &str) -> Option<String> {
         Support::Implemented { .. } => None,
         Support::Missing(what) => Some(format!("{name} is known, but {what}")),
         Support::Unknown => Some(format!(
-            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, BERT)"
+            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, BERT)"
         )),
     }
 }
@@ -202,15 +217,16 @@ mod tests {
             support("qwen3"),
             Support::Implemented {
                 family: Family::Llama,
-                qk_norm: true
+                qk_norm: true,
+                fused: false
             }
         );
         assert!(matches!(support("gemma2"), Support::Missing(_)));
         assert_eq!(support("MambaForCausalLM"), Support::Unknown);
         assert!(refusal("LlamaForCausalLM").is_none());
-        let why = refusal("Phi3ForCausalLM").unwrap();
+        let why = refusal("Gemma3ForCausalLM").unwrap();
         assert!(
-            why.contains("Phi3ForCausalLM") && why.contains("qkv_proj"),
+            why.contains("Gemma3ForCausalLM") && why.contains("q/k norm"),
             "{why}"
         );
         assert!(refusal("Qwen3MoeForCausalLM")

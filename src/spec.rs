@@ -114,6 +114,12 @@ pub struct ModelSettings {
     /// Llama-style: RMSNorm over each head of q and of k after the
     /// projections, before RoPE (`self_attn.q_norm`, `self_attn.k_norm`; Qwen3).
     pub qk_norm: bool,
+    /// Llama-style: one `self_attn.qkv_proj` (rows q, k, v) and one
+    /// `mlp.gate_up_proj` (rows gate, up) instead of separate projections (Phi-3).
+    pub fused_projections: bool,
+    /// The share of each head that RoPE rotates (`partial_rotary_factor`),
+    /// when `config.json` gives one.
+    pub partial_rotary_factor: Option<f64>,
     /// The numbers of `rope_scaling` (absent ones are transformers' defaults).
     pub rope: RopeFactors,
 }
@@ -286,6 +292,13 @@ impl ModelConfig {
                 return Some((field, format!("{arch:?}"), why));
             }
         }
+        if let Some(p) = s.partial_rotary_factor.filter(|&p| p != 1.0) {
+            return Some((
+                "partial_rotary_factor",
+                p.to_string(),
+                "partial rotary (RoPE on part of each head) is not implemented".into(),
+            ));
+        }
         if let Some(kind) = &s.rope_scaling {
             if self.family == Family::Llama
                 && !crate::architecture::ROPE_SCALINGS.contains(&kind.as_str())
@@ -368,9 +381,13 @@ impl ModelConfig {
                 for l in 0..self.layers {
                     let p = format!("model.layers.{l}.");
                     add(format!("{p}input_layernorm.weight"), &[h]);
-                    add(format!("{p}self_attn.q_proj.weight"), &[q, h]);
-                    add(format!("{p}self_attn.k_proj.weight"), &[kv, h]);
-                    add(format!("{p}self_attn.v_proj.weight"), &[kv, h]);
+                    if self.settings.fused_projections {
+                        add(format!("{p}self_attn.qkv_proj.weight"), &[q + 2 * kv, h]);
+                    } else {
+                        add(format!("{p}self_attn.q_proj.weight"), &[q, h]);
+                        add(format!("{p}self_attn.k_proj.weight"), &[kv, h]);
+                        add(format!("{p}self_attn.v_proj.weight"), &[kv, h]);
+                    }
                     if self.qkv_bias || self.settings.attention_bias {
                         add(format!("{p}self_attn.q_proj.bias"), &[q]);
                         add(format!("{p}self_attn.k_proj.bias"), &[kv]);
@@ -386,8 +403,12 @@ impl ModelConfig {
                         add(format!("{p}self_attn.k_norm.weight"), &[d]);
                     }
                     add(format!("{p}post_attention_layernorm.weight"), &[h]);
-                    add(format!("{p}mlp.gate_proj.weight"), &[i, h]);
-                    add(format!("{p}mlp.up_proj.weight"), &[i, h]);
+                    if self.settings.fused_projections {
+                        add(format!("{p}mlp.gate_up_proj.weight"), &[2 * i, h]);
+                    } else {
+                        add(format!("{p}mlp.gate_proj.weight"), &[i, h]);
+                        add(format!("{p}mlp.up_proj.weight"), &[i, h]);
+                    }
                     add(format!("{p}mlp.down_proj.weight"), &[h, i]);
                     if self.settings.mlp_bias {
                         add(format!("{p}mlp.gate_proj.bias"), &[i]);

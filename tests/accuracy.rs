@@ -136,3 +136,13 @@ fn llama3_estimate_within_8_percent() {
     c.settings.rope_theta = Some(500_000.0);
     check("llama3", c);
 }
+
+/// Phi-3: fused `qkv_proj` and `gate_up_proj` (their outputs' slices copied
+/// by RoPE, the head split and SwiGLU).
+#[test]
+fn phi3_estimate_within_8_percent() {
+    let mut c = estimate::llama();
+    c.settings.fused_projections = true;
+    c.settings.architecture = Some("Phi3ForCausalLM".into());
+    check("phi3", c);
+}

@@ -246,26 +246,40 @@ fn phi3_tensors() -> Vec<(String, Vec<usize>)> {
 #[test]
 fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
     let llama = tiny_llama().tensors();
+    let none = json!({});
+    // Phi-4-mini: a Phi-3 whose RoPE turns 3/4 of each head.
+    let partial = json!({"partial_rotary_factor": 0.75});
     let cases = [
-        (llama.clone(), "Gemma2ForCausalLM", "soft-capping"),
-        (llama.clone(), "Qwen3MoeForCausalLM", "mixture-of-experts"),
-        (phi3_tensors(), "Phi3ForCausalLM", "qkv_proj"),
+        (llama.clone(), "Gemma2ForCausalLM", &none, "soft-capping"),
+        (
+            llama.clone(),
+            "Qwen3MoeForCausalLM",
+            &none,
+            "mixture-of-experts",
+        ),
+        (
+            phi3_tensors(),
+            "Phi3ForCausalLM",
+            &partial,
+            "partial rotary",
+        ),
         (
             llama,
             "MambaForCausalLM",
+            &none,
             "not an architecture oomfix implements",
         ),
     ];
-    for (tensors, arch, says) in cases {
-        let d = model_dir(tensors, llama_config(arch, json!({})));
+    for (tensors, arch, extra, says) in cases {
+        let d = model_dir(tensors, llama_config(arch, extra.clone()));
+        let named = if extra == &none {
+            format!("\"{arch}\"")
+        } else {
+            "\"partial_rotary_factor\" is 0.75".to_string()
+        };
         refused(
             &plan(d.path()),
-            &[
-                "config.json",
-                &format!("\"{arch}\""),
-                says,
-                "nothing was planned",
-            ],
+            &["config.json", &named, says, "nothing was planned"],
         );
         // inspect reads it and says what is missing.
         let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();
@@ -324,4 +338,33 @@ fn rope_scalings_are_planned_or_refused_by_name() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+#[test]
+fn a_phi3_checkpoint_is_planned_with_its_fused_projections() {
+    let d = model_dir(
+        phi3_tensors(),
+        llama_config("Phi3ForCausalLM", json!({"intermediate_size": 48})),
+    );
+    let out = oomfix()
+        .args(["inspect", "--json"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["architecture"], "Phi3ForCausalLM");
+    assert_eq!(v["missing"], Value::Null);
+    let elements: usize = phi3_tensors()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    assert_eq!(v["parameters"].as_u64().unwrap(), elements as u64);
+    let out = plan(d.path());
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -711,8 +711,9 @@ impl Reference {
 /// head; Qwen2 with q/k/v biases and a tied head; BERT masked-LM with
 /// padding; Qwen3 (q/k norms, head size 16 ≠ hidden / heads); Llama
 /// 3.2-style (llama3 RoPE, head size 16); Llamas with linear, dynamic and
-/// yarn RoPE. The last five have norm scales drawn from N(1, 0.5).
-const FIXTURES: [&str; 9] = [
+/// yarn RoPE; Phi-3 (fused projections, untied head). The last six have
+/// norm scales drawn from N(1, 0.5).
+const FIXTURES: [&str; 10] = [
     "gpt2",
     "llama",
     "qwen2",
@@ -722,6 +723,7 @@ const FIXTURES: [&str; 9] = [
     "llama-linear",
     "llama-dynamic",
     "llama-yarn",
+    "phi3",
 ];
 
 fn references() -> Vec<Reference> {
@@ -803,16 +805,23 @@ fn the_reference_fixtures_are_the_families_they_stand_for() {
                 (8, false, Some("dynamic"))
             ),
             ("llama-yarn", l, 2, true, false, (8, false, Some("yarn"))),
+            ("phi3", l, 2, false, false, (8, false, None)),
         ]
     );
     for r in &refs[4..] {
         assert_eq!(
             r.spec.config.settings.architecture.as_deref(),
-            Some(if r.name == "qwen3" {
-                "Qwen3ForCausalLM"
-            } else {
-                "LlamaForCausalLM"
+            Some(match r.name {
+                "qwen3" => "Qwen3ForCausalLM",
+                "phi3" => "Phi3ForCausalLM",
+                _ => "LlamaForCausalLM",
             })
+        );
+        assert_eq!(
+            r.spec.config.settings.fused_projections,
+            r.name == "phi3",
+            "{}",
+            r.name
         );
     }
 }
@@ -977,7 +986,16 @@ fn bf16_losses_and_gradients_are_as_close_to_f32_as_transformers_bf16() {
 /// read as a plain Llama is refused, naming its q/k norms.
 #[test]
 fn the_fixtures_fail_a_model_without_the_familys_maths() {
-    for r in references().into_iter().skip(4) {
+    for r in references().into_iter().filter(|r| {
+        [
+            "qwen3",
+            "llama3",
+            "llama-linear",
+            "llama-dynamic",
+            "llama-yarn",
+        ]
+        .contains(&r.name)
+    }) {
         let want = r.loss();
         let loss_of = |model: &HubModel| step(model, &r.batch, Checkpointing::None).loss;
         let other = if r.name == "qwen3" {
@@ -1002,6 +1020,19 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
         );
         assert!(rel > 1e-4, "{}: {other} vs {want}", r.name);
     }
+    // Phi-3's fused projections read as separate ones: refused, naming the
+    // separate projection it lacks.
+    let phi3 = references().into_iter().find(|r| r.name == "phi3").unwrap();
+    let mut plain = phi3.spec.config.clone();
+    plain.settings.fused_projections = false;
+    let err = build_model(&plain, Some(&phi3.spec.files), DType::F32, &Device::Cpu, 0)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("missing tensor `model.layers.0.self_attn.q_proj.weight`"),
+        "{err}"
+    );
     let qwen3 = references().into_iter().nth(4).unwrap();
     let mut plain = qwen3.spec.config.clone();
     plain.settings.qk_norm = false;

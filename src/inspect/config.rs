@@ -135,10 +135,13 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         },
         _ => text("model_type")?,
     };
-    let qk_norm = matches!(
-        architecture.as_deref().map(architecture::support),
-        Some(Support::Implemented { qk_norm: true, .. })
-    );
+    let support = architecture.as_deref().map(architecture::support);
+    let qk_norm = matches!(support, Some(Support::Implemented { qk_norm: true, .. }));
+    let fused_projections = matches!(support, Some(Support::Implemented { fused: true, .. }));
+    let partial_rotary_factor = match rope_params.and_then(|p| p.get("partial_rotary_factor")) {
+        Some(v) => positive("rope_parameters.partial_rotary_factor", Some(v))?,
+        None => positive("partial_rotary_factor", get("partial_rotary_factor"))?,
+    };
     let norm_key = ["rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"]
         .into_iter()
         .find(|k| get(k).is_some());
@@ -174,6 +177,8 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         architecture,
         head_dim: count_field(obj, &["head_dim"])?.filter(|&d| d > 0),
         qk_norm,
+        fused_projections,
+        partial_rotary_factor,
         rope,
     })
 }

@@ -234,9 +234,9 @@ impl<'a> Tensors<'a> {
 
     fn is_llama(&self) -> bool {
         self.matrix("model.embed_tokens.weight").is_some()
-            && !self
-                .layer_ids("model.layers.", "self_attn.q_proj.weight")
-                .is_empty()
+            && ["self_attn.q_proj.weight", "self_attn.qkv_proj.weight"]
+                .iter()
+                .any(|p| !self.layer_ids("model.layers.", p).is_empty())
     }
 
     /// `"bert."` or `""` when the names are BERT's.
@@ -299,9 +299,18 @@ fn llama(source: &Path, t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
     let embed = "model.embed_tokens.weight";
     let (vocab, hidden) = t.matrix(embed).unwrap_or_default();
     let blocks = "model.layers.";
+    // Phi-3's fused qkv_proj: rows H·d for q, then KV·d each for k and v.
+    let qkv_rows = t
+        .layer_shape(blocks, "self_attn.qkv_proj.weight")
+        .and_then(|s| s.first().copied());
+    let q_rows = match hf.and_then(|c| Some((c.heads?, c.head_dim))) {
+        Some((heads, Some(d))) => heads * d,
+        _ => hidden,
+    };
     let kv_rows = t
         .layer_shape(blocks, "self_attn.k_proj.weight")
         .and_then(|s| s.first().copied())
+        .or_else(|| qkv_rows.map(|r| r.saturating_sub(q_rows) / 2))
         .unwrap_or(hidden);
     let (heads, kv_heads) = llama_heads(hf, hidden, kv_rows, &mut assumptions)?;
     let max_positions = hf.and_then(|c| c.max_positions).unwrap_or_else(|| {
@@ -313,7 +322,11 @@ fn llama(source: &Path, t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
     });
     let intermediate = t
         .layer_shape(blocks, "mlp.gate_proj.weight")
-        .and_then(|s| s.first().copied());
+        .and_then(|s| s.first().copied())
+        .or_else(|| {
+            t.layer_shape(blocks, "mlp.gate_up_proj.weight")
+                .and_then(|s| s.first().map(|r| r / 2))
+        });
     let (tied, tied_copies) = tie(t, embed, "lm_head.weight", hf, false);
     let config = ModelConfig {
         family: Family::Llama,

@@ -180,6 +180,8 @@ struct Dims {
     q: u64,
     /// Llama-style: RMSNorm outputs of q and k (Qwen3).
     qk_norm: bool,
+    /// Llama-style: fused `qkv_proj` and `gate_up_proj` (Phi-3).
+    fused: bool,
     heads: u64,
     head_dim: u64,
     v: u64,
@@ -200,6 +202,7 @@ impl Dims {
             kv: (c.kv_heads * c.head_dim()) as u64,
             q: (c.heads * c.head_dim()) as u64,
             qk_norm: c.settings.qk_norm,
+            fused: c.settings.fused_projections,
             heads: c.heads as u64,
             head_dim: c.head_dim() as u64,
             v: c.vocab as u64,
@@ -258,12 +261,20 @@ fn block(family: Family, d: &Dims) -> Values {
         // with q/k norm, their outputs [n,q], [n,kv]; v copy; RoPE q, k
         // (fused, heads first); attention core; context, merged [n,q]×2;
         // o_proj, residual; rms; gate, up, SwiGLU [n,I]×3; down, residual.
+        // Fused projections (one output of q, k, v; one of gate, up): the
+        // contiguous copies RoPE makes of q [n,q] and k [n,kv], the copy
+        // splitting v's heads [n,kv], and SwiGLU's of gate and up [n,I]×2.
         Family::Llama => Values {
             c: 4 * n * d.q
                 + 4 * n * h
                 + 4 * n * kv
                 + 3 * n * i
-                + if d.qk_norm { n * (d.q + kv) } else { 0 },
+                + if d.qk_norm { n * (d.q + kv) } else { 0 }
+                + if d.fused {
+                    n * (d.q + 2 * kv) + 2 * n * i
+                } else {
+                    0
+                },
             f32: 0,
         }
         .add(core)
