@@ -27,6 +27,9 @@ pub(crate) fn frequencies(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f
             Error::Usage(format!("rope_scaling {kind:?} needs a positive \"{name}\""))
         })
     };
+    if kind == "yarn" {
+        return Ok(yarn(config));
+    }
     let factor = need(r.factor, "factor")?;
     match kind {
         "linear" => Ok((plain(base).into_iter().map(|f| f / factor).collect(), 1.0)),
@@ -65,7 +68,6 @@ pub(crate) fn frequencies(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f
                 .collect();
             Ok((freqs, 1.0))
         }
-        "yarn" => Ok(yarn(config, factor)),
         other => Err(Error::Usage(format!(
             "rope_scaling {other:?} is not implemented"
         ))),
@@ -74,17 +76,21 @@ pub(crate) fn frequencies(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f
 
 /// `yarn`: frequencies blended between the original (fast rotations) and
 /// the interpolated ones (slow rotations) over a linear ramp, and the
-/// attention factor.
-fn yarn(config: &ModelConfig, factor: f64) -> (Vec<f64>, f64) {
+/// attention factor. The pre-training context is
+/// `original_max_position_embeddings`, else `max_position_embeddings`; the
+/// factor `factor`, else the ratio of the two contexts.
+fn yarn(config: &ModelConfig) -> (Vec<f64>, f64) {
     let r = &config.settings.rope;
     let d = config.head_dim() as f64;
     let base = config.rope_theta();
-    // A checkpoint that gives its pre-training context takes the ratio of
-    // the two contexts as the factor.
-    let (factor, original) = match r.original_max_positions {
-        Some(o) if o > 0 => (config.max_positions as f64 / o as f64, o as f64),
-        _ => (factor, config.max_positions as f64),
-    };
+    let original = r
+        .original_max_positions
+        .filter(|&o| o > 0)
+        .unwrap_or(config.max_positions.max(1)) as f64;
+    let factor = r
+        .factor
+        .filter(|&f| f > 0.0)
+        .unwrap_or(config.max_positions as f64 / original);
     let mscale = |scale: f64, m: f64| {
         if scale <= 1.0 {
             1.0
