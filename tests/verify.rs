@@ -293,3 +293,65 @@ fn a_host_out_of_memory_while_verifying_is_one_failed_attempt() {
         "{attempts:?}"
     );
 }
+
+/// `train --snapshot` records the run's own first `--snapshot-steps` steps:
+/// the snapshot holds that many optimizer steps (each a run of events in
+/// the optimizer step's phase), and the plot is drawn beside it.
+#[test]
+fn train_snapshot_records_the_runs_first_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_gpt2_file(dir.path());
+    let count = r#"
+import pickle, sys
+d = pickle.load(open(sys.argv[1], "rb"))
+t = d["device_traces"][0]
+phases = ("forward", "backward", "optimizer_step")
+seq = [n for e in t for n in [next((f["name"] for f in e["frames"] if f["name"] in phases), None)] if n]
+print(sum(1 for a, b in zip([None] + seq, seq) if b == "optimizer_step" and a != b))
+"#;
+    for steps in [1, 2] {
+        let snap = dir.path().join(format!("run{steps}.pickle"));
+        let plot = dir.path().join(format!("run{steps}.svg"));
+        let out = Command::cargo_bin("oomfix")
+            .unwrap()
+            .args([
+                "train",
+                "--budget",
+                "256MiB",
+                "--device",
+                "cpu",
+                "--seq-len",
+                "16",
+            ])
+            .args(["--global-batch", "2", "--steps", "3", "--init", "random"])
+            .args(["--snapshot-steps", &steps.to_string(), "--snapshot"])
+            .arg(&snap)
+            .arg("--plot")
+            .arg(&plot)
+            .arg(&model)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{stderr}");
+        let py = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(count)
+            .arg(&snap)
+            .output()
+            .unwrap();
+        assert!(
+            py.status.success(),
+            "{}",
+            String::from_utf8_lossy(&py.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&py.stdout).trim(),
+            steps.to_string()
+        );
+        let svg = std::fs::read_to_string(&plot).unwrap();
+        assert!(
+            svg.contains(&format!("steps 1-{steps}")),
+            "the plot's title names the steps"
+        );
+    }
+}

@@ -165,6 +165,10 @@ pub struct TrainOptions {
     /// file, nor over a directory that is not an earlier checkpoint.
     #[arg(long, value_name = "DIR")]
     pub save: Option<PathBuf>,
+    /// With --snapshot or --plot: the run's first N steps are recorded (the
+    /// first step's one-off allocations, then steady steps).
+    #[arg(long, default_value_t = 2, value_name = "N", allow_negative_numbers = true, value_parser = parse_steps)]
+    pub snapshot_steps: u64,
     /// Also write the checkpoint every N steps [default: only at the end].
     #[arg(long, value_name = "N", requires = "save", allow_negative_numbers = true, value_parser = parse_steps)]
     pub save_every: Option<u64>,
@@ -322,12 +326,15 @@ pub struct PlanOptions {
     pub enforce_budget: bool,
     /// Measure the chosen plan (or the closest) and write every allocation of
     /// its step, tagged with module, op and component, as a PyTorch memory
-    /// snapshot (open it in pytorch.org/memory_viz). Needs --device cpu.
+    /// snapshot (open it in pytorch.org/memory_viz); with `train`, of the
+    /// run's own first steps (--snapshot-steps), one file per rank
+    /// (`NAME.rankR.EXT`) when there are several. Needs --device cpu.
     #[arg(long, value_name = "PATH", global = true)]
     pub snapshot: Option<PathBuf>,
     /// Measure the chosen plan (or the closest) and draw live memory over its
     /// step, stacked by component, phases shaded, budget as a line: an SVG or
-    /// a PNG, by the file's extension (.svg, .png). Needs --device cpu.
+    /// a PNG, by the file's extension (.svg, .png); with `train`, of the
+    /// run's own first steps, as --snapshot. Needs --device cpu.
     #[arg(long, value_name = "PATH", global = true)]
     pub plot: Option<PathBuf>,
 }

@@ -30,6 +30,13 @@ pub struct Prepared {
     plot: Option<PlotFormat>,
 }
 
+impl Prepared {
+    /// The format of `--plot`, checked.
+    pub fn plot_format(&self) -> Option<PlotFormat> {
+        self.plot
+    }
+}
+
 /// Checks `args` for planning on `target`, inspects the model and checks the
 /// output files (`--snapshot`, `--plot`; never one of the model's files or
 /// `inputs`). Nothing is printed.
@@ -302,15 +309,41 @@ fn timeline_outputs(
         "recorded {}",
         attempt.plan
     );
-    if let Some(path) = &args.opts.snapshot {
-        let bytes = report::snapshot_pickle(&timeline);
-        oomfix::output::write_atomic(path, |f| write_all(f, path, &bytes))?;
+    let title = format!("{}: {}", spec.source, attempt.plan);
+    write_timeline(&args.opts, plot, &timeline, budget, &title, None)
+}
+
+/// Writes `timeline` to the `--snapshot` and `--plot` files `opts` names
+/// (`plot` the plot's format), each atomically; with `rank`, as
+/// `NAME.rankR.EXT` (one file per rank of a job).
+pub fn write_timeline(
+    opts: &PlanOptions,
+    plot: Option<PlotFormat>,
+    timeline: &oomfix::measure::Timeline,
+    budget: u64,
+    title: &str,
+    rank: Option<usize>,
+) -> Result<(), Failure> {
+    let named = |path: &Path| match rank {
+        None => path.to_path_buf(),
+        Some(r) => {
+            let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+            let name = match path.extension() {
+                Some(ext) => format!("{stem}.rank{r}.{}", ext.to_string_lossy()),
+                None => format!("{stem}.rank{r}"),
+            };
+            path.with_file_name(name)
+        }
+    };
+    if let Some(path) = &opts.snapshot {
+        let path = named(path);
+        let bytes = report::snapshot_pickle(timeline);
+        oomfix::output::write_atomic(&path, |f| write_all(f, &path, &bytes))?;
     }
-    if let (Some(path), Some(format)) = (&args.opts.plot, plot) {
-        let title = format!("{}: {}", spec.source, attempt.plan);
-        let image =
-            report::timeline_plot(&timeline, budget, &title, format).map_err(Failure::Run)?;
-        oomfix::output::write_atomic(path, |f| write_all(f, path, &image))?;
+    if let (Some(path), Some(format)) = (&opts.plot, plot) {
+        let path = named(path);
+        let image = report::timeline_plot(timeline, budget, title, format).map_err(Failure::Run)?;
+        oomfix::output::write_atomic(&path, |f| write_all(f, &path, &image))?;
     }
     Ok(())
 }

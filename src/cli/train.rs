@@ -158,6 +158,13 @@ fn run_rank(
     if let (Some(j), true) = (joined, plan_args.opts.enforce_budget) {
         job::enforce_budget(j, prepared.budget)?;
     }
+    // `--snapshot` and `--plot` (checked above) record the run's own first
+    // steps, not a measurement of the plan apart.
+    let record_to = plan_args.opts.clone();
+    let (plot_format, budget) = (prepared.plot_format(), prepared.budget);
+    let recorded = record_to.snapshot.is_some() || record_to.plot.is_some();
+    plan_args.opts.snapshot = None;
+    plan_args.opts.plot = None;
     let model_dir = args.plan.model.as_deref().map(model_dir);
     if let Some(dir) = &model_dir {
         let seq_len = match args.plan.opts.seq_len {
@@ -263,6 +270,9 @@ fn run_rank(
     options.seed = o.seed;
     options.weights = weights;
     options.source = model_source(args, init, &spec, model_dir.as_deref());
+    let mut recording = recorded
+        .then(oomfix::measure::RunRecording::start)
+        .transpose()?;
     let mut trainer = match joined {
         Some(j) => Trainer::new_sharded(
             &spec.config,
@@ -293,6 +303,24 @@ fn run_rank(
              step and data position but not the optimizer moments; a resumed run restarts them from zero"
         );
     }
+    if let Some(r) = &recording {
+        r.steps_start();
+    }
+    let first_step = trainer.steps();
+    // Writes the recording of the steps taken so far (`--snapshot`, `--plot`).
+    let write_recording =
+        |recording: oomfix::measure::RunRecording, trainer: &Trainer| -> Result<(), Failure> {
+            let timeline = recording.finish(trainer)?;
+            let title = format!(
+                "{}: {}, steps {}-{}",
+                spec.source,
+                trainer.plan(),
+                first_step + 1,
+                trainer.steps()
+            );
+            let rank = joined.filter(|j| j.job.world_size > 1).map(|_| rank);
+            plan::write_timeline(&record_to, plot_format, &timeline, budget, &title, rank)
+        };
     // The state on disk, as a step count: nothing to write again at that step.
     let mut saved_at = (o.save.is_some() && o.save == o.resume).then(|| trainer.steps());
     let save =
@@ -338,6 +366,11 @@ fn run_rank(
             break;
         }
         let stats = trainer.step(&mut data)?;
+        if trainer.steps() - first_step >= o.snapshot_steps {
+            if let Some(r) = recording.take() {
+                write_recording(r, &trainer)?;
+            }
+        }
         summary.record_step(trainer.steps(), &stats);
         if let Some(p) = &progress {
             p.step(trainer.steps(), &stats);
@@ -356,6 +389,10 @@ fn run_rank(
     }
     if let Some(p) = &progress {
         p.finish();
+    }
+    // A run shorter than --snapshot-steps: its steps.
+    if let Some(r) = recording.take() {
+        write_recording(r, &trainer)?;
     }
     if let Some(comm) = trainer.comm() {
         summary.record_rank_peaks(rank_peaks(comm, summary.peak_bytes.unwrap_or(0))?);

@@ -1,9 +1,11 @@
 //! Peak-memory measurement of real training steps, and the allocation
 //! timeline of a measured step (module, op and component of every block).
 
+mod record;
 mod step;
 pub mod timeline;
 
+pub use record::RunRecording;
 #[doc(hidden)]
 pub use step::limit_address_space;
 pub(crate) use step::warm_up_threads;

@@ -402,13 +402,7 @@ pub fn plan_changes(saved: &Plan, now: &Plan) -> Vec<String> {
 }
 
 /// The compute dtype of a precision.
-pub fn compute_dtype(p: Precision) -> DType {
-    match p {
-        Precision::F32 => DType::F32,
-        Precision::Bf16 => DType::BF16,
-        Precision::F16 => DType::F16,
-    }
-}
+pub use oomfix_strategies::model::dtype_of as compute_dtype;
 
 impl Trainer {
     /// Builds the model of `config` (random, or `options.weights`) and the
