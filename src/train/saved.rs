@@ -255,6 +255,10 @@ pub fn first_difference(saved: &ModelConfig, now: &ModelConfig) -> Option<String
         c.settings.norm_eps = Some(c.norm_eps());
         c.settings.rope_theta = Some(c.rope_theta());
         c.settings.hidden_act = Some(c.hidden_act().to_string());
+        // The name only: what it implies (the family, q/k norms, fused
+        // projections) is compared field by field, and a directory saved
+        // from weights without a config.json names the family's architecture.
+        c.settings.architecture = None;
         serde_json::to_value(c).unwrap_or(Value::Null)
     };
     walk("", &value(saved), &value(now))
