@@ -67,6 +67,11 @@ pub mod units;
 
 mod error;
 
+/// The README, whose Rust recipe `cargo test --doc` runs as printed.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct Readme;
+
 pub use error::{Error, Result};
 pub use inspect::inspect;
 pub use measure::StepVerifier;

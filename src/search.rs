@@ -17,10 +17,11 @@
 //! measured, its measured peak within the budget. Every plan evaluated is an
 //! [`Attempt`], logged as a `tracing` span named `attempt`.
 
-use crate::memory::{Breakdown, Estimator, MemoryModel, Target};
+use crate::memory::{Backward, Breakdown, Estimator, MemoryModel, Target};
 use crate::spec::ModelSpec;
 use crate::speed::StepTime;
 use crate::{Error, Result};
+use oomfix_strategies::lora::{BasePrecision, Lora};
 use oomfix_strategies::model::Capabilities;
 use oomfix_strategies::{
     Attention, Checkpointing, OptimizerImpl, Pipeline, Plan, Precision, SearchContext, Sharding,
@@ -199,10 +200,16 @@ pub struct Pins {
     /// The most bytes one collective of a sharded plan moves (a setting
     /// rather than a searched field: every plan takes it).
     pub bucket_bytes: Option<usize>,
+    /// Low-rank adapters to train on the frozen model (`lora`): every plan
+    /// carries them; the search starts from their base precision.
+    pub lora: Option<Lora>,
+    /// The frozen base's storage, kept as given (needs [`lora`](Self::lora)).
+    pub base_precision: Option<BasePrecision>,
 }
 
 impl Pins {
-    /// The names of the pinned fields, as the plan's serde form names them.
+    /// The names of the pinned fields, as the plan's serde form names them
+    /// (`base_precision`: the base of its `lora`).
     pub fn names(&self) -> Vec<&'static str> {
         [
             ("micro_batch", self.micro_batch.is_some()),
@@ -213,6 +220,8 @@ impl Pins {
             ("optimizer", self.optimizer.is_some()),
             ("shard_stage", self.shard_stage.is_some()),
             ("bucket_bytes", self.bucket_bytes.is_some()),
+            ("lora", self.lora.is_some()),
+            ("base_precision", self.base_precision.is_some()),
         ]
         .into_iter()
         .filter_map(|(n, pinned)| pinned.then_some(n))
@@ -231,6 +240,10 @@ impl Pins {
             && keeps(self.attention, plan.attention)
             && keeps(self.optimizer, plan.optimizer)
             && keeps(self.shard_stage, plan.shard.stage)
+            && self.lora.is_some() == plan.lora.is_some()
+            && self
+                .base_precision
+                .is_none_or(|b| plan.lora.is_some_and(|l| l.base == b))
     }
 
     /// The baseline plan for `global` sequences of `seq_len` tokens over
@@ -287,6 +300,18 @@ impl Pins {
         plan.checkpoint = self.checkpoint.unwrap_or(plan.checkpoint);
         plan.attention = self.attention.unwrap_or(plan.attention);
         plan.optimizer = self.optimizer.unwrap_or(plan.optimizer);
+        plan.lora = match (self.lora, self.base_precision) {
+            (None, Some(base)) => {
+                return Err(Error::Usage(format!(
+                    "a base precision ({base}) is the storage of LoRA's frozen weights: it needs a LoRA rank (--lora)"
+                )))
+            }
+            (Some(lora), base) => Some(Lora {
+                base: base.unwrap_or(lora.base),
+                ..lora
+            }),
+            (None, None) => None,
+        };
         Ok(plan)
     }
 }
@@ -398,6 +423,12 @@ pub struct SearchResult {
     /// architecture), every estimated peak is a lower bound and a plan
     /// "fits" only on that lower bound, unless measured.
     pub activations_modelled: bool,
+    /// What the reader should know about how the estimates were made: with
+    /// candle-core as released linked (a crate depending on oomfix, outside
+    /// its workspace's `[patch]`), what the shown plan needs there and with
+    /// the patched candle-core the `oomfix` command links, and the plan the
+    /// command would choose (also logged as a warning).
+    pub notes: Vec<String>,
 }
 
 impl SearchResult {
@@ -446,6 +477,7 @@ pub struct Planner {
     pins: Pins,
     headroom: Option<Headroom>,
     host_budget: Option<u64>,
+    beyond_context: bool,
 }
 
 impl Planner {
@@ -467,7 +499,17 @@ impl Planner {
             pins: Pins::default(),
             headroom: None,
             host_budget: None,
+            beyond_context: false,
         }
+    }
+    /// Whether a sequence length beyond the model's context
+    /// (`max_position_embeddings`) is planned (default: no, a usage error).
+    /// A model with rotary positions computes positions past its context,
+    /// but was not trained on them; a model with learned positions has none
+    /// there and is refused either way.
+    pub fn allow_beyond_context(mut self, allow: bool) -> Self {
+        self.beyond_context = allow;
+        self
     }
     /// Plan fields the search keeps as given.
     pub fn pins(mut self, pins: Pins) -> Self {
@@ -578,6 +620,18 @@ impl Planner {
                 "a sequence length of {seq_len} exceeds the model's {max} learned positions"
             )));
         }
+        if max > 0 && seq_len > max && !self.beyond_context {
+            let assumed = spec
+                .assumptions
+                .iter()
+                .find(|a| a.starts_with("context limit"))
+                .map_or(String::new(), |a| format!("; {a}"));
+            return Err(Error::Usage(format!(
+                "a sequence length of {seq_len} is beyond the model's context of {max} tokens \
+                 (max_position_embeddings{assumed}), which it was not trained for: \
+                 --allow-beyond-context plans it anyway"
+            )));
+        }
         let mut ctx = SearchContext::new(self.global_batch, spec.config.layers);
         ctx.gpus = self.gpus;
         ctx.supports_bf16 = match self.half {
@@ -650,6 +704,14 @@ impl Planner {
             None
         };
         let advice = if fits { Vec::new() } else { run.advice(&ctx) };
+        let shown = chosen.unwrap_or_else(|| {
+            let peaks = run.attempts.iter().map(Attempt::peak).enumerate();
+            peaks.min_by_key(|&(_, p)| p).map_or(0, |(i, _)| i)
+        });
+        let notes = match (&self.estimator, activations_modelled) {
+            (None, true) => self.stock_candle_note(spec, &run.attempts[shown], chosen.is_some())?,
+            _ => None,
+        };
         Ok(SearchResult {
             budget_bytes: self.budget,
             host_budget_bytes: self.host_budget,
@@ -662,9 +724,83 @@ impl Planner {
             advice,
             skipped,
             activations_modelled,
+            notes: notes.into_iter().collect(),
         })
     }
+
+    /// With candle-core as released linked ([`Backward::linked`]): what
+    /// `shown` needs with this candle and with the patched one, and the plan
+    /// the search chooses with the patched one (as the `oomfix` command,
+    /// which links it, does). `None` with the patched candle-core.
+    fn stock_candle_note(
+        &self,
+        spec: &ModelSpec,
+        shown: &Attempt,
+        fits: bool,
+    ) -> Result<Option<String>> {
+        if Backward::linked() == Backward::FirstGradientAsIs {
+            return Ok(None);
+        }
+        let patched = MemoryModel::registered(&self.pipeline);
+        let patched_peak = patched
+            .estimate_with(spec, &shown.plan, &self.target, Backward::FirstGradientAsIs)
+            .peak;
+        let as_the_command = Planner {
+            budget: self.budget,
+            global_batch: self.global_batch,
+            seq_len: self.seq_len,
+            target: self.target,
+            gpus: self.gpus,
+            pipeline: self.pipeline.clone(),
+            estimator: Some(Box::new(PatchedBackward(patched))),
+            verifier: None,
+            verify: Verify::Off,
+            half: self.half,
+            capabilities: self.capabilities,
+            pins: self.pins,
+            headroom: self.headroom,
+            host_budget: self.host_budget,
+            beyond_context: self.beyond_context,
+        }
+        .run(spec)?;
+        let choice = match (as_the_command.chosen(), fits) {
+            (Some(a), true) if a.plan == shown.plan => "it chooses the same plan".to_string(),
+            (Some(a), _) => format!("it chooses {}", a.plan),
+            (None, _) => "nothing fits there either".to_string(),
+        };
+        let note = format!(
+            "candle-core as released is linked, not the patched one the oomfix command builds \
+             with (vendor/README.md): its backward adds each first gradient to a tensor of zeros, \
+             and the estimates count that. The {} plan needs {} here and {} with the patched \
+             candle-core, with which {choice}. To plan and train as the command does, add to \
+             your Cargo.toml: [patch.crates-io] candle-core = {{ path = \
+             \"path/to/oomfix/vendor/candle-core\" }}",
+            if fits { "chosen" } else { "closest" },
+            crate::units::format_bytes(shown.estimate.peak),
+            crate::units::format_bytes(patched_peak),
+        );
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| tracing::warn!("{note}"));
+        Ok(Some(note))
+    }
 }
+
+/// The analytic model with the patched candle-core's backward.
+struct PatchedBackward(crate::memory::WithFixes);
+
+impl Estimator for PatchedBackward {
+    fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
+        self.0
+            .estimate_with(spec, plan, target, Backward::FirstGradientAsIs)
+    }
+    fn step_time(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> StepTime {
+        self.0.step_time(spec, plan, target)
+    }
+}
+
+/// The LoRA rank the advice of a search that fits nothing tries (PEFT's
+/// examples' and the QLoRA paper's common choice).
+pub const HINT_LORA_RANK: u32 = 16;
 
 /// How many plans the search estimates at most while looking for the fastest.
 const MAX_EXPLORED: usize = 4096;
@@ -874,6 +1010,7 @@ impl Run<'_> {
             world_size = tracing::field::Empty,
             shard_stage = tracing::field::Empty,
             extensions = tracing::field::Empty,
+            lora = tracing::field::Empty,
             budget_bytes = self.planner.budget,
             estimated_bytes = estimate.peak,
             weights_bytes = estimate.weights,
@@ -933,48 +1070,132 @@ impl Run<'_> {
         Ok(fits)
     }
 
-    /// What would make the closest attempt fit: a budget, more GPUs, a shorter sequence.
+    /// For a search that trains every parameter: whether the closest plan
+    /// would fit with rank-[`HINT_LORA_RANK`] adapters on every linear
+    /// projection of the blocks, the base in 16 bits, else in NF4, else in
+    /// double-quantized NF4; the flags and the estimated peak.
+    fn lora_hint(&self, base: &Plan) -> Option<String> {
+        if base.lora.is_some() || !crate::memory::analytic_activations(self.spec) {
+            return None;
+        }
+        let facts = crate::memory::model_facts(self.spec);
+        [
+            BasePrecision::Bf16,
+            BasePrecision::Nf4,
+            BasePrecision::Nf4Double,
+        ]
+        .into_iter()
+        .find_map(|precision| {
+            let lora = Lora::new(HINT_LORA_RANK, None, None, precision, &facts).ok()?;
+            let plan = Plan {
+                lora: Some(lora),
+                ..*base
+            };
+            let estimate = self
+                .estimator
+                .estimate(self.spec, &plan, &self.planner.target);
+            let flag = match precision {
+                BasePrecision::Bf16 => String::new(),
+                other => format!(" --base-precision {other}"),
+            };
+            self.estimate_fits(&estimate).then(|| {
+                format!(
+                    "--lora {HINT_LORA_RANK}{flag} would fit ({})",
+                    crate::units::format_bytes(estimate.peak)
+                )
+            })
+        })
+    }
+
+    /// What would make the closest attempt fit: a budget (or host memory,
+    /// when that is what fails), more GPUs (on CUDA, where ranks add device
+    /// memory), a shorter sequence, LoRA.
     fn advice(&self, ctx: &SearchContext) -> Vec<String> {
+        use crate::units::format_bytes;
         let p = self.planner;
         let closest = self
             .attempts
             .iter()
             .min_by_key(|a| a.peak())
             .expect("at least one attempt");
-        let mut advice = vec![if closest.ran_out_of_memory() {
-            format!(
+        let needed = closest.peak() + self.headroom.bytes(closest.peak());
+        let host_short = p.host_budget.filter(|&h| closest.estimate.host > h);
+        let mut advice = Vec::new();
+        if closest.ran_out_of_memory() {
+            advice.push(format!(
                 "the closest plan ran out of memory when measured: it needs more than {} (the estimates below may be low too)",
-                crate::units::format_bytes(p.budget)
-            )
-        } else {
-            format!(
-                "a budget of {} would fit the closest plan",
-                crate::units::format_bytes(closest.peak() + self.headroom.bytes(closest.peak()))
-            )
-        }];
+                format_bytes(p.budget)
+            ));
+        } else if needed > p.budget {
+            advice.push(match host_short {
+                None => format!(
+                    "a budget of {} would fit the closest plan",
+                    format_bytes(needed)
+                ),
+                Some(_) => format!(
+                    "a budget of {} and {} of host memory would fit the closest plan",
+                    format_bytes(needed),
+                    format_bytes(closest.estimate.host)
+                ),
+            });
+        }
+        if let Some(host_budget) = host_short {
+            advice.push(format!(
+                "host memory is what fails: the closest plan keeps {} on the host (the offloaded \
+                 optimizer state) and {} may be used there (--host-budget SIZE; default: the \
+                 memory available now)",
+                format_bytes(closest.estimate.host),
+                format_bytes(host_budget)
+            ));
+            if let Some(on_device) = self
+                .attempts
+                .iter()
+                .filter(|a| a.estimate.host == 0 && !a.ran_out_of_memory())
+                .min_by_key(|a| a.peak())
+            {
+                advice.push(format!(
+                    "without offloading, a budget of {} would fit ({})",
+                    format_bytes(on_device.peak() + self.headroom.bytes(on_device.peak())),
+                    on_device.plan
+                ));
+            }
+        }
         let fits =
             |plan: &Plan| self.estimate_fits(&self.estimator.estimate(self.spec, plan, &p.target));
         let base = closest.plan;
-        let divisors_of_batch = oomfix_strategies::accumulate::divisors(ctx.global_batch);
-        if let Some(n) = divisors_of_batch
-            .iter()
-            .copied()
-            .filter(|&n| n > 1)
-            .find(|&n| {
-                let per_rank = ctx.global_batch / n;
-                fits(&Plan {
-                    micro_batch: 1,
-                    grad_accum: per_rank,
-                    shard: Sharding {
-                        world_size: n,
-                        stage: 3,
-                        ..base.shard
-                    },
-                    ..base
+        // Ranks add device memory on GPUs; on the CPU they share the host's.
+        if matches!(p.target, Target::Cuda(_)) {
+            let divisors_of_batch = oomfix_strategies::accumulate::divisors(ctx.global_batch);
+            if let Some(n) = divisors_of_batch
+                .iter()
+                .copied()
+                .filter(|&n| n > 1)
+                .find(|&n| {
+                    let per_rank = ctx.global_batch / n;
+                    fits(&Plan {
+                        micro_batch: 1,
+                        grad_accum: per_rank,
+                        shard: Sharding {
+                            world_size: n,
+                            stage: 3,
+                            ..base.shard
+                        },
+                        ..base
+                    })
                 })
-            })
-        {
-            advice.push(format!("{n} GPUs with ZeRO stage 3 would fit (--gpus {n})"));
+            {
+                advice.push(if cfg!(feature = "nccl") {
+                    format!("{n} GPUs with ZeRO stage 3 would fit (--gpus {n})")
+                } else {
+                    format!(
+                        "{n} GPUs with ZeRO stage 3 would fit (--gpus {n}); training over them \
+                         needs a build with --features nccl"
+                    )
+                });
+            }
+        }
+        if let Some(hint) = self.lora_hint(&base) {
+            advice.push(hint);
         }
         let mut seq = base.seq_len / 2;
         while seq >= 16 {
@@ -1002,6 +1223,8 @@ mod tests {
     fn every_plan_field_is_an_attempt_span_field() {
         let mut plan = Plan::baseline(8, 64);
         plan.extensions.set("toy", Some(1)).unwrap();
+        let facts = oomfix_strategies::ModelFacts::new(64, 64, 1).with_linear("proj", 8, 8);
+        plan.lora = Some(Lora::new(4, None, None, BasePrecision::Nf4, &facts).unwrap());
         let keys: Vec<String> = match serde_json::to_value(plan).unwrap() {
             serde_json::Value::Object(map) => map.keys().cloned().collect(),
             _ => unreachable!("a plan is an object"),

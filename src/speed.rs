@@ -14,7 +14,10 @@
 
 use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
 use crate::target::Target;
-use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, Precision, Strategy};
+use oomfix_strategies::lora::{BasePrecision, LoraFix};
+use oomfix_strategies::{
+    Attention, Checkpointing, Execution, ModelFacts, Plan, Precision, Strategy,
+};
 use serde::Serialize;
 use std::sync::Arc;
 
@@ -222,7 +225,11 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     let padded_vocab = c.vocab.next_multiple_of(VOCAB_ALIGN) as f64;
     let bytes = plan.precision.compute_bytes() as f64;
     let accum = plan.grad_accum as f64;
-    let params = spec.parameters() as f64;
+    let facts = crate::memory::trained_facts(spec, plan, fixes);
+    let params = facts.parameters as f64;
+    // Under LoRA the frozen weights get no gradient: a block's and the
+    // head's products run forward and for the input gradient only.
+    let weight_gradients = if plan.lora.is_some() { 0.0 } else { 1.0 };
 
     // Matrix products per block and in the head, as multiply-adds per token.
     let block_macs = match c.family {
@@ -246,7 +253,11 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         Checkpointing::Every(k) if k > 0 => 1.0,
         _ => 0.0,
     };
-    let matmul_flops = 2.0 * n * (block_macs * layers * (3.0 + recompute) + head_macs * 3.0);
+    let matmul_flops = 2.0
+        * n
+        * (block_macs * layers * (2.0 + weight_gradients + recompute)
+            + head_macs * (2.0 + weight_gradients))
+        + lora_matmul_flops(plan, &facts, n, recompute);
     let attention_flops = layers * attention_pass * (1.0 + attention_backward + recompute);
 
     // Elementwise traffic: the block's kept elements (train/mod.rs's tables)
@@ -256,8 +267,9 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         Family::Gpt2 | Family::Bert | Family::Generic => 14.0 * n * h + 2.0 * n * i,
     };
     let head_elements = n * padded_vocab * 2.0 + n * h * 2.0;
-    let elementwise_bytes =
-        bytes * (layers * block_elements * (3.0 + 2.0 * recompute) + head_elements * 3.0);
+    let elementwise_bytes = bytes
+        * (layers * block_elements * (3.0 + 2.0 * recompute) + head_elements * 3.0)
+        + dequantized_bytes(plan, &facts, recompute);
     let probabilities_bytes = if flash {
         0.0
     } else {
@@ -286,6 +298,46 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     }
 }
 
+/// The adapters' products per micro-batch: `x·Aᵀ` and its product with `Bᵀ`
+/// forward, both gradients and the input's backward (`r·(in + out)`
+/// multiply-adds per token and adapted projection, three times, and once
+/// more when recomputed).
+fn lora_matmul_flops(plan: &Plan, facts: &ModelFacts, n: f64, recompute: f64) -> f64 {
+    let Some(lora) = plan.lora else { return 0.0 };
+    let per_token: u64 = lora
+        .adapted(facts)
+        .map(|l| u64::from(lora.rank) * (l.inputs + l.outputs))
+        .sum();
+    2.0 * n * per_token as f64 * facts.layers as f64 * (3.0 + recompute)
+}
+
+/// The traffic of converting frozen weights to the compute dtype per
+/// micro-batch under LoRA, one at a time (NF4, or 16 bits under fp32
+/// compute): each block projection read as stored (double-quantized NF4:
+/// its absmax values restored to fp32 first), written and read again in
+/// the compute dtype, in the forward, for the input gradient and when
+/// recomputed.
+fn dequantized_bytes(plan: &Plan, facts: &ModelFacts, recompute: f64) -> f64 {
+    let Some(lora) = plan.lora else { return 0.0 };
+    if oomfix_strategies::lora::dequantized_bytes(plan, &lora, facts) == 0 {
+        return 0.0;
+    }
+    let cb = plan.precision.compute_bytes();
+    let per_block: u64 = facts
+        .linears()
+        .map(|l| {
+            let elements = l.inputs * l.outputs;
+            // Double quantization first restores the fp32 absmax values.
+            let absmax = match lora.base {
+                BasePrecision::Nf4Double => 8 * elements.div_ceil(64),
+                _ => 0,
+            };
+            lora.base.weight_bytes(elements) + absmax + 2 * cb * elements
+        })
+        .sum();
+    per_block as f64 * facts.layers as f64 * (2.0 + recompute)
+}
+
 /// The bytes one rank's collectives move in a step of `plan`, as the trainer
 /// runs them, with ring algorithms (an all-reduce of `B` bytes moves
 /// `2B(N−1)/N` per rank; a reduction to one rank, a broadcast or an
@@ -307,10 +359,13 @@ pub fn collective_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> f64 
     if world <= 1.0 {
         return 0.0;
     }
-    let psi = spec.parameters() as f64 * plan.precision.compute_bytes() as f64;
+    // What the ranks reduce: every parameter's gradient, or the adapters'.
+    let mut facts = crate::memory::model_facts(spec);
+    LoraFix.facts(plan, &mut facts);
+    let psi = facts.parameters as f64 * plan.precision.compute_bytes() as f64;
     let accum = plan.grad_accum as f64;
-    let blocks = (spec.config.block_parameters() as f64 * spec.config.layers as f64
-        / spec.parameters().max(1) as f64)
+    let blocks = (facts.block_parameters as f64 * spec.config.layers as f64
+        / facts.parameters.max(1) as f64)
         .min(1.0)
         * psi;
     let gathered = match exec.checkpoint {

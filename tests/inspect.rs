@@ -394,6 +394,9 @@ fn missing_path() {
     );
 }
 
+/// A file the reader may not open. Root opens any file, so as root the
+/// check runs `oomfix inspect` as the unprivileged user `nobody` (uid 65534),
+/// for whom the mode is enforced.
 #[test]
 fn unreadable_file() {
     use std::os::unix::fs::PermissionsExt;
@@ -401,10 +404,26 @@ fn unreadable_file() {
     let path = dir.path().join("model.safetensors");
     write_safetensors(&path, &[("w", "F32", [4])]);
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o000)).unwrap();
-    if std::fs::File::open(&path).is_ok() {
-        return; // running as root: permissions are not enforced
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert_mentions(&input_error(&path), "permission denied");
+        return;
     }
-    assert_mentions(&input_error(&path), "permission denied");
+    use std::os::unix::process::CommandExt;
+    // `nobody` may enter the directory, not read the file.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
+        .arg("inspect")
+        .arg(&path)
+        .uid(65534)
+        .gid(65534)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_mentions(&stderr, &path.display().to_string());
+    assert_mentions(&stderr, "permission denied");
 }
 
 #[test]

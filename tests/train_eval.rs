@@ -82,12 +82,13 @@ fn eval_loss_falls_and_the_summary_reports_it() {
 
     let evals = events(&log, "eval");
     let steps: Vec<u64> = evals.iter().map(|e| e["step"].as_u64().unwrap()).collect();
-    assert_eq!(steps, [2, 4, 6, 8]);
+    // Before the first step (the baseline), every 2 steps.
+    assert_eq!(steps, [0, 2, 4, 6, 8]);
     let losses: Vec<f64> = evals
         .iter()
         .map(|e| e["eval_loss"].as_f64().unwrap())
         .collect();
-    assert!(losses[3] < losses[0], "eval loss falls: {losses:?}");
+    assert!(losses[4] < losses[0], "eval loss falls: {losses:?}");
     for e in &evals {
         let (loss, ppl) = (
             e["eval_loss"].as_f64().unwrap(),
@@ -99,10 +100,12 @@ fn eval_loss_falls_and_the_summary_reports_it() {
     assert_eq!(evals[0]["batches"], 5);
     let eval = &t["eval"];
     assert_eq!(eval["step"], 8);
-    assert_eq!(eval["loss"].as_f64().unwrap(), losses[3]);
+    assert_eq!(eval["loss"].as_f64().unwrap(), losses[4]);
     assert!(
-        (eval["perplexity"].as_f64().unwrap() - losses[3].exp()).abs() < 1e-9 * losses[3].exp()
+        (eval["perplexity"].as_f64().unwrap() - losses[4].exp()).abs() < 1e-9 * losses[4].exp()
     );
+    assert_eq!(t["first_eval"]["step"], 0);
+    assert_eq!(t["first_eval"]["loss"].as_f64().unwrap(), losses[0]);
     let estimate = t["estimated_peak_bytes"].as_u64().unwrap();
     assert_eq!(estimate, v["estimate"]["peak_bytes"].as_u64().unwrap());
     // Forward only: no more memory than a training step's forward and backward.
@@ -151,19 +154,21 @@ fn the_text_summary_follows_the_plan() {
         .find(|l| l.starts_with("eval    loss "))
         .expect("an eval line");
     assert!(
-        eval.contains("perplexity") && eval.contains("after step 3"),
+        eval.contains(") at step 0 -> ") && eval.contains("after step 3"),
         "{eval}"
     );
     assert!(
         summary.contains("\npeak    ") && summary.contains("estimated"),
         "{stdout}"
     );
-    // Progress shows the rate and the gradient norm; evaluated once, at the end.
+    // Progress shows the rate and the gradient norm; evaluated before the
+    // first step and at the end.
     assert!(
         stderr.contains("lr 3.000e-3") && stderr.contains("grad norm "),
         "{stderr}"
     );
-    assert_eq!(stderr.matches("eval after step").count(), 1, "{stderr}");
+    assert_eq!(stderr.matches("eval after step").count(), 2, "{stderr}");
+    assert!(stderr.contains("eval after step 0:"), "{stderr}");
 
     let plain = oomfix(dir.path()).args(["--steps", "1"]).output().unwrap();
     let stdout = String::from_utf8_lossy(&plain.stdout);

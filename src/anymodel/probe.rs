@@ -292,11 +292,7 @@ impl MeasuredModel {
 
     /// The training state of `plan` from the fixes' memory hooks.
     fn state(&self, plan: &Plan) -> StateBytes {
-        let mut state = StateBytes::unfixed(&self.facts);
-        for fix in &self.fixes {
-            fix.memory(plan, &self.facts, &mut state);
-        }
-        state
+        oomfix_strategies::memory::state_of(plan, &self.facts, &self.fixes).1
     }
 }
 

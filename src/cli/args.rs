@@ -10,6 +10,7 @@
 use super::Failure;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use oomfix::strategies::lora::BasePrecision;
 use oomfix::strategies::{Attention, Checkpointing, OptimizerImpl};
 use oomfix::units::parse_bytes;
 use oomfix::Target;
@@ -118,9 +119,10 @@ pub struct TrainOptions {
     /// Token ids in a `.bin` file are u32 instead of u16.
     #[arg(long)]
     pub u32_tokens: bool,
-    /// AdamW learning rate.
-    #[arg(long, default_value_t = 3e-4, allow_negative_numbers = true, value_parser = parse_lr)]
-    pub lr: f64,
+    /// AdamW's peak learning rate [default: 5e-5 from pretrained weights,
+    /// as the Hugging Face Trainer; 3e-4 from a random initialisation].
+    #[arg(long, allow_negative_numbers = true, value_parser = parse_lr)]
+    pub lr: Option<f64>,
     /// Learning-rate schedule after the warmup: constant, linear or cosine
     /// (the last two decay to 0 at the last of --steps).
     #[arg(long, value_name = "KIND", default_value = "constant", value_parser = parse_decay)]
@@ -257,8 +259,16 @@ pub struct PlanOptions {
     #[arg(short, long, value_parser = parse_budget, value_name = "SIZE", global = true, allow_hyphen_values = true)]
     pub budget: Option<u64>,
     /// Tokens per sequence [default: the model's maximum, at most 1024].
+    /// Beyond the model's context (max_position_embeddings) it is refused
+    /// unless --allow-beyond-context is given.
     #[arg(long, value_name = "N", global = true, allow_negative_numbers = true, value_parser = parse_seq_len)]
     pub seq_len: Option<usize>,
+    /// Plan (and train) a --seq-len beyond the model's context
+    /// (max_position_embeddings): a rotary-position model computes those
+    /// positions but was not trained on them. Learned positions stop at the
+    /// context either way.
+    #[arg(long, global = true)]
+    pub allow_beyond_context: bool,
     /// Sequences per optimizer step, held constant by every fix.
     #[arg(long, default_value_t = 8, value_name = "N", global = true, allow_negative_numbers = true, value_parser = parse_global_batch)]
     pub global_batch: usize,
@@ -331,6 +341,23 @@ pub struct PlanOptions {
     /// (`NAME.rankR.EXT`) when there are several. Needs --device cpu.
     #[arg(long, value_name = "PATH", global = true)]
     pub snapshot: Option<PathBuf>,
+    /// Train rank-RANK LoRA adapters on the frozen model instead of every
+    /// parameter (PEFT's LoRA): y = W·x + (ALPHA/RANK)·B·A·x, W frozen.
+    #[arg(long, value_name = "RANK", global = true, allow_negative_numbers = true, value_parser = parse_lora_rank)]
+    pub lora: Option<u32>,
+    /// LoRA's alpha: the adapters' output is scaled by ALPHA/RANK
+    /// [default: 2 x RANK].
+    #[arg(long, value_name = "ALPHA", global = true, allow_negative_numbers = true, value_parser = parse_lora_alpha)]
+    pub lora_alpha: Option<u32>,
+    /// The projections LoRA adapts, by module name (q_proj,v_proj)
+    /// [default: every linear projection of the blocks, PEFT's all-linear].
+    #[arg(long, value_delimiter = ',', value_name = "LIST", global = true)]
+    pub lora_targets: Option<Vec<String>>,
+    /// LoRA's frozen base weights: bf16, nf4 (4-bit NormalFloat, QLoRA) or
+    /// nf4-dq (its absmax values in 8 bits too) [default: the search's
+    /// choice, from bf16].
+    #[arg(long, value_name = "KIND", global = true, value_parser = parse_from_str::<BasePrecision>)]
+    pub base_precision: Option<BasePrecision>,
     /// Measure the chosen plan (or the closest) and draw live memory over its
     /// step, stacked by component, phases shaded, budget as a line: an SVG or
     /// a PNG, by the file's extension (.svg, .png); with `train`, of the
@@ -426,8 +453,9 @@ pub struct TrainArgs {
 /// A command to run.
 #[derive(Debug)]
 pub enum Command {
-    /// `oomfix plan` (or no subcommand).
-    Plan(PlanArgs),
+    /// `oomfix plan` (or no subcommand; boxed: its options outweigh
+    /// `inspect`'s and `measure-step`'s).
+    Plan(Box<PlanArgs>),
     /// `oomfix inspect`.
     Inspect(InspectArgs),
     /// `oomfix train` (boxed: its options outweigh the other commands').
@@ -499,7 +527,7 @@ fn parse_normalized(argv: Vec<OsString>) -> Result<Invocation, Stop> {
         json: cli.output.json,
     };
     let command = match cli.command {
-        None => Command::Plan(plan(cli.model.clone())),
+        None => Command::Plan(Box::new(plan(cli.model.clone()))),
         Some(sub) => {
             if let Some(model) = &cli.model {
                 return Err(Stop::Usage(Failure::Usage(format!(
@@ -510,7 +538,7 @@ fn parse_normalized(argv: Vec<OsString>) -> Result<Invocation, Stop> {
                 ))));
             }
             match sub {
-                Sub::Plan(m) => Command::Plan(plan(m.model)),
+                Sub::Plan(m) => Command::Plan(Box::new(plan(m.model))),
                 Sub::Train(t) => Command::Train(Box::new(TrainArgs {
                     plan: plan(t.model),
                     opts: t.train,
@@ -714,6 +742,17 @@ fn parse_target(s: &str) -> Result<Target, String> {
 
 fn parse_positive(s: &str) -> Result<usize, String> {
     whole_number(s, 1, MAX_GLOBAL_BATCH as u64).map(|n| n as usize)
+}
+
+fn parse_lora_rank(s: &str) -> Result<u32, String> {
+    match whole_number(s, 0, u64::from(u32::MAX))? {
+        0 => Err("a LoRA rank of 0 trains nothing (at least 1)".into()),
+        n => Ok(n as u32),
+    }
+}
+
+fn parse_lora_alpha(s: &str) -> Result<u32, String> {
+    whole_number(s, 1, u64::from(u32::MAX)).map(|n| n as u32)
 }
 
 fn parse_from_str<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {

@@ -6,6 +6,7 @@ use super::args::{HalfArg, PlanArgs, PlanOptions, VerifyArg};
 use super::{check_writable, logging, print_stdout, Exit, Failure, Outcome};
 use oomfix::measure::StepVerifier;
 use oomfix::report::{self, PlotFormat};
+use oomfix::strategies::lora::{BasePrecision, Lora};
 use oomfix::{inspect, Error, ModelSpec, Pipeline, Planner, SearchResult, Target, Verify};
 use std::path::Path;
 
@@ -26,6 +27,8 @@ pub struct Prepared {
     pub target: Target,
     /// `--budget`.
     pub budget: u64,
+    /// `--lora` and its settings, checked against the model.
+    pub lora: Option<Lora>,
     pipeline: Pipeline,
     plot: Option<PlotFormat>,
 }
@@ -81,6 +84,7 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
         )
         .into());
     }
+    let lora = lora(o, &spec)?;
     let mut all_inputs: Vec<&Path> = spec.files.iter().map(|f| f.as_path()).collect();
     all_inputs.extend(args.model.as_deref());
     all_inputs.extend(inputs);
@@ -91,9 +95,60 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
         spec,
         target,
         budget,
+        lora,
         pipeline,
         plot,
     })
+}
+
+/// `--lora` and its settings for `spec`, checked: the other LoRA options
+/// need `--lora`; the rank, alpha and targets must suit the model's blocks.
+/// LoRA plans are planned only: measuring them (`--verify`, `--snapshot`,
+/// `--plot`) would train them, which oomfix does not do yet.
+fn lora(o: &PlanOptions, spec: &ModelSpec) -> Result<Option<Lora>, Failure> {
+    let Some(rank) = o.lora else {
+        let given = [
+            ("--lora-alpha", o.lora_alpha.is_some()),
+            ("--lora-targets", o.lora_targets.is_some()),
+            ("--base-precision", o.base_precision.is_some()),
+        ];
+        return match given.iter().find(|(_, given)| *given) {
+            Some((flag, _)) => Err(Failure::Usage(format!(
+                "{flag} sets up LoRA's adapters or frozen base: it needs --lora RANK"
+            ))),
+            None => Ok(None),
+        };
+    };
+    let measured = [
+        ("--verify", o.verify.is_some()),
+        ("--snapshot", o.snapshot.is_some()),
+        ("--plot", o.plot.is_some()),
+    ];
+    if let Some((flag, _)) = measured.iter().find(|(_, given)| *given) {
+        return Err(Failure::Usage(format!(
+            "{flag} measures training steps, and LoRA plans are not trained by oomfix yet: plan without {flag}"
+        )));
+    }
+    if !oomfix::memory::analytic_activations(spec) {
+        return Err(Failure::Usage(format!(
+            "--lora needs a model family oomfix knows (gpt2, llama, bert); {} is not one",
+            spec.source
+        )));
+    }
+    let facts = oomfix::memory::model_facts(spec);
+    let targets: Option<Vec<&str>> = o
+        .lora_targets
+        .as_ref()
+        .map(|t| t.iter().map(|n| n.trim()).collect());
+    Lora::new(
+        rank,
+        o.lora_alpha,
+        targets.as_deref(),
+        o.base_precision.unwrap_or(BasePrecision::Bf16),
+        &facts,
+    )
+    .map(Some)
+    .map_err(|e| Failure::Usage(format!("--lora: {e}")))
 }
 
 /// The plan fields the command line pins.
@@ -131,6 +186,12 @@ pub fn pin(o: &mut PlanOptions, plan: &oomfix::Plan) {
     o.optimizer = Some(plan.optimizer);
     o.zero_stage = Some(plan.shard.stage);
     o.bucket_size = Some(plan.shard.bucket_bytes);
+    if let Some(lora) = plan.lora {
+        o.lora = Some(lora.rank);
+        o.lora_alpha = Some(lora.alpha);
+        o.lora_targets = Some(lora.targets.names().map(String::from).collect());
+        o.base_precision = Some(lora.base);
+    }
 }
 
 /// Runs the search of a prepared plan, writes `--snapshot` and `--plot`, and
@@ -150,6 +211,7 @@ pub fn search_quietly(
         spec,
         target,
         budget,
+        lora,
         pipeline,
         plot,
     } = prepared;
@@ -159,12 +221,16 @@ pub fn search_quietly(
     if o.enforce_budget && o.gpus <= 1 {
         enforce_budget(target, budget)?;
     }
+    let mut pins = pins(o);
+    pins.lora = lora;
+    pins.base_precision = o.base_precision;
     let mut planner = Planner::new(budget)
         .global_batch(o.global_batch)
         .target(target)
         .gpus(o.gpus)
         .pipeline(pipeline)
-        .pins(pins(o));
+        .pins(pins)
+        .allow_beyond_context(o.allow_beyond_context);
     if let Some(h) = o.headroom {
         planner = planner.headroom(h);
     }

@@ -28,6 +28,12 @@ use std::path::{Path, PathBuf};
 /// `mpirun`, `torchrun` or this command's launcher); or, with `--gpus N` (N >
 /// 1) outside a job, as the launcher of N ranks.
 pub fn run(args: &TrainArgs) -> Outcome {
+    if args.plan.opts.lora.is_some() {
+        return Err(Failure::Usage(
+            "--lora: oomfix plans LoRA fine-tuning (`oomfix plan --lora RANK`) but does not train it yet"
+                .into(),
+        ));
+    }
     let o = &args.opts;
     let init = match (o.init_given(), &args.plan.model) {
         (Some(InitArg::Pretrained), None) => {
@@ -258,8 +264,22 @@ fn run_rank(
         .as_ref()
         .and_then(|r| r.chosen())
         .map_or(0, |a| a.estimate.peak);
+    let (lr, lr_source) = match o.lr {
+        Some(lr) => (lr, "--lr"),
+        None if init == InitArg::Pretrained => (
+            oomfix::train::PRETRAINED_LR,
+            "the default from pretrained weights; --lr sets it",
+        ),
+        None => (
+            oomfix::train::RANDOM_INIT_LR,
+            "the default from a random initialisation; --lr sets it",
+        ),
+    };
+    if rank == 0 && o.lr.is_none() {
+        logging::notice(format_args!("learning rate {lr:e} ({lr_source})"));
+    }
     let mut options = TrainOptions::default();
-    options.adamw.lr = o.lr;
+    options.adamw.lr = lr;
     options.adamw.weight_decay = o.weight_decay;
     options.schedule = oomfix::train::LrSchedule {
         warmup_steps: o.warmup_steps,
@@ -340,6 +360,8 @@ fn run_rank(
     let signals = StopSignals::install()?;
     let progress = (rank == 0).then(|| Progress::new(o.steps, trainer.steps()));
     let mut summary = TrainSummary::new(estimated_peak);
+    let evaluating = eval_data.is_some();
+    summary.lr = Some((lr, lr_source.to_string()));
     // Evaluates on --eval-data from its start, and shows it.
     let mut evaluate = |trainer: &mut Trainer, summary: &mut TrainSummary| -> Result<(), Failure> {
         let Some(eval) = &mut eval_data else {
@@ -357,9 +379,14 @@ fn run_rank(
         summary.record_eval(&e);
         Ok(())
     };
+    // The baseline: the model as it starts, before the first step of this run.
+    let mut evaluated_at = None;
+    if evaluating && trainer.steps() < o.steps {
+        evaluate(&mut trainer, &mut summary)?;
+        evaluated_at = Some(trainer.steps());
+    }
     // Every rank stops at the same step boundary: a signal any rank received stops all.
     let mut stop = false;
-    let mut evaluated_at = None;
     while trainer.steps() < o.steps && !stop {
         stop = trainer.any_rank(signals.received().is_some())?;
         if stop {

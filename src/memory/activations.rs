@@ -467,6 +467,16 @@ pub fn widen_cpu_bf16_matmuls(
     act.blocks.transient = act.blocks.transient.max(block);
 }
 
+/// What a LoRA adapter's backward adds while it crosses a projection:
+/// `x·Aᵀ` recomputed and its gradient, `[n, r]` each. The adapted projection
+/// is one op (the frozen product and the adapter's) that keeps only its
+/// input and output, as a plain projection does, so a LoRA block keeps what
+/// a fully trained one keeps.
+fn adapters_backward(d: &Dims, plan: &Plan, c: u64) -> u64 {
+    plan.lora
+        .map_or(0, |lora| 2 * d.n * u64::from(lora.rank) * c)
+}
+
 /// Activation bytes of one micro-batch under `plan`'s checkpointing, at each
 /// moment of the backward.
 ///
@@ -514,11 +524,16 @@ pub fn activation_bytes_for(
     let head = head(cfg.family, &d).bytes(c);
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
-    let (loss_nv, head_copies) = if stock {
+    let (loss_nv, mut head_copies) = if stock {
         (STOCK_LOSS_BACKWARD_NV, STOCK_HEAD_WEIGHT_BACKWARD_COPIES)
     } else {
         (LOSS_BACKWARD_NV, HEAD_WEIGHT_BACKWARD_COPIES)
     };
+    // Under LoRA the head and the embedding are frozen: no weight gradient
+    // of the head, no backward of the lookup.
+    if plan.lora.is_some() {
+        head_copies = 0;
+    }
     let loss_transient = (loss_nv * d.n * d.p).max(d.n * d.p + head_copies * d.p * d.h) * c;
     let attention_backward = match (d.flash, stock) {
         (true, false) => flash_backward(&d),
@@ -531,8 +546,12 @@ pub fn activation_bytes_for(
     };
     let mlp_ni = mlp_backward_ni(cfg.family) + if stock { STOCK_MLP_BACKWARD_NI } else { 0 };
     // The backward crosses a block's MLP, then its attention core.
-    let block_transient = attention_backward.max(mlp_ni * d.n * d.i * c);
-    let embedding_transient = embedding_backward_copies(spec, backward) * d.v * d.h * c;
+    let block_transient =
+        attention_backward.max(mlp_ni * d.n * d.i * c) + adapters_backward(&d, plan, c);
+    let embedding_transient = match plan.lora {
+        Some(_) => 0,
+        None => embedding_backward_copies(spec, backward) * d.v * d.h * c,
+    };
     match exec.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);

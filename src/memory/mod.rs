@@ -210,6 +210,19 @@ impl<E: Estimator + ?Sized> Estimator for Arc<E> {
 pub struct MemoryModel;
 
 impl MemoryModel {
+    /// [`Estimator::estimate`] with the backward working sets of `backward`
+    /// instead of the linked candle-core's: what the same plan needs with
+    /// the other backward (`vendor/README.md`).
+    pub fn estimate_with(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+        backward: Backward,
+    ) -> Breakdown {
+        estimate(spec, plan, target, builtins(), backward)
+    }
+
     /// The analytic model with the memory hooks of every fix `pipeline` can
     /// use ([`oomfix_strategies::registered`]): the built-in ones and the
     /// pipeline's others.
@@ -244,7 +257,7 @@ impl Estimator for MemoryModel {
         analytic_activations(spec)
     }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        estimate(spec, plan, target, builtins())
+        estimate(spec, plan, target, builtins(), Backward::linked())
     }
 }
 
@@ -259,28 +272,75 @@ impl Estimator for WithFixes {
         analytic_activations(spec)
     }
     fn estimate(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> Breakdown {
-        estimate(spec, plan, target, &self.fixes)
+        estimate(spec, plan, target, &self.fixes, Backward::linked())
     }
     fn step_time(&self, spec: &ModelSpec, plan: &Plan, target: &Target) -> crate::speed::StepTime {
         crate::speed::step_time(spec, plan, &self.fixes, target)
     }
 }
 
+/// What the fixes' hooks know of `spec` before any fix: every parameter
+/// trained, and the linear projections of its first block (2-D `.weight`
+/// tensors, named by their module, the last part of the path before
+/// `weight`; GPT-2's `Conv1D` weights are `[in, out]`, the others `[out, in]`).
+pub fn model_facts(spec: &ModelSpec) -> ModelFacts {
+    let mut facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
+        .with_block_parameters(spec.config.block_parameters());
+    for t in &spec.tensors {
+        let module = t
+            .name
+            .strip_suffix(".weight")
+            .and_then(|m| m.rsplit('.').next());
+        let (Some(module), &[rows, cols]) = (module, t.shape.as_slice()) else {
+            continue;
+        };
+        if crate::spec::ModelConfig::block_of(&t.name) != Some(0) {
+            continue;
+        }
+        let (inputs, outputs) = match spec.config.family {
+            Family::Gpt2 => (rows, cols),
+            _ => (cols, rows),
+        };
+        facts = facts.with_linear(module, inputs as u64, outputs as u64);
+    }
+    facts
+}
+
+impl WithFixes {
+    /// [`Estimator::estimate`] with the backward working sets of `backward`
+    /// ([`MemoryModel::estimate_with`]).
+    pub fn estimate_with(
+        &self,
+        spec: &ModelSpec,
+        plan: &Plan,
+        target: &Target,
+        backward: Backward,
+    ) -> Breakdown {
+        estimate(spec, plan, target, &self.fixes, backward)
+    }
+}
+
 /// The training state's bytes of `plan` on one rank: the unfixed state,
 /// changed by each of `fixes`' memory hooks in order.
 pub fn state_bytes(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StateBytes {
-    let facts = facts(spec);
-    let mut state = StateBytes::unfixed(&facts);
-    for fix in fixes {
-        fix.memory(plan, &facts, &mut state);
-    }
-    state
+    trained_state(spec, plan, fixes).1
+}
+
+/// The facts of what `plan` trains of `spec` (every parameter, or under
+/// `lora` the adapters) and the training state's bytes
+/// ([`oomfix_strategies::memory::state_of`]).
+pub fn trained_state(
+    spec: &ModelSpec,
+    plan: &Plan,
+    fixes: &[Arc<dyn Strategy>],
+) -> (ModelFacts, StateBytes) {
+    oomfix_strategies::memory::state_of(plan, &model_facts(spec), fixes)
 }
 
 /// What `plan`'s optimizer step costs on one rank: the unfixed step,
 /// changed by each of `fixes`' time hooks in order.
 pub fn step_cost(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StepCost {
-    let facts = facts(spec);
+    let facts = trained_facts(spec, plan, fixes);
     let mut cost = StepCost::unfixed(plan, &facts);
     for fix in fixes {
         fix.time(plan, &facts, &mut cost);
@@ -288,10 +348,14 @@ pub fn step_cost(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     cost
 }
 
-/// What the fixes' hooks know of `spec`.
-fn facts(spec: &ModelSpec) -> ModelFacts {
-    ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
-        .with_block_parameters(spec.config.block_parameters())
+/// What the fixes' hooks know of what `plan` trains of `spec`: every
+/// parameter, or under `lora` the adapters (the base model frozen).
+pub fn trained_facts(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> ModelFacts {
+    let mut facts = model_facts(spec);
+    for fix in fixes {
+        fix.facts(plan, &mut facts);
+    }
+    facts
 }
 
 fn estimate(
@@ -299,15 +363,18 @@ fn estimate(
     plan: &Plan,
     target: &Target,
     fixes: &[Arc<dyn Strategy>],
+    backward: Backward,
 ) -> Breakdown {
-    let p = spec.parameters();
+    let (facts, s) = trained_state(spec, plan, fixes);
+    let p = facts.parameters;
     let cb = plan.precision.compute_bytes();
-    let s = state_bytes(spec, plan, fixes);
     let exec = Execution::for_plan(plan, fixes);
-    let mut act = activation_bytes(spec, plan, &exec);
+    let mut act = activation_bytes_for(spec, plan, &exec, backward);
     if *target == Target::Cpu {
         widen_cpu_bf16_matmuls(&mut act, spec, plan, &exec);
     }
+    // A frozen weight converted for the pass, while the backward crosses a block.
+    act.blocks.transient += s.pass_transient;
     let runtime = target.runtime_bytes();
     let pool_slack = target.pool_slack_bytes(spec.config.layers, plan, &exec);
     let communicator = target.communicator_bytes(plan.shard.world_size);
@@ -317,8 +384,13 @@ fn estimate(
     // Alive at every moment of the backward.
     let state =
         s.weights + s.master_weights + s.optimizer_state + s.accumulated_gradients + outside;
-    let block_gradients = s.gradients - (stem_only_parameters(spec).min(p) * cb).min(s.gradients);
-    let after = AfterBackward::of(plan, &s, p, spec.largest_tensor(), target);
+    // The stem's own gradients come last (none under LoRA: it is frozen).
+    let stem_gradients = match plan.lora {
+        Some(_) => 0,
+        None => (stem_only_parameters(spec).min(p) * cb).min(s.gradients),
+    };
+    let block_gradients = s.gradients - stem_gradients;
+    let after = AfterBackward::of(plan, &s, p, facts.largest_tensor, target);
     let accumulation = Moment {
         activations: 0,
         transient: after.first_sum,

@@ -562,3 +562,155 @@ fn the_bucket_size_bounds_the_collective_buckets() {
     assert_eq!(bucket(16 << 20), 4 << 20);
     assert_eq!(bucket(1024), spec.largest_tensor());
 }
+
+/// LoRA on Llama-3-8B's shape (the same plan trained fully, and with
+/// adapters on a bf16 and on an NF4 base).
+mod lora {
+    use super::*;
+    use oomfix_strategies::lora::{BasePrecision, Lora};
+
+    fn llama3_8b() -> ModelSpec {
+        ModelSpec::from_config(
+            "llama-3-8b shape",
+            ModelConfig::llama(32, 4096, 32, 8, 14336, 128256, false),
+        )
+    }
+
+    fn with(spec: &ModelSpec, plan: Plan, base: Option<BasePrecision>) -> Plan {
+        let facts = model_facts(spec);
+        Plan {
+            lora: base.map(|b| Lora::new(16, None, None, b, &facts).unwrap()),
+            ..plan
+        }
+    }
+
+    #[test]
+    fn the_blocks_linear_projections_are_read_from_the_tensors() {
+        let facts = model_facts(&llama3_8b());
+        let linears: Vec<(&str, u64, u64)> = facts
+            .linears()
+            .map(|l| (l.name, l.inputs, l.outputs))
+            .collect();
+        assert_eq!(
+            linears,
+            [
+                ("q_proj", 4096, 4096),
+                ("k_proj", 4096, 1024),
+                ("v_proj", 4096, 1024),
+                ("o_proj", 4096, 4096),
+                ("gate_proj", 4096, 14336),
+                ("up_proj", 4096, 14336),
+                ("down_proj", 14336, 4096),
+            ]
+        );
+        // GPT-2's Conv1D weights are [in, out]; two projections are c_proj.
+        let gpt2 = model_facts(&ModelSpec::default_model());
+        let names: Vec<(&str, u64, u64)> = gpt2
+            .linears()
+            .map(|l| (l.name, l.inputs, l.outputs))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("c_attn", 768, 2304),
+                ("c_proj", 768, 768),
+                ("c_fc", 768, 3072),
+                ("c_proj", 3072, 768)
+            ]
+        );
+    }
+
+    #[test]
+    fn frozen_weights_lower_the_state_and_keep_the_activations() {
+        let spec = llama3_8b();
+        let plan = Plan {
+            micro_batch: 1,
+            grad_accum: 8,
+            precision: Precision::Bf16,
+            checkpoint: Checkpointing::Every(1),
+            attention: Attention::Flash,
+            optimizer: OptimizerImpl::FusedAdamW,
+            ..Plan::baseline(8, 1024)
+        };
+        let target = Target::Cuda(0);
+        let full = MemoryModel.estimate(&spec, &plan, &target);
+        let bf16 = MemoryModel.estimate(
+            &spec,
+            &with(&spec, plan, Some(BasePrecision::Bf16)),
+            &target,
+        );
+        let nf4 =
+            MemoryModel.estimate(&spec, &with(&spec, plan, Some(BasePrecision::Nf4)), &target);
+        let p = spec.parameters();
+        let adapters = 41_943_040u64;
+        // Fully trained: bf16 weights and gradients, fp32 masters and moments.
+        assert_eq!(full.weights, 2 * p);
+        assert_eq!(full.optimizer_state, 8 * p);
+        // LoRA: the adapters' state only, the frozen base in 16 bits.
+        assert_eq!(bf16.weights, 2 * p + 2 * adapters);
+        assert_eq!(bf16.gradients, 2 * adapters);
+        assert_eq!(bf16.master_weights, 4 * adapters);
+        assert_eq!(bf16.optimizer_state, 8 * adapters);
+        assert_eq!(bf16.accumulated_gradients, 2 * adapters);
+        assert!(
+            nf4.weights < bf16.weights / 2,
+            "{} {}",
+            nf4.weights,
+            bf16.weights
+        );
+        assert!(nf4.peak < bf16.peak && bf16.peak < full.peak);
+        // The frozen head makes no weight gradient, so the loss's moment
+        // holds less; a block's moment holds the adapters' [n, r] pair and,
+        // with NF4, one dequantized projection (gate_proj, bf16) besides.
+        let lora = with(&spec, plan, Some(BasePrecision::Nf4));
+        let act_full = activation_bytes(&spec, &plan, &builtin_execution(&plan));
+        let act_lora = activation_bytes(&spec, &lora, &builtin_execution(&lora));
+        assert_eq!(act_lora.kept, act_full.kept);
+        assert!(act_lora.loss.transient < act_full.loss.transient);
+        assert_eq!(
+            act_lora.blocks.transient,
+            act_full.blocks.transient + 2 * 1024 * 16 * 2
+        );
+        let (_, s) = trained_state(
+            &spec,
+            &with(&spec, plan, Some(BasePrecision::Nf4)),
+            &oomfix_strategies::builtins(),
+        );
+        assert_eq!(s.pass_transient, 2 * 4096 * 14336);
+    }
+
+    #[test]
+    fn zero_shards_and_offload_move_the_adapters_never_the_frozen_base() {
+        let spec = llama3_8b();
+        let base = Plan {
+            micro_batch: 1,
+            grad_accum: 4,
+            precision: Precision::Bf16,
+            checkpoint: Checkpointing::Every(1),
+            optimizer: OptimizerImpl::FusedAdamW,
+            ..Plan::baseline(8, 512)
+        };
+        let lora = with(&spec, base, Some(BasePrecision::Nf4));
+        let fixes = oomfix_strategies::builtins();
+        let (_, one) = trained_state(&spec, &lora, &fixes);
+        let zero3 = Plan {
+            shard: Sharding::new(2, 3),
+            grad_accum: 2,
+            ..lora
+        };
+        let (_, sharded) = trained_state(&spec, &zero3, &fixes);
+        let frozen = one.weights - 2 * 41_943_040;
+        // ZeRO 3 shards the adapters between steps (2 bytes each over 2
+        // ranks); every rank keeps the whole frozen base.
+        assert_eq!(sharded.step_weights, frozen + 41_943_040);
+        assert_eq!(sharded.optimizer_state, 8 * 41_943_040 / 2);
+        let offloaded = Plan {
+            optimizer: OptimizerImpl::OffloadedAdamW,
+            ..lora
+        };
+        let (_, off) = trained_state(&spec, &offloaded, &fixes);
+        assert_eq!((off.master_weights, off.optimizer_state), (0, 0));
+        assert_eq!(off.host, 14 * 41_943_040);
+        assert_eq!(off.weights, one.weights);
+    }
+}

@@ -2,6 +2,7 @@
 
 mod json;
 mod pickle;
+#[cfg(feature = "plot")]
 mod plot;
 mod snapshot;
 mod table;
@@ -9,6 +10,8 @@ mod train;
 
 pub use json::{inspect_json, search_json};
 pub use pickle::snapshot_pickle;
+// Feature `plot` (on with the default `cli`).
+#[cfg(feature = "plot")]
 pub use plot::{timeline_plot, timeline_png, timeline_svg, PlotFormat};
 pub use snapshot::{snapshot, snapshot_value, Frame, Snapshot, TraceEntry};
 pub use table::{inspect_text, search_table};

@@ -49,7 +49,11 @@ fn row(i: usize, a: &Attempt, lower_bound: bool) -> String {
         a.strategy,
         p.micro_batch,
         p.grad_accum,
-        p.precision.as_str(),
+        match p.lora {
+            // LoRA: the compute precision, then the frozen base's storage.
+            Some(lora) => format!("{}/{}", p.precision, lora.base),
+            None => p.precision.as_str().to_string(),
+        },
         p.attention.as_str(),
         p.checkpoint.to_string(),
         p.optimizer.as_str(),
@@ -118,6 +122,9 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
         first.global_batch(),
         first.seq_len
     );
+    for note in &result.notes {
+        let _ = writeln!(out, "NOTE    {note}\n");
+    }
     if !result.activations_modelled {
         let _ = writeln!(
             out,
@@ -186,7 +193,7 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
                     format_bytes(a.estimate.peak),
                     format_bytes(a.measured.map_or(0, |m| m.peak_bytes))
                 );
-            } else {
+            } else if miss > 0 {
                 let _ = writeln!(
                     out,
                     "        {} over the budget ({} needed: {} and a headroom of {})",
@@ -194,6 +201,23 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
                     format_bytes(needed),
                     format_bytes(a.peak()),
                     format_bytes(headroom)
+                );
+            } else {
+                let _ = writeln!(
+                    out,
+                    "        within the budget on the device ({} needed: {} and a headroom of {})",
+                    format_bytes(needed),
+                    format_bytes(a.peak()),
+                    format_bytes(headroom)
+                );
+            }
+            if let Some(host_budget) = result.host_budget_bytes.filter(|&h| a.estimate.host > h) {
+                let _ = writeln!(
+                    out,
+                    "        {} over the host memory it may use ({} on the host, {} allowed: --host-budget)",
+                    format_bytes(a.estimate.host - host_budget),
+                    format_bytes(a.estimate.host),
+                    format_bytes(host_budget)
                 );
             }
             if let Some((name, _)) = a.estimate.peak_components().first() {

@@ -20,6 +20,12 @@ pub struct TrainSummary {
     pub first_loss: Option<f32>,
     /// See [`first_loss`](Self::first_loss).
     pub last_loss: Option<f32>,
+    /// The peak learning rate and where it came from (`--lr`, or which
+    /// default).
+    pub lr: Option<(f64, String)>,
+    /// The first evaluation of this run (before its first step, when
+    /// there is evaluation data).
+    pub first_eval: Option<Evaluation>,
     /// The last evaluation.
     pub eval: Option<Evaluation>,
     /// The highest measured peak of a step or an evaluation (`None` when
@@ -56,6 +62,7 @@ impl TrainSummary {
     /// Adds an evaluation.
     pub fn record_eval(&mut self, e: &Evaluation) {
         self.seconds += e.seconds;
+        self.first_eval.get_or_insert(*e);
         self.eval = Some(*e);
         self.record_peak(e.peak);
     }
@@ -92,6 +99,9 @@ pub fn train_summary_text(s: &TrainSummary) -> String {
         s.seconds,
         s.tokens_per_second()
     );
+    if let Some((lr, source)) = &s.lr {
+        out += &format!("lr      {lr:e} ({source})\n");
+    }
     if let (Some(first), Some(last)) = (s.first_loss, s.last_loss) {
         out += &format!(
             "loss    {first:.4} at step {} -> {last:.4} at step {}\n",
@@ -100,8 +110,15 @@ pub fn train_summary_text(s: &TrainSummary) -> String {
         );
     }
     if let Some(e) = &s.eval {
+        let from = match &s.first_eval {
+            Some(f) if f.step != e.step => format!(
+                "{:.4} (perplexity {:.2}) at step {} -> ",
+                f.loss, f.perplexity, f.step
+            ),
+            _ => String::new(),
+        };
         out += &format!(
-            "eval    loss {:.4}, perplexity {:.2} after step {} ({} batches, {} tokens)\n",
+            "eval    loss {from}{:.4}, perplexity {:.2} after step {} ({} batches, {} tokens)\n",
             e.loss,
             e.perplexity,
             e.step,
@@ -137,18 +154,25 @@ pub fn train_summary_json(s: &TrainSummary) -> Value {
         "tokens": s.tokens,
         "seconds": s.seconds,
         "tokens_per_second": s.tokens_per_second(),
+        "lr": s.lr.as_ref().map(|l| l.0),
+        "lr_source": s.lr.as_ref().map(|l| l.1.as_str()),
         "first_loss": s.first_loss,
         "last_loss": s.last_loss,
-        "eval": s.eval.map(|e| json!({
-            "step": e.step,
-            "loss": e.loss,
-            "perplexity": e.perplexity,
-            "batches": e.batches,
-            "tokens": e.tokens,
-            "peak_bytes": (e.peak > 0).then_some(e.peak),
-        })),
+        "first_eval": s.first_eval.as_ref().map(eval_json),
+        "eval": s.eval.as_ref().map(eval_json),
         "peak_bytes": s.peak_bytes,
         "rank_peak_bytes": (s.rank_peak_bytes.len() > 1).then_some(&s.rank_peak_bytes),
         "estimated_peak_bytes": s.estimated_peak_bytes,
+    })
+}
+
+fn eval_json(e: &Evaluation) -> Value {
+    json!({
+        "step": e.step,
+        "loss": e.loss,
+        "perplexity": e.perplexity,
+        "batches": e.batches,
+        "tokens": e.tokens,
+        "peak_bytes": (e.peak > 0).then_some(e.peak),
     })
 }

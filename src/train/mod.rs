@@ -184,7 +184,7 @@ mod trainer;
 pub use crate::state_file::StateFile;
 mod schedule;
 pub use saved::{ModelSource, TrainingState};
-pub use schedule::{Decay, LrSchedule};
+pub use schedule::{default_lr, Decay, LrSchedule, PRETRAINED_LR, RANDOM_INIT_LR};
 pub use trainer::{compute_dtype, plan_changes, Evaluation, StepStats, TrainOptions, Trainer};
 mod gpt2;
 mod layers;
@@ -430,7 +430,7 @@ impl Model for HubModel {
     }
 
     /// The stages of the micro-batch's tokens: the head ends in the loss
-    /// ([`lm_loss`]), after which every allocation is backward's.
+    /// (`lm_loss`), after which every allocation is backward's.
     fn forward(&self, batch: &MicroBatch) -> candle_core::Result<model::Forward<'_>> {
         let tokens = batch.tokens.clone().ok_or_else(|| {
             candle_core::Error::Msg(

@@ -8,8 +8,8 @@
 //! * `config.json`: the source's `config.json` with `torch_dtype` set to the
 //!   dtype written and `architectures`/`model_type` added when missing, or
 //!   one made from the model's shape ([`hf_config`]);
-//! * the tokenizer files found beside the source weights
-//!   ([`ModelSource::files`]);
+//! * the tokenizer files found beside the source weights, and in a model
+//!   directory its licence files and `README.md` ([`ModelSource::files`]);
 //! * `optimizer.safetensors` (an oomfix checkpoint file, [`StateFile`]):
 //!   AdamW's fp32 moments as `<name>.m` and `<name>.v` (fused AdamW only:
 //!   `candle_nn::AdamW` keeps them out of reach) and, when `model.safetensors`
@@ -48,6 +48,21 @@ pub const SIDE_FILES: [&str; 6] = [
     "merges.txt",
     "generation_config.json",
 ];
+/// The model card, copied from a model directory (one holding
+/// `config.json`) with its licence files ([`is_licence_file`]).
+pub const MODEL_CARD: &str = "README.md";
+
+/// Whether the file `name` is one of a model's licence terms, copied with the
+/// weights: `LICENSE*` or `LICENCE*` (`LICENSE`, `LICENSE.txt`, `LICENSE.md`, in
+/// any case), `NOTICE*`, and Llama's `USE_POLICY.md`.
+pub fn is_licence_file(name: &str) -> bool {
+    let upper = name.to_ascii_uppercase();
+    ["LICENSE", "LICENCE", "NOTICE"]
+        .iter()
+        .any(|p| upper.starts_with(p))
+        || upper == "USE_POLICY.MD"
+}
+
 /// [`TrainerState::format`].
 pub const STATE_FORMAT: &str = "oomfix-trainer-state";
 /// The [`TrainerState::format_version`] this build writes and reads.
@@ -78,14 +93,37 @@ impl Default for ModelSource {
 
 impl ModelSource {
     /// The source of weights in `dir` (the directory beside them) stored as
-    /// `dtype`: its `config.json` and the [`SIDE_FILES`] present there.
+    /// `dtype`: its `config.json` and the [`SIDE_FILES`] present there; in a
+    /// model directory (one with a `config.json`), also its licence files
+    /// ([`is_licence_file`]) and model card ([`MODEL_CARD`]), so that the
+    /// saved model carries the terms it was published under.
     pub fn beside(dir: &Path, dtype: DType) -> Self {
         let config = Some(dir.join(CONFIG_FILE)).filter(|p| p.is_file());
-        let files = SIDE_FILES
+        let mut files: Vec<(String, PathBuf)> = SIDE_FILES
             .iter()
             .map(|n| (n.to_string(), dir.join(n)))
             .filter(|(_, p)| p.is_file())
             .collect();
+        if config.is_some() {
+            let listed = if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            };
+            let mut terms: Vec<String> = std::fs::read_dir(listed)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| is_licence_file(n) || n == MODEL_CARD)
+                .filter(|n| dir.join(n).is_file())
+                .collect();
+            terms.sort();
+            files.extend(terms.into_iter().map(|n| {
+                let path = dir.join(&n);
+                (n, path)
+            }));
+        }
         ModelSource {
             dtype,
             config,

@@ -2,6 +2,27 @@
 //! cosine decay to zero at the last step (the Hugging Face Trainer's
 //! `lr_scheduler_type` names; nanoGPT's warmup).
 
+/// The peak learning rate `oomfix train` uses from a random initialisation
+/// (`--lr` not given): nanoGPT's and the GPT-2/3 papers' order for small
+/// models trained from scratch.
+pub const RANDOM_INIT_LR: f64 = 3e-4;
+
+/// The peak learning rate `oomfix train` uses when it starts from
+/// pretrained weights (`--lr` not given): the Hugging Face Trainer's
+/// default, which keeps a fine-tune near the weights it starts from (at
+/// [`RANDOM_INIT_LR`] a few steps overwrite what the model knew).
+pub const PRETRAINED_LR: f64 = 5e-5;
+
+/// The default peak learning rate for a run that starts from pretrained
+/// weights (`pretrained`) or from a random initialisation.
+pub fn default_lr(pretrained: bool) -> f64 {
+    if pretrained {
+        PRETRAINED_LR
+    } else {
+        RANDOM_INIT_LR
+    }
+}
+
 /// How the learning rate falls after the warmup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]

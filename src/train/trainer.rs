@@ -62,6 +62,9 @@ use std::time::Instant;
 pub struct TrainOptions {
     /// AdamW hyper-parameters. Weight decay applies to matrices only, not to
     /// biases and norm scales ([`is_decay_exempt`](oomfix_strategies::adamw::is_decay_exempt)); default 0.
+    /// The default learning rate is [`RANDOM_INIT_LR`](super::RANDOM_INIT_LR); from
+    /// pretrained [`weights`](Self::weights), [`PRETRAINED_LR`](super::PRETRAINED_LR)
+    /// is the usual choice ([`default_lr`](super::default_lr)).
     pub adamw: ParamsAdamW,
     /// Seed of the random initialisation and of synthetic data (a model
     /// given as code gets it in every [`MicroBatch::seed`]; its builder
@@ -89,7 +92,7 @@ impl Default for TrainOptions {
     fn default() -> Self {
         TrainOptions {
             adamw: ParamsAdamW {
-                lr: 3e-4,
+                lr: super::RANDOM_INIT_LR,
                 // Hugging Face's Trainer default (candle's is 0.01).
                 weight_decay: 0.0,
                 ..Default::default()

@@ -13,7 +13,8 @@
 //!   part of the plan in a real training loop (gradient accumulation, mixed
 //!   precision with loss scaling, memory-efficient attention, activation
 //!   checkpointing, a fused in-place AdamW, ZeRO-style sharding, AdamW
-//!   offloaded to the host).
+//!   offloaded to the host, low-rank adapters on frozen, optionally 4-bit,
+//!   base weights).
 //!
 //! [`builtins`] is the one list of built-in fixes, in their default order; a
 //! [`Pipeline`] is an ordered list of fixes. The order is the product: the
@@ -31,7 +32,7 @@
 //! let pipeline = Pipeline::default();
 //! assert_eq!(
 //!     pipeline.names(),
-//!     ["accumulate", "precision", "flash-attention", "checkpoint", "fused-adamw", "shard", "offload"]
+//!     ["accumulate", "precision", "flash-attention", "checkpoint", "fused-adamw", "shard", "offload", "lora"]
 //! );
 //!
 //! // Tighten a plan step by step with the first fix: micro-batch 8 -> 4 -> 2 -> 1.
@@ -60,6 +61,7 @@ mod cuda;
 mod error;
 mod execution;
 mod float;
+pub mod lora;
 pub mod memory;
 pub mod model;
 pub mod nn;
@@ -145,6 +147,12 @@ pub trait Strategy: Send + Sync {
     fn relax(&self, _plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
         None
     }
+    /// Changes what the memory hooks see of the model for `plan`, for a fix
+    /// that changes what is trained ([`lora`]: the adapters are trained, the
+    /// base model is frozen). Runs for every registered fix before any
+    /// [`memory`](Strategy::memory) hook ([`memory::state_of`]). The default
+    /// changes nothing.
+    fn facts(&self, _plan: &Plan, _facts: &mut ModelFacts) {}
     /// Sets this fix's terms of `state` for `plan` (see [`memory`] for the
     /// order the hooks run in). The default changes nothing.
     fn memory(&self, _plan: &Plan, _model: &ModelFacts, _state: &mut StateBytes) {}
@@ -184,6 +192,7 @@ pub fn builtins() -> Vec<Arc<dyn Strategy>> {
         Arc::new(adamw::FusedAdamWStrategy),
         Arc::new(shard::Shard),
         Arc::new(offload::Offload),
+        Arc::new(lora::LoraFix),
     ]
 }
 
@@ -207,7 +216,7 @@ pub struct Pipeline {
 
 impl Default for Pipeline {
     /// Every built-in fix in the order of [`builtins`]: accumulate, precision,
-    /// flash-attention, checkpoint, fused-adamw, shard, offload.
+    /// flash-attention, checkpoint, fused-adamw, shard, offload, lora.
     fn default() -> Self {
         Pipeline {
             strategies: builtins(),

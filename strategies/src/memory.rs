@@ -12,7 +12,12 @@
 //! ZeRO stage shards, `offload` moves master weights and moments to the host.
 //! `flash-attention` and `checkpoint` change activations only, which the
 //! memory model reads from the [`Execution`](crate::Execution) their
-//! execution hooks make.
+//! execution hooks make; `lora` adds the frozen base weights and the one
+//! weight a pass dequantizes at a time.
+//!
+//! Before the memory hooks, each fix's [`Strategy::facts`](crate::Strategy::facts)
+//! hook may change what is trained: under `lora` the trained parameters are
+//! the adapters' and the base model's are frozen ([`state_of`] runs both).
 //!
 //! A step-time model does the same with the optimizer step's costs: it
 //! starts from [`StepCost::unfixed`] (`candle_nn::AdamW` over every
@@ -20,6 +25,24 @@
 //! [`Strategy::time`](crate::Strategy::time) hook: `fused-adamw` makes the
 //! step one pass over the state, `shard` steps this rank's share,
 //! `offload` moves the step to the host and its traffic onto the bus.
+
+use crate::{Plan, Strategy};
+use std::sync::Arc;
+
+/// The most linear projections per block [`ModelFacts`] describes.
+pub const MAX_LINEARS: usize = 16;
+
+/// One linear projection of a block: its module name (the last part of its
+/// path: `q_proj`, `c_attn`, `dense`) and its widths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Linear {
+    /// Module name, as PEFT's `target_modules` names it.
+    pub name: &'static str,
+    /// Input features.
+    pub inputs: u64,
+    /// Output features.
+    pub outputs: u64,
+}
 
 /// What the fixes' memory hooks may know about a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -33,6 +56,13 @@ pub struct ModelFacts {
     pub layers: usize,
     /// Parameters of one block (0 when not known).
     pub block_parameters: u64,
+    /// Parameters that are not trained (frozen), besides `parameters`.
+    pub frozen: u64,
+    /// Elements of the largest frozen tensor.
+    pub largest_frozen: u64,
+    /// The linear projections of one block (all blocks alike), in order;
+    /// empty when not known.
+    pub linears: [Option<Linear>; MAX_LINEARS],
 }
 
 impl ModelFacts {
@@ -44,7 +74,28 @@ impl ModelFacts {
             largest_tensor,
             layers,
             block_parameters: 0,
+            frozen: 0,
+            largest_frozen: 0,
+            linears: [None; MAX_LINEARS],
         }
+    }
+
+    /// These facts with one more linear projection per block, `name`, from
+    /// `inputs` to `outputs` features (beyond [`MAX_LINEARS`] it is left out).
+    pub fn with_linear(mut self, name: &str, inputs: u64, outputs: u64) -> Self {
+        if let Some(slot) = self.linears.iter_mut().find(|l| l.is_none()) {
+            *slot = Some(Linear {
+                name: crate::plan::intern(name.to_string()),
+                inputs,
+                outputs,
+            });
+        }
+        self
+    }
+
+    /// The linear projections of one block, in order.
+    pub fn linears(&self) -> impl Iterator<Item = Linear> + '_ {
+        self.linears.iter().flatten().copied()
     }
 
     /// These facts with `n` parameters in each block.
@@ -134,6 +185,10 @@ pub struct StateBytes {
     /// `collective_bucket`, or fewer where each segment's gradients are
     /// reduced on their own (0 on one rank).
     pub reduction_bucket: u64,
+    /// What a forward or backward pass holds besides activations while it
+    /// crosses a block: a frozen weight converted to the compute dtype, one
+    /// at a time (`lora`).
+    pub pass_transient: u64,
 }
 
 impl StateBytes {
@@ -153,6 +208,27 @@ impl StateBytes {
             host: 0,
             collective_bucket: 0,
             reduction_bucket: 0,
+            pass_transient: 0,
         }
     }
+}
+
+/// The facts the memory hooks see for `plan` (`model` changed by each of
+/// `fixes`' [`facts`](Strategy::facts) hooks in order) and the training
+/// state's bytes: the unfixed state of those facts, changed by each fix's
+/// [`memory`](Strategy::memory) hook in order.
+pub fn state_of(
+    plan: &Plan,
+    model: &ModelFacts,
+    fixes: &[Arc<dyn Strategy>],
+) -> (ModelFacts, StateBytes) {
+    let mut facts = *model;
+    for fix in fixes {
+        fix.facts(plan, &mut facts);
+    }
+    let mut state = StateBytes::unfixed(&facts);
+    for fix in fixes {
+        fix.memory(plan, &facts, &mut state);
+    }
+    (facts, state)
 }

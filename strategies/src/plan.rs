@@ -333,6 +333,10 @@ pub struct Plan {
     /// Settings of fixes that are not built in (empty for the built-in ones).
     #[serde(default, skip_serializing_if = "Extensions::is_empty")]
     pub extensions: Extensions,
+    /// Low-rank adapters trained on a frozen base ([`crate::lora`]), when
+    /// the user asked for them; `None` trains every parameter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<crate::lora::Lora>,
 }
 
 impl Plan {
@@ -368,6 +372,7 @@ impl Plan {
             optimizer: OptimizerImpl::CandleAdamW,
             shard: Sharding::NONE,
             extensions: Extensions::EMPTY,
+            lora: None,
         }
     }
 
@@ -430,6 +435,9 @@ impl fmt::Display for Plan {
         }
         for (name, value) in self.extensions.iter() {
             write!(f, ", {name} {value}")?;
+        }
+        if let Some(lora) = &self.lora {
+            write!(f, ", {lora}")?;
         }
         Ok(())
     }
@@ -520,7 +528,7 @@ impl<'de> Deserialize<'de> for Extensions {
 
 /// A `'static` copy of `name`, one per distinct name for the process's life
 /// (extension names are fix names: a handful).
-fn intern(name: String) -> &'static str {
+pub(crate) fn intern(name: String) -> &'static str {
     use std::collections::HashSet;
     use std::sync::{Mutex, OnceLock};
     static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();

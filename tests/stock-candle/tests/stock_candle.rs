@@ -55,3 +55,78 @@ fn llama_estimate_within_tolerance() {
 fn long_sequence_estimates_within_tolerance() {
     estimate::check_long_sequences();
 }
+
+/// Built with `default-features = false` (no command line), the library
+/// plans GPT-2 small for an 8 GiB GPU, and the result says that the linked
+/// candle-core is the released one: what the plan needs here and with the
+/// patched candle-core the `oomfix` command links, the plan the command
+/// would choose, and the `[patch]` line that makes the two the same.
+#[test]
+fn the_library_alone_plans_gpt2_and_says_how_stock_candle_changes_it() {
+    use oomfix::memory::Backward;
+    use oomfix::units::format_bytes;
+    let spec = oomfix::ModelSpec::default_model();
+    let result = oomfix::Planner::new(8 << 30).run(&spec).unwrap();
+    let chosen = result.chosen().expect("GPT-2 small fits in 8 GiB");
+    let patched = oomfix::MemoryModel.estimate_with(
+        &spec,
+        &chosen.plan,
+        &result.target,
+        Backward::FirstGradientAsIs,
+    );
+    assert!(
+        patched.peak < chosen.estimate.peak,
+        "the stock backward holds more: {} vs {}",
+        chosen.estimate.peak,
+        patched.peak
+    );
+    // What the command line (patched candle-core) chooses.
+    let as_the_command = oomfix::Planner::new(8 << 30)
+        .estimator(PatchedBackward)
+        .run(&spec)
+        .unwrap();
+    let command_plan = as_the_command.chosen().unwrap().plan;
+
+    let note = result
+        .notes
+        .iter()
+        .find(|n| n.contains("candle-core as released"))
+        .unwrap_or_else(|| panic!("no note on the linked candle-core: {:?}", result.notes));
+    eprintln!("{note}");
+    assert!(note.contains(&format_bytes(chosen.estimate.peak)), "{note}");
+    assert!(note.contains(&format_bytes(patched.peak)), "{note}");
+    assert!(
+        note.contains("[patch.crates-io]") && note.contains("vendor/candle-core"),
+        "{note}"
+    );
+    if command_plan == chosen.plan {
+        assert!(note.contains("chooses the same plan"), "{note}");
+    } else {
+        assert!(note.contains(&command_plan.to_string()), "{note}");
+    }
+    // The reports carry it.
+    let table = oomfix::report::search_table(&spec, &result);
+    assert!(table.contains("candle-core as released"), "{table}");
+    let json = oomfix::report::search_json(&spec, &result);
+    assert_eq!(json["notes"][0], note.as_str());
+}
+
+/// The analytic model with the patched candle-core's backward: the
+/// estimates of the `oomfix` command.
+struct PatchedBackward;
+
+impl oomfix::Estimator for PatchedBackward {
+    fn estimate(
+        &self,
+        spec: &oomfix::ModelSpec,
+        plan: &oomfix::Plan,
+        target: &oomfix::Target,
+    ) -> oomfix::Breakdown {
+        oomfix::MemoryModel.estimate_with(
+            spec,
+            plan,
+            target,
+            oomfix::memory::Backward::FirstGradientAsIs,
+        )
+    }
+}
