@@ -3,7 +3,8 @@
 1. With `safetensors` and `config.json` alone: model.safetensors carries
    {"format": "pt"}, its dtype is the config's `torch_dtype`, and its tensor
    names and shapes are exactly those the config's architecture has (GPT-2,
-   Llama, Qwen2, BERT masked-LM; Hub names, a tied head stored once).
+   Llama, Mistral, Qwen2, Qwen3, Phi-3, BERT masked-LM; Hub names, a tied
+   head stored once).
 2. When `transformers` (and torch) can be imported: AutoModelForCausalLM (or
    AutoModelForMaskedLM) .from_pretrained(DIR) loads it with no missing,
    unexpected or mismatched keys, and every parameter equals the file's
@@ -49,7 +50,7 @@ def expected_tensors(c):
             t[b + "mlp.c_proj.bias"] = [h]
         t["ln_f.weight"] = [h]
         t["ln_f.bias"] = [h]
-    elif kind in ("llama", "qwen2", "mistral"):
+    elif kind in ("llama", "qwen2", "mistral", "qwen3", "phi3"):
         h, v, i = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
         heads = c["num_attention_heads"]
         kv = c.get("num_key_value_heads") or heads
@@ -60,22 +61,30 @@ def expected_tensors(c):
             b = f"model.layers.{l}."
             t[b + "input_layernorm.weight"] = [h]
             t[b + "post_attention_layernorm.weight"] = [h]
-            t[b + "self_attn.q_proj.weight"] = [heads * d, h]
-            t[b + "self_attn.k_proj.weight"] = [kv * d, h]
-            t[b + "self_attn.v_proj.weight"] = [kv * d, h]
+            if kind == "phi3":  # fused: rows q, k, v
+                t[b + "self_attn.qkv_proj.weight"] = [(heads + 2 * kv) * d, h]
+            else:
+                t[b + "self_attn.q_proj.weight"] = [heads * d, h]
+                t[b + "self_attn.k_proj.weight"] = [kv * d, h]
+                t[b + "self_attn.v_proj.weight"] = [kv * d, h]
             t[b + "self_attn.o_proj.weight"] = [h, heads * d]
+            if kind == "qwen3":
+                t[b + "self_attn.q_norm.weight"] = [d]
+                t[b + "self_attn.k_norm.weight"] = [d]
             if qkv_bias:
                 t[b + "self_attn.q_proj.bias"] = [heads * d]
                 t[b + "self_attn.k_proj.bias"] = [kv * d]
                 t[b + "self_attn.v_proj.bias"] = [kv * d]
             if c.get("attention_bias", False):
                 t[b + "self_attn.o_proj.bias"] = [h]
-            for m, shape in (("gate_proj", [i, h]), ("up_proj", [i, h]), ("down_proj", [h, i])):
+            mlp = (("gate_up_proj", [2 * i, h]),) if kind == "phi3" else (
+                ("gate_proj", [i, h]), ("up_proj", [i, h]))
+            for m, shape in mlp + (("down_proj", [h, i]),):
                 t[b + f"mlp.{m}.weight"] = shape
                 if c.get("mlp_bias", False):
                     t[b + f"mlp.{m}.bias"] = [shape[0]]
         t["model.norm.weight"] = [h]
-        if not c.get("tie_word_embeddings", kind != "llama" and kind != "mistral"):
+        if not c.get("tie_word_embeddings", kind not in ("llama", "mistral", "phi3")):
             t["lm_head.weight"] = [v, h]
     elif kind == "bert":
         h, v, i = c["hidden_size"], c["vocab_size"], c["intermediate_size"]

@@ -6,13 +6,23 @@ Writes, under tests/fixtures (or the directory given), from fixed seeds:
 train/<name>/model.safetensors, train/<name>/config.json
     Tiny models with random weights, biases and norm scales, as save_pretrained
     writes them: GPT-2; Llama with grouped-query attention and an untied head;
-    Qwen2 with q/k/v biases and a tied head; BERT masked-LM.
+    Qwen2 with q/k/v biases and a tied head; BERT masked-LM; then, with norm
+    scales drawn from N(1, 0.5): Qwen3 (q/k norms, head size 16 where
+    hidden / heads is 8); a Llama 3.2-style model (llama3 RoPE scaling, base
+    500000, head size 16); Llamas with linear, dynamic (NTK; the batch longer
+    than the context) and yarn RoPE scaling; Phi-3 (fused projections).
 train/<name>.ref.safetensors
     input_ids, targets, loss_mask (BERT: and attention_mask, the second
     sequence ending with 3 padding tokens), the logits (f32 [b, s, V]), the
     loss and the gradient of every parameter (grad.<Hub name>). The loss is
     the mean cross-entropy over the positions loss_mask selects, computed on
-    the logits in float32, as oomfix's models define it.
+    the logits in float32, as oomfix's models define it. The scaled-RoPE and
+    Qwen3 fixtures add rope.inv_freq and rope.attention_scaling (f64), the
+    rotary embedding's after the forward pass.
+train/<name>.bf16.safetensors
+    The logits, loss and gradients (stored as f32) of the same model and
+    batch computed in bfloat16: how far a 16-bit step lands from the f32
+    values by itself.
     Used by tests/train_models.rs.
 
 finetune/
@@ -29,8 +39,11 @@ finetune/
     Used by tests/finetune_cli.rs.
 
 Runs on PyTorch CPU with transformers, tokenizers and safetensors from PyPI
-(written with torch 2.15, transformers 5.25, tokenizers 0.23). Every run
-with the same versions writes the same files.
+(written with torch 2.15, transformers 5.25, tokenizers 0.23, safetensors
+0.8). Every run with the same versions on the same machine writes the same
+files; on another CPU the reference values may differ in their last bits
+(the first four models' gradients by up to 9e-7 of their largest element;
+the model files themselves are the same).
 
 Usage: python scripts/make-parity-fixtures.py [FIXTURES_DIR]   (default: tests/fixtures)
 """
@@ -47,7 +60,8 @@ import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
 from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 B, S, V = 2, 8, 64
 
@@ -61,6 +75,37 @@ def perturb(model):
                 p.add_(torch.randn_like(p) * 0.1)
             else:
                 p.normal_(0.0, 0.08)
+
+
+def spread_norms(model):
+    # Norm scales far from 1 (N(1, 0.5)), so that a norm left out or applied
+    # where transformers does not (Qwen3's q/k norms) changes the loss.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(1.0, 0.5)
+
+
+def rope(theta, scaling=None):
+    """RoPE's config arguments: transformers 5 takes them as rope_parameters,
+    4 as rope_theta and rope_scaling."""
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": dict(scaling or {"rope_type": "default"}, rope_theta=theta)}
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def llama_with(scaling, theta=10000.0, **kw):
+    """A tiny Llama (grouped-query attention, tied head) with a RoPE scaling."""
+    args = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=48, vocab_size=V,
+                max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                attn_implementation="eager", **rope(theta, scaling))
+    args.update(kw)
+    return LlamaForCausalLM(LlamaConfig(**args))
+
+
+# Fixtures after the first four: their norm scales spread (spread_norms).
+SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "phi3"}
 
 
 def parity_models():
@@ -83,6 +128,37 @@ def parity_models():
         vocab_size=V, max_position_embeddings=16, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12, hidden_act="gelu",
         attn_implementation="eager"))
+    # Qwen3: RMSNorm on each query and key head; a head size (16) that is not
+    # hidden / heads (8).
+    yield "qwen3", Qwen3ForCausalLM(Qwen3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+        use_sliding_window=False, attn_implementation="eager", **rope(1000000.0)))
+    # Llama 3.2-style: llama3 RoPE scaling, base 500000, tied head, head size 16.
+    # Wavelengths 6.3, 32, 167, … against an original context of 16: the
+    # fastest blended (between 16/4 and 16), the rest divided by the factor.
+    yield "llama3", llama_with(
+        {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        theta=500000.0, head_dim=16, max_position_embeddings=512)
+    yield "llama-linear", llama_with({"rope_type": "linear", "factor": 4.0})
+    # Dynamic NTK: the batch's 8 positions exceed the 2 of the context, so
+    # the base grows (13^(8/6) times).
+    yield "llama-dynamic", llama_with({"rope_type": "dynamic", "factor": 4.0},
+                                      max_position_embeddings=2)
+    # YaRN with factor = max_position_embeddings / original (both readings agree).
+    yield "llama-yarn", llama_with(
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    # Phi-3: fused qkv_proj (q, k, v rows) and gate_up_proj (gate, up rows),
+    # untied head, full rotary.
+    yield "phi3", Phi3ForCausalLM(Phi3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        original_max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        partial_rotary_factor=1.0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+        bos_token_id=0, eos_token_id=0, pad_token_id=None, sliding_window=None,
+        attn_implementation="eager", **rope(10000.0)))
 
 
 def save_model_dir(model, out):
@@ -102,6 +178,8 @@ def write_parity(out):
     for i, (name, model) in enumerate(parity_models()):
         torch.manual_seed(100 + i)
         perturb(model)
+        if name in SPREAD:
+            spread_norms(model)
         model.eval()  # no dropout (all probabilities are 0 anyway)
         tokens = torch.randint(0, V, (B, S + 1))
         batch = {}
@@ -134,8 +212,37 @@ def write_parity(out):
         ref["loss_mask"] = loss_mask.contiguous()
         ref["logits"] = logits.detach().float().contiguous()
         ref["loss"] = loss.detach().reshape(1)
+        if name in SPREAD:
+            rotary = model.model.rotary_emb
+            ref["rope.inv_freq"] = rotary.inv_freq.detach().double().contiguous()
+            ref["rope.attention_scaling"] = torch.tensor([float(rotary.attention_scaling)],
+                                                         dtype=torch.float64)
         save_file(ref, os.path.join(out, name + ".ref.safetensors"))
         print(name, "loss", loss.item(), "params", sum(p.numel() for p in model.parameters()))
+        write_bf16(model, name, input_ids, targets, loss_mask, batch, out)
+
+
+def write_bf16(model, name, input_ids, targets, loss_mask, batch, out):
+    """<name>.bf16.safetensors: the logits, loss and gradients (as f32) of
+    the same model and batch computed by transformers in bfloat16 (weights
+    rounded to bf16, the loss on the logits in float32), the error a 16-bit
+    step makes by itself."""
+    import copy
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    m16.zero_grad(set_to_none=True)
+    if "attention_mask" in batch:
+        logits = m16(input_ids=input_ids, attention_mask=batch["attention_mask"].long()).logits
+    else:
+        logits = m16(input_ids=input_ids).logits
+    nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), reduction="none")
+    mask = loss_mask.reshape(-1)
+    loss = (nll * mask).sum() / mask.sum()
+    loss.backward()
+    ref = {f"grad.{n.removeprefix('transformer.')}": p.grad.float().contiguous()
+           for n, p in m16.named_parameters()}
+    ref["logits"] = logits.detach().float().contiguous()
+    ref["loss"] = loss.detach().reshape(1)
+    save_file(ref, os.path.join(out, name + ".bf16.safetensors"))
 
 
 # The fine-tuning fixture.

@@ -49,6 +49,7 @@
 #![warn(missing_docs)]
 
 pub mod anymodel;
+pub mod architecture;
 pub mod dist;
 pub mod inspect;
 pub mod measure;
@@ -78,5 +79,5 @@ pub use memory::{Breakdown, Estimator, MemoryModel, Target};
 pub use oomfix_strategies as strategies;
 pub use oomfix_strategies::{Execution, Pipeline, Plan, Strategy};
 pub use search::{Attempt, Headroom, Measurement, Pins, Planner, SearchResult, Verifier, Verify};
-pub use spec::{Family, ModelConfig, ModelSettings, ModelSpec, TensorInfo};
+pub use spec::{Family, ModelConfig, ModelSettings, ModelSpec, RopeFactors, TensorInfo};
 pub use train::{TrainOptions, Trainer};

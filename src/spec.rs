@@ -105,6 +105,49 @@ pub struct ModelSettings {
     pub mlp_bias: bool,
     /// The end-of-text id (`eos_token_id`; the first of a list).
     pub eos_token_id: Option<u32>,
+    /// The architecture `config.json` names (`architectures[0]`, else
+    /// `model_type`); `None` without one.
+    pub architecture: Option<String>,
+    /// The attention head size (`head_dim`), when `config.json` gives one;
+    /// else `hidden / heads` ([`ModelConfig::head_dim`]).
+    pub head_dim: Option<usize>,
+    /// Llama-style: RMSNorm over each head of q and of k after the
+    /// projections, before RoPE (`self_attn.q_norm`, `self_attn.k_norm`; Qwen3).
+    pub qk_norm: bool,
+    /// Llama-style: one `self_attn.qkv_proj` (rows q, k, v) and one
+    /// `mlp.gate_up_proj` (rows gate, up) instead of separate projections (Phi-3).
+    pub fused_projections: bool,
+    /// The share of each head that RoPE rotates (`partial_rotary_factor`),
+    /// when `config.json` gives one.
+    pub partial_rotary_factor: Option<f64>,
+    /// The numbers of `rope_scaling` (absent ones are transformers' defaults).
+    pub rope: RopeFactors,
+}
+
+/// The numbers of a `rope_scaling` object, each `None` when absent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RopeFactors {
+    /// `factor`: how much longer the context is than the trained one.
+    pub factor: Option<f64>,
+    /// `low_freq_factor` (`llama3`).
+    pub low_freq_factor: Option<f64>,
+    /// `high_freq_factor` (`llama3`).
+    pub high_freq_factor: Option<f64>,
+    /// `original_max_position_embeddings` (`llama3`, `yarn`).
+    pub original_max_positions: Option<usize>,
+    /// `attention_factor` (`yarn`).
+    pub attention_factor: Option<f64>,
+    /// `beta_fast` (`yarn`, default 32).
+    pub beta_fast: Option<f64>,
+    /// `beta_slow` (`yarn`, default 1).
+    pub beta_slow: Option<f64>,
+    /// `mscale` (`yarn`).
+    pub mscale: Option<f64>,
+    /// `mscale_all_dim` (`yarn`).
+    pub mscale_all_dim: Option<f64>,
+    /// `truncate` (`yarn`, default true).
+    pub truncate: Option<bool>,
 }
 
 impl ModelConfig {
@@ -218,14 +261,55 @@ impl ModelConfig {
     /// all of it. `seq_len`: the sequence length trained (a sliding window
     /// shorter than it is refused: the models attend to every earlier token).
     pub fn unsupported(&self, seq_len: usize) -> Option<(&'static str, String, String)> {
-        // `field` names the key as config.json spells it.
+        if let Some(found) = self.unimplemented() {
+            return Some(found);
+        }
+        match self.settings.sliding_window.filter(|&w| w < seq_len) {
+            Some(w) => Some((
+                "sliding_window",
+                w.to_string(),
+                format!(
+                    "sliding-window attention is not implemented, and the sequence length {seq_len} exceeds the window"
+                ),
+            )),
+            None => None,
+        }
+    }
+
+    /// What oomfix implements for no sequence length: the architecture
+    /// `config.json` names ([`crate::architecture::refusal`]), a RoPE
+    /// scaling type, an activation; as `(field, value, why)`, `field` the key
+    /// as `config.json` spells it. Such a model is refused before planning.
+    pub fn unimplemented(&self) -> Option<(&'static str, String, String)> {
         let s = &self.settings;
+        if let Some(arch) = &s.architecture {
+            if let Some(why) = crate::architecture::refusal(arch) {
+                let field = if arch.chars().any(char::is_uppercase) {
+                    "architectures"
+                } else {
+                    "model_type"
+                };
+                return Some((field, format!("{arch:?}"), why));
+            }
+        }
+        if let Some(p) = s.partial_rotary_factor.filter(|&p| p != 1.0) {
+            return Some((
+                "partial_rotary_factor",
+                p.to_string(),
+                "partial rotary (RoPE on part of each head) is not implemented".into(),
+            ));
+        }
         if let Some(kind) = &s.rope_scaling {
-            if self.family == Family::Llama {
+            if self.family == Family::Llama
+                && !crate::architecture::ROPE_SCALINGS.contains(&kind.as_str())
+            {
                 return Some((
                     "rope_scaling",
                     format!("{kind:?}"),
-                    "only unscaled RoPE is implemented".into(),
+                    format!(
+                        "the RoPE scalings implemented are {}",
+                        crate::architecture::ROPE_SCALINGS.join(", ")
+                    ),
                 ));
             }
         }
@@ -251,21 +335,15 @@ impl ModelConfig {
                 ),
             ));
         }
-        if let Some(w) = s.sliding_window.filter(|&w| w < seq_len) {
-            return Some((
-                "sliding_window",
-                w.to_string(),
-                format!(
-                    "sliding-window attention is not implemented, and the sequence length {seq_len} exceeds the window"
-                ),
-            ));
-        }
         None
     }
 
-    /// Size of one attention head.
+    /// Size of one attention head: `config.json`'s `head_dim`, else
+    /// `hidden / heads`.
     pub fn head_dim(&self) -> usize {
-        self.hidden / self.heads.max(1)
+        self.settings
+            .head_dim
+            .unwrap_or(self.hidden / self.heads.max(1))
     }
 
     /// The trainable tensors with their Hub names and shapes, in the order the
@@ -273,6 +351,7 @@ impl ModelConfig {
     pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
         let (h, i, v) = (self.hidden, self.intermediate, self.vocab);
         let kv = self.kv_heads * self.head_dim();
+        let q = self.heads * self.head_dim();
         let mut t: Vec<(String, Vec<usize>)> = Vec::new();
         let mut add = |name: String, shape: &[usize]| t.push((name, shape.to_vec()));
         match self.family {
@@ -302,21 +381,34 @@ impl ModelConfig {
                 for l in 0..self.layers {
                     let p = format!("model.layers.{l}.");
                     add(format!("{p}input_layernorm.weight"), &[h]);
-                    add(format!("{p}self_attn.q_proj.weight"), &[h, h]);
-                    add(format!("{p}self_attn.k_proj.weight"), &[kv, h]);
-                    add(format!("{p}self_attn.v_proj.weight"), &[kv, h]);
+                    if self.settings.fused_projections {
+                        add(format!("{p}self_attn.qkv_proj.weight"), &[q + 2 * kv, h]);
+                    } else {
+                        add(format!("{p}self_attn.q_proj.weight"), &[q, h]);
+                        add(format!("{p}self_attn.k_proj.weight"), &[kv, h]);
+                        add(format!("{p}self_attn.v_proj.weight"), &[kv, h]);
+                    }
                     if self.qkv_bias || self.settings.attention_bias {
-                        add(format!("{p}self_attn.q_proj.bias"), &[h]);
+                        add(format!("{p}self_attn.q_proj.bias"), &[q]);
                         add(format!("{p}self_attn.k_proj.bias"), &[kv]);
                         add(format!("{p}self_attn.v_proj.bias"), &[kv]);
                     }
-                    add(format!("{p}self_attn.o_proj.weight"), &[h, h]);
+                    add(format!("{p}self_attn.o_proj.weight"), &[h, q]);
                     if self.settings.attention_bias {
                         add(format!("{p}self_attn.o_proj.bias"), &[h]);
                     }
+                    if self.settings.qk_norm {
+                        let d = self.head_dim();
+                        add(format!("{p}self_attn.q_norm.weight"), &[d]);
+                        add(format!("{p}self_attn.k_norm.weight"), &[d]);
+                    }
                     add(format!("{p}post_attention_layernorm.weight"), &[h]);
-                    add(format!("{p}mlp.gate_proj.weight"), &[i, h]);
-                    add(format!("{p}mlp.up_proj.weight"), &[i, h]);
+                    if self.settings.fused_projections {
+                        add(format!("{p}mlp.gate_up_proj.weight"), &[2 * i, h]);
+                    } else {
+                        add(format!("{p}mlp.gate_proj.weight"), &[i, h]);
+                        add(format!("{p}mlp.up_proj.weight"), &[i, h]);
+                    }
                     add(format!("{p}mlp.down_proj.weight"), &[h, i]);
                     if self.settings.mlp_bias {
                         add(format!("{p}mlp.gate_proj.bias"), &[i]);

@@ -109,3 +109,40 @@ fn an_offloaded_plan_on_the_cpu_needs_the_peak_and_the_host_bytes() {
         );
     }
 }
+
+/// Qwen3: a head size twice hidden / heads, and RMSNorm on each query and
+/// key head (their outputs kept for backward).
+#[test]
+fn qwen3_estimate_within_8_percent() {
+    let mut c = estimate::llama();
+    c.settings.head_dim = Some(2 * c.head_dim());
+    c.settings.qk_norm = true;
+    c.settings.architecture = Some("Qwen3ForCausalLM".into());
+    check("qwen3", c);
+}
+
+/// Llama 3.x: the `llama3` RoPE scaling changes the tables' values only.
+#[test]
+fn llama3_estimate_within_8_percent() {
+    let mut c = estimate::llama();
+    c.settings.rope_scaling = Some("llama3".into());
+    c.settings.rope = oomfix::RopeFactors {
+        factor: Some(32.0),
+        low_freq_factor: Some(1.0),
+        high_freq_factor: Some(4.0),
+        original_max_positions: Some(16),
+        ..Default::default()
+    };
+    c.settings.rope_theta = Some(500_000.0);
+    check("llama3", c);
+}
+
+/// Phi-3: fused `qkv_proj` and `gate_up_proj` (their outputs' slices copied
+/// by RoPE, the head split and SwiGLU).
+#[test]
+fn phi3_estimate_within_8_percent() {
+    let mut c = estimate::llama();
+    c.settings.fused_projections = true;
+    c.settings.architecture = Some("Phi3ForCausalLM".into());
+    check("phi3", c);
+}

@@ -442,12 +442,12 @@ fn training_refuses_what_the_family_does_not_implement_naming_the_field() {
     let with = |extra: serde_json::Value| d.write("config.json", llama_json(extra).to_string());
     for (extra, says) in [
         (
-            serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
-            "\"rope_scaling\" is \"yarn\"",
+            serde_json::json!({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}),
+            "\"rope_scaling\" is \"longrope\"",
         ),
         (
-            serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
-            "\"rope_scaling\" is \"linear\"",
+            serde_json::json!({"architectures": ["Gemma2ForCausalLM"]}),
+            "\"architectures\" is \"Gemma2ForCausalLM\"",
         ),
         (
             serde_json::json!({"hidden_act": "gelu"}),
@@ -466,10 +466,12 @@ fn training_refuses_what_the_family_does_not_implement_naming_the_field() {
         refused(&d, "data.bin", &[], "config.json", says);
     }
     // What the family implements trains: a window as long as the sequence,
-    // unscaled RoPE written out, Qwen2's unused window.
+    // unscaled RoPE written out, scaled RoPE, Qwen2's unused window.
     for extra in [
         serde_json::json!({"sliding_window": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5}),
         serde_json::json!({"rope_scaling": {"rope_type": "default"}}),
+        serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+        serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
         serde_json::json!({"sliding_window": 4, "use_sliding_window": false}),
     ] {
         with(extra.clone());

@@ -72,6 +72,18 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
         Some(path) => inspect::inspect(path)?,
         None => ModelSpec::default_model(),
     };
+    if let (Some(path), Some((field, value, why))) = (&args.model, spec.config.unimplemented()) {
+        let dir = if path.is_dir() {
+            path.as_path()
+        } else {
+            path.parent().unwrap_or(Path::new(""))
+        };
+        return Err(Error::input(
+            dir.join("config.json"),
+            format!("\"{field}\" is {value}: {why}; nothing was planned"),
+        )
+        .into());
+    }
     let lora = lora(o, &spec)?;
     let mut all_inputs: Vec<&Path> = spec.files.iter().map(|f| f.as_path()).collect();
     all_inputs.extend(args.model.as_deref());

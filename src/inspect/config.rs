@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use super::{header::kind, read_small_text};
-use crate::{Error, ModelSettings, Result};
+use crate::architecture::{self, Support};
+use crate::{Error, ModelSettings, Result, RopeFactors};
 
 /// What `config.json` says, each field absent when the file does not say it.
 /// GPT-2's names (`n_head`, `n_positions`, …) are accepted as aliases.
@@ -114,11 +115,11 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
             .map(|_| ("rope_parameters", &obj["rope_parameters"])),
         (None, None) => None,
     };
-    let rope_scaling = match scaling {
-        None => None,
+    let (rope_scaling, rope) = match scaling {
+        None => (None, RopeFactors::default()),
         Some((key, Value::Object(m))) => match m.get("rope_type").or_else(|| m.get("type")) {
-            Some(Value::String(t)) if t == "default" => None,
-            Some(Value::String(t)) => Some(t.clone()),
+            Some(Value::String(t)) if t == "default" => (None, RopeFactors::default()),
+            Some(Value::String(t)) => (Some(t.clone()), rope_factors(key, m)?),
             _ => {
                 return Err(format!(
                     "\"{key}\" has no \"rope_type\" (or \"type\") string"
@@ -126,6 +127,20 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
             }
         },
         Some((key, v)) => return Err(format!("\"{key}\" is {v}, not an object")),
+    };
+    let architecture = match get("architectures") {
+        Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
+            Value::String(name) => Some(name.clone()),
+            v => return Err(format!("\"architectures\" holds {v}, not a class name")),
+        },
+        _ => text("model_type")?,
+    };
+    let support = architecture.as_deref().map(architecture::support);
+    let qk_norm = matches!(support, Some(Support::Implemented { qk_norm: true, .. }));
+    let fused_projections = matches!(support, Some(Support::Implemented { fused: true, .. }));
+    let partial_rotary_factor = match rope_params.and_then(|p| p.get("partial_rotary_factor")) {
+        Some(v) => positive("rope_parameters.partial_rotary_factor", Some(v))?,
+        None => positive("partial_rotary_factor", get("partial_rotary_factor"))?,
     };
     let norm_key = ["rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"]
         .into_iter()
@@ -159,6 +174,42 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         attention_bias: flag("attention_bias")?,
         mlp_bias: flag("mlp_bias")?,
         eos_token_id,
+        architecture,
+        head_dim: count_field(obj, &["head_dim"])?.filter(|&d| d > 0),
+        qk_norm,
+        fused_projections,
+        partial_rotary_factor,
+        rope,
+    })
+}
+
+/// The numbers of the RoPE scaling object `m` (under `key`); one of the
+/// wrong kind is an error naming it.
+fn rope_factors(key: &str, m: &Map<String, Value>) -> std::result::Result<RopeFactors, String> {
+    let number = |name: &str| match m.get(name).filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .map(Some)
+            .ok_or_else(|| format!("\"{key}.{name}\" is {v}, not a non-negative number")),
+    };
+    let truncate = match m.get("truncate").filter(|v| !v.is_null()) {
+        None => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(v) => return Err(format!("\"{key}.truncate\" is {v}, not a boolean")),
+    };
+    Ok(RopeFactors {
+        factor: number("factor")?,
+        low_freq_factor: number("low_freq_factor")?,
+        high_freq_factor: number("high_freq_factor")?,
+        original_max_positions: count_field(m, &["original_max_position_embeddings"])?,
+        attention_factor: number("attention_factor")?,
+        beta_fast: number("beta_fast")?,
+        beta_slow: number("beta_slow")?,
+        mscale: number("mscale")?,
+        mscale_all_dim: number("mscale_all_dim")?,
+        truncate,
     })
 }
 

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use super::config::HfConfig;
 use super::header::is_float;
+use crate::architecture::{self, Support};
 use crate::{Error, Family, ModelConfig, ModelSettings, Result, TensorInfo};
 
 /// What inference found.
@@ -51,6 +52,8 @@ pub(crate) fn infer(
             .is_empty();
     }
     let family = draft.config.family;
+    check_architecture(source, &draft.config, hf)?;
+    check_tensors(source, &draft, &all)?;
     let tensors = all
         .into_iter()
         .filter(|x| {
@@ -76,9 +79,101 @@ struct Draft {
 
 /// Tensors that are saved state, not parameters.
 fn is_buffer(family: Family, name: &str) -> bool {
-    let gpt2_mask = family == Family::Gpt2
-        && (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias"));
-    gpt2_mask || name.ends_with("rotary_emb.inv_freq") || name.ends_with("embeddings.position_ids")
+    architecture::is_buffer(family, &architecture::hub_name(family, name))
+}
+
+/// The family and architecture as messages name them: `llama (Qwen3ForCausalLM)`.
+fn taken_for(config: &ModelConfig) -> String {
+    match &config.settings.architecture {
+        Some(arch) => format!("{} ({arch})", config.family),
+        None => format!("{} (config.json names no architecture)", config.family),
+    }
+}
+
+/// An architecture `config.json` names that oomfix implements must be the
+/// family the tensors are: an input error naming both otherwise. One it
+/// does not implement is left to [`ModelConfig::unimplemented`].
+fn check_architecture(source: &Path, config: &ModelConfig, hf: Option<&HfConfig>) -> Result<()> {
+    let (Some(hf), Some(arch)) = (hf, config.settings.architecture.as_deref()) else {
+        return Ok(());
+    };
+    match architecture::support(arch) {
+        Support::Implemented { family, .. } if family != config.family => {
+            let found = match config.family {
+                Family::Generic => "no family oomfix knows".to_string(),
+                f => format!("a {f} model"),
+            };
+            Err(Error::input(
+                source,
+                format!(
+                    "{} names {arch}, a {family} model, but the tensors are {found}",
+                    hf.path.display()
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Every tensor of the checkpoint is a parameter of the model oomfix takes
+/// it for, with the shape the model needs, or one the model may leave
+/// ([`architecture::may_leave`]): anything else is an input error naming the
+/// tensors and the family, before anything is planned. Skipped for
+/// [`Family::Generic`] and for architectures oomfix does not implement
+/// (refused by name instead).
+fn check_tensors(source: &Path, draft: &Draft, all: &[TensorInfo]) -> Result<()> {
+    let c = &draft.config;
+    let refused = c
+        .settings
+        .architecture
+        .as_deref()
+        .and_then(architecture::refusal)
+        .is_some();
+    if c.family == Family::Generic || refused {
+        return Ok(());
+    }
+    let wanted: HashMap<String, Vec<usize>> = c.tensors().into_iter().collect();
+    let mut unused = Vec::new();
+    for t in all {
+        let hub = architecture::hub_name(c.family, &t.name);
+        match wanted.get(&hub) {
+            Some(shape) if *shape != t.shape => {
+                return Err(Error::input(
+                    source,
+                    format!(
+                        "tensor {} has shape {:?}, but a {} model of this configuration needs {shape:?}",
+                        t.name,
+                        t.shape,
+                        taken_for(c)
+                    ),
+                ));
+            }
+            Some(_) => {}
+            None if draft.tied_copies.contains(&t.name)
+                || architecture::may_leave(c.family, &hub, c.tied_embeddings) => {}
+            None => unused.push(t.name.as_str()),
+        }
+    }
+    if unused.is_empty() {
+        return Ok(());
+    }
+    unused.sort_unstable();
+    const SHOWN: usize = 6;
+    let more = if unused.len() > SHOWN {
+        format!(" and {} more", unused.len() - SHOWN)
+    } else {
+        String::new()
+    };
+    Err(Error::input(
+        source,
+        format!(
+            "{} tensor{} the model would not use: {}{more}; oomfix took it for a {} model, which has no such parameters",
+            unused.len(),
+            if unused.len() == 1 { "" } else { "s" },
+            unused[..unused.len().min(SHOWN)].join(", "),
+            taken_for(c)
+        ),
+    ))
 }
 
 /// Name lookups over the file's tensors.
@@ -139,9 +234,9 @@ impl<'a> Tensors<'a> {
 
     fn is_llama(&self) -> bool {
         self.matrix("model.embed_tokens.weight").is_some()
-            && !self
-                .layer_ids("model.layers.", "self_attn.q_proj.weight")
-                .is_empty()
+            && ["self_attn.q_proj.weight", "self_attn.qkv_proj.weight"]
+                .iter()
+                .any(|p| !self.layer_ids("model.layers.", p).is_empty())
     }
 
     /// `"bert."` or `""` when the names are BERT's.
@@ -204,9 +299,18 @@ fn llama(source: &Path, t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
     let embed = "model.embed_tokens.weight";
     let (vocab, hidden) = t.matrix(embed).unwrap_or_default();
     let blocks = "model.layers.";
+    // Phi-3's fused qkv_proj: rows H·d for q, then KV·d each for k and v.
+    let qkv_rows = t
+        .layer_shape(blocks, "self_attn.qkv_proj.weight")
+        .and_then(|s| s.first().copied());
+    let q_rows = match hf.and_then(|c| Some((c.heads?, c.head_dim))) {
+        Some((heads, Some(d))) => heads * d,
+        _ => hidden,
+    };
     let kv_rows = t
         .layer_shape(blocks, "self_attn.k_proj.weight")
         .and_then(|s| s.first().copied())
+        .or_else(|| qkv_rows.map(|r| r.saturating_sub(q_rows) / 2))
         .unwrap_or(hidden);
     let (heads, kv_heads) = llama_heads(hf, hidden, kv_rows, &mut assumptions)?;
     let max_positions = hf.and_then(|c| c.max_positions).unwrap_or_else(|| {
@@ -218,7 +322,11 @@ fn llama(source: &Path, t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
     });
     let intermediate = t
         .layer_shape(blocks, "mlp.gate_proj.weight")
-        .and_then(|s| s.first().copied());
+        .and_then(|s| s.first().copied())
+        .or_else(|| {
+            t.layer_shape(blocks, "mlp.gate_up_proj.weight")
+                .and_then(|s| s.first().map(|r| r / 2))
+        });
     let (tied, tied_copies) = tie(t, embed, "lm_head.weight", hf, false);
     let config = ModelConfig {
         family: Family::Llama,
@@ -249,11 +357,16 @@ fn llama_heads(
     assumptions: &mut Vec<String>,
 ) -> Result<(usize, usize)> {
     let Some((cfg, heads)) = hf.and_then(|c| Some((c, c.heads?))) else {
-        let head_dim = if hidden >= 2048 && hidden.is_multiple_of(128) {
+        let mut head_dim = if hidden >= 2048 && hidden.is_multiple_of(128) {
             128
         } else {
             64
         };
+        // A size that splits both projections (tiny models' heads are smaller).
+        while head_dim > 1 && !(hidden.is_multiple_of(head_dim) && kv_rows.is_multiple_of(head_dim))
+        {
+            head_dim /= 2;
+        }
         let (heads, kv_heads) = ((hidden / head_dim).max(1), (kv_rows / head_dim).max(1));
         assumptions.push(format!(
             "head size {head_dim} assumed ({heads} heads, {kv_heads} key/value heads): {}",
@@ -275,11 +388,6 @@ fn llama_heads(
         return Err(cfg.error(format!(
             "{kv_heads} key/value heads of size {head_dim} do not match k_proj's {kv_rows} rows in the weights"
         )));
-    }
-    if head_dim * heads != hidden {
-        assumptions.push(format!(
-            "head size {head_dim} × {heads} heads differs from the hidden size {hidden}; the planner assumes hidden / heads"
-        ));
     }
     Ok((heads, kv_heads))
 }
@@ -538,10 +646,57 @@ mod tests {
 
     #[test]
     fn untied_head_of_another_shape_counts() {
-        let mut t = from_config(&ModelConfig::gpt2(2, 64, 1));
+        // A Llama's: a parameter of the model.
+        let mut llama = ModelConfig::llama(2, 64, 1, 1, 128, 100, true);
+        let mut t = from_config(&llama);
         t.push(info("lm_head.weight", &[100, 64]));
-        let got = infer(Path::new("m.safetensors"), t, None).unwrap();
+        let got = infer(Path::new("m.safetensors"), t.clone(), None).unwrap();
         assert!(!got.config.tied_embeddings);
         assert!(got.tensors.iter().any(|t| t.name == "lm_head.weight"));
+        // Of another shape than the embedding: refused, naming the head.
+        llama.vocab = 90;
+        let mut t = from_config(&llama);
+        t.push(info("lm_head.weight", &[100, 64]));
+        let err = infer(Path::new("m.safetensors"), t, None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lm_head.weight has shape [100, 64]"), "{err}");
+        // GPT-2's model always ties its head: a head of its own is refused.
+        let mut t = from_config(&ModelConfig::gpt2(2, 64, 1));
+        t.push(info("lm_head.weight", &[100, 64]));
+        let err = infer(Path::new("m.safetensors"), t, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("1 tensor the model would not use: lm_head.weight")
+                && err.contains("gpt2"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn tensors_of_another_family_are_refused_naming_them() {
+        let mut c = ModelConfig::llama(2, 64, 2, 2, 128, 100, true);
+        c.settings.qk_norm = true;
+        let got = infer(Path::new("m.safetensors"), from_config(&c), None);
+        let err = got.unwrap_err().to_string();
+        assert!(
+            err.contains("4 tensors the model would not use")
+                && err.contains("model.layers.0.self_attn.k_norm.weight")
+                && err.contains("llama (config.json names no architecture)"),
+            "{err}"
+        );
+        // Named by config.json, they are the model's.
+        let hf = HfConfig {
+            heads: Some(2),
+            settings: ModelSettings {
+                architecture: Some("Qwen3ForCausalLM".into()),
+                qk_norm: true,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let got = infer(Path::new("m.safetensors"), from_config(&c), Some(&hf)).unwrap();
+        assert_eq!(got.tensors.len(), c.tensors().len());
     }
 }

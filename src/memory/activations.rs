@@ -176,6 +176,12 @@ struct Dims {
     h: u64,
     i: u64,
     kv: u64,
+    /// `H·d`: the queries' width (the hidden size unless `head_dim` says otherwise).
+    q: u64,
+    /// Llama-style: RMSNorm outputs of q and k (Qwen3).
+    qk_norm: bool,
+    /// Llama-style: fused `qkv_proj` and `gate_up_proj` (Phi-3).
+    fused: bool,
     heads: u64,
     head_dim: u64,
     v: u64,
@@ -194,6 +200,9 @@ impl Dims {
             h: c.hidden as u64,
             i: c.intermediate as u64,
             kv: (c.kv_heads * c.head_dim()) as u64,
+            q: (c.heads * c.head_dim()) as u64,
+            qk_norm: c.settings.qk_norm,
+            fused: c.settings.fused_projections,
             heads: c.heads as u64,
             head_dim: c.head_dim() as u64,
             v: c.vocab as u64,
@@ -248,12 +257,24 @@ fn block(family: Family, d: &Dims) -> Values {
         .add(core)
         .add(d.norm())
         .add(d.norm()),
-        // rms; q [n,h]; k, v [n,kv]×2 (biases, if any, added in place); v
-        // copy; RoPE q, k (fused, heads first); attention core; context;
-        // merged, o_proj, residual; rms; gate, up, SwiGLU [n,I]×3; down,
-        // residual.
+        // rms; q [n,q]; k, v [n,kv]×2 (biases, if any, added in place);
+        // with q/k norm, their outputs [n,q], [n,kv]; v copy; RoPE q, k
+        // (fused, heads first); attention core; context, merged [n,q]×2;
+        // o_proj, residual; rms; gate, up, SwiGLU [n,I]×3; down, residual.
+        // Fused projections (one output of q, k, v; one of gate, up): the
+        // contiguous copies RoPE makes of q [n,q] and k [n,kv], the copy
+        // splitting v's heads [n,kv], and SwiGLU's of gate and up [n,I]×2.
         Family::Llama => Values {
-            c: 8 * n * h + 4 * n * kv + 3 * n * i,
+            c: 4 * n * d.q
+                + 4 * n * h
+                + 4 * n * kv
+                + 3 * n * i
+                + if d.qk_norm { n * (d.q + kv) } else { 0 }
+                + if d.fused {
+                    n * (d.q + 2 * kv) + 2 * n * i
+                } else {
+                    0
+                },
             f32: 0,
         }
         .add(core)
@@ -371,22 +392,22 @@ fn scores_chunk(d: &Dims) -> u64 {
 /// Bytes alive at once while the backward crosses one composed attention, on
 /// top of what the block keeps: the probabilities' gradient `dP` (from
 /// `P·v`'s backward, score-sized) and one group's `dS` ([`scores_chunk`]);
-/// beside them gradients of the block's output, of the merged heads and of q
-/// `[n,h]` ×3, and of k and v `[n,kv]` ×2 (on the CPU, a tiny GPT-2's
+/// beside them gradients of the block's output `[n,h]`, of the merged heads and of q
+/// `[n,H·d]` ×2, and of k and v `[n,kv]` ×2 (on the CPU, a tiny GPT-2's
 /// attention backward holds 2 scores and 6–7 `[n,h]`; 3 + 2 fits the whole
 /// CPU accuracy matrix best, checkpointed segments' surrogate terms
 /// overlapping the rest; the groups' `dq` and `dk` are among those, and are
 /// joined once the last group's `dS` is gone).
 fn composed_backward(d: &Dims) -> u64 {
-    d.scores() + scores_chunk(d) + 3 * d.n * d.h + 2 * d.n * d.kv
+    d.scores() + scores_chunk(d) + d.n * d.h + 2 * d.n * d.q + 2 * d.n * d.kv
 }
 
 /// Bytes alive at once while the backward crosses one flash attention, on top
 /// of what the block keeps: the op's f32 copies of q, o and the output's
-/// gradient `[n,h]` ×3 and of k, v `[n,kv]` ×2, and its f32 gradients of q and,
-/// per query head, of k and v `[n,h]` ×3.
+/// gradient `[n,H·d]` ×3 and of k, v `[n,kv]` ×2, and its f32 gradients of q and,
+/// per query head, of k and v `[n,H·d]` ×3.
 fn flash_backward(d: &Dims) -> u64 {
-    4 * (6 * d.n * d.h + 2 * d.n * d.kv)
+    4 * (6 * d.n * d.q + 2 * d.n * d.kv)
 }
 
 /// [`flash_backward`]'s bytes for `plan` on `spec`: at short sequences this

@@ -104,6 +104,15 @@ pub fn inspect_json(spec: &ModelSpec) -> Value {
     let obj = v.as_object_mut().expect("object");
     obj.insert("tensors".into(), json!(spec.tensors.len()));
     let c = &spec.config;
+    obj.insert("architecture".into(), json!(c.settings.architecture));
+    obj.insert("head_dim".into(), json!(c.head_dim()));
+    obj.insert("qk_norm".into(), json!(c.settings.qk_norm));
+    obj.insert(
+        "missing".into(),
+        json!(c
+            .unimplemented()
+            .map(|(field, value, why)| format!("{field} {value}: {why}"))),
+    );
     if c.family != crate::Family::Generic {
         let s = &c.settings;
         obj.insert(

@@ -238,6 +238,12 @@ pub fn inspect_text(spec: &ModelSpec) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "model          {}", spec.source);
     let _ = writeln!(out, "family         {}", c.family);
+    if let Some(arch) = &c.settings.architecture {
+        let _ = writeln!(out, "architecture   {arch}");
+    }
+    if let Some((field, value, why)) = c.unimplemented() {
+        let _ = writeln!(out, "missing        {field} {value}: {why}");
+    }
     let _ = writeln!(out, "parameters     {}", group_digits(spec.parameters()));
     let _ = writeln!(out, "tensors        {}", spec.tensors.len());
     let _ = writeln!(out, "dtype          {}", spec.dtype);
@@ -245,7 +251,13 @@ pub fn inspect_text(spec: &ModelSpec) -> String {
     if c.layers > 0 {
         let _ = writeln!(out, "layers         {}", c.layers);
         let _ = writeln!(out, "hidden         {}", c.hidden);
-        let _ = writeln!(out, "heads          {} (kv {})", c.heads, c.kv_heads);
+        let _ = writeln!(
+            out,
+            "heads          {} (kv {}, size {})",
+            c.heads,
+            c.kv_heads,
+            c.head_dim()
+        );
         let _ = writeln!(out, "intermediate   {}", c.intermediate);
         let _ = writeln!(out, "vocab          {}", c.vocab);
         let _ = writeln!(out, "max positions  {}", c.max_positions);
@@ -275,6 +287,9 @@ pub fn inspect_text(spec: &ModelSpec) -> String {
                 (false, false, false) => "none",
             };
             let _ = writeln!(out, "biases         {biases}");
+            if s.qk_norm {
+                let _ = writeln!(out, "q/k norm       per head (RMSNorm)");
+            }
         }
         if let Some(w) = s.sliding_window {
             let _ = writeln!(out, "sliding window {w}");

@@ -1,7 +1,9 @@
 //! Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention
-//! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`), with the
-//! checkpoint's RMSNorm epsilon and RoPE base, and optional biases on every
-//! attention projection (`attention_bias`) and the MLP (`mlp_bias`).
+//! (Llama 2/3, Mistral, TinyLlama; Qwen2 with `qkv_bias`; Qwen3 with
+//! RMSNorm on each query and key head; Phi-3 with fused `qkv_proj` and
+//! `gate_up_proj`), with the checkpoint's RMSNorm
+//! epsilon, head size, RoPE base and scaling ([`rope`]), and optional biases
+//! on every attention projection (`attention_bias`) and the MLP (`mlp_bias`).
 
 use std::rc::Rc;
 
@@ -10,24 +12,74 @@ use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::Execution;
 
 use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm};
-use super::{batch_dims, Forward, Params, TokenBatch};
+use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
 struct Block {
     input_norm: RmsNorm,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: Qkv,
     o_proj: Linear,
     post_norm: RmsNorm,
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: GateUp,
     down_proj: Linear,
+    /// Qwen3's RMSNorm over each query and key head, before RoPE.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    intermediate: usize,
+    head_dim: usize,
     heads: usize,
     kv_heads: usize,
     /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
     tags: [Module; 4],
+}
+
+/// The q, k, v projections: three, or Phi-3's one `qkv_proj` whose rows are
+/// q (`H·d`), then k and v (`KV·d` each).
+enum Qkv {
+    Separate(Linear, Linear, Linear),
+    Fused(Linear),
+}
+
+impl Qkv {
+    /// q `[b, s, H·d]`, k and v `[b, s, KV·d]` (the fused form's are views of its output).
+    fn forward(
+        &self,
+        h: &Tensor,
+        q: usize,
+        kv: usize,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        match self {
+            Qkv::Separate(qp, kp, vp) => Ok((qp.forward(h)?, kp.forward(h)?, vp.forward(h)?)),
+            Qkv::Fused(p) => {
+                let all = p.forward(h)?;
+                Ok((
+                    all.narrow(2, 0, q)?,
+                    all.narrow(2, q, kv)?,
+                    all.narrow(2, q + kv, kv)?,
+                ))
+            }
+        }
+    }
+}
+
+/// The MLP's gate and up projections: two, or Phi-3's one `gate_up_proj`
+/// whose rows are the gate's, then up's.
+enum GateUp {
+    Separate(Linear, Linear),
+    Fused(Linear),
+}
+
+impl GateUp {
+    /// gate and up `[b, s, I]` (the fused form's are views of its output).
+    fn forward(&self, h: &Tensor, i: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        match self {
+            GateUp::Separate(g, u) => Ok((g.forward(h)?, u.forward(h)?)),
+            GateUp::Fused(p) => {
+                let both = p.forward(h)?;
+                Ok((both.narrow(2, 0, i)?, both.narrow(2, i, i)?))
+            }
+        }
+    }
 }
 
 /// What every block of one forward shares.
@@ -53,14 +105,33 @@ impl Block {
         let mlp_bias = config.settings.mlp_bias;
         Ok(Block {
             input_norm: norm("input_layernorm")?,
-            q_proj: proj("self_attn.q_proj", qkv_bias)?,
-            k_proj: proj("self_attn.k_proj", qkv_bias)?,
-            v_proj: proj("self_attn.v_proj", qkv_bias)?,
+            qkv: if config.settings.fused_projections {
+                Qkv::Fused(proj("self_attn.qkv_proj", false)?)
+            } else {
+                Qkv::Separate(
+                    proj("self_attn.q_proj", qkv_bias)?,
+                    proj("self_attn.k_proj", qkv_bias)?,
+                    proj("self_attn.v_proj", qkv_bias)?,
+                )
+            },
             o_proj: proj("self_attn.o_proj", o_bias)?,
             post_norm: norm("post_attention_layernorm")?,
-            gate_proj: proj("mlp.gate_proj", mlp_bias)?,
-            up_proj: proj("mlp.up_proj", mlp_bias)?,
+            gate_up: if config.settings.fused_projections {
+                GateUp::Fused(proj("mlp.gate_up_proj", false)?)
+            } else {
+                GateUp::Separate(
+                    proj("mlp.gate_proj", mlp_bias)?,
+                    proj("mlp.up_proj", mlp_bias)?,
+                )
+            },
             down_proj: proj("mlp.down_proj", mlp_bias)?,
+            intermediate: config.intermediate,
+            qk_norm: if config.settings.qk_norm {
+                Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
+            } else {
+                None
+            },
+            head_dim: config.head_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
             tags: [
@@ -81,14 +152,22 @@ impl Block {
         };
         let x = {
             let _m = Scope::module(attn);
+            let (heads, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+            let (mut q, mut k, v) = self.qkv.forward(&h, heads, kv)?;
+            if let Some((q_norm, k_norm)) = &self.qk_norm {
+                // Over each head: [b, s, heads, d] (views of the projections).
+                let (b, s, _) = q.dims3()?;
+                q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
+                k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
+            }
             let (q, k) = {
                 let _op = Scope::op(Op::Rope);
                 (
-                    ops::rope(&self.q_proj.forward(&h)?, self.heads, &ctx.rope_q)?,
-                    ops::rope(&self.k_proj.forward(&h)?, self.kv_heads, &ctx.rope_k)?,
+                    ops::rope(&q, self.heads, &ctx.rope_q)?,
+                    ops::rope(&k, self.kv_heads, &ctx.rope_k)?,
                 )
             };
-            let v = split_heads(&self.v_proj.forward(&h)?, self.kv_heads)?.contiguous()?;
+            let v = split_heads(&v, self.kv_heads)?.contiguous()?;
             // The queries' RoPE tables already carry the attention scale.
             let out = self.o_proj.forward(&ctx.attend.forward(&q, &k, &v, 1.0)?)?;
             let _op = Scope::op(Op::Residual);
@@ -99,8 +178,7 @@ impl Block {
             self.post_norm.forward(&x)?
         };
         let _m = Scope::module(mlp_tag);
-        let gate = self.gate_proj.forward(&h)?;
-        let up = self.up_proj.forward(&h)?;
+        let (gate, up) = self.gate_up.forward(&h, self.intermediate)?;
         let mlp = {
             let _op = Scope::op(Op::Silu);
             ops::swiglu(&gate, &up)?
@@ -156,13 +234,13 @@ impl Llama {
         let (h, d) = (self.config.hidden, self.config.head_dim());
         let device = self.embed.device();
         let [embed, rotary, norm, lm_head] = self.tags;
-        let theta = self.config.rope_theta();
+        let (freqs, factor) = rope::frequencies(&self.config, s)?;
         let ctx = {
             let _m = Scope::new(rotary, Op::Rope);
             Rc::new(Context {
                 attend: Attend::causal(exec),
-                rope_q: RopeTables::new(s, d, theta, 1.0 / (d as f64).sqrt(), device)?,
-                rope_k: RopeTables::new(s, d, theta, 1.0, device)?,
+                rope_q: RopeTables::from_inv_freq(s, &freqs, factor / (d as f64).sqrt(), device)?,
+                rope_k: RopeTables::from_inv_freq(s, &freqs, factor, device)?,
             })
         };
         let stem = {

@@ -25,10 +25,11 @@
 //! RMSNorm, RoPE in the `rotate_half` form, SwiGLU and grouped-query
 //! attention; BERT post-LN with erf GELU and the masked-LM head
 //! (`cls.predictions`), every token of segment A (token type 0). Norm epsilons,
-//! the RoPE base, the GELU form and Llama's optional biases are the
-//! checkpoint's own ([`crate::ModelSettings`]); what the families do not
-//! implement (RoPE scaling, other activations, a sliding window shorter than
-//! the sequence) is refused ([`check_supported`]).
+//! the RoPE base and scaling, the head size, Qwen3's q/k norms, the GELU
+//! form and Llama's optional biases are the checkpoint's own
+//! ([`crate::ModelSettings`]); what the families do not implement (other
+//! architectures, other RoPE scalings, other activations, a sliding window
+//! shorter than the sequence) is refused ([`check_supported`]).
 //!
 //! # What stays alive until backward
 //!
@@ -91,6 +92,12 @@
 //! | `gate_proj`, `up_proj` matmuls, SwiGLU `SiLU(gate)·up` | `[n,I]` ×3 | c |
 //! | `down_proj` matmul | `[n,h]` | c |
 //! | residual (block output) | `[n,h]` | c |
+//!
+//! With a `head_dim` that is not `h/H` the query-sized rows (`q_proj`, RoPE
+//! on q, context, heads merged) are `[n,H·d]` rather than `[n,h]`. Qwen3's
+//! RMSNorm over each head of q and k (`q_norm`, `k_norm`, before RoPE) adds
+//! their outputs `[n,H·d]` and `[n,KV·d]` c. RoPE scaling changes only the
+//! tables' values (`yarn`'s attention factor is folded into both tables).
 //!
 //! Keys and values are never repeated for grouped-query attention: each group's
 //! queries are multiplied with the shared key/value head directly.
@@ -182,6 +189,7 @@ pub use trainer::{compute_dtype, plan_changes, Evaluation, StepStats, TrainOptio
 mod gpt2;
 mod layers;
 mod llama;
+mod rope;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -455,7 +463,10 @@ impl Model for HubModel {
 /// With `weights`, every tensor of [`ModelConfig::tensors`] is read by name from the
 /// `.safetensors` file(s) (a sharded checkpoint: all shards); names may also carry
 /// GPT-2's `transformer.` prefix, lack BERT's `bert.` prefix, or use the old
-/// `gamma`/`beta` names of layer norms; other tensors in the files are ignored.
+/// `gamma`/`beta` names of layer norms. A tensor the model has no parameter
+/// for is an input error unless the model may leave it
+/// ([`crate::architecture::may_leave`]: buffers, tied copies, BERT's pooler
+/// and next-sentence head).
 /// Without, matrices are drawn from N(0, 0.02²), norm scales are ones and biases
 /// zeros, reproducibly from `seed`. Parameters are converted to `dtype` on `device`.
 pub fn build_model(
@@ -537,7 +548,7 @@ fn check_shape(config: &ModelConfig) -> Result<()> {
     let ok = c.layers > 0
         && c.heads > 0
         && c.kv_heads > 0
-        && c.hidden.is_multiple_of(c.heads)
+        && (c.settings.head_dim.is_some() || c.hidden.is_multiple_of(c.heads))
         && c.heads.is_multiple_of(c.kv_heads)
         && c.head_dim().is_multiple_of(2)
         && c.vocab > 0
@@ -554,21 +565,7 @@ fn check_shape(config: &ModelConfig) -> Result<()> {
 
 /// The Hub name of a tensor named `name` in a file of `family`.
 fn hub_name(family: Family, name: &str) -> String {
-    let name = match (name.strip_suffix(".gamma"), name.strip_suffix(".beta")) {
-        (Some(stem), _) => format!("{stem}.weight"),
-        (_, Some(stem)) => format!("{stem}.bias"),
-        _ => name.to_string(),
-    };
-    match family {
-        Family::Gpt2 => name
-            .strip_prefix("transformer.")
-            .map(str::to_string)
-            .unwrap_or(name),
-        Family::Bert if !name.starts_with("bert.") && !name.starts_with("cls.") => {
-            format!("bert.{name}")
-        }
-        _ => name,
-    }
+    crate::architecture::hub_name(family, name)
 }
 
 /// The tensors of `config` read from `paths` (on the CPU, in the file's dtype).
@@ -585,16 +582,21 @@ fn load_tensors(
         .ok_or_else(|| Error::Usage("no weights file given".into()))?;
     let wanted = config.tensors();
     let mut found: HashMap<String, (Tensor, &PathBuf)> = HashMap::new();
+    let mut unused = Vec::new();
     for path in paths {
         let tensors = candle_core::safetensors::load(path, &Device::Cpu)
             .map_err(|e| Error::input(path, format!("cannot read safetensors: {e}")))?;
-        for (name, tensor) in tensors {
-            let name = hub_name(config.family, &name);
+        for (file_name, tensor) in tensors {
+            let name = hub_name(config.family, &file_name);
             if wanted.iter().any(|(w, _)| *w == name) {
                 found.insert(name, (tensor, path));
+            } else if !crate::architecture::may_leave(config.family, &name, config.tied_embeddings)
+            {
+                unused.push(file_name);
             }
         }
     }
+
     let missing_head: Vec<&str> = wanted
         .iter()
         .map(|(name, _)| name.as_str())
@@ -609,7 +611,7 @@ fn load_tensors(
             missing_head.join(", ")
         );
     }
-    wanted
+    let tensors = wanted
         .into_iter()
         .map(|(name, shape)| {
             let Some((tensor, path)) = found.remove(&name) else {
@@ -637,7 +639,19 @@ fn load_tensors(
             }
             Ok((name, tensor))
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    if !unused.is_empty() {
+        unused.sort_unstable();
+        return Err(Error::input(
+            first,
+            format!(
+                "tensors the {} model would not use: {}; a checkpoint is trained whole or not at all",
+                config.family,
+                unused.join(", ")
+            ),
+        ));
+    }
+    Ok(tensors)
 }
 
 /// Random f32 tensors on the CPU for every tensor of `config`.

@@ -293,6 +293,10 @@ pub fn first_difference(saved: &ModelConfig, now: &ModelConfig) -> Option<String
         c.settings.norm_eps = Some(c.norm_eps());
         c.settings.rope_theta = Some(c.rope_theta());
         c.settings.hidden_act = Some(c.hidden_act().to_string());
+        // The name only: what it implies (the family, q/k norms, fused
+        // projections) is compared field by field, and a directory saved
+        // from weights without a config.json names the family's architecture.
+        c.settings.architecture = None;
         serde_json::to_value(c).unwrap_or(Value::Null)
     };
     walk("", &value(saved), &value(now))
@@ -397,6 +401,13 @@ fn made_config(c: &ModelConfig) -> Result<Map<String, Value>> {
     let Value::Object(mut m) = value else {
         unreachable!("json! of an object")
     };
+    if let Some(d) = s.head_dim {
+        m.insert("head_dim".into(), json!(d));
+    }
+    if s.qk_norm {
+        m.insert("architectures".into(), json!(["Qwen3ForCausalLM"]));
+        m.insert("model_type".into(), json!("qwen3"));
+    }
     if let Some(eos) = s.eos_token_id {
         m.insert("eos_token_id".into(), json!(eos));
         if c.family != Family::Bert {

@@ -173,13 +173,25 @@ impl RopeTables {
         scale: f64,
         device: &candle_core::Device,
     ) -> Result<Self> {
-        let half = head_dim / 2;
+        let inv_freq: Vec<f64> = (0..head_dim / 2)
+            .map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64))
+            .collect();
+        Self::from_inv_freq(s, &inv_freq, scale, device)
+    }
+
+    /// Tables for positions `0..s` and heads of `2·inv_freq.len()`, with the
+    /// given frequencies (a scaled RoPE's), every entry multiplied by `scale`.
+    pub fn from_inv_freq(
+        s: usize,
+        inv_freq: &[f64],
+        scale: f64,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
+        let head_dim = 2 * inv_freq.len();
         let mut cos = Vec::with_capacity(s * head_dim);
         let mut sin = Vec::with_capacity(s * head_dim);
         for p in 0..s {
-            let angles: Vec<f64> = (0..half)
-                .map(|i| p as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64))
-                .collect();
+            let angles: Vec<f64> = inv_freq.iter().map(|f| p as f64 * f).collect();
             cos.extend(
                 angles
                     .iter()

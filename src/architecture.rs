@@ -1,0 +1,236 @@
+//! The architectures a `config.json` can name (`architectures[0]` or
+//! `model_type`), and what oomfix does with each: the family it trains it
+//! as, or what that family lacks to compute it as Hugging Face
+//! `transformers` does.
+
+use crate::Family;
+
+/// What oomfix does with an architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Support {
+    /// Planned and trained as `family`; `qk_norm`: with RMSNorm on each
+    /// query and key head (Qwen3); `fused`: with one q/k/v and one gate/up
+    /// projection (Phi-3).
+    Implemented {
+        /// The family whose model computes it.
+        family: Family,
+        /// Per-head RMSNorm on q and k before RoPE.
+        qk_norm: bool,
+        /// Fused `qkv_proj` and `gate_up_proj`.
+        fused: bool,
+    },
+    /// Known, not implemented: `missing` says what its model computes that
+    /// oomfix's families do not.
+    Missing(&'static str),
+    /// Not an architecture oomfix knows.
+    Unknown,
+}
+
+/// One architecture: its class names and `model_type`s, and what oomfix does.
+struct Entry {
+    names: &'static [&'static str],
+    support: Support,
+}
+
+const fn implemented(names: &'static [&'static str], family: Family, qk_norm: bool) -> Entry {
+    Entry {
+        names,
+        support: Support::Implemented {
+            family,
+            qk_norm,
+            fused: false,
+        },
+    }
+}
+
+const fn missing(names: &'static [&'static str], what: &'static str) -> Entry {
+    Entry {
+        names,
+        support: Support::Missing(what),
+    }
+}
+
+const MOE: &str = "a mixture-of-experts MLP (router and experts) is not implemented";
+
+const TABLE: &[Entry] = &[
+    implemented(
+        &["GPT2LMHeadModel", "GPT2Model", "gpt2"],
+        Family::Gpt2,
+        false,
+    ),
+    implemented(
+        &["LlamaForCausalLM", "LlamaModel", "llama"],
+        Family::Llama,
+        false,
+    ),
+    implemented(
+        &["MistralForCausalLM", "MistralModel", "mistral"],
+        Family::Llama,
+        false,
+    ),
+    implemented(
+        &["Qwen2ForCausalLM", "Qwen2Model", "qwen2"],
+        Family::Llama,
+        false,
+    ),
+    implemented(
+        &["Qwen3ForCausalLM", "Qwen3Model", "qwen3"],
+        Family::Llama,
+        true,
+    ),
+    implemented(
+        &["BertForMaskedLM", "BertModel", "BertForPreTraining", "bert"],
+        Family::Bert,
+        false,
+    ),
+    missing(
+        &["GemmaForCausalLM", "GemmaModel", "gemma"],
+        "(1 + w) RMSNorm, √hidden embedding scale and the GeLU-tanh MLP are not implemented",
+    ),
+    missing(
+        &["Gemma2ForCausalLM", "Gemma2Model", "gemma2"],
+        "(1 + w) RMSNorm, four norms per block, √hidden embedding scale, attention and \
+         final-logit soft-capping, alternating sliding-window layers, query_pre_attn_scalar \
+         and the GeLU-tanh MLP are not implemented",
+    ),
+    missing(
+        &[
+            "Gemma3ForCausalLM",
+            "Gemma3ForConditionalGeneration",
+            "Gemma3TextModel",
+            "gemma3",
+            "gemma3_text",
+        ],
+        "(1 + w) RMSNorm, four norms per block, √hidden embedding scale, q/k norm with (1 + w), \
+         local and global RoPE bases, alternating sliding-window layers, query_pre_attn_scalar \
+         and the GeLU-tanh MLP are not implemented",
+    ),
+    Entry {
+        names: &["Phi3ForCausalLM", "Phi3Model", "phi3"],
+        support: Support::Implemented {
+            family: Family::Llama,
+            qk_norm: false,
+            fused: true,
+        },
+    },
+    missing(
+        &["PhiForCausalLM", "PhiModel", "phi"],
+        "parallel attention and MLP with LayerNorm and partial rotary are not implemented",
+    ),
+    missing(&["MixtralForCausalLM", "mixtral"], MOE),
+    missing(&["Qwen2MoeForCausalLM", "qwen2_moe"], MOE),
+    missing(&["Qwen3MoeForCausalLM", "qwen3_moe"], MOE),
+    missing(&["OlmoeForCausalLM", "olmoe"], MOE),
+    missing(
+        &[
+            "DeepseekV2ForCausalLM",
+            "DeepseekV3ForCausalLM",
+            "deepseek_v2",
+            "deepseek_v3",
+        ],
+        "multi-head latent attention and the mixture-of-experts MLP are not implemented",
+    ),
+];
+
+/// What oomfix does with the architecture `name` (a class name such as
+/// `Qwen3ForCausalLM`, or a `model_type` such as `qwen3`).
+pub fn support(name: &str) -> Support {
+    TABLE
+        .iter()
+        .find(|e| e.names.contains(&name))
+        .map_or(Support::Unknown, |e| e.support)
+}
+
+/// Why oomfix cannot plan or train the architecture `name`, naming it, in one line;
+/// `None` when it implements it.
+pub fn refusal(name: &str) -> Option<String> {
+    match support(name) {
+        Support::Implemented { .. } => None,
+        Support::Missing(what) => Some(format!("{name} is known, but {what}")),
+        Support::Unknown => Some(format!(
+            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, BERT)"
+        )),
+    }
+}
+
+/// The Hub name of a tensor named `name` in a checkpoint of `family`: GPT-2's
+/// `transformer.` prefix dropped, BERT's `bert.` prefix added where a
+/// checkpoint lacks it, the old `gamma`/`beta` names of layer norms as
+/// `weight`/`bias`.
+pub fn hub_name(family: Family, name: &str) -> String {
+    let name = match (name.strip_suffix(".gamma"), name.strip_suffix(".beta")) {
+        (Some(stem), _) => format!("{stem}.weight"),
+        (_, Some(stem)) => format!("{stem}.bias"),
+        _ => name.to_string(),
+    };
+    match family {
+        Family::Gpt2 => name
+            .strip_prefix("transformer.")
+            .map(str::to_string)
+            .unwrap_or(name),
+        Family::Bert if !name.starts_with("bert.") && !name.starts_with("cls.") => {
+            format!("bert.{name}")
+        }
+        _ => name,
+    }
+}
+
+/// Whether the tensor `hub` (a Hub name, [`hub_name`]) is saved state rather
+/// than a parameter: GPT-2's attention masks, RoPE's `inv_freq`, BERT's
+/// `position_ids`.
+pub fn is_buffer(family: Family, hub: &str) -> bool {
+    let gpt2_mask = family == Family::Gpt2
+        && (hub.ends_with(".attn.bias") || hub.ends_with(".attn.masked_bias"));
+    gpt2_mask || hub.ends_with("rotary_emb.inv_freq") || hub.ends_with("embeddings.position_ids")
+}
+
+/// Whether a checkpoint of `family` may hold the tensor `hub` (a Hub name)
+/// that the model has no parameter for: a buffer ([`is_buffer`]), a stored
+/// copy of the tied embedding (`tied`: the output head shares it), or the
+/// heads of BERT's other pre-training objective (the pooler and the
+/// next-sentence head, which `BertForMaskedLM` leaves too).
+pub fn may_leave(family: Family, hub: &str, tied: bool) -> bool {
+    let tied_copy = match family {
+        Family::Gpt2 | Family::Llama => tied && hub == "lm_head.weight",
+        Family::Bert => {
+            (tied && hub == "cls.predictions.decoder.weight")
+                || hub == "cls.predictions.decoder.bias"
+        }
+        Family::Generic => false,
+    };
+    let other_objective = family == Family::Bert
+        && (hub.starts_with("bert.pooler.") || hub.starts_with("cls.seq_relationship."));
+    is_buffer(family, hub) || tied_copy || other_objective
+}
+
+/// The RoPE scaling types the Llama-style model implements.
+pub const ROPE_SCALINGS: &[&str] = &["llama3", "linear", "dynamic", "yarn"];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn class_names_and_model_types_agree() {
+        assert_eq!(support("Qwen3ForCausalLM"), support("qwen3"));
+        assert_eq!(
+            support("qwen3"),
+            Support::Implemented {
+                family: Family::Llama,
+                qk_norm: true,
+                fused: false
+            }
+        );
+        assert!(matches!(support("gemma2"), Support::Missing(_)));
+        assert_eq!(support("MambaForCausalLM"), Support::Unknown);
+        assert!(refusal("LlamaForCausalLM").is_none());
+        let why = refusal("Gemma3ForCausalLM").unwrap();
+        assert!(
+            why.contains("Gemma3ForCausalLM") && why.contains("q/k norm"),
+            "{why}"
+        );
+        assert!(refusal("Qwen3MoeForCausalLM")
+            .unwrap()
+            .contains("mixture-of-experts"));
+    }
+}

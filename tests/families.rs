@@ -1,0 +1,370 @@
+//! Checkpoints of the families people fine-tune, through the real binary:
+//! used whole or refused before anything is planned or written, an
+//! architecture oomfix does not implement refused by name (and listed by
+//! `inspect`), the head size `config.json` gives planned.
+
+mod common;
+
+use std::path::Path;
+
+use assert_cmd::Command;
+use common::*;
+use oomfix::{ModelConfig, ModelSettings};
+use serde_json::{json, Value};
+use tempfile::TempDir;
+
+fn oomfix() -> Command {
+    let mut cmd = Command::cargo_bin("oomfix").unwrap();
+    cmd.env_remove("RUST_LOG");
+    cmd
+}
+
+/// A model directory: `model.safetensors` with `tensors` (F32, sparse) and
+/// `config.json`.
+fn model_dir(tensors: Vec<(String, Vec<usize>)>, config: Value) -> TempDir {
+    let dir = TempDir::new().unwrap();
+    write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &with_dtype(tensors, "F32"),
+    );
+    write_json(&dir.path().join("config.json"), &config);
+    dir
+}
+
+/// `config.json` of a 2-layer Llama-style model of hidden 32 (4 heads, 2 kv).
+fn llama_config(architecture: &str, extra: Value) -> Value {
+    let mut v = json!({
+        "architectures": [architecture],
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": true,
+    });
+    v.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    v
+}
+
+/// `oomfix` (plan) on `model` within 1 GiB on the CPU; with `--save`-like
+/// side effects checked by the caller.
+fn plan(model: &Path) -> std::process::Output {
+    oomfix()
+        .args(["--budget", "1GiB", "--device", "cpu", "--seq-len", "16"])
+        .arg(model)
+        .output()
+        .unwrap()
+}
+
+/// Exit 2, nothing on stdout, one line on stderr containing every phrase.
+fn refused(out: &std::process::Output, phrases: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    for p in phrases {
+        assert!(stderr.contains(p), "{p}: {stderr}");
+    }
+}
+
+fn qwen3(head_dim: usize) -> ModelConfig {
+    let mut c = tiny_llama();
+    c.settings = ModelSettings {
+        head_dim: Some(head_dim),
+        qk_norm: true,
+        ..Default::default()
+    };
+    c
+}
+
+#[test]
+fn a_tensor_the_model_would_not_use_is_refused_before_planning() {
+    // Qwen3's q/k norms in a checkpoint that says it is a Llama.
+    let tensors = qwen3(8).tensors();
+    let d = model_dir(tensors.clone(), llama_config("LlamaForCausalLM", json!({})));
+    refused(
+        &plan(&d.path().join("model.safetensors")),
+        &[
+            "4 tensors the model would not use",
+            "model.layers.0.self_attn.k_norm.weight",
+            "llama (LlamaForCausalLM)",
+        ],
+    );
+    // Without config.json: the family from the names, and no architecture.
+    std::fs::remove_file(d.path().join("config.json")).unwrap();
+    refused(
+        &plan(d.path()),
+        &["q_norm.weight", "config.json names no architecture"],
+    );
+    // Training is refused the same way, before --save is made.
+    let save = d.path().join("out");
+    let out = oomfix()
+        .args([
+            "train", "--budget", "1GiB", "--device", "cpu", "--steps", "1",
+        ])
+        .arg(d.path())
+        .arg("--save")
+        .arg(&save)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!save.exists());
+}
+
+#[test]
+fn a_qwen3_checkpoint_is_planned_with_its_head_size() {
+    // Qwen3-0.6B's layout: head size 128 × 16 heads = 2048 > hidden 1024.
+    let mut c = ModelConfig::llama(2, 1024, 16, 8, 3072, 1000, true);
+    c.settings = ModelSettings {
+        head_dim: Some(128),
+        qk_norm: true,
+        ..Default::default()
+    };
+    let config = json!({
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 1024,
+        "head_dim": 128,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 2,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": true,
+    });
+    let d = model_dir(c.tensors(), config);
+    let out = oomfix()
+        .args(["inspect", "--json"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["head_dim"], 128);
+    assert_eq!(v["qk_norm"], true);
+    assert_eq!(v["architecture"], "Qwen3ForCausalLM");
+    assert_eq!(v["missing"], Value::Null);
+    assert_eq!(v["parameters"].as_u64().unwrap(), c.parameter_count());
+    let out = oomfix()
+        .args([
+            "--budget",
+            "8GiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "64",
+            "--json",
+        ])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The activations follow the head size: the same model with head size
+    // 64 (hidden / heads) is estimated lower.
+    let half = {
+        let mut c = c.clone();
+        c.settings.head_dim = Some(64);
+        let d = model_dir(
+            c.tensors(),
+            json!({
+                "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "head_dim": 64,
+                "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 2,
+                "max_position_embeddings": 40960, "tie_word_embeddings": true,
+            }),
+        );
+        let out = oomfix()
+            .args([
+                "--budget",
+                "8GiB",
+                "--device",
+                "cpu",
+                "--seq-len",
+                "64",
+                "--json",
+            ])
+            .args(["--micro-batch", "1", "--precision", "fp32"])
+            .arg(d.path())
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["estimate"]["activations_bytes"].as_u64().unwrap()
+    };
+    let out = oomfix()
+        .args([
+            "--budget",
+            "8GiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "64",
+            "--json",
+        ])
+        .args(["--micro-batch", "1", "--precision", "fp32"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let full = v["estimate"]["activations_bytes"].as_u64().unwrap();
+    assert!(full > half, "head size 128: {full} bytes, 64: {half}");
+}
+
+/// Tensors of a model oomfix has no family for the names of (Phi-3's fused
+/// projections).
+fn phi3_tensors() -> Vec<(String, Vec<usize>)> {
+    let mut t = vec![("model.embed_tokens.weight".to_string(), vec![64, 32])];
+    for l in 0..2 {
+        let p = format!("model.layers.{l}.");
+        t.push((format!("{p}self_attn.qkv_proj.weight"), vec![64, 32]));
+        t.push((format!("{p}self_attn.o_proj.weight"), vec![32, 32]));
+        t.push((format!("{p}mlp.gate_up_proj.weight"), vec![96, 32]));
+        t.push((format!("{p}mlp.down_proj.weight"), vec![32, 48]));
+        t.push((format!("{p}input_layernorm.weight"), vec![32]));
+        t.push((format!("{p}post_attention_layernorm.weight"), vec![32]));
+    }
+    t.push(("model.norm.weight".into(), vec![32]));
+    t
+}
+
+#[test]
+fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
+    let llama = tiny_llama().tensors();
+    let none = json!({});
+    // Phi-4-mini: a Phi-3 whose RoPE turns 3/4 of each head.
+    let partial = json!({"partial_rotary_factor": 0.75});
+    let cases = [
+        (llama.clone(), "Gemma2ForCausalLM", &none, "soft-capping"),
+        (
+            llama.clone(),
+            "Qwen3MoeForCausalLM",
+            &none,
+            "mixture-of-experts",
+        ),
+        (
+            phi3_tensors(),
+            "Phi3ForCausalLM",
+            &partial,
+            "partial rotary",
+        ),
+        (
+            llama,
+            "MambaForCausalLM",
+            &none,
+            "not an architecture oomfix implements",
+        ),
+    ];
+    for (tensors, arch, extra, says) in cases {
+        let d = model_dir(tensors, llama_config(arch, extra.clone()));
+        let named = if extra == &none {
+            format!("\"{arch}\"")
+        } else {
+            "\"partial_rotary_factor\" is 0.75".to_string()
+        };
+        refused(
+            &plan(d.path()),
+            &["config.json", &named, says, "nothing was planned"],
+        );
+        // inspect reads it and says what is missing.
+        let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{arch}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.contains(&format!("architecture   {arch}")), "{text}");
+        let missing = text
+            .lines()
+            .find(|l| l.starts_with("missing"))
+            .unwrap_or_else(|| panic!("{arch}: no missing line in {text}"));
+        assert!(missing.contains(says), "{missing}");
+    }
+}
+
+#[test]
+fn a_config_naming_another_family_than_the_tensors_is_refused() {
+    let d = model_dir(
+        tiny_gpt2().tensors(),
+        llama_config("Qwen3ForCausalLM", json!({})),
+    );
+    refused(
+        &plan(d.path()),
+        &["names Qwen3ForCausalLM, a llama model", "gpt2"],
+    );
+}
+
+#[test]
+fn rope_scalings_are_planned_or_refused_by_name() {
+    let rope = |scaling: Value| {
+        model_dir(
+            tiny_llama().tensors(),
+            llama_config("LlamaForCausalLM", json!({ "rope_scaling": scaling })),
+        )
+    };
+    let d = rope(json!({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}));
+    refused(
+        &plan(d.path()),
+        &[
+            "\"rope_scaling\" is \"longrope\"",
+            "llama3, linear, dynamic, yarn",
+        ],
+    );
+    for scaling in [
+        json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+        json!({"type": "linear", "factor": 2.0}),
+        json!({"rope_type": "dynamic", "factor": 2.0}),
+        json!({"rope_type": "yarn", "factor": 4.0}),
+    ] {
+        let d = rope(scaling.clone());
+        let out = plan(d.path());
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{scaling}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn a_phi3_checkpoint_is_planned_with_its_fused_projections() {
+    let d = model_dir(
+        phi3_tensors(),
+        llama_config("Phi3ForCausalLM", json!({"intermediate_size": 48})),
+    );
+    let out = oomfix()
+        .args(["inspect", "--json"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["architecture"], "Phi3ForCausalLM");
+    assert_eq!(v["missing"], Value::Null);
+    let elements: usize = phi3_tensors()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    assert_eq!(v["parameters"].as_u64().unwrap(), elements as u64);
+    let out = plan(d.path());
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
