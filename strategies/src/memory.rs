@@ -1,5 +1,5 @@
 //! The fixes' side of the memory model: the training state's bytes on one
-//! rank, which each fix's [`Strategy::memory`](crate::Strategy::memory) hook
+//! rank, which each fix's [`Strategy::memory`] hook
 //! sets for its part of a plan.
 //!
 //! A memory model (oomfix's is one) starts from [`StateBytes::unfixed`] (fp32
@@ -15,14 +15,14 @@
 //! execution hooks make; `lora` adds the frozen base weights and the one
 //! weight a pass dequantizes at a time.
 //!
-//! Before the memory hooks, each fix's [`Strategy::facts`](crate::Strategy::facts)
+//! Before the memory hooks, each fix's [`Strategy::facts`]
 //! hook may change what is trained: under `lora` the trained parameters are
 //! the adapters' and the base model's are frozen ([`state_of`] runs both).
 //!
 //! A step-time model does the same with the optimizer step's costs: it
 //! starts from [`StepCost::unfixed`] (`candle_nn::AdamW` over every
 //! parameter on the device) and calls every registered fix's
-//! [`Strategy::time`](crate::Strategy::time) hook: `fused-adamw` makes the
+//! [`Strategy::time`] hook: `fused-adamw` makes the
 //! step one pass over the state, `shard` steps this rank's share,
 //! `offload` moves the step to the host and its traffic onto the bus.
 
