@@ -160,8 +160,11 @@ fn a_step_over_ranks_counts_every_rank_and_averages_the_loss() {
 
 #[test]
 fn an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank() {
-    // Micro-batches 6, 7 and 8 are rank 0's of the second step: they
-    // overflow, rank 1's (9, 10, 11) do not; alone it would take the step.
+    // The second step: the first is skipped on every rank anyway (this
+    // model's loss is f16, and the initial scale, 65536, is above f16's
+    // largest value; the scale then halves). Micro-batches 6, 7 and 8 are
+    // rank 0's of the second step: they overflow, rank 1's (9, 10, 11) do
+    // not; alone it would take the step.
     let options = TrainOptions::default();
     let overflowed = steps_on_two_ranks(plan(Precision::F16, 1), &options, 6..9, 2);
     let control = steps_on_two_ranks(plan(Precision::F16, 1), &options, 0..0, 2);
