@@ -179,17 +179,7 @@ fn a_qwen3_checkpoint_is_planned_with_its_head_size() {
     );
     // The activations follow the head size: the same model with head size
     // 64 (hidden / heads) is estimated lower.
-    let half = {
-        let mut c = c.clone();
-        c.settings.head_dim = Some(64);
-        let d = model_dir(
-            c.tensors(),
-            json!({
-                "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "head_dim": 64,
-                "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 2,
-                "max_position_embeddings": 40960, "tie_word_embeddings": true,
-            }),
-        );
+    let activations = |dir: &std::path::Path| -> u64 {
         let out = oomfix()
             .args([
                 "--budget",
@@ -201,28 +191,32 @@ fn a_qwen3_checkpoint_is_planned_with_its_head_size() {
                 "--json",
             ])
             .args(["--micro-batch", "1", "--precision", "fp32"])
-            .arg(d.path())
+            .arg(dir)
             .output()
             .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let v: Value = serde_json::from_slice(&out.stdout).unwrap();
         v["estimate"]["activations_bytes"].as_u64().unwrap()
     };
-    let out = oomfix()
-        .args([
-            "--budget",
-            "8GiB",
-            "--device",
-            "cpu",
-            "--seq-len",
-            "64",
-            "--json",
-        ])
-        .args(["--micro-batch", "1", "--precision", "fp32"])
-        .arg(d.path())
-        .output()
-        .unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let full = v["estimate"]["activations_bytes"].as_u64().unwrap();
+    let full = activations(d.path());
+    let half = {
+        let mut c = c.clone();
+        c.settings.head_dim = Some(64);
+        let d = model_dir(
+            c.tensors(),
+            json!({
+                "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "head_dim": 64,
+                "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 2,
+                "max_position_embeddings": 40960, "tie_word_embeddings": true,
+            }),
+        );
+        activations(d.path())
+    };
     assert!(full > half, "head size 128: {full} bytes, 64: {half}");
 }
 
