@@ -362,12 +362,6 @@ fn timeline_outputs(
 ) -> Result<(), Failure> {
     let attempt = result.chosen().unwrap_or_else(|| result.closest());
     let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
-    if timeline.truncated {
-        tracing::warn!(
-            "the recording filled its {} events; the timeline ends early",
-            oomfix::measure::MAX_EVENTS
-        );
-    }
     tracing::info!(
         measured_bytes = m.peak_bytes,
         blocks = timeline.blocks.len(),

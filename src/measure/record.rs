@@ -54,8 +54,9 @@ impl RunRecording {
         self.recording = false;
         if !events.iter().any(|e| e.kind == alloc::EventKind::StepStart) {
             return Err(Error::Runtime(format!(
-                "building the model made more than {MAX_EVENTS} allocations: the recording \
-                 ended before the first step (try a smaller model or batch)"
+                "building the model (and any step before the recorded ones) made more than \
+                 {MAX_EVENTS} allocations: the recording ended before the recorded steps \
+                 (try a smaller sequence length or batch)"
             )));
         }
         if truncated {

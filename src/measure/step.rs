@@ -11,10 +11,11 @@
 //! exhaust host memory then kills only the child and is recorded as out of memory.
 
 use super::timeline::Timeline;
+use super::RunRecording;
 use crate::memory::Target;
 use crate::search::{Measurement, Verifier};
 use crate::spec::ModelSpec;
-use crate::track::{alloc, tag};
+use crate::track::alloc;
 use crate::train::data::DataSource;
 use crate::train::{TrainOptions, Trainer};
 use crate::{Error, Result};
@@ -137,11 +138,7 @@ fn measure(
         ));
     }
     warm_up(spec, plan, &device)?;
-    if recorded {
-        // Allocate the (uncounted) event buffer before taking the baseline.
-        alloc::start_recording(MAX_EVENTS);
-    }
-    let before = alloc::current();
+    let recording = recorded.then(RunRecording::start).transpose()?;
     let run = || -> Result<(Trainer, Result<crate::train::StepStats>)> {
         let mut trainer = Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())?;
         let mut data = DataSource::synthetic(0);
@@ -150,30 +147,12 @@ fn measure(
         let stats = trainer.step(&mut data);
         Ok((trainer, stats))
     };
-    let outcome = run();
-    let (events, truncated) = if recorded {
-        alloc::stop_recording()
-    } else {
-        (Vec::new(), false)
-    };
-    let (trainer, stats) = outcome?;
+    // A failed run drops the recording, which stops it.
+    let (trainer, stats) = run()?;
     let stats = stats?;
-    // Above `before`, the heap the trainer was built on.
+    // Above what was live before the trainer was built.
     let peak = stats.peak();
-    if recorded && !events.iter().any(|e| e.kind == alloc::EventKind::StepStart) {
-        return Err(Error::Runtime(format!(
-            "building the model and its warm-up step made more than {MAX_EVENTS} allocations: \
-             the recording ended before the measured step (try a smaller sequence length or batch)"
-        )));
-    }
-    let timeline = recorded.then(|| {
-        let names = trainer
-            .parameter_buffers()
-            .into_iter()
-            .filter_map(|(name, t)| Some((tag::storage_addr(&t)?, name)))
-            .collect();
-        Timeline::from_events(&events, &names, before, truncated)
-    });
+    let timeline = recording.map(|r| r.finish(&trainer)).transpose()?;
     Ok((
         Measurement {
             peak_bytes: peak,
