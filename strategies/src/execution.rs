@@ -26,15 +26,20 @@ pub struct Execution {
     pub attention: Attention,
     /// The factor the loss is multiplied by before backward (fp16 loss scaling).
     pub loss_scale: f64,
+    /// The most bytes one chunk's logits take in the compute dtype when the
+    /// LM head and the cross-entropy run chunk by chunk of tokens
+    /// ([`crate::chunked_loss`]); `None`: the whole micro-batch's logits at once.
+    pub loss_chunk_bytes: Option<u64>,
 }
 
 impl Default for Execution {
-    /// Plain autograd, composed attention, no loss scaling.
+    /// Plain autograd, composed attention, no loss scaling, the loss unchunked.
     fn default() -> Self {
         Execution {
             checkpoint: Checkpointing::None,
             attention: Attention::Composed,
             loss_scale: 1.0,
+            loss_chunk_bytes: None,
         }
     }
 }
@@ -60,6 +65,15 @@ impl Execution {
     /// With attention computed as `attention` says.
     pub fn attention(self, attention: Attention) -> Self {
         Execution { attention, ..self }
+    }
+
+    /// With the LM loss computed in chunks whose logits take at most
+    /// `bytes` (`None`: unchunked).
+    pub fn loss_chunks(self, bytes: Option<u64>) -> Self {
+        Execution {
+            loss_chunk_bytes: bytes,
+            ..self
+        }
     }
 
     /// With the loss multiplied by `scale` before backward.

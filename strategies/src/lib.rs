@@ -11,10 +11,10 @@
 //!   ([`Execution`]);
 //! * beside it, in the same module, the candle mechanism that executes that
 //!   part of the plan in a real training loop (gradient accumulation, mixed
-//!   precision with loss scaling, memory-efficient attention, activation
-//!   checkpointing, a fused in-place AdamW, ZeRO-style sharding, AdamW
-//!   offloaded to the host, low-rank adapters on frozen, optionally 4-bit,
-//!   base weights).
+//!   precision with loss scaling, memory-efficient attention, the LM loss in
+//!   chunks of tokens, activation checkpointing, a fused in-place AdamW,
+//!   ZeRO-style sharding, AdamW offloaded to the host, low-rank adapters on
+//!   frozen, optionally 4-bit, base weights).
 //!
 //! [`builtins`] is the one list of built-in fixes, in their default order; a
 //! [`Pipeline`] is an ordered list of fixes. The order is the product: the
@@ -32,7 +32,7 @@
 //! let pipeline = Pipeline::default();
 //! assert_eq!(
 //!     pipeline.names(),
-//!     ["accumulate", "precision", "flash-attention", "checkpoint", "fused-adamw", "shard", "offload", "lora"]
+//!     ["accumulate", "precision", "flash-attention", "chunked-loss", "checkpoint", "fused-adamw", "shard", "offload", "lora"]
 //! );
 //!
 //! // Tighten a plan step by step with the first fix: micro-batch 8 -> 4 -> 2 -> 1.
@@ -55,6 +55,7 @@ pub mod accumulate;
 pub mod adamw;
 pub mod attention;
 pub mod checkpoint;
+pub mod chunked_loss;
 pub mod clip;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -188,6 +189,7 @@ pub fn builtins() -> Vec<Arc<dyn Strategy>> {
         Arc::new(accumulate::Accumulate),
         Arc::new(precision::MixedPrecision),
         Arc::new(attention::FlashAttention),
+        Arc::new(chunked_loss::ChunkedLoss),
         Arc::new(checkpoint::Checkpoint),
         Arc::new(adamw::FusedAdamWStrategy),
         Arc::new(shard::Shard),
@@ -216,7 +218,8 @@ pub struct Pipeline {
 
 impl Default for Pipeline {
     /// Every built-in fix in the order of [`builtins`]: accumulate, precision,
-    /// flash-attention, checkpoint, fused-adamw, shard, offload, lora.
+    /// flash-attention, chunked-loss, checkpoint, fused-adamw, shard, offload,
+    /// lora.
     fn default() -> Self {
         Pipeline {
             strategies: builtins(),

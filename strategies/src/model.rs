@@ -16,6 +16,7 @@
 //! | `checkpoint` | its blocks: [`Forward::Stages`], and [`Capabilities::blocks`] > 0 |
 //! | `flash-attention` | attention computed as [`Execution::attention`] says ([`Capabilities::attention`]) |
 //! | `precision` | to be built in bf16 (or f16 where the device has no bf16): [`Capabilities::bf16`], [`Capabilities::f16`] |
+//! | `chunked-loss` | an LM head and cross-entropy computed by [`crate::chunked_loss::linear_cross_entropy`] as [`Execution::loss_chunk_bytes`] says ([`Capabilities::chunked_loss`]) |
 //! | `accumulate`, `fused-adamw`, `shard`, `offload` | nothing: they act on the variables and their gradients |
 //!
 //! The model is built by its owner in the compute dtype the plan asks for
@@ -84,6 +85,10 @@ pub struct Capabilities {
     pub bf16: bool,
     /// Whether it can be built and trained in f16 (with loss scaling).
     pub f16: bool,
+    /// Whether its loss is an LM head and a cross-entropy that it computes
+    /// chunk by chunk of tokens when [`Execution::loss_chunk_bytes`] says so
+    /// ([`crate::chunked_loss::linear_cross_entropy`]).
+    pub chunked_loss: bool,
 }
 
 impl Capabilities {
@@ -94,6 +99,7 @@ impl Capabilities {
         attention: false,
         bf16: false,
         f16: false,
+        chunked_loss: false,
     };
 
     /// Everything a fix may need, with an unknown number of blocks (what
@@ -103,6 +109,7 @@ impl Capabilities {
         attention: true,
         bf16: true,
         f16: true,
+        chunked_loss: true,
     };
 
     /// With `blocks` blocks to checkpoint.
@@ -123,6 +130,14 @@ impl Capabilities {
         Capabilities {
             bf16: true,
             f16: true,
+            ..self
+        }
+    }
+
+    /// Computing its LM loss in chunks as the execution says.
+    pub const fn with_chunked_loss(self) -> Self {
+        Capabilities {
+            chunked_loss: true,
             ..self
         }
     }

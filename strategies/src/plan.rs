@@ -337,6 +337,15 @@ pub struct Plan {
     /// the user asked for them; `None` trains every parameter.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<crate::lora::Lora>,
+    /// The LM head's product and the cross-entropy computed chunk by chunk
+    /// of tokens ([`crate::chunked_loss`]), so that one chunk's logits exist
+    /// at a time. Serialized only when set.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub chunked_loss: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl Plan {
@@ -373,6 +382,7 @@ impl Plan {
             shard: Sharding::NONE,
             extensions: Extensions::EMPTY,
             lora: None,
+            chunked_loss: false,
         }
     }
 
@@ -421,6 +431,9 @@ impl fmt::Display for Plan {
         )?;
         if self.attention == Attention::Flash {
             f.write_str("flash attention, ")?;
+        }
+        if self.chunked_loss {
+            f.write_str("chunked loss, ")?;
         }
         write!(f, "{}", self.optimizer)?;
         if self.shard.world_size > 1 {

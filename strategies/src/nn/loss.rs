@@ -60,7 +60,14 @@ pub fn cross_entropy_padded(
     targets: &Tensor,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let nll = row_nll(logits, classes, targets)?;
+    mean_over_rows(&row_nll(logits, classes, targets)?, mask)
+}
+
+/// The mean of per-row losses `nll` (`[n]`, f32) over the rows where `mask`
+/// (`[n]`, f32 0/1) is 1, or over all rows without a mask: the reduction
+/// [`cross_entropy_padded`] applies to [`row_nll`]. An error when the mask
+/// selects no row.
+pub fn mean_over_rows(nll: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
     match mask {
         None => nll.mean_all(),
         Some(mask) => {
@@ -71,6 +78,23 @@ pub fn cross_entropy_padded(
             nll.mul(mask)?.sum_all()?.affine(1.0 / count as f64, 0.0)
         }
     }
+}
+
+/// The gradient of the first `classes` columns of `logits` `[n, P]` when each
+/// row's loss [`row_nll`] at `targets` has the gradient `grad` (`[n]`, f32):
+/// `grad · (softmax(x) − onehot(target))` per row, in the logits' dtype, zero
+/// in the padding columns. No graph is built.
+pub(crate) fn row_nll_grad(
+    logits: &Tensor,
+    classes: usize,
+    targets: &Tensor,
+    grad: &Tensor,
+) -> Result<Tensor> {
+    logits.contiguous()?.apply_op3_no_bwd(
+        &targets.contiguous()?,
+        &grad.to_dtype(DType::F32)?.contiguous()?,
+        &RowNllGrad { classes },
+    )
 }
 
 /// Per-row negative log-likelihood `[n]` (f32) of the first `classes` columns

@@ -1,0 +1,506 @@
+//! The LM head and the cross-entropy computed chunk by chunk of tokens (a
+//! fused linear cross-entropy), so that one chunk's logits exist at a time.
+//!
+//! A language model's last op multiplies `n` hidden states `[n, h]` by the
+//! output embedding `[P, h]` (`P`: the vocabulary, perhaps padded) and
+//! takes the cross-entropy of the `[n, P]` logits. At a large vocabulary the
+//! logits and their gradient are the largest tensors of the whole step
+//! (Llama 3's 128,256 classes at 1024 tokens: 250 MiB each in bf16).
+//!
+//! The planner half, [`ChunkedLoss`], turns the plan's `chunked_loss` on;
+//! its execution hook bounds a chunk's logits at [`CHUNK_BYTES`]. The
+//! mechanism, [`linear_cross_entropy`], walks the tokens in chunks of
+//! [`chunk_rows`] rows. For each chunk, outside autograd, it computes the
+//! logits, each row's loss, the logits' gradient (the gradient of the mean,
+//! times the loss scale, is known before the loss is: it does not depend on
+//! the logits), and from it at once the chunk's rows of the hidden states'
+//! gradient, its share of the head weight's gradient (summed into one
+//! `[P, h]` tensor in place, block of rows by block of rows) and of the
+//! bias's; then the chunk's logits and their gradient are freed. The loss is
+//! the same reduction of the same per-row losses as
+//! [`cross_entropy_padded`](crate::nn::loss::cross_entropy_padded)'s. It is
+//! returned attached to the graph by one op on the hidden states, the
+//! weight and the bias, whose backward hands out the gradients made in the
+//! forward (rescaled if the gradient arriving is not the loss scale), and
+//! lets go of them.
+//!
+//! The head's products are those of the unchunked pass, each done once: the
+//! logits, the input gradient and, when the weight is trained, its
+//! gradient; none is recomputed. What the chunks cost besides is that each
+//! chunk's products read the whole `[P, h]` weight again (the step-time
+//! model counts those reads). Computing the gradients in the forward costs
+//! no lifetime: the head is the last op of the forward, and its backward
+//! is the first of the backward. With checkpointing the head runs on the
+//! last segment's output as on any hidden states.
+//!
+//! Arithmetic: the logits and their gradient in the compute dtype, each
+//! row's loss and softmax in f32 (as the fused cross-entropy does); the
+//! weight's gradient is summed over the chunks in the compute dtype (one
+//! rounding per chunk in 16 bits), the bias's in f32. Every op is a candle
+//! op (or this crate's cross-entropy op, which has its CUDA kernel), so
+//! it runs wherever those run.
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! use oomfix_strategies::chunked_loss::{linear_cross_entropy, LmHead};
+//! use oomfix_strategies::nn::loss::cross_entropy;
+//!
+//! let dev = Device::Cpu;
+//! let x = Var::randn(0f32, 1.0, (10, 8), &dev)?;
+//! let w = Var::randn(0f32, 1.0, (32, 8), &dev)?;
+//! let targets = Tensor::new(&[1u32, 0, 31, 3, 4, 5, 6, 7, 8, 9], &dev)?;
+//! // Chunks of 3 rows: 3 × 32 f32 logits take 384 bytes.
+//! let head = LmHead { weight: w.as_tensor(), bias: None, classes: 32 };
+//! let chunked = linear_cross_entropy(x.as_tensor(), &head, &targets, None, 384, 1.0)?;
+//! let whole = cross_entropy(&x.matmul(&w.t()?)?, &targets, None)?;
+//! assert!((chunked.to_scalar::<f32>()? - whole.to_scalar::<f32>()?).abs() < 1e-6);
+//! let (a, b) = (chunked.backward()?, whole.backward()?);
+//! let diff = (a.get(&w).unwrap() - b.get(&w).unwrap())?.abs()?.max_all()?;
+//! assert!(diff.to_scalar::<f32>()? < 1e-6);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+
+use std::sync::Mutex;
+
+#[cfg(feature = "cuda")]
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use crate::nn::loss;
+use crate::nn::ops::{self, WeightLayout};
+use crate::{Execution, Plan, SearchContext, Strategy};
+
+/// The most bytes one chunk's logits take in the compute dtype under the
+/// `chunked-loss` fix: 32 MiB, 130 rows of Llama 3's 128,256 classes in
+/// bf16 (250 MiB for 1024 tokens unchunked). A chunk of 128 or more rows
+/// keeps the head's products near their unchunked speed on a GPU, while the
+/// chunk's logits and their gradient stay small beside the hidden states
+/// of a large model.
+pub const CHUNK_BYTES: u64 = 32 << 20;
+
+/// Planner half: compute the LM head and the loss chunk by chunk of tokens
+/// ([`linear_cross_entropy`]).
+///
+/// ```
+/// use oomfix_strategies::chunked_loss::{ChunkedLoss, CHUNK_BYTES};
+/// use oomfix_strategies::{Execution, Plan, SearchContext, Strategy};
+///
+/// let ctx = SearchContext::new(8, 12);
+/// let chunked = ChunkedLoss.tighten(&Plan::baseline(8, 1024), &ctx).unwrap();
+/// assert!(chunked.chunked_loss);
+/// assert!(ChunkedLoss.tighten(&chunked, &ctx).is_none());
+/// assert!(!ChunkedLoss.relax(&chunked, &ctx).unwrap().chunked_loss);
+/// let exec = Execution::for_plan(&chunked, &oomfix_strategies::builtins());
+/// assert_eq!(exec.loss_chunk_bytes, Some(CHUNK_BYTES));
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ChunkedLoss;
+
+impl Strategy for ChunkedLoss {
+    fn name(&self) -> &'static str {
+        "chunked-loss"
+    }
+    fn tighten(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
+        (!plan.chunked_loss).then_some(Plan {
+            chunked_loss: true,
+            ..*plan
+        })
+    }
+    fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
+        plan.chunked_loss.then_some(Plan {
+            chunked_loss: false,
+            ..*plan
+        })
+    }
+    /// Chunks of logits of at most [`CHUNK_BYTES`]. Its memory terms are
+    /// activations, which the memory model derives from the execution.
+    fn execution(&self, plan: &Plan, exec: &mut Execution) {
+        if plan.chunked_loss {
+            exec.loss_chunk_bytes = Some(CHUNK_BYTES);
+        }
+    }
+    /// Needs a model whose loss is an LM head computed as the execution says.
+    fn unusable(&self, ctx: &SearchContext) -> Option<String> {
+        (!ctx.model.chunked_loss).then(|| {
+            "the model computes its own loss (no LM head computed in chunks as the execution says)"
+                .into()
+        })
+    }
+}
+
+/// Rows per chunk whose logits of `columns` values of `dtype` take at most
+/// `bytes` (at least 1).
+///
+/// ```
+/// use candle_core::DType;
+/// use oomfix_strategies::chunked_loss::{chunk_rows, CHUNK_BYTES};
+/// assert_eq!(chunk_rows(CHUNK_BYTES, 128_256, DType::BF16), 130);
+/// assert_eq!(chunk_rows(10, 128_256, DType::F32), 1);
+/// ```
+pub fn chunk_rows(bytes: u64, columns: usize, dtype: DType) -> usize {
+    let row = (columns.max(1) * dtype.size_in_bytes()) as u64;
+    (bytes / row).max(1) as usize
+}
+
+/// The output layer of an LM head: logits `x·Wᵀ + b` over `P` columns, the
+/// first `classes` of them real (the others padding, masked out of the loss).
+#[derive(Debug, Clone, Copy)]
+pub struct LmHead<'a> {
+    /// The output embedding `[P, h]` (tied to the input embedding or not).
+    pub weight: &'a Tensor,
+    /// The bias `[P]`, if the head has one (BERT's decoder).
+    pub bias: Option<&'a Tensor>,
+    /// The real classes, at most `P`.
+    pub classes: usize,
+}
+
+/// The mean cross-entropy of the logits `x·Wᵀ (+ b)` against `targets`, over
+/// the rows `mask` selects (all without one), computed in chunks of rows
+/// whose logits take at most `chunk_bytes`: the value
+/// [`cross_entropy_padded`](crate::nn::loss::cross_entropy_padded) gives
+/// the whole logits, and, through the returned scalar, the same gradients
+/// of `x`, the weight and the bias.
+///
+/// * `x`: the hidden states `[n, h]` in the compute dtype; the weight
+///   `[P, h]` and the bias `[P]` share it;
+/// * `targets`: `[n]` u32 below `head.classes`; `mask`: `[n]` f32 0/1;
+/// * `loss_scale`: the factor the caller's backward multiplies the loss by
+///   (fp16 loss scaling): the gradients are made already scaled, so that
+///   16-bit values keep their precision as the unchunked backward's do.
+///   A backward whose incoming gradient is not `loss_scale` gets them
+///   rescaled.
+///
+/// The gradients are made in this call for the inputs that are on a graph
+/// (`track_op`), held by the returned loss's op and handed to the first
+/// backward through it (a second backward through the same loss is an
+/// error). A detached `x` (a forward-only pass) makes none, whatever the
+/// weight: use [`loss_only`] for evaluation instead, which never makes them.
+pub fn linear_cross_entropy(
+    x: &Tensor,
+    head: &LmHead<'_>,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    chunk_bytes: u64,
+    loss_scale: f64,
+) -> Result<Tensor> {
+    let wanted = [
+        x.track_op(),
+        head.weight.track_op(),
+        head.bias.is_some_and(Tensor::track_op),
+    ];
+    if !wanted[0] {
+        return loss_only(x, head, targets, mask, chunk_bytes);
+    }
+    let pass = Pass::new(x, head, targets, chunk_bytes)?;
+    let grads = pass.run(mask, Some((loss_scale, wanted)))?;
+    let op = Attached {
+        loss: grads.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?,
+        loss_scale,
+        grads: Mutex::new(Some(grads.grads)),
+    };
+    match head.bias {
+        None => x.apply_op2(head.weight, op),
+        Some(b) => x.apply_op3(head.weight, b, op),
+    }
+}
+
+/// [`linear_cross_entropy`]'s loss without any gradient (nothing attached to
+/// a graph): a forward-only pass, chunk by chunk.
+pub fn loss_only(
+    x: &Tensor,
+    head: &LmHead<'_>,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    chunk_bytes: u64,
+) -> Result<Tensor> {
+    Ok(Pass::new(x, head, targets, chunk_bytes)?
+        .run(mask, None)?
+        .loss)
+}
+
+/// The checked, detached inputs of one chunked pass.
+struct Pass {
+    x: Tensor,
+    weight: Tensor,
+    bias: Option<Tensor>,
+    classes: usize,
+    targets: Tensor,
+    rows: usize,
+    /// Rows of the weight's gradient summed at once.
+    weight_rows: usize,
+}
+
+/// What a chunked pass made: the loss, and the gradients of x, the weight
+/// and the bias that were wanted.
+struct Made {
+    loss: Tensor,
+    grads: [Option<Tensor>; 3],
+}
+
+impl Pass {
+    fn new(x: &Tensor, head: &LmHead<'_>, targets: &Tensor, chunk_bytes: u64) -> Result<Self> {
+        let (n, h) = x.dims2()?;
+        let (p, hw) = head.weight.dims2()?;
+        if hw != h || head.weight.dtype() != x.dtype() {
+            bail!(
+                "linear_cross_entropy: weight {:?} {:?} does not fit hidden states {:?} {:?}",
+                head.weight.dims(),
+                head.weight.dtype(),
+                x.dims(),
+                x.dtype()
+            );
+        }
+        if head.classes == 0 || head.classes > p {
+            bail!(
+                "linear_cross_entropy: {} classes in a head of {p} rows",
+                head.classes
+            );
+        }
+        if let Some(b) = head.bias {
+            if b.dims() != [p] || b.dtype() != x.dtype() {
+                bail!(
+                    "linear_cross_entropy: bias {:?} {:?} does not fit a head of {p} rows",
+                    b.dims(),
+                    b.dtype()
+                );
+            }
+        }
+        if targets.dims() != [n] || targets.dtype() != DType::U32 {
+            bail!(
+                "linear_cross_entropy: targets must be [{n}] u32, got {:?} {:?}",
+                targets.dims(),
+                targets.dtype()
+            );
+        }
+        let c = x.dtype().size_in_bytes() as u64;
+        Ok(Pass {
+            x: x.detach().contiguous()?,
+            weight: head.weight.detach().contiguous()?,
+            bias: head.bias.map(|b| b.detach().contiguous()).transpose()?,
+            classes: head.classes,
+            targets: targets.contiguous()?,
+            rows: chunk_rows(chunk_bytes, p, x.dtype()).min(n.max(1)),
+            weight_rows: ((chunk_bytes / (h.max(1) as u64 * c)).max(1) as usize).min(p),
+        })
+    }
+
+    /// The loss over `mask`'s rows and, with `grads`' loss scale and which
+    /// of x, the weight and the bias to differentiate, their gradients of
+    /// `loss × loss_scale`.
+    fn run(&self, mask: Option<&Tensor>, grads: Option<(f64, [bool; 3])>) -> Result<Made> {
+        let (n, h) = self.x.dims2()?;
+        let (p, _) = self.weight.dims2()?;
+        let (dtype, dev) = (self.x.dtype(), self.x.device());
+        let mask = mask.map(|m| m.to_dtype(DType::F32)).transpose()?;
+        // The gradient each row's loss gets from the mean (times the loss
+        // scale): the reduction's own backward, at zeros (it does not depend
+        // on the losses).
+        let (row_grad, want) = match grads {
+            Some((scale, want)) => (Some(row_gradients(n, mask.as_ref(), scale, dev)?), want),
+            None => (None, [false; 3]),
+        };
+        let gx = want[0]
+            .then(|| Tensor::zeros((n, h), dtype, dev))
+            .transpose()?;
+        let gw = want[1]
+            .then(|| Tensor::zeros((p, h), dtype, dev))
+            .transpose()?;
+        let mut gb: Option<Tensor> = None;
+        let mut nll = Vec::with_capacity(n.div_ceil(self.rows));
+        for start in (0..n).step_by(self.rows) {
+            let len = self.rows.min(n - start);
+            let x = self.x.narrow(0, start, len)?;
+            let logits = match &self.bias {
+                Some(b) => ops::linear(&x, &self.weight, b, WeightLayout::OutIn)?,
+                None => x.matmul(&self.weight.t()?)?,
+            };
+            let targets = self.targets.narrow(0, start, len)?;
+            nll.push(loss::row_nll(&logits, self.classes, &targets)?);
+            let Some(row_grad) = &row_grad else {
+                continue;
+            };
+            let grad = loss::row_nll_grad(
+                &logits,
+                self.classes,
+                &targets,
+                &row_grad.narrow(0, start, len)?,
+            )?;
+            drop(logits);
+            if let Some(gx) = &gx {
+                gx.slice_set(&grad.matmul(&self.weight)?, 0, start)?;
+            }
+            if let Some(gw) = &gw {
+                self.add_weight_gradient(gw, &grad, &x)?;
+            }
+            if want[2] {
+                let sum = grad.to_dtype(DType::F32)?.sum(0)?;
+                gb = Some(match gb {
+                    Some(acc) => acc.add(&sum)?,
+                    None => sum,
+                });
+            }
+        }
+        let loss = loss::mean_over_rows(&Tensor::cat(&nll, 0)?, mask.as_ref())?;
+        let gb = match (gb, want[2]) {
+            (Some(gb), _) => Some(gb.to_dtype(dtype)?),
+            (None, true) => Some(Tensor::zeros(p, dtype, dev)?),
+            (None, false) => None,
+        };
+        Ok(Made {
+            loss,
+            grads: [gx, gw, gb],
+        })
+    }
+
+    /// Adds `grad`ᵀ·`x` (`[len, P]`ᵀ · `[len, h]`) to `gw` `[P, h]` in place,
+    /// `weight_rows` rows at a time, so that no second `[P, h]` tensor exists.
+    fn add_weight_gradient(&self, gw: &Tensor, grad: &Tensor, x: &Tensor) -> Result<()> {
+        let (p, _) = gw.dims2()?;
+        for start in (0..p).step_by(self.weight_rows) {
+            let len = self.weight_rows.min(p - start);
+            let part = grad.narrow(1, start, len)?.contiguous()?.t()?.matmul(x)?;
+            let sum = gw.narrow(0, start, len)?.add(&part)?;
+            drop(part);
+            gw.slice_set(&sum, 0, start)?;
+        }
+        Ok(())
+    }
+}
+
+/// The gradient of `mean_over_rows(nll, mask) × scale` for each of `n` rows.
+fn row_gradients(
+    n: usize,
+    mask: Option<&Tensor>,
+    scale: f64,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
+    let zeros = candle_core::Var::zeros(n, DType::F32, dev)?;
+    let mean = loss::mean_over_rows(zeros.as_tensor(), mask)?;
+    let scaled = if scale == 1.0 {
+        mean
+    } else {
+        mean.affine(scale, 0.0)?
+    };
+    let mut store = scaled.backward()?;
+    match store.remove(zeros.as_tensor()) {
+        Some(g) => g.detach().contiguous(),
+        None => bail!("linear_cross_entropy: the mean has no gradient"),
+    }
+}
+
+/// The loss as one graph node over the hidden states, the weight and the
+/// bias, holding their gradients until its backward takes them.
+struct Attached {
+    loss: f32,
+    loss_scale: f64,
+    grads: Mutex<Option<[Option<Tensor>; 3]>>,
+}
+
+impl Attached {
+    fn cpu(&self) -> (CpuStorage, Shape) {
+        (CpuStorage::F32(vec![self.loss]), Shape::from(()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(
+        &self,
+        s: &candle_core::CudaStorage,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((s.device().storage_from_slice(&[self.loss])?, Shape::from(())))
+    }
+
+    /// The gradients made in the forward, times `grad / loss_scale`.
+    fn take(&self, grad: &Tensor) -> Result<[Option<Tensor>; 3]> {
+        let grads = self
+            .grads
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("linear_cross_entropy: poisoned".into()))?
+            .take();
+        let Some(grads) = grads else {
+            bail!("linear_cross_entropy: its loss was differentiated twice (the gradients are made once, in the forward)")
+        };
+        let g = grad.to_dtype(DType::F32)?.to_scalar::<f32>()? as f64;
+        let factor = g / self.loss_scale;
+        if factor == 1.0 {
+            return Ok(grads);
+        }
+        let [a, b, c] = grads;
+        let rescale = |t: Option<Tensor>| t.map(|t| t.affine(factor, 0.0)).transpose();
+        Ok([rescale(a)?, rescale(b)?, rescale(c)?])
+    }
+}
+
+impl CustomOp2 for Attached {
+    fn name(&self) -> &'static str {
+        "oomfix-chunked-linear-cross-entropy"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Ok(self.cpu())
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda(s)
+    }
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let [gx, gw, _] = self.take(grad)?;
+        Ok((gx, gw))
+    }
+}
+
+impl CustomOp3 for Attached {
+    fn name(&self) -> &'static str {
+        "oomfix-chunked-linear-cross-entropy"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Ok(self.cpu())
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.cuda(s)
+    }
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [gx, gw, gb] = self.take(grad)?;
+        Ok((gx, gw, gb))
+    }
+}
