@@ -6,8 +6,8 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
-use super::layers::{lm_logits, split_heads, Attend, LayerNorm, Linear};
-use super::{batch_dims, Forward, Params, TokenBatch};
+use super::layers::{split_heads, Attend, LayerNorm, Linear};
+use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -162,19 +162,25 @@ impl Bert {
             })
             .collect();
         let head = Forward::layer(move |x| {
+            let _m = Scope::module(transform);
+            let x = self.transform.forward(x)?;
             let x = {
-                let _m = Scope::module(transform);
-                let x = self.transform.forward(x)?;
-                let x = {
-                    let _op = Scope::op(Op::Gelu);
-                    ops::gelu(&x, self.gelu)?
-                };
-                self.transform_norm.forward(&x)?.reshape((b * s, h))?
+                let _op = Scope::op(Op::Gelu);
+                ops::gelu(&x, self.gelu)?
             };
-            let _m = Scope::module(decoder);
-            lm_logits(&x, &self.word, Some(&self.decoder_bias))
+            self.transform_norm.forward(&x)?.reshape((b * s, h))
         });
-        Ok(Forward { stem, blocks, head })
+        let output = Output {
+            weight: &self.word,
+            bias: Some(&self.decoder_bias),
+            tag: decoder,
+        };
+        Ok(Forward {
+            stem,
+            blocks,
+            head,
+            output,
+        })
     }
 }
 

@@ -6,8 +6,8 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
-use super::layers::{lm_logits, Attend, LayerNorm, Linear};
-use super::{batch_dims, Forward, Params, TokenBatch};
+use super::layers::{Attend, LayerNorm, Linear};
+use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -106,7 +106,8 @@ impl Gpt2 {
         })
     }
 
-    /// The forward pass on `batch`: embeddings, blocks, `ln_f` and the tied head.
+    /// The forward pass on `batch`: embeddings, blocks, `ln_f`, and the tied
+    /// embedding as the output layer.
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
         let (b, s) = batch_dims(batch, &self.config)?;
         let h = self.config.hidden;
@@ -127,14 +128,20 @@ impl Gpt2 {
             })
             .collect();
         let head = Forward::layer(move |x| {
-            let x = {
-                let _m = Scope::module(ln_f);
-                self.ln_f.forward(x)?.reshape((b * s, h))?
-            };
-            let _m = Scope::module(lm_head);
-            lm_logits(&x, &self.wte, None)
+            let _m = Scope::module(ln_f);
+            self.ln_f.forward(x)?.reshape((b * s, h))
         });
-        Ok(Forward { stem, blocks, head })
+        let output = Output {
+            weight: &self.wte,
+            bias: None,
+            tag: lm_head,
+        };
+        Ok(Forward {
+            stem,
+            blocks,
+            head,
+            output,
+        })
     }
 }
 

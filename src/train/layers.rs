@@ -57,9 +57,20 @@ impl Linear {
 /// [`VOCAB_ALIGN`]: `[n, P]`, whose first `V` columns are the logits (pass
 /// `V` to [`oomfix_strategies::nn::loss::cross_entropy_padded`]). When `V` is a multiple
 /// already, nothing is copied; otherwise the padded weight (and bias) is one
-/// more `[P, h]` (`[P]`) tensor.
+/// more `[P, h]` (`[P]`) tensor ([`padded_output`]).
 pub(crate) fn lm_logits(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let _op = Scope::op(Op::Matmul);
+    let (w, b) = padded_output(w, b)?;
+    match b {
+        Some(b) => ops::linear(x, &w, &b, WeightLayout::OutIn),
+        None => x.matmul(&w.t()?),
+    }
+}
+
+/// The output embedding `W` `[V, h]` and bias `b` `[V]` padded with zero
+/// rows to `P`, the next multiple of [`VOCAB_ALIGN`] (themselves when `V` is
+/// one): `[P, h]` and `[P]`, differentiable in `W` and `b`.
+pub(crate) fn padded_output(w: &Tensor, b: Option<&Tensor>) -> Result<(Tensor, Option<Tensor>)> {
     let (v, h) = w.dims2()?;
     let p = v.next_multiple_of(VOCAB_ALIGN);
     let pad = |t: &Tensor, shape: &[usize]| -> Result<Tensor> {
@@ -69,11 +80,10 @@ pub(crate) fn lm_logits(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Te
         let zeros = Tensor::zeros(shape, t.dtype(), t.device())?;
         Tensor::cat(&[t, &zeros], 0)
     };
-    let w = pad(w, &[p - v, h])?;
-    match b {
-        Some(b) => ops::linear(x, &w, &pad(b, &[p - v])?, WeightLayout::OutIn),
-        None => x.matmul(&w.t()?),
-    }
+    Ok((
+        pad(w, &[p - v, h])?,
+        b.map(|b| pad(b, &[p - v])).transpose()?,
+    ))
 }
 
 /// Layer normalisation with scale and bias, computed in f32 (as PyTorch autocast

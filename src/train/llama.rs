@@ -11,8 +11,8 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::Execution;
 
-use super::layers::{lm_logits, split_heads, Attend, Linear, RmsNorm};
-use super::{batch_dims, rope, Forward, Params, TokenBatch};
+use super::layers::{split_heads, Attend, Linear, RmsNorm};
+use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -228,7 +228,8 @@ impl Llama {
         })
     }
 
-    /// The forward pass on `batch`: embedding, blocks, final norm and LM head.
+    /// The forward pass on `batch`: embedding, blocks, final norm, and the LM
+    /// head as the output layer.
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
         let (b, s) = batch_dims(batch, &self.config)?;
         let (h, d) = (self.config.hidden, self.config.head_dim());
@@ -256,14 +257,20 @@ impl Llama {
             })
             .collect();
         let head = Forward::layer(move |x| {
-            let x = {
-                let _m = Scope::module(norm);
-                self.norm.forward(x)?.reshape((b * s, h))?
-            };
-            let _m = Scope::module(lm_head);
-            lm_logits(&x, &self.lm_head, None)
+            let _m = Scope::module(norm);
+            self.norm.forward(x)?.reshape((b * s, h))
         });
-        Ok(Forward { stem, blocks, head })
+        let output = Output {
+            weight: &self.lm_head,
+            bias: None,
+            tag: lm_head,
+        };
+        Ok(Forward {
+            stem,
+            blocks,
+            head,
+            output,
+        })
     }
 }
 

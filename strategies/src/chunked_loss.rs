@@ -504,3 +504,189 @@ impl CustomOp3 for Attached {
         Ok((gx, gw, gb))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::loss::cross_entropy_padded;
+    use candle_core::{Device, Var};
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let a = a.to_dtype(DType::F32).unwrap();
+        let b = b.to_dtype(DType::F32).unwrap();
+        let diff = (&a - &b).unwrap().abs().unwrap().max_all().unwrap();
+        let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        diff.to_scalar::<f32>().unwrap() / scale.max(f32::MIN_POSITIVE)
+    }
+
+    struct Case {
+        x: Var,
+        w: Var,
+        b: Option<Var>,
+        classes: usize,
+        targets: Tensor,
+        mask: Option<Tensor>,
+    }
+
+    /// `n` rows of `h` over `p` columns, `classes` real; a bias and a mask
+    /// if asked; in `dtype`.
+    fn case(n: usize, h: usize, p: usize, classes: usize, bias: bool, mask: bool, dtype: DType) -> Case {
+        let dev = Device::Cpu;
+        let var = |shape: &[usize]| {
+            Var::from_tensor(
+                &Tensor::randn(0f32, 1.0, shape, &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let targets: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % classes) as u32).collect();
+        let mask = mask.then(|| {
+            let m: Vec<f32> = (0..n).map(|i| f32::from(u8::from(i % 3 != 1))).collect();
+            Tensor::from_vec(m, n, &dev).unwrap()
+        });
+        Case {
+            x: var(&[n, h]),
+            w: var(&[p, h]),
+            b: bias.then(|| var(&[p])),
+            classes,
+            targets: Tensor::from_vec(targets, n, &dev).unwrap(),
+            mask,
+        }
+    }
+
+    /// The unchunked loss and gradients (x, w, b) of `loss × scale`.
+    fn whole(c: &Case, scale: f64) -> (f32, Vec<Tensor>) {
+        let logits = match &c.b {
+            Some(b) => ops::linear(&c.x, &c.w, b, WeightLayout::OutIn).unwrap(),
+            None => c.x.matmul(&c.w.t().unwrap()).unwrap(),
+        };
+        let loss = cross_entropy_padded(&logits, c.classes, &c.targets, c.mask.as_ref()).unwrap();
+        grads_of(c, &loss, scale)
+    }
+
+    fn chunked(c: &Case, bytes: u64, scale: f64) -> (f32, Vec<Tensor>) {
+        let head = LmHead {
+            weight: c.w.as_tensor(),
+            bias: c.b.as_ref().map(Var::as_tensor),
+            classes: c.classes,
+        };
+        let loss =
+            linear_cross_entropy(&c.x, &head, &c.targets, c.mask.as_ref(), bytes, scale).unwrap();
+        grads_of(c, &loss, scale)
+    }
+
+    fn grads_of(c: &Case, loss: &Tensor, scale: f64) -> (f32, Vec<Tensor>) {
+        let value = loss.to_scalar::<f32>().unwrap();
+        let scaled = if scale == 1.0 {
+            loss.clone()
+        } else {
+            loss.affine(scale, 0.0).unwrap()
+        };
+        let store = scaled.backward().unwrap();
+        let mut grads = vec![
+            store.get(&c.x).unwrap().clone(),
+            store.get(&c.w).unwrap().clone(),
+        ];
+        if let Some(b) = &c.b {
+            grads.push(store.get(b).unwrap().clone());
+        }
+        (value, grads)
+    }
+
+    /// Ragged chunks (7 rows in chunks of 3), the weight's gradient summed
+    /// in blocks of rows, padding columns, a bias, a mask and a loss scale:
+    /// the loss is the unchunked one and so are the gradients of x, the
+    /// weight and the bias.
+    #[test]
+    fn gradients_equal_the_unchunked_loss() {
+        for (bias, mask, scale) in [
+            (false, false, 1.0),
+            (true, false, 1.0),
+            (false, true, 1.0),
+            (true, true, 256.0),
+            (false, false, 1024.0),
+        ] {
+            let c = case(7, 8, 24, 21, bias, mask, DType::F32);
+            let (want_loss, want) = whole(&c, scale);
+            // 3 rows of 24 f32: 288 bytes; the weight's gradient in blocks
+            // of 288 / (8 · 4) = 9 rows (24 = 9 + 9 + 6).
+            for bytes in [288, 1 << 20] {
+                let (loss, got) = chunked(&c, bytes, scale);
+                let label = format!("bias {bias}, mask {mask}, scale {scale}, {bytes} bytes");
+                assert!(
+                    (loss - want_loss).abs() <= 1e-6 * want_loss.abs(),
+                    "{label}: loss {loss} vs {want_loss}"
+                );
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let rel = max_rel(g, w);
+                    assert!(rel < 1e-5, "{label}: gradient {i} off by {rel:e}");
+                }
+                // The padding columns' rows of the weight get nothing.
+                let pad = got[1].narrow(0, 21, 3).unwrap().abs().unwrap().max_all().unwrap();
+                assert_eq!(pad.to_scalar::<f32>().unwrap(), 0.0);
+            }
+        }
+    }
+
+    /// In bf16 and f16 the chunked gradients stay within a few 16-bit steps
+    /// of the unchunked ones (each chunk's share of the weight's gradient is
+    /// rounded once more when summed); with f16 and a loss scale nothing
+    /// underflows that the unchunked backward keeps.
+    #[test]
+    fn sixteen_bit_gradients_are_close_to_the_unchunked_ones() {
+        for dtype in [DType::BF16, DType::F16] {
+            let c = case(16, 16, 64, 64, false, false, dtype);
+            let (want_loss, want) = whole(&c, 1024.0);
+            let (loss, got) = chunked(&c, 4 * 64 * 2, 1024.0);
+            assert!((loss - want_loss).abs() <= 1e-3 * want_loss, "{dtype:?}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.dtype(), dtype);
+                let rel = max_rel(g, w);
+                assert!(rel < 0.02, "{dtype:?}: gradient {i} off by {rel:e}");
+            }
+        }
+    }
+
+    /// A backward whose incoming gradient is not the loss scale the
+    /// gradients were made with gets them rescaled; a second backward
+    /// through the same loss is an error.
+    #[test]
+    fn an_other_incoming_gradient_rescales_and_a_second_backward_fails() {
+        let c = case(5, 4, 8, 8, false, false, DType::F32);
+        let (_, want) = whole(&c, 3.0);
+        let head = LmHead {
+            weight: c.w.as_tensor(),
+            bias: None,
+            classes: 8,
+        };
+        let loss = linear_cross_entropy(&c.x, &head, &c.targets, None, 64, 1.0).unwrap();
+        let store = loss.affine(3.0, 0.0).unwrap().backward().unwrap();
+        assert!(max_rel(store.get(&c.w).unwrap(), &want[1]) < 1e-5);
+        assert!(max_rel(store.get(&c.x).unwrap(), &want[0]) < 1e-5);
+        let again = loss.backward().unwrap_err().to_string();
+        assert!(again.contains("twice"), "{again}");
+    }
+
+    /// Detached hidden states (a forward-only pass): the loss, no gradient
+    /// made; bad shapes are errors.
+    #[test]
+    fn detached_inputs_give_the_loss_only_and_bad_shapes_are_errors() {
+        let c = case(6, 4, 8, 8, false, true, DType::F32);
+        let (want, _) = whole(&c, 1.0);
+        let head = LmHead {
+            weight: c.w.as_tensor(),
+            bias: None,
+            classes: 8,
+        };
+        let x = c.x.as_tensor().detach();
+        let loss = linear_cross_entropy(&x, &head, &c.targets, c.mask.as_ref(), 64, 1.0).unwrap();
+        assert!(!loss.track_op());
+        assert!((loss.to_scalar::<f32>().unwrap() - want).abs() <= 1e-6 * want);
+        let bad = LmHead { classes: 9, ..head };
+        assert!(linear_cross_entropy(&c.x, &bad, &c.targets, None, 64, 1.0).is_err());
+        let short = c.targets.narrow(0, 0, 5).unwrap();
+        assert!(linear_cross_entropy(&c.x, &head, &short, None, 64, 1.0).is_err());
+    }
+}
