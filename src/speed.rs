@@ -32,6 +32,10 @@ pub struct StepWork {
     /// Bytes read and written by elementwise ops (norms, activations, the
     /// loss, copies), forward, backward and recomputation.
     pub elementwise_bytes: f64,
+    /// Bytes a loss computed in chunks of tokens moves besides the unchunked
+    /// pass's work: the output embedding read again by each chunk's
+    /// products, its gradient summed chunk by chunk (0 unchunked).
+    pub loss_chunk_bytes: f64,
     /// Bytes the composed attention's probabilities (`b·H·s²` per block)
     /// move through their softmax and its backward; 0 with flash attention.
     pub probabilities_bytes: f64,
@@ -67,6 +71,10 @@ pub struct Throughput {
     pub elementwise: f64,
     /// Bytes per second of the composed attention's probabilities.
     pub probabilities: f64,
+    /// Bytes per second of a chunked loss's extra weight traffic
+    /// ([`StepWork::loss_chunk_bytes`]): not fitted to chunked steps, but
+    /// the rate of the target's other streaming work over whole tensors.
+    pub loss_chunks: f64,
     /// Optimizer-step bytes per second.
     pub optimizer: f64,
     /// Host bus bytes per second.
@@ -107,6 +115,7 @@ impl Throughput {
             + work.attention_flops / self.attention
             + work.elementwise_bytes / self.elementwise
             + work.probabilities_bytes / self.probabilities
+            + work.loss_chunk_bytes / self.loss_chunks
             + work.micro_batches * self.micro_batch_seconds;
         let optimizer =
             work.optimizer_bytes / self.optimizer + work.host_parameters / self.host_adamw;
@@ -145,6 +154,9 @@ const CPU: Throughput = Throughput {
     attention: f64::INFINITY,
     elementwise: f64::INFINITY,
     probabilities: 6.471e9,
+    // The optimizer step's rate: bytes streamed through whole fp32 tensors
+    // (the elementwise ops' own rate got no weight in the fit).
+    loss_chunks: 2.083e10,
     optimizer: 2.083e10,
     host_bus: 10e9,
     host_adamw: 1e9,
@@ -176,6 +188,9 @@ const CUDA_H200: Throughput = Throughput {
     attention: f64::INFINITY,
     elementwise: 6.065e11,
     probabilities: 4.731e12,
+    // Nominal: the H200's memory bandwidth (4.8 TB/s). A chunk's products
+    // are bound by reading the weight, at the rate the memory gives.
+    loss_chunks: 4.8e12,
     optimizer: 5.584e11,
     host_bus: 44e9,
     host_adamw: 4.27e9,
@@ -270,6 +285,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     let elementwise_bytes = bytes
         * (layers * block_elements * (3.0 + 2.0 * recompute) + head_elements * 3.0)
         + dequantized_bytes(plan, &facts, recompute);
+    let loss_chunk_bytes = chunked_loss_bytes(spec, plan, exec, weight_gradients);
     let probabilities_bytes = if flash {
         0.0
     } else {
@@ -288,6 +304,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         matmul_flops: accum * matmul_flops,
         attention_flops: accum * attention_flops,
         elementwise_bytes: accum * elementwise_bytes,
+        loss_chunk_bytes: accum * loss_chunk_bytes,
         probabilities_bytes: accum * probabilities_bytes,
         optimizer_bytes,
         host_bus_bytes,
@@ -296,6 +313,27 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         micro_batches: accum,
         half: plan.precision != Precision::F32,
     }
+}
+
+/// What computing the loss in chunks of tokens
+/// ([`oomfix_strategies::chunked_loss`]) moves besides the unchunked pass's
+/// work: the head's products are the same FLOPs (none is recomputed), but
+/// each chunk after the first reads the whole `[P, h]` output embedding
+/// again for its logits and for its input gradient, and, when the weight is
+/// trained, each chunk's share of its gradient is summed into it (written,
+/// read and copied back: four more passes over `[P, h]`). 0 unchunked.
+fn chunked_loss_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution, weight_gradients: f64) -> f64 {
+    let Some(bytes) = exec.loss_chunk_bytes else {
+        return 0.0;
+    };
+    let c = &spec.config;
+    let p = c.vocab.next_multiple_of(VOCAB_ALIGN);
+    let n = plan.micro_batch * plan.seq_len;
+    let dtype = oomfix_strategies::model::dtype_of(plan.precision);
+    let rows = oomfix_strategies::chunked_loss::chunk_rows(bytes, p, dtype).min(n.max(1));
+    let chunks = n.div_ceil(rows.max(1)) as f64;
+    let weight = (p * c.hidden) as f64 * plan.precision.compute_bytes() as f64;
+    (chunks - 1.0).max(0.0) * (2.0 + 4.0 * weight_gradients) * weight
 }
 
 /// The adapters' products per micro-batch: `x·Aᵀ` and its product with `Bᵀ`

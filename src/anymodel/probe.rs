@@ -27,6 +27,8 @@ pub struct Setting {
     pub checkpoint: Checkpointing,
     /// Attention.
     pub attention: Attention,
+    /// The most bytes a chunk of the LM loss's logits takes (`None`: unchunked).
+    pub loss_chunk_bytes: Option<u64>,
 }
 
 impl Setting {
@@ -36,6 +38,7 @@ impl Setting {
             precision: plan.precision,
             checkpoint: exec.checkpoint,
             attention: exec.attention,
+            loss_chunk_bytes: exec.loss_chunk_bytes,
         }
     }
 }
@@ -46,7 +49,11 @@ impl std::fmt::Display for Setting {
             f,
             "{}, checkpoint {}, {} attention",
             self.precision, self.checkpoint, self.attention
-        )
+        )?;
+        if self.loss_chunk_bytes.is_some() {
+            f.write_str(", chunked loss")?;
+        }
+        Ok(())
     }
 }
 
@@ -442,7 +449,8 @@ where
         let (m, vars) = &self.models[&setting.precision];
         let exec = Execution::default()
             .checkpoint(setting.checkpoint)
-            .attention(setting.attention);
+            .attention(setting.attention)
+            .loss_chunks(setting.loss_chunk_bytes);
         let batch = MicroBatch::new(micro_batch, self.index, exec).with_seq_len(self.seq_len);
         self.index += 1;
         let before = start_peak(&self.device)?;

@@ -24,6 +24,7 @@
 
 use crate::spec::VOCAB_ALIGN;
 use crate::spec::{Family, ModelSpec};
+use oomfix_strategies::chunked_loss::chunk_rows;
 use oomfix_strategies::nn::ops::PROBS_BACKWARD_CHUNKS;
 use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, Precision};
 
@@ -189,6 +190,11 @@ struct Dims {
     /// [`VOCAB_ALIGN`].
     p: u64,
     flash: bool,
+    /// Rows per chunk of the LM loss when it runs in chunks
+    /// ([`oomfix_strategies::chunked_loss`]); `None`: the whole logits.
+    chunk: Option<u64>,
+    /// Rows of the head weight's gradient a chunked loss sums at once.
+    weight_rows: u64,
 }
 
 impl Dims {
@@ -208,6 +214,18 @@ impl Dims {
             v: c.vocab as u64,
             p: c.vocab.next_multiple_of(VOCAB_ALIGN) as u64,
             flash: exec.attention == Attention::Flash,
+            chunk: exec.loss_chunk_bytes.map(|bytes| {
+                let p = c.vocab.next_multiple_of(VOCAB_ALIGN);
+                let dtype = oomfix_strategies::model::dtype_of(plan.precision);
+                let n = plan.micro_batch * plan.seq_len;
+                chunk_rows(bytes, p, dtype).min(n.max(1)) as u64
+            }),
+            weight_rows: exec.loss_chunk_bytes.map_or(0, |bytes| {
+                let row = (c.hidden.max(1) as u64) * plan.precision.compute_bytes();
+                (bytes / row)
+                    .max(1)
+                    .min(c.vocab.next_multiple_of(VOCAB_ALIGN) as u64)
+            }),
         }
     }
     /// `[b, H, s, s]` elements.
@@ -319,6 +337,9 @@ fn stem(family: Family, d: &Dims) -> Values {
 /// `[n, P]` in the compute dtype (BERT: with the prediction bias added in
 /// place), and the fused cross-entropy's `[n]` f32 row losses and their
 /// masked/averaged copies (the op keeps nothing logits-sized of its own).
+/// In chunks of tokens ([`oomfix_strategies::chunked_loss`]) no logits are
+/// kept: each chunk's exist only while the loss is computed
+/// ([`chunked_loss_transient`]).
 fn head(family: Family, d: &Dims) -> Values {
     let norm = match family {
         Family::Gpt2 | Family::Generic | Family::Llama => d.norm(),
@@ -329,10 +350,32 @@ fn head(family: Family, d: &Dims) -> Values {
         .add(d.norm()),
     };
     let padded = if d.p == d.v { 0 } else { d.p * (d.h + 1) };
+    let logits = if d.chunk.is_some() { 0 } else { d.n * d.p };
     norm.add(Values {
-        c: d.n * d.p + padded,
+        c: logits + padded,
         f32: 2 * d.n,
     })
+}
+
+/// Bytes alive at once while a chunked loss
+/// ([`oomfix_strategies::chunked_loss::linear_cross_entropy`]) computes a
+/// chunk of `r` rows, on top of what the head keeps: the hidden states'
+/// gradient `[n,h]` it fills and, when the head's weight is trained, the
+/// weight's gradient `[P,h]` it sums into; then the chunk's logits and
+/// their gradient `[r,P]`, or, once the logits are freed, the gradient with
+/// one block of the weight's gradient (`B` rows: the gradient's `[r,B]`
+/// columns copied, their product `[B,h]` and its sum with the block `[B,h]`),
+/// and for a bias (BERT) the gradient's f32 copy `[r,P]` it sums over rows.
+/// With the backward of candle-core as released, handing the two gradients
+/// over adds each to zeros: three of each alive at once.
+fn chunked_loss_transient(d: &Dims, r: u64, trained_head: bool, bias: bool, c: u64, stock: bool) -> u64 {
+    let (n, h, p, b) = (d.n, d.h, d.p, d.weight_rows);
+    let held = n * h + if trained_head { p * h } else { 0 };
+    let blocks = if trained_head { r * b + 2 * b * h } else { 0 };
+    let bias_f32 = if bias && c != 4 { 4 * r * p } else { 0 };
+    let chunk = (2 * r * p).max(r * p + blocks) * c + bias_f32;
+    let handover = if stock { 3 * held * c } else { 0 };
+    (held * c + chunk).max(handover)
 }
 
 /// Logits-sized tensors in the compute dtype alive at once while the backward
@@ -451,7 +494,17 @@ pub fn widen_cpu_bf16_matmuls(
     let d = Dims::new(spec, plan, exec);
     let (nh, nv, vh, ni, hi) = (d.n * d.h, d.n * d.p, d.p * d.h, d.n * d.i, d.h * d.i);
     let widened_grads = if c.family == Family::Bert { 2 } else { 1 };
-    let loss = 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * vh;
+    let loss = match d.chunk {
+        None => 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * vh,
+        // In chunks: the hidden states' gradient and (trained head) the
+        // weight's, beside the largest product's widened operands, the
+        // weight `[P,h]` and a chunk's logits or their gradient `[r,P]`,
+        // its f32 output and the chunk's bf16 logits or gradient.
+        Some(r) => {
+            let held = nh + if plan.lora.is_none() { vh } else { 0 };
+            2 * held + 2 * r * d.p + 4 * (r * d.p + vh + r * d.h)
+        }
+    };
     let mut block = 2 * ni + 4 * (nh + 2 * ni + hi) + 2 * hi;
     if !d.flash {
         // The attention core's backward: `P·v`'s backward makes `dP` as an
@@ -534,7 +587,17 @@ pub fn activation_bytes_for(
     if plan.lora.is_some() {
         head_copies = 0;
     }
-    let loss_transient = (loss_nv * d.n * d.p).max(d.n * d.p + head_copies * d.p * d.h) * c;
+    let loss_transient = match d.chunk {
+        None => (loss_nv * d.n * d.p).max(d.n * d.p + head_copies * d.p * d.h) * c,
+        Some(r) => chunked_loss_transient(
+            &d,
+            r,
+            plan.lora.is_none(),
+            cfg.family == Family::Bert,
+            c,
+            stock,
+        ),
+    };
     let attention_backward = match (d.flash, stock) {
         (true, false) => flash_backward(&d),
         (true, true) => flash_backward(&d) + STOCK_FLASH_BACKWARD_NH * d.n * d.h * c,

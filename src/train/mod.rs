@@ -196,6 +196,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
 use oomfix_strategies::model::{self, Capabilities, MicroBatch, Model};
+use oomfix_strategies::chunked_loss;
 use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
 #[cfg(doc)]
@@ -430,7 +431,9 @@ impl Model for HubModel {
     }
 
     /// The stages of the micro-batch's tokens: the head ends in the loss
-    /// (`lm_loss`), after which every allocation is backward's.
+    /// (of the whole logits, or chunk by chunk as the execution says:
+    /// `Output::loss`), after which every allocation is backward's (in
+    /// chunks, the output layer's gradients are made with the loss).
     fn forward(&self, batch: &MicroBatch) -> candle_core::Result<model::Forward<'_>> {
         let tokens = batch.tokens.clone().ok_or_else(|| {
             candle_core::Error::Msg(
@@ -440,12 +443,13 @@ impl Model for HubModel {
         let pass = self
             .pass(&tokens, &batch.execution)
             .map_err(candle_core::Error::wrap)?;
-        let (vocab, head) = (self.config().vocab, pass.head);
+        let (vocab, head, output) = (self.config().vocab, pass.head, pass.output);
+        let exec = batch.execution;
         Ok(model::Forward::Stages(model::Stages {
             stem: pass.stem,
             blocks: pass.blocks,
             head: Box::new(move |x: &Tensor| {
-                let loss = lm_loss(&head(x)?, vocab, &tokens)?;
+                let loss = output.loss(&head(x)?, vocab, &tokens, &exec)?;
                 alloc::set_phase(Phase::Backward);
                 tag::set(Tag::new(Module::ROOT, Op::Backward));
                 Ok(loss)
@@ -786,14 +790,72 @@ type Layer<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
 
 /// One forward pass of a family on a batch, laid out for
 /// [`checkpoint::backward`]: the stem's output `[b, s, h]` (attached to the
-/// parameters' graph), the blocks, and the head from the last block's output
-/// to the logits `[b·s, P]` over the padded vocabulary
-/// ([`layers::lm_logits`]). The families build it; [`backward`](Self::backward)
+/// parameters' graph), the blocks, the head from the last block's output
+/// to the hidden states `[b·s, h]` the output layer takes, and the output
+/// layer, whose logits `[b·s, P]` over the padded vocabulary
+/// ([`layers::lm_logits`]) the loss takes whole or in chunks of tokens
+/// ([`Output::loss`]). The families build it; [`HubModel`]'s training step
 /// and [`logits`](Self::logits) run it.
 pub(crate) struct Forward<'a> {
     pub(crate) stem: Tensor,
     pub(crate) blocks: Vec<Layer<'a>>,
     pub(crate) head: Layer<'a>,
+    pub(crate) output: Output<'a>,
+}
+
+/// The output layer of a family: the output embedding `[V, h]` (tied or
+/// not) and bias `[V]` (BERT's decoder), tagged as their module.
+#[derive(Clone, Copy)]
+pub(crate) struct Output<'a> {
+    pub(crate) weight: &'a Tensor,
+    pub(crate) bias: Option<&'a Tensor>,
+    pub(crate) tag: Module,
+}
+
+impl Output<'_> {
+    /// The padded logits `[n, P]` of the hidden states `x` `[n, h]`.
+    fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let _m = Scope::module(self.tag);
+        layers::lm_logits(x, self.weight, self.bias)
+    }
+
+    /// The mean cross-entropy of the hidden states `x` `[n, h]` against the
+    /// batch's targets (over its `loss_mask` positions): of the whole
+    /// logits ([`lm_loss`]), or chunk by chunk of tokens whose logits take
+    /// at most `exec.loss_chunk_bytes`
+    /// ([`oomfix_strategies::chunked_loss::linear_cross_entropy`], its
+    /// gradients made for `exec.loss_scale`).
+    fn loss(
+        &self,
+        x: &Tensor,
+        vocab: usize,
+        batch: &TokenBatch,
+        exec: &Execution,
+    ) -> candle_core::Result<Tensor> {
+        let Some(bytes) = exec.loss_chunk_bytes else {
+            return lm_loss(&self.logits(x)?, vocab, batch);
+        };
+        let (weight, bias) = {
+            let _m = Scope::new(self.tag, Op::Matmul);
+            layers::padded_output(self.weight, self.bias)?
+        };
+        let _scope = Scope::new(Module::intern("loss"), Op::Loss);
+        let head = chunked_loss::LmHead {
+            weight: &weight,
+            bias: bias.as_ref(),
+            classes: vocab,
+        };
+        let mask = loss_mask(batch)?;
+        let targets = batch.targets.flatten_all()?;
+        chunked_loss::linear_cross_entropy(
+            x,
+            &head,
+            &targets,
+            mask.as_ref(),
+            bytes,
+            exec.loss_scale,
+        )
+    }
 }
 
 impl<'a> Forward<'a> {
@@ -811,7 +873,7 @@ impl<'a> Forward<'a> {
         for block in &self.blocks {
             x = block(&x)?.detach();
         }
-        Ok((self.head)(&x)?.detach())
+        Ok(self.output.logits(&(self.head)(&x)?)?.detach())
     }
 
     /// The logits `[b, s, vocab]` in f32: [`padded_logits`](Self::padded_logits)
@@ -836,12 +898,18 @@ pub(crate) fn lm_loss(
     batch: &TokenBatch,
 ) -> candle_core::Result<Tensor> {
     let _scope = Scope::new(Module::intern("loss"), Op::Loss);
-    let mask = match &batch.loss_mask {
-        Some(m) => Some(m.flatten_all()?.to_dtype(DType::F32)?),
-        None => None,
-    };
+    let mask = loss_mask(batch)?;
     let targets = batch.targets.flatten_all()?;
     loss::cross_entropy_padded(logits, vocab, &targets, mask.as_ref())
+}
+
+/// The batch's `loss_mask` as an f32 vector `[b·s]`, if it has one.
+fn loss_mask(batch: &TokenBatch) -> candle_core::Result<Option<Tensor>> {
+    batch
+        .loss_mask
+        .as_ref()
+        .map(|m| m.flatten_all()?.to_dtype(DType::F32))
+        .transpose()
 }
 
 /// `(b, s)` of `batch`, checked against the model's position limit (the

@@ -332,6 +332,11 @@ fn check_capabilities(caps: model::Capabilities, plan: &Plan) -> Result<()> {
             "the plan uses flash attention, and the model computes its own attention".into(),
         ));
     }
+    if plan.chunked_loss && !caps.chunked_loss {
+        return Err(Error::Usage(
+            "the plan computes the loss in chunks, and the model computes its own loss".into(),
+        ));
+    }
     Ok(())
 }
 
