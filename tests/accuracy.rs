@@ -70,6 +70,51 @@ fn large_vocabulary_bert_head_estimate_within_8_percent() {
     );
 }
 
+/// The loss in chunks of tokens (`chunked-loss`) on vocabularies whose
+/// logits span several chunks of [`CHUNK_BYTES`] at 4 × 256 tokens: the
+/// head keeps no logits, and the loss's working set is one chunk's logits
+/// and gradient beside the hidden states' gradient and the head weight's.
+/// Checkpointed (where the loss's backward would be the peak unchunked) and
+/// not, fp32 and bf16; GPT-2 (tied, padded), Llama (untied) and BERT
+/// (tied, a decoder bias).
+///
+/// [`CHUNK_BYTES`]: oomfix::strategies::chunked_loss::CHUNK_BYTES
+#[test]
+fn chunked_loss_estimate_within_8_percent() {
+    let gpt2 = ModelConfig {
+        vocab: 32705,
+        max_positions: 256,
+        ..ModelConfig::gpt2(2, 32, 2)
+    };
+    let llama = ModelConfig {
+        max_positions: 256,
+        ..ModelConfig::llama(2, 32, 4, 2, 64, 32768, false)
+    };
+    let bert = ModelConfig {
+        max_positions: 256,
+        ..ModelConfig::bert(2, 32, 2, 32768)
+    };
+    let chunked = Plan {
+        chunked_loss: true,
+        ..Plan::baseline(4, 256)
+    };
+    let plans = [
+        chunked,
+        Plan {
+            checkpoint: Checkpointing::Every(1),
+            ..chunked
+        },
+        Plan {
+            precision: Precision::Bf16,
+            checkpoint: Checkpointing::Every(1),
+            ..chunked
+        },
+    ];
+    check_plans("gpt2-chunked-loss", gpt2, &plans);
+    check_plans("llama-chunked-loss", llama, &plans);
+    check_plans("bert-chunked-loss", bert, &plans);
+}
+
 /// A sequence far longer than the hidden size makes the attention
 /// probabilities (`[b,H,s,s]` per block) most of the activations: the
 /// composed attention's kept and backward terms decide the estimate.

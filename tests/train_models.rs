@@ -251,6 +251,109 @@ fn flash_attention_gives_the_composed_loss_and_gradients() {
     }
 }
 
+/// Bytes of `rows` rows of `config`'s padded logits in f32: a chunk bound
+/// that splits the tiny batches into several chunks, the last one shorter.
+fn chunk_of(config: &ModelConfig, rows: usize) -> u64 {
+    (rows * config.vocab.next_multiple_of(64) * 4) as u64
+}
+
+/// The LM loss in chunks of 3 tokens (of 16: the last chunk holds 1) gives
+/// the unchunked loss and gradients (hidden states, tied or untied head,
+/// BERT's decoder bias) on every family, plain and checkpointed, with
+/// composed and flash attention, and with a loss scale.
+#[test]
+fn chunked_loss_gives_the_unchunked_loss_and_gradients() {
+    for (config, batch) in batches_with_padding() {
+        let label = format!(
+            "{} (padded {})",
+            label(&config),
+            batch.attention_mask.is_some()
+        );
+        let model = model(&config, DType::F32);
+        for (policy, attention, scale) in [
+            (Checkpointing::None, Attention::Composed, 1.0),
+            (Checkpointing::Every(1), Attention::Composed, 1.0),
+            (Checkpointing::Every(2), Attention::Flash, 1.0),
+            (Checkpointing::None, Attention::Flash, 512.0),
+        ] {
+            let exec = Execution::default()
+                .checkpoint(policy)
+                .attention(attention)
+                .loss_scale(scale);
+            let whole = model.forward_backward(&batch, &exec).unwrap();
+            let chunked = model
+                .forward_backward(&batch, &exec.loss_chunks(Some(chunk_of(&config, 3))))
+                .unwrap();
+            let rel = (chunked.loss - whole.loss).abs() / whole.loss;
+            assert!(
+                rel < 1e-6,
+                "{label} {policy} {attention}: loss {} vs {}",
+                chunked.loss,
+                whole.loss
+            );
+            let largest = whole.grads.iter().map(max_abs).fold(0f32, f32::max);
+            for ((name, _), (c, w)) in model
+                .named_vars()
+                .iter()
+                .zip(chunked.grads.iter().zip(&whole.grads))
+            {
+                let scale = if analytically_zero(name) {
+                    largest
+                } else {
+                    max_abs(w)
+                };
+                let rel = max_diff(c, w) / scale;
+                assert!(
+                    rel < 1e-5,
+                    "{label} {policy} {attention}: gradient of {name} differs by {rel:e}"
+                );
+            }
+            // The forward-only loss is the same, in chunks or not.
+            let forward_only = model
+                .loss(&batch, &exec.loss_chunks(Some(chunk_of(&config, 3))))
+                .unwrap();
+            assert!((forward_only - whole.loss).abs() <= 1e-6 * whole.loss, "{label}");
+        }
+    }
+}
+
+/// In bf16 and f16 (with a loss scale) the chunked loss's gradients are as
+/// close to the unchunked ones as 16 bits allow: each chunk's share of the
+/// head's gradient is rounded once more when summed.
+#[test]
+fn sixteen_bit_chunked_gradients_are_close_to_the_unchunked_ones() {
+    for config in configs() {
+        let batch = batch(&config);
+        for dtype in [DType::BF16, DType::F16] {
+            let model = model(&config, dtype);
+            let exec = Execution::default().loss_scale(1024.0);
+            let whole = model.forward_backward(&batch, &exec).unwrap();
+            let chunked = model
+                .forward_backward(&batch, &exec.loss_chunks(Some(chunk_of(&config, 5) / 2)))
+                .unwrap();
+            assert!(
+                (chunked.loss - whole.loss).abs() <= 1e-3 * whole.loss,
+                "{} {dtype:?}",
+                label(&config)
+            );
+            let largest = whole.grads.iter().map(max_abs).fold(0f32, f32::max);
+            for ((name, _), (c, w)) in model
+                .named_vars()
+                .iter()
+                .zip(chunked.grads.iter().zip(&whole.grads))
+            {
+                assert_eq!(c.dtype(), dtype);
+                let rel = max_diff(c, w) / largest;
+                assert!(
+                    rel < 0.02,
+                    "{} {dtype:?}: gradient of {name} differs by {rel:e} of the largest",
+                    label(&config)
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn loss_scale_multiplies_the_gradients_only() {
     let config = tiny(Family::Llama);
@@ -833,8 +936,21 @@ fn losses_and_gradients_match_hugging_face_transformers() {
     for r in references() {
         let (name, expected_loss) = (r.name, r.loss());
         let model = r.model(DType::F32);
-        for policy in [Checkpointing::None, Checkpointing::Every(1)] {
-            let out = step(&model, &r.batch, policy);
+        let chunk = chunk_of(&r.spec.config, 5);
+        for (policy, chunks) in [
+            (Checkpointing::None, None),
+            (Checkpointing::Every(1), None),
+            (Checkpointing::None, Some(chunk)),
+            (Checkpointing::Every(1), Some(chunk)),
+        ] {
+            let exec = Execution::default()
+                .checkpoint(policy)
+                .loss_chunks(chunks);
+            let out = model.forward_backward(&r.batch, &exec).unwrap();
+            let policy = match chunks {
+                None => policy.to_string(),
+                Some(_) => format!("{policy}, chunked loss"),
+            };
             assert!(
                 (out.loss - expected_loss).abs() < 1e-5 * expected_loss,
                 "{name}: {} vs {expected_loss}",
@@ -908,6 +1024,13 @@ fn logits_and_losses_match_hugging_face_transformers_in_f32_and_bf16() {
                     r.name
                 );
                 let loss_rel = (loss - expected_loss).abs() / expected_loss;
+                let chunked = exec.loss_chunks(Some(chunk_of(&r.spec.config, 5)));
+                let chunked_loss = model.forward_backward(&r.batch, &chunked).unwrap().loss;
+                assert!(
+                    (chunked_loss - loss).abs() <= 1e-5 * loss.abs(),
+                    "{} {dtype:?} {attention}: chunked loss {chunked_loss} vs {loss}",
+                    r.name
+                );
                 eprintln!(
                     "{} {dtype:?} {attention}: logits {logits_rel:.2e}, loss {loss_rel:.2e}",
                     r.name
