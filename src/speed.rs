@@ -322,7 +322,12 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
 /// again for its logits and for its input gradient, and, when the weight is
 /// trained, each chunk's share of its gradient is summed into it (written,
 /// read and copied back: four more passes over `[P, h]`). 0 unchunked.
-fn chunked_loss_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution, weight_gradients: f64) -> f64 {
+fn chunked_loss_bytes(
+    spec: &ModelSpec,
+    plan: &Plan,
+    exec: &Execution,
+    weight_gradients: f64,
+) -> f64 {
     let Some(bytes) = exec.loss_chunk_bytes else {
         return 0.0;
     };

@@ -1,6 +1,7 @@
 //! LoRA and QLoRA planning with the real binary, on a Llama-3-8B-shaped
 //! checkpoint (a real header over a sparse data region, with the Hub's
-//! `config.json`): it fits 8 GiB with NF4 base weights; without LoRA
+//! `config.json`): it fits 8 GiB with NF4 base weights (at 1024 tokens with
+//! the loss in chunks); without LoRA
 //! nothing fits 24 GiB and the advice says what LoRA would need; bad LoRA
 //! settings are one line and exit 2.
 
@@ -111,11 +112,25 @@ fn qlora_fits_llama3_8b_in_8_gib() {
     assert!(text.contains("LoRA r16 α32"), "{text}");
     assert!(text.contains("bf16/nf4"), "{text}");
 
-    // At 1024 tokens (the default here) NF4 with the CUDA headroom needs
-    // a little more than 8 GiB; 512 tokens fit, and so does the
-    // double-quantized base, which the search takes when the base is not
-    // pinned.
+    // At 1024 tokens (the default here) NF4 fits with the CUDA headroom
+    // only with the loss in chunks: the whole logits (128,256 classes × 1024
+    // tokens, 250.5 MiB in bf16) and their gradient would take 8.21 GiB.
     let (code, out) = plan_json(d.path(), &args[..7]);
+    assert_eq!(code, 0, "{out:#}");
+    assert_eq!(out["plan"]["seq_len"], 1024);
+    assert_eq!(out["plan"]["chunked_loss"], true, "{out:#}");
+    assert_eq!(out["plan"]["lora"]["base"], "nf4");
+    let peak = out["estimate"]["peak_bytes"].as_u64().unwrap();
+    assert!(peak <= 8 * GIB, "{peak}");
+    let unchunked = [
+        &args[..7],
+        &[
+            "--strategies",
+            "accumulate,precision,flash-attention,checkpoint,fused-adamw,shard,offload,lora",
+        ],
+    ]
+    .concat();
+    let (code, out) = plan_json(d.path(), &unchunked);
     assert_eq!(code, 1, "{out:#}");
     assert!(
         out["advice"]
@@ -123,6 +138,8 @@ fn qlora_fits_llama3_8b_in_8_gib() {
             .contains("a sequence length of 512 would fit"),
         "{out:#}"
     );
+    // The double-quantized base, which the search takes when the base is
+    // not pinned, fits too.
     let (code, out) = plan_json(d.path(), &args[..5]);
     assert_eq!(code, 0, "{out:#}");
     assert_eq!(out["plan"]["lora"]["base"], "nf4-dq");

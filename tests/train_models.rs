@@ -312,7 +312,10 @@ fn chunked_loss_gives_the_unchunked_loss_and_gradients() {
             let forward_only = model
                 .loss(&batch, &exec.loss_chunks(Some(chunk_of(&config, 3))))
                 .unwrap();
-            assert!((forward_only - whole.loss).abs() <= 1e-6 * whole.loss, "{label}");
+            assert!(
+                (forward_only - whole.loss).abs() <= 1e-6 * whole.loss,
+                "{label}"
+            );
         }
     }
 }
@@ -943,9 +946,7 @@ fn losses_and_gradients_match_hugging_face_transformers() {
             (Checkpointing::None, Some(chunk)),
             (Checkpointing::Every(1), Some(chunk)),
         ] {
-            let exec = Execution::default()
-                .checkpoint(policy)
-                .loss_chunks(chunks);
+            let exec = Execution::default().checkpoint(policy).loss_chunks(chunks);
             let out = model.forward_backward(&r.batch, &exec).unwrap();
             let policy = match chunks {
                 None => policy.to_string(),

@@ -368,7 +368,14 @@ fn head(family: Family, d: &Dims) -> Values {
 /// and for a bias (BERT) the gradient's f32 copy `[r,P]` it sums over rows.
 /// With the backward of candle-core as released, handing the two gradients
 /// over adds each to zeros: three of each alive at once.
-fn chunked_loss_transient(d: &Dims, r: u64, trained_head: bool, bias: bool, c: u64, stock: bool) -> u64 {
+fn chunked_loss_transient(
+    d: &Dims,
+    r: u64,
+    trained_head: bool,
+    bias: bool,
+    c: u64,
+    stock: bool,
+) -> u64 {
     let (n, h, p, b) = (d.n, d.h, d.p, d.weight_rows);
     let held = n * h + if trained_head { p * h } else { 0 };
     let blocks = if trained_head { r * b + 2 * b * h } else { 0 };

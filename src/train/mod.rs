@@ -195,8 +195,8 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
-use oomfix_strategies::model::{self, Capabilities, MicroBatch, Model};
 use oomfix_strategies::chunked_loss;
+use oomfix_strategies::model::{self, Capabilities, MicroBatch, Model};
 use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
 #[cfg(doc)]

@@ -402,11 +402,11 @@ impl Attached {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda(
-        &self,
-        s: &candle_core::CudaStorage,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((s.device().storage_from_slice(&[self.loss])?, Shape::from(())))
+    fn cuda(&self, s: &candle_core::CudaStorage) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((
+            s.device().storage_from_slice(&[self.loss])?,
+            Shape::from(()),
+        ))
     }
 
     /// The gradients made in the forward, times `grad / loss_scale`.
@@ -515,7 +515,13 @@ mod tests {
         let a = a.to_dtype(DType::F32).unwrap();
         let b = b.to_dtype(DType::F32).unwrap();
         let diff = (&a - &b).unwrap().abs().unwrap().max_all().unwrap();
-        let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let scale = b
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
         diff.to_scalar::<f32>().unwrap() / scale.max(f32::MIN_POSITIVE)
     }
 
@@ -530,7 +536,15 @@ mod tests {
 
     /// `n` rows of `h` over `p` columns, `classes` real; a bias and a mask
     /// if asked; in `dtype`.
-    fn case(n: usize, h: usize, p: usize, classes: usize, bias: bool, mask: bool, dtype: DType) -> Case {
+    fn case(
+        n: usize,
+        h: usize,
+        p: usize,
+        classes: usize,
+        bias: bool,
+        mask: bool,
+        dtype: DType,
+    ) -> Case {
         let dev = Device::Cpu;
         let var = |shape: &[usize]| {
             Var::from_tensor(
@@ -624,7 +638,13 @@ mod tests {
                     assert!(rel < 1e-5, "{label}: gradient {i} off by {rel:e}");
                 }
                 // The padding columns' rows of the weight get nothing.
-                let pad = got[1].narrow(0, 21, 3).unwrap().abs().unwrap().max_all().unwrap();
+                let pad = got[1]
+                    .narrow(0, 21, 3)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap();
                 assert_eq!(pad.to_scalar::<f32>().unwrap(), 0.0);
             }
         }
