@@ -12,7 +12,8 @@
 //!    candle_nn's composed loss on the CPU, then time and pool transient of
 //!    forward+backward against the composed loss at GPT-2's vocabulary;
 //! 5. the fused layer ops (norms, biased linear, GELU, SwiGLU, RoPE, the
-//!    embedding lookup, the attention probabilities) on CUDA against the same ops on the CPU (output and
+//!    embedding lookup, the attention probabilities, the LM loss in chunks
+//!    of tokens) on CUDA against the same ops on the CPU (output and
 //!    every input's gradient), then the time of forward+backward against the
 //!    composed candle expressions at GPT-2 small's shapes;
 //! 6. the offloaded AdamW (`cpu-adamw`) with its vars on CUDA against the same
@@ -775,6 +776,25 @@ fn fused_cases() -> Vec<FusedCase> {
             composed: |t| composed_probs(&t[0], &t[1]),
         },
         FusedCase {
+            name: "LM loss in chunks of 32 MiB of logits, [rows, 768] · [50304, 768]ᵀ (against the whole logits)",
+            shapes: |n| vec![vec![n, H], vec![50304, H]],
+            fused: |t| {
+                use oomfix_strategies::chunked_loss::{linear_cross_entropy, LmHead, CHUNK_BYTES};
+                let head = LmHead {
+                    weight: &t[1],
+                    bias: None,
+                    classes: 50257,
+                };
+                let targets = lm_targets(t[0].dim(0)?, t[0].device())?;
+                linear_cross_entropy(&t[0], &head, &targets, None, CHUNK_BYTES, 1.0)
+            },
+            composed: |t| {
+                let targets = lm_targets(t[0].dim(0)?, t[0].device())?;
+                let logits = t[0].matmul(&t[1].t()?)?;
+                oomfix_strategies::nn::loss::cross_entropy_padded(&logits, 50257, &targets, None)
+            },
+        },
+        FusedCase {
             name: "RoPE, heads first",
             shapes: |n| vec![vec![n / 256, 256, H]],
             fused: |t| {
@@ -793,6 +813,12 @@ fn composed_probs(q: &Tensor, k: &Tensor) -> candle_core::Result<Tensor> {
     let mask = ((Tensor::tril2(s, DType::F32, q.device())? - 1.0)? * 1e9)?.to_dtype(q.dtype())?;
     let scores = (q.matmul(&k.t()?)? * 0.125)?.broadcast_add(&mask)?;
     candle_nn::ops::softmax(&scores, candle_core::D::Minus1)
+}
+
+/// `n` targets of the LM loss case, below GPT-2's 50257 classes.
+fn lm_targets(n: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let ids: Vec<u32> = (0..n as u32).map(|i| i * 7919 % 50257).collect();
+    Tensor::from_vec(ids, n, device)
 }
 
 /// 8192 ids of the embedding case, each of 1000 rows used about eight times.

@@ -12,7 +12,7 @@ use oomfix::train::data::DataSource;
 use oomfix::train::{TrainOptions, Trainer};
 use oomfix::{Estimator, Headroom, MemoryModel, ModelSpec, Planner, Target};
 
-/// A toy ninth fix: keeps the optimizer's moments in half the bytes and
+/// A toy tenth fix: keeps the optimizer's moments in half the bytes and
 /// recomputes every block in backward. Its setting lives in the plan's
 /// extensions under its name.
 struct Squeeze;

@@ -364,7 +364,8 @@ fn head(family: Family, d: &Dims) -> Values {
 /// weight's gradient `[P,h]` it sums into; then the chunk's logits and
 /// their gradient `[r,P]`, or, once the logits are freed, the gradient with
 /// one block of the weight's gradient (`B` rows: the gradient's `[r,B]`
-/// columns copied, their product `[B,h]` and its sum with the block `[B,h]`),
+/// columns copied when `B < P`, their product `[B,h]` and its sum with the
+/// block `[B,h]`),
 /// and for a bias (BERT) the gradient's f32 copy `[r,P]` it sums over rows.
 /// With the backward of candle-core as released, handing the two gradients
 /// over adds each to zeros: three of each alive at once.
@@ -378,9 +379,11 @@ fn chunked_loss_transient(
 ) -> u64 {
     let (n, h, p, b) = (d.n, d.h, d.p, d.weight_rows);
     let held = n * h + if trained_head { p * h } else { 0 };
-    let blocks = if trained_head { r * b + 2 * b * h } else { 0 };
+    // A block narrower than the whole gradient is copied out of it first.
+    let copied = if b < p { r * b } else { 0 };
+    let blocks = if trained_head { copied + 2 * b * h } else { 0 };
     let bias_f32 = if bias && c != 4 { 4 * r * p } else { 0 };
-    let chunk = (2 * r * p).max(r * p + blocks) * c + bias_f32;
+    let chunk = ((2 * r * p).max(r * p + blocks) * c).max(r * p * c + bias_f32);
     let handover = if stock { 3 * held * c } else { 0 };
     (held * c + chunk).max(handover)
 }

@@ -108,6 +108,18 @@ proptest! {
                         acc + spec.largest_tensor() * (acc / spec.parameters())
                     }
                     "flash-attention" => super::activations::flash_backward_bytes(&spec, &next),
+                    // Logits smaller than the hidden states (a vocabulary
+                    // below the hidden size): what the chunked loss holds
+                    // itself (the hidden states' gradient beside one chunk)
+                    // may outweigh the logits it saves.
+                    "chunked-loss" => {
+                        let exec = builtin_execution(&next);
+                        let mut widened = activation_bytes(&spec, &next, &exec);
+                        if target == Target::Cpu {
+                            widen_cpu_bf16_matmuls(&mut widened, &spec, &next, &exec);
+                        }
+                        widened.loss.transient
+                    }
                     "shard" => next_estimate.collective_buffers + next_estimate.gradients.div_ceil(ctx.gpus as u64) + next_estimate.communicator,
                     _ => 0,
                 } + match s.name() {
