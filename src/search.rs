@@ -193,6 +193,8 @@ pub struct Pins {
     pub checkpoint: Option<Checkpointing>,
     /// Attention.
     pub attention: Option<Attention>,
+    /// Whether the LM loss is computed in chunks of tokens (`chunked-loss`).
+    pub chunked_loss: Option<bool>,
     /// Optimizer.
     pub optimizer: Option<OptimizerImpl>,
     /// ZeRO stage (1–3 shard over the planner's GPUs; 0 runs on one).
@@ -217,6 +219,7 @@ impl Pins {
             ("precision", self.precision.is_some()),
             ("checkpoint", self.checkpoint.is_some()),
             ("attention", self.attention.is_some()),
+            ("chunked_loss", self.chunked_loss.is_some()),
             ("optimizer", self.optimizer.is_some()),
             ("shard_stage", self.shard_stage.is_some()),
             ("bucket_bytes", self.bucket_bytes.is_some()),
@@ -238,6 +241,7 @@ impl Pins {
             && keeps(self.precision, plan.precision)
             && keeps(self.checkpoint, plan.checkpoint)
             && keeps(self.attention, plan.attention)
+            && keeps(self.chunked_loss, plan.chunked_loss)
             && keeps(self.optimizer, plan.optimizer)
             && keeps(self.shard_stage, plan.shard.stage)
             && self.lora.is_some() == plan.lora.is_some()
@@ -299,6 +303,7 @@ impl Pins {
         plan.precision = self.precision.unwrap_or(plan.precision);
         plan.checkpoint = self.checkpoint.unwrap_or(plan.checkpoint);
         plan.attention = self.attention.unwrap_or(plan.attention);
+        plan.chunked_loss = self.chunked_loss.unwrap_or(plan.chunked_loss);
         plan.optimizer = self.optimizer.unwrap_or(plan.optimizer);
         plan.lora = match (self.lora, self.base_precision) {
             (None, Some(base)) => {
@@ -820,6 +825,7 @@ fn record_plan(span: &tracing::Span, plan: &Plan) {
                 span.record(key.as_str(), n.as_u64().unwrap_or_default())
             }
             serde_json::Value::String(text) => span.record(key.as_str(), text.as_str()),
+            serde_json::Value::Bool(b) => span.record(key.as_str(), *b),
             other => span.record(key.as_str(), other.to_string().as_str()),
         };
     }
@@ -1006,6 +1012,7 @@ impl Run<'_> {
             precision = tracing::field::Empty,
             checkpoint = tracing::field::Empty,
             attention = tracing::field::Empty,
+            chunked_loss = tracing::field::Empty,
             optimizer = tracing::field::Empty,
             world_size = tracing::field::Empty,
             shard_stage = tracing::field::Empty,

@@ -203,6 +203,13 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
         closest["checkpoint"].as_str().unwrap().into(),
         "--attention".into(),
         closest["attention"].as_str().unwrap().into(),
+        "--loss".into(),
+        if closest["chunked_loss"] == true {
+            "chunked"
+        } else {
+            "whole"
+        }
+        .into(),
         "--optimizer".into(),
         closest["optimizer"].as_str().unwrap().into(),
     ];

@@ -157,6 +157,7 @@ fn pinned(plan: &Plan) -> Pins {
     pins.precision = Some(plan.precision);
     pins.checkpoint = Some(plan.checkpoint);
     pins.attention = Some(plan.attention);
+    pins.chunked_loss = Some(plan.chunked_loss);
     pins.optimizer = Some(plan.optimizer);
     pins
 }

@@ -304,6 +304,10 @@ pub struct PlanOptions {
     /// Pin the attention: composed or flash.
     #[arg(long, value_name = "KIND", global = true, value_parser = parse_from_str::<Attention>)]
     pub attention: Option<Attention>,
+    /// Pin how the LM loss is computed: whole (all the logits at once) or
+    /// chunked (chunk by chunk of tokens, the `chunked-loss` fix).
+    #[arg(long, value_name = "HOW", global = true, value_parser = parse_loss)]
+    pub loss: Option<bool>,
     /// Pin the optimizer: adamw, fused-adamw or cpu-adamw (offloaded).
     #[arg(long, value_name = "NAME", global = true, value_parser = parse_from_str::<OptimizerImpl>)]
     pub optimizer: Option<OptimizerImpl>,
@@ -753,6 +757,15 @@ fn parse_lora_rank(s: &str) -> Result<u32, String> {
 
 fn parse_lora_alpha(s: &str) -> Result<u32, String> {
     whole_number(s, 1, u64::from(u32::MAX)).map(|n| n as u32)
+}
+
+/// `whole` or `chunked`: whether the LM loss runs in chunks of tokens.
+fn parse_loss(s: &str) -> Result<bool, String> {
+    match s {
+        "whole" => Ok(false),
+        "chunked" => Ok(true),
+        _ => Err(format!("unknown loss `{s}` (expected whole or chunked)")),
+    }
 }
 
 fn parse_from_str<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, String> {

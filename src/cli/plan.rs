@@ -165,6 +165,7 @@ fn pins(o: &PlanOptions) -> oomfix::Pins {
     pins.grad_accum = o.grad_accum;
     pins.checkpoint = o.checkpoint;
     pins.attention = o.attention;
+    pins.chunked_loss = o.loss;
     pins.optimizer = o.optimizer;
     pins.shard_stage = o.zero_stage;
     pins.bucket_bytes = o.bucket_size;
@@ -183,6 +184,7 @@ pub fn pin(o: &mut PlanOptions, plan: &oomfix::Plan) {
     o.grad_accum = Some(plan.grad_accum);
     o.checkpoint = Some(plan.checkpoint);
     o.attention = Some(plan.attention);
+    o.loss = Some(plan.chunked_loss);
     o.optimizer = Some(plan.optimizer);
     o.zero_stage = Some(plan.shard.stage);
     o.bucket_size = Some(plan.shard.bucket_bytes);

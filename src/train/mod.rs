@@ -151,6 +151,15 @@
 //! | with a `loss_mask` (always for BERT) | nll × mask | `[n]` | f32 |
 //! | all | sum, mean | scalar ×2 | f32 |
 //!
+//! With the loss in chunks of tokens ([`Execution::loss_chunk_bytes`],
+//! [`oomfix_strategies::chunked_loss`]) the logits are never kept: the loss
+//! op keeps its inputs (the final norm's output, the output embedding,
+//! padded or not) and makes, chunk by chunk, each chunk's logits `[r,P]` c
+//! and their gradient `[r,P]` c (freed with the chunk), the hidden states'
+//! gradient `[n,h]` c and, for a trained head, the weight's gradient
+//! `[P,h]` c, which it hands to the backward; the per-row losses `[n]` f32
+//! as above.
+//!
 //! `P` is `V` rounded up to a multiple of [`VOCAB_ALIGN`](crate::spec::VOCAB_ALIGN) (64): the padded
 //! columns are masked out of the loss, and the products around the logits run
 //! on aligned kernels. The loss's backward writes the logits' gradient `[n,P]`
