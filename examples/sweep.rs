@@ -268,10 +268,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .filter(|m| m.2 <= budget)
             .min_by(|a, b| a.1.total_cmp(&b.1))
             .expect("the budget is a measured peak");
+        // The swept space computes the loss whole: so does the search.
+        let mut pins = oomfix::Pins::default();
+        pins.chunked_loss = Some(false);
         let result = Planner::new(budget)
             .global_batch(GLOBAL_BATCH)
             .seq_len(seq_len(target))
             .target(target)
+            .pins(pins)
             .run(&spec)?;
         let headroom = result.headroom;
         let chosen = result.chosen().map(|a| a.plan);
