@@ -1435,3 +1435,59 @@ fn llama_biases_match_finite_differences() {
     // q, k, v, o and gate, up, down per layer.
     assert_eq!(checked, 7 * config.layers);
 }
+
+/// The trainer with the plan's `chunked-loss` (micro-batches accumulated,
+/// fp16 with the loss scaler, every block checkpointed): the same losses
+/// and weights, step after step, as without it.
+#[test]
+fn a_trainer_with_the_chunked_loss_trains_as_without_it() {
+    use oomfix::strategies::{OptimizerImpl, Plan, Precision};
+    use oomfix::train::data::DataSource;
+    use oomfix::{TrainOptions, Trainer};
+    for config in [tiny(Family::Gpt2), tiny(Family::Llama)] {
+        let plan = Plan {
+            micro_batch: 1,
+            grad_accum: 2,
+            precision: Precision::F16,
+            checkpoint: Checkpointing::Every(1),
+            optimizer: OptimizerImpl::FusedAdamW,
+            ..Plan::baseline(2, SEQ)
+        };
+        let run = |chunked_loss| {
+            let plan = Plan {
+                chunked_loss,
+                ..plan
+            };
+            let options = TrainOptions::default();
+            let mut t = Trainer::new(&config, plan, &Device::Cpu, &options).unwrap();
+            let mut data = DataSource::synthetic(5);
+            let stats: Vec<_> = (0..3).map(|_| t.step(&mut data).unwrap()).collect();
+            // The loss scaler starts high: at least one step must be taken.
+            assert!(stats.iter().any(|s| !s.skipped), "{}", label(&config));
+            let losses: Vec<f32> = stats.iter().map(|s| s.loss).collect();
+            let weights: Vec<Tensor> = t
+                .model()
+                .vars()
+                .iter()
+                .map(|v| v.as_tensor().clone())
+                .collect();
+            (losses, weights)
+        };
+        let (whole, whole_weights) = run(false);
+        let (chunked, chunked_weights) = run(true);
+        for (c, w) in chunked.iter().zip(&whole) {
+            assert!(
+                (c - w).abs() <= 1e-3 * w,
+                "{}: {chunked:?} vs {whole:?}",
+                label(&config)
+            );
+        }
+        for (c, w) in chunked_weights.iter().zip(&whole_weights) {
+            assert!(
+                max_diff(c, w) <= 1e-2 * max_abs(w).max(1e-3),
+                "{}",
+                label(&config)
+            );
+        }
+    }
+}
