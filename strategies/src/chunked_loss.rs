@@ -72,10 +72,12 @@ use crate::{Execution, Plan, SearchContext, Strategy};
 
 /// The most bytes one chunk's logits take in the compute dtype under the
 /// `chunked-loss` fix: 32 MiB, 130 rows of Llama 3's 128,256 classes in
-/// bf16 (250 MiB for 1024 tokens unchunked). A chunk of 128 or more rows
-/// keeps the head's products near their unchunked speed on a GPU, while the
-/// chunk's logits and their gradient stay small beside the hidden states
-/// of a large model.
+/// bf16 (250 MiB for 1024 tokens unchunked), 333 rows of GPT-2's 50,304
+/// (padded). Chosen, not tuned by measurement: small beside the logits it
+/// replaces at a large vocabulary, and chunks of over a hundred rows, so
+/// that each chunk's product does about as many multiply-adds per weight
+/// byte read as a GPU's memory can feed (`scripts/chunked-loss-gpu.sh`
+/// times the products against the whole logits').
 pub const CHUNK_BYTES: u64 = 32 << 20;
 
 /// Planner half: compute the LM head and the loss chunk by chunk of tokens
