@@ -58,7 +58,9 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use crate::memory::Linear;
-use crate::{Error, ModelFacts, Plan, Precision, Result, SearchContext, StateBytes, Strategy};
+#[cfg(test)]
+use crate::Precision;
+use crate::{Error, ModelFacts, Plan, Result, SearchContext, StateBytes, Strategy};
 
 /// How the frozen base weights are stored on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -658,15 +660,48 @@ impl CustomOp3 for Adapted {
 /// model (`model.layers.0.self_attn.q_proj`), `A` `[r, in]` and `B` `[out, r]`.
 pub type SavedAdapter = (String, Tensor, Tensor);
 
+/// The names PEFT saves an adapted module's `A` and `B` under:
+/// `base_model.model.<module>.lora_A.weight` and `.lora_B.weight` (the
+/// module's path in the base model, `model.layers.0.self_attn.q_proj`).
+pub fn peft_names(module: &str) -> [String; 2] {
+    [
+        format!("base_model.model.{module}.lora_A.weight"),
+        format!("base_model.model.{module}.lora_B.weight"),
+    ]
+}
+
+/// PEFT's `adapter_config.json` for `lora` on the base model `base_model`
+/// (a Hub name or path); `fan_in_fan_out` for weights stored `[in, out]`
+/// (GPT-2's `Conv1D`).
+pub fn peft_config(lora: &Lora, base_model: &str, fan_in_fan_out: bool) -> serde_json::Value {
+    serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": lora.targets.names().collect::<Vec<_>>(),
+        "bias": "none",
+        "base_model_name_or_path": base_model,
+        "fan_in_fan_out": fan_in_fan_out,
+        "inference_mode": true,
+        "modules_to_save": null,
+        "init_lora_weights": true,
+        "use_rslora": false,
+        "use_dora": false,
+    })
+}
+
 /// Writes a PEFT LoRA adapter directory `dir` for `lora` on the base model
-/// `base_model` (a Hub name or path): `adapter_config.json` and
-/// `adapter_model.safetensors` with PEFT's names,
-/// `base_model.model.<path>.lora_A.weight` and `.lora_B.weight`, in the
-/// tensors' dtype. Each file is written beside its final name and renamed.
+/// `base_model` (a Hub name or path): `adapter_config.json`
+/// ([`peft_config`]) and `adapter_model.safetensors` with PEFT's names
+/// ([`peft_names`]), in the tensors' dtype. Each file is written beside its
+/// final name and renamed.
 pub fn save_peft(
     dir: &std::path::Path,
     base_model: &str,
     lora: &Lora,
+    fan_in_fan_out: bool,
     adapters: &[SavedAdapter],
 ) -> Result<()> {
     let io = |what: &str, e: std::io::Error| Error::Config(format!("{what}: {e}"));
@@ -680,25 +715,11 @@ pub fn save_peft(
                 lora.rank
             )));
         }
-        tensors.insert(format!("base_model.model.{path}.lora_A.weight"), a.clone());
-        tensors.insert(format!("base_model.model.{path}.lora_B.weight"), b.clone());
+        let [na, nb] = peft_names(path);
+        tensors.insert(na, a.clone());
+        tensors.insert(nb, b.clone());
     }
-    let config = serde_json::json!({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0,
-        "target_modules": lora.targets.names().collect::<Vec<_>>(),
-        "bias": "none",
-        "base_model_name_or_path": base_model,
-        "fan_in_fan_out": false,
-        "inference_mode": true,
-        "modules_to_save": null,
-        "init_lora_weights": true,
-        "use_rslora": false,
-        "use_dora": false,
-    });
+    let config = peft_config(lora, base_model, fan_in_fan_out);
     std::fs::create_dir_all(dir).map_err(|e| io(&dir.display().to_string(), e))?;
     let weights = dir.join("adapter_model.safetensors");
     let weights_tmp = dir.join(".adapter_model.safetensors.tmp");
@@ -1055,7 +1076,7 @@ mod tests {
             a.clone(),
             b.clone(),
         )];
-        save_peft(&dir, "meta-llama/Meta-Llama-3-8B", &lora, &adapters).unwrap();
+        save_peft(&dir, "meta-llama/Meta-Llama-3-8B", &lora, false, &adapters).unwrap();
         let config: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(dir.join("adapter_config.json")).unwrap(),
         )
@@ -1091,7 +1112,7 @@ mod tests {
         assert!(!dir.join(".adapter_model.safetensors.tmp").exists());
         // A rank that is not the adapters': refused, nothing more written.
         let wrong = vec![("m".to_string(), b.clone(), a.clone())];
-        assert!(save_peft(&dir.join("wrong"), "m", &lora, &wrong).is_err());
+        assert!(save_peft(&dir.join("wrong"), "m", &lora, false, &wrong).is_err());
         assert!(!dir.join("wrong").join("adapter_config.json").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
