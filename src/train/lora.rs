@@ -24,7 +24,7 @@ use super::layers::Linear;
 use crate::{Error, Family, ModelConfig, Result};
 
 /// The adapted module's variable names: `A`, then `B`.
-pub(crate) fn adapter_names(module: &str) -> [String; 2] {
+pub fn adapter_names(module: &str) -> [String; 2] {
     [
         format!("{module}.lora_A.weight"),
         format!("{module}.lora_B.weight"),
@@ -35,7 +35,7 @@ pub(crate) fn adapter_names(module: &str) -> [String; 2] {
 /// of `family`'s model (`transformer.h.0.attn.c_attn` for GPT-2's
 /// `h.0.attn.c_attn`: `GPT2LMHeadModel` keeps its blocks under
 /// `transformer`).
-pub(crate) fn peft_module(family: Family, module: &str) -> String {
+pub fn peft_module(family: Family, module: &str) -> String {
     match family {
         Family::Gpt2 => format!("transformer.{module}"),
         _ => module.to_string(),
