@@ -426,3 +426,140 @@ impl CustomOp1 for Frozen {
         Ok(Some(g.matmul(&w)?))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values of changing scale by block.
+    fn values(n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * (1 + i / 64 % 5) as f32)
+            .collect()
+    }
+
+    /// An NF4 weight dequantizes to its codes' levels times the block
+    /// absmax (double-quantized: the restored absmax), in every dtype.
+    #[test]
+    fn dequantized_weights_are_the_codebook_values() {
+        let (out, d_in) = (24, 40); // 960 values: 15 blocks, the last pair split
+        let v = values(out * d_in);
+        let q = nf4::quantize(&v);
+        for double in [false, true] {
+            let w = Nf4Weight::quantize(&v, (out, d_in), double, &Device::Cpu).unwrap();
+            let absmax = if double {
+                nf4::DoubleAbsmax::quantize(q.absmax()).dequantize()
+            } else {
+                q.absmax().to_vec()
+            };
+            let want = nf4::Nf4::from_parts(q.codes().to_vec(), absmax, v.len())
+                .unwrap()
+                .dequantize();
+            let got: Vec<f32> = w
+                .dequantize(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!(got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            let bf: Vec<half::bf16> = w
+                .dequantize(DType::BF16)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!(bf
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| *a == half::bf16::from_f32(*b)));
+            let bytes = if double {
+                480 + 15 + 4 + 4
+            } else {
+                480 + 15 * 4
+            };
+            assert_eq!(w.bytes(), bytes);
+        }
+    }
+
+    /// The frozen projection's input gradient is `g·W` and it gives its
+    /// weight none.
+    #[test]
+    fn a_frozen_projection_gives_its_input_the_gradient_only() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 0.3, (6, 5), &dev).unwrap();
+        let b = Tensor::randn(0f32, 0.3, 6, &dev).unwrap();
+        let x = candle_core::Var::randn(0f32, 1.0, (2, 3, 5), &dev).unwrap();
+        let layer = FrozenLinear::new(FrozenWeight::Dense(w.clone()), Some(b.clone()));
+        let y = layer.forward(x.as_tensor()).unwrap();
+        let want = x
+            .as_tensor()
+            .broadcast_matmul(&w.t().unwrap())
+            .unwrap()
+            .broadcast_add(&b)
+            .unwrap();
+        let diff = (&y - &want).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
+        let grads = y.sum_all().unwrap().backward().unwrap();
+        let dx = grads.get(x.as_tensor()).unwrap();
+        let want = Tensor::ones((2, 3, 6), DType::F32, &dev)
+            .unwrap()
+            .broadcast_matmul(&w)
+            .unwrap();
+        let diff = (dx - want).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
+        assert!(grads.get(&w).is_none());
+    }
+
+    /// On a CUDA device the kernel gives the CPU's bits (f32, bf16, f16;
+    /// plain and double-quantized absmax). Skipped where no device is.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_cuda_kernel_gives_the_cpus_bits() {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device: skipped");
+            return;
+        };
+        let (out, d_in) = (300, 1000); // blocks over several DOUBLE_BLOCKs, odd pairs none
+        let v = values(out * d_in);
+        for double in [false, true] {
+            let cpu = Nf4Weight::quantize(&v, (out, d_in), double, &Device::Cpu).unwrap();
+            let cuda = Nf4Weight::quantize(&v, (out, d_in), double, &gpu).unwrap();
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let a = cpu.dequantize(dtype).unwrap();
+                let b = cuda
+                    .dequantize(dtype)
+                    .unwrap()
+                    .to_device(&Device::Cpu)
+                    .unwrap();
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    match dtype {
+                        DType::F32 => t
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect(),
+                        _ => t
+                            .to_dtype(DType::F32)
+                            .unwrap()
+                            .flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect(),
+                    }
+                };
+                assert_eq!(bits(&a), bits(&b), "double {double}, {dtype:?}");
+            }
+        }
+    }
+}
