@@ -123,6 +123,9 @@ impl LoraModel {
     }
 }
 
+/// The adapters' variables with their names, and the adapted modules.
+type Made = (Vec<(String, Var)>, Vec<String>);
+
 /// What [`super::Params`] holds for a LoRA model: the frozen base and the
 /// adapters made so far.
 pub(crate) struct Adapting {
@@ -131,7 +134,7 @@ pub(crate) struct Adapting {
     projections: HashMap<String, FrozenWeight>,
     others: HashMap<String, Tensor>,
     /// The adapters' vars with their names, and the adapted modules.
-    made: RefCell<(Vec<(String, Var)>, Vec<String>)>,
+    made: RefCell<Made>,
     rng: RefCell<StdRng>,
     dtype: DType,
 }
