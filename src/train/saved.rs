@@ -19,6 +19,15 @@
 //!   count, the data position (with the synthetic generator's state), the loss
 //!   scaler, the plan and the model shape.
 //!
+//! With LoRA ([`Plan::lora`]) the adapters take the weights' place, as PEFT
+//! saves them: `adapter_model.safetensors` ([`ADAPTER_FILE`], the fp32
+//! adapters under `base_model.model.<module>.lora_A.weight` and
+//! `.lora_B.weight`) and `adapter_config.json` ([`ADAPTER_CONFIG_FILE`]),
+//! beside the optimizer's moments and the state, which names the base
+//! model ([`TrainerState::base_model`]); no `model.safetensors` or
+//! `config.json`. A merged LoRA model is a model directory whose state says
+//! so ([`TrainerState::merged`]): it is not resumed.
+//!
 //! A resumed run may use another plan (micro-batch, accumulation,
 //! checkpointing, attention, optimizer, precision, device; the moments mean
 //! the same in each) but must train the same model.

@@ -4,6 +4,7 @@
 //! compiled once per process with NVRTC and loaded through candle's CUDA
 //! device, which keeps one module per device.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
@@ -83,7 +84,7 @@ pub(super) fn dequantize(
     }
 }
 
-fn typed<T: CudaDType + DeviceRepr>(
+fn typed<T: CudaDType + DeviceRepr + candle_core::WithDType>(
     codes: (&CudaStorage, &Layout),
     absmax: DeviceAbsmax<'_>,
     n: usize,
