@@ -1,6 +1,7 @@
 //! LoRA and QLoRA on the Hugging Face families: the frozen base model, the
-//! adapters [`super::Params::linear`] puts on the targeted projections,
-//! and what a saved adapter or merged model is made of.
+//! adapters the families' one projection builder (`Params::linear`) puts
+//! on the targeted projections, and what a saved adapter or merged model is
+//! made of.
 //!
 //! With a [`Lora`], every tensor of the model is frozen: the blocks' linear
 //! weights are kept `[out, in]` (GPT-2's `Conv1D` weights transposed) as a
