@@ -19,11 +19,38 @@
 //! entry carries the `unknown` category that memory_viz expects to find.
 //! `segments` holds the blocks alive when the step ends, one segment per block
 //! (host memory has no allocator segments of its own), with the same frames.
+//!
+//! # CUDA
+//!
+//! A device timeline ([`Timeline::from_device_events`]) adds the pool. Its
+//! blocks are the tensors' storages at their device addresses, plus the
+//! block `pool buffers outside tensors` (see [`crate::measure::timeline::POOL_BUFFERS`]), so that the
+//! trace's allocated bytes are the pool's used bytes. The pool's reservation
+//! is drawn as segments: CUDA does not tell how the pool's memory is laid out,
+//! so each growth of the reserved bytes is a `segment_alloc` of the growth,
+//! and each shrink `segment_free`s the newest segments (re-allocating the
+//! rest of one it cuts), at addresses of their own ([`SEGMENT_BASE`]); the
+//! segments alive at any time add up to the pool's reserved bytes (memory_viz's
+//! "Active Cached Segment Timeline"). At the end, the pool's cached memory
+//! (reserved minus used) is one segment with one `inactive` block, beside
+//! the live blocks' segments, so the segments add up to the reserved bytes.
+//! `allocator_settings` carries the figures: the pool's high-water marks over
+//! the steps and the device memory outside the pool (context, modules,
+//! cuBLAS workspaces), which no segment holds.
 
-use crate::measure::timeline::Block;
+use crate::measure::timeline::{Block, PoolTrace};
 use crate::measure::Timeline;
 use crate::track::alloc::Phase;
 use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Address of the first segment standing for the pool's reservation
+/// (2^51: below 2^52, which memory_viz's JavaScript numbers hold exactly,
+/// and far above the addresses CUDA hands out).
+pub const SEGMENT_BASE: u64 = 0x0008_0000_0000_0000;
+
+/// Address of the segment of the pool's cached memory at the end.
+pub const CACHED_ADDR: u64 = 0x000e_0000_0000_0000;
 
 /// One stack frame as memory_viz reads it.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, Hash)]
@@ -100,6 +127,10 @@ pub struct Segment {
 pub struct AllocatorSettings {
     /// What allocator the snapshot describes.
     pub host: &'static str,
+    /// Figures of a device timeline, in bytes: `pool_used_high`,
+    /// `pool_reserved_high`, `outside_pool` (empty for the heap).
+    #[serde(flatten)]
+    pub figures: BTreeMap<&'static str, u64>,
 }
 
 /// The whole snapshot, as pickled.
@@ -183,6 +214,9 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
             .iter()
             .map(|c| entry(c.block, c.alloc, c.time_ns)),
     );
+    if let Some(pool) = &timeline.pool {
+        trace = merge_by_time(trace, segment_entries(pool));
+    }
     trace.push(TraceEntry {
         action: "snapshot",
         addr: 0,
@@ -196,7 +230,7 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
         .filter(|&i| timeline.blocks[i].free_ns.is_none())
         .collect();
     alive.sort_by_key(|&i| timeline.blocks[i].addr);
-    let segments = alive
+    let mut segments: Vec<Segment> = alive
         .into_iter()
         .map(|i| {
             let b = &timeline.blocks[i];
@@ -220,13 +254,108 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
             }
         })
         .collect();
+    let mut figures = BTreeMap::new();
+    let host = match &timeline.pool {
+        None => "oomfix counting allocator",
+        Some(pool) => {
+            figures.insert("pool_used_high", pool.used_high);
+            figures.insert("pool_reserved_high", pool.reserved_high);
+            figures.insert("outside_pool", pool.outside);
+            let (_, used, reserved) = pool.samples.last().copied().unwrap_or_default();
+            let cached = reserved.saturating_sub(used);
+            if cached > 0 {
+                let frames = vec![pool_frame("cached by the pool (reserved, not allocated)")];
+                segments.push(Segment {
+                    device: 0,
+                    address: CACHED_ADDR,
+                    total_size: cached,
+                    allocated_size: 0,
+                    active_size: 0,
+                    requested_size: 0,
+                    stream: 0,
+                    segment_type: "large",
+                    frames: frames.clone(),
+                    blocks: vec![SegmentBlock {
+                        address: CACHED_ADDR,
+                        size: cached,
+                        requested_size: 0,
+                        state: "inactive",
+                        frames,
+                    }],
+                });
+            }
+            "CUDA stream-ordered memory pool (cuMemAllocAsync), recorded by oomfix"
+        }
+    };
     Snapshot {
         segments,
         device_traces: vec![trace],
-        allocator_settings: AllocatorSettings {
-            host: "oomfix counting allocator",
-        },
+        allocator_settings: AllocatorSettings { host, figures },
     }
+}
+
+fn pool_frame(name: &str) -> Frame {
+    Frame {
+        name: name.to_string(),
+        filename: "pool",
+        line: 0,
+    }
+}
+
+/// The pool's reservation over time as `segment_alloc` / `segment_free`
+/// entries (see the module docs).
+fn segment_entries(pool: &PoolTrace) -> Vec<TraceEntry> {
+    let frames = vec![pool_frame("reserved by the CUDA pool")];
+    let entry = |action, addr, size, time_ns: u64| TraceEntry {
+        action,
+        addr,
+        size,
+        stream: 0,
+        time_us: time_ns / 1000,
+        frames: frames.clone(),
+        category: "unknown",
+    };
+    let mut out = Vec::new();
+    let (mut stack, mut total, mut next): (Vec<(u64, u64)>, u64, u64) = (Vec::new(), 0, SEGMENT_BASE);
+    for &(t, _, reserved) in &pool.samples {
+        if reserved > total {
+            let grow = reserved - total;
+            stack.push((next, grow));
+            out.push(entry("segment_alloc", next, grow, t));
+            next += grow;
+        }
+        let mut excess = total.saturating_sub(reserved);
+        while excess > 0 {
+            let Some((addr, size)) = stack.pop() else {
+                break;
+            };
+            out.push(entry("segment_free", addr, size, t));
+            if size > excess {
+                stack.push((addr, size - excess));
+                out.push(entry("segment_alloc", addr, size - excess, t));
+                excess = 0;
+            } else {
+                excess -= size;
+            }
+        }
+        total = reserved;
+    }
+    out
+}
+
+/// The block entries and the segment entries in one trace by time: at the
+/// same microsecond segments are allocated before blocks and freed after
+/// them; the closing `snapshot` entry stays last.
+fn merge_by_time(blocks: Vec<TraceEntry>, segments: Vec<TraceEntry>) -> Vec<TraceEntry> {
+    let rank = |e: &TraceEntry| match e.action {
+        "segment_alloc" => 0,
+        "segment_free" => 2,
+        "snapshot" => 3,
+        _ => 1,
+    };
+    let mut all: Vec<TraceEntry> = blocks.into_iter().chain(segments).collect();
+    all.sort_by_key(|e| (rank(e) == 3, e.time_us, rank(e)));
+    all
 }
 
 /// The snapshot as a JSON value (the same structure that is pickled).
