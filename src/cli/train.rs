@@ -50,6 +50,12 @@ pub fn run(args: &TrainArgs) -> Outcome {
         None if cfg!(feature = "cuda") => (Target::Cuda(0), false),
         None => (Target::Cpu, true),
     };
+    if o.trim_between_phases && target == Target::Cpu {
+        return Err(Failure::Usage(
+            "--trim-between-phases trims a CUDA device's memory pool; the CPU has none (use --device cuda:N)"
+                .into(),
+        ));
+    }
     let job = Job::from_env()?;
     let verified = verified_plan()?;
     if let (Some(_), Some(j), None) = (args.plan.opts.verify, &job, verified) {
@@ -290,8 +296,9 @@ fn run_rank(
     options.seed = o.seed;
     options.weights = weights;
     options.source = model_source(args, init, &spec, model_dir.as_deref());
+    options.trim_between_phases = o.trim_between_phases;
     let mut recording = recorded
-        .then(oomfix::measure::RunRecording::start)
+        .then(|| oomfix::measure::RunRecording::start_on(&device))
         .transpose()?;
     let mut trainer = match joined {
         Some(j) => Trainer::new_sharded(
@@ -323,8 +330,8 @@ fn run_rank(
              step and data position but not the optimizer moments; a resumed run restarts them from zero"
         );
     }
-    if let Some(r) = &recording {
-        r.steps_start();
+    if let Some(r) = &mut recording {
+        r.steps_start()?;
     }
     let first_step = trainer.steps();
     // Writes the recording of the steps taken so far (`--snapshot`, `--plot`).

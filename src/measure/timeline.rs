@@ -116,6 +116,41 @@ impl PoolTrace {
         }
     }
 
+    /// One line: the pool's peaks (sampled, and its own high-water marks),
+    /// the fragmentation at the allocated peak (reserved minus allocated,
+    /// the pool's cached free memory: CUDA's pool does not tell its largest
+    /// free block) and the memory outside the pool.
+    pub fn summary(&self) -> String {
+        use crate::units::format_bytes;
+        let at = self.at_used_peak();
+        let at_reserved = self.at_reserved_peak();
+        format!(
+            "pool: allocated peak {} (high-water mark {}), reserved then {}: fragmentation {} \
+             (largest free block: not reported by the CUDA pool); reserved peak {} (high-water mark {}, \
+             {} of it not allocated); outside the pool (context, modules, cuBLAS) {}",
+            format_bytes(at.used),
+            format_bytes(self.used_high),
+            format_bytes(at.reserved),
+            format_bytes(at.free()),
+            format_bytes(at_reserved.reserved),
+            format_bytes(self.reserved_high),
+            format_bytes(at_reserved.free()),
+            format_bytes(self.outside),
+        )
+    }
+
+    /// A shorter [`summary`](Self::summary), for a plot's header.
+    pub fn short_summary(&self) -> String {
+        use crate::units::format_bytes;
+        let at = self.at_used_peak();
+        format!(
+            "pool: reserved {} at the allocated peak, fragmentation {}; reserved peak {}",
+            format_bytes(at.reserved),
+            format_bytes(at.free()),
+            format_bytes(self.reserved_peak()),
+        )
+    }
+
     /// The pool at its highest reserved bytes (the first such sample).
     pub fn at_reserved_peak(&self) -> Fragmentation {
         let peak = self.reserved_peak();
@@ -459,7 +494,7 @@ impl Timeline {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::track::tag::{Module, Op};
 
@@ -538,7 +573,7 @@ mod tests {
     /// A fake CUDA recording: the pool's counters with each event, as the
     /// memory hook delivers them (the pool's used bytes include an op's
     /// buffers that never become a storage).
-    fn device_events() -> Vec<DeviceEvent> {
+    pub(crate) fn device_events() -> Vec<DeviceEvent> {
         use crate::track::device::PoolCounters;
         use EventKind::{Alloc, Free, Pool, StepStart};
         use Phase::{Backward, Forward, Setup};

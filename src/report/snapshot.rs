@@ -303,8 +303,9 @@ fn pool_frame(name: &str) -> Frame {
 }
 
 /// The pool's reservation over time as `segment_alloc` / `segment_free`
-/// entries (see the module docs).
-fn segment_entries(pool: &PoolTrace) -> Vec<TraceEntry> {
+/// entries (see the module docs), each with whether it shrinks the reserve
+/// (the free of a cut segment and the allocation of its rest both do).
+fn segment_entries(pool: &PoolTrace) -> Vec<(bool, TraceEntry)> {
     let frames = vec![pool_frame("reserved by the CUDA pool")];
     let entry = |action, addr, size, time_ns: u64| TraceEntry {
         action,
@@ -321,7 +322,7 @@ fn segment_entries(pool: &PoolTrace) -> Vec<TraceEntry> {
         if reserved > total {
             let grow = reserved - total;
             stack.push((next, grow));
-            out.push(entry("segment_alloc", next, grow, t));
+            out.push((false, entry("segment_alloc", next, grow, t)));
             next += grow;
         }
         let mut excess = total.saturating_sub(reserved);
@@ -329,10 +330,10 @@ fn segment_entries(pool: &PoolTrace) -> Vec<TraceEntry> {
             let Some((addr, size)) = stack.pop() else {
                 break;
             };
-            out.push(entry("segment_free", addr, size, t));
+            out.push((true, entry("segment_free", addr, size, t)));
             if size > excess {
                 stack.push((addr, size - excess));
-                out.push(entry("segment_alloc", addr, size - excess, t));
+                out.push((true, entry("segment_alloc", addr, size - excess, t)));
                 excess = 0;
             } else {
                 excess -= size;
@@ -344,18 +345,21 @@ fn segment_entries(pool: &PoolTrace) -> Vec<TraceEntry> {
 }
 
 /// The block entries and the segment entries in one trace by time: at the
-/// same microsecond segments are allocated before blocks and freed after
-/// them; the closing `snapshot` entry stays last.
-fn merge_by_time(blocks: Vec<TraceEntry>, segments: Vec<TraceEntry>) -> Vec<TraceEntry> {
-    let rank = |e: &TraceEntry| match e.action {
-        "segment_alloc" => 0,
-        "segment_free" => 2,
-        "snapshot" => 3,
-        _ => 1,
-    };
-    let mut all: Vec<TraceEntry> = blocks.into_iter().chain(segments).collect();
-    all.sort_by_key(|e| (rank(e) == 3, e.time_us, rank(e)));
-    all
+/// same microsecond the reserve grows before blocks are allocated and
+/// shrinks after they are freed; each list keeps its own order.
+fn merge_by_time(blocks: Vec<TraceEntry>, segments: Vec<(bool, TraceEntry)>) -> Vec<TraceEntry> {
+    let mut all: Vec<(u64, u8, TraceEntry)> = blocks
+        .into_iter()
+        .map(|e| (e.time_us, 1, e))
+        .chain(
+            segments
+                .into_iter()
+                .map(|(shrinks, e)| (e.time_us, if shrinks { 2 } else { 0 }, e)),
+        )
+        .collect();
+    // A stable sort: entries of one list and rank keep their order.
+    all.sort_by_key(|(t, rank, _)| (*t, *rank));
+    all.into_iter().map(|(_, _, e)| e).collect()
 }
 
 /// The snapshot as a JSON value (the same structure that is pickled).
@@ -452,6 +456,75 @@ mod tests {
                 String::from_utf8_lossy(&out.stderr)
             ),
             Err(e) => eprintln!("python3 not run ({e}): equality not checked"),
+        }
+    }
+
+    #[test]
+    fn a_device_snapshot_has_the_pools_segments_and_figures() {
+        use crate::measure::timeline::tests::device_events;
+        use crate::measure::timeline::POOL_BUFFERS_ADDR;
+        let t = Timeline::from_device_events(&device_events(), &HashMap::new(), 7, false);
+        let s = snapshot(&t);
+        let trace = &s.device_traces[0];
+        // Replayed, the trace's allocated and reserved bytes peak at the pool's marks.
+        let (mut alloc, mut reserved, mut peak_alloc, mut peak_reserved) = (0i64, 0i64, 0, 0);
+        let mut segments: HashMap<u64, u64> = HashMap::new();
+        for e in trace {
+            match e.action {
+                "alloc" => alloc += e.size as i64,
+                "free_completed" => alloc -= e.size as i64,
+                "segment_alloc" => {
+                    assert!(segments.insert(e.addr, e.size).is_none());
+                    reserved += e.size as i64;
+                }
+                "segment_free" => {
+                    assert_eq!(segments.remove(&e.addr), Some(e.size));
+                    reserved -= e.size as i64;
+                }
+                "snapshot" => {}
+                other => panic!("{other}"),
+            }
+            peak_alloc = peak_alloc.max(alloc);
+            peak_reserved = peak_reserved.max(reserved);
+        }
+        let pool = t.pool.as_ref().unwrap();
+        assert_eq!(peak_alloc as u64, pool.used_high);
+        assert_eq!(peak_reserved as u64, pool.reserved_high);
+        assert_eq!(reserved, 140, "the reserve at the end");
+        // The reserve shrank: segments were freed (and one cut).
+        assert!(trace.iter().any(|e| e.action == "segment_free"));
+        assert!(trace.windows(2).all(|w| w[0].time_us <= w[1].time_us));
+        // The segments at the end add up to the reserve: live blocks, then the cache.
+        let total: u64 = s.segments.iter().map(|g| g.total_size).sum();
+        assert_eq!(total, 140);
+        let cached = s.segments.last().unwrap();
+        assert_eq!((cached.address, cached.total_size), (CACHED_ADDR, 10));
+        assert_eq!(cached.blocks[0].state, "inactive");
+        assert!(trace.iter().any(|e| e.addr == POOL_BUFFERS_ADDR
+            && e.frames[0].name == crate::measure::timeline::POOL_BUFFERS));
+        assert_eq!(s.allocator_settings.figures["outside_pool"], 7);
+        assert_eq!(s.allocator_settings.figures["pool_used_high"], 158);
+        // The memoized pickle holds the same value as a plain one, and the
+        // Python check reads it (with PyTorch's own readers where installed).
+        let bytes = super::super::pickle::snapshot_pickle(&t);
+        let plain = serde_pickle::to_vec(&s, serde_pickle::SerOptions::new()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.pickle"), dir.path().join("b.pickle"));
+        std::fs::write(&a, &bytes).unwrap();
+        std::fs::write(&b, &plain).unwrap();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/check-snapshot.py");
+        let same = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
+        let python = std::env::var("OOMFIX_PYTHON").unwrap_or_else(|_| "python3".into());
+        for args in [vec!["-c", same, a.to_str().unwrap(), b.to_str().unwrap()], vec![script, a.to_str().unwrap(), "--pool"]] {
+            match std::process::Command::new(&python).args(&args).output() {
+                Ok(out) => assert!(
+                    out.status.success(),
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+                Err(e) => eprintln!("{python} not run ({e}): not checked"),
+            }
         }
     }
 }
