@@ -124,8 +124,10 @@ def main():
         out["torch_memory_viz"] = "not installed"
     else:
         mv.segsum(d)
-        mv.segments(d)
-        mv.memory(d)
+        # The flame-graph text itself (not drawn: that needs flamegraph.pl).
+        lines = mv.segments(d, format_flamegraph=lambda s: s) + mv.memory(d, format_flamegraph=lambda s: s)
+        if not lines.strip():
+            fail("memory_viz's segments and memory views are empty")
         if len(t) < 20000:
             mv.trace(d)
         html = mv.trace_plot(d) + mv.segment_plot(d)

@@ -218,7 +218,10 @@ print(len(t))
     // The replay check of every snapshot (scripts/check-snapshot.py: frees
     // match allocations, times in order; PyTorch's readers where installed).
     let replay = std::process::Command::new("python3")
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/check-snapshot.py"))
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/check-snapshot.py"
+        ))
         .arg(&snap)
         .args(["--steps", "1"])
         .output()
@@ -252,11 +255,21 @@ fn cuda_recording_and_trimming_are_refused_where_the_build_cannot() {
     } else {
         "--features cuda"
     };
-    assert!(stderr.contains(expected) || cfg!(feature = "cuda"), "{stderr}");
+    assert!(
+        stderr.contains(expected) || cfg!(feature = "cuda"),
+        "{stderr}"
+    );
     assert!(!snap.exists());
     let out = Command::cargo_bin("oomfix")
         .unwrap()
-        .args(["train", "--budget", "256MiB", "--device", "cpu", "--trim-between-phases"])
+        .args([
+            "train",
+            "--budget",
+            "256MiB",
+            "--device",
+            "cpu",
+            "--trim-between-phases",
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -393,7 +406,10 @@ print(sum(1 for a, b in zip([None] + seq, seq) if b == "optimizer_step" and a !=
             steps.to_string()
         );
         let replay = std::process::Command::new("python3")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/check-snapshot.py"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/scripts/check-snapshot.py"
+            ))
             .arg(&snap)
             .args(["--steps", &steps.to_string()])
             .output()

@@ -103,7 +103,8 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
 /// a GPU): the `cuda` feature, and candle-core with the memory hook.
 fn can_record_cuda() -> Result<(), Failure> {
     #[cfg(feature = "cuda")]
-    let refused = (!oomfix::track::cuda::CAN_RECORD).then_some(oomfix::track::cuda::NEEDS_MEMORY_HOOK);
+    let refused =
+        (!oomfix::track::cuda::CAN_RECORD).then_some(oomfix::track::cuda::NEEDS_MEMORY_HOOK);
     #[cfg(not(feature = "cuda"))]
     let refused = Some(
         "--snapshot and --plot on CUDA need a build with --features cuda (or use --device cpu)",

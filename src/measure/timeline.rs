@@ -402,7 +402,12 @@ impl Timeline {
                 out.push(e);
                 continue;
             }
-            let after = tracked + if e.kind == EventKind::Alloc { e.size } else { 0 };
+            let after = tracked
+                + if e.kind == EventKind::Alloc {
+                    e.size
+                } else {
+                    0
+                };
             let wanted = d.pool.used.saturating_sub(after);
             if wanted != buffers {
                 let at = |kind, size| Event {

@@ -317,7 +317,8 @@ fn segment_entries(pool: &PoolTrace) -> Vec<(bool, TraceEntry)> {
         category: "unknown",
     };
     let mut out = Vec::new();
-    let (mut stack, mut total, mut next): (Vec<(u64, u64)>, u64, u64) = (Vec::new(), 0, SEGMENT_BASE);
+    let (mut stack, mut total, mut next): (Vec<(u64, u64)>, u64, u64) =
+        (Vec::new(), 0, SEGMENT_BASE);
     for &(t, _, reserved) in &pool.samples {
         if reserved > total {
             let grow = reserved - total;
@@ -515,7 +516,10 @@ mod tests {
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/check-snapshot.py");
         let same = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
         let python = std::env::var("OOMFIX_PYTHON").unwrap_or_else(|_| "python3".into());
-        for args in [vec!["-c", same, a.to_str().unwrap(), b.to_str().unwrap()], vec![script, a.to_str().unwrap(), "--pool"]] {
+        for args in [
+            vec!["-c", same, a.to_str().unwrap(), b.to_str().unwrap()],
+            vec![script, a.to_str().unwrap(), "--pool"],
+        ] {
             match std::process::Command::new(&python).args(&args).output() {
                 Ok(out) => assert!(
                     out.status.success(),

@@ -128,7 +128,8 @@ pub fn trim(device: &CudaDevice) -> candle_core::Result<()> {
 pub const CAN_RECORD: bool = cfg!(candle_memory_hook);
 
 /// Why a build without the hook refuses to record.
-pub const NEEDS_MEMORY_HOOK: &str = "recording CUDA allocations (--snapshot, --plot) needs the memory hook of \
+pub const NEEDS_MEMORY_HOOK: &str =
+    "recording CUDA allocations (--snapshot, --plot) needs the memory hook of \
      oomfix's vendored candle-core; this build links candle-core as released, which has none \
      (build oomfix's own workspace, whose [patch] uses vendor/candle-core)";
 
@@ -191,7 +192,9 @@ fn on_memory(ordinal: usize, event: candle_core::cuda_backend::hook::MemoryEvent
     }
     match event {
         MemoryEvent::PoolAlloc { bytes } => super::device::note(EventKind::Pool, 0, bytes),
-        MemoryEvent::StorageAlloc { ptr, bytes } => super::device::note(EventKind::Alloc, ptr, bytes),
+        MemoryEvent::StorageAlloc { ptr, bytes } => {
+            super::device::note(EventKind::Alloc, ptr, bytes)
+        }
         MemoryEvent::StorageFree { ptr, bytes } => super::device::note(EventKind::Free, ptr, bytes),
     }
 }

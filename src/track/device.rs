@@ -175,7 +175,9 @@ mod tests {
         assert_eq!(mine[1].pool.used, 100);
         assert_eq!(mine[1].event.live, 100);
         assert_eq!(mine[2].pool.reserved, 10);
-        assert!(events.windows(2).all(|w| w[0].event.time_ns <= w[1].event.time_ns));
+        assert!(events
+            .windows(2)
+            .all(|w| w[0].event.time_ns <= w[1].event.time_ns));
         // Not recording: nothing is kept.
         note(EventKind::Alloc, 0xc, 1);
         assert_eq!(stop().0.len(), 0);

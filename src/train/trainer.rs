@@ -1165,7 +1165,9 @@ impl Trainer {
     pub fn step(&mut self, data: &mut DataSource) -> Result<StepStats> {
         let start = Instant::now();
         let before = self.traffic();
-        let trimming = self.trim_between_phases.then(|| TrimBetweenPhases::on(&self.device));
+        let trimming = self
+            .trim_between_phases
+            .then(|| TrimBetweenPhases::on(&self.device));
         let outcome = self.step_phases(data);
         alloc::set_phase(Phase::Setup);
         drop(trimming);
@@ -1398,4 +1400,3 @@ mod tests {
         );
     }
 }
-
