@@ -114,6 +114,12 @@ fn samples(timeline: &Timeline, columns: usize) -> Vec<(f64, ComponentBytes)> {
             out.push((t, b));
         }
     }
+    // What is live after the last change stays live to the end of the step.
+    if let Some(&(t, b)) = out.last() {
+        if t < timeline.end_ns {
+            out.push((timeline.end_ns, b));
+        }
+    }
     out.into_iter().map(|(t, b)| (t as f64 / 1e6, b)).collect()
 }
 
@@ -665,6 +671,20 @@ mod tests {
             .unwrap_err()
             .contains("b.jpg"));
         assert!(PlotFormat::from_path(Path::new("plot")).is_err());
+    }
+
+    #[test]
+    fn samples_run_to_the_end_of_the_step() {
+        let mut t = timeline();
+        t.end_ns += 5_000_000;
+        let s = samples(&t, COLUMNS);
+        let &(ms, bytes) = s.last().unwrap();
+        assert_eq!(ms, t.end_ns as f64 / 1e6);
+        assert_eq!(
+            bytes.iter().sum::<u64>(),
+            4 << 20,
+            "the weights, still live"
+        );
     }
 
     #[test]
