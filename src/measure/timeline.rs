@@ -14,9 +14,9 @@
 //!    are alive ([`crate::track::alloc::mark_tensors`]): each micro-batch's parameter
 //!    gradients, the accumulated, unscaled and widened gradients are
 //!    *gradients*. The last mark of a block wins.
-//! 2. **Built as state**: blocks allocated under [`Op::InitWeights`](crate::track::tag::Op::InitWeights) (the
+//! 2. **Built as state**: blocks allocated under [`Op::InitWeights`] (the
 //!    model's parameters and fp32 master weights, built by `Trainer::new`) are
-//!    *weights*; under [`Op::InitOptimizer`](crate::track::tag::Op::InitOptimizer) (AdamW's moments) *optimizer
+//!    *weights*; under [`Op::InitOptimizer`] (AdamW's moments) *optimizer
 //!    state*. Parameters are updated in place, so these blocks live on.
 //! 3. **Saved for backward**: blocks allocated during a forward pass, still
 //!    alive when that micro-batch's backward pass starts and freed before it

@@ -66,7 +66,7 @@ pub struct Frame {
 /// One entry of `device_traces[0]`.
 #[derive(Debug, Clone, Serialize)]
 pub struct TraceEntry {
-    /// `alloc`, `free_completed` or `snapshot`.
+    /// `alloc`, `free_completed`, `segment_alloc`, `segment_free` (CUDA) or `snapshot`.
     pub action: &'static str,
     /// Block address.
     pub addr: u64,
@@ -89,15 +89,16 @@ pub struct SegmentBlock {
     pub address: u64,
     /// Size in bytes.
     pub size: u64,
-    /// Requested size (= size).
+    /// Requested size (= size; 0 for cached memory).
     pub requested_size: u64,
-    /// Always `active_allocated`.
+    /// `active_allocated`; `inactive` for the pool's cached memory (CUDA).
     pub state: &'static str,
     /// As in the trace.
     pub frames: Vec<Frame>,
 }
 
-/// A segment: one live block at the end of the step.
+/// A segment: one live block at the end of the step, or (CUDA) the pool's
+/// cached memory then.
 #[derive(Debug, Clone, Serialize)]
 pub struct Segment {
     /// Always 0.
@@ -106,11 +107,11 @@ pub struct Segment {
     pub address: u64,
     /// Size in bytes.
     pub total_size: u64,
-    /// = total_size.
+    /// = total_size (0 for cached memory).
     pub allocated_size: u64,
-    /// = total_size.
+    /// = total_size (0 for cached memory).
     pub active_size: u64,
-    /// = total_size.
+    /// = total_size (0 for cached memory).
     pub requested_size: u64,
     /// Always 0.
     pub stream: u64,
@@ -138,7 +139,7 @@ pub struct AllocatorSettings {
 pub struct Snapshot {
     /// Blocks alive at the end of the step.
     pub segments: Vec<Segment>,
-    /// One trace: the host.
+    /// One trace: the host's, or the CUDA device's.
     pub device_traces: Vec<Vec<TraceEntry>>,
     /// Informational.
     pub allocator_settings: AllocatorSettings,

@@ -125,7 +125,7 @@ pub fn trim(device: &CudaDevice) -> candle_core::Result<()> {
 /// links the vendored candle-core, whose memory hook
 /// (`candle_core::cuda_backend::hook`) tells of every storage and pool
 /// allocation. candle-core as released has no such hook.
-pub const CAN_RECORD: bool = cfg!(candle_memory_hook);
+pub const CAN_RECORD: bool = super::device::MEMORY_HOOK_LINKED;
 
 /// Why a build without the hook refuses to record.
 pub const NEEDS_MEMORY_HOOK: &str =

@@ -15,6 +15,12 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+/// Whether the candle-core linked has the CUDA memory hook
+/// (`candle_core::cuda_backend::hook`, from oomfix's vendored copy), without
+/// which CUDA allocations cannot be recorded; candle-core as released has
+/// none. Known at build time (oomfix's build script).
+pub const MEMORY_HOOK_LINKED: bool = cfg!(candle_memory_hook);
+
 /// The pool's counters at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PoolCounters {
@@ -147,6 +153,13 @@ mod tests {
             used_high: used,
             reserved_high: used + 10,
         }
+    }
+
+    #[test]
+    fn this_workspace_links_the_memory_hook() {
+        // The workspace's [patch] uses vendor/candle-core; tests/stock-candle
+        // checks the other way round.
+        assert!(MEMORY_HOOK_LINKED);
     }
 
     // Other unit tests change phases and mark buffers while these run: the
