@@ -202,7 +202,7 @@ where
         "peak {}{} at {:.1} ms ({}){}",
         format_bytes(peak_total),
         if pool.is_some() {
-            " allocated, outside the pool included"
+            " allocated (outside the pool included)"
         } else {
             ""
         },
@@ -642,7 +642,7 @@ mod tests {
             "reserved by the pool (peak 170 B)",
             "outside the pool: context, modules, cuBLAS (7.00 MiB)",
             "fragmentation 12 B",
-            "outside the pool included",
+            "allocated (outside the pool included)",
         ] {
             assert!(svg.contains(s), "{s} missing");
         }
