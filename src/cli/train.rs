@@ -335,19 +335,24 @@ fn run_rank(
     }
     let first_step = trainer.steps();
     // Writes the recording of the steps taken so far (`--snapshot`, `--plot`).
-    let write_recording =
-        |recording: oomfix::measure::RunRecording, trainer: &Trainer| -> Result<(), Failure> {
-            let timeline = recording.finish(trainer)?;
-            let title = format!(
-                "{}: {}, steps {}-{}",
-                spec.source,
-                trainer.plan(),
-                first_step + 1,
-                trainer.steps()
-            );
-            let rank = joined.filter(|j| j.job.world_size > 1).map(|_| rank);
-            plan::write_timeline(&record_to, plot_format, &timeline, budget, &title, rank)
-        };
+    let write_recording = |recording: oomfix::measure::RunRecording,
+                           trainer: &Trainer|
+     -> Result<Option<oomfix::report::PoolSummary>, Failure> {
+        let timeline = recording.finish(trainer)?;
+        let title = format!(
+            "{}: {}, steps {}-{}",
+            spec.source,
+            trainer.plan(),
+            first_step + 1,
+            trainer.steps()
+        );
+        let rank = joined.filter(|j| j.job.world_size > 1).map(|_| rank);
+        plan::write_timeline(&record_to, plot_format, &timeline, budget, &title, rank)?;
+        Ok(timeline
+            .pool
+            .as_ref()
+            .map(oomfix::report::PoolSummary::from))
+    };
     // The state on disk, as a step count: nothing to write again at that step.
     let mut saved_at = (o.save.is_some() && o.save == o.resume).then(|| trainer.steps());
     let save =
@@ -402,7 +407,7 @@ fn run_rank(
         let stats = trainer.step(&mut data)?;
         if trainer.steps() - first_step >= o.snapshot_steps {
             if let Some(r) = recording.take() {
-                write_recording(r, &trainer)?;
+                summary.recorded_pool = write_recording(r, &trainer)?;
             }
         }
         summary.record_step(trainer.steps(), &stats);
@@ -426,7 +431,7 @@ fn run_rank(
     }
     // A run shorter than --snapshot-steps: its steps.
     if let Some(r) = recording.take() {
-        write_recording(r, &trainer)?;
+        summary.recorded_pool = write_recording(r, &trainer)?;
     }
     if let Some(comm) = trainer.comm() {
         summary.record_rank_peaks(rank_peaks(comm, summary.peak_bytes.unwrap_or(0))?);
