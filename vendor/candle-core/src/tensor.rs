@@ -157,7 +157,6 @@ macro_rules! broadcast_binary_op {
     };
 }
 
-/// Creates a fresh tensor structure based on a storage and a shape, this uses contiguous strides.
 /// A new storage in its lock; a CUDA storage is reported to the memory hook
 /// (`cuda_backend::hook`).
 fn new_storage(storage: Storage) -> Arc<RwLock<Storage>> {
@@ -168,6 +167,7 @@ fn new_storage(storage: Storage) -> Arc<RwLock<Storage>> {
     Arc::new(RwLock::new(storage))
 }
 
+/// Creates a fresh tensor structure based on a storage and a shape, this uses contiguous strides.
 pub(crate) fn from_storage<S: Into<Shape>>(
     storage: Storage,
     shape: S,
