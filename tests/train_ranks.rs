@@ -471,6 +471,45 @@ fn every_record_of_a_rank_carries_its_rank() {
         .all(|v| v.get("span").is_none()));
 }
 
+/// `train --snapshot` in a job of 2 ranks: each rank records its own first
+/// steps into its own file (`NAME.rankR.EXT`), which the snapshot check reads.
+#[test]
+fn each_rank_writes_its_own_snapshot() {
+    let run_dir = Run::new();
+    let (code, _, stderr) = run(run_dir.oomfix().args(run_dir.args(
+        2,
+        &[
+            "--zero-stage",
+            "2",
+            "--gpus",
+            "2",
+            "--snapshot",
+            "run.pickle",
+            "--snapshot-steps",
+            "2",
+        ],
+    )));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(!run_dir.dir.path().join("run.pickle").exists());
+    for rank in [0, 1] {
+        let file = run_dir.dir.path().join(format!("run.rank{rank}.pickle"));
+        let check = std::process::Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/scripts/check-snapshot.py"
+            ))
+            .arg(&file)
+            .args(["--steps", "2"])
+            .output()
+            .unwrap();
+        assert!(
+            check.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+    }
+}
+
 /// Rendezvous settings rank 0 cannot use (a port in use, an address not
 /// this machine's) are usage errors, at once, for every rank.
 #[test]

@@ -215,9 +215,66 @@ print(len(t))
         "{}",
         String::from_utf8_lossy(&py.stderr)
     );
+    // The replay check of every snapshot (scripts/check-snapshot.py: frees
+    // match allocations, times in order; PyTorch's readers where installed).
+    let replay = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/check-snapshot.py"
+        ))
+        .arg(&snap)
+        .args(["--steps", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        replay.status.success(),
+        "{}",
+        String::from_utf8_lossy(&replay.stderr)
+    );
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     assert!(svg.contains("budget"));
+}
+
+/// `--snapshot` and `--trim-between-phases` on a device this build cannot
+/// record or trim: one line, exit 2, nothing written.
+#[test]
+fn cuda_recording_and_trimming_are_refused_where_the_build_cannot() {
+    let dir = tempfile::tempdir().unwrap();
+    let snap = dir.path().join("step.pickle");
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .args(["--budget", "8GiB", "--device", "cuda:0", "--snapshot"])
+        .arg(&snap)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let expected = if cfg!(feature = "cuda") {
+        "memory hook"
+    } else {
+        "--features cuda"
+    };
+    assert!(
+        stderr.contains(expected) || cfg!(feature = "cuda"),
+        "{stderr}"
+    );
+    assert!(!snap.exists());
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .args([
+            "train",
+            "--budget",
+            "256MiB",
+            "--device",
+            "cpu",
+            "--trim-between-phases",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("CUDA"), "{stderr}");
 }
 
 #[test]
@@ -347,6 +404,20 @@ print(sum(1 for a, b in zip([None] + seq, seq) if b == "optimizer_step" and a !=
         assert_eq!(
             String::from_utf8_lossy(&py.stdout).trim(),
             steps.to_string()
+        );
+        let replay = std::process::Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/scripts/check-snapshot.py"
+            ))
+            .arg(&snap)
+            .args(["--steps", &steps.to_string()])
+            .output()
+            .unwrap();
+        assert!(
+            replay.status.success(),
+            "{}",
+            String::from_utf8_lossy(&replay.stderr)
         );
         let svg = std::fs::read_to_string(&plot).unwrap();
         assert!(

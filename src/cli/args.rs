@@ -178,6 +178,13 @@ pub struct TrainOptions {
     /// first step's one-off allocations, then steady steps).
     #[arg(long, default_value_t = 2, value_name = "N", allow_negative_numbers = true, value_parser = parse_steps)]
     pub snapshot_steps: u64,
+    /// CUDA only: return the memory pool's cached memory to the driver at
+    /// every phase change of a step (forward, backward, optimizer step):
+    /// lowers the reserved peak when one phase's freed buffers would
+    /// otherwise stay reserved into the next, frees no live tensor, and
+    /// waits for the device each time (slower steps). Off by default.
+    #[arg(long)]
+    pub trim_between_phases: bool,
     /// Also write the checkpoint every N steps [default: only at the end].
     #[arg(long, value_name = "N", requires = "save", allow_negative_numbers = true, value_parser = parse_steps)]
     pub save_every: Option<u64>,
@@ -349,7 +356,9 @@ pub struct PlanOptions {
     /// its step, tagged with module, op and component, as a PyTorch memory
     /// snapshot (open it in pytorch.org/memory_viz); with `train`, of the
     /// run's own first steps (--snapshot-steps), one file per rank
-    /// (`NAME.rankR.EXT`) when there are several. Needs --device cpu.
+    /// (`NAME.rankR.EXT`) when there are several. On CUDA: the device's
+    /// tensor storages and memory pool (allocated and reserved), which needs
+    /// the memory hook of oomfix's vendored candle-core.
     #[arg(long, value_name = "PATH", global = true)]
     pub snapshot: Option<PathBuf>,
     /// Train rank-RANK LoRA adapters on the frozen model instead of every
@@ -372,7 +381,8 @@ pub struct PlanOptions {
     /// Measure the chosen plan (or the closest) and draw live memory over its
     /// step, stacked by component, phases shaded, budget as a line: an SVG or
     /// a PNG, by the file's extension (.svg, .png); with `train`, of the
-    /// run's own first steps, as --snapshot. Needs --device cpu.
+    /// run's own first steps, as --snapshot. On CUDA also the pool's
+    /// reserved bytes, the memory outside the pool and the fragmentation.
     #[arg(long, value_name = "PATH", global = true)]
     pub plot: Option<PathBuf>,
 }

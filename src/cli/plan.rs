@@ -55,9 +55,7 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
         .transpose()
         .map_err(Failure::Usage)?;
     if (o.snapshot.is_some() || o.plot.is_some()) && target != Target::Cpu {
-        return Err(Failure::Usage(
-            "--snapshot and --plot record host allocations: use --device cpu".into(),
-        ));
+        can_record_cuda()?;
     }
     if o.enforce_budget && target == Target::Cpu {
         return Err(Failure::Usage(
@@ -99,6 +97,22 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
         pipeline,
         plot,
     })
+}
+
+/// Whether this build records CUDA allocations (`--snapshot` / `--plot` on
+/// a GPU): the `cuda` feature, and candle-core with the memory hook.
+fn can_record_cuda() -> Result<(), Failure> {
+    #[cfg(feature = "cuda")]
+    let refused =
+        (!oomfix::track::cuda::CAN_RECORD).then_some(oomfix::track::cuda::NEEDS_MEMORY_HOOK);
+    #[cfg(not(feature = "cuda"))]
+    let refused = Some(
+        "--snapshot and --plot on CUDA need a build with --features cuda (or use --device cpu)",
+    );
+    match refused {
+        Some(why) => Err(Failure::Usage(why.into())),
+        None => Ok(()),
+    }
 }
 
 /// `--lora` and its settings for `spec`, checked: the other LoRA options
@@ -261,7 +275,7 @@ pub fn search_quietly(
     }
     let result = planner.run(&spec)?;
     if o.snapshot.is_some() || o.plot.is_some() {
-        timeline_outputs(args, &spec, &result, budget, plot)?;
+        timeline_outputs(args, &spec, &result, budget, plot, target)?;
     }
     if args.model.is_none() && !args.json {
         logging::notice(format_args!(
@@ -349,9 +363,10 @@ fn timeline_outputs(
     result: &SearchResult,
     budget: u64,
     plot: Option<PlotFormat>,
+    target: Target,
 ) -> Result<(), Failure> {
     let attempt = result.chosen().unwrap_or_else(|| result.closest());
-    let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, Target::Cpu)?;
+    let (m, timeline) = oomfix::measure::record_plan(spec, &attempt.plan, target)?;
     tracing::info!(
         measured_bytes = m.peak_bytes,
         blocks = timeline.blocks.len(),
@@ -385,6 +400,17 @@ pub fn write_timeline(
             path.with_file_name(name)
         }
     };
+    if let Some(pool) = &timeline.pool {
+        tracing::info!(
+            pool_used_high = pool.used_high,
+            pool_reserved_high = pool.reserved_high,
+            at_peak_used = pool.at_used_peak().used,
+            at_peak_reserved = pool.at_used_peak().reserved,
+            outside_pool_bytes = pool.outside,
+            "recorded CUDA pool"
+        );
+        logging::say(format_args!("oomfix: {}", pool.summary()));
+    }
     if let Some(path) = &opts.snapshot {
         let path = named(path);
         let bytes = report::snapshot_pickle(timeline);

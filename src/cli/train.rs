@@ -54,6 +54,12 @@ pub fn run(args: &TrainArgs) -> Outcome {
         None if cfg!(feature = "cuda") => (Target::Cuda(0), false),
         None => (Target::Cpu, true),
     };
+    if o.trim_between_phases && target == Target::Cpu {
+        return Err(Failure::Usage(
+            "--trim-between-phases trims a CUDA device's memory pool; the CPU has none (use --device cuda:N)"
+                .into(),
+        ));
+    }
     let job = Job::from_env()?;
     let verified = verified_plan()?;
     if let (Some(_), Some(j), None) = (args.plan.opts.verify, &job, verified) {
@@ -296,9 +302,10 @@ fn run_rank(
     options.seed = o.seed;
     options.weights = weights;
     options.source = model_source(args, init, &spec, model_dir.as_deref());
+    options.trim_between_phases = o.trim_between_phases;
     options.merge_lora = o.merge;
     let mut recording = recorded
-        .then(oomfix::measure::RunRecording::start)
+        .then(|| oomfix::measure::RunRecording::start_on(&device))
         .transpose()?;
     let mut trainer = match joined {
         Some(j) => Trainer::new_sharded(
@@ -330,24 +337,29 @@ fn run_rank(
              step and data position but not the optimizer moments; a resumed run restarts them from zero"
         );
     }
-    if let Some(r) = &recording {
-        r.steps_start();
+    if let Some(r) = &mut recording {
+        r.steps_start()?;
     }
     let first_step = trainer.steps();
     // Writes the recording of the steps taken so far (`--snapshot`, `--plot`).
-    let write_recording =
-        |recording: oomfix::measure::RunRecording, trainer: &Trainer| -> Result<(), Failure> {
-            let timeline = recording.finish(trainer)?;
-            let title = format!(
-                "{}: {}, steps {}-{}",
-                spec.source,
-                trainer.plan(),
-                first_step + 1,
-                trainer.steps()
-            );
-            let rank = joined.filter(|j| j.job.world_size > 1).map(|_| rank);
-            plan::write_timeline(&record_to, plot_format, &timeline, budget, &title, rank)
-        };
+    let write_recording = |recording: oomfix::measure::RunRecording,
+                           trainer: &Trainer|
+     -> Result<Option<oomfix::report::PoolSummary>, Failure> {
+        let timeline = recording.finish(trainer)?;
+        let title = format!(
+            "{}: {}, steps {}-{}",
+            spec.source,
+            trainer.plan(),
+            first_step + 1,
+            trainer.steps()
+        );
+        let rank = joined.filter(|j| j.job.world_size > 1).map(|_| rank);
+        plan::write_timeline(&record_to, plot_format, &timeline, budget, &title, rank)?;
+        Ok(timeline
+            .pool
+            .as_ref()
+            .map(oomfix::report::PoolSummary::from))
+    };
     // The state on disk, as a step count: nothing to write again at that step.
     let mut saved_at = (o.save.is_some() && o.save == o.resume).then(|| trainer.steps());
     let save =
@@ -402,7 +414,7 @@ fn run_rank(
         let stats = trainer.step(&mut data)?;
         if trainer.steps() - first_step >= o.snapshot_steps {
             if let Some(r) = recording.take() {
-                write_recording(r, &trainer)?;
+                summary.recorded_pool = write_recording(r, &trainer)?;
             }
         }
         summary.record_step(trainer.steps(), &stats);
@@ -426,7 +438,7 @@ fn run_rank(
     }
     // A run shorter than --snapshot-steps: its steps.
     if let Some(r) = recording.take() {
-        write_recording(r, &trainer)?;
+        summary.recorded_pool = write_recording(r, &trainer)?;
     }
     if let Some(comm) = trainer.comm() {
         summary.record_rank_peaks(rank_peaks(comm, summary.peak_bytes.unwrap_or(0))?);

@@ -107,7 +107,11 @@ pub const MAX_EVENTS: usize = 16 << 20;
 ///
 /// Recording starts before the trainer is built, so the blocks alive when the
 /// measured step starts (weights, optimizer state) are known with the op that
-/// made them; see [`Timeline`] for how blocks get their components.
+/// made them; see [`Timeline`] for how blocks get their components. On CUDA
+/// the timeline holds the device's storages and pool
+/// ([`Timeline::from_device_events`]), and the measurement is the pool's
+/// high-water marks over the step plus the memory outside the pool; a build
+/// linking candle-core as released (no memory hook) refuses it.
 pub fn record_plan(
     spec: &ModelSpec,
     plan: &Plan,
@@ -126,11 +130,7 @@ fn measure(
     let device = match target {
         Target::Cpu => Device::Cpu,
         Target::Cuda(i) if !recorded => return measure_cuda(spec, plan, i).map(|m| (m, None)),
-        Target::Cuda(_) => {
-            return Err(Error::Usage(
-                "recording a timeline needs the CPU as the target".into(),
-            ))
-        }
+        Target::Cuda(i) => return record_cuda(spec, plan, i).map(|(m, t)| (m, Some(t))),
     };
     if !alloc::installed() {
         return Err(Error::Usage(
@@ -277,6 +277,38 @@ fn measure_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<Measure
     };
     trim(cuda)?;
     outcome
+}
+
+/// Records the second step of `plan` on `cuda:i` (see [`record_plan`]).
+#[cfg(feature = "cuda")]
+fn record_cuda(spec: &ModelSpec, plan: &Plan, ordinal: usize) -> Result<(Measurement, Timeline)> {
+    let device = Device::new_cuda(ordinal)?;
+    let mut recording = RunRecording::start_on(&device)?;
+    let mut trainer = Trainer::new(&spec.config, *plan, &device, &TrainOptions::default())?;
+    let mut data = DataSource::synthetic(0);
+    trainer.step(&mut data)?;
+    recording.steps_start()?;
+    let stats = trainer.step(&mut data)?;
+    let timeline = recording.finish(&trainer)?;
+    let pool = timeline.pool.clone().unwrap_or_default();
+    log_outside_pool(pool.used_high, pool.outside, 1);
+    Ok((
+        Measurement {
+            peak_bytes: pool.used_high + pool.outside,
+            reserved_bytes: pool.reserved_high + pool.outside,
+            out_of_memory: false,
+            step_seconds: Some(stats.seconds),
+        },
+        timeline,
+    ))
+}
+
+/// Without the `cuda` feature there is no GPU to record.
+#[cfg(not(feature = "cuda"))]
+fn record_cuda(_: &ModelSpec, _: &Plan, _: usize) -> Result<(Measurement, Timeline)> {
+    Err(Error::Usage(
+        "recording on CUDA needs a build with the `cuda` cargo feature".into(),
+    ))
 }
 
 /// Device memory outside the CUDA pool (the context, modules, cuBLAS

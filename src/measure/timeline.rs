@@ -14,9 +14,9 @@
 //!    are alive ([`crate::track::alloc::mark_tensors`]): each micro-batch's parameter
 //!    gradients, the accumulated, unscaled and widened gradients are
 //!    *gradients*. The last mark of a block wins.
-//! 2. **Built as state**: blocks allocated under [`Op::InitWeights`](crate::track::tag::Op::InitWeights) (the
+//! 2. **Built as state**: blocks allocated under [`Op::InitWeights`] (the
 //!    model's parameters and fp32 master weights, built by `Trainer::new`) are
-//!    *weights*; under [`Op::InitOptimizer`](crate::track::tag::Op::InitOptimizer) (AdamW's moments) *optimizer
+//!    *weights*; under [`Op::InitOptimizer`] (AdamW's moments) *optimizer
 //!    state*. Parameters are updated in place, so these blocks live on.
 //! 3. **Saved for backward**: blocks allocated during a forward pass, still
 //!    alive when that micro-batch's backward pass starts and freed before it
@@ -31,10 +31,138 @@
 //! Live totals here are sums over the tracked blocks (allocated since
 //! recording started), so per-component bytes always add up to the total;
 //! frees of blocks older than the recording are ignored.
+//!
+//! # A device's pool
+//!
+//! [`Timeline::from_device_events`] builds the timeline of a CUDA recording
+//! ([`crate::track::device`]): the blocks are the tensors' storages, and the
+//! pool's bytes that no live storage holds (op buffers such as strides and
+//! indices, storages made and dropped inside an op) are one more block,
+//! [`POOL_BUFFERS`] (a temporary), resized at every event but a free to the
+//! pool's used bytes minus the storages' — so the timeline's total at each
+//! pool allocation is the pool's used counter, and its peak the pool's
+//! high-water mark. [`Timeline::pool`] keeps the pool's counters over time
+//! (the reserved line) and the device memory outside the pool.
 
 use crate::track::alloc::{Event, EventKind, Phase};
-use crate::track::tag::{Component, Tag};
+use crate::track::device::DeviceEvent;
+use crate::track::tag::{Component, Module, Op, Tag};
 use std::collections::HashMap;
+
+/// Name (module path) of the block that stands for the pool's bytes outside
+/// live tensor storages in a device timeline.
+pub const POOL_BUFFERS: &str = "pool buffers outside tensors";
+
+/// Address of that block (no device allocation has it: below 2^52, which
+/// memory_viz's JavaScript numbers hold exactly, and far above the
+/// addresses CUDA hands out).
+pub const POOL_BUFFERS_ADDR: u64 = 0x000f_0000_0000_0000;
+
+/// The pool's counters over a device timeline's steps.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PoolTrace {
+    /// `(ns since the steps started, used, reserved)` at each event, the
+    /// first at 0.
+    pub samples: Vec<(u64, u64, u64)>,
+    /// The pool's own used high-water mark over the steps (its marks are
+    /// reset when the steps start).
+    pub used_high: u64,
+    /// The pool's own reserved high-water mark over the steps.
+    pub reserved_high: u64,
+    /// Device memory outside the pool when the steps started (the CUDA
+    /// context, module images, cuBLAS workspaces: `cuMemGetInfo`'s used
+    /// bytes less the pool's reservation), a constant of the run.
+    pub outside: u64,
+}
+
+/// The pool's state at the moment a timeline's allocated bytes peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fragmentation {
+    /// When (ns since the steps started).
+    pub time_ns: u64,
+    /// The pool's used bytes then.
+    pub used: u64,
+    /// The pool's reserved bytes then.
+    pub reserved: u64,
+}
+
+impl Fragmentation {
+    /// Reserved but not allocated: the pool's cached, free memory.
+    pub fn free(&self) -> u64 {
+        self.reserved.saturating_sub(self.used)
+    }
+}
+
+impl PoolTrace {
+    /// The highest used bytes sampled.
+    pub fn used_peak(&self) -> u64 {
+        self.samples.iter().map(|s| s.1).max().unwrap_or(0)
+    }
+
+    /// The highest reserved bytes sampled.
+    pub fn reserved_peak(&self) -> u64 {
+        self.samples.iter().map(|s| s.2).max().unwrap_or(0)
+    }
+
+    /// The pool at its highest used bytes (the first such sample).
+    pub fn at_used_peak(&self) -> Fragmentation {
+        let peak = self.used_peak();
+        let s = self.samples.iter().find(|s| s.1 == peak).copied();
+        let (time_ns, used, reserved) = s.unwrap_or((0, 0, 0));
+        Fragmentation {
+            time_ns,
+            used,
+            reserved,
+        }
+    }
+
+    /// One line: the pool's peaks (sampled, and its own high-water marks),
+    /// the fragmentation at the allocated peak (reserved minus allocated,
+    /// the pool's cached free memory: CUDA's pool does not tell its largest
+    /// free block) and the memory outside the pool.
+    pub fn summary(&self) -> String {
+        use crate::units::format_bytes;
+        let at = self.at_used_peak();
+        let at_reserved = self.at_reserved_peak();
+        format!(
+            "pool: allocated peak {} (high-water mark {}), reserved then {}: fragmentation {} \
+             (largest free block: not reported by the CUDA pool); reserved peak {} (high-water mark {}, \
+             {} of it not allocated); outside the pool (context, modules, cuBLAS) {}",
+            format_bytes(at.used),
+            format_bytes(self.used_high),
+            format_bytes(at.reserved),
+            format_bytes(at.free()),
+            format_bytes(at_reserved.reserved),
+            format_bytes(self.reserved_high),
+            format_bytes(at_reserved.free()),
+            format_bytes(self.outside),
+        )
+    }
+
+    /// A shorter [`summary`](Self::summary), for a plot's header.
+    pub fn short_summary(&self) -> String {
+        use crate::units::format_bytes;
+        let at = self.at_used_peak();
+        format!(
+            "pool: reserved {} at the allocated peak, fragmentation {}; reserved peak {}",
+            format_bytes(at.reserved),
+            format_bytes(at.free()),
+            format_bytes(self.reserved_peak()),
+        )
+    }
+
+    /// The pool at its highest reserved bytes (the first such sample).
+    pub fn at_reserved_peak(&self) -> Fragmentation {
+        let peak = self.reserved_peak();
+        let s = self.samples.iter().find(|s| s.2 == peak).copied();
+        let (time_ns, used, reserved) = s.unwrap_or((0, 0, 0));
+        Fragmentation {
+            time_ns,
+            used,
+            reserved,
+        }
+    }
+}
 
 /// One heap block alive at some time during the measured step.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,6 +214,9 @@ pub struct Timeline {
     pub baseline: u64,
     /// Whether events were dropped because the buffer filled up.
     pub truncated: bool,
+    /// A device timeline's pool counters ([`Timeline::from_device_events`]);
+    /// `None` for the heap.
+    pub pool: Option<PoolTrace>,
 }
 
 struct Building {
@@ -182,6 +313,9 @@ impl Timeline {
                         phases.push((e.time_ns, e.phase));
                     }
                 }
+                // A pool allocation counts through the pool's block (see
+                // `from_device_events`).
+                EventKind::Pool => {}
             }
         }
         let initial = initial.unwrap_or_default();
@@ -241,7 +375,81 @@ impl Timeline {
             end_ns,
             baseline,
             truncated,
+            pool: None,
         }
+    }
+
+    /// The timeline of a device recording's steps (see the module docs):
+    /// the storages' blocks, the [`POOL_BUFFERS`] block for the pool's other
+    /// used bytes, and the pool's counters from the step start on. `outside`
+    /// is the device memory outside the pool.
+    pub fn from_device_events(
+        events: &[DeviceEvent],
+        names: &HashMap<u64, String>,
+        outside: u64,
+        truncated: bool,
+    ) -> Timeline {
+        let pool_tag = Tag::new(Module::intern(POOL_BUFFERS), Op::None);
+        let mut out: Vec<Event> = Vec::with_capacity(events.len() * 2);
+        let mut storages: HashMap<u64, u64> = HashMap::new();
+        let (mut tracked, mut buffers) = (0u64, 0u64);
+        for d in events {
+            let e = d.event;
+            if e.kind == EventKind::Free {
+                if let Some(size) = storages.remove(&e.addr) {
+                    tracked -= size;
+                }
+                out.push(e);
+                continue;
+            }
+            let after = tracked
+                + if e.kind == EventKind::Alloc {
+                    e.size
+                } else {
+                    0
+                };
+            let wanted = d.pool.used.saturating_sub(after);
+            if wanted != buffers {
+                let at = |kind, size| Event {
+                    kind,
+                    addr: POOL_BUFFERS_ADDR,
+                    size,
+                    tag: pool_tag,
+                    ..e
+                };
+                if buffers > 0 {
+                    out.push(at(EventKind::Free, buffers));
+                }
+                if wanted > 0 {
+                    out.push(at(EventKind::Alloc, wanted));
+                }
+                buffers = wanted;
+            }
+            if e.kind == EventKind::Alloc {
+                storages.insert(e.addr, e.size);
+                tracked = after;
+            }
+            out.push(e);
+        }
+        let mut timeline = Timeline::from_events(&out, names, 0, truncated);
+        let start = events
+            .iter()
+            .find(|d| d.event.kind == EventKind::StepStart)
+            .or(events.first());
+        let start_ns = start.map_or(0, |d| d.event.time_ns);
+        let steps = events.iter().filter(|d| d.event.time_ns >= start_ns);
+        let mut pool = PoolTrace {
+            outside,
+            ..PoolTrace::default()
+        };
+        for d in steps {
+            let t = d.event.time_ns - start_ns;
+            pool.samples.push((t, d.pool.used, d.pool.reserved));
+            pool.used_high = pool.used_high.max(d.pool.used_high);
+            pool.reserved_high = pool.reserved_high.max(d.pool.reserved_high);
+        }
+        timeline.pool = Some(pool);
+        timeline
     }
 
     /// Bytes per component of the blocks alive when the step started.
@@ -291,7 +499,7 @@ impl Timeline {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::track::tag::{Module, Op};
 
@@ -365,5 +573,86 @@ mod tests {
         );
         assert_eq!(t.phase_at(6), Backward);
         assert_eq!(t.end_ns, 12);
+    }
+
+    /// A fake CUDA recording: the pool's counters with each event, as the
+    /// memory hook delivers them (the pool's used bytes include an op's
+    /// buffers that never become a storage).
+    pub(crate) fn device_events() -> Vec<DeviceEvent> {
+        use crate::track::device::PoolCounters;
+        use EventKind::{Alloc, Free, Pool, StepStart};
+        use Phase::{Backward, Forward, Setup};
+        let mut high = 0;
+        let rows = [
+            // kind, t, addr, size, phase, op, used, reserved
+            (Pool, 0, 0, 100, Setup, Op::InitWeights, 100, 100),
+            (Alloc, 1, 0xa0, 100, Setup, Op::InitWeights, 100, 100),
+            (StepStart, 2, 0, 0, Setup, Op::None, 100, 100),
+            (EventKind::Phase, 3, 0, 0, Forward, Op::None, 100, 100),
+            (Pool, 4, 0, 50, Forward, Op::Matmul, 150, 160),
+            (Pool, 5, 0, 8, Forward, Op::Matmul, 158, 170), // an op's own buffer
+            (Alloc, 6, 0xb0, 50, Forward, Op::Matmul, 150, 170), // the buffer freed
+            (EventKind::Phase, 7, 0, 0, Backward, Op::None, 150, 170),
+            (Free, 8, 0xb0, 50, Backward, Op::None, 150, 170), // before the pool sees it
+            (Pool, 9, 0, 30, Backward, Op::Backward, 130, 170),
+            (Alloc, 10, 0xc0, 30, Backward, Op::Backward, 130, 170),
+            (EventKind::Phase, 11, 0, 0, Setup, Op::None, 130, 140),
+        ];
+        rows.into_iter()
+            .map(|(kind, t, addr, size, phase, op, used, reserved)| {
+                if kind == StepStart {
+                    high = used; // the marks are reset when the steps start
+                }
+                high = high.max(used);
+                DeviceEvent {
+                    event: Event {
+                        live: used,
+                        ..ev(kind, t, addr, size, phase, op)
+                    },
+                    pool: PoolCounters {
+                        used,
+                        reserved,
+                        used_high: high,
+                        reserved_high: reserved.max(170 * u64::from(t >= 5)),
+                    },
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_device_timeline_peaks_at_the_pools_high_water_mark() {
+        let events = device_events();
+        let t = Timeline::from_device_events(&events, &HashMap::new(), 7, false);
+        let pool = t.pool.as_ref().unwrap();
+        let (at, bytes) = t.peak();
+        // The op's own buffer counts: the peak is the pool's, not the storages' 150.
+        assert_eq!(bytes.iter().sum::<u64>(), 158);
+        assert_eq!(pool.used_high, 158);
+        assert_eq!(pool.used_peak(), 158);
+        assert_eq!(at, 5 - 2);
+        // The storages keep their components; the pool's buffer is a temporary.
+        let buffers: Vec<&Block> = t
+            .blocks
+            .iter()
+            .filter(|b| b.addr == POOL_BUFFERS_ADDR)
+            .collect();
+        assert!(buffers
+            .iter()
+            .all(|b| b.component == Component::Temporaries && b.tag.name() == POOL_BUFFERS));
+        // At the peak the matmul's output is not a storage yet: the pool's block holds it.
+        assert_eq!(bytes, [100, 0, 0, 0, 58]);
+        let output = t.blocks.iter().find(|b| b.addr == 0xb0).unwrap();
+        assert_eq!(output.component, Component::Activations);
+        // Reserved over the steps, and fragmentation at the allocated peak.
+        assert_eq!(pool.samples.first(), Some(&(0, 100, 100)));
+        assert_eq!(pool.reserved_peak(), 170);
+        assert_eq!(pool.reserved_high, 170);
+        let f = pool.at_used_peak();
+        assert_eq!((f.used, f.reserved, f.free()), (158, 170, 12));
+        assert_eq!(pool.outside, 7);
+        // After the backward's allocation, the storages alone are the pool's used bytes.
+        let (_, last) = *t.series().last().unwrap();
+        assert_eq!(last.iter().sum::<u64>(), 130);
     }
 }

@@ -194,6 +194,9 @@ impl<'a> Pickler<'a> {
         self.str("allocator_settings");
         self.begin_dict();
         self.key_str("host", s.allocator_settings.host);
+        for (k, v) in &s.allocator_settings.figures {
+            self.key_int(k, *v);
+        }
         self.end_dict();
         self.end_dict();
     }

@@ -3,6 +3,14 @@
 //! temporaries), the phases of the step (forward, backward, optimizer step)
 //! shaded and labelled, the budget as a line.
 //!
+//! A CUDA timeline (one with a [`PoolTrace`]) stacks the components on the
+//! device memory outside the pool (context, modules, cuBLAS workspaces: a
+//! labelled constant band at the bottom), so the top of the stack is what
+//! the device holds for the run, and draws the pool's reserved bytes (on the
+//! same band) as a second line; the header gives the fragmentation at the
+//! allocated peak (reserved minus allocated: the pool's cached, free
+//! memory; CUDA's pool does not tell its largest free block).
+//!
 //! The step's changes are reduced to at most [`COLUMNS`] samples, each the
 //! moment of highest total within its slice of time, so peaks survive. When
 //! the budget is more than twice the peak, drawing it would flatten the data:
@@ -12,7 +20,7 @@
 //! PNGs are drawn by a small raster backend of our own (text from the public
 //! domain 8×8 font of `font8x8`), so no system fonts are needed.
 
-use crate::measure::timeline::ComponentBytes;
+use crate::measure::timeline::{ComponentBytes, PoolTrace};
 use crate::measure::Timeline;
 use crate::track::alloc::Phase;
 use crate::track::Component;
@@ -106,7 +114,41 @@ fn samples(timeline: &Timeline, columns: usize) -> Vec<(f64, ComponentBytes)> {
             out.push((t, b));
         }
     }
+    // What is live after the last change stays live to the end of the step.
+    if let Some(&(t, b)) = out.last() {
+        if t < timeline.end_ns {
+            out.push((timeline.end_ns, b));
+        }
+    }
     out.into_iter().map(|(t, b)| (t as f64 / 1e6, b)).collect()
+}
+
+/// At most `columns` samples of the pool's reserved bytes (ms, bytes): per
+/// slice of time the highest, and the last.
+fn reserved_samples(pool: &PoolTrace, end_ns: u64, columns: usize) -> Vec<(f64, u64)> {
+    let end = end_ns.max(1);
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    let mut slot = usize::MAX;
+    for &(t, _, r) in &pool.samples {
+        let s = (t as u128 * columns as u128 / end as u128) as usize;
+        match out.last_mut() {
+            Some(last) if s == slot => {
+                if r > last.1 {
+                    *last = (t, r);
+                }
+            }
+            _ => {
+                out.push((t, r));
+                slot = s;
+            }
+        }
+    }
+    if let (Some(last), Some(&(t, _, r))) = (out.last(), pool.samples.last()) {
+        if last.0 != t {
+            out.push((t, r));
+        }
+    }
+    out.into_iter().map(|(t, r)| (t as f64 / 1e6, r)).collect()
 }
 
 /// The phases as `(start ms, end ms, phase)`.
@@ -140,21 +182,30 @@ where
     let err = |e: DrawingAreaErrorKind<DB::ErrorType>| e.to_string();
     let points = samples(timeline, COLUMNS);
     let (peak_ns, peak) = timeline.peak();
-    let peak_total: u64 = peak.iter().sum();
+    let pool = timeline.pool.as_ref();
+    // On CUDA the stack stands on the memory outside the pool.
+    let outside = pool.map_or(0, |p| p.outside);
+    let peak_total: u64 = peak.iter().sum::<u64>() + outside;
+    let highest = peak_total.max(pool.map_or(0, |p| p.reserved_peak() + outside));
     let end = (timeline.end_ns as f64 / 1e6).max(1e-3);
-    let budget_shown = budget <= peak_total.saturating_mul(2);
+    let budget_shown = budget <= highest.saturating_mul(2);
     let top = (if budget_shown {
-        peak_total.max(budget)
+        highest.max(budget)
     } else {
-        peak_total
+        highest
     }) as f64
         / MIB
         * 1.12
         + 1e-3;
     root.fill(&WHITE).map_err(err)?;
     let peak_line = format!(
-        "peak {} at {:.1} ms ({}){}",
+        "peak {}{} at {:.1} ms ({}){}",
         format_bytes(peak_total),
+        if pool.is_some() {
+            " allocated (outside the pool included)"
+        } else {
+            ""
+        },
         peak_ns as f64 / 1e6,
         timeline.phase_at(peak_ns).as_str().replace('_', " "),
         if timeline.truncated {
@@ -163,10 +214,12 @@ where
             ""
         }
     );
-    for (i, (line, size)) in [(title, title_size), (peak_line.as_str(), text)]
-        .into_iter()
-        .enumerate()
-    {
+    let pool_line = pool.map(PoolTrace::short_summary);
+    let mut header = vec![(title, title_size), (peak_line.as_str(), text)];
+    if let Some(line) = &pool_line {
+        header.push((line.as_str(), text));
+    }
+    for (i, (line, size)) in header.into_iter().enumerate() {
         let style = ("sans-serif", size)
             .into_font()
             .color(&BLACK)
@@ -180,7 +233,7 @@ where
     }
     let mut chart = ChartBuilder::on(&root)
         .margin(14)
-        .margin_top(60)
+        .margin_top(if pool.is_some() { 82 } else { 60 })
         .x_label_area_size(44)
         .y_label_area_size(76)
         .build_cartesian_2d(0.0..end, 0.0..top)
@@ -215,8 +268,21 @@ where
                 .map_err(err)?;
         }
     }
+    // The memory outside the pool, a constant band at the bottom.
+    let base = outside as f64 / MIB;
+    if outside > 0 {
+        let grey = RGBColor(0x79, 0x70, 0x6e);
+        chart
+            .draw_series([Rectangle::new([(0.0, 0.0), (end, base)], grey.filled())])
+            .map_err(err)?
+            .label(format!(
+                "outside the pool: context, modules, cuBLAS ({})",
+                format_bytes(outside)
+            ))
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], grey.filled()));
+    }
     // Components, stacked bottom to top.
-    let mut lower = vec![0.0f64; points.len()];
+    let mut lower = vec![base; points.len()];
     for c in Component::ALL {
         let upper: Vec<f64> = points
             .iter()
@@ -261,6 +327,28 @@ where
                     .map_err(err)?;
             }
         }
+    }
+    // The pool's reserved bytes, on the same base.
+    if let Some(pool) = pool {
+        let navy = RGBColor(0x1f, 0x2f, 0x6f);
+        let line = reserved_samples(pool, timeline.end_ns, COLUMNS);
+        let mut stepped = Vec::with_capacity(line.len() * 2);
+        for (i, &(t, r)) in line.iter().enumerate() {
+            let y = base + r as f64 / MIB;
+            if i > 0 {
+                stepped.push((t, stepped.last().map_or(y, |p: &(f64, f64)| p.1)));
+            }
+            stepped.push((t, y));
+        }
+        stepped.push((end, stepped.last().map_or(base, |p| p.1)));
+        chart
+            .draw_series(LineSeries::new(stepped, navy.stroke_width(2)))
+            .map_err(err)?
+            .label(format!(
+                "reserved by the pool (peak {})",
+                format_bytes(pool.reserved_peak())
+            ))
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], navy.stroke_width(2)));
     }
     // The phases in the legend too (bands may be too narrow for their labels).
     for p in [Phase::Forward, Phase::Backward, Phase::OptimizerStep] {
@@ -546,6 +634,23 @@ mod tests {
     }
 
     #[test]
+    fn a_device_plot_has_the_reserve_the_outside_and_the_fragmentation() {
+        use crate::measure::timeline::tests::device_events;
+        let t = Timeline::from_device_events(&device_events(), &HashMap::new(), 7 << 20, false);
+        let svg = timeline_svg(&t, 1 << 30, "cuda").unwrap();
+        for s in [
+            "reserved by the pool (peak 170 B)",
+            "outside the pool: context, modules, cuBLAS (7.00 MiB)",
+            "fragmentation 12 B",
+            "allocated (outside the pool included)",
+        ] {
+            assert!(svg.contains(s), "{s} missing");
+        }
+        let png = timeline_png(&t, 1 << 30, "cuda").unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    }
+
+    #[test]
     fn png_is_a_png_with_drawing_in_it() {
         let png = timeline_png(&timeline(), 8 << 20, "test").unwrap();
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
@@ -566,6 +671,20 @@ mod tests {
             .unwrap_err()
             .contains("b.jpg"));
         assert!(PlotFormat::from_path(Path::new("plot")).is_err());
+    }
+
+    #[test]
+    fn samples_run_to_the_end_of_the_step() {
+        let mut t = timeline();
+        t.end_ns += 5_000_000;
+        let s = samples(&t, COLUMNS);
+        let &(ms, bytes) = s.last().unwrap();
+        assert_eq!(ms, t.end_ns as f64 / 1e6);
+        assert_eq!(
+            bytes.iter().sum::<u64>(),
+            4 << 20,
+            "the weights, still live"
+        );
     }
 
     #[test]

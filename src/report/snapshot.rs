@@ -19,11 +19,38 @@
 //! entry carries the `unknown` category that memory_viz expects to find.
 //! `segments` holds the blocks alive when the step ends, one segment per block
 //! (host memory has no allocator segments of its own), with the same frames.
+//!
+//! # CUDA
+//!
+//! A device timeline ([`Timeline::from_device_events`]) adds the pool. Its
+//! blocks are the tensors' storages at their device addresses, plus the
+//! block `pool buffers outside tensors` (see [`crate::measure::timeline::POOL_BUFFERS`]), so that the
+//! trace's allocated bytes are the pool's used bytes. The pool's reservation
+//! is drawn as segments: CUDA does not tell how the pool's memory is laid out,
+//! so each growth of the reserved bytes is a `segment_alloc` of the growth,
+//! and each shrink `segment_free`s the newest segments (re-allocating the
+//! rest of one it cuts), at addresses of their own ([`SEGMENT_BASE`]); the
+//! segments alive at any time add up to the pool's reserved bytes (memory_viz's
+//! "Active Cached Segment Timeline"). At the end, the pool's cached memory
+//! (reserved minus used) is one segment with one `inactive` block, beside
+//! the live blocks' segments, so the segments add up to the reserved bytes.
+//! `allocator_settings` carries the figures: the pool's high-water marks over
+//! the steps and the device memory outside the pool (context, modules,
+//! cuBLAS workspaces), which no segment holds.
 
-use crate::measure::timeline::Block;
+use crate::measure::timeline::{Block, PoolTrace};
 use crate::measure::Timeline;
 use crate::track::alloc::Phase;
 use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Address of the first segment standing for the pool's reservation
+/// (2^51: below 2^52, which memory_viz's JavaScript numbers hold exactly,
+/// and far above the addresses CUDA hands out).
+pub const SEGMENT_BASE: u64 = 0x0008_0000_0000_0000;
+
+/// Address of the segment of the pool's cached memory at the end.
+pub const CACHED_ADDR: u64 = 0x000e_0000_0000_0000;
 
 /// One stack frame as memory_viz reads it.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq, Hash)]
@@ -39,7 +66,7 @@ pub struct Frame {
 /// One entry of `device_traces[0]`.
 #[derive(Debug, Clone, Serialize)]
 pub struct TraceEntry {
-    /// `alloc`, `free_completed` or `snapshot`.
+    /// `alloc`, `free_completed`, `segment_alloc`, `segment_free` (CUDA) or `snapshot`.
     pub action: &'static str,
     /// Block address.
     pub addr: u64,
@@ -62,15 +89,16 @@ pub struct SegmentBlock {
     pub address: u64,
     /// Size in bytes.
     pub size: u64,
-    /// Requested size (= size).
+    /// Requested size (= size; 0 for cached memory).
     pub requested_size: u64,
-    /// Always `active_allocated`.
+    /// `active_allocated`; `inactive` for the pool's cached memory (CUDA).
     pub state: &'static str,
     /// As in the trace.
     pub frames: Vec<Frame>,
 }
 
-/// A segment: one live block at the end of the step.
+/// A segment: one live block at the end of the step, or (CUDA) the pool's
+/// cached memory then.
 #[derive(Debug, Clone, Serialize)]
 pub struct Segment {
     /// Always 0.
@@ -79,11 +107,11 @@ pub struct Segment {
     pub address: u64,
     /// Size in bytes.
     pub total_size: u64,
-    /// = total_size.
+    /// = total_size (0 for cached memory).
     pub allocated_size: u64,
-    /// = total_size.
+    /// = total_size (0 for cached memory).
     pub active_size: u64,
-    /// = total_size.
+    /// = total_size (0 for cached memory).
     pub requested_size: u64,
     /// Always 0.
     pub stream: u64,
@@ -100,6 +128,10 @@ pub struct Segment {
 pub struct AllocatorSettings {
     /// What allocator the snapshot describes.
     pub host: &'static str,
+    /// Figures of a device timeline, in bytes: `pool_used_high`,
+    /// `pool_reserved_high`, `outside_pool` (empty for the heap).
+    #[serde(flatten)]
+    pub figures: BTreeMap<&'static str, u64>,
 }
 
 /// The whole snapshot, as pickled.
@@ -107,7 +139,7 @@ pub struct AllocatorSettings {
 pub struct Snapshot {
     /// Blocks alive at the end of the step.
     pub segments: Vec<Segment>,
-    /// One trace: the host.
+    /// One trace: the host's, or the CUDA device's.
     pub device_traces: Vec<Vec<TraceEntry>>,
     /// Informational.
     pub allocator_settings: AllocatorSettings,
@@ -183,6 +215,9 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
             .iter()
             .map(|c| entry(c.block, c.alloc, c.time_ns)),
     );
+    if let Some(pool) = &timeline.pool {
+        trace = merge_by_time(trace, segment_entries(pool));
+    }
     trace.push(TraceEntry {
         action: "snapshot",
         addr: 0,
@@ -196,7 +231,7 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
         .filter(|&i| timeline.blocks[i].free_ns.is_none())
         .collect();
     alive.sort_by_key(|&i| timeline.blocks[i].addr);
-    let segments = alive
+    let mut segments: Vec<Segment> = alive
         .into_iter()
         .map(|i| {
             let b = &timeline.blocks[i];
@@ -220,13 +255,113 @@ pub fn snapshot(timeline: &Timeline) -> Snapshot {
             }
         })
         .collect();
+    let mut figures = BTreeMap::new();
+    let host = match &timeline.pool {
+        None => "oomfix counting allocator",
+        Some(pool) => {
+            figures.insert("pool_used_high", pool.used_high);
+            figures.insert("pool_reserved_high", pool.reserved_high);
+            figures.insert("outside_pool", pool.outside);
+            let (_, used, reserved) = pool.samples.last().copied().unwrap_or_default();
+            let cached = reserved.saturating_sub(used);
+            if cached > 0 {
+                let frames = vec![pool_frame("cached by the pool (reserved, not allocated)")];
+                segments.push(Segment {
+                    device: 0,
+                    address: CACHED_ADDR,
+                    total_size: cached,
+                    allocated_size: 0,
+                    active_size: 0,
+                    requested_size: 0,
+                    stream: 0,
+                    segment_type: "large",
+                    frames: frames.clone(),
+                    blocks: vec![SegmentBlock {
+                        address: CACHED_ADDR,
+                        size: cached,
+                        requested_size: 0,
+                        state: "inactive",
+                        frames,
+                    }],
+                });
+            }
+            "CUDA stream-ordered memory pool (cuMemAllocAsync), recorded by oomfix"
+        }
+    };
     Snapshot {
         segments,
         device_traces: vec![trace],
-        allocator_settings: AllocatorSettings {
-            host: "oomfix counting allocator",
-        },
+        allocator_settings: AllocatorSettings { host, figures },
     }
+}
+
+fn pool_frame(name: &str) -> Frame {
+    Frame {
+        name: name.to_string(),
+        filename: "pool",
+        line: 0,
+    }
+}
+
+/// The pool's reservation over time as `segment_alloc` / `segment_free`
+/// entries (see the module docs), each with whether it shrinks the reserve
+/// (the free of a cut segment and the allocation of its rest both do).
+fn segment_entries(pool: &PoolTrace) -> Vec<(bool, TraceEntry)> {
+    let frames = vec![pool_frame("reserved by the CUDA pool")];
+    let entry = |action, addr, size, time_ns: u64| TraceEntry {
+        action,
+        addr,
+        size,
+        stream: 0,
+        time_us: time_ns / 1000,
+        frames: frames.clone(),
+        category: "unknown",
+    };
+    let mut out = Vec::new();
+    let (mut stack, mut total, mut next): (Vec<(u64, u64)>, u64, u64) =
+        (Vec::new(), 0, SEGMENT_BASE);
+    for &(t, _, reserved) in &pool.samples {
+        if reserved > total {
+            let grow = reserved - total;
+            stack.push((next, grow));
+            out.push((false, entry("segment_alloc", next, grow, t)));
+            next += grow;
+        }
+        let mut excess = total.saturating_sub(reserved);
+        while excess > 0 {
+            let Some((addr, size)) = stack.pop() else {
+                break;
+            };
+            out.push((true, entry("segment_free", addr, size, t)));
+            if size > excess {
+                stack.push((addr, size - excess));
+                out.push((true, entry("segment_alloc", addr, size - excess, t)));
+                excess = 0;
+            } else {
+                excess -= size;
+            }
+        }
+        total = reserved;
+    }
+    out
+}
+
+/// The block entries and the segment entries in one trace by time: at the
+/// same microsecond the reserve grows before blocks are allocated and
+/// shrinks after they are freed; each list keeps its own order.
+fn merge_by_time(blocks: Vec<TraceEntry>, segments: Vec<(bool, TraceEntry)>) -> Vec<TraceEntry> {
+    let mut all: Vec<(u64, u8, TraceEntry)> = blocks
+        .into_iter()
+        .map(|e| (e.time_us, 1, e))
+        .chain(
+            segments
+                .into_iter()
+                .map(|(shrinks, e)| (e.time_us, if shrinks { 2 } else { 0 }, e)),
+        )
+        .collect();
+    // A stable sort: entries of one list and rank keep their order.
+    all.sort_by_key(|(t, rank, _)| (*t, *rank));
+    all.into_iter().map(|(_, _, e)| e).collect()
 }
 
 /// The snapshot as a JSON value (the same structure that is pickled).
@@ -323,6 +458,78 @@ mod tests {
                 String::from_utf8_lossy(&out.stderr)
             ),
             Err(e) => eprintln!("python3 not run ({e}): equality not checked"),
+        }
+    }
+
+    #[test]
+    fn a_device_snapshot_has_the_pools_segments_and_figures() {
+        use crate::measure::timeline::tests::device_events;
+        use crate::measure::timeline::POOL_BUFFERS_ADDR;
+        let t = Timeline::from_device_events(&device_events(), &HashMap::new(), 7, false);
+        let s = snapshot(&t);
+        let trace = &s.device_traces[0];
+        // Replayed, the trace's allocated and reserved bytes peak at the pool's marks.
+        let (mut alloc, mut reserved, mut peak_alloc, mut peak_reserved) = (0i64, 0i64, 0, 0);
+        let mut segments: HashMap<u64, u64> = HashMap::new();
+        for e in trace {
+            match e.action {
+                "alloc" => alloc += e.size as i64,
+                "free_completed" => alloc -= e.size as i64,
+                "segment_alloc" => {
+                    assert!(segments.insert(e.addr, e.size).is_none());
+                    reserved += e.size as i64;
+                }
+                "segment_free" => {
+                    assert_eq!(segments.remove(&e.addr), Some(e.size));
+                    reserved -= e.size as i64;
+                }
+                "snapshot" => {}
+                other => panic!("{other}"),
+            }
+            peak_alloc = peak_alloc.max(alloc);
+            peak_reserved = peak_reserved.max(reserved);
+        }
+        let pool = t.pool.as_ref().unwrap();
+        assert_eq!(peak_alloc as u64, pool.used_high);
+        assert_eq!(peak_reserved as u64, pool.reserved_high);
+        assert_eq!(reserved, 140, "the reserve at the end");
+        // The reserve shrank: segments were freed (and one cut).
+        assert!(trace.iter().any(|e| e.action == "segment_free"));
+        assert!(trace.windows(2).all(|w| w[0].time_us <= w[1].time_us));
+        // The segments at the end add up to the reserve: live blocks, then the cache.
+        let total: u64 = s.segments.iter().map(|g| g.total_size).sum();
+        assert_eq!(total, 140);
+        let cached = s.segments.last().unwrap();
+        assert_eq!((cached.address, cached.total_size), (CACHED_ADDR, 10));
+        assert_eq!(cached.blocks[0].state, "inactive");
+        assert!(trace.iter().any(|e| e.addr == POOL_BUFFERS_ADDR
+            && e.frames[0].name == crate::measure::timeline::POOL_BUFFERS));
+        assert_eq!(s.allocator_settings.figures["outside_pool"], 7);
+        assert_eq!(s.allocator_settings.figures["pool_used_high"], 158);
+        // The memoized pickle holds the same value as a plain one, and the
+        // Python check reads it (with PyTorch's own readers where installed).
+        let bytes = super::super::pickle::snapshot_pickle(&t);
+        let plain = serde_pickle::to_vec(&s, serde_pickle::SerOptions::new()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.pickle"), dir.path().join("b.pickle"));
+        std::fs::write(&a, &bytes).unwrap();
+        std::fs::write(&b, &plain).unwrap();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/check-snapshot.py");
+        let same = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
+        let python = std::env::var("OOMFIX_PYTHON").unwrap_or_else(|_| "python3".into());
+        for args in [
+            vec!["-c", same, a.to_str().unwrap(), b.to_str().unwrap()],
+            vec![script, a.to_str().unwrap(), "--pool"],
+        ] {
+            match std::process::Command::new(&python).args(&args).output() {
+                Ok(out) => assert!(
+                    out.status.success(),
+                    "{}{}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                ),
+                Err(e) => eprintln!("{python} not run ({e}): not checked"),
+            }
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The end-of-run summary of `oomfix train`, as text and as JSON.
 
+use crate::measure::timeline::PoolTrace;
 use crate::train::{Evaluation, StepStats};
 use crate::units::{format_bytes, group_digits};
 use serde_json::{json, Value};
@@ -36,6 +37,43 @@ pub struct TrainSummary {
     /// With several ranks: each rank's highest measured peak, by rank
     /// ([`peak_bytes`](Self::peak_bytes) is then the largest).
     pub rank_peak_bytes: Vec<u64>,
+    /// The CUDA pool over the steps `--snapshot` / `--plot` recorded (this
+    /// rank's).
+    pub recorded_pool: Option<PoolSummary>,
+}
+
+/// The CUDA pool over recorded steps: its peaks and the fragmentation at
+/// the allocated peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolSummary {
+    /// The highest used (allocated) bytes.
+    pub allocated_peak: u64,
+    /// Reserved bytes at that moment.
+    pub reserved_at_peak: u64,
+    /// The highest reserved bytes.
+    pub reserved_peak: u64,
+    /// Device memory outside the pool (context, modules, cuBLAS).
+    pub outside: u64,
+}
+
+impl PoolSummary {
+    /// Reserved minus allocated at the allocated peak: the pool's cached,
+    /// free memory then.
+    pub fn fragmentation(&self) -> u64 {
+        self.reserved_at_peak.saturating_sub(self.allocated_peak)
+    }
+}
+
+impl From<&PoolTrace> for PoolSummary {
+    fn from(p: &PoolTrace) -> Self {
+        let at = p.at_used_peak();
+        PoolSummary {
+            allocated_peak: at.used,
+            reserved_at_peak: at.reserved,
+            reserved_peak: p.reserved_peak(),
+            outside: p.outside,
+        }
+    }
 }
 
 impl TrainSummary {
@@ -143,6 +181,17 @@ pub fn train_summary_text(s: &TrainSummary) -> String {
             100.0 * peak as f64 / s.estimated_peak_bytes.max(1) as f64
         );
     }
+    if let Some(p) = &s.recorded_pool {
+        out += &format!(
+            "pool    recorded steps: allocated peak {}, reserved then {}, fragmentation {} \
+             (largest free block not reported by CUDA); reserved peak {}; outside the pool {}\n",
+            format_bytes(p.allocated_peak),
+            format_bytes(p.reserved_at_peak),
+            format_bytes(p.fragmentation()),
+            format_bytes(p.reserved_peak),
+            format_bytes(p.outside)
+        );
+    }
     out
 }
 
@@ -163,6 +212,13 @@ pub fn train_summary_json(s: &TrainSummary) -> Value {
         "peak_bytes": s.peak_bytes,
         "rank_peak_bytes": (s.rank_peak_bytes.len() > 1).then_some(&s.rank_peak_bytes),
         "estimated_peak_bytes": s.estimated_peak_bytes,
+        "recorded_pool": s.recorded_pool.map(|p| json!({
+            "allocated_peak_bytes": p.allocated_peak,
+            "reserved_at_peak_bytes": p.reserved_at_peak,
+            "fragmentation_bytes": p.fragmentation(),
+            "reserved_peak_bytes": p.reserved_peak,
+            "outside_pool_bytes": p.outside,
+        })),
     })
 }
 
@@ -175,4 +231,35 @@ fn eval_json(e: &Evaluation) -> Value {
         "tokens": e.tokens,
         "peak_bytes": (e.peak > 0).then_some(e.peak),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_recorded_pool_is_in_the_text_and_the_json() {
+        let mut s = TrainSummary::new(1 << 30);
+        assert!(!train_summary_text(&s).contains("pool"));
+        assert!(train_summary_json(&s)["recorded_pool"].is_null());
+        let trace = PoolTrace {
+            samples: vec![(0, 100, 100), (5, 700, 800), (9, 300, 900)],
+            used_high: 700,
+            reserved_high: 900,
+            outside: 50,
+        };
+        s.recorded_pool = Some(PoolSummary::from(&trace));
+        let text = train_summary_text(&s);
+        assert!(
+            text.contains("allocated peak 700 B, reserved then 800 B, fragmentation 100 B"),
+            "{text}"
+        );
+        assert!(
+            text.contains("reserved peak 900 B; outside the pool 50 B"),
+            "{text}"
+        );
+        let j = train_summary_json(&s);
+        assert_eq!(j["recorded_pool"]["fragmentation_bytes"], 100);
+        assert_eq!(j["recorded_pool"]["reserved_peak_bytes"], 900);
+    }
 }

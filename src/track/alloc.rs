@@ -79,6 +79,7 @@ pub fn set_phase(phase: Phase) {
     let old = PHASE.swap(phase as u8, Ordering::Relaxed);
     if old != phase as u8 {
         record(EventKind::Phase, 0, 0, current());
+        super::device::phase_changed(phase);
     }
 }
 
@@ -103,6 +104,9 @@ pub enum EventKind {
     Mark = 3,
     /// The measured step starts here.
     StepStart = 4,
+    /// An allocation of `size` bytes from a device's memory pool, not (yet)
+    /// a tensor's storage (device recordings only, [`super::device`]).
+    Pool = 5,
 }
 
 /// One recorded event. All-zero bytes are a valid event (the buffer is
@@ -175,11 +179,13 @@ fn record(kind: EventKind, addr: u64, size: u64, live: u64) {
 /// Records that the live block at `addr` holds `component` (no-op when not recording).
 pub fn mark(addr: u64, component: Component) {
     record(EventKind::Mark, addr, component as u64, current());
+    super::device::note(EventKind::Mark, addr, component as u64);
 }
 
 /// Records that the measured step starts now (no-op when not recording).
 pub fn mark_step_start() {
     record(EventKind::StepStart, 0, 0, current());
+    super::device::note(EventKind::StepStart, 0, 0);
 }
 
 /// Starts recording every allocation and free, up to `capacity` events.
@@ -314,9 +320,9 @@ pub fn reset_peak() -> u64 {
 }
 
 /// Records that the storage buffers of `tensors` hold `component` (see
-/// [`mark`]); does nothing unless recording.
+/// [`mark`]); does nothing unless recording (the heap or a device).
 pub fn mark_tensors<'a>(tensors: impl IntoIterator<Item = &'a Tensor>, component: Component) {
-    if !recording() {
+    if !recording() && !super::device::recording() {
         return;
     }
     for t in tensors {

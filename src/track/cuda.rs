@@ -121,6 +121,105 @@ pub fn trim(device: &CudaDevice) -> candle_core::Result<()> {
     unsafe { mem_pool::trim_to(pool, 0) }.w()
 }
 
+/// Whether this build can record CUDA allocations ([`start_recording`]): it
+/// links the vendored candle-core, whose memory hook
+/// (`candle_core::cuda_backend::hook`) tells of every storage and pool
+/// allocation. candle-core as released has no such hook.
+pub const CAN_RECORD: bool = super::device::MEMORY_HOOK_LINKED;
+
+/// Why a build without the hook refuses to record.
+pub const NEEDS_MEMORY_HOOK: &str =
+    "recording CUDA allocations (--snapshot, --plot) needs the memory hook of \
+     oomfix's vendored candle-core; this build links candle-core as released, which has none \
+     (build oomfix's own workspace, whose [patch] uses vendor/candle-core)";
+
+/// The default pool of the device being recorded, as an integer (0: none).
+static RECORDED_POOL: AtomicU64 = AtomicU64::new(0);
+/// The ordinal of the device being recorded.
+static RECORDED_ORDINAL: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// Starts recording `device`'s allocations into [`super::device`]: every
+/// tensor storage allocated and freed, every allocation from its pool, with
+/// the pool's counters at each, up to `capacity` events. Refused by a build
+/// without candle-core's memory hook ([`CAN_RECORD`]).
+pub fn start_recording(device: &CudaDevice, capacity: usize) -> candle_core::Result<()> {
+    if !CAN_RECORD {
+        candle_core::bail!("{NEEDS_MEMORY_HOOK}");
+    }
+    let pool = default_pool(device)?;
+    RECORDED_POOL.store(pool as u64, Ordering::SeqCst);
+    let ordinal = device.cuda_stream().context().ordinal();
+    RECORDED_ORDINAL.store(ordinal as u64, Ordering::SeqCst);
+    super::device::start(capacity, read_counters);
+    #[cfg(candle_memory_hook)]
+    candle_core::cuda_backend::hook::set_memory_hook(Some(on_memory));
+    Ok(())
+}
+
+/// Stops the recording of [`start_recording`]: its events and whether it
+/// filled up.
+pub fn stop_recording() -> (Vec<super::device::DeviceEvent>, bool) {
+    #[cfg(candle_memory_hook)]
+    candle_core::cuda_backend::hook::set_memory_hook(None);
+    let out = super::device::stop();
+    RECORDED_POOL.store(0, Ordering::SeqCst);
+    out
+}
+
+/// The recorded pool's counters, read without waiting for the device (what
+/// the allocations queued so far asked of it).
+fn read_counters() -> super::device::PoolCounters {
+    let pool = RECORDED_POOL.load(Ordering::Relaxed) as CUmemoryPool;
+    if pool.is_null() {
+        return super::device::PoolCounters::default();
+    }
+    let read = |attr| get(pool, attr).unwrap_or(0);
+    super::device::PoolCounters {
+        used: read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT),
+        reserved: read(CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT),
+        used_high: read(CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH),
+        reserved_high: read(CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH),
+    }
+}
+
+/// candle's memory hook: the recorded device's events into the recording.
+#[cfg(candle_memory_hook)]
+fn on_memory(ordinal: usize, event: candle_core::cuda_backend::hook::MemoryEvent) {
+    use super::alloc::EventKind;
+    use candle_core::cuda_backend::hook::MemoryEvent;
+    if ordinal as u64 != RECORDED_ORDINAL.load(Ordering::Relaxed) {
+        return;
+    }
+    match event {
+        MemoryEvent::PoolAlloc { bytes } => super::device::note(EventKind::Pool, 0, bytes),
+        MemoryEvent::StorageAlloc { ptr, bytes } => {
+            super::device::note(EventKind::Alloc, ptr, bytes)
+        }
+        MemoryEvent::StorageFree { ptr, bytes } => super::device::note(EventKind::Free, ptr, bytes),
+    }
+}
+
+/// The device [`trim_between_phases`] trims.
+static TRIM_DEVICE: Mutex<Option<CudaDevice>> = Mutex::new(None);
+
+/// With `Some(device)`, trims `device`'s pool ([`trim`]: waits for the
+/// device, then returns all cached memory to the driver) at every phase
+/// change of the trainer (forward, backward, optimizer step, between
+/// steps) from now on; `None` stops it.
+pub fn trim_between_phases(device: Option<&CudaDevice>) {
+    *TRIM_DEVICE.lock().unwrap_or_else(|e| e.into_inner()) = device.cloned();
+    super::device::set_on_phase_change(device.map(|_| trim_now as fn()));
+}
+
+fn trim_now() {
+    let held = TRIM_DEVICE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(device) = held.as_ref() {
+        if let Err(e) = trim(device) {
+            tracing::warn!(error = %e, "trimming the CUDA pool between phases failed");
+        }
+    }
+}
+
 /// Bytes held by the ballast of [`enforce_budget`] (0 when none is held).
 static BALLAST_BYTES: AtomicU64 = AtomicU64::new(0);
 /// The ballast itself, held until the process exits.

@@ -295,11 +295,16 @@ impl Component {
     }
 }
 
-/// The address of a CPU tensor's storage buffer (`None` on other devices or
-/// for an empty buffer). Does not allocate.
+/// The address of a tensor's storage buffer: on the CPU the heap block's,
+/// on CUDA (with the `cuda` feature) the device address (`None` on other
+/// devices or for an empty buffer). Does not allocate.
 pub fn storage_addr(t: &Tensor) -> Option<u64> {
     use candle_core::CpuStorage as C;
     let (storage, _) = t.storage_and_layout();
+    #[cfg(feature = "cuda")]
+    if let Storage::Cuda(cuda) = &*storage {
+        return cuda_addr(cuda);
+    }
     let Storage::Cpu(cpu) = &*storage else {
         return None;
     };
@@ -318,6 +323,29 @@ pub fn storage_addr(t: &Tensor) -> Option<u64> {
         C::F8E4M3(v) => (v.as_ptr() as u64, v.capacity()),
     };
     (len > 0).then_some(ptr)
+}
+
+/// The device address of a CUDA storage (`None` when empty).
+#[cfg(feature = "cuda")]
+fn cuda_addr(s: &candle_core::CudaStorage) -> Option<u64> {
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    fn of<T>(s: &CudaSlice<T>) -> Option<u64> {
+        let (ptr, _sync) = s.device_ptr(s.stream());
+        (s.num_bytes() > 0).then_some(ptr)
+    }
+    match &s.slice {
+        S::U8(v) | S::F6E2M3(v) | S::F6E3M2(v) | S::F4(v) | S::F8E8M0(v) => of(v),
+        S::U32(v) => of(v),
+        S::I16(v) => of(v),
+        S::I32(v) => of(v),
+        S::I64(v) => of(v),
+        S::BF16(v) => of(v),
+        S::F16(v) => of(v),
+        S::F32(v) => of(v),
+        S::F64(v) => of(v),
+        S::F8E4M3(v) => of(v),
+    }
 }
 
 #[cfg(test)]

@@ -86,6 +86,12 @@ pub struct TrainOptions {
     /// (`torch.nn.utils.clip_grad_norm_`'s `max_norm`); `None` (the
     /// default here; `oomfix train` clips at 1.0): no clipping.
     pub max_grad_norm: Option<f64>,
+    /// On CUDA, trim the memory pool at every phase change of a step
+    /// (forward, backward, optimizer step, between steps): it waits for the
+    /// device and returns the pool's cached memory to the driver
+    /// (`track::cuda::trim`, PyTorch's `empty_cache()`). It frees no live
+    /// tensor and costs the waits; default off. Nothing elsewhere.
+    pub trim_between_phases: bool,
     /// With a LoRA plan, [`Trainer::save`] writes the merged model (the
     /// adapters added into the base weights) instead of the adapters.
     pub merge_lora: bool,
@@ -106,6 +112,7 @@ impl Default for TrainOptions {
             schedule: super::LrSchedule::default(),
             source: ModelSource::default(),
             max_grad_norm: None,
+            trim_between_phases: false,
             merge_lora: false,
         }
     }
@@ -221,6 +228,8 @@ pub struct Trainer {
     /// What a saved directory holds beside the weights.
     source: ModelSource,
     max_grad_norm: Option<f64>,
+    /// [`TrainOptions::trim_between_phases`].
+    trim_between_phases: bool,
     step: u64,
     /// What was live before the model was built ([`track::phase_peak`]).
     live_base: u64,
@@ -655,6 +664,7 @@ impl Trainer {
             schedule: options.schedule,
             source: options.source.clone(),
             max_grad_norm: options.max_grad_norm,
+            trim_between_phases: options.trim_between_phases,
             step: 0,
             live_base,
             units,
@@ -1295,8 +1305,12 @@ impl Trainer {
     pub fn step(&mut self, data: &mut DataSource) -> Result<StepStats> {
         let start = Instant::now();
         let before = self.traffic();
+        let trimming = self
+            .trim_between_phases
+            .then(|| TrimBetweenPhases::on(&self.device));
         let outcome = self.step_phases(data);
         alloc::set_phase(Phase::Setup);
+        drop(trimming);
         let (loss, forward_backward_peak, optimizer_peak, skipped, grad_norm) = outcome?;
         let lr = self.lr();
         self.step += 1;
@@ -1466,6 +1480,28 @@ impl Trainer {
             m.sync_to_compute()?;
         }
         Ok(norm)
+    }
+}
+
+/// While alive, the CUDA pool of a device is trimmed at every phase change
+/// ([`TrainOptions::trim_between_phases`]); nothing on other devices.
+struct TrimBetweenPhases;
+
+impl TrimBetweenPhases {
+    fn on(device: &Device) -> TrimBetweenPhases {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(cuda) = device {
+            crate::track::cuda::trim_between_phases(Some(cuda));
+        }
+        let _ = device;
+        TrimBetweenPhases
+    }
+}
+
+impl Drop for TrimBetweenPhases {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        crate::track::cuda::trim_between_phases(None);
     }
 }
 

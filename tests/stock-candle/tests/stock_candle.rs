@@ -27,6 +27,14 @@ fn the_probe_reports_stock_candle() {
     assert_eq!(json["candle_first_gradient_as_is"], false);
 }
 
+/// candle-core as released has no CUDA memory hook, and oomfix's build
+/// sees that: recording CUDA allocations (`--snapshot` on a GPU) is refused
+/// in such a build rather than recording nothing.
+#[test]
+fn stock_candle_has_no_memory_hook() {
+    assert!(!std::hint::black_box(oomfix::track::device::MEMORY_HOOK_LINKED));
+}
+
 /// A model oomfix does not know, planned by measurement: within 3% of the
 /// real step, at most 6 probe steps, the fixes it cannot take skipped with
 /// their reasons (`common/mixer.rs`).

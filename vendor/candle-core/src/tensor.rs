@@ -157,6 +157,16 @@ macro_rules! broadcast_binary_op {
     };
 }
 
+/// A new storage in its lock; a CUDA storage is reported to the memory hook
+/// (`cuda_backend::hook`).
+fn new_storage(storage: Storage) -> Arc<RwLock<Storage>> {
+    #[cfg(feature = "cuda")]
+    if let Storage::Cuda(s) = &storage {
+        s.report_created();
+    }
+    Arc::new(RwLock::new(storage))
+}
+
 /// Creates a fresh tensor structure based on a storage and a shape, this uses contiguous strides.
 pub(crate) fn from_storage<S: Into<Shape>>(
     storage: Storage,
@@ -168,7 +178,7 @@ pub(crate) fn from_storage<S: Into<Shape>>(
     let device = storage.device();
     let tensor_ = Tensor_ {
         id: TensorId::new(),
-        storage: Arc::new(RwLock::new(storage)),
+        storage: new_storage(storage),
         layout: Layout::contiguous(shape),
         op,
         is_variable,
@@ -2361,7 +2371,7 @@ impl Tensor {
         let op = BackpropOp::new1(self, Op::Copy);
         let tensor_ = Tensor_ {
             id: TensorId::new(),
-            storage: Arc::new(RwLock::new(self.storage().try_clone(self.layout())?)),
+            storage: new_storage(self.storage().try_clone(self.layout())?),
             layout: self.layout.clone(),
             op,
             is_variable: false,
@@ -2423,7 +2433,7 @@ impl Tensor {
             let op = BackpropOp::new1(self, Op::ToDevice);
             let tensor_ = Tensor_ {
                 id: TensorId::new(),
-                storage: Arc::new(RwLock::new(storage)),
+                storage: new_storage(storage),
                 layout: self.layout.clone(),
                 op,
                 is_variable: false,

@@ -79,14 +79,29 @@ impl CudaDevice {
         &self,
         len: usize,
     ) -> Result<cudarc::driver::CudaSlice<T>> {
-        self.stream.alloc::<T>(len).w()
+        let slice = self.stream.alloc::<T>(len).w()?;
+        self.report_pool_alloc(slice.num_bytes());
+        Ok(slice)
+    }
+
+    /// Tells the memory hook (`super::hook`) of an allocation from the pool.
+    #[inline]
+    fn report_pool_alloc(&self, bytes: usize) {
+        if super::hook::active() {
+            let event = super::hook::MemoryEvent::PoolAlloc {
+                bytes: bytes as u64,
+            };
+            super::hook::notify(self.context.ordinal(), event);
+        }
     }
 
     pub fn alloc_zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         len: usize,
     ) -> Result<cudarc::driver::CudaSlice<T>> {
-        self.stream.alloc_zeros::<T>(len).w()
+        let slice = self.stream.alloc_zeros::<T>(len).w()?;
+        self.report_pool_alloc(slice.num_bytes());
+        Ok(slice)
     }
 
     pub fn enable_cuda_graph_htod_cache(&self) -> CudaGraphHtodCacheGuard {
@@ -152,7 +167,9 @@ impl CudaDevice {
         if cuda_graph_htod_cache_enabled() && !src.is_empty() {
             return self.clone_htod_capture_cached(src);
         }
-        self.stream.clone_htod(src).w()
+        let slice = self.stream.clone_htod(src).w()?;
+        self.report_pool_alloc(slice.num_bytes());
+        Ok(slice)
     }
 
     fn check_capture_copy(&self, op: &str) -> Result<()> {

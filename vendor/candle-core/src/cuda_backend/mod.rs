@@ -18,6 +18,7 @@ pub mod cudnn;
 #[cfg(feature = "cutile")]
 pub mod cutile;
 mod device;
+pub mod hook;
 mod error;
 mod utils;
 pub use device::{CudaDevice, DeviceId};
@@ -1251,6 +1252,47 @@ fn slice_src_and_dst<'a, T>(
 pub struct CudaStorage {
     pub slice: CudaStorageSlice,
     pub device: CudaDevice,
+}
+
+impl CudaStorageSlice {
+    /// Device address, size in bytes and device ordinal (for [`hook`]).
+    fn memory(&self) -> (u64, u64, usize) {
+        fn of<T>(s: &CudaSlice<T>) -> (u64, u64, usize) {
+            let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(s, s.stream());
+            (ptr, s.num_bytes() as u64, s.ordinal())
+        }
+        match self {
+            Self::U8(s) | Self::F6E2M3(s) | Self::F6E3M2(s) | Self::F4(s) | Self::F8E8M0(s) => of(s),
+            Self::U32(s) => of(s),
+            Self::I16(s) => of(s),
+            Self::I32(s) => of(s),
+            Self::I64(s) => of(s),
+            Self::BF16(s) => of(s),
+            Self::F16(s) => of(s),
+            Self::F32(s) => of(s),
+            Self::F64(s) => of(s),
+            Self::F8E4M3(s) => of(s),
+        }
+    }
+}
+
+impl CudaStorage {
+    /// Tells the memory hook that this storage became a tensor's.
+    pub(crate) fn report_created(&self) {
+        if hook::active() {
+            let (ptr, bytes, ordinal) = self.slice.memory();
+            hook::notify(ordinal, hook::MemoryEvent::StorageAlloc { ptr, bytes });
+        }
+    }
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        if hook::active() {
+            let (ptr, bytes, ordinal) = self.slice.memory();
+            hook::notify(ordinal, hook::MemoryEvent::StorageFree { ptr, bytes });
+        }
+    }
 }
 
 pub trait CudaDType: Sized {
