@@ -9,8 +9,9 @@ use crate::Family;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Support {
     /// Planned and trained as `family`; `qk_norm`: with RMSNorm on each
-    /// query and key head (Qwen3); `fused`: with one q/k/v and one gate/up
-    /// projection (Phi-3).
+    /// query and key head (Qwen3, Gemma 3); `fused`: with one q/k/v and one
+    /// gate/up projection (Phi-3); `gemma`: Gemma's blocks, of version 2 or 3
+    /// ([`crate::GemmaSettings`]).
     Implemented {
         /// The family whose model computes it.
         family: Family,
@@ -18,6 +19,8 @@ pub enum Support {
         qk_norm: bool,
         /// Fused `qkv_proj` and `gate_up_proj`.
         fused: bool,
+        /// Gemma 2 or 3 (text); `None` for the others.
+        gemma: Option<u8>,
     },
     /// Known, not implemented: `missing` says what its model computes that
     /// oomfix's families do not.
@@ -39,6 +42,19 @@ const fn implemented(names: &'static [&'static str], family: Family, qk_norm: bo
             family,
             qk_norm,
             fused: false,
+            gemma: None,
+        },
+    }
+}
+
+const fn gemma(names: &'static [&'static str], version: u8) -> Entry {
+    Entry {
+        names,
+        support: Support::Implemented {
+            family: Family::Llama,
+            qk_norm: version == 3,
+            fused: false,
+            gemma: Some(version),
         },
     }
 }
@@ -87,23 +103,13 @@ const TABLE: &[Entry] = &[
         &["GemmaForCausalLM", "GemmaModel", "gemma"],
         "(1 + w) RMSNorm, √hidden embedding scale and the GeLU-tanh MLP are not implemented",
     ),
+    gemma(&["Gemma2ForCausalLM", "Gemma2Model", "gemma2"], 2),
+    gemma(&["Gemma3ForCausalLM", "Gemma3TextModel", "gemma3_text"], 3),
     missing(
-        &["Gemma2ForCausalLM", "Gemma2Model", "gemma2"],
-        "(1 + w) RMSNorm, four norms per block, √hidden embedding scale, attention and \
-         final-logit soft-capping, alternating sliding-window layers, query_pre_attn_scalar \
-         and the GeLU-tanh MLP are not implemented",
-    ),
-    missing(
-        &[
-            "Gemma3ForCausalLM",
-            "Gemma3ForConditionalGeneration",
-            "Gemma3TextModel",
-            "gemma3",
-            "gemma3_text",
-        ],
-        "(1 + w) RMSNorm, four norms per block, √hidden embedding scale, q/k norm with (1 + w), \
-         local and global RoPE bases, alternating sliding-window layers, query_pre_attn_scalar \
-         and the GeLU-tanh MLP are not implemented",
+        &["Gemma3ForConditionalGeneration", "gemma3"],
+        "it is the multimodal Gemma 3 (a vision tower and projector beside the language model, \
+         its tensors under language_model.): only the text model is implemented \
+         (Gemma3ForCausalLM, model_type gemma3_text)",
     ),
     Entry {
         names: &["Phi3ForCausalLM", "Phi3Model", "phi3"],
@@ -111,6 +117,7 @@ const TABLE: &[Entry] = &[
             family: Family::Llama,
             qk_norm: false,
             fused: true,
+            gemma: None,
         },
     },
     missing(
@@ -148,7 +155,7 @@ pub fn refusal(name: &str) -> Option<String> {
         Support::Implemented { .. } => None,
         Support::Missing(what) => Some(format!("{name} is known, but {what}")),
         Support::Unknown => Some(format!(
-            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, BERT)"
+            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text, BERT)"
         )),
     }
 }
@@ -218,15 +225,21 @@ mod tests {
             Support::Implemented {
                 family: Family::Llama,
                 qk_norm: true,
-                fused: false
+                fused: false,
+                gemma: None
             }
         );
-        assert!(matches!(support("gemma2"), Support::Missing(_)));
+        assert!(matches!(
+            support("gemma2"),
+            Support::Implemented { gemma: Some(2), .. }
+        ));
+        assert!(matches!(support("gemma"), Support::Missing(_)));
         assert_eq!(support("MambaForCausalLM"), Support::Unknown);
         assert!(refusal("LlamaForCausalLM").is_none());
-        let why = refusal("Gemma3ForCausalLM").unwrap();
+        assert!(refusal("Gemma3ForCausalLM").is_none());
+        let why = refusal("Gemma3ForConditionalGeneration").unwrap();
         assert!(
-            why.contains("Gemma3ForCausalLM") && why.contains("q/k norm"),
+            why.contains("Gemma3ForConditionalGeneration") && why.contains("gemma3_text"),
             "{why}"
         );
         assert!(refusal("Qwen3MoeForCausalLM")

@@ -638,7 +638,8 @@ impl Planner {
             Some(h) => h == oomfix_strategies::Precision::Bf16,
             None => self.target.supports_bf16(),
         };
-        ctx.flash_attention = self.target.has_flash_attention(spec.config.head_dim());
+        ctx.flash_attention = self.target.has_flash_attention(spec.config.head_dim())
+            && spec.config.flash_computes_it();
         ctx.host_offload = self.target.has_host_memory();
         ctx.model = self.capabilities;
         let skipped: Vec<Skipped> = self

@@ -122,6 +122,48 @@ pub struct ModelSettings {
     pub partial_rotary_factor: Option<f64>,
     /// The numbers of `rope_scaling` (absent ones are transformers' defaults).
     pub rope: RopeFactors,
+    /// Gemma 2 / Gemma 3 (text): what their blocks compute beyond a Llama's
+    /// ([`GemmaSettings`]); `None` for every other model.
+    pub gemma: Option<GemmaSettings>,
+}
+
+/// What a Gemma 2 or Gemma 3 (text) model computes beyond a Llama-style one,
+/// as `transformers` reads it from `config.json` (absent keys take the
+/// class's defaults there).
+///
+/// Both: RMSNorms scaled by `1 + w` (computed in f32), four norms per block
+/// (`input_layernorm`, `post_attention_layernorm`,
+/// `pre_feedforward_layernorm`, `post_feedforward_layernorm`), the
+/// embedding multiplied by √hidden rounded to the compute dtype, scores
+/// scaled by `query_pre_attn_scalar^-½`, sliding-window layers beside
+/// full ones, a GeLU (tanh) gated MLP. Gemma 2 soft-caps the attention
+/// scores and the final logits (`cap·tanh(x/cap)`); Gemma 3 norms each
+/// query and key head (`q_norm`, `k_norm`, with `1 + w`) and gives its
+/// sliding layers their own RoPE base.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GemmaSettings {
+    /// 2 or 3.
+    pub version: u8,
+    /// `query_pre_attn_scalar`: scores are scaled by its inverse square root.
+    pub query_pre_attn_scalar: f64,
+    /// `attn_logit_softcapping`: the cap of the attention scores.
+    pub attn_softcap: Option<f64>,
+    /// `final_logit_softcapping`: the cap of the logits.
+    pub final_softcap: Option<f64>,
+    /// Per block, whether it attends within `sliding_window` only
+    /// (`layer_types`, or the pattern of the class: Gemma 2 every other
+    /// block from the first, Gemma 3 five of every `sliding_window_pattern`).
+    pub sliding_layers: Vec<bool>,
+    /// The RoPE base of the sliding layers (Gemma 3's
+    /// `rope_local_base_freq`); `None`: the global base.
+    pub local_rope_theta: Option<f64>,
+}
+
+impl GemmaSettings {
+    /// Whether block `l` is a sliding-window block.
+    pub fn sliding(&self, l: usize) -> bool {
+        self.sliding_layers.get(l).copied().unwrap_or(false)
+    }
 }
 
 /// The numbers of a `rope_scaling` object, each `None` when absent.
@@ -264,7 +306,8 @@ impl ModelConfig {
         if let Some(found) = self.unimplemented() {
             return Some(found);
         }
-        match self.settings.sliding_window.filter(|&w| w < seq_len) {
+        let windowed = self.settings.gemma.is_none();
+        match self.settings.sliding_window.filter(|&w| windowed && w < seq_len) {
             Some(w) => Some((
                 "sliding_window",
                 w.to_string(),
@@ -316,12 +359,15 @@ impl ModelConfig {
         let act = self.hidden_act();
         let implemented: &[&str] = match self.family {
             Family::Gpt2 | Family::Bert => &["gelu", "gelu_new", "gelu_pytorch_tanh"],
+            Family::Llama if s.gemma.is_some() => &["gelu", "gelu_new", "gelu_pytorch_tanh"],
             Family::Llama => &["silu", "swish"],
             Family::Generic => &[],
         };
         if self.family != Family::Generic && !implemented.contains(&act) {
             let field = if self.family == Family::Gpt2 {
                 "activation_function"
+            } else if s.gemma.is_some() {
+                "hidden_activation"
             } else {
                 "hidden_act"
             };
@@ -336,6 +382,24 @@ impl ModelConfig {
             ));
         }
         None
+    }
+
+    /// Whether [`oomfix_strategies::attention::flash_attention`] computes
+    /// this model's attention: not for Gemma 2 and 3, whose scores are
+    /// soft-capped (Gemma 2) and whose sliding-window blocks see only the
+    /// last `sliding_window` keys; their blocks compose attention from
+    /// candle ops, and the planner never chooses flash attention for them.
+    pub fn flash_computes_it(&self) -> bool {
+        self.settings.gemma.is_none()
+    }
+
+    /// The offset added to the RMSNorm scales: 1 for Gemma (`1 + w`), else 0.
+    pub fn norm_offset(&self) -> f32 {
+        if self.settings.gemma.is_some() {
+            1.0
+        } else {
+            0.0
+        }
     }
 
     /// Size of one attention head: `config.json`'s `head_dim`, else
@@ -403,6 +467,10 @@ impl ModelConfig {
                         add(format!("{p}self_attn.k_norm.weight"), &[d]);
                     }
                     add(format!("{p}post_attention_layernorm.weight"), &[h]);
+                    if self.settings.gemma.is_some() {
+                        add(format!("{p}pre_feedforward_layernorm.weight"), &[h]);
+                        add(format!("{p}post_feedforward_layernorm.weight"), &[h]);
+                    }
                     if self.settings.fused_projections {
                         add(format!("{p}mlp.gate_up_proj.weight"), &[2 * i, h]);
                     } else {

@@ -189,6 +189,23 @@ struct Dims {
     /// [`VOCAB_ALIGN`].
     p: u64,
     flash: bool,
+    /// The compute dtype is 16-bit (f32 copies are real copies).
+    half: bool,
+    /// Gemma 2 / 3: their terms ([`gemma_block`]).
+    gemma: Option<GemmaDims>,
+}
+
+/// What a Gemma model adds to a Llama-style one's activations.
+#[derive(Debug, Clone, Copy)]
+struct GemmaDims {
+    /// Attention scores soft-capped (Gemma 2).
+    attn_cap: bool,
+    /// Logits soft-capped (Gemma 2).
+    final_cap: bool,
+    /// Kinds of blocks with their own RoPE tables and mask: 2 when sliding
+    /// blocks compute another attention than the full ones (a window shorter
+    /// than the sequence, or a RoPE base of their own), else 1.
+    kinds: u64,
 }
 
 impl Dims {
@@ -208,6 +225,20 @@ impl Dims {
             v: c.vocab as u64,
             p: c.vocab.next_multiple_of(VOCAB_ALIGN) as u64,
             flash: exec.attention == Attention::Flash,
+            half: plan.precision.compute_bytes() < 4,
+            gemma: c.settings.gemma.as_ref().map(|g| {
+                let sliding = g.sliding_layers.iter().any(|&x| x);
+                let window = c.settings.sliding_window.is_some_and(|w| w < plan.seq_len);
+                GemmaDims {
+                    attn_cap: g.attn_softcap.is_some(),
+                    final_cap: g.final_softcap.is_some(),
+                    kinds: if sliding && (window || g.local_rope_theta.is_some()) {
+                        2
+                    } else {
+                        1
+                    },
+                }
+            }),
         }
     }
     /// `[b, H, s, s]` elements.
@@ -242,9 +273,40 @@ fn attention_core(d: &Dims) -> Values {
     }
 }
 
+/// What one Gemma block's forward keeps (`gemma::Block` and `attend` in
+/// `src/train/gemma.rs`): four norms `[n,h]`; q `[n,q]`, k, v `[n,kv]`
+/// (Gemma 3: and their norms); the v copy and RoPE of q and k; the composed
+/// attention's score-sized tensors (scores; with a cap, tanh and its
+/// multiple; masked; 16-bit: their f32 copy; shifted, exponentials,
+/// probabilities in f32; 16-bit: the probabilities' copy) and its row
+/// maximum and sum `[b,H,s]` f32; context and merged heads `[n,q]`;
+/// `o_proj` and residual, `down_proj` and residual `[n,h]`; gate, up, GeLU
+/// and product `[n,I]`.
+fn gemma_block(d: &Dims, g: GemmaDims) -> Values {
+    let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
+    let half = u64::from(d.half);
+    let scores_c = 2 + 2 * u64::from(g.attn_cap) + half;
+    Values {
+        c: 4 * n * d.q
+            + 4 * n * kv
+            + 4 * n * h
+            + 4 * n * i
+            + if d.qk_norm { n * (d.q + kv) } else { 0 }
+            + scores_c * d.scores(),
+        f32: (3 + half) * d.scores() + 2 * n * d.heads,
+    }
+    .add(d.norm())
+    .add(d.norm())
+    .add(d.norm())
+    .add(d.norm())
+}
+
 /// What one transformer block's forward keeps.
 fn block(family: Family, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
+    if let (Family::Llama, Some(g)) = (family, d.gemma) {
+        return gemma_block(d, g);
+    }
     let core = attention_core(d);
     match family {
         // ln_1; c_attn [n,3h]; q, k, v contiguous copies;
@@ -301,6 +363,15 @@ fn stem(family: Family, d: &Dims) -> Values {
             c: 2 * d.n * d.h,
             f32: 0,
         },
+        // Gemma: the embedding and its √hidden multiple; per kind of block,
+        // RoPE tables and the `[s,s]` mask.
+        Family::Llama if d.gemma.is_some() => {
+            let kinds = d.gemma.map_or(1, |g| g.kinds);
+            Values {
+                c: 2 * d.n * d.h + kinds * d.s * d.s,
+                f32: kinds * 4 * d.s * d.head_dim,
+            }
+        }
         Family::Llama => Values {
             c: d.n * d.h,
             f32: 4 * d.s * d.head_dim,
@@ -329,11 +400,40 @@ fn head(family: Family, d: &Dims) -> Values {
         .add(d.norm()),
     };
     let padded = if d.p == d.v { 0 } else { d.p * (d.h + 1) };
+    // Gemma 2's soft-cap: the logits over the cap, their tanh and its multiple.
+    let capped = if d.gemma.is_some_and(|g| g.final_cap) {
+        3 * d.n * d.p
+    } else {
+        0
+    };
     norm.add(Values {
-        c: d.n * d.p + padded,
+        c: d.n * d.p + padded + capped,
         f32: 2 * d.n,
     })
 }
+
+/// Logits-sized tensors alive at once while the backward crosses Gemma 2's
+/// soft-cap of the logits, besides the logits and the cap's outputs the
+/// head keeps: the gradients of the capped logits and of their tanh, the
+/// tanh's square and its difference from 1, their product.
+pub const SOFTCAP_BACKWARD_NV: u64 = 4;
+
+/// Bytes alive at once while the backward crosses one Gemma attention
+/// (composed from candle ops), on top of what the block keeps: score-sized
+/// gradients `[b,H,s,s]` (`P·v`'s `dP` in the compute dtype and its f32
+/// copy, then the softmax's division, exponential and subtraction
+/// backward in f32, the mask's and, with a cap, the tanh's in the compute
+/// dtype; [`GEMMA_ATTENTION_BACKWARD_SCORES`] at once), and the gradients
+/// of the block's output, the merged heads and q `[n,H·d]` ×2 and of k
+/// and v `[n,kv]` ×2.
+fn gemma_attention_backward(d: &Dims, c: u64) -> u64 {
+    GEMMA_ATTENTION_BACKWARD_SCORES * d.scores() * 4
+        + (d.n * d.h + 2 * d.n * d.q + 2 * d.n * d.kv) * c
+}
+
+/// Score-sized f32 tensors alive at once in a Gemma attention's backward
+/// ([`gemma_attention_backward`]).
+pub const GEMMA_ATTENTION_BACKWARD_SCORES: u64 = 3;
 
 /// Logits-sized tensors in the compute dtype alive at once while the backward
 /// crosses the loss, on top of the logits the head keeps: the fused
@@ -534,8 +634,15 @@ pub fn activation_bytes_for(
     if plan.lora.is_some() {
         head_copies = 0;
     }
-    let loss_transient = (loss_nv * d.n * d.p).max(d.n * d.p + head_copies * d.p * d.h) * c;
+    let cap_nv = if d.gemma.is_some_and(|g| g.final_cap) {
+        SOFTCAP_BACKWARD_NV
+    } else {
+        0
+    };
+    let loss_transient =
+        ((loss_nv + cap_nv) * d.n * d.p).max(d.n * d.p + head_copies * d.p * d.h) * c;
     let attention_backward = match (d.flash, stock) {
+        (false, _) if d.gemma.is_some() => gemma_attention_backward(&d, c),
         (true, false) => flash_backward(&d),
         (true, true) => flash_backward(&d) + STOCK_FLASH_BACKWARD_NH * d.n * d.h * c,
         (false, false) => composed_backward(&d) * c,

@@ -290,6 +290,36 @@ pub fn inspect_text(spec: &ModelSpec) -> String {
             if s.qk_norm {
                 let _ = writeln!(out, "q/k norm       per head (RMSNorm)");
             }
+            if let Some(g) = &s.gemma {
+                let cap = |c: Option<f64>| c.map_or("none".to_string(), |c| c.to_string());
+                let sliding = g.sliding_layers.iter().filter(|&&x| x).count();
+                let _ = writeln!(
+                    out,
+                    "gemma          {}: norms scaled by 1 + w, 4 per block, embedding x sqrt(hidden), \
+                     scores x {}^-1/2",
+                    g.version, g.query_pre_attn_scalar
+                );
+                let _ = writeln!(
+                    out,
+                    "soft-caps      attention {}, logits {}",
+                    cap(g.attn_softcap),
+                    cap(g.final_softcap)
+                );
+                let local = g
+                    .local_rope_theta
+                    .map_or(String::new(), |t| format!(", RoPE base {t}"));
+                let _ = writeln!(
+                    out,
+                    "sliding blocks {sliding} of {}{local}",
+                    g.sliding_layers.len()
+                );
+            }
+            if !c.flash_computes_it() {
+                let _ = writeln!(
+                    out,
+                    "attention      composed (flash attention computes neither soft-caps nor sliding windows)"
+                );
+            }
         }
         if let Some(w) = s.sliding_window {
             let _ = writeln!(out, "sliding window {w}");

@@ -97,7 +97,7 @@ impl Block {
             p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn)
         };
         let eps = config.norm_eps();
-        let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps);
+        let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps, 0.0);
         let (qkv_bias, o_bias) = (
             config.qkv_bias || config.settings.attention_bias,
             config.settings.attention_bias,
@@ -216,7 +216,7 @@ impl Llama {
             blocks: (0..config.layers)
                 .map(|l| Block::new(&p, l, config))
                 .collect::<Result<_>>()?,
-            norm: p.rms_norm("model.norm", config.norm_eps())?,
+            norm: p.rms_norm("model.norm", config.norm_eps(), 0.0)?,
             vars: p.into_vars(),
             tags: [
                 "model.embed_tokens",

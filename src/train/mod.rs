@@ -186,6 +186,7 @@ mod schedule;
 pub use saved::{ModelSource, TrainingState};
 pub use schedule::{default_lr, Decay, LrSchedule, PRETRAINED_LR, RANDOM_INIT_LR};
 pub use trainer::{compute_dtype, plan_changes, Evaluation, StepStats, TrainOptions, Trainer};
+mod gemma;
 mod gpt2;
 mod layers;
 mod llama;
@@ -319,6 +320,7 @@ pub struct StepOutput {
 enum FamilyModel {
     Gpt2(gpt2::Gpt2),
     Llama(llama::Llama),
+    Gemma(gemma::Gemma),
     Bert(bert::Bert),
 }
 
@@ -335,6 +337,7 @@ impl HubModel {
         match &self.0 {
             FamilyModel::Gpt2(m) => m.config(),
             FamilyModel::Llama(m) => m.config(),
+            FamilyModel::Gemma(m) => m.config(),
             FamilyModel::Bert(m) => m.config(),
         }
     }
@@ -345,6 +348,7 @@ impl HubModel {
         match &self.0 {
             FamilyModel::Gpt2(m) => m.named_vars(),
             FamilyModel::Llama(m) => m.named_vars(),
+            FamilyModel::Gemma(m) => m.named_vars(),
             FamilyModel::Bert(m) => m.named_vars(),
         }
     }
@@ -355,6 +359,7 @@ impl HubModel {
         match &self.0 {
             FamilyModel::Gpt2(m) => m.forward(batch, exec),
             FamilyModel::Llama(m) => m.forward(batch, exec),
+            FamilyModel::Gemma(m) => m.forward(batch, exec),
             FamilyModel::Bert(m) => m.forward(batch, exec),
         }
     }
@@ -453,8 +458,12 @@ impl Model for HubModel {
         }))
     }
 
+    /// Every capability, except flash attention for a model whose attention
+    /// it does not compute ([`ModelConfig::flash_computes_it`]).
     fn capabilities(&self) -> Capabilities {
-        Capabilities::ALL.with_blocks(self.config().layers)
+        let mut caps = Capabilities::ALL.with_blocks(self.config().layers);
+        caps.attention = self.config().flash_computes_it();
+        caps
     }
 }
 
@@ -506,6 +515,9 @@ pub fn build_model(
     let params = Params::new(vars);
     Ok(HubModel(match config.family {
         Family::Gpt2 => FamilyModel::Gpt2(gpt2::Gpt2::new(config, params)?),
+        Family::Llama if config.settings.gemma.is_some() => {
+            FamilyModel::Gemma(gemma::Gemma::new(config, params)?)
+        }
         Family::Llama => FamilyModel::Llama(llama::Llama::new(config, params)?),
         Family::Bert => FamilyModel::Bert(bert::Bert::new(config, params)?),
         Family::Generic => return Err(untrainable()),
@@ -752,9 +764,13 @@ impl Params {
         ))
     }
 
-    /// The RMS norm `{prefix}.weight`.
-    pub(crate) fn rms_norm(&self, prefix: &str, eps: f64) -> Result<RmsNorm> {
-        Ok(RmsNorm::new(self.get(&format!("{prefix}.weight"))?, eps))
+    /// The RMS norm `{prefix}.weight`, its scale `weight + offset`.
+    pub(crate) fn rms_norm(&self, prefix: &str, eps: f64, offset: f32) -> Result<RmsNorm> {
+        Ok(RmsNorm::new(
+            self.get(&format!("{prefix}.weight"))?,
+            eps,
+            offset,
+        ))
     }
 
     pub(crate) fn into_vars(self) -> Vec<(String, Var)> {

@@ -74,6 +74,19 @@ pub(crate) fn frequencies(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f
     }
 }
 
+/// The unscaled inverse frequencies of the sliding-window blocks when they
+/// have a RoPE base of their own (Gemma 3's `rope_local_base_freq`); `None`
+/// when they share the global blocks' frequencies.
+pub(crate) fn local_frequencies(config: &ModelConfig) -> Option<Vec<f64>> {
+    let base = config.settings.gemma.as_ref()?.local_rope_theta?;
+    let d = config.head_dim();
+    Some(
+        (0..d / 2)
+            .map(|i| 1.0 / base.powf(2.0 * i as f64 / d as f64))
+            .collect(),
+    )
+}
+
 /// `yarn`: frequencies blended between the original (fast rotations) and
 /// the interpolated ones (slow rotations) over a linear ramp, and the
 /// attention factor. The pre-training context is
