@@ -420,20 +420,31 @@ pub const SOFTCAP_BACKWARD_NV: u64 = 4;
 
 /// Bytes alive at once while the backward crosses one Gemma attention
 /// (composed from candle ops), on top of what the block keeps: score-sized
-/// gradients `[b,H,s,s]` (`P·v`'s `dP` in the compute dtype and its f32
-/// copy, then the softmax's division, exponential and subtraction
-/// backward in f32, the mask's and, with a cap, the tanh's in the compute
-/// dtype; [`GEMMA_ATTENTION_BACKWARD_SCORES`] at once), and the gradients
-/// of the block's output, the merged heads and q `[n,H·d]` ×2 and of k
-/// and v `[n,kv]` ×2.
+/// gradients `[b,H,s,s]` (`P·v`'s `dP`, its f32 copy, the softmax's
+/// division, exponential and subtraction backward in f32, the mask's and,
+/// with a cap, the tanh's; [`GEMMA_ATTENTION_BACKWARD_BYTES_PER_SCORE`] bytes
+/// per score at once), and the gradients of the block's output, the merged
+/// heads and q `[n,H·d]` ×2 and of k and v `[n,kv]` ×2.
 fn gemma_attention_backward(d: &Dims, c: u64) -> u64 {
-    GEMMA_ATTENTION_BACKWARD_SCORES * d.scores() * 4
+    GEMMA_ATTENTION_BACKWARD_BYTES_PER_SCORE * d.scores()
         + (d.n * d.h + 2 * d.n * d.q + 2 * d.n * d.kv) * c
 }
 
-/// Score-sized f32 tensors alive at once in a Gemma attention's backward
-/// ([`gemma_attention_backward`]).
-pub const GEMMA_ATTENTION_BACKWARD_SCORES: u64 = 3;
+/// Bytes per score element alive at once in a Gemma attention's backward
+/// ([`gemma_attention_backward`]), fp32 and bf16 alike. Fitted on the CPU
+/// (`tests/accuracy.rs`, Gemma 2 and 3 shapes of 2 and 4 blocks at 2 × 256
+/// tokens): 4.4 f32 scores in fp32, 5.2 f32-sized in bf16 beside the
+/// strays ([`gemma_stray_gradients`]); 19 bytes (4.75 f32) sits between.
+pub const GEMMA_ATTENTION_BACKWARD_BYTES_PER_SCORE: u64 = 19;
+
+/// Stray gradients one Gemma attention's backward leaves in candle's
+/// gradient store until the backward ends: candle stores a gradient for an
+/// operand off the graph too, here the broadcast mask (score-sized, in the
+/// compute dtype) and the detached row maximum's broadcast (score-sized,
+/// f32). Measured: 2 f32 scores more per block in fp32, 1.5 in bf16.
+fn gemma_stray_gradients(d: &Dims, c: u64) -> u64 {
+    d.scores() * (c + 4)
+}
 
 /// Logits-sized tensors in the compute dtype alive at once while the backward
 /// crosses the loss, on top of the logits the head keeps: the fused
@@ -659,6 +670,12 @@ pub fn activation_bytes_for(
         Some(_) => 0,
         None => embedding_backward_copies(spec, backward) * d.v * d.h * c,
     };
+    // Gemma's strays, one set per block the backward has crossed.
+    let stray = if d.gemma.is_some() && !d.flash {
+        gemma_stray_gradients(&d, c)
+    } else {
+        0
+    };
     match exec.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
@@ -673,11 +690,11 @@ pub fn activation_bytes_for(
                 },
                 blocks: Moment {
                     activations: recomputed,
-                    transient: block_transient,
+                    transient: block_transient + k * stray,
                 },
                 embedding: Moment {
                     activations: recomputed,
-                    transient: embedding_transient,
+                    transient: embedding_transient + k * stray,
                 },
             }
         }
@@ -691,11 +708,11 @@ pub fn activation_bytes_for(
                 },
                 blocks: Moment {
                     activations: kept,
-                    transient: block_transient,
+                    transient: block_transient + layers * stray,
                 },
                 embedding: Moment {
                     activations: kept,
-                    transient: embedding_transient,
+                    transient: embedding_transient + layers * stray,
                 },
             }
         }
