@@ -11,6 +11,8 @@ train/<name>/model.safetensors, train/<name>/config.json
     hidden / heads is 8); a Llama 3.2-style model (llama3 RoPE scaling, base
     500000, head size 16); Llamas with linear, dynamic (NTK; the batch longer
     than the context) and yarn RoPE scaling; Phi-3 (fused projections);
+    Phi-3.5-style (longrope, short factors) and Phi-4-mini-style (partial
+    rotary, longrope past the original context);
     Gemma 2 (soft-capping, sliding windows) and Gemma 3 text (q/k norms,
     local and global RoPE bases, sliding windows), their norm weights (scales
     1 + w) drawn from N(0, 0.5).
@@ -110,7 +112,8 @@ def llama_with(scaling, theta=10000.0, **kw):
 
 
 # Fixtures after the first four: their norm scales spread (spread_norms).
-SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "phi3"}
+SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "phi3",
+          "phi3-longrope", "phi4-mini"}
 # Gemma's norms scale by 1 + w: their w drawn from N(0, 0.5) (scales 1 ± 0.5,
 # where a model reading w as the scale would use 0 ± 0.5).
 GEMMA = {"gemma2", "gemma3"}
@@ -174,6 +177,30 @@ def parity_models():
         partial_rotary_factor=1.0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
         bos_token_id=0, eos_token_id=0, pad_token_id=None, sliding_window=None,
         attn_implementation="eager", **rope(10000.0)))
+    # Phi-3.5-mini-style: longrope scaling, the batch (8) within the original
+    # context (16): the short factors, and the attention factor of a context
+    # grown 4 times (sqrt(1 + ln 4 / ln 16)).
+    yield "phi3-longrope", Phi3ForCausalLM(Phi3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        original_max_position_embeddings=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, bos_token_id=0,
+        eos_token_id=0, pad_token_id=None, sliding_window=None, attn_implementation="eager",
+        **rope(10000.0, {"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0, 6.0],
+                         "long_factor": [1.0, 2.0, 5.0, 12.0],
+                         "original_max_position_embeddings": 16})))
+    # Phi-4-mini-style: partial rotary (3/4 of each head of 8), longrope with
+    # the batch past the original context (4): the long factors; tied head.
+    yield "phi4-mini", Phi3ForCausalLM(Phi3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        original_max_position_embeddings=4, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, bos_token_id=0,
+        eos_token_id=0, pad_token_id=None, sliding_window=None, attn_implementation="eager",
+        partial_rotary_factor=0.75,
+        **rope(10000.0, {"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0],
+                         "long_factor": [1.0, 4.0, 16.0], "partial_rotary_factor": 0.75,
+                         "original_max_position_embeddings": 4})))
     # Gemma 2: three blocks (sliding, full, sliding by the class's pattern), a
     # window of 3 of the batch's 8 positions, head size 16 (hidden / heads is
     # 8), scores scaled by 12^-1/2, attention and logits soft-capped by caps

@@ -101,7 +101,8 @@ const TABLE: &[Entry] = &[
     ),
     missing(
         &["GemmaForCausalLM", "GemmaModel", "gemma"],
-        "(1 + w) RMSNorm, √hidden embedding scale and the GeLU-tanh MLP are not implemented",
+        "Gemma 1's blocks (two norms each, no sliding windows) are not implemented \
+         (Gemma 2 and Gemma 3 are)",
     ),
     gemma(&["Gemma2ForCausalLM", "Gemma2Model", "gemma2"], 2),
     gemma(&["Gemma3ForCausalLM", "Gemma3TextModel", "gemma3_text"], 3),
@@ -211,7 +212,7 @@ pub fn may_leave(family: Family, hub: &str, tied: bool) -> bool {
 }
 
 /// The RoPE scaling types the Llama-style model implements.
-pub const ROPE_SCALINGS: &[&str] = &["llama3", "linear", "dynamic", "yarn"];
+pub const ROPE_SCALINGS: &[&str] = &["llama3", "linear", "dynamic", "yarn", "longrope"];
 
 #[cfg(test)]
 mod tests {

@@ -190,6 +190,10 @@ pub struct RopeFactors {
     pub mscale_all_dim: Option<f64>,
     /// `truncate` (`yarn`, default true).
     pub truncate: Option<bool>,
+    /// `short_factor` (`longrope`): per frequency, within the original context.
+    pub short_factor: Option<Vec<f64>>,
+    /// `long_factor` (`longrope`): per frequency, past the original context.
+    pub long_factor: Option<Vec<f64>>,
 }
 
 impl ModelConfig {
@@ -336,11 +340,18 @@ impl ModelConfig {
             }
         }
         if let Some(p) = s.partial_rotary_factor.filter(|&p| p != 1.0) {
-            return Some((
-                "partial_rotary_factor",
-                p.to_string(),
-                "partial rotary (RoPE on part of each head) is not implemented".into(),
-            ));
+            let r = self.rotary_dim();
+            if self.family != Family::Llama || s.gemma.is_some() || r == 0 || r % 2 != 0 {
+                return Some((
+                    "partial_rotary_factor",
+                    p.to_string(),
+                    format!(
+                        "partial rotary is implemented for Llama-style models with an even \
+                         rotated size (here {r} of {})",
+                        self.head_dim()
+                    ),
+                ));
+            }
         }
         if let Some(kind) = &s.rope_scaling {
             if self.family == Family::Llama
@@ -382,6 +393,15 @@ impl ModelConfig {
             ));
         }
         None
+    }
+
+    /// The part of each head RoPE rotates: `head_dim × partial_rotary_factor`
+    /// rounded down (as transformers' `int()`), the whole head without one.
+    pub fn rotary_dim(&self) -> usize {
+        match self.settings.partial_rotary_factor {
+            Some(p) if p != 1.0 => (self.head_dim() as f64 * p) as usize,
+            _ => self.head_dim(),
+        }
     }
 
     /// Whether [`oomfix_strategies::attention::flash_attention`] computes

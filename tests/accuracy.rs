@@ -147,6 +147,25 @@ fn phi3_estimate_within_8_percent() {
     check("phi3", c);
 }
 
+/// Phi-4-mini: fused projections, RoPE on 3/4 of each head (the rotated
+/// part copied, turned and joined to the rest), longrope scaling.
+#[test]
+fn phi4_mini_estimate_within_8_percent() {
+    let mut c = estimate::llama();
+    c.settings.fused_projections = true;
+    c.settings.architecture = Some("Phi3ForCausalLM".into());
+    c.settings.partial_rotary_factor = Some(0.75);
+    c.settings.rope_scaling = Some("longrope".into());
+    let pairs = c.rotary_dim() / 2;
+    c.settings.rope = oomfix::RopeFactors {
+        original_max_positions: Some(32),
+        short_factor: Some(vec![1.5; pairs]),
+        long_factor: Some(vec![4.0; pairs]),
+        ..Default::default()
+    };
+    check("phi4-mini", c);
+}
+
 /// A Gemma-shaped model from the small Llama: GeLU-tanh MLP, head size 64
 /// (hidden / heads is 32), a window of 32 on every other block, scores
 /// scaled by 64^-1/2; `version` 2 soft-caps scores and logits, 3 norms q

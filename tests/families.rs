@@ -241,10 +241,15 @@ fn phi3_tensors() -> Vec<(String, Vec<usize>)> {
 fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
     let llama = tiny_llama().tensors();
     let none = json!({});
-    // Phi-4-mini: a Phi-3 whose RoPE turns 3/4 of each head.
-    let partial = json!({"partial_rotary_factor": 0.75});
+    // A Phi-3 whose RoPE would turn 3 of each head's 8 (an odd part).
+    let partial = json!({"partial_rotary_factor": 0.375});
     let cases = [
-        (llama.clone(), "Gemma2ForCausalLM", &none, "soft-capping"),
+        (
+            llama.clone(),
+            "Gemma3ForConditionalGeneration",
+            &none,
+            "multimodal",
+        ),
         (
             llama.clone(),
             "Qwen3MoeForCausalLM",
@@ -269,7 +274,7 @@ fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
         let named = if extra == &none {
             format!("\"{arch}\"")
         } else {
-            "\"partial_rotary_factor\" is 0.75".to_string()
+            "\"partial_rotary_factor\" is 0.375".to_string()
         };
         refused(
             &plan(d.path()),
@@ -308,12 +313,12 @@ fn rope_scalings_are_planned_or_refused_by_name() {
             llama_config("LlamaForCausalLM", json!({ "rope_scaling": scaling })),
         )
     };
-    let d = rope(json!({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}));
+    let d = rope(json!({"rope_type": "mrope", "mrope_section": [1, 1, 2]}));
     refused(
         &plan(d.path()),
         &[
-            "\"rope_scaling\" is \"longrope\"",
-            "llama3, linear, dynamic, yarn",
+            "\"rope_scaling\" is \"mrope\"",
+            "llama3, linear, dynamic, yarn, longrope",
         ],
     );
     for scaling in [
@@ -322,6 +327,8 @@ fn rope_scalings_are_planned_or_refused_by_name() {
         json!({"type": "linear", "factor": 2.0}),
         json!({"rope_type": "dynamic", "factor": 2.0}),
         json!({"rope_type": "yarn", "factor": 4.0}),
+        json!({"rope_type": "longrope", "short_factor": [1.0, 1.0, 2.0, 4.0],
+               "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 16}),
     ] {
         let d = rope(scaling.clone());
         let out = plan(d.path());

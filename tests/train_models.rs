@@ -713,9 +713,11 @@ impl Reference {
 /// 3.2-style (llama3 RoPE, head size 16); Llamas with linear, dynamic and
 /// yarn RoPE; Phi-3 (fused projections, untied head); Gemma 2 (soft-caps,
 /// sliding windows) and Gemma 3 text (q/k norms, local and global RoPE
-/// bases, sliding windows). The last eight have norm scales drawn from
-/// N(1, 0.5).
-const FIXTURES: [&str; 12] = [
+/// bases, sliding windows); Phi-3.5-style (longrope, short factors) and
+/// Phi-4-mini-style (partial rotary, longrope's long factors, tied head).
+/// All but the first four have their norm scales spread (Gemma's `1 + w`
+/// too).
+const FIXTURES: [&str; 14] = [
     "gpt2",
     "llama",
     "qwen2",
@@ -728,6 +730,8 @@ const FIXTURES: [&str; 12] = [
     "phi3",
     "gemma2",
     "gemma3",
+    "phi3-longrope",
+    "phi4-mini",
 ];
 
 fn references() -> Vec<Reference> {
@@ -812,6 +816,15 @@ fn the_reference_fixtures_are_the_families_they_stand_for() {
             ("phi3", l, 2, false, false, (8, false, None)),
             ("gemma2", l, 2, true, false, (16, false, None)),
             ("gemma3", l, 2, true, false, (16, true, Some("linear"))),
+            (
+                "phi3-longrope",
+                l,
+                2,
+                false,
+                false,
+                (8, false, Some("longrope"))
+            ),
+            ("phi4-mini", l, 2, true, false, (8, false, Some("longrope"))),
         ]
     );
     for r in &refs[4..] {
@@ -819,7 +832,7 @@ fn the_reference_fixtures_are_the_families_they_stand_for() {
             r.spec.config.settings.architecture.as_deref(),
             Some(match r.name {
                 "qwen3" => "Qwen3ForCausalLM",
-                "phi3" => "Phi3ForCausalLM",
+                "phi3" | "phi3-longrope" | "phi4-mini" => "Phi3ForCausalLM",
                 "gemma2" => "Gemma2ForCausalLM",
                 "gemma3" => "Gemma3ForCausalLM",
                 _ => "LlamaForCausalLM",
@@ -845,7 +858,17 @@ fn the_reference_fixtures_are_the_families_they_stand_for() {
         );
         assert_eq!(
             r.spec.config.settings.fused_projections,
-            r.name == "phi3",
+            r.name.starts_with("phi"),
+            "{}",
+            r.name
+        );
+        assert_eq!(
+            r.spec.config.rotary_dim(),
+            if r.name == "phi4-mini" {
+                6
+            } else {
+                r.spec.config.head_dim()
+            },
             "{}",
             r.name
         );
@@ -1030,6 +1053,8 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
             "llama-linear",
             "llama-dynamic",
             "llama-yarn",
+            "phi3-longrope",
+            "phi4-mini",
         ]
         .contains(&r.name)
     }) {
@@ -1343,10 +1368,10 @@ fn what_the_families_do_not_implement_is_refused() {
         (
             Family::Llama,
             ModelSettings {
-                rope_scaling: Some("longrope".into()),
+                rope_scaling: Some("mrope".into()),
                 ..Default::default()
             },
-            "rope_scaling is \"longrope\"",
+            "rope_scaling is \"mrope\"",
         ),
         (
             Family::Llama,

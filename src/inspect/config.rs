@@ -128,7 +128,7 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         (None, Some(p)) => p.get("rope_type").map(|_| (rope_key, p)),
         (None, None) => None,
     };
-    let (rope_scaling, rope) = match scaling {
+    let (rope_scaling, mut rope) = match scaling {
         None => (None, RopeFactors::default()),
         Some((key, Value::Object(m))) => match m.get("rope_type").or_else(|| m.get("type")) {
             Some(Value::String(t)) if t == "default" => (None, RopeFactors::default()),
@@ -141,6 +141,10 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         },
         Some((key, v)) => return Err(format!("\"{key}\" is {v}, not an object")),
     };
+    // Phi-3 keeps the original context at the top level.
+    if rope.original_max_positions.is_none() {
+        rope.original_max_positions = count_field(obj, &["original_max_position_embeddings"])?;
+    }
     let architecture = match get("architectures") {
         Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
             Value::String(name) => Some(name.clone()),
@@ -308,6 +312,16 @@ fn rope_factors(key: &str, m: &Map<String, Value>) -> std::result::Result<RopeFa
             .map(Some)
             .ok_or_else(|| format!("\"{key}.{name}\" is {v}, not a non-negative number")),
     };
+    let factors = |name: &str| match m.get(name).filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_f64().filter(|x| x.is_finite() && *x > 0.0))
+            .collect::<Option<Vec<f64>>>()
+            .map(Some)
+            .ok_or_else(|| format!("\"{key}.{name}\" holds a value that is not a positive number")),
+        Some(v) => Err(format!("\"{key}.{name}\" is {v}, not a list of numbers")),
+    };
     let truncate = match m.get("truncate").filter(|v| !v.is_null()) {
         None => None,
         Some(Value::Bool(b)) => Some(*b),
@@ -324,6 +338,8 @@ fn rope_factors(key: &str, m: &Map<String, Value>) -> std::result::Result<RopeFa
         mscale: number("mscale")?,
         mscale_all_dim: number("mscale_all_dim")?,
         truncate,
+        short_factor: factors("short_factor")?,
+        long_factor: factors("long_factor")?,
     })
 }
 

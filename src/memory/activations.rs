@@ -191,6 +191,9 @@ struct Dims {
     flash: bool,
     /// The compute dtype is 16-bit (f32 copies are real copies).
     half: bool,
+    /// Llama-style with partial rotary: the rotated part of each head
+    /// (`None`: the whole head).
+    rotary: Option<u64>,
     /// Gemma 2 / 3: their terms ([`gemma_block`]).
     gemma: Option<GemmaDims>,
 }
@@ -226,6 +229,7 @@ impl Dims {
             p: c.vocab.next_multiple_of(VOCAB_ALIGN) as u64,
             flash: exec.attention == Attention::Flash,
             half: plan.precision.compute_bytes() < 4,
+            rotary: (c.rotary_dim() != c.head_dim()).then_some(c.rotary_dim() as u64),
             gemma: c.settings.gemma.as_ref().map(|g| {
                 let sliding = g.sliding_layers.iter().any(|&x| x);
                 let window = c.settings.sliding_window.is_some_and(|w| w < plan.seq_len);
@@ -326,6 +330,10 @@ fn block(family: Family, d: &Dims) -> Values {
         // Fused projections (one output of q, k, v; one of gate, up): the
         // contiguous copies RoPE makes of q [n,q] and k [n,kv], the copy
         // splitting v's heads [n,kv], and SwiGLU's of gate and up [n,I]×2.
+        // Partial rotary (r of each head's d): per head of q and k, the
+        // rotated part's copy and its RoPE [n,r] each besides the joined
+        // head (in place of RoPE's output) — with fused projections the
+        // copy of q and k before the split stands in for RoPE's copy.
         Family::Llama => Values {
             c: 4 * n * d.q
                 + 4 * n * h
@@ -336,7 +344,9 @@ fn block(family: Family, d: &Dims) -> Values {
                     n * (d.q + 2 * kv) + 2 * n * i
                 } else {
                     0
-                },
+                }
+                + d.rotary
+                    .map_or(0, |r| 2 * n * r * (d.heads + kv / d.head_dim.max(1))),
             f32: 0,
         }
         .add(core)
