@@ -21,12 +21,26 @@ pub enum Support {
         fused: bool,
         /// Gemma 2 or 3 (text); `None` for the others.
         gemma: Option<u8>,
+        /// A mixture-of-experts MLP (planned, not trained); `None` for the others.
+        moe: Option<Moe>,
     },
     /// Known, not implemented: `missing` says what its model computes that
     /// oomfix's families do not.
     Missing(&'static str),
     /// Not an architecture oomfix knows.
     Unknown,
+}
+
+/// The mixture-of-experts architectures oomfix plans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moe {
+    /// Mixtral: `block_sparse_moe`, `num_local_experts`, `intermediate_size` per expert.
+    Mixtral,
+    /// Qwen3-MoE: `mlp.experts`, `num_experts`, `moe_intermediate_size`, per-head q/k norms.
+    Qwen3,
+    /// OLMoE: `mlp.experts`, `num_experts`, `intermediate_size` per expert,
+    /// q/k norms over the whole projections.
+    Olmoe,
 }
 
 /// One architecture: its class names and `model_type`s, and what oomfix does.
@@ -43,6 +57,7 @@ const fn implemented(names: &'static [&'static str], family: Family, qk_norm: bo
             qk_norm,
             fused: false,
             gemma: None,
+            moe: None,
         },
     }
 }
@@ -55,6 +70,7 @@ const fn gemma(names: &'static [&'static str], version: u8) -> Entry {
             qk_norm: version == 3,
             fused: false,
             gemma: Some(version),
+            moe: None,
         },
     }
 }
@@ -66,7 +82,18 @@ const fn missing(names: &'static [&'static str], what: &'static str) -> Entry {
     }
 }
 
-const MOE: &str = "a mixture-of-experts MLP (router and experts) is not implemented";
+const fn moe(names: &'static [&'static str], kind: Moe) -> Entry {
+    Entry {
+        names,
+        support: Support::Implemented {
+            family: Family::Llama,
+            qk_norm: !matches!(kind, Moe::Mixtral),
+            fused: false,
+            gemma: None,
+            moe: Some(kind),
+        },
+    }
+}
 
 const TABLE: &[Entry] = &[
     implemented(
@@ -119,16 +146,20 @@ const TABLE: &[Entry] = &[
             qk_norm: false,
             fused: true,
             gemma: None,
+            moe: None,
         },
     },
     missing(
         &["PhiForCausalLM", "PhiModel", "phi"],
         "parallel attention and MLP with LayerNorm and partial rotary are not implemented",
     ),
-    missing(&["MixtralForCausalLM", "mixtral"], MOE),
-    missing(&["Qwen2MoeForCausalLM", "qwen2_moe"], MOE),
-    missing(&["Qwen3MoeForCausalLM", "qwen3_moe"], MOE),
-    missing(&["OlmoeForCausalLM", "olmoe"], MOE),
+    moe(&["MixtralForCausalLM", "mixtral"], Moe::Mixtral),
+    missing(
+        &["Qwen2MoeForCausalLM", "qwen2_moe"],
+        "a mixture-of-experts MLP with a shared expert is not implemented",
+    ),
+    moe(&["Qwen3MoeForCausalLM", "qwen3_moe"], Moe::Qwen3),
+    moe(&["OlmoeForCausalLM", "olmoe"], Moe::Olmoe),
     missing(
         &[
             "DeepseekV2ForCausalLM",
@@ -227,7 +258,8 @@ mod tests {
                 family: Family::Llama,
                 qk_norm: true,
                 fused: false,
-                gemma: None
+                gemma: None,
+                moe: None
             }
         );
         assert!(matches!(
@@ -243,8 +275,9 @@ mod tests {
             why.contains("Gemma3ForConditionalGeneration") && why.contains("gemma3_text"),
             "{why}"
         );
-        assert!(refusal("Qwen3MoeForCausalLM")
+        assert!(refusal("Qwen3MoeForCausalLM").is_none());
+        assert!(refusal("Qwen2MoeForCausalLM")
             .unwrap()
-            .contains("mixture-of-experts"));
+            .contains("shared expert"));
     }
 }

@@ -80,6 +80,7 @@ pub use oomfix_strategies as strategies;
 pub use oomfix_strategies::{Execution, Pipeline, Plan, Strategy};
 pub use search::{Attempt, Headroom, Measurement, Pins, Planner, SearchResult, Verifier, Verify};
 pub use spec::{
-    Family, GemmaSettings, ModelConfig, ModelSettings, ModelSpec, RopeFactors, TensorInfo,
+    Family, GemmaSettings, ModelConfig, ModelSettings, ModelSpec, MoeSettings, RopeFactors,
+    TensorInfo,
 };
 pub use train::{TrainOptions, Trainer};

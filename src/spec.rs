@@ -125,6 +125,33 @@ pub struct ModelSettings {
     /// Gemma 2 / Gemma 3 (text): what their blocks compute beyond a Llama's
     /// ([`GemmaSettings`]); `None` for every other model.
     pub gemma: Option<GemmaSettings>,
+    /// A mixture-of-experts MLP in every block (Mixtral, Qwen3-MoE, OLMoE):
+    /// planned with its own terms, not trained ([`MoeSettings`]).
+    pub moe: Option<MoeSettings>,
+    /// Llama-style: the q/k norms span the whole projection (`[H·d]` and
+    /// `[KV·d]`, OLMoE) rather than each head (`[d]`, Qwen3).
+    pub qk_norm_whole: bool,
+}
+
+/// A mixture-of-experts MLP: a router (`gate`, `[experts, hidden]`) picks
+/// `top_k` of `experts` SwiGLU experts of `expert_intermediate` for each
+/// token and sums their outputs, weighted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeSettings {
+    /// Experts per block (`num_local_experts`, `num_experts`).
+    pub experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// MLP size of one expert (`moe_intermediate_size`, else `intermediate_size`).
+    pub expert_intermediate: usize,
+    /// Mixtral's tensor names (`block_sparse_moe.gate`,
+    /// `block_sparse_moe.experts.E.w1` gate, `w2` down, `w3` up); else
+    /// `mlp.gate` and `mlp.experts.E.{gate,up,down}_proj` (Qwen3-MoE, OLMoE).
+    pub mixtral_names: bool,
+    /// The experts stacked as transformers 5 holds them: `mlp.gate` and
+    /// `mlp.experts.gate_up_proj` `[E, 2·I_e, h]`, `mlp.experts.down_proj`
+    /// `[E, h, I_e]` (whatever the architecture's own names).
+    pub fused_experts: bool,
 }
 
 /// What a Gemma 2 or Gemma 3 (text) model computes beyond a Llama-style one,
@@ -310,6 +337,20 @@ impl ModelConfig {
         if let Some(found) = self.unimplemented() {
             return Some(found);
         }
+        if self.settings.moe.is_some() {
+            let arch = self
+                .settings
+                .architecture
+                .as_deref()
+                .unwrap_or("mixture-of-experts");
+            return Some((
+                "architectures",
+                format!("{arch:?}"),
+                "a mixture-of-experts model is planned, not trained: training its router and \
+                 experts is not implemented"
+                    .into(),
+            ));
+        }
         let windowed = self.settings.gemma.is_none();
         match self.settings.sliding_window.filter(|&w| windowed && w < seq_len) {
             Some(w) => Some((
@@ -483,21 +524,50 @@ impl ModelConfig {
                     }
                     if self.settings.qk_norm {
                         let d = self.head_dim();
-                        add(format!("{p}self_attn.q_norm.weight"), &[d]);
-                        add(format!("{p}self_attn.k_norm.weight"), &[d]);
+                        let (qn, kn) = if self.settings.qk_norm_whole {
+                            (q, kv)
+                        } else {
+                            (d, d)
+                        };
+                        add(format!("{p}self_attn.q_norm.weight"), &[qn]);
+                        add(format!("{p}self_attn.k_norm.weight"), &[kn]);
                     }
                     add(format!("{p}post_attention_layernorm.weight"), &[h]);
                     if self.settings.gemma.is_some() {
                         add(format!("{p}pre_feedforward_layernorm.weight"), &[h]);
                         add(format!("{p}post_feedforward_layernorm.weight"), &[h]);
                     }
-                    if self.settings.fused_projections {
+                    if let Some(m) = &self.settings.moe {
+                        let (e, x) = (m.experts, m.expert_intermediate);
+                        if m.fused_experts {
+                            add(format!("{p}mlp.gate.weight"), &[e, h]);
+                            add(format!("{p}mlp.experts.gate_up_proj"), &[e, 2 * x, h]);
+                            add(format!("{p}mlp.experts.down_proj"), &[e, h, x]);
+                        } else if m.mixtral_names {
+                            let b = format!("{p}block_sparse_moe.");
+                            add(format!("{b}gate.weight"), &[e, h]);
+                            for k in 0..e {
+                                add(format!("{b}experts.{k}.w1.weight"), &[x, h]);
+                                add(format!("{b}experts.{k}.w2.weight"), &[h, x]);
+                                add(format!("{b}experts.{k}.w3.weight"), &[x, h]);
+                            }
+                        } else {
+                            add(format!("{p}mlp.gate.weight"), &[e, h]);
+                            for k in 0..e {
+                                let b = format!("{p}mlp.experts.{k}.");
+                                add(format!("{b}gate_proj.weight"), &[x, h]);
+                                add(format!("{b}up_proj.weight"), &[x, h]);
+                                add(format!("{b}down_proj.weight"), &[h, x]);
+                            }
+                        }
+                    } else if self.settings.fused_projections {
                         add(format!("{p}mlp.gate_up_proj.weight"), &[2 * i, h]);
+                        add(format!("{p}mlp.down_proj.weight"), &[h, i]);
                     } else {
                         add(format!("{p}mlp.gate_proj.weight"), &[i, h]);
                         add(format!("{p}mlp.up_proj.weight"), &[i, h]);
+                        add(format!("{p}mlp.down_proj.weight"), &[h, i]);
                     }
-                    add(format!("{p}mlp.down_proj.weight"), &[h, i]);
                     if self.settings.mlp_bias {
                         add(format!("{p}mlp.gate_proj.bias"), &[i]);
                         add(format!("{p}mlp.up_proj.bias"), &[i]);

@@ -252,9 +252,9 @@ fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
         ),
         (
             llama.clone(),
-            "Qwen3MoeForCausalLM",
+            "Qwen2MoeForCausalLM",
             &none,
-            "mixture-of-experts",
+            "shared expert",
         ),
         (
             phi3_tensors(),
@@ -368,4 +368,181 @@ fn a_phi3_checkpoint_is_planned_with_its_fused_projections() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A mixture-of-experts model's settings for [`ModelConfig::tensors`].
+fn moe_config(
+    base: ModelConfig,
+    experts: usize,
+    top_k: usize,
+    size: usize,
+    mixtral: bool,
+) -> ModelConfig {
+    let mut c = base;
+    c.intermediate = size;
+    c.settings.moe = Some(oomfix::MoeSettings {
+        experts,
+        top_k,
+        expert_intermediate: size,
+        mixtral_names: mixtral,
+        fused_experts: false,
+    });
+    c
+}
+
+/// Every expert is a parameter: the published sizes of Mixtral-8x7B,
+/// Qwen3-30B-A3B and OLMoE-1B-7B (as transformers 5.25 builds them).
+#[test]
+fn mixture_of_experts_parameter_counts_are_the_published_ones() {
+    let mixtral = moe_config(
+        ModelConfig::llama(32, 4096, 32, 8, 14336, 32000, false),
+        8,
+        2,
+        14336,
+        true,
+    );
+    assert_eq!(mixtral.parameter_count(), 46_702_792_704);
+    let mut qwen3 = moe_config(
+        ModelConfig::llama(48, 2048, 32, 4, 768, 151936, false),
+        128,
+        8,
+        768,
+        false,
+    );
+    qwen3.settings.head_dim = Some(128);
+    qwen3.settings.qk_norm = true;
+    assert_eq!(qwen3.parameter_count(), 30_532_122_624);
+    let mut olmoe = moe_config(
+        ModelConfig::llama(16, 2048, 16, 16, 1024, 50304, false),
+        64,
+        8,
+        1024,
+        false,
+    );
+    olmoe.settings.qk_norm = true;
+    olmoe.settings.qk_norm_whole = true;
+    assert_eq!(olmoe.parameter_count(), 6_919_161_856);
+}
+
+/// A tiny Mixtral-shaped checkpoint (per-expert tensors, as on the Hub) and
+/// the same with the experts stacked (as transformers 5 saves them): planned
+/// with every expert's weights, labelled a mixture of experts by `inspect`
+/// and the plan; training refused by name (exit 2, nothing written); more
+/// experts per token estimate more activation memory.
+#[test]
+fn a_mixture_of_experts_is_planned_labelled_and_not_trained() {
+    let base = ModelConfig::llama(2, 32, 4, 2, 24, 64, true);
+    let config = |extra: Value| {
+        llama_config(
+            "MixtralForCausalLM",
+            json!({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24})
+                .as_object()
+                .unwrap()
+                .clone()
+                .into_iter()
+                .chain(extra.as_object().unwrap().clone())
+                .collect(),
+        )
+    };
+    let per_expert = moe_config(base.clone(), 4, 2, 24, true).tensors();
+    let mut stacked = moe_config(base, 4, 2, 24, false);
+    stacked.settings.moe.as_mut().unwrap().fused_experts = true;
+    let want = moe_config(
+        ModelConfig::llama(2, 32, 4, 2, 24, 64, true),
+        4,
+        2,
+        24,
+        true,
+    )
+    .parameter_count();
+    for tensors in [per_expert.clone(), stacked.tensors()] {
+        let d = model_dir(tensors, config(json!({})));
+        let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(0), "{text}");
+        assert!(
+            text.contains("experts        4 per block, 2 per token"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("parameters     {}", group(want))),
+            "{text}"
+        );
+        let out = plan(d.path());
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(0), "{text}");
+        assert!(
+            text.contains("(MixtralForCausalLM: mixture of experts, 4 experts, 2 per token)"),
+            "{text}"
+        );
+    }
+    let d = model_dir(per_expert, config(json!({})));
+    std::fs::write(d.path().join("data.bin"), vec![1u8; 400]).unwrap();
+    let out = oomfix()
+        .args([
+            "train",
+            "--budget",
+            "1GiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "8",
+        ])
+        .args(["--steps", "1", "--data"])
+        .arg(d.path().join("data.bin"))
+        .arg(d.path())
+        .output()
+        .unwrap();
+    refused(&out, &["MixtralForCausalLM", "planned, not trained"]);
+    // Activations grow with the experts each token goes to.
+    let estimate = |top_k: usize| {
+        let d = model_dir(
+            moe_config(
+                ModelConfig::llama(2, 32, 4, 2, 24, 64, true),
+                4,
+                top_k,
+                24,
+                true,
+            )
+            .tensors(),
+            config(json!({ "num_experts_per_tok": top_k })),
+        );
+        let out = oomfix()
+            .args([
+                "--budget",
+                "1GiB",
+                "--device",
+                "cpu",
+                "--seq-len",
+                "16",
+                "--json",
+            ])
+            .args([
+                "--precision",
+                "fp32",
+                "--micro-batch",
+                "2",
+                "--grad-accum",
+                "4",
+            ])
+            .arg(d.path())
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["estimate"]["activations_bytes"].as_u64().unwrap()
+    };
+    assert!(estimate(1) < estimate(2) && estimate(2) < estimate(4));
+}
+
+/// `1234567` as `1,234,567`.
+fn group(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
 }

@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use super::{header::kind, read_small_text};
 use crate::architecture::{self, Support};
-use crate::{Error, GemmaSettings, ModelSettings, Result, RopeFactors};
+use crate::{Error, GemmaSettings, ModelSettings, MoeSettings, Result, RopeFactors};
 
 /// What `config.json` says, each field absent when the file does not say it.
 /// GPT-2's names (`n_head`, `n_positions`, …) are accepted as aliases.
@@ -182,6 +182,14 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         (_, None) if gemma_version.is_some() => Some(4096),
         _ => count_field(obj, &["sliding_window"])?,
     };
+    let moe_kind = match support {
+        Some(Support::Implemented { moe, .. }) => moe,
+        _ => None,
+    };
+    let moe = match moe_kind {
+        Some(kind) => Some(moe_settings(obj, kind)?),
+        None => None,
+    };
     let gemma = match gemma_version {
         Some(version) => Some(gemma_settings(obj, version, local_params)?),
         None => None,
@@ -214,6 +222,62 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         partial_rotary_factor,
         rope,
         gemma,
+        moe,
+        qk_norm_whole: moe_kind == Some(architecture::Moe::Olmoe),
+    })
+}
+
+/// A mixture-of-experts model's settings from `obj`, with the classes'
+/// defaults for absent keys; Qwen3-MoE's dense blocks (`mlp_only_layers`,
+/// a `decoder_sparse_step` other than 1) are refused by name.
+fn moe_settings(
+    obj: &Map<String, Value>,
+    kind: architecture::Moe,
+) -> std::result::Result<MoeSettings, String> {
+    use architecture::Moe;
+    let count =
+        |keys: &[&str], default: usize| count_field(obj, keys).map(|v| v.unwrap_or(default));
+    if kind == Moe::Qwen3 {
+        let dense = match obj.get("mlp_only_layers") {
+            Some(Value::Array(a)) => !a.is_empty(),
+            _ => false,
+        };
+        if dense || count(&["decoder_sparse_step"], 1)? != 1 {
+            return Err(
+                "\"mlp_only_layers\" / \"decoder_sparse_step\": dense blocks among \
+                        the mixture-of-experts ones are not implemented"
+                    .into(),
+            );
+        }
+    }
+    let (experts, top_k, size) = match kind {
+        Moe::Mixtral => (
+            count(&["num_local_experts"], 8)?,
+            count(&["num_experts_per_tok"], 2)?,
+            count(&["intermediate_size"], 14336)?,
+        ),
+        Moe::Qwen3 => (
+            count(&["num_experts"], 128)?,
+            count(&["num_experts_per_tok"], 8)?,
+            count(&["moe_intermediate_size"], 768)?,
+        ),
+        Moe::Olmoe => (
+            count(&["num_experts"], 64)?,
+            count(&["num_experts_per_tok"], 8)?,
+            count(&["intermediate_size"], 2048)?,
+        ),
+    };
+    if experts == 0 || top_k == 0 || top_k > experts || size == 0 {
+        return Err(format!(
+            "{experts} experts, {top_k} per token, of MLP size {size}: not a mixture of experts"
+        ));
+    }
+    Ok(MoeSettings {
+        experts,
+        top_k,
+        expert_intermediate: size,
+        mixtral_names: kind == Moe::Mixtral,
+        fused_experts: false,
     })
 }
 

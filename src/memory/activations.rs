@@ -194,6 +194,9 @@ struct Dims {
     /// Llama-style with partial rotary: the rotated part of each head
     /// (`None`: the whole head).
     rotary: Option<u64>,
+    /// A mixture of experts: `(experts, experts per token, one expert's
+    /// MLP size)`.
+    moe: Option<(u64, u64, u64)>,
     /// Gemma 2 / 3: their terms ([`gemma_block`]).
     gemma: Option<GemmaDims>,
 }
@@ -230,6 +233,13 @@ impl Dims {
             flash: exec.attention == Attention::Flash,
             half: plan.precision.compute_bytes() < 4,
             rotary: (c.rotary_dim() != c.head_dim()).then_some(c.rotary_dim() as u64),
+            moe: c.settings.moe.as_ref().map(|m| {
+                (
+                    m.experts as u64,
+                    m.top_k as u64,
+                    m.expert_intermediate as u64,
+                )
+            }),
             gemma: c.settings.gemma.as_ref().map(|g| {
                 let sliding = g.sliding_layers.iter().any(|&x| x);
                 let window = c.settings.sliding_window.is_some_and(|w| w < plan.seq_len);
@@ -334,11 +344,17 @@ fn block(family: Family, d: &Dims) -> Values {
         // rotated part's copy and its RoPE [n,r] each besides the joined
         // head (in place of RoPE's output) — with fused projections the
         // copy of q and k before the split stands in for RoPE's copy.
+        // A mixture of experts (as transformers' eager MoE computes it), in
+        // place of gate, up and SwiGLU [n,I]×3: the router's logits [n,E]
+        // and their f32 softmax; for each of the n·k routed rows, its
+        // gathered input [h], gate, up, activation and product [I_e]×4, the
+        // expert's output and its weighted copy [h]×2.
         Family::Llama => Values {
             c: 4 * n * d.q
                 + 4 * n * h
                 + 4 * n * kv
-                + 3 * n * i
+                + d.moe
+                    .map_or(3 * n * i, |(e, k, x)| n * e + n * k * (4 * x + 3 * h))
                 + if d.qk_norm { n * (d.q + kv) } else { 0 }
                 + if d.fused {
                     n * (d.q + 2 * kv) + 2 * n * i
@@ -347,7 +363,7 @@ fn block(family: Family, d: &Dims) -> Values {
                 }
                 + d.rotary
                     .map_or(0, |r| 2 * n * r * (d.heads + kv / d.head_dim.max(1))),
-            f32: 0,
+            f32: d.moe.map_or(0, |(e, _, _)| n * e),
         }
         .add(core)
         .add(d.norm())
@@ -674,8 +690,11 @@ pub fn activation_bytes_for(
     };
     let mlp_ni = mlp_backward_ni(cfg.family) + if stock { STOCK_MLP_BACKWARD_NI } else { 0 };
     // The backward crosses a block's MLP, then its attention core.
+    // A mixture of experts' backward crosses one expert at a time: its
+    // share of the routed rows, n·k/E with balanced routing.
+    let mlp_rows = d.moe.map_or(d.n, |(e, k, _)| (d.n * k).div_ceil(e.max(1)));
     let block_transient =
-        attention_backward.max(mlp_ni * d.n * d.i * c) + adapters_backward(&d, plan, c);
+        attention_backward.max(mlp_ni * mlp_rows * d.i * c) + adapters_backward(&d, plan, c);
     let embedding_transient = match plan.lora {
         Some(_) => 0,
         None => embedding_backward_copies(spec, backward) * d.v * d.h * c,

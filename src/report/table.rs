@@ -7,8 +7,16 @@ use std::fmt::Write;
 
 fn model_line(spec: &ModelSpec) -> String {
     let c = &spec.config;
+    let arch = match (&c.settings.architecture, &c.settings.moe) {
+        (Some(a), Some(m)) => format!(
+            " ({a}: mixture of experts, {} experts, {} per token)",
+            m.experts, m.top_k
+        ),
+        (Some(a), None) => format!(" ({a})"),
+        (None, _) => String::new(),
+    };
     let mut s = format!(
-        "{}, {} parameters ({})",
+        "{}{arch}, {} parameters ({})",
         c.family,
         group_digits(spec.parameters()),
         spec.dtype
@@ -289,6 +297,14 @@ pub fn inspect_text(spec: &ModelSpec) -> String {
             let _ = writeln!(out, "biases         {biases}");
             if s.qk_norm {
                 let _ = writeln!(out, "q/k norm       per head (RMSNorm)");
+            }
+            if let Some(m) = &s.moe {
+                let _ = writeln!(
+                    out,
+                    "experts        {} per block, {} per token, MLP {} each (mixture of experts: \
+                     planned, not trained)",
+                    m.experts, m.top_k, m.expert_intermediate
+                );
             }
             if let Some(g) = &s.gemma {
                 let cap = |c: Option<f64>| c.map_or("none".to_string(), |c| c.to_string());
