@@ -250,12 +250,7 @@ fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
             &none,
             "multimodal",
         ),
-        (
-            llama.clone(),
-            "Qwen2MoeForCausalLM",
-            &none,
-            "shared expert",
-        ),
+        (llama.clone(), "Qwen2MoeForCausalLM", &none, "shared expert"),
         (
             phi3_tensors(),
             "Phi3ForCausalLM",
@@ -494,6 +489,13 @@ fn a_mixture_of_experts_is_planned_labelled_and_not_trained() {
         .output()
         .unwrap();
     refused(&out, &["MixtralForCausalLM", "planned, not trained"]);
+    let out = oomfix()
+        .args(["--budget", "1GiB", "--device", "cpu", "--verify"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--verify measures training steps"));
     // Activations grow with the experts each token goes to.
     let estimate = |top_k: usize| {
         let d = model_dir(
