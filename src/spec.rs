@@ -382,7 +382,7 @@ impl ModelConfig {
         }
         if let Some(p) = s.partial_rotary_factor.filter(|&p| p != 1.0) {
             let r = self.rotary_dim();
-            if self.family != Family::Llama || s.gemma.is_some() || r == 0 || r % 2 != 0 {
+            if self.family != Family::Llama || s.gemma.is_some() || r == 0 || !r.is_multiple_of(2) {
                 return Some((
                     "partial_rotary_factor",
                     p.to_string(),
