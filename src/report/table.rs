@@ -7,13 +7,15 @@ use std::fmt::Write;
 
 fn model_line(spec: &ModelSpec) -> String {
     let c = &spec.config;
+    // A mixture of experts is labelled, its architecture named.
     let arch = match (&c.settings.architecture, &c.settings.moe) {
-        (Some(a), Some(m)) => format!(
-            " ({a}: mixture of experts, {} experts, {} per token)",
-            m.experts, m.top_k
+        (a, Some(m)) => format!(
+            " ({}mixture of experts, {} experts, {} per token)",
+            a.as_ref().map_or(String::new(), |a| format!("{a}: ")),
+            m.experts,
+            m.top_k
         ),
-        (Some(a), None) => format!(" ({a})"),
-        (None, _) => String::new(),
+        (_, None) => String::new(),
     };
     let mut s = format!(
         "{}{arch}, {} parameters ({})",
