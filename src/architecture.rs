@@ -1,17 +1,19 @@
 //! The architectures a `config.json` can name (`architectures[0]` or
-//! `model_type`), and what oomfix does with each: the family it trains it
-//! as, or what that family lacks to compute it as Hugging Face
-//! `transformers` does.
+//! `model_type`), and what oomfix does with each: the family it trains (or,
+//! for a mixture of experts, plans) it as, or what that family lacks to
+//! compute it as Hugging Face `transformers` does.
 
 use crate::Family;
 
 /// What oomfix does with an architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Support {
-    /// Planned and trained as `family`; `qk_norm`: with RMSNorm on each
-    /// query and key head (Qwen3, Gemma 3); `fused`: with one q/k/v and one
-    /// gate/up projection (Phi-3); `gemma`: Gemma's blocks, of version 2 or 3
-    /// ([`crate::GemmaSettings`]).
+    /// Planned and trained as `family` (a mixture of experts: planned
+    /// only); `qk_norm`: with RMSNorm on each query and key head (Qwen3,
+    /// Gemma 3; OLMoE: on the whole projections); `fused`: with one q/k/v
+    /// and one gate/up projection (Phi-3); `gemma`: Gemma's blocks, of
+    /// version 2 or 3 ([`crate::GemmaSettings`]); `moe`: a mixture of
+    /// experts ([`crate::MoeSettings`]).
     Implemented {
         /// The family whose model computes it.
         family: Family,
@@ -187,7 +189,8 @@ pub fn refusal(name: &str) -> Option<String> {
         Support::Implemented { .. } => None,
         Support::Missing(what) => Some(format!("{name} is known, but {what}")),
         Support::Unknown => Some(format!(
-            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text, BERT)"
+            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, \
+             Phi-3, Gemma 2, Gemma 3 text, BERT; Mixtral, Qwen3-MoE and OLMoE planned only)"
         )),
     }
 }

@@ -99,6 +99,22 @@
 //! their outputs `[n,H·d]` and `[n,KV·d]` c. RoPE scaling changes only the
 //! tables' values (`yarn`'s attention factor is folded into both tables).
 //!
+//! Partial rotary (Phi-4-mini) copies the rotated part of each head of q
+//! and k `[n,H·r]`, `[n,KV·r]`, turns it (the same size again) and joins
+//! it to the rest (`[n,H·d]`, `[n,KV·d]` in place of RoPE's output).
+//!
+//! Gemma 2 / 3 (`gemma.rs`) add to a Llama block two norms
+//! (`pre_feedforward_layernorm`, `post_feedforward_layernorm`, `[n,h]`
+//! each), a GeLU and its product with up in place of SwiGLU (`[n,I]` ×2),
+//! Gemma 3's q/k norms, and compose attention: the scores `[b,H,s,s]` c,
+//! with a cap their tanh and its multiple (c ×2), the masked scores c, with
+//! 16-bit compute their f32 copy, the shifted scores, exponentials and
+//! probabilities f32 ×3, with 16-bit compute the probabilities' copy c, the
+//! row maximum and sum `[b,H,s]` f32. Its stem keeps the embedding rows and
+//! their √hidden multiple `[n,h]` ×2 and, per kind of block (full, sliding),
+//! RoPE tables and an `[s,s]` mask c; Gemma 2's head soft-caps the logits
+//! (`[n,P]` ×3 more).
+//!
 //! Keys and values are never repeated for grouped-query attention: each group's
 //! queries are multiplied with the shared key/value head directly.
 //! Stem: `embed_tokens` rows `[n,h]` c. Once per forward: RoPE tables `[s,d]` ×4 f32 (cos/sin, and both scaled
