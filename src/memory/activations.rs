@@ -458,8 +458,9 @@ fn gemma_attention_backward(d: &Dims, c: u64) -> u64 {
 
 /// Bytes per score element alive at once in a Gemma attention's backward
 /// (`gemma_attention_backward`), fp32 and bf16 alike. Fitted on the CPU
-/// (`tests/accuracy.rs`, Gemma 2 and 3 shapes of 2 and 4 blocks at 2 × 256
-/// tokens): 4.4 f32 scores in fp32, 5.2 f32-sized in bf16 beside the
+/// on the Gemma 2 and 3 shapes of `tests/accuracy.rs` at 2 × 256 tokens
+/// (4 blocks, and the same with 2 blocks to separate what each block adds,
+/// 2026-12-06): 4.4 f32 scores in fp32, 5.2 f32-sized in bf16 beside the
 /// strays (`gemma_stray_gradients`); 19 bytes (4.75 f32) sits between.
 pub const GEMMA_ATTENTION_BACKWARD_BYTES_PER_SCORE: u64 = 19;
 
