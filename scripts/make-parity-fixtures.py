@@ -30,6 +30,17 @@ train/<name>.bf16.safetensors
     values by itself.
     Used by tests/train_models.rs.
 
+train/<name>.lora.safetensors, train/<name>.lora.bf16.safetensors
+    For gpt2, llama, qwen2, qwen3 and phi3 (their model files as above):
+    PEFT LoRA adapters (r 4, lora_alpha 8, all-linear, no dropout) with A
+    and B drawn from N(0, 0.2²) rather than PEFT's initialisation (B = 0
+    would give A no gradient), as `lora.<PEFT name>` (PEFT's saved names);
+    on the batch of <name>.ref.safetensors, the logits, the loss and each
+    adapter's gradient (`grad.<PEFT name>`), in float32 and (the second
+    file; the model and adapters rounded to bfloat16) in bfloat16, stored
+    as f32. Used by tests/lora_train.rs. `--lora` writes these alone, from
+    the model files already there.
+
 finetune/
     A tiny pretrained Llama-style model (tied embeddings, RoPE base 100000)
     beside a byte-level BPE tokenizer.json trained on finetune/train.txt, its
@@ -50,7 +61,7 @@ files; on another CPU the reference values may differ in their last bits
 (the first four models' gradients by up to 9e-7 of their largest element;
 the model files themselves are the same).
 
-Usage: python scripts/make-parity-fixtures.py [FIXTURES_DIR]   (default: tests/fixtures)
+Usage: python scripts/make-parity-fixtures.py [--lora] [FIXTURES_DIR]   (default: tests/fixtures)
        ONLY=gemma2,gemma3 python scripts/make-parity-fixtures.py   (those parity fixtures only)
 """
 
@@ -426,18 +437,81 @@ def write_finetune(out):
     print("finetune: tokens", len(ids), "first micro-batch loss", out_.loss.item())
 
 
+LORA_MODELS = ("gpt2", "llama", "qwen2", "qwen3", "phi3")
+
+
+def peft_name(name):
+    """The name PEFT saves a parameter of the PEFT model under (no adapter name)."""
+    return name.replace(".default", "")
+
+
+def write_lora(out):
+    """<name>.lora.safetensors and <name>.lora.bf16.safetensors (see above)."""
+    import copy
+    import warnings
+
+    import peft
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    for i, name in enumerate(LORA_MODELS):
+        ref = load_file(os.path.join(out, name + ".ref.safetensors"))
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, name), dtype=torch.float32,
+                                                    attn_implementation="eager")
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # GPT-2's Conv1D: fan_in_fan_out set to True
+            model = peft.get_peft_model(base, config)
+        model.eval()
+        torch.manual_seed(300 + i)
+        adapters = {}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0.0, 0.2)
+                    adapters["lora." + peft_name(n)] = p.detach().clone().contiguous()
+        input_ids, targets = ref["input_ids"].long(), ref["targets"].long()
+        loss_mask = ref["loss_mask"]
+        for suffix, m in (("lora", model), ("lora.bf16", copy.deepcopy(model).to(torch.bfloat16))):
+            m.zero_grad(set_to_none=True)
+            logits = m(input_ids=input_ids).logits
+            nll = F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1),
+                                  reduction="none")
+            mask = loss_mask.reshape(-1)
+            loss = (nll * mask).sum() / mask.sum()
+            loss.backward()
+            values = {"grad." + peft_name(n): p.grad.float().contiguous()
+                      for n, p in m.named_parameters() if p.requires_grad}
+            values["logits"] = logits.detach().float().contiguous()
+            values["loss"] = loss.detach().float().reshape(1)
+            if suffix == "lora":
+                values.update(adapters)
+            save_file(values, os.path.join(out, f"{name}.{suffix}.safetensors"))
+            print(name, suffix, "loss", loss.item(), "adapter tensors", len(adapters))
+
+
 def main(root, only=None):
     print("transformers", transformers.__version__, "torch", torch.__version__,
           "tokenizers", tokenizers.__version__)
     torch.manual_seed(0)
     write_parity(os.path.join(root, "train"), only)
     if not only:
+        write_lora(os.path.join(root, "train"))
         write_finetune(os.path.join(root, "finetune"))
 
 
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    lora_only = "--lora" in args
+    args = [a for a in args if a != "--lora"]
+    root = args[0] if args else os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
     # ONLY=name,name writes those parity fixtures alone (their seeds are
     # their places in parity_models, so the files are the same either way).
     only = set(filter(None, os.environ.get("ONLY", "").split(",")))
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"), only)
+    if lora_only:
+        write_lora(os.path.join(root, "train"))
+    else:
+        main(root, only)
+

@@ -916,8 +916,10 @@ impl Run<'_> {
             }
         }
         // Fastest first; equal times (ZeRO 1 and 2 move the same bytes, say)
-        // go to the lower peak, then to the plan's encoding: the same search
-        // always chooses the same plan.
+        // go to the less quantized LoRA base (4 bits change the model's
+        // function: only when they buy time or the fit), then to the lower
+        // peak, then to the plan's encoding: the same search always chooses
+        // the same plan.
         let mut candidates: Vec<(Plan, f64, u64, String)> = self
             .explored
             .iter()
@@ -931,8 +933,10 @@ impl Run<'_> {
                 )
             })
             .collect();
+        let base = |p: &Plan| p.lora.map(|l| l.base);
         candidates.sort_by(|a, b| {
             a.1.total_cmp(&b.1)
+                .then_with(|| base(&a.0).cmp(&base(&b.0)))
                 .then_with(|| a.2.cmp(&b.2))
                 .then_with(|| a.3.cmp(&b.3))
         });

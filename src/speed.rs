@@ -312,8 +312,8 @@ fn lora_matmul_flops(plan: &Plan, facts: &ModelFacts, n: f64, recompute: f64) ->
 }
 
 /// The traffic of converting frozen weights to the compute dtype per
-/// micro-batch under LoRA, one at a time (NF4, or 16 bits under fp32
-/// compute): each block projection read as stored (double-quantized NF4:
+/// micro-batch under LoRA, one at a time (NF4; a 16-bit base is kept in
+/// the compute dtype and used as stored): each block projection read as stored (double-quantized NF4:
 /// its absmax values restored to fp32 first), written and read again in
 /// the compute dtype, in the forward, for the input gradient and when
 /// recomputed.

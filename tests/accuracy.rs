@@ -230,3 +230,49 @@ fn gemma2_estimate_within_8_percent() {
 fn gemma3_estimate_within_8_percent() {
     check_gemma("gemma3", gemma(3));
 }
+
+/// LoRA (a frozen 16-bit base) and QLoRA (an NF4 base, one projection
+/// dequantized at a time): the frozen weights without gradients or
+/// optimizer state, the adapters' weights, gradients and moments, fp32 and
+/// bf16 compute, a Llama and a GPT-2 (its `Conv1D` weights frozen
+/// transposed).
+#[test]
+fn lora_and_qlora_estimates_within_8_percent() {
+    use oomfix::strategies::lora::{BasePrecision, Lora};
+    for (name, config) in [("llama", estimate::llama()), ("gpt2", estimate::gpt2())] {
+        let facts = oomfix::memory::model_facts(&ModelSpec::from_config(name, config.clone()));
+        let lora = |base| Some(Lora::new(8, None, None, base, &facts).unwrap());
+        let plain = Plan::baseline(2, 64);
+        let plans = [
+            Plan {
+                lora: lora(BasePrecision::Bf16),
+                ..plain
+            },
+            Plan {
+                lora: lora(BasePrecision::Nf4),
+                optimizer: OptimizerImpl::FusedAdamW,
+                ..plain
+            },
+            Plan {
+                lora: lora(BasePrecision::Nf4Double),
+                precision: Precision::Bf16,
+                optimizer: OptimizerImpl::FusedAdamW,
+                ..plain
+            },
+            Plan {
+                lora: lora(BasePrecision::Nf4Double),
+                checkpoint: Checkpointing::Every(1),
+                optimizer: OptimizerImpl::FusedAdamW,
+                ..plain
+            },
+            Plan {
+                lora: lora(BasePrecision::Nf4Double),
+                precision: Precision::Bf16,
+                checkpoint: Checkpointing::Every(1),
+                optimizer: OptimizerImpl::FusedAdamW,
+                ..plain
+            },
+        ];
+        check_plans(&format!("{name}-lora"), config, &plans);
+    }
+}

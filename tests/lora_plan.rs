@@ -272,14 +272,20 @@ fn bad_lora_settings_are_one_line_and_exit_2() {
     );
     refused(
         dir,
-        &plan(&["--lora", "16", "--verify", "--device", "cpu"]),
-        "--verify",
+        &["train", ".", "--budget", "8GiB", "--lora", "16", "--merge"],
+        "--merge says what --save writes: it needs --save DIR",
     );
     refused(
         dir,
-        &["train", ".", "--budget", "8GiB", "--lora", "16"],
-        "does not train it yet",
+        &["train", ".", "--budget", "8GiB", "--merge", "--save", "out"],
+        "--merge adds LoRA adapters into the base weights: it needs --lora RANK",
     );
+    refused(
+        dir,
+        &["train", ".", "--budget", "8GiB", "--base-precision", "nf4"],
+        "--base-precision sets up LoRA",
+    );
+    assert!(!dir.join("out").exists());
     // Within bounds: a rank as wide as the narrowest target, and targets given.
     let (code, out) = plan_json(
         dir,

@@ -66,7 +66,7 @@ fn run(recipe: &str, root: &Path, path: &std::ffi::OsString) -> String {
 #[test]
 fn the_readmes_recipes_run_as_printed() {
     let recipes = recipes();
-    assert_eq!(recipes.len(), 2, "{recipes:?}");
+    assert_eq!(recipes.len(), 3, "{recipes:?}");
     for recipe in &recipes {
         for line in recipe.lines().filter(|l| !l.starts_with(' ')) {
             assert!(line.starts_with("oomfix "), "{line}");
@@ -95,4 +95,22 @@ fn the_readmes_recipes_run_as_printed() {
     .unwrap();
     assert_eq!(state["step"], 20);
     assert!(stdout.contains("family         llama"), "{stdout}");
+
+    // LoRA on an NF4 base, saved as PEFT's adapters and resumed.
+    let stdout = run(&recipes[2], &root_dir, &path);
+    assert!(stdout.contains("trained 10 steps"), "{stdout}");
+    let adapters = root_dir.join("adapters");
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(adapters.join("trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["step"], 20);
+    assert_eq!(state["plan"]["lora"]["base"], "nf4");
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(adapters.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(config["peft_type"], "LORA");
+    assert_eq!(config["r"], 8);
+    assert!(adapters.join("adapter_model.safetensors").is_file());
 }

@@ -163,10 +163,17 @@ pub struct TrainOptions {
     /// Write a checkpoint directory here at the end, every --save-every steps,
     /// and when stopped by SIGINT or SIGTERM: a Hugging Face model directory
     /// (model.safetensors, config.json, tokenizer files) with the training
-    /// state beside it. Written atomically; never over the model or data
-    /// file, nor over a directory that is not an earlier checkpoint.
+    /// state beside it; with --lora, a PEFT adapter directory
+    /// (adapter_config.json, adapter_model.safetensors) instead of the
+    /// model. Written atomically; never over the model or data file, nor
+    /// over a directory that is not an earlier checkpoint.
     #[arg(long, value_name = "DIR")]
     pub save: Option<PathBuf>,
+    /// With --lora and --save: write the merged model (the adapters added
+    /// into the base weights, in the base's dtype) instead of the adapters:
+    /// a model to load or train, not a checkpoint to resume.
+    #[arg(long)]
+    pub merge: bool,
     /// With --snapshot or --plot: the run's first N steps are recorded (the
     /// first step's one-off allocations, then steady steps).
     #[arg(long, default_value_t = 2, value_name = "N", allow_negative_numbers = true, value_parser = parse_steps)]

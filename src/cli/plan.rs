@@ -116,8 +116,6 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
 
 /// `--lora` and its settings for `spec`, checked: the other LoRA options
 /// need `--lora`; the rank, alpha and targets must suit the model's blocks.
-/// LoRA plans are planned only: measuring them (`--verify`, `--snapshot`,
-/// `--plot`) would train them, which oomfix does not do yet.
 fn lora(o: &PlanOptions, spec: &ModelSpec) -> Result<Option<Lora>, Failure> {
     let Some(rank) = o.lora else {
         let given = [
@@ -132,16 +130,6 @@ fn lora(o: &PlanOptions, spec: &ModelSpec) -> Result<Option<Lora>, Failure> {
             None => Ok(None),
         };
     };
-    let measured = [
-        ("--verify", o.verify.is_some()),
-        ("--snapshot", o.snapshot.is_some()),
-        ("--plot", o.plot.is_some()),
-    ];
-    if let Some((flag, _)) = measured.iter().find(|(_, given)| *given) {
-        return Err(Failure::Usage(format!(
-            "{flag} measures training steps, and LoRA plans are not trained by oomfix yet: plan without {flag}"
-        )));
-    }
     if !oomfix::memory::analytic_activations(spec) {
         return Err(Failure::Usage(format!(
             "--lora needs a model family oomfix knows (gpt2, llama, bert); {} is not one",

@@ -28,13 +28,17 @@ use std::path::{Path, PathBuf};
 /// `mpirun`, `torchrun` or this command's launcher); or, with `--gpus N` (N >
 /// 1) outside a job, as the launcher of N ranks.
 pub fn run(args: &TrainArgs) -> Outcome {
-    if args.plan.opts.lora.is_some() {
+    let o = &args.opts;
+    if o.merge && args.plan.opts.lora.is_none() {
         return Err(Failure::Usage(
-            "--lora: oomfix plans LoRA fine-tuning (`oomfix plan --lora RANK`) but does not train it yet"
-                .into(),
+            "--merge adds LoRA adapters into the base weights: it needs --lora RANK".into(),
         ));
     }
-    let o = &args.opts;
+    if o.merge && o.save.is_none() {
+        return Err(Failure::Usage(
+            "--merge says what --save writes: it needs --save DIR".into(),
+        ));
+    }
     let init = match (o.init_given(), &args.plan.model) {
         (Some(InitArg::Pretrained), None) => {
             return Err(Failure::Usage(
@@ -255,9 +259,11 @@ fn run_rank(
             )));
         }
     }
+    let lora = chosen.lora.is_some();
     let weights = match (init, &args.plan.model) {
-        // A resumed run takes its weights from the checkpoint.
-        (InitArg::Pretrained, Some(_)) if o.resume.is_none() => Some(spec.files.clone()),
+        // A resumed run takes its weights from the checkpoint (a LoRA run
+        // its adapters: the base comes from the model).
+        (InitArg::Pretrained, Some(_)) if o.resume.is_none() || lora => Some(spec.files.clone()),
         _ => None,
     };
     let estimated_peak = searched
@@ -290,6 +296,7 @@ fn run_rank(
     options.seed = o.seed;
     options.weights = weights;
     options.source = model_source(args, init, &spec, model_dir.as_deref());
+    options.merge_lora = o.merge;
     let mut recording = recorded
         .then(oomfix::measure::RunRecording::start)
         .transpose()?;

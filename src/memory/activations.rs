@@ -570,7 +570,8 @@ pub fn mlp_backward_ni(family: Family) -> u64 {
 /// needs to multiply bf16 matrices: it has no bf16 kernel, so it widens both
 /// operands' storages to f32, multiplies into an f32 output and narrows that
 /// back. At the loss the largest product is the head's weight gradient
-/// `xᵀ·grad` (`[n,h]`, `[n,V]` → `[h,V]`), made while the logits' gradient
+/// `xᵀ·grad` (`[n,h]`, `[n,V]` → `[h,V]`; under LoRA, whose head is
+/// frozen, the input gradient `[n,h]`), made while the logits' gradient
 /// `[n,V]` (bf16) is alive (BERT's decoder, one fused op, makes both of its
 /// products in one step: two f32 copies of the gradient are alive at once);
 /// in a block it is an MLP projection's weight gradient (`[n,h]`, `[n,I]`,
@@ -589,7 +590,11 @@ pub fn widen_cpu_bf16_matmuls(
     let d = Dims::new(spec, plan, exec);
     let (nh, nv, vh, ni, hi) = (d.n * d.h, d.n * d.p, d.p * d.h, d.n * d.i, d.h * d.i);
     let widened_grads = if c.family == Family::Bert { 2 } else { 1 };
-    let loss = 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * vh;
+    // A frozen head (LoRA) makes no weight gradient: its largest product is
+    // the input gradient `grad·W` (`[n,V]`, `[V,h]` → `[n,h]`), narrowed to
+    // a bf16 `[n,h]`.
+    let product = if plan.lora.is_some() { nh } else { vh };
+    let loss = 2 * nv + 4 * (widened_grads * nv + nh + vh) + 2 * product;
     let mut block = 2 * ni + 4 * (nh + 2 * ni + hi) + 2 * hi;
     if !d.flash {
         // The attention core's backward: `P·v`'s backward makes `dP` as an

@@ -13,20 +13,29 @@ use crate::spec::VOCAB_ALIGN;
 use crate::track::tag::{Op, Scope};
 use candle_core::{Result, Tensor};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
+use oomfix_strategies::lora::{FrozenLinear, FrozenWeight, LoraLinear};
 use oomfix_strategies::nn::ops::{self, WeightLayout};
 use oomfix_strategies::{Attention, Execution};
 
-/// An affine projection of the last dimension.
+/// An affine projection of the last dimension: trained, or frozen (with a
+/// LoRA adapter or without), as [`super::Params::linear`] builds it.
 #[derive(Debug, Clone)]
-pub(crate) struct Linear {
-    weight: Tensor,
-    bias: Option<Tensor>,
-    layout: WeightLayout,
+pub(crate) enum Linear {
+    /// Its weight and bias are the model's trained parameters.
+    Trained {
+        weight: Tensor,
+        bias: Option<Tensor>,
+        layout: WeightLayout,
+    },
+    /// A frozen weight (`[out, in]`, in the compute dtype or NF4) and bias.
+    Frozen(FrozenLinear),
+    /// A frozen weight and bias with a trained low-rank adapter.
+    Adapted(LoraLinear),
 }
 
 impl Linear {
     pub(crate) fn new(weight: Tensor, bias: Option<Tensor>, layout: WeightLayout) -> Self {
-        Linear {
+        Linear::Trained {
             weight,
             bias,
             layout,
@@ -38,15 +47,26 @@ impl Linear {
     /// Allocates the output `[b·s, out]`: with a bias, [`ops::linear`] adds it
     /// in place. Without, `x` is flattened to 2-D (a view) so the weight gradient
     /// is one `[in, out]` matmul rather than a per-batch product summed afterwards.
+    /// A frozen projection keeps only its input (its weight converted for the
+    /// product and freed, again in backward).
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::Matmul);
-        if let Some(bias) = &self.bias {
-            return ops::linear(x, &self.weight, bias, self.layout);
+        let (weight, bias, layout) = match self {
+            Linear::Trained {
+                weight,
+                bias,
+                layout,
+            } => (weight, bias, *layout),
+            Linear::Frozen(f) => return f.forward(x).map_err(candle_core::Error::wrap),
+            Linear::Adapted(a) => return a.forward(x).map_err(candle_core::Error::wrap),
+        };
+        if let Some(bias) = bias {
+            return ops::linear(x, weight, bias, layout);
         }
         let (b, s, d_in) = x.dims3()?;
-        let w = match self.layout {
-            WeightLayout::InOut => self.weight.clone(),
-            WeightLayout::OutIn => self.weight.t()?,
+        let w = match layout {
+            WeightLayout::InOut => weight.clone(),
+            WeightLayout::OutIn => weight.t()?,
         };
         x.reshape((b * s, d_in))?.matmul(&w)?.reshape((b, s, ()))
     }
@@ -69,9 +89,14 @@ pub(crate) fn lm_logits(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Te
         let zeros = Tensor::zeros(shape, t.dtype(), t.device())?;
         Tensor::cat(&[t, &zeros], 0)
     };
+    let frozen = !w.track_op();
     let w = pad(w, &[p - v, h])?;
     match b {
         Some(b) => ops::linear(x, &w, &pad(b, &[p - v])?, WeightLayout::OutIn),
+        // A frozen head (LoRA): no gradient of its weight.
+        None if frozen => FrozenLinear::new(FrozenWeight::Dense(w), None)
+            .forward(x)
+            .map_err(candle_core::Error::wrap),
         None => x.matmul(&w.t()?),
     }
 }

@@ -206,10 +206,13 @@ mod gemma;
 mod gpt2;
 mod layers;
 mod llama;
+pub mod lora;
 mod rope;
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use oomfix_strategies::model::{self, Capabilities, MicroBatch, Model};
@@ -345,12 +348,21 @@ enum FamilyModel {
 /// [`Model`] like any model given as code, whose micro-batches carry
 /// tokens ([`MicroBatch::tokens`]), with its Hub names, its blocks
 /// ([`ModelConfig::block_of`]) and every capability a fix may need.
-pub struct HubModel(FamilyModel);
+pub struct HubModel {
+    family: FamilyModel,
+    lora: Option<lora::LoraModel>,
+}
 
 impl HubModel {
+    /// The frozen base and adapters of a LoRA model (`None`: every
+    /// parameter is trained).
+    pub fn lora(&self) -> Option<&lora::LoraModel> {
+        self.lora.as_ref()
+    }
+
     /// The model's shape.
     pub fn config(&self) -> &ModelConfig {
-        match &self.0 {
+        match &self.family {
             FamilyModel::Gpt2(m) => m.config(),
             FamilyModel::Llama(m) => m.config(),
             FamilyModel::Gemma(m) => m.config(),
@@ -361,7 +373,7 @@ impl HubModel {
     /// The trainable parameters with their Hub names, in
     /// [`ModelConfig::tensors`] order (a tied weight appears once).
     pub fn named_vars(&self) -> &[(String, Var)] {
-        match &self.0 {
+        match &self.family {
             FamilyModel::Gpt2(m) => m.named_vars(),
             FamilyModel::Llama(m) => m.named_vars(),
             FamilyModel::Gemma(m) => m.named_vars(),
@@ -372,7 +384,7 @@ impl HubModel {
     /// The family's forward pass on `batch`, laid out as stem, blocks and
     /// the head to the padded logits.
     fn pass(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
-        match &self.0 {
+        match &self.family {
             FamilyModel::Gpt2(m) => m.forward(batch, exec),
             FamilyModel::Llama(m) => m.forward(batch, exec),
             FamilyModel::Gemma(m) => m.forward(batch, exec),
@@ -501,6 +513,20 @@ pub fn build_model(
     device: &Device,
     seed: u64,
 ) -> Result<HubModel> {
+    build_model_with(config, weights, dtype, device, seed, None)
+}
+
+/// [`build_model`], with `lora` a frozen base with adapters on the targeted
+/// projections ([`lora`]; GPT-2 and Llama-style families): the model's
+/// variables are the adapters, drawn from `seed`.
+pub fn build_model_with(
+    config: &ModelConfig,
+    weights: Option<&[PathBuf]>,
+    dtype: DType,
+    device: &Device,
+    seed: u64,
+    lora: Option<&oomfix_strategies::lora::Lora>,
+) -> Result<HubModel> {
     if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
         return Err(Error::Usage(format!(
             "compute dtype must be f32, bf16 or f16, not {dtype:?}"
@@ -519,17 +545,24 @@ pub fn build_model(
         Some(paths) => load_tensors(config, paths, seed)?,
         None => random_tensors(config, seed)?,
     };
-    let vars = tensors
-        .into_iter()
-        .map(|(name, t)| {
-            Ok((
-                name,
-                Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let params = Params::new(vars);
-    Ok(HubModel(match config.family {
+    let params = match lora {
+        Some(lora) => Params::frozen(lora::Adapting::new(
+            config, tensors, *lora, dtype, device, seed,
+        )?),
+        None => Params::new(
+            tensors
+                .into_iter()
+                .map(|(name, t)| {
+                    Ok((
+                        name,
+                        Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?,
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+    };
+    let built = Rc::clone(&params.built);
+    let family = match config.family {
         Family::Gpt2 => FamilyModel::Gpt2(gpt2::Gpt2::new(config, params)?),
         Family::Llama if config.settings.gemma.is_some() => {
             FamilyModel::Gemma(gemma::Gemma::new(config, params)?)
@@ -537,7 +570,9 @@ pub fn build_model(
         Family::Llama => FamilyModel::Llama(llama::Llama::new(config, params)?),
         Family::Bert => FamilyModel::Bert(bert::Bert::new(config, params)?),
         Family::Generic => return Err(untrainable()),
-    }))
+    };
+    let lora = built.borrow_mut().take();
+    Ok(HubModel { family, lora })
 }
 
 /// The GELU form of `config`'s activation (GPT-2 and BERT): erf for `gelu`,
@@ -732,10 +767,15 @@ fn is_objective_head(family: Family, name: &str) -> bool {
     }
 }
 
-/// The parameters by Hub name, as the families look them up.
+/// The parameters by Hub name, as the families look them up: the trained
+/// variables, or (LoRA) a frozen base whose targeted projections get
+/// adapters.
 pub(crate) struct Params {
     vars: Vec<(String, Var)>,
     index: HashMap<String, usize>,
+    lora: Option<lora::Adapting>,
+    /// Where [`into_vars`](Self::into_vars) leaves the LoRA model built.
+    built: Rc<RefCell<Option<lora::LoraModel>>>,
 }
 
 impl Params {
@@ -745,25 +785,46 @@ impl Params {
             .enumerate()
             .map(|(i, (name, _))| (name.clone(), i))
             .collect();
-        Params { vars, index }
+        Params {
+            vars,
+            index,
+            lora: None,
+            built: Rc::default(),
+        }
     }
 
-    /// The parameter `name` (a clone sharing the `Var`'s storage).
+    /// The parameters of a frozen base with adapters.
+    fn frozen(adapting: lora::Adapting) -> Self {
+        Params {
+            lora: Some(adapting),
+            ..Params::new(Vec::new())
+        }
+    }
+
+    /// The parameter `name` (a clone sharing the `Var`'s storage, or the
+    /// frozen tensor).
     pub(crate) fn get(&self, name: &str) -> Result<Tensor> {
-        let i = self
-            .index
-            .get(name)
-            .ok_or_else(|| Error::Usage(format!("the model has no tensor `{name}`")))?;
+        let missing = || Error::Usage(format!("the model has no tensor `{name}`"));
+        if let Some(adapting) = &self.lora {
+            return adapting.get(name).ok_or_else(missing);
+        }
+        let i = self.index.get(name).ok_or_else(missing)?;
         Ok(self.vars[*i].1.as_tensor().clone())
     }
 
-    /// The projection `{prefix}.weight` (+ `{prefix}.bias` if `bias`).
+    /// The projection `{prefix}.weight` (+ `{prefix}.bias` if `bias`): the
+    /// one place every family builds a linear projection of its blocks.
+    /// Trained; or, with LoRA, frozen, with an adapter if its name (the
+    /// last part of `prefix`) is a target.
     pub(crate) fn linear(&self, prefix: &str, bias: bool, layout: WeightLayout) -> Result<Linear> {
         let b = if bias {
             Some(self.get(&format!("{prefix}.bias"))?)
         } else {
             None
         };
+        if let Some(adapting) = &self.lora {
+            return adapting.linear(prefix, b);
+        }
         Ok(Linear::new(
             self.get(&format!("{prefix}.weight"))?,
             b,
@@ -789,8 +850,16 @@ impl Params {
         ))
     }
 
+    /// The trained variables with their names (LoRA: the adapters).
     pub(crate) fn into_vars(self) -> Vec<(String, Var)> {
-        self.vars
+        match self.lora {
+            None => self.vars,
+            Some(adapting) => {
+                let (vars, model) = adapting.finish();
+                *self.built.borrow_mut() = Some(model);
+                vars
+            }
+        }
     }
 }
 

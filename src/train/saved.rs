@@ -19,6 +19,15 @@
 //!   count, the data position (with the synthetic generator's state), the loss
 //!   scaler, the plan and the model shape.
 //!
+//! With LoRA ([`Plan::lora`]) the adapters take the weights' place, as PEFT
+//! saves them: `adapter_model.safetensors` ([`ADAPTER_FILE`], the fp32
+//! adapters under `base_model.model.<module>.lora_A.weight` and
+//! `.lora_B.weight`) and `adapter_config.json` ([`ADAPTER_CONFIG_FILE`]),
+//! beside the optimizer's moments and the state, which names the base
+//! model ([`TrainerState::base_model`]); no `model.safetensors` or
+//! `config.json`. A merged LoRA model is a model directory whose state says
+//! so ([`TrainerState::merged`]): it is not resumed.
+//!
 //! A resumed run may use another plan (micro-batch, accumulation,
 //! checkpointing, attention, optimizer, precision, device; the moments mean
 //! the same in each) but must train the same model.
@@ -33,6 +42,10 @@ use std::path::{Path, PathBuf};
 
 /// The weights, in the Hub's layout.
 pub const MODEL_FILE: &str = crate::inspect::MODEL_FILE;
+/// A LoRA run's adapters, as PEFT names them.
+pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
+/// A LoRA run's adapter configuration, as PEFT writes it.
+pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
 /// The model's configuration, in the Hub's layout.
 pub const CONFIG_FILE: &str = "config.json";
 /// The optimizer's moments and the fp32 weights when the model file is not f32.
@@ -79,6 +92,9 @@ pub struct ModelSource {
     pub config: Option<PathBuf>,
     /// Files copied into the directory: `(name there, path)`.
     pub files: Vec<(String, PathBuf)>,
+    /// The base model's name or path, as a LoRA adapter directory names it
+    /// (`base_model_name_or_path`); `None`: the model's shape is all there is.
+    pub name: Option<String>,
 }
 
 impl Default for ModelSource {
@@ -87,6 +103,7 @@ impl Default for ModelSource {
             dtype: DType::F32,
             config: None,
             files: Vec::new(),
+            name: None,
         }
     }
 }
@@ -128,6 +145,11 @@ impl ModelSource {
             dtype,
             config,
             files,
+            name: Some(if dir.as_os_str().is_empty() {
+                ".".into()
+            } else {
+                dir.display().to_string()
+            }),
         }
     }
 }
@@ -179,6 +201,14 @@ pub struct TrainerState {
     pub plan: Plan,
     /// The model's shape.
     pub model: ModelConfig,
+    /// A LoRA run's base model, as its adapter directory names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_model: Option<String>,
+    /// The directory holds a LoRA run's merged model (`model.safetensors`,
+    /// `config.json`), not its adapters: a model to train or load, not a
+    /// checkpoint to resume.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub merged: bool,
 }
 
 /// A saved directory, opened: its state read and its tensor files verified.
@@ -187,7 +217,7 @@ pub struct TrainingState {
     pub dir: PathBuf,
     /// `trainer_state.json`.
     pub state: TrainerState,
-    /// `model.safetensors`.
+    /// `model.safetensors` (a LoRA run's: `adapter_model.safetensors`).
     pub model: StateFile,
     /// `optimizer.safetensors`.
     pub optimizer: StateFile,
@@ -223,10 +253,21 @@ impl TrainingState {
         }
         let state: TrainerState = serde_json::from_value(value)
             .map_err(|e| Error::input(&path, format!("unreadable training state: {e}")))?;
+        if state.merged {
+            return Err(Error::input(
+                &path,
+                "the directory holds a merged LoRA model, not adapters: it cannot be resumed \
+                 (train it as a model: `oomfix train DIR`)",
+            ));
+        }
+        let weights = match state.plan.lora {
+            Some(_) => ADAPTER_FILE,
+            None => MODEL_FILE,
+        };
         Ok(TrainingState {
             dir: dir.to_path_buf(),
             state,
-            model: StateFile::open(&dir.join(MODEL_FILE))?,
+            model: StateFile::open(&dir.join(weights))?,
             optimizer: StateFile::open(&dir.join(OPTIMIZER_FILE))?,
         })
     }

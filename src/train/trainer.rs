@@ -32,7 +32,7 @@
 use super::data::{DataPosition, DataSource};
 use super::optim::Optim;
 use super::saved::{self, DataState, ModelSource, ScalerState, TrainerState, TrainingState};
-use super::{batch_dims, batch_from_windows, build_model, TokenBatch};
+use super::{batch_dims, batch_from_windows, build_model_with, TokenBatch};
 use crate::output::write_dir_atomic;
 use crate::state_file::{self, StateFile};
 use crate::track;
@@ -86,6 +86,9 @@ pub struct TrainOptions {
     /// (`torch.nn.utils.clip_grad_norm_`'s `max_norm`); `None` (the
     /// default here; `oomfix train` clips at 1.0): no clipping.
     pub max_grad_norm: Option<f64>,
+    /// With a LoRA plan, [`Trainer::save`] writes the merged model (the
+    /// adapters added into the base weights) instead of the adapters.
+    pub merge_lora: bool,
 }
 
 impl Default for TrainOptions {
@@ -103,6 +106,7 @@ impl Default for TrainOptions {
             schedule: super::LrSchedule::default(),
             source: ModelSource::default(),
             max_grad_norm: None,
+            merge_lora: false,
         }
     }
 }
@@ -225,6 +229,9 @@ pub struct Trainer {
     /// them and (stage 3) which are gathered only while it runs (FSDP's
     /// unit); `None` otherwise.
     units: Option<BlockVars>,
+    /// A LoRA plan's frozen base and adapted modules.
+    lora: Option<super::lora::LoraModel>,
+    merge_lora: bool,
 }
 
 /// The model's vars by block (indices into [`Model::vars`]), and those
@@ -369,6 +376,28 @@ fn describe(c: &ModelConfig) -> String {
     )
 }
 
+/// The name PEFT saves the adapter variable `name`
+/// (`model.layers.0.self_attn.q_proj.lora_A.weight`) under in a model of
+/// `family`.
+fn peft_name(family: crate::Family, name: &str) -> String {
+    format!(
+        "base_model.model.{}",
+        super::lora::peft_module(family, name)
+    )
+}
+
+/// Whether two names of a base model are the same model: equal, or paths
+/// of the same directory.
+fn same_base(a: &str, b: &str) -> bool {
+    if a == b {
+        return true;
+    }
+    match (Path::new(a).canonicalize(), Path::new(b).canonicalize()) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => false,
+    }
+}
+
 /// What changes when a run of the plan `saved` resumes with the plan `now`,
 /// one line per change for the log: the fields that differ
 /// ([`Plan::differences`]) and, when it changes, the global batch. Empty when
@@ -487,16 +516,18 @@ impl Trainer {
         let live_base = track::live_bytes(device)?;
         // Recorded timelines classify what is built here as weights, then optimizer state.
         let scope = Scope::new(Module::intern("model"), Op::InitWeights);
-        let model = build_model(
+        let model = build_model_with(
             config,
             options.weights.as_deref(),
             compute_dtype(plan.precision),
             device,
             options.seed,
+            plan.lora.as_ref(),
         )?;
         drop(scope);
         let config = Some(model.config().clone());
-        Self::build(
+        let lora = model.lora().cloned();
+        let mut trainer = Self::build(
             Box::new(model),
             config,
             plan,
@@ -504,7 +535,9 @@ impl Trainer {
             options,
             comm,
             live_base,
-        )
+        )?;
+        trainer.lora = lora;
+        Ok(trainer)
     }
 
     fn build_code<M, B>(
@@ -522,6 +555,13 @@ impl Trainer {
             return Err(Error::Usage(
                 "a model given as code loads its own weights in its builder; \
                  TrainOptions::weights is for the Hugging Face families"
+                    .into(),
+            ));
+        }
+        if plan.lora.is_some() {
+            return Err(Error::Usage(
+                "LoRA adapts the projections of a Hugging Face family's model; \
+                 a model given as code trains its own variables"
                     .into(),
             ));
         }
@@ -613,6 +653,8 @@ impl Trainer {
             step: 0,
             live_base,
             units,
+            lora: None,
+            merge_lora: options.merge_lora,
         })
     }
 
@@ -758,7 +800,8 @@ impl Trainer {
         let config = saved::hf_config(model, source.config.as_deref(), source.dtype)?;
         let (weights, moments) = self.consolidated()?;
         let mut optimizer: Vec<(String, Tensor)> = Vec::new();
-        if source.dtype != DType::F32 {
+        // The adapters are written in f32: no masters beside them.
+        if source.dtype != DType::F32 && self.lora.is_none() {
             optimizer.extend(
                 weights
                     .iter()
@@ -795,40 +838,95 @@ impl Trainer {
             }),
             plan: self.plan,
             model: model.clone(),
+            base_model: self.lora.as_ref().map(|_| self.base_model_name()),
+            merged: self.lora.is_some() && self.merge_lora,
         };
         if self.rank() != 0 {
             return self.saved_on_rank_0(true);
         }
+        let io = |what: &Path, e: std::io::Error| Error::Io {
+            context: format!("writing {}", what.display()),
+            source: e,
+        };
+        let write_json = |path: &Path, value: &serde_json::Value| -> Result<()> {
+            let text = serde_json::to_string_pretty(value).expect("JSON serialises") + "\n";
+            std::fs::write(path, text).map_err(|e| io(path, e))
+        };
         let written = write_dir_atomic(dir, |tmp| {
             let pt = HashMap::from([("format".to_string(), "pt".to_string())]);
-            state_file::write_safetensors_as(
-                &tmp.join(saved::MODEL_FILE),
-                weights,
-                pt,
-                Some(source.dtype),
+            match &self.lora {
+                None => state_file::write_safetensors_as(
+                    &tmp.join(saved::MODEL_FILE),
+                    weights,
+                    pt,
+                    Some(source.dtype),
+                )?,
+                Some(lora) if self.merge_lora => {
+                    let record: HashMap<String, Tensor> = weights.into_iter().collect();
+                    let merged = model
+                        .tensors()
+                        .into_iter()
+                        .map(|(name, _)| {
+                            let t = lora.merged_tensor(&name, &record, source.dtype)?;
+                            Ok((name, t))
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    state_file::write_safetensors_as(
+                        &tmp.join(saved::MODEL_FILE),
+                        merged,
+                        pt,
+                        Some(source.dtype),
+                    )?;
+                }
+                Some(lora) => {
+                    let family = lora.family();
+                    let renamed = weights
+                        .into_iter()
+                        .map(|(name, t)| (peft_name(family, &name), t))
+                        .collect();
+                    state_file::write_safetensors_as(
+                        &tmp.join(saved::ADAPTER_FILE),
+                        renamed,
+                        pt,
+                        Some(DType::F32),
+                    )?;
+                    let config = oomfix_strategies::lora::peft_config(
+                        &lora.lora,
+                        &self.base_model_name(),
+                        family == crate::Family::Gpt2,
+                    );
+                    write_json(&tmp.join(saved::ADAPTER_CONFIG_FILE), &config)?;
+                }
+            }
+            // A merged model is a model to load, not a checkpoint: its
+            // state only marks the directory as this run's output.
+            if !state.merged {
+                state_file::write(&tmp.join(saved::OPTIMIZER_FILE), optimizer, HashMap::new())?;
+            }
+            write_json(
+                &tmp.join(saved::STATE_FILE),
+                &serde_json::to_value(&state).expect("the state serialises"),
             )?;
-            state_file::write(&tmp.join(saved::OPTIMIZER_FILE), optimizer, HashMap::new())?;
-            let io = |what: &Path, e: std::io::Error| Error::Io {
-                context: format!("writing {}", what.display()),
-                source: e,
-            };
             for (name, from) in &source.files {
                 std::fs::copy(from, tmp.join(name)).map_err(|e| io(from, e))?;
             }
-            for (name, value) in [
-                (saved::CONFIG_FILE, config),
-                (
-                    saved::STATE_FILE,
-                    serde_json::to_value(&state).expect("the state serialises"),
-                ),
-            ] {
-                let text = serde_json::to_string_pretty(&value).expect("JSON serialises") + "\n";
-                std::fs::write(tmp.join(name), text).map_err(|e| io(&dir.join(name), e))?;
+            if self.lora.is_none() || self.merge_lora {
+                write_json(&tmp.join(saved::CONFIG_FILE), &config)?;
             }
             Ok(())
         });
         self.saved_on_rank_0(written.is_ok())?;
         written
+    }
+
+    /// The base model's name or path a LoRA adapter directory names (the
+    /// model's directory, else its architecture).
+    fn base_model_name(&self) -> String {
+        self.source.name.clone().unwrap_or_else(|| {
+            self.config
+                .as_ref()
+                .map_or_else(String::new, |c| c.family.to_string())
+        })
     }
 
     /// Whether rank 0 wrote the checkpoint, told to every rank (collective
@@ -925,6 +1023,7 @@ impl Trainer {
                 ),
             ));
         }
+        self.check_lora_checkpoint(&ck.state, &state_path)?;
         let position = match ck.state.data {
             DataState::Synthetic { state } => DataPosition::Synthetic(state),
             DataState::Tokens { position, tokens } => DataPosition::Tokens {
@@ -941,6 +1040,39 @@ impl Trainer {
         }
         self.step = ck.state.step;
         Ok(ck.state.plan)
+    }
+
+    /// Whether a checkpoint of `saved` continues this run's LoRA (or full
+    /// fine-tuning): the same kind of run; for LoRA, the same rank, alpha
+    /// and targets on the same base model (the base's storage may differ).
+    /// An input error naming `path` otherwise.
+    fn check_lora_checkpoint(&self, saved: &TrainerState, path: &Path) -> Result<()> {
+        let refuse = |msg: String| Err(Error::input(path, msg));
+        match (saved.plan.lora, self.plan.lora) {
+            (None, None) => Ok(()),
+            (Some(_), None) => refuse(
+                "the checkpoint holds LoRA adapters: resume it with --lora and the same settings"
+                    .into(),
+            ),
+            (None, Some(_)) => refuse(
+                "the checkpoint is of a full fine-tuning run, not LoRA adapters: resume it without --lora"
+                    .into(),
+            ),
+            (Some(was), Some(now)) => {
+                if (was.rank, was.alpha, was.targets) != (now.rank, now.alpha, now.targets) {
+                    return refuse(format!(
+                        "the checkpoint's adapters are `{was}`; this run trains `{now}` (rank, alpha and targets must match)"
+                    ));
+                }
+                let now_base = self.base_model_name();
+                match &saved.base_model {
+                    Some(was_base) if !same_base(was_base, &now_base) => refuse(format!(
+                        "the checkpoint's adapters are for the base model {was_base}; this run's base model is {now_base}"
+                    )),
+                    _ => Ok(()),
+                }
+            }
+        }
     }
 
     /// Loads the weights and the optimizer's moments from `ck`, one tensor at a time.
@@ -974,7 +1106,10 @@ impl Trainer {
             let t = if ck.optimizer.contains(&master) {
                 read(&ck.optimizer, &master, compute)?
             } else {
-                read(&ck.model, name, compute)?
+                match &self.lora {
+                    Some(lora) => read(&ck.model, &peft_name(lora.family(), name), compute)?,
+                    None => read(&ck.model, name, compute)?,
+                }
             };
             if let Some(m) = masters {
                 set(&m[i], &t)?;

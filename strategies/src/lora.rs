@@ -45,21 +45,28 @@
 //! # Ok::<(), oomfix_strategies::Error>(())
 //! ```
 
+#[cfg(feature = "cuda")]
+mod cuda;
+mod frozen;
 pub mod nf4;
 
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Shape, Storage, Tensor, Var};
+pub use frozen::{FrozenLinear, FrozenWeight, Nf4Weight};
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, Var};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use crate::memory::Linear;
-use crate::{Error, ModelFacts, Plan, Precision, Result, SearchContext, StateBytes, Strategy};
+#[cfg(test)]
+use crate::Precision;
+use crate::{Error, ModelFacts, Plan, Result, SearchContext, StateBytes, Strategy};
 
 /// How the frozen base weights are stored on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum BasePrecision {
-    /// 16 bits: the 16-bit type of the compute (bf16, or f16 on a device
-    /// without bf16); converted one weight at a time under fp32 compute.
+    /// Unquantized, in the compute dtype: 16 bits under mixed precision
+    /// (bf16, or f16 on a device without bf16), f32 under fp32 compute.
     #[serde(rename = "bf16")]
     Bf16,
     /// 4-bit NormalFloat, blocks of [`nf4::BLOCK`] values with an fp32 absmax
@@ -334,34 +341,39 @@ pub fn largest_adapter(lora: &Lora, facts: &ModelFacts) -> u64 {
 
 /// Device bytes of the frozen base weights of a model of `facts` (after
 /// [`Strategy::facts`]: `frozen` parameters, the blocks' projections among
-/// them) stored as `base`: the blocks' linear weights in `base`'s form,
-/// everything else (embeddings, norms, biases, the head) in 16 bits.
-pub fn frozen_bytes(base: BasePrecision, facts: &ModelFacts) -> u64 {
+/// them) stored as `base` under a compute dtype of `compute_bytes` per
+/// value: the blocks' linear weights in `base`'s form (NF4), everything
+/// else (embeddings, norms, biases, the head), and the projections of a
+/// [`BasePrecision::Bf16`] base, in the compute dtype.
+pub fn frozen_bytes(base: BasePrecision, compute_bytes: u64, facts: &ModelFacts) -> u64 {
     let layers = facts.layers as u64;
     let linear: u64 = facts.linears().map(|l| l.inputs * l.outputs).sum::<u64>() * layers;
+    if !base.is_quantized() {
+        return compute_bytes * facts.frozen;
+    }
     let others = facts.frozen.saturating_sub(linear);
     let quantized: u64 = facts
         .linears()
         .map(|l| base.weight_bytes(l.inputs * l.outputs))
         .sum::<u64>()
         * layers;
-    2 * others + quantized
+    compute_bytes * others + quantized
 }
 
 /// Bytes of the one frozen weight a pass of `plan` holds in the compute
-/// dtype at a time: under fp32 compute, the largest frozen tensor converted
-/// from 16 bits; under 16-bit compute with an NF4 base, the largest block
-/// projection dequantized; else none (16-bit weights are used as stored).
+/// dtype at a time: with an NF4 base, the largest block projection
+/// dequantized; else none (weights in the compute dtype are used as
+/// stored).
 pub fn dequantized_bytes(plan: &Plan, lora: &Lora, facts: &ModelFacts) -> u64 {
     let largest_linear = facts
         .linears()
         .map(|l| l.inputs * l.outputs)
         .max()
         .unwrap_or(0);
-    match plan.precision {
-        Precision::F32 => 4 * facts.largest_frozen,
-        _ if lora.base.is_quantized() => plan.precision.compute_bytes() * largest_linear,
-        _ => 0,
+    if lora.base.is_quantized() {
+        plan.precision.compute_bytes() * largest_linear
+    } else {
+        0
     }
 }
 
@@ -413,7 +425,7 @@ impl Strategy for LoraFix {
     /// the frozen weights), and one weight at a time dequantized in a pass.
     fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
         let Some(lora) = plan.lora else { return };
-        let frozen = frozen_bytes(lora.base, model);
+        let frozen = frozen_bytes(lora.base, plan.precision.compute_bytes(), model);
         state.weights += frozen;
         state.step_weights += frozen;
         state.pass_transient = state
@@ -424,75 +436,6 @@ impl Strategy for LoraFix {
 
 // ---------------------------------------------------------------------------
 // Mechanism: adapted projections on frozen weights, and PEFT's adapter files.
-
-/// A frozen weight `[out, in]`: as given (16 bits, or any dtype), or in NF4.
-#[derive(Debug)]
-pub enum FrozenWeight {
-    /// The weight as given, detached.
-    Dense(Tensor),
-    /// The weight in NF4, dequantized on the host when used and moved to `device`.
-    Nf4 {
-        /// The values, row-major.
-        values: nf4::Nf4,
-        /// `(out, in)`.
-        shape: (usize, usize),
-        /// Where the dequantized weight goes.
-        device: Device,
-    },
-}
-
-impl FrozenWeight {
-    /// `weight` (`[out, in]`) frozen as `base`: kept as given for
-    /// [`BasePrecision::Bf16`] (the caller chooses its dtype), quantized to
-    /// NF4 for [`BasePrecision::Nf4`]. Double-quantized NF4 is planned but
-    /// not stored by this type: an error.
-    pub fn new(weight: &Tensor, base: BasePrecision) -> Result<FrozenWeight> {
-        let weight = weight.detach();
-        match base {
-            BasePrecision::Bf16 => Ok(FrozenWeight::Dense(weight)),
-            BasePrecision::Nf4 => {
-                let shape = weight.dims2()?;
-                let values: Vec<f32> = weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-                Ok(FrozenWeight::Nf4 {
-                    values: nf4::quantize(&values),
-                    shape,
-                    device: weight.device().clone(),
-                })
-            }
-            BasePrecision::Nf4Double => Err(Error::Unsupported(
-                "double-quantized NF4 weights are planned but not stored yet".into(),
-            )),
-        }
-    }
-
-    /// The weight in `dtype`, `[out, in]`: a new tensor for NF4 (or another
-    /// dtype), the stored one otherwise.
-    pub fn weight(&self, dtype: DType) -> Result<Tensor> {
-        match self {
-            FrozenWeight::Dense(w) => Ok(w.to_dtype(dtype)?),
-            FrozenWeight::Nf4 {
-                values,
-                shape,
-                device,
-            } => {
-                let host = if dtype == DType::BF16 {
-                    Tensor::from_vec(values.dequantize_bf16(), *shape, &Device::Cpu)?
-                } else {
-                    Tensor::from_vec(values.dequantize(), *shape, &Device::Cpu)?.to_dtype(dtype)?
-                };
-                Ok(host.to_device(device)?)
-            }
-        }
-    }
-
-    /// `(out, in)`.
-    pub fn dims(&self) -> Result<(usize, usize)> {
-        match self {
-            FrozenWeight::Dense(w) => Ok(w.dims2()?),
-            FrozenWeight::Nf4 { shape, .. } => Ok(*shape),
-        }
-    }
-}
 
 /// A linear projection with a LoRA adapter: `y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ`
 /// with `W` (and the bias `b`) frozen, `A` `[r, in]` and `B` `[out, r]`
@@ -520,6 +463,7 @@ impl FrozenWeight {
 /// assert_eq!(layer.forward(&x)?.to_vec2::<f32>()?, base.to_vec2::<f32>()?);
 /// # Ok::<(), oomfix_strategies::Error>(())
 /// ```
+#[derive(Debug, Clone)]
 pub struct LoraLinear {
     frozen: Arc<FrozenWeight>,
     bias: Option<Tensor>,
@@ -627,12 +571,7 @@ impl LoraLinear {
         // freed at once), the bias, the adapter's.
         let y = {
             let xd = x2.detach();
-            let w = self.frozen.weight(x.dtype())?;
-            let mut y = xd.matmul(&w.t()?)?;
-            drop(w);
-            if let Some(b) = &self.bias {
-                y = y.broadcast_add(&b.to_dtype(y.dtype())?)?;
-            }
+            let y = frozen::frozen_product(&xd, &self.frozen, self.bias.as_ref())?;
             let t = xd.matmul(&self.a.as_tensor().detach().t()?)?;
             let u = t.matmul(&self.b.as_tensor().detach().t()?)?;
             (y + u.affine(self.scale, 0.0)?)?
@@ -660,16 +599,6 @@ struct Adapted {
     scale: f64,
 }
 
-impl Adapted {
-    fn take(&self) -> candle_core::Result<Tensor> {
-        self.output
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("lora: poisoned lock".into()))?
-            .take()
-            .ok_or_else(|| candle_core::Error::Msg("lora: the output was taken already".into()))
-    }
-}
-
 impl CustomOp3 for Adapted {
     fn name(&self) -> &'static str {
         "oomfix-lora-linear"
@@ -684,12 +613,7 @@ impl CustomOp3 for Adapted {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = self.take()?;
-        let (storage, _) = y.storage_and_layout();
-        match &*storage {
-            Storage::Cpu(s) => Ok((s.clone(), y.shape().clone())),
-            _ => candle_core::bail!("lora: the output is not on the CPU"),
-        }
+        frozen::cpu_output(frozen::take(&self.output)?)
     }
 
     #[cfg(feature = "cuda")]
@@ -702,13 +626,7 @@ impl CustomOp3 for Adapted {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let y = self.take()?;
-        let (storage, layout) = y.storage_and_layout();
-        match &*storage {
-            Storage::Cuda(s) => Ok((s.try_clone(layout)?, y.shape().clone())),
-            _ => candle_core::bail!("lora: the output is not on a CUDA device"),
-        }
+        frozen::cuda_output(frozen::take(&self.output)?)
     }
 
     /// `dx = g·W + s·(g·B)·A`, `dA = s·(g·B)ᵀ·x`, `dB = s·gᵀ·(x·Aᵀ)`, from
@@ -742,15 +660,48 @@ impl CustomOp3 for Adapted {
 /// model (`model.layers.0.self_attn.q_proj`), `A` `[r, in]` and `B` `[out, r]`.
 pub type SavedAdapter = (String, Tensor, Tensor);
 
+/// The names PEFT saves an adapted module's `A` and `B` under:
+/// `base_model.model.<module>.lora_A.weight` and `.lora_B.weight` (the
+/// module's path in the base model, `model.layers.0.self_attn.q_proj`).
+pub fn peft_names(module: &str) -> [String; 2] {
+    [
+        format!("base_model.model.{module}.lora_A.weight"),
+        format!("base_model.model.{module}.lora_B.weight"),
+    ]
+}
+
+/// PEFT's `adapter_config.json` for `lora` on the base model `base_model`
+/// (a Hub name or path); `fan_in_fan_out` for weights stored `[in, out]`
+/// (GPT-2's `Conv1D`).
+pub fn peft_config(lora: &Lora, base_model: &str, fan_in_fan_out: bool) -> serde_json::Value {
+    serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": lora.targets.names().collect::<Vec<_>>(),
+        "bias": "none",
+        "base_model_name_or_path": base_model,
+        "fan_in_fan_out": fan_in_fan_out,
+        "inference_mode": true,
+        "modules_to_save": null,
+        "init_lora_weights": true,
+        "use_rslora": false,
+        "use_dora": false,
+    })
+}
+
 /// Writes a PEFT LoRA adapter directory `dir` for `lora` on the base model
-/// `base_model` (a Hub name or path): `adapter_config.json` and
-/// `adapter_model.safetensors` with PEFT's names,
-/// `base_model.model.<path>.lora_A.weight` and `.lora_B.weight`, in the
-/// tensors' dtype. Each file is written beside its final name and renamed.
+/// `base_model` (a Hub name or path): `adapter_config.json`
+/// ([`peft_config`]) and `adapter_model.safetensors` with PEFT's names
+/// ([`peft_names`]), in the tensors' dtype. Each file is written beside its
+/// final name and renamed.
 pub fn save_peft(
     dir: &std::path::Path,
     base_model: &str,
     lora: &Lora,
+    fan_in_fan_out: bool,
     adapters: &[SavedAdapter],
 ) -> Result<()> {
     let io = |what: &str, e: std::io::Error| Error::Config(format!("{what}: {e}"));
@@ -764,25 +715,11 @@ pub fn save_peft(
                 lora.rank
             )));
         }
-        tensors.insert(format!("base_model.model.{path}.lora_A.weight"), a.clone());
-        tensors.insert(format!("base_model.model.{path}.lora_B.weight"), b.clone());
+        let [na, nb] = peft_names(path);
+        tensors.insert(na, a.clone());
+        tensors.insert(nb, b.clone());
     }
-    let config = serde_json::json!({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": 0.0,
-        "target_modules": lora.targets.names().collect::<Vec<_>>(),
-        "bias": "none",
-        "base_model_name_or_path": base_model,
-        "fan_in_fan_out": false,
-        "inference_mode": true,
-        "modules_to_save": null,
-        "init_lora_weights": true,
-        "use_rslora": false,
-        "use_dora": false,
-    });
+    let config = peft_config(lora, base_model, fan_in_fan_out);
     std::fs::create_dir_all(dir).map_err(|e| io(&dir.display().to_string(), e))?;
     let weights = dir.join("adapter_model.safetensors");
     let weights_tmp = dir.join(".adapter_model.safetensors.tmp");
@@ -800,6 +737,7 @@ pub fn save_peft(
 mod tests {
     use super::*;
     use crate::memory::state_of;
+    use candle_core::Device;
 
     /// Llama-3-8B's shape: 32 blocks, hidden 4096, 8 of 32 heads for k and v,
     /// MLP 14336, vocabulary 128256, untied head.
@@ -1138,7 +1076,7 @@ mod tests {
             a.clone(),
             b.clone(),
         )];
-        save_peft(&dir, "meta-llama/Meta-Llama-3-8B", &lora, &adapters).unwrap();
+        save_peft(&dir, "meta-llama/Meta-Llama-3-8B", &lora, false, &adapters).unwrap();
         let config: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(dir.join("adapter_config.json")).unwrap(),
         )
@@ -1174,7 +1112,7 @@ mod tests {
         assert!(!dir.join(".adapter_model.safetensors.tmp").exists());
         // A rank that is not the adapters': refused, nothing more written.
         let wrong = vec![("m".to_string(), b.clone(), a.clone())];
-        assert!(save_peft(&dir.join("wrong"), "m", &lora, &wrong).is_err());
+        assert!(save_peft(&dir.join("wrong"), "m", &lora, false, &wrong).is_err());
         assert!(!dir.join("wrong").join("adapter_config.json").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -179,17 +179,155 @@ impl Nf4 {
     /// converted from f32 by `convert`.
     pub fn dequantize_with<T: Send>(&self, out: &mut [T], convert: impl Fn(f32) -> T + Sync) {
         assert_eq!(out.len(), self.len, "output of the wrong length");
-        out.par_chunks_mut(BLOCK)
-            .zip(self.codes.par_chunks(BLOCK / 2))
-            .zip(self.absmax.par_iter())
-            .for_each(|((out, codes), &absmax)| {
-                for (pair, byte) in out.chunks_mut(2).zip(codes) {
-                    pair[0] = convert(CODEBOOK[(byte >> 4) as usize] * absmax);
-                    if let Some(second) = pair.get_mut(1) {
-                        *second = convert(CODEBOOK[(byte & 0x0f) as usize] * absmax);
-                    }
+        dequantize_into(&self.codes, &self.absmax, out, convert);
+    }
+}
+
+/// Writes the values of packed `codes` with their blocks' `absmax` into
+/// `out` (its length the number of values), each level times its block's
+/// absmax in f32, converted by `convert`.
+pub fn dequantize_into<T: Send>(
+    codes: &[u8],
+    absmax: &[f32],
+    out: &mut [T],
+    convert: impl Fn(f32) -> T + Sync,
+) {
+    out.par_chunks_mut(BLOCK)
+        .zip(codes.par_chunks(BLOCK / 2))
+        .zip(absmax.par_iter())
+        .for_each(|((out, codes), &absmax)| {
+            for (pair, byte) in out.chunks_mut(2).zip(codes) {
+                pair[0] = convert(CODEBOOK[(byte >> 4) as usize] * absmax);
+                if let Some(second) = pair.get_mut(1) {
+                    *second = convert(CODEBOOK[(byte & 0x0f) as usize] * absmax);
                 }
-            });
+            }
+        });
+}
+
+/// The 256 levels of 8-bit absmax codes, ascending: bitsandbytes' signed
+/// dynamic map (`create_dynamic_map(signed=True)`), its default for the
+/// absmax values of double-quantized NF4. For `i` in 0..7 the `2^i`
+/// midpoints of `linspace(0.1, 1, 2^i + 1)`, times `10^(i-6)`, and their
+/// negatives; then 0 and 1.
+pub fn dynamic_map() -> &'static [f32; 256] {
+    static MAP: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    MAP.get_or_init(|| {
+        let mut data: Vec<f32> = Vec::with_capacity(256);
+        for i in 0..7i32 {
+            let items = (1usize << i) + 1;
+            let bound = |j: usize| 0.1f32 + (1.0 - 0.1f32) * j as f32 / (items - 1) as f32;
+            let magnitude = 10f32.powi(i - 6);
+            for j in 0..items - 1 {
+                let mean = (bound(j) + bound(j + 1)) / 2.0;
+                data.push(magnitude * mean);
+                data.push(-magnitude * mean);
+            }
+        }
+        data.push(0.0);
+        data.push(1.0);
+        data.sort_by(f32::total_cmp);
+        data.try_into().expect("254 + 2 levels")
+    })
+}
+
+/// The index of the level of [`dynamic_map`] nearest to `x` (in [-1, 1]);
+/// the lower on a tie, 0 for a NaN.
+fn dynamic_index(x: f32) -> u8 {
+    let map = dynamic_map();
+    let above = map.partition_point(|&level| level < x);
+    if above == 0 || x.is_nan() {
+        return 0;
+    }
+    if above == map.len() {
+        return 255;
+    }
+    let (lo, hi) = (map[above - 1], map[above]);
+    if hi - x < x - lo {
+        above as u8
+    } else {
+        (above - 1) as u8
+    }
+}
+
+/// Absmax values quantized again (double quantization, as bitsandbytes'
+/// `compress_statistics`): their mean is taken off, the rest quantized to
+/// the 8-bit [`dynamic_map`] in blocks of [`DOUBLE_BLOCK`], each block with
+/// an fp32 scale (its own absmax).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DoubleAbsmax {
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+    offset: f32,
+}
+
+impl DoubleAbsmax {
+    /// `absmax` quantized.
+    pub fn quantize(absmax: &[f32]) -> DoubleAbsmax {
+        let offset = if absmax.is_empty() {
+            0.0
+        } else {
+            (absmax.iter().map(|&v| f64::from(v)).sum::<f64>() / absmax.len() as f64) as f32
+        };
+        let mut codes = vec![0u8; absmax.len()];
+        let scales = codes
+            .chunks_mut(DOUBLE_BLOCK)
+            .zip(absmax.chunks(DOUBLE_BLOCK))
+            .map(|(codes, block)| {
+                let scale = block.iter().fold(0f32, |m, v| m.max((v - offset).abs()));
+                let inverse = 1.0 / scale;
+                for (c, v) in codes.iter_mut().zip(block) {
+                    *c = dynamic_index((v - offset) * inverse);
+                }
+                scale
+            })
+            .collect();
+        DoubleAbsmax {
+            codes,
+            scales,
+            offset,
+        }
+    }
+
+    /// From `codes` (one per absmax value), `scales` (one per
+    /// [`DOUBLE_BLOCK`] codes) and `offset`, as the accessors give them.
+    pub fn from_parts(codes: Vec<u8>, scales: Vec<f32>, offset: f32) -> DoubleAbsmax {
+        DoubleAbsmax {
+            codes,
+            scales,
+            offset,
+        }
+    }
+
+    /// One code per absmax value.
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    /// One fp32 scale per [`DOUBLE_BLOCK`] codes.
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+
+    /// The mean taken off before quantizing.
+    pub fn offset(&self) -> f32 {
+        self.offset
+    }
+
+    /// Absmax value `i`: its level times its block's scale, plus the offset
+    /// (in f32).
+    pub fn value(&self, i: usize) -> f32 {
+        dynamic_map()[self.codes[i] as usize] * self.scales[i / DOUBLE_BLOCK] + self.offset
+    }
+
+    /// Every absmax value.
+    pub fn dequantize(&self) -> Vec<f32> {
+        (0..self.codes.len()).map(|i| self.value(i)).collect()
+    }
+
+    /// Bytes held: the codes, the scales and the offset.
+    pub fn bytes(&self) -> usize {
+        self.codes.len() + 4 * self.scales.len() + 4
     }
 }
 
@@ -320,5 +458,53 @@ mod tests {
         assert!(q.dequantize().iter().all(|v| *v == 0.0));
         assert!(Nf4::from_parts(vec![0; 3], vec![1.0], 5).is_some());
         assert!(Nf4::from_parts(vec![0; 3], vec![1.0], 7).is_none());
+    }
+
+    #[test]
+    fn the_dynamic_map_has_256_ascending_levels_from_minus_one_to_one() {
+        let map = dynamic_map();
+        assert!(map.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!((map[0], map[255]), (-0.99296875, 1.0));
+        assert!(map.contains(&0.0));
+        // The smallest magnitude: 1e-6 × (0.1 + 1) / 2.
+        let smallest = map
+            .iter()
+            .filter(|v| **v > 0.0)
+            .fold(1f32, |m, v| m.min(*v));
+        assert!((smallest - 0.55e-6).abs() < 1e-12, "{smallest}");
+        assert_eq!(dynamic_index(1.0), 255);
+        assert_eq!(
+            dynamic_index(0.0) as usize,
+            map.iter().position(|v| *v == 0.0).unwrap()
+        );
+        assert!((0..256).all(|i| dynamic_index(map[i]) as usize == i || map[i] == map[i - 1]));
+    }
+
+    #[test]
+    fn double_quantized_absmax_stays_within_a_level() {
+        let v = values(64 * 1000, 7);
+        let q = quantize(&v);
+        let d = DoubleAbsmax::quantize(q.absmax());
+        assert_eq!(d.codes().len(), 1000);
+        assert_eq!(d.scales().len(), 4);
+        assert_eq!(d.bytes(), 1000 + 16 + 4);
+        let back = d.dequantize();
+        let mean = q.absmax().iter().sum::<f32>() / 1000.0;
+        assert!((d.offset() - mean).abs() < 1e-6);
+        for (i, (a, b)) in q.absmax().iter().zip(&back).enumerate() {
+            // The widest gap between neighbouring levels near ±1 is 0.9/64·... < 2%
+            // of the block's scale.
+            let scale = d.scales()[i / DOUBLE_BLOCK];
+            assert!((a - b).abs() <= 0.02 * scale, "{i}: {a} {b}");
+        }
+        // The value that sets a block's scale comes back up to rounding.
+        let (i, _) = q
+            .absmax()
+            .iter()
+            .take(DOUBLE_BLOCK)
+            .enumerate()
+            .max_by(|x, y| (x.1 - mean).abs().total_cmp(&(y.1 - mean).abs()))
+            .unwrap();
+        assert!((back[i] - q.absmax()[i]).abs() <= 1e-6 * q.absmax()[i].abs().max(1.0));
     }
 }

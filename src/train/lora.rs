@@ -1,0 +1,268 @@
+//! LoRA and QLoRA on the Hugging Face families: the frozen base model, the
+//! adapters the families' one projection builder (`Params::linear`) puts
+//! on the targeted projections, and what a saved adapter or merged model is
+//! made of.
+//!
+//! With a [`Lora`], every tensor of the model is frozen: the blocks' linear
+//! weights are kept `[out, in]` (GPT-2's `Conv1D` weights transposed) as a
+//! [`FrozenWeight`], in the compute dtype or in NF4 (quantized on the host
+//! before they reach the device); the rest (embeddings, norms, biases, the
+//! head) in the compute dtype. A targeted projection gets a fresh adapter
+//! as PEFT's: `A` `[r, in]` uniform in ±1/√in (Kaiming-uniform with
+//! `a = √5`), `B` `[out, r]` zeros, drawn from the run's seed in the order
+//! the blocks are built; the model's trained variables are the adapters
+//! only, named `<module>.lora_A.weight` and `<module>.lora_B.weight`.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+use oomfix_strategies::lora::{FrozenLinear, FrozenWeight, Lora, LoraLinear, Nf4Weight};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::layers::Linear;
+use crate::{Error, Family, ModelConfig, Result};
+
+/// The adapted module's variable names: `A`, then `B`.
+pub fn adapter_names(module: &str) -> [String; 2] {
+    [
+        format!("{module}.lora_A.weight"),
+        format!("{module}.lora_B.weight"),
+    ]
+}
+
+/// The module path PEFT names in a saved adapter for the module `module`
+/// of `family`'s model (`transformer.h.0.attn.c_attn` for GPT-2's
+/// `h.0.attn.c_attn`: `GPT2LMHeadModel` keeps its blocks under
+/// `transformer`).
+pub fn peft_module(family: Family, module: &str) -> String {
+    match family {
+        Family::Gpt2 => format!("transformer.{module}"),
+        _ => module.to_string(),
+    }
+}
+
+/// A frozen base model with LoRA adapters, as built: what merging and
+/// saving read.
+#[derive(Debug, Clone)]
+pub struct LoraModel {
+    /// The settings.
+    pub lora: Lora,
+    family: Family,
+    /// The blocks' linear weights by Hub name, `[out, in]`.
+    projections: HashMap<String, FrozenWeight>,
+    /// Every other tensor by Hub name, in the compute dtype.
+    others: HashMap<String, Tensor>,
+    /// The adapted modules, in the order of the variables.
+    adapted: Vec<String>,
+}
+
+impl LoraModel {
+    /// The adapted modules' paths (`model.layers.0.self_attn.q_proj`), in
+    /// the order of the model's variables (two each: `A`, `B`).
+    pub fn adapted(&self) -> &[String] {
+        &self.adapted
+    }
+
+    /// The family of the base model.
+    pub fn family(&self) -> Family {
+        self.family
+    }
+
+    /// Bytes the frozen base holds on its device.
+    pub fn frozen_bytes(&self) -> usize {
+        let others: usize = self
+            .others
+            .values()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        others
+            + self
+                .projections
+                .values()
+                .map(FrozenWeight::bytes)
+                .sum::<usize>()
+    }
+
+    /// The merged model's tensor `name` (of [`ModelConfig::tensors`]) in
+    /// `dtype` on the host: an adapted projection's weight `W + (α/r)·B·A`
+    /// from `adapters` (the adapters' weights of record by variable name),
+    /// any other frozen weight as stored (an NF4 one dequantized), in the
+    /// checkpoint's layout.
+    pub fn merged_tensor(
+        &self,
+        name: &str,
+        adapters: &HashMap<String, Tensor>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let Some(frozen) = self.projections.get(name) else {
+            let t = self
+                .others
+                .get(name)
+                .ok_or_else(|| Error::Usage(format!("the model has no tensor `{name}`")))?;
+            return Ok(t.to_dtype(dtype)?.to_device(&Device::Cpu)?);
+        };
+        let mut w = frozen.weight(DType::F32)?;
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        if self.adapted.iter().any(|m| m == module) {
+            let [a, b] = adapter_names(module).map(|n| adapters.get(&n).cloned());
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(Error::Usage(format!("no adapter weights for `{module}`")));
+            };
+            let device = w.device().clone();
+            let ba = b
+                .to_dtype(DType::F32)?
+                .to_device(&device)?
+                .matmul(&a.to_dtype(DType::F32)?.to_device(&device)?)?;
+            w = (w + ba.affine(self.lora.scale(), 0.0)?)?;
+        }
+        if self.family == Family::Gpt2 {
+            w = w.t()?.contiguous()?;
+        }
+        Ok(w.to_dtype(dtype)?.to_device(&Device::Cpu)?)
+    }
+}
+
+/// The adapters' variables with their names, and the adapted modules.
+type Made = (Vec<(String, Var)>, Vec<String>);
+
+/// What [`super::Params`] holds for a LoRA model: the frozen base and the
+/// adapters made so far.
+pub(crate) struct Adapting {
+    lora: Lora,
+    family: Family,
+    projections: HashMap<String, FrozenWeight>,
+    others: HashMap<String, Tensor>,
+    /// The adapters' vars with their names, and the adapted modules.
+    made: RefCell<Made>,
+    rng: RefCell<StdRng>,
+    dtype: DType,
+}
+
+impl Adapting {
+    /// The frozen base of `config` from its `tensors` (on the host, any
+    /// float dtype) for `lora`, on `device` in `dtype`; adapters drawn from
+    /// `seed`.
+    pub(crate) fn new(
+        config: &ModelConfig,
+        tensors: Vec<(String, Tensor)>,
+        lora: Lora,
+        dtype: DType,
+        device: &Device,
+        seed: u64,
+    ) -> Result<Self> {
+        if !matches!(config.family, Family::Gpt2 | Family::Llama) {
+            return Err(Error::Usage(format!(
+                "LoRA trains the causal language models (GPT-2 and Llama-style families); {} is not one",
+                config.family
+            )));
+        }
+        let mut projections = HashMap::new();
+        let mut others = HashMap::new();
+        for (name, t) in tensors {
+            let projection = ModelConfig::block_of(&name).is_some() && t.rank() == 2;
+            if !projection {
+                others.insert(name, t.to_dtype(dtype)?.to_device(device)?);
+                continue;
+            }
+            // [out, in]: GPT-2's Conv1D weights are [in, out].
+            let t = match config.family {
+                Family::Gpt2 => t.t()?.contiguous()?,
+                _ => t,
+            };
+            let frozen = if lora.base.is_quantized() {
+                let values: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+                let double = lora.base == oomfix_strategies::lora::BasePrecision::Nf4Double;
+                FrozenWeight::Nf4(Nf4Weight::quantize(&values, t.dims2()?, double, device)?)
+            } else {
+                FrozenWeight::Dense(t.to_dtype(dtype)?.to_device(device)?)
+            };
+            projections.insert(name, frozen);
+        }
+        Ok(Adapting {
+            lora,
+            family: config.family,
+            projections,
+            others,
+            made: RefCell::new((Vec::new(), Vec::new())),
+            rng: RefCell::new(StdRng::seed_from_u64(seed ^ 0x6c6f_7261)),
+            dtype,
+        })
+    }
+
+    /// The frozen tensor `name` that is not a block projection.
+    pub(crate) fn get(&self, name: &str) -> Option<Tensor> {
+        self.others.get(name).cloned()
+    }
+
+    /// The projection `{prefix}.weight` (+ `{prefix}.bias` if `bias`):
+    /// adapted if its name is a target, else frozen.
+    pub(crate) fn linear(&self, prefix: &str, bias: Option<Tensor>) -> Result<Linear> {
+        let weight = format!("{prefix}.weight");
+        let frozen = self
+            .projections
+            .get(&weight)
+            .cloned()
+            .ok_or_else(|| Error::Usage(format!("the model has no tensor `{weight}`")))?;
+        let name = prefix.rsplit('.').next().unwrap_or(prefix);
+        if !self.lora.targets.contains(name) {
+            return Ok(Linear::Frozen(FrozenLinear::new(frozen, bias)));
+        }
+        let (out, d_in) = frozen.dims()?;
+        let rank = self.lora.rank as usize;
+        if rank > out.min(d_in) {
+            return Err(Error::Usage(format!(
+                "a LoRA rank of {rank} exceeds {prefix} ({out} x {d_in}): at most {}",
+                out.min(d_in)
+            )));
+        }
+        let device = frozen_device(&frozen, &self.others)?;
+        // PEFT: kaiming_uniform_(A, a = √5), a bound of 1/√in; B zeros.
+        let bound = 1.0 / (d_in as f64).sqrt();
+        let values: Vec<f32> = {
+            let mut rng = self.rng.borrow_mut();
+            (0..rank * d_in)
+                .map(|_| rng.random_range(-bound..bound) as f32)
+                .collect()
+        };
+        let a = Tensor::from_vec(values, (rank, d_in), &Device::Cpu)?
+            .to_dtype(self.dtype)?
+            .to_device(&device)?;
+        let b = Tensor::zeros((out, rank), self.dtype, &device)?;
+        let (a, b) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+        let layer =
+            LoraLinear::with_adapter(frozen, bias, a.clone(), b.clone(), self.lora.scale())?;
+        let mut made = self.made.borrow_mut();
+        let [na, nb] = adapter_names(prefix);
+        made.0.push((na, a));
+        made.0.push((nb, b));
+        made.1.push(prefix.to_string());
+        Ok(Linear::Adapted(layer))
+    }
+
+    /// The adapters' variables with their names, and the model as built.
+    pub(crate) fn finish(self) -> (Vec<(String, Var)>, LoraModel) {
+        let (vars, adapted) = self.made.into_inner();
+        let model = LoraModel {
+            lora: self.lora,
+            family: self.family,
+            projections: self.projections,
+            others: self.others,
+            adapted,
+        };
+        (vars, model)
+    }
+}
+
+/// The device the frozen model lives on (that of any of its tensors).
+fn frozen_device(frozen: &FrozenWeight, others: &HashMap<String, Tensor>) -> Result<Device> {
+    if let FrozenWeight::Dense(w) = frozen {
+        return Ok(w.device().clone());
+    }
+    others
+        .values()
+        .next()
+        .map(|t| t.device().clone())
+        .ok_or_else(|| Error::Usage("a model without embeddings".into()))
+}
