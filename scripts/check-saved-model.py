@@ -3,7 +3,8 @@
 1. With `safetensors` and `config.json` alone: model.safetensors carries
    {"format": "pt"}, its dtype is the config's `torch_dtype`, and its tensor
    names and shapes are exactly those the config's architecture has (GPT-2,
-   Llama, Mistral, Qwen2, Qwen3, Phi-3, BERT masked-LM; Hub names, a tied
+   Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3 text, BERT
+   masked-LM; Hub names, a tied
    head stored once).
 2. When `transformers` (and torch) can be imported: AutoModelForCausalLM (or
    AutoModelForMaskedLM) .from_pretrained(DIR) loads it with no missing,
@@ -50,7 +51,7 @@ def expected_tensors(c):
             t[b + "mlp.c_proj.bias"] = [h]
         t["ln_f.weight"] = [h]
         t["ln_f.bias"] = [h]
-    elif kind in ("llama", "qwen2", "mistral", "qwen3", "phi3"):
+    elif kind in ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text"):
         h, v, i = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
         heads = c["num_attention_heads"]
         kv = c.get("num_key_value_heads") or heads
@@ -61,6 +62,9 @@ def expected_tensors(c):
             b = f"model.layers.{l}."
             t[b + "input_layernorm.weight"] = [h]
             t[b + "post_attention_layernorm.weight"] = [h]
+            if kind.startswith("gemma"):
+                t[b + "pre_feedforward_layernorm.weight"] = [h]
+                t[b + "post_feedforward_layernorm.weight"] = [h]
             if kind == "phi3":  # fused: rows q, k, v
                 t[b + "self_attn.qkv_proj.weight"] = [(heads + 2 * kv) * d, h]
             else:
@@ -68,7 +72,7 @@ def expected_tensors(c):
                 t[b + "self_attn.k_proj.weight"] = [kv * d, h]
                 t[b + "self_attn.v_proj.weight"] = [kv * d, h]
             t[b + "self_attn.o_proj.weight"] = [h, heads * d]
-            if kind == "qwen3":
+            if kind in ("qwen3", "gemma3_text"):
                 t[b + "self_attn.q_norm.weight"] = [d]
                 t[b + "self_attn.k_norm.weight"] = [d]
             if qkv_bias:

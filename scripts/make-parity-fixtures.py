@@ -10,7 +10,12 @@ train/<name>/model.safetensors, train/<name>/config.json
     scales drawn from N(1, 0.5): Qwen3 (q/k norms, head size 16 where
     hidden / heads is 8); a Llama 3.2-style model (llama3 RoPE scaling, base
     500000, head size 16); Llamas with linear, dynamic (NTK; the batch longer
-    than the context) and yarn RoPE scaling; Phi-3 (fused projections).
+    than the context) and yarn RoPE scaling; Phi-3 (fused projections);
+    Phi-3.5-style (longrope, short factors) and Phi-4-mini-style (partial
+    rotary, longrope past the original context);
+    Gemma 2 (soft-capping, sliding windows) and Gemma 3 text (q/k norms,
+    local and global RoPE bases, sliding windows), their norm weights (scales
+    1 + w) drawn from N(0, 0.5).
 train/<name>.ref.safetensors
     input_ids, targets, loss_mask (BERT: and attention_mask, the second
     sequence ending with 3 padding tokens), the logits (f32 [b, s, V]), the
@@ -57,6 +62,7 @@ files; on another CPU the reference values may differ in their last bits
 the model files themselves are the same).
 
 Usage: python scripts/make-parity-fixtures.py [--lora] [FIXTURES_DIR]   (default: tests/fixtures)
+       ONLY=gemma2,gemma3 python scripts/make-parity-fixtures.py   (those parity fixtures only)
 """
 
 import json
@@ -70,7 +76,8 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers, trainers
-from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel,
+from transformers import (BertConfig, BertForMaskedLM, Gemma2Config, Gemma2ForCausalLM,
+                          Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config, GPT2LMHeadModel,
                           LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
@@ -116,7 +123,18 @@ def llama_with(scaling, theta=10000.0, **kw):
 
 
 # Fixtures after the first four: their norm scales spread (spread_norms).
-SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "phi3"}
+SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "phi3",
+          "phi3-longrope", "phi4-mini"}
+# Gemma's norms scale by 1 + w: their w drawn from N(0, 0.5) (scales 1 ± 0.5,
+# where a model reading w as the scale would use 0 ± 0.5).
+GEMMA = {"gemma2", "gemma3"}
+
+
+def spread_gemma_norms(model):
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
 
 
 def parity_models():
@@ -170,6 +188,57 @@ def parity_models():
         partial_rotary_factor=1.0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
         bos_token_id=0, eos_token_id=0, pad_token_id=None, sliding_window=None,
         attn_implementation="eager", **rope(10000.0)))
+    # Phi-3.5-mini-style: longrope scaling, the batch (8) within the original
+    # context (16): the short factors, and the attention factor of a context
+    # grown 4 times (sqrt(1 + ln 4 / ln 16)).
+    yield "phi3-longrope", Phi3ForCausalLM(Phi3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        original_max_position_embeddings=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, bos_token_id=0,
+        eos_token_id=0, pad_token_id=None, sliding_window=None, attn_implementation="eager",
+        **rope(10000.0, {"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0, 6.0],
+                         "long_factor": [1.0, 2.0, 5.0, 12.0],
+                         "original_max_position_embeddings": 16})))
+    # Phi-4-mini-style: partial rotary (3/4 of each head of 8), longrope with
+    # the batch past the original context (4): the long factors; tied head.
+    yield "phi4-mini", Phi3ForCausalLM(Phi3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        original_max_position_embeddings=4, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, bos_token_id=0,
+        eos_token_id=0, pad_token_id=None, sliding_window=None, attn_implementation="eager",
+        partial_rotary_factor=0.75,
+        **rope(10000.0, {"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0],
+                         "long_factor": [1.0, 4.0, 16.0], "partial_rotary_factor": 0.75,
+                         "original_max_position_embeddings": 4})))
+    # Gemma 2: three blocks (sliding, full, sliding by the class's pattern), a
+    # window of 3 of the batch's 8 positions, head size 16 (hidden / heads is
+    # 8), scores scaled by 12^-1/2, attention and logits soft-capped by caps
+    # the values reach (tanh far from linear there: without the caps the
+    # loss moves by 0.3%).
+    yield "gemma2", Gemma2ForCausalLM(Gemma2Config(
+        num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=12, sliding_window=3,
+        attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        attn_implementation="eager", **rope(10000.0)))
+    # Gemma 3 (text): q/k norms (1 + w), sliding blocks with their own RoPE
+    # base (10000) beside a full block with a linearly scaled global base
+    # (1e6, factor 4), a window of 3, scores scaled by 32^-1/2, no
+    # soft-capping.
+    yield "gemma3", Gemma3ForCausalLM(Gemma3TextConfig(
+        num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=48, vocab_size=V, max_position_embeddings=64,
+        rms_norm_eps=1e-6, query_pre_attn_scalar=32, sliding_window=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=None, attn_implementation="eager",
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
 
 
 def save_model_dir(model, out):
@@ -184,13 +253,17 @@ def save_model_dir(model, out):
     shutil.rmtree(tmp)
 
 
-def write_parity(out):
+def write_parity(out, only=None):
     os.makedirs(out, exist_ok=True)
     for i, (name, model) in enumerate(parity_models()):
+        if only and name not in only:
+            continue
         torch.manual_seed(100 + i)
         perturb(model)
         if name in SPREAD:
             spread_norms(model)
+        if name in GEMMA:
+            spread_gemma_norms(model)
         model.eval()  # no dropout (all probabilities are 0 anyway)
         tokens = torch.randint(0, V, (B, S + 1))
         batch = {}
@@ -418,13 +491,14 @@ def write_lora(out):
             print(name, suffix, "loss", loss.item(), "adapter tensors", len(adapters))
 
 
-def main(root):
+def main(root, only=None):
     print("transformers", transformers.__version__, "torch", torch.__version__,
           "tokenizers", tokenizers.__version__)
     torch.manual_seed(0)
-    write_parity(os.path.join(root, "train"))
-    write_lora(os.path.join(root, "train"))
-    write_finetune(os.path.join(root, "finetune"))
+    write_parity(os.path.join(root, "train"), only)
+    if not only:
+        write_lora(os.path.join(root, "train"))
+        write_finetune(os.path.join(root, "finetune"))
 
 
 if __name__ == "__main__":
@@ -433,7 +507,11 @@ if __name__ == "__main__":
     args = [a for a in args if a != "--lora"]
     root = args[0] if args else os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures")
+    # ONLY=name,name writes those parity fixtures alone (their seeds are
+    # their places in parity_models, so the files are the same either way).
+    only = set(filter(None, os.environ.get("ONLY", "").split(",")))
     if lora_only:
         write_lora(os.path.join(root, "train"))
     else:
-        main(root)
+        main(root, only)
+

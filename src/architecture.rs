@@ -1,16 +1,19 @@
 //! The architectures a `config.json` can name (`architectures[0]` or
-//! `model_type`), and what oomfix does with each: the family it trains it
-//! as, or what that family lacks to compute it as Hugging Face
-//! `transformers` does.
+//! `model_type`), and what oomfix does with each: the family it trains (or,
+//! for a mixture of experts, plans) it as, or what that family lacks to
+//! compute it as Hugging Face `transformers` does.
 
 use crate::Family;
 
 /// What oomfix does with an architecture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Support {
-    /// Planned and trained as `family`; `qk_norm`: with RMSNorm on each
-    /// query and key head (Qwen3); `fused`: with one q/k/v and one gate/up
-    /// projection (Phi-3).
+    /// Planned and trained as `family` (a mixture of experts: planned
+    /// only); `qk_norm`: with RMSNorm on each query and key head (Qwen3,
+    /// Gemma 3; OLMoE: on the whole projections); `fused`: with one q/k/v
+    /// and one gate/up projection (Phi-3); `gemma`: Gemma's blocks, of
+    /// version 2 or 3 ([`crate::GemmaSettings`]); `moe`: a mixture of
+    /// experts ([`crate::MoeSettings`]).
     Implemented {
         /// The family whose model computes it.
         family: Family,
@@ -18,12 +21,28 @@ pub enum Support {
         qk_norm: bool,
         /// Fused `qkv_proj` and `gate_up_proj`.
         fused: bool,
+        /// Gemma 2 or 3 (text); `None` for the others.
+        gemma: Option<u8>,
+        /// A mixture-of-experts MLP (planned, not trained); `None` for the others.
+        moe: Option<Moe>,
     },
     /// Known, not implemented: `missing` says what its model computes that
     /// oomfix's families do not.
     Missing(&'static str),
     /// Not an architecture oomfix knows.
     Unknown,
+}
+
+/// The mixture-of-experts architectures oomfix plans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moe {
+    /// Mixtral: `block_sparse_moe`, `num_local_experts`, `intermediate_size` per expert.
+    Mixtral,
+    /// Qwen3-MoE: `mlp.experts`, `num_experts`, `moe_intermediate_size`, per-head q/k norms.
+    Qwen3,
+    /// OLMoE: `mlp.experts`, `num_experts`, `intermediate_size` per expert,
+    /// q/k norms over the whole projections.
+    Olmoe,
 }
 
 /// One architecture: its class names and `model_type`s, and what oomfix does.
@@ -39,6 +58,21 @@ const fn implemented(names: &'static [&'static str], family: Family, qk_norm: bo
             family,
             qk_norm,
             fused: false,
+            gemma: None,
+            moe: None,
+        },
+    }
+}
+
+const fn gemma(names: &'static [&'static str], version: u8) -> Entry {
+    Entry {
+        names,
+        support: Support::Implemented {
+            family: Family::Llama,
+            qk_norm: version == 3,
+            fused: false,
+            gemma: Some(version),
+            moe: None,
         },
     }
 }
@@ -50,7 +84,18 @@ const fn missing(names: &'static [&'static str], what: &'static str) -> Entry {
     }
 }
 
-const MOE: &str = "a mixture-of-experts MLP (router and experts) is not implemented";
+const fn moe(names: &'static [&'static str], kind: Moe) -> Entry {
+    Entry {
+        names,
+        support: Support::Implemented {
+            family: Family::Llama,
+            qk_norm: !matches!(kind, Moe::Mixtral),
+            fused: false,
+            gemma: None,
+            moe: Some(kind),
+        },
+    }
+}
 
 const TABLE: &[Entry] = &[
     implemented(
@@ -85,25 +130,16 @@ const TABLE: &[Entry] = &[
     ),
     missing(
         &["GemmaForCausalLM", "GemmaModel", "gemma"],
-        "(1 + w) RMSNorm, √hidden embedding scale and the GeLU-tanh MLP are not implemented",
+        "Gemma 1's blocks (two norms each, no sliding windows) are not implemented \
+         (Gemma 2 and Gemma 3 are)",
     ),
+    gemma(&["Gemma2ForCausalLM", "Gemma2Model", "gemma2"], 2),
+    gemma(&["Gemma3ForCausalLM", "Gemma3TextModel", "gemma3_text"], 3),
     missing(
-        &["Gemma2ForCausalLM", "Gemma2Model", "gemma2"],
-        "(1 + w) RMSNorm, four norms per block, √hidden embedding scale, attention and \
-         final-logit soft-capping, alternating sliding-window layers, query_pre_attn_scalar \
-         and the GeLU-tanh MLP are not implemented",
-    ),
-    missing(
-        &[
-            "Gemma3ForCausalLM",
-            "Gemma3ForConditionalGeneration",
-            "Gemma3TextModel",
-            "gemma3",
-            "gemma3_text",
-        ],
-        "(1 + w) RMSNorm, four norms per block, √hidden embedding scale, q/k norm with (1 + w), \
-         local and global RoPE bases, alternating sliding-window layers, query_pre_attn_scalar \
-         and the GeLU-tanh MLP are not implemented",
+        &["Gemma3ForConditionalGeneration", "gemma3"],
+        "it is the multimodal Gemma 3 (a vision tower and projector beside the language model, \
+         its tensors under language_model.): only the text model is implemented \
+         (Gemma3ForCausalLM, model_type gemma3_text)",
     ),
     Entry {
         names: &["Phi3ForCausalLM", "Phi3Model", "phi3"],
@@ -111,16 +147,21 @@ const TABLE: &[Entry] = &[
             family: Family::Llama,
             qk_norm: false,
             fused: true,
+            gemma: None,
+            moe: None,
         },
     },
     missing(
         &["PhiForCausalLM", "PhiModel", "phi"],
         "parallel attention and MLP with LayerNorm and partial rotary are not implemented",
     ),
-    missing(&["MixtralForCausalLM", "mixtral"], MOE),
-    missing(&["Qwen2MoeForCausalLM", "qwen2_moe"], MOE),
-    missing(&["Qwen3MoeForCausalLM", "qwen3_moe"], MOE),
-    missing(&["OlmoeForCausalLM", "olmoe"], MOE),
+    moe(&["MixtralForCausalLM", "mixtral"], Moe::Mixtral),
+    missing(
+        &["Qwen2MoeForCausalLM", "qwen2_moe"],
+        "a mixture-of-experts MLP with a shared expert is not implemented",
+    ),
+    moe(&["Qwen3MoeForCausalLM", "qwen3_moe"], Moe::Qwen3),
+    moe(&["OlmoeForCausalLM", "olmoe"], Moe::Olmoe),
     missing(
         &[
             "DeepseekV2ForCausalLM",
@@ -148,7 +189,8 @@ pub fn refusal(name: &str) -> Option<String> {
         Support::Implemented { .. } => None,
         Support::Missing(what) => Some(format!("{name} is known, but {what}")),
         Support::Unknown => Some(format!(
-            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, BERT)"
+            "{name} is not an architecture oomfix implements (GPT-2, Llama, Mistral, Qwen2, Qwen3, \
+             Phi-3, Gemma 2, Gemma 3 text, BERT; Mixtral, Qwen3-MoE and OLMoE planned only)"
         )),
     }
 }
@@ -204,7 +246,7 @@ pub fn may_leave(family: Family, hub: &str, tied: bool) -> bool {
 }
 
 /// The RoPE scaling types the Llama-style model implements.
-pub const ROPE_SCALINGS: &[&str] = &["llama3", "linear", "dynamic", "yarn"];
+pub const ROPE_SCALINGS: &[&str] = &["llama3", "linear", "dynamic", "yarn", "longrope"];
 
 #[cfg(test)]
 mod tests {
@@ -218,19 +260,27 @@ mod tests {
             Support::Implemented {
                 family: Family::Llama,
                 qk_norm: true,
-                fused: false
+                fused: false,
+                gemma: None,
+                moe: None
             }
         );
-        assert!(matches!(support("gemma2"), Support::Missing(_)));
+        assert!(matches!(
+            support("gemma2"),
+            Support::Implemented { gemma: Some(2), .. }
+        ));
+        assert!(matches!(support("gemma"), Support::Missing(_)));
         assert_eq!(support("MambaForCausalLM"), Support::Unknown);
         assert!(refusal("LlamaForCausalLM").is_none());
-        let why = refusal("Gemma3ForCausalLM").unwrap();
+        assert!(refusal("Gemma3ForCausalLM").is_none());
+        let why = refusal("Gemma3ForConditionalGeneration").unwrap();
         assert!(
-            why.contains("Gemma3ForCausalLM") && why.contains("q/k norm"),
+            why.contains("Gemma3ForConditionalGeneration") && why.contains("gemma3_text"),
             "{why}"
         );
-        assert!(refusal("Qwen3MoeForCausalLM")
+        assert!(refusal("Qwen3MoeForCausalLM").is_none());
+        assert!(refusal("Qwen2MoeForCausalLM")
             .unwrap()
-            .contains("mixture-of-experts"));
+            .contains("shared expert"));
     }
 }

@@ -79,5 +79,8 @@ pub use memory::{Breakdown, Estimator, MemoryModel, Target};
 pub use oomfix_strategies as strategies;
 pub use oomfix_strategies::{Execution, Pipeline, Plan, Strategy};
 pub use search::{Attempt, Headroom, Measurement, Pins, Planner, SearchResult, Verifier, Verify};
-pub use spec::{Family, ModelConfig, ModelSettings, ModelSpec, RopeFactors, TensorInfo};
+pub use spec::{
+    Family, GemmaSettings, ModelConfig, ModelSettings, ModelSpec, MoeSettings, RopeFactors,
+    TensorInfo,
+};
 pub use train::{TrainOptions, Trainer};

@@ -643,9 +643,11 @@ impl Planner {
             Some(h) => h == oomfix_strategies::Precision::Bf16,
             None => self.target.supports_bf16(),
         };
-        ctx.flash_attention = self.target.has_flash_attention(spec.config.head_dim());
+        ctx.flash_attention = self.target.has_flash_attention(spec.config.head_dim())
+            && spec.config.flash_computes_it();
         ctx.host_offload = self.target.has_host_memory();
         ctx.model = self.capabilities;
+        ctx.model.chunked_loss &= spec.config.chunked_loss_computes_it();
         let skipped: Vec<Skipped> = self
             .pipeline
             .strategies()

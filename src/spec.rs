@@ -122,6 +122,75 @@ pub struct ModelSettings {
     pub partial_rotary_factor: Option<f64>,
     /// The numbers of `rope_scaling` (absent ones are transformers' defaults).
     pub rope: RopeFactors,
+    /// Gemma 2 / Gemma 3 (text): what their blocks compute beyond a Llama's
+    /// ([`GemmaSettings`]); `None` for every other model.
+    pub gemma: Option<GemmaSettings>,
+    /// A mixture-of-experts MLP in every block (Mixtral, Qwen3-MoE, OLMoE):
+    /// planned with its own terms, not trained ([`MoeSettings`]).
+    pub moe: Option<MoeSettings>,
+    /// Llama-style: the q/k norms span the whole projection (`[H·d]` and
+    /// `[KV·d]`, OLMoE) rather than each head (`[d]`, Qwen3).
+    pub qk_norm_whole: bool,
+}
+
+/// A mixture-of-experts MLP: a router (`gate`, `[experts, hidden]`) picks
+/// `top_k` of `experts` SwiGLU experts of `expert_intermediate` for each
+/// token and sums their outputs, weighted.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeSettings {
+    /// Experts per block (`num_local_experts`, `num_experts`).
+    pub experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// MLP size of one expert (`moe_intermediate_size`, else `intermediate_size`).
+    pub expert_intermediate: usize,
+    /// Mixtral's tensor names (`block_sparse_moe.gate`,
+    /// `block_sparse_moe.experts.E.w1` gate, `w2` down, `w3` up); else
+    /// `mlp.gate` and `mlp.experts.E.{gate,up,down}_proj` (Qwen3-MoE, OLMoE).
+    pub mixtral_names: bool,
+    /// The experts stacked as transformers 5 holds them: `mlp.gate` and
+    /// `mlp.experts.gate_up_proj` `[E, 2·I_e, h]`, `mlp.experts.down_proj`
+    /// `[E, h, I_e]` (whatever the architecture's own names).
+    pub fused_experts: bool,
+}
+
+/// What a Gemma 2 or Gemma 3 (text) model computes beyond a Llama-style one,
+/// as `transformers` reads it from `config.json` (absent keys take the
+/// class's defaults there).
+///
+/// Both: RMSNorms scaled by `1 + w` (computed in f32), four norms per block
+/// (`input_layernorm`, `post_attention_layernorm`,
+/// `pre_feedforward_layernorm`, `post_feedforward_layernorm`), the
+/// embedding multiplied by √hidden rounded to the compute dtype, scores
+/// scaled by `query_pre_attn_scalar^-½`, sliding-window layers beside
+/// full ones, a GeLU (tanh) gated MLP. Gemma 2 soft-caps the attention
+/// scores and the final logits (`cap·tanh(x/cap)`); Gemma 3 norms each
+/// query and key head (`q_norm`, `k_norm`, with `1 + w`) and gives its
+/// sliding layers their own RoPE base.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GemmaSettings {
+    /// 2 or 3.
+    pub version: u8,
+    /// `query_pre_attn_scalar`: scores are scaled by its inverse square root.
+    pub query_pre_attn_scalar: f64,
+    /// `attn_logit_softcapping`: the cap of the attention scores.
+    pub attn_softcap: Option<f64>,
+    /// `final_logit_softcapping`: the cap of the logits.
+    pub final_softcap: Option<f64>,
+    /// Per block, whether it attends within `sliding_window` only
+    /// (`layer_types`, or the pattern of the class: Gemma 2 every other
+    /// block from the first, Gemma 3 five of every `sliding_window_pattern`).
+    pub sliding_layers: Vec<bool>,
+    /// The RoPE base of the sliding layers (Gemma 3's
+    /// `rope_local_base_freq`); `None`: the global base.
+    pub local_rope_theta: Option<f64>,
+}
+
+impl GemmaSettings {
+    /// Whether block `l` is a sliding-window block.
+    pub fn sliding(&self, l: usize) -> bool {
+        self.sliding_layers.get(l).copied().unwrap_or(false)
+    }
 }
 
 /// The numbers of a `rope_scaling` object, each `None` when absent.
@@ -148,6 +217,10 @@ pub struct RopeFactors {
     pub mscale_all_dim: Option<f64>,
     /// `truncate` (`yarn`, default true).
     pub truncate: Option<bool>,
+    /// `short_factor` (`longrope`): per frequency, within the original context.
+    pub short_factor: Option<Vec<f64>>,
+    /// `long_factor` (`longrope`): per frequency, past the original context.
+    pub long_factor: Option<Vec<f64>>,
 }
 
 impl ModelConfig {
@@ -264,7 +337,22 @@ impl ModelConfig {
         if let Some(found) = self.unimplemented() {
             return Some(found);
         }
-        match self.settings.sliding_window.filter(|&w| w < seq_len) {
+        if self.settings.moe.is_some() {
+            let arch = self
+                .settings
+                .architecture
+                .as_deref()
+                .unwrap_or("mixture-of-experts");
+            return Some((
+                "architectures",
+                format!("{arch:?}"),
+                "a mixture-of-experts model is planned, not trained: training its router and \
+                 experts is not implemented"
+                    .into(),
+            ));
+        }
+        let windowed = self.settings.gemma.is_none();
+        match self.settings.sliding_window.filter(|&w| windowed && w < seq_len) {
             Some(w) => Some((
                 "sliding_window",
                 w.to_string(),
@@ -293,11 +381,18 @@ impl ModelConfig {
             }
         }
         if let Some(p) = s.partial_rotary_factor.filter(|&p| p != 1.0) {
-            return Some((
-                "partial_rotary_factor",
-                p.to_string(),
-                "partial rotary (RoPE on part of each head) is not implemented".into(),
-            ));
+            let r = self.rotary_dim();
+            if self.family != Family::Llama || s.gemma.is_some() || r == 0 || !r.is_multiple_of(2) {
+                return Some((
+                    "partial_rotary_factor",
+                    p.to_string(),
+                    format!(
+                        "partial rotary is implemented for Llama-style models with an even \
+                         rotated size (here {r} of {})",
+                        self.head_dim()
+                    ),
+                ));
+            }
         }
         if let Some(kind) = &s.rope_scaling {
             if self.family == Family::Llama
@@ -316,12 +411,15 @@ impl ModelConfig {
         let act = self.hidden_act();
         let implemented: &[&str] = match self.family {
             Family::Gpt2 | Family::Bert => &["gelu", "gelu_new", "gelu_pytorch_tanh"],
+            Family::Llama if s.gemma.is_some() => &["gelu", "gelu_new", "gelu_pytorch_tanh"],
             Family::Llama => &["silu", "swish"],
             Family::Generic => &[],
         };
         if self.family != Family::Generic && !implemented.contains(&act) {
             let field = if self.family == Family::Gpt2 {
                 "activation_function"
+            } else if s.gemma.is_some() {
+                "hidden_activation"
             } else {
                 "hidden_act"
             };
@@ -336,6 +434,43 @@ impl ModelConfig {
             ));
         }
         None
+    }
+
+    /// The part of each head RoPE rotates: `head_dim × partial_rotary_factor`
+    /// rounded down (as transformers' `int()`), the whole head without one.
+    pub fn rotary_dim(&self) -> usize {
+        match self.settings.partial_rotary_factor {
+            Some(p) if p != 1.0 => (self.head_dim() as f64 * p) as usize,
+            _ => self.head_dim(),
+        }
+    }
+
+    /// Whether [`oomfix_strategies::attention::flash_attention`] computes
+    /// this model's attention: not for Gemma 2 and 3, whose scores are
+    /// soft-capped (Gemma 2) and whose sliding-window blocks see only the
+    /// last `sliding_window` keys; their blocks compose attention from
+    /// candle ops, and the planner never chooses flash attention for them.
+    pub fn flash_computes_it(&self) -> bool {
+        self.settings.gemma.is_none()
+    }
+
+    /// Whether the `chunked-loss` fix computes this model's loss: not for a
+    /// head whose logits are soft-capped (Gemma 2), which it does not cap.
+    pub fn chunked_loss_computes_it(&self) -> bool {
+        !self
+            .settings
+            .gemma
+            .as_ref()
+            .is_some_and(|g| g.final_softcap.is_some())
+    }
+
+    /// The offset added to the RMSNorm scales: 1 for Gemma (`1 + w`), else 0.
+    pub fn norm_offset(&self) -> f32 {
+        if self.settings.gemma.is_some() {
+            1.0
+        } else {
+            0.0
+        }
     }
 
     /// Size of one attention head: `config.json`'s `head_dim`, else
@@ -399,17 +534,50 @@ impl ModelConfig {
                     }
                     if self.settings.qk_norm {
                         let d = self.head_dim();
-                        add(format!("{p}self_attn.q_norm.weight"), &[d]);
-                        add(format!("{p}self_attn.k_norm.weight"), &[d]);
+                        let (qn, kn) = if self.settings.qk_norm_whole {
+                            (q, kv)
+                        } else {
+                            (d, d)
+                        };
+                        add(format!("{p}self_attn.q_norm.weight"), &[qn]);
+                        add(format!("{p}self_attn.k_norm.weight"), &[kn]);
                     }
                     add(format!("{p}post_attention_layernorm.weight"), &[h]);
-                    if self.settings.fused_projections {
+                    if self.settings.gemma.is_some() {
+                        add(format!("{p}pre_feedforward_layernorm.weight"), &[h]);
+                        add(format!("{p}post_feedforward_layernorm.weight"), &[h]);
+                    }
+                    if let Some(m) = &self.settings.moe {
+                        let (e, x) = (m.experts, m.expert_intermediate);
+                        if m.fused_experts {
+                            add(format!("{p}mlp.gate.weight"), &[e, h]);
+                            add(format!("{p}mlp.experts.gate_up_proj"), &[e, 2 * x, h]);
+                            add(format!("{p}mlp.experts.down_proj"), &[e, h, x]);
+                        } else if m.mixtral_names {
+                            let b = format!("{p}block_sparse_moe.");
+                            add(format!("{b}gate.weight"), &[e, h]);
+                            for k in 0..e {
+                                add(format!("{b}experts.{k}.w1.weight"), &[x, h]);
+                                add(format!("{b}experts.{k}.w2.weight"), &[h, x]);
+                                add(format!("{b}experts.{k}.w3.weight"), &[x, h]);
+                            }
+                        } else {
+                            add(format!("{p}mlp.gate.weight"), &[e, h]);
+                            for k in 0..e {
+                                let b = format!("{p}mlp.experts.{k}.");
+                                add(format!("{b}gate_proj.weight"), &[x, h]);
+                                add(format!("{b}up_proj.weight"), &[x, h]);
+                                add(format!("{b}down_proj.weight"), &[h, x]);
+                            }
+                        }
+                    } else if self.settings.fused_projections {
                         add(format!("{p}mlp.gate_up_proj.weight"), &[2 * i, h]);
+                        add(format!("{p}mlp.down_proj.weight"), &[h, i]);
                     } else {
                         add(format!("{p}mlp.gate_proj.weight"), &[i, h]);
                         add(format!("{p}mlp.up_proj.weight"), &[i, h]);
+                        add(format!("{p}mlp.down_proj.weight"), &[h, i]);
                     }
-                    add(format!("{p}mlp.down_proj.weight"), &[h, i]);
                     if self.settings.mlp_bias {
                         add(format!("{p}mlp.gate_proj.bias"), &[i]);
                         add(format!("{p}mlp.up_proj.bias"), &[i]);

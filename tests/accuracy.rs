@@ -192,6 +192,90 @@ fn phi3_estimate_within_8_percent() {
     check("phi3", c);
 }
 
+/// Phi-4-mini: fused projections, RoPE on 3/4 of each head (the rotated
+/// part copied, turned and joined to the rest), longrope scaling.
+#[test]
+fn phi4_mini_estimate_within_8_percent() {
+    let mut c = estimate::llama();
+    c.settings.fused_projections = true;
+    c.settings.architecture = Some("Phi3ForCausalLM".into());
+    c.settings.partial_rotary_factor = Some(0.75);
+    c.settings.rope_scaling = Some("longrope".into());
+    let pairs = c.rotary_dim() / 2;
+    c.settings.rope = oomfix::RopeFactors {
+        original_max_positions: Some(32),
+        short_factor: Some(vec![1.5; pairs]),
+        long_factor: Some(vec![4.0; pairs]),
+        ..Default::default()
+    };
+    check("phi4-mini", c);
+}
+
+/// A Gemma-shaped model from the small Llama: GeLU-tanh MLP, head size 64
+/// (hidden / heads is 32), a window of 32 on every other block, scores
+/// scaled by 64^-1/2; `version` 2 soft-caps scores and logits, 3 norms q
+/// and k and gives the sliding blocks their own RoPE base.
+fn gemma(version: u8) -> ModelConfig {
+    let mut c = estimate::llama();
+    c.settings.head_dim = Some(64);
+    c.settings.hidden_act = Some("gelu_pytorch_tanh".into());
+    c.settings.sliding_window = Some(32);
+    c.settings.qk_norm = version == 3;
+    c.settings.architecture = Some(format!("Gemma{version}ForCausalLM"));
+    c.settings.gemma = Some(oomfix::GemmaSettings {
+        version,
+        query_pre_attn_scalar: 64.0,
+        attn_softcap: (version == 2).then_some(50.0),
+        final_softcap: (version == 2).then_some(30.0),
+        sliding_layers: vec![true, false, true, false],
+        local_rope_theta: (version == 3).then_some(10_000.0),
+    });
+    c
+}
+
+/// Gemma's plans: no flash attention (the planner never chooses it for
+/// Gemma), plain and frugal at 2 × 64, and plain fp32 and bf16 at 2 × 256,
+/// where the composed attention's score-sized tensors dominate.
+fn check_gemma(name: &str, config: ModelConfig) {
+    use oomfix::strategies::{Checkpointing, OptimizerImpl};
+    let plain = Plan::baseline(2, 64);
+    let frugal = Plan {
+        micro_batch: 1,
+        grad_accum: 2,
+        precision: Precision::Bf16,
+        checkpoint: Checkpointing::Every(1),
+        optimizer: OptimizerImpl::FusedAdamW,
+        ..plain
+    };
+    let long = Plan::baseline(2, 256);
+    let long_bf16 = Plan {
+        precision: Precision::Bf16,
+        ..long
+    };
+    check_plans(
+        name,
+        ModelConfig {
+            max_positions: 256,
+            ..config
+        },
+        &[plain, frugal, long, long_bf16],
+    );
+}
+
+/// Gemma 2: four norms per block, composed attention with soft-capped
+/// scores and sliding windows, soft-capped logits.
+#[test]
+fn gemma2_estimate_within_8_percent() {
+    check_gemma("gemma2", gemma(2));
+}
+
+/// Gemma 3: Gemma 2's blocks without soft-caps, with q/k norms and two
+/// kinds of RoPE tables.
+#[test]
+fn gemma3_estimate_within_8_percent() {
+    check_gemma("gemma3", gemma(3));
+}
+
 /// LoRA (a frozen 16-bit base) and QLoRA (an NF4 base, one projection
 /// dequantized at a time): the frozen weights without gradients or
 /// optimizer state, the adapters' weights, gradients and moments, fp32 and

@@ -241,16 +241,16 @@ fn phi3_tensors() -> Vec<(String, Vec<usize>)> {
 fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
     let llama = tiny_llama().tensors();
     let none = json!({});
-    // Phi-4-mini: a Phi-3 whose RoPE turns 3/4 of each head.
-    let partial = json!({"partial_rotary_factor": 0.75});
+    // A Phi-3 whose RoPE would turn 3 of each head's 8 (an odd part).
+    let partial = json!({"partial_rotary_factor": 0.375});
     let cases = [
-        (llama.clone(), "Gemma2ForCausalLM", &none, "soft-capping"),
         (
             llama.clone(),
-            "Qwen3MoeForCausalLM",
+            "Gemma3ForConditionalGeneration",
             &none,
-            "mixture-of-experts",
+            "multimodal",
         ),
+        (llama.clone(), "Qwen2MoeForCausalLM", &none, "shared expert"),
         (
             phi3_tensors(),
             "Phi3ForCausalLM",
@@ -269,7 +269,7 @@ fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
         let named = if extra == &none {
             format!("\"{arch}\"")
         } else {
-            "\"partial_rotary_factor\" is 0.75".to_string()
+            "\"partial_rotary_factor\" is 0.375".to_string()
         };
         refused(
             &plan(d.path()),
@@ -308,12 +308,12 @@ fn rope_scalings_are_planned_or_refused_by_name() {
             llama_config("LlamaForCausalLM", json!({ "rope_scaling": scaling })),
         )
     };
-    let d = rope(json!({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}));
+    let d = rope(json!({"rope_type": "mrope", "mrope_section": [1, 1, 2]}));
     refused(
         &plan(d.path()),
         &[
-            "\"rope_scaling\" is \"longrope\"",
-            "llama3, linear, dynamic, yarn",
+            "\"rope_scaling\" is \"mrope\"",
+            "llama3, linear, dynamic, yarn, longrope",
         ],
     );
     for scaling in [
@@ -322,6 +322,8 @@ fn rope_scalings_are_planned_or_refused_by_name() {
         json!({"type": "linear", "factor": 2.0}),
         json!({"rope_type": "dynamic", "factor": 2.0}),
         json!({"rope_type": "yarn", "factor": 4.0}),
+        json!({"rope_type": "longrope", "short_factor": [1.0, 1.0, 2.0, 4.0],
+               "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 16}),
     ] {
         let d = rope(scaling.clone());
         let out = plan(d.path());
@@ -361,4 +363,188 @@ fn a_phi3_checkpoint_is_planned_with_its_fused_projections() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A mixture-of-experts model's settings for [`ModelConfig::tensors`].
+fn moe_config(
+    base: ModelConfig,
+    experts: usize,
+    top_k: usize,
+    size: usize,
+    mixtral: bool,
+) -> ModelConfig {
+    let mut c = base;
+    c.intermediate = size;
+    c.settings.moe = Some(oomfix::MoeSettings {
+        experts,
+        top_k,
+        expert_intermediate: size,
+        mixtral_names: mixtral,
+        fused_experts: false,
+    });
+    c
+}
+
+/// Every expert is a parameter: the published sizes of Mixtral-8x7B,
+/// Qwen3-30B-A3B and OLMoE-1B-7B (as transformers 5.25 builds them).
+#[test]
+fn mixture_of_experts_parameter_counts_are_the_published_ones() {
+    let mixtral = moe_config(
+        ModelConfig::llama(32, 4096, 32, 8, 14336, 32000, false),
+        8,
+        2,
+        14336,
+        true,
+    );
+    assert_eq!(mixtral.parameter_count(), 46_702_792_704);
+    let mut qwen3 = moe_config(
+        ModelConfig::llama(48, 2048, 32, 4, 768, 151936, false),
+        128,
+        8,
+        768,
+        false,
+    );
+    qwen3.settings.head_dim = Some(128);
+    qwen3.settings.qk_norm = true;
+    assert_eq!(qwen3.parameter_count(), 30_532_122_624);
+    let mut olmoe = moe_config(
+        ModelConfig::llama(16, 2048, 16, 16, 1024, 50304, false),
+        64,
+        8,
+        1024,
+        false,
+    );
+    olmoe.settings.qk_norm = true;
+    olmoe.settings.qk_norm_whole = true;
+    assert_eq!(olmoe.parameter_count(), 6_919_161_856);
+}
+
+/// A tiny Mixtral-shaped checkpoint (per-expert tensors, as on the Hub) and
+/// the same with the experts stacked (as transformers 5 saves them): planned
+/// with every expert's weights, labelled a mixture of experts by `inspect`
+/// and the plan; training refused by name (exit 2, nothing written); more
+/// experts per token estimate more activation memory.
+#[test]
+fn a_mixture_of_experts_is_planned_labelled_and_not_trained() {
+    let base = ModelConfig::llama(2, 32, 4, 2, 24, 64, true);
+    let config = |extra: Value| {
+        llama_config(
+            "MixtralForCausalLM",
+            json!({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24})
+                .as_object()
+                .unwrap()
+                .clone()
+                .into_iter()
+                .chain(extra.as_object().unwrap().clone())
+                .collect(),
+        )
+    };
+    let per_expert = moe_config(base.clone(), 4, 2, 24, true).tensors();
+    let mut stacked = moe_config(base, 4, 2, 24, false);
+    stacked.settings.moe.as_mut().unwrap().fused_experts = true;
+    let want = moe_config(
+        ModelConfig::llama(2, 32, 4, 2, 24, 64, true),
+        4,
+        2,
+        24,
+        true,
+    )
+    .parameter_count();
+    for tensors in [per_expert.clone(), stacked.tensors()] {
+        let d = model_dir(tensors, config(json!({})));
+        let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(0), "{text}");
+        assert!(
+            text.contains("experts        4 per block, 2 per token"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("parameters     {}", group(want))),
+            "{text}"
+        );
+        let out = plan(d.path());
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(out.status.code(), Some(0), "{text}");
+        assert!(
+            text.contains("(MixtralForCausalLM: mixture of experts, 4 experts, 2 per token)"),
+            "{text}"
+        );
+    }
+    let d = model_dir(per_expert, config(json!({})));
+    std::fs::write(d.path().join("data.bin"), vec![1u8; 400]).unwrap();
+    let out = oomfix()
+        .args([
+            "train",
+            "--budget",
+            "1GiB",
+            "--device",
+            "cpu",
+            "--seq-len",
+            "8",
+        ])
+        .args(["--steps", "1", "--data"])
+        .arg(d.path().join("data.bin"))
+        .arg(d.path())
+        .output()
+        .unwrap();
+    refused(&out, &["MixtralForCausalLM", "planned, not trained"]);
+    let out = oomfix()
+        .args(["--budget", "1GiB", "--device", "cpu", "--verify"])
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--verify measures training steps"));
+    // Activations grow with the experts each token goes to.
+    let estimate = |top_k: usize| {
+        let d = model_dir(
+            moe_config(
+                ModelConfig::llama(2, 32, 4, 2, 24, 64, true),
+                4,
+                top_k,
+                24,
+                true,
+            )
+            .tensors(),
+            config(json!({ "num_experts_per_tok": top_k })),
+        );
+        let out = oomfix()
+            .args([
+                "--budget",
+                "1GiB",
+                "--device",
+                "cpu",
+                "--seq-len",
+                "16",
+                "--json",
+            ])
+            .args([
+                "--precision",
+                "fp32",
+                "--micro-batch",
+                "2",
+                "--grad-accum",
+                "4",
+            ])
+            .arg(d.path())
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["estimate"]["activations_bytes"].as_u64().unwrap()
+    };
+    assert!(estimate(1) < estimate(2) && estimate(2) < estimate(4));
+}
+
+/// `1234567` as `1,234,567`.
+fn group(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, ch) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(ch);
+    }
+    out
 }

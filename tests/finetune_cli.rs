@@ -442,12 +442,12 @@ fn training_refuses_what_the_family_does_not_implement_naming_the_field() {
     let with = |extra: serde_json::Value| d.write("config.json", llama_json(extra).to_string());
     for (extra, says) in [
         (
-            serde_json::json!({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}),
-            "\"rope_scaling\" is \"longrope\"",
+            serde_json::json!({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}}),
+            "\"rope_scaling\" is \"mrope\"",
         ),
         (
-            serde_json::json!({"architectures": ["Gemma2ForCausalLM"]}),
-            "\"architectures\" is \"Gemma2ForCausalLM\"",
+            serde_json::json!({"architectures": ["Gemma3ForConditionalGeneration"]}),
+            "\"architectures\" is \"Gemma3ForConditionalGeneration\"",
         ),
         (
             serde_json::json!({"hidden_act": "gelu"}),

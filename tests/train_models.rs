@@ -817,9 +817,13 @@ impl Reference {
 /// head; Qwen2 with q/k/v biases and a tied head; BERT masked-LM with
 /// padding; Qwen3 (q/k norms, head size 16 ≠ hidden / heads); Llama
 /// 3.2-style (llama3 RoPE, head size 16); Llamas with linear, dynamic and
-/// yarn RoPE; Phi-3 (fused projections, untied head). The last six have
-/// norm scales drawn from N(1, 0.5).
-const FIXTURES: [&str; 10] = [
+/// yarn RoPE; Phi-3 (fused projections, untied head); Gemma 2 (soft-caps,
+/// sliding windows) and Gemma 3 text (q/k norms, local and global RoPE
+/// bases, sliding windows); Phi-3.5-style (longrope, short factors) and
+/// Phi-4-mini-style (partial rotary, longrope's long factors, tied head).
+/// All but the first four have their norm scales spread (Gemma's `1 + w`
+/// too).
+const FIXTURES: [&str; 14] = [
     "gpt2",
     "llama",
     "qwen2",
@@ -830,6 +834,10 @@ const FIXTURES: [&str; 10] = [
     "llama-dynamic",
     "llama-yarn",
     "phi3",
+    "gemma2",
+    "gemma3",
+    "phi3-longrope",
+    "phi4-mini",
 ];
 
 fn references() -> Vec<Reference> {
@@ -912,6 +920,17 @@ fn the_reference_fixtures_are_the_families_they_stand_for() {
             ),
             ("llama-yarn", l, 2, true, false, (8, false, Some("yarn"))),
             ("phi3", l, 2, false, false, (8, false, None)),
+            ("gemma2", l, 2, true, false, (16, false, None)),
+            ("gemma3", l, 2, true, false, (16, true, Some("linear"))),
+            (
+                "phi3-longrope",
+                l,
+                2,
+                false,
+                false,
+                (8, false, Some("longrope"))
+            ),
+            ("phi4-mini", l, 2, true, false, (8, false, Some("longrope"))),
         ]
     );
     for r in &refs[4..] {
@@ -919,13 +938,43 @@ fn the_reference_fixtures_are_the_families_they_stand_for() {
             r.spec.config.settings.architecture.as_deref(),
             Some(match r.name {
                 "qwen3" => "Qwen3ForCausalLM",
-                "phi3" => "Phi3ForCausalLM",
+                "phi3" | "phi3-longrope" | "phi4-mini" => "Phi3ForCausalLM",
+                "gemma2" => "Gemma2ForCausalLM",
+                "gemma3" => "Gemma3ForCausalLM",
                 _ => "LlamaForCausalLM",
             })
         );
+        let gemma = r.spec.config.settings.gemma.as_ref();
+        assert_eq!(
+            gemma.map(|g| (
+                g.version,
+                g.query_pre_attn_scalar,
+                g.attn_softcap,
+                g.final_softcap,
+                g.sliding_layers.clone(),
+                g.local_rope_theta
+            )),
+            match r.name {
+                "gemma2" => Some((2, 12.0, Some(1.0), Some(3.0), vec![true, false, true], None)),
+                "gemma3" => Some((3, 32.0, None, None, vec![true, false, true], Some(10_000.0))),
+                _ => None,
+            },
+            "{}",
+            r.name
+        );
         assert_eq!(
             r.spec.config.settings.fused_projections,
-            r.name == "phi3",
+            r.name.starts_with("phi"),
+            "{}",
+            r.name
+        );
+        assert_eq!(
+            r.spec.config.rotary_dim(),
+            if r.name == "phi4-mini" {
+                6
+            } else {
+                r.spec.config.head_dim()
+            },
             "{}",
             r.name
         );
@@ -1011,7 +1060,18 @@ fn logits_and_losses_match_hugging_face_transformers_in_f32_and_bf16() {
             [(DType::F32, 1e-4, 1e-4), (DType::BF16, 1.0 / 32.0, 5e-3)]
         {
             let model = r.model(dtype);
-            for attention in [Attention::Composed, Attention::Flash] {
+            if !r.spec.config.flash_computes_it() {
+                // Gemma: flash attention is refused, not computed as another function.
+                let exec = Execution::default().attention(Attention::Flash);
+                let err = model.logits(&r.batch, &exec).unwrap_err().to_string();
+                assert!(err.contains("Gemma"), "{}: {err}", r.name);
+            }
+            let kinds: &[Attention] = if r.spec.config.flash_computes_it() {
+                &[Attention::Composed, Attention::Flash]
+            } else {
+                &[Attention::Composed]
+            };
+            for &attention in kinds {
                 let exec = Execution::default().attention(attention);
                 let got = model.logits(&r.batch, &exec).unwrap();
                 assert_eq!(got.dims(), want.dims(), "{}", r.name);
@@ -1117,6 +1177,8 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
             "llama-linear",
             "llama-dynamic",
             "llama-yarn",
+            "phi3-longrope",
+            "phi4-mini",
         ]
         .contains(&r.name)
     }) {
@@ -1143,6 +1205,89 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
             r.name
         );
         assert!(rel > 1e-4, "{}: {other} vs {want}", r.name);
+    }
+    // Gemma: each part of its maths left out in turn moves the loss: the
+    // soft-caps (Gemma 2), the sliding windows, the sliding blocks' own RoPE
+    // base (Gemma 3), the query scale; and its weights read as a Llama's
+    // are refused (the feed-forward norms unused).
+    for r in references()
+        .into_iter()
+        .filter(|r| r.name.starts_with("gemma"))
+    {
+        let want = r.loss();
+        let g = r.spec.config.settings.gemma.clone().unwrap();
+        let mut variants: Vec<(&str, oomfix::GemmaSettings)> = vec![
+            (
+                "no sliding window",
+                oomfix::GemmaSettings {
+                    sliding_layers: vec![false; g.sliding_layers.len()],
+                    ..g.clone()
+                },
+            ),
+            (
+                "query scale 1/√head_dim",
+                oomfix::GemmaSettings {
+                    query_pre_attn_scalar: r.spec.config.head_dim() as f64,
+                    ..g.clone()
+                },
+            ),
+        ];
+        if g.version == 2 {
+            variants.push((
+                "no attention soft-cap",
+                oomfix::GemmaSettings {
+                    attn_softcap: None,
+                    ..g.clone()
+                },
+            ));
+            variants.push((
+                "no final soft-cap",
+                oomfix::GemmaSettings {
+                    final_softcap: None,
+                    ..g.clone()
+                },
+            ));
+        } else {
+            variants.push((
+                "the global RoPE base everywhere",
+                oomfix::GemmaSettings {
+                    local_rope_theta: None,
+                    ..g.clone()
+                },
+            ));
+        }
+        for (what, settings) in variants {
+            let mut config = r.spec.config.clone();
+            config.settings.gemma = Some(settings);
+            let model =
+                build_model(&config, Some(&r.spec.files), DType::F32, &Device::Cpu, 0).unwrap();
+            let other = step(&model, &r.batch, Checkpointing::None).loss;
+            let rel = (other - want).abs() / want;
+            eprintln!("{}: {what}: the loss moves by {rel:.2e}", r.name);
+            assert!(rel > 1e-4, "{} {what}: {other} vs {want}", r.name);
+        }
+        // Norm scales w rather than 1 + w.
+        let model = r.model(DType::F32);
+        for (n, var) in model.named_vars() {
+            if n.ends_with("norm.weight") {
+                var.set(&(var.as_tensor() - 1.0).unwrap()).unwrap();
+            }
+        }
+        let other = step(&model, &r.batch, Checkpointing::None).loss;
+        let rel = (other - want).abs() / want;
+        eprintln!("{}: norm scales w: the loss moves by {rel:.2e}", r.name);
+        assert!(rel > 1e-4, "{} norm scales w: {other} vs {want}", r.name);
+        let mut plain = r.spec.config.clone();
+        plain.settings.gemma = None;
+        plain.settings.hidden_act = Some("silu".into());
+        let err = build_model(&plain, Some(&r.spec.files), DType::F32, &Device::Cpu, 0)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("would not use") && err.contains("pre_feedforward_layernorm"),
+            "{err}"
+        );
     }
     // Phi-3's fused projections read as separate ones: refused, naming the
     // separate projection it lacks.
@@ -1347,10 +1492,10 @@ fn what_the_families_do_not_implement_is_refused() {
         (
             Family::Llama,
             ModelSettings {
-                rope_scaling: Some("longrope".into()),
+                rope_scaling: Some("mrope".into()),
                 ..Default::default()
             },
-            "rope_scaling is \"longrope\"",
+            "rope_scaling is \"mrope\"",
         ),
         (
             Family::Llama,

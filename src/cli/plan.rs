@@ -82,6 +82,19 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
         )
         .into());
     }
+    if spec.config.settings.moe.is_some() {
+        let measured = [
+            ("--verify", o.verify.is_some()),
+            ("--snapshot", o.snapshot.is_some()),
+            ("--plot", o.plot.is_some()),
+        ];
+        if let Some((flag, _)) = measured.iter().find(|(_, given)| *given) {
+            return Err(Failure::Usage(format!(
+                "{flag} measures training steps, and a mixture-of-experts model is planned, \
+                 not trained: plan without {flag}"
+            )));
+        }
+    }
     let lora = lora(o, &spec)?;
     let mut all_inputs: Vec<&Path> = spec.files.iter().map(|f| f.as_path()).collect();
     all_inputs.extend(args.model.as_deref());

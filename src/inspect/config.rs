@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use super::{header::kind, read_small_text};
 use crate::architecture::{self, Support};
-use crate::{Error, ModelSettings, Result, RopeFactors};
+use crate::{Error, GemmaSettings, ModelSettings, MoeSettings, Result, RopeFactors};
 
 /// What `config.json` says, each field absent when the file does not say it.
 /// GPT-2's names (`n_head`, `n_positions`, …) are accepted as aliases.
@@ -102,20 +102,33 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(v) => Err(format!("\"{key}\" is {v}, not a string")),
     };
-    // Newer files group RoPE's settings under `rope_parameters`.
-    let rope_params = get("rope_parameters").and_then(Value::as_object);
+    // Newer files group RoPE's settings under `rope_parameters`; Gemma 3's
+    // group them per layer type (`full_attention`, `sliding_attention`).
+    let rope_top = get("rope_parameters").and_then(Value::as_object);
+    let per_layer_type = rope_top.and_then(|p| p.get("full_attention"));
+    let (rope_key, rope_params) = match per_layer_type {
+        Some(Value::Object(full)) => ("rope_parameters.full_attention", Some(full)),
+        Some(v) => {
+            return Err(format!(
+                "\"rope_parameters.full_attention\" is {v}, not an object"
+            ))
+        }
+        None => ("rope_parameters", rope_top),
+    };
+    let local_params = rope_top
+        .and_then(|p| p.get("sliding_attention"))
+        .and_then(Value::as_object);
     let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
-        Some(v) => positive("rope_parameters.rope_theta", Some(v))?,
+        Some(v) => positive(&format!("{rope_key}.rope_theta"), Some(v))?,
         None => positive("rope_theta", get("rope_theta"))?,
     };
-    let scaling = match (get("rope_scaling"), rope_params) {
+    let rope_params_value = rope_params.map(|m| Value::Object(m.clone()));
+    let scaling = match (get("rope_scaling"), &rope_params_value) {
         (Some(v), _) => Some(("rope_scaling", v)),
-        (None, Some(p)) => p
-            .get("rope_type")
-            .map(|_| ("rope_parameters", &obj["rope_parameters"])),
+        (None, Some(p)) => p.get("rope_type").map(|_| (rope_key, p)),
         (None, None) => None,
     };
-    let (rope_scaling, rope) = match scaling {
+    let (rope_scaling, mut rope) = match scaling {
         None => (None, RopeFactors::default()),
         Some((key, Value::Object(m))) => match m.get("rope_type").or_else(|| m.get("type")) {
             Some(Value::String(t)) if t == "default" => (None, RopeFactors::default()),
@@ -128,6 +141,10 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         },
         Some((key, v)) => return Err(format!("\"{key}\" is {v}, not an object")),
     };
+    // Phi-3 keeps the original context at the top level.
+    if rope.original_max_positions.is_none() {
+        rope.original_max_positions = count_field(obj, &["original_max_position_embeddings"])?;
+    }
     let architecture = match get("architectures") {
         Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
             Value::String(name) => Some(name.clone()),
@@ -136,6 +153,10 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         _ => text("model_type")?,
     };
     let support = architecture.as_deref().map(architecture::support);
+    let gemma_version = match support {
+        Some(Support::Implemented { gemma, .. }) => gemma,
+        _ => None,
+    };
     let qk_norm = matches!(support, Some(Support::Implemented { qk_norm: true, .. }));
     let fused_projections = matches!(support, Some(Support::Implemented { fused: true, .. }));
     let partial_rotary_factor = match rope_params.and_then(|p| p.get("partial_rotary_factor")) {
@@ -149,13 +170,29 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         Some(k) => positive(k, get(k))?,
         None => None,
     };
-    let hidden_act = match text("hidden_act")? {
-        Some(a) => Some(a),
-        None => text("activation_function")?,
+    let hidden_act = match (gemma_version, text("hidden_act")?) {
+        // Gemma's MLP reads `hidden_activation` (GeLU-tanh when absent).
+        (Some(_), _) => Some(text("hidden_activation")?.unwrap_or("gelu_pytorch_tanh".into())),
+        (None, Some(a)) => Some(a),
+        (None, None) => text("activation_function")?,
     };
-    let sliding_window = match get("use_sliding_window") {
-        Some(Value::Bool(false)) => None,
+    let sliding_window = match (get("use_sliding_window"), obj.get("sliding_window")) {
+        (Some(Value::Bool(false)), _) => None,
+        // Gemma's default window when the file has none.
+        (_, None) if gemma_version.is_some() => Some(4096),
         _ => count_field(obj, &["sliding_window"])?,
+    };
+    let moe_kind = match support {
+        Some(Support::Implemented { moe, .. }) => moe,
+        _ => None,
+    };
+    let moe = match moe_kind {
+        Some(kind) => Some(moe_settings(obj, kind)?),
+        None => None,
+    };
+    let gemma = match gemma_version {
+        Some(version) => Some(gemma_settings(obj, version, local_params)?),
+        None => None,
     };
     let eos_token_id = match get("eos_token_id") {
         None => None,
@@ -166,7 +203,8 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         Some(v) => Some(token_id("eos_token_id", v)?),
     };
     Ok(ModelSettings {
-        rope_theta,
+        // Gemma 3's global base when the file gives none.
+        rope_theta: rope_theta.or((gemma_version == Some(3)).then_some(1_000_000.0)),
         norm_eps,
         rope_scaling,
         hidden_act,
@@ -175,11 +213,155 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         mlp_bias: flag("mlp_bias")?,
         eos_token_id,
         architecture,
-        head_dim: count_field(obj, &["head_dim"])?.filter(|&d| d > 0),
+        head_dim: match (count_field(obj, &["head_dim"])?, gemma_version) {
+            (None, Some(_)) => Some(256), // Gemma's default head size
+            (d, _) => d.filter(|&d| d > 0),
+        },
         qk_norm,
         fused_projections,
         partial_rotary_factor,
         rope,
+        gemma,
+        moe,
+        qk_norm_whole: moe_kind == Some(architecture::Moe::Olmoe),
+    })
+}
+
+/// A mixture-of-experts model's settings from `obj`, with the classes'
+/// defaults for absent keys; Qwen3-MoE's dense blocks (`mlp_only_layers`,
+/// a `decoder_sparse_step` other than 1) are refused by name.
+fn moe_settings(
+    obj: &Map<String, Value>,
+    kind: architecture::Moe,
+) -> std::result::Result<MoeSettings, String> {
+    use architecture::Moe;
+    let count =
+        |keys: &[&str], default: usize| count_field(obj, keys).map(|v| v.unwrap_or(default));
+    if kind == Moe::Qwen3 {
+        let dense = match obj.get("mlp_only_layers") {
+            Some(Value::Array(a)) => !a.is_empty(),
+            _ => false,
+        };
+        if dense || count(&["decoder_sparse_step"], 1)? != 1 {
+            return Err(
+                "\"mlp_only_layers\" / \"decoder_sparse_step\": dense blocks among \
+                        the mixture-of-experts ones are not implemented"
+                    .into(),
+            );
+        }
+    }
+    let (experts, top_k, size) = match kind {
+        Moe::Mixtral => (
+            count(&["num_local_experts"], 8)?,
+            count(&["num_experts_per_tok"], 2)?,
+            count(&["intermediate_size"], 14336)?,
+        ),
+        Moe::Qwen3 => (
+            count(&["num_experts"], 128)?,
+            count(&["num_experts_per_tok"], 8)?,
+            count(&["moe_intermediate_size"], 768)?,
+        ),
+        Moe::Olmoe => (
+            count(&["num_experts"], 64)?,
+            count(&["num_experts_per_tok"], 8)?,
+            count(&["intermediate_size"], 2048)?,
+        ),
+    };
+    if experts == 0 || top_k == 0 || top_k > experts || size == 0 {
+        return Err(format!(
+            "{experts} experts, {top_k} per token, of MLP size {size}: not a mixture of experts"
+        ));
+    }
+    Ok(MoeSettings {
+        experts,
+        top_k,
+        expert_intermediate: size,
+        mixtral_names: kind == Moe::Mixtral,
+        fused_experts: false,
+    })
+}
+
+/// Gemma 2 or 3's settings from `obj` (`version` 2 or 3), with the class's
+/// defaults for absent keys (a key set to `null` turns soft-capping off);
+/// `local`: Gemma 3's `rope_parameters.sliding_attention`. Bidirectional
+/// attention and a scaled local RoPE are refused by name.
+fn gemma_settings(
+    obj: &Map<String, Value>,
+    version: u8,
+    local: Option<&Map<String, Value>>,
+) -> std::result::Result<GemmaSettings, String> {
+    let number = |key: &str, default: Option<f64>| match obj.get(key) {
+        None => Ok(default),
+        Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .map(Some)
+            .ok_or_else(|| format!("\"{key}\" is {v}, not a positive number")),
+    };
+    if obj.get("use_bidirectional_attention") == Some(&Value::Bool(true)) {
+        return Err(
+            "\"use_bidirectional_attention\" is true: Gemma's bidirectional attention \
+                    is not implemented (its causal language model is)"
+                .into(),
+        );
+    }
+    let layers = count_field(obj, &["num_hidden_layers"])?.unwrap_or(0);
+    let sliding_layers = match obj.get("layer_types").filter(|v| !v.is_null()) {
+        Some(Value::Array(types)) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(format!(
+                    "\"layer_types\" holds {t}: the layer types implemented are \
+                     \"sliding_attention\" and \"full_attention\""
+                )),
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?,
+        Some(v) => return Err(format!("\"layer_types\" is {v}, not a list")),
+        None => {
+            let pattern = match version {
+                2 => 2,
+                _ => count_field(obj, &["sliding_window_pattern"])?.unwrap_or(6),
+            };
+            (0..layers)
+                .map(|i| pattern != 0 && (i + 1) % pattern != 0)
+                .collect()
+        }
+    };
+    let local_rope_theta = match (version, local) {
+        (3, Some(m)) => {
+            if let Some(t) = m.get("rope_type").and_then(Value::as_str) {
+                if t != "default" {
+                    return Err(format!(
+                        "\"rope_parameters.sliding_attention.rope_type\" is {t:?}: a scaled RoPE \
+                         on the sliding layers is not implemented"
+                    ));
+                }
+            }
+            match m.get("rope_theta") {
+                Some(v) => Some(v.as_f64().filter(|x| *x > 0.0).ok_or_else(|| {
+                    format!("\"rope_parameters.sliding_attention.rope_theta\" is {v}, not a positive number")
+                })?),
+                None => Some(10_000.0),
+            }
+        }
+        (3, None) => number("rope_local_base_freq", Some(10_000.0))?,
+        _ => None,
+    };
+    let (attn, last) = if version == 2 {
+        (Some(50.0), Some(30.0))
+    } else {
+        (None, None)
+    };
+    Ok(GemmaSettings {
+        version,
+        query_pre_attn_scalar: number("query_pre_attn_scalar", Some(256.0))?.unwrap_or(256.0),
+        attn_softcap: number("attn_logit_softcapping", attn)?,
+        final_softcap: number("final_logit_softcapping", last)?,
+        sliding_layers,
+        local_rope_theta,
     })
 }
 
@@ -193,6 +375,16 @@ fn rope_factors(key: &str, m: &Map<String, Value>) -> std::result::Result<RopeFa
             .filter(|x| x.is_finite() && *x >= 0.0)
             .map(Some)
             .ok_or_else(|| format!("\"{key}.{name}\" is {v}, not a non-negative number")),
+    };
+    let factors = |name: &str| match m.get(name).filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_f64().filter(|x| x.is_finite() && *x > 0.0))
+            .collect::<Option<Vec<f64>>>()
+            .map(Some)
+            .ok_or_else(|| format!("\"{key}.{name}\" holds a value that is not a positive number")),
+        Some(v) => Err(format!("\"{key}.{name}\" is {v}, not a list of numbers")),
     };
     let truncate = match m.get("truncate").filter(|v| !v.is_null()) {
         None => None,
@@ -210,6 +402,8 @@ fn rope_factors(key: &str, m: &Map<String, Value>) -> std::result::Result<RopeFa
         mscale: number("mscale")?,
         mscale_all_dim: number("mscale_all_dim")?,
         truncate,
+        short_factor: factors("short_factor")?,
+        long_factor: factors("long_factor")?,
     })
 }
 

@@ -41,6 +41,13 @@ pub(crate) fn infer(
     if let Some(c) = hf {
         draft.config.settings = c.settings.clone();
     }
+    if let Some(m) = &mut draft.config.settings.moe {
+        draft.config.intermediate = m.expert_intermediate;
+        // transformers 5 saves the experts stacked.
+        m.fused_experts = t
+            .layer_shape("model.layers.", "mlp.experts.gate_up_proj")
+            .is_some();
+    }
     if draft.config.family == Family::Llama {
         // Biases present in the weights count even when `config.json` is silent.
         let s = &mut draft.config.settings;
@@ -326,6 +333,19 @@ fn llama(source: &Path, t: &Tensors, hf: Option<&HfConfig>) -> Result<Draft> {
         .or_else(|| {
             t.layer_shape(blocks, "mlp.gate_up_proj.weight")
                 .and_then(|s| s.first().map(|r| r / 2))
+        })
+        // A mixture of experts: one expert's MLP.
+        .or_else(|| {
+            [
+                "mlp.experts.0.gate_proj.weight",
+                "block_sparse_moe.experts.0.w1.weight",
+            ]
+            .into_iter()
+            .find_map(|name| t.layer_shape(blocks, name).and_then(|s| s.first().copied()))
+        })
+        .or_else(|| {
+            t.layer_shape(blocks, "mlp.experts.down_proj")
+                .and_then(|s| s.get(2).copied())
         });
     let (tied, tied_copies) = tie(t, embed, "lm_head.weight", hf, false);
     let config = ModelConfig {

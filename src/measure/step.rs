@@ -170,7 +170,7 @@ fn measure(
 fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
     warm_up_threads()?;
     let c = &spec.config;
-    let tiny = crate::ModelConfig {
+    let mut tiny = crate::ModelConfig {
         layers: 1,
         hidden: 16,
         heads: 2,
@@ -180,6 +180,11 @@ fn warm_up(spec: &ModelSpec, plan: &Plan, device: &Device) -> Result<()> {
         max_positions: 16,
         ..c.clone()
     };
+    // longrope's factors are one per rotated pair of the real head: the
+    // tiny model's head takes unscaled RoPE (the same ops).
+    if tiny.settings.rope_scaling.as_deref() == Some("longrope") {
+        tiny.settings.rope_scaling = None;
+    }
     let tiny_plan = Plan {
         micro_batch: 1,
         grad_accum: plan.grad_accum.min(2),

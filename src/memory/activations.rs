@@ -195,6 +195,29 @@ struct Dims {
     chunk: Option<u64>,
     /// Rows of the head weight's gradient a chunked loss sums at once.
     weight_rows: u64,
+    /// The compute dtype is 16-bit (f32 copies are real copies).
+    half: bool,
+    /// Llama-style with partial rotary: the rotated part of each head
+    /// (`None`: the whole head).
+    rotary: Option<u64>,
+    /// A mixture of experts: `(experts, experts per token, one expert's
+    /// MLP size)`.
+    moe: Option<(u64, u64, u64)>,
+    /// Gemma 2 / 3: their terms ([`gemma_block`]).
+    gemma: Option<GemmaDims>,
+}
+
+/// What a Gemma model adds to a Llama-style one's activations.
+#[derive(Debug, Clone, Copy)]
+struct GemmaDims {
+    /// Attention scores soft-capped (Gemma 2).
+    attn_cap: bool,
+    /// Logits soft-capped (Gemma 2).
+    final_cap: bool,
+    /// Kinds of blocks with their own RoPE tables and mask: 2 when sliding
+    /// blocks compute another attention than the full ones (a window shorter
+    /// than the sequence, or a RoPE base of their own), else 1.
+    kinds: u64,
 }
 
 impl Dims {
@@ -225,6 +248,28 @@ impl Dims {
                 (bytes / row)
                     .max(1)
                     .min(c.vocab.next_multiple_of(VOCAB_ALIGN) as u64)
+            }),
+            half: plan.precision.compute_bytes() < 4,
+            rotary: (c.rotary_dim() != c.head_dim()).then_some(c.rotary_dim() as u64),
+            moe: c.settings.moe.as_ref().map(|m| {
+                (
+                    m.experts as u64,
+                    m.top_k as u64,
+                    m.expert_intermediate as u64,
+                )
+            }),
+            gemma: c.settings.gemma.as_ref().map(|g| {
+                let sliding = g.sliding_layers.iter().any(|&x| x);
+                let window = c.settings.sliding_window.is_some_and(|w| w < plan.seq_len);
+                GemmaDims {
+                    attn_cap: g.attn_softcap.is_some(),
+                    final_cap: g.final_softcap.is_some(),
+                    kinds: if sliding && (window || g.local_rope_theta.is_some()) {
+                        2
+                    } else {
+                        1
+                    },
+                }
             }),
         }
     }
@@ -260,9 +305,40 @@ fn attention_core(d: &Dims) -> Values {
     }
 }
 
+/// What one Gemma block's forward keeps (`gemma::Block` and `attend` in
+/// `src/train/gemma.rs`): four norms `[n,h]`; q `[n,q]`, k, v `[n,kv]`
+/// (Gemma 3: and their norms); the v copy and RoPE of q and k; the composed
+/// attention's score-sized tensors (scores; with a cap, tanh and its
+/// multiple; masked; 16-bit: their f32 copy; shifted, exponentials,
+/// probabilities in f32; 16-bit: the probabilities' copy) and its row
+/// maximum and sum `[b,H,s]` f32; context and merged heads `[n,q]`;
+/// `o_proj` and residual, `down_proj` and residual `[n,h]`; gate, up, GeLU
+/// and product `[n,I]`.
+fn gemma_block(d: &Dims, g: GemmaDims) -> Values {
+    let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
+    let half = u64::from(d.half);
+    let scores_c = 2 + 2 * u64::from(g.attn_cap) + half;
+    Values {
+        c: 4 * n * d.q
+            + 4 * n * kv
+            + 4 * n * h
+            + 4 * n * i
+            + if d.qk_norm { n * (d.q + kv) } else { 0 }
+            + scores_c * d.scores(),
+        f32: (3 + half) * d.scores() + 2 * n * d.heads,
+    }
+    .add(d.norm())
+    .add(d.norm())
+    .add(d.norm())
+    .add(d.norm())
+}
+
 /// What one transformer block's forward keeps.
 fn block(family: Family, d: &Dims) -> Values {
     let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
+    if let (Family::Llama, Some(g)) = (family, d.gemma) {
+        return gemma_block(d, g);
+    }
     let core = attention_core(d);
     match family {
         // ln_1; c_attn [n,3h]; q, k, v contiguous copies;
@@ -282,18 +358,30 @@ fn block(family: Family, d: &Dims) -> Values {
         // Fused projections (one output of q, k, v; one of gate, up): the
         // contiguous copies RoPE makes of q [n,q] and k [n,kv], the copy
         // splitting v's heads [n,kv], and SwiGLU's of gate and up [n,I]×2.
+        // Partial rotary (r of each head's d): per head of q and k, the
+        // rotated part's copy and its RoPE [n,r] each besides the joined
+        // head (in place of RoPE's output) — with fused projections the
+        // copy of q and k before the split stands in for RoPE's copy.
+        // A mixture of experts (as transformers' eager MoE computes it), in
+        // place of gate, up and SwiGLU [n,I]×3: the router's logits [n,E]
+        // and their f32 softmax; for each of the n·k routed rows, its
+        // gathered input [h], gate, up, activation and product [I_e]×4, the
+        // expert's output and its weighted copy [h]×2.
         Family::Llama => Values {
             c: 4 * n * d.q
                 + 4 * n * h
                 + 4 * n * kv
-                + 3 * n * i
+                + d.moe
+                    .map_or(3 * n * i, |(e, k, x)| n * e + n * k * (4 * x + 3 * h))
                 + if d.qk_norm { n * (d.q + kv) } else { 0 }
                 + if d.fused {
                     n * (d.q + 2 * kv) + 2 * n * i
                 } else {
                     0
-                },
-            f32: 0,
+                }
+                + d.rotary
+                    .map_or(0, |r| 2 * n * r * (d.heads + kv / d.head_dim.max(1))),
+            f32: d.moe.map_or(0, |(e, _, _)| n * e),
         }
         .add(core)
         .add(d.norm())
@@ -319,6 +407,15 @@ fn stem(family: Family, d: &Dims) -> Values {
             c: 2 * d.n * d.h,
             f32: 0,
         },
+        // Gemma: the embedding and its √hidden multiple; per kind of block,
+        // RoPE tables and the `[s,s]` mask.
+        Family::Llama if d.gemma.is_some() => {
+            let kinds = d.gemma.map_or(1, |g| g.kinds);
+            Values {
+                c: 2 * d.n * d.h + kinds * d.s * d.s,
+                f32: kinds * 4 * d.s * d.head_dim,
+            }
+        }
         Family::Llama => Values {
             c: d.n * d.h,
             f32: 4 * d.s * d.head_dim,
@@ -351,8 +448,15 @@ fn head(family: Family, d: &Dims) -> Values {
     };
     let padded = if d.p == d.v { 0 } else { d.p * (d.h + 1) };
     let logits = if d.chunk.is_some() { 0 } else { d.n * d.p };
+    // Gemma 2's soft-cap: the logits over the cap, their tanh and its multiple
+    // (a model with a capped head has no chunked loss).
+    let capped = if d.gemma.is_some_and(|g| g.final_cap) {
+        3 * d.n * d.p
+    } else {
+        0
+    };
     norm.add(Values {
-        c: logits + padded,
+        c: logits + padded + capped,
         f32: 2 * d.n,
     })
 }
@@ -386,6 +490,41 @@ fn chunked_loss_transient(
     let chunk = ((2 * r * p).max(r * p + blocks) * c).max(r * p * c + bias_f32);
     let handover = if stock { 3 * held * c } else { 0 };
     (held * c + chunk).max(handover)
+}
+
+/// Logits-sized tensors alive at once while the backward crosses Gemma 2's
+/// soft-cap of the logits, besides the logits and the cap's outputs the
+/// head keeps: the gradients of the capped logits and of their tanh, the
+/// tanh's square and its difference from 1, their product.
+pub const SOFTCAP_BACKWARD_NV: u64 = 4;
+
+/// Bytes alive at once while the backward crosses one Gemma attention
+/// (composed from candle ops), on top of what the block keeps: score-sized
+/// gradients `[b,H,s,s]` (`P·v`'s `dP`, its f32 copy, the softmax's
+/// division, exponential and subtraction backward in f32, the mask's and,
+/// with a cap, the tanh's; [`GEMMA_ATTENTION_BACKWARD_BYTES_PER_SCORE`] bytes
+/// per score at once), and the gradients of the block's output, the merged
+/// heads and q `[n,H·d]` ×2 and of k and v `[n,kv]` ×2.
+fn gemma_attention_backward(d: &Dims, c: u64) -> u64 {
+    GEMMA_ATTENTION_BACKWARD_BYTES_PER_SCORE * d.scores()
+        + (d.n * d.h + 2 * d.n * d.q + 2 * d.n * d.kv) * c
+}
+
+/// Bytes per score element alive at once in a Gemma attention's backward
+/// (`gemma_attention_backward`), fp32 and bf16 alike. Fitted on the CPU
+/// on the Gemma 2 and 3 shapes of `tests/accuracy.rs` at 2 × 256 tokens
+/// (4 blocks, and the same with 2 blocks to separate what each block adds,
+/// 2026-12-06): 4.4 f32 scores in fp32, 5.2 f32-sized in bf16 beside the
+/// strays (`gemma_stray_gradients`); 19 bytes (4.75 f32) sits between.
+pub const GEMMA_ATTENTION_BACKWARD_BYTES_PER_SCORE: u64 = 19;
+
+/// Stray gradients one Gemma attention's backward leaves in candle's
+/// gradient store until the backward ends: candle stores a gradient for an
+/// operand off the graph too, here the broadcast mask (score-sized, in the
+/// compute dtype) and the detached row maximum's broadcast (score-sized,
+/// f32). Measured: 2 f32 scores more per block in fp32, 1.5 in bf16.
+fn gemma_stray_gradients(d: &Dims, c: u64) -> u64 {
+    d.scores() * (c + 4)
 }
 
 /// Logits-sized tensors in the compute dtype alive at once while the backward
@@ -602,8 +741,13 @@ pub fn activation_bytes_for(
     if plan.lora.is_some() {
         head_copies = 0;
     }
+    let cap_nv = if d.gemma.is_some_and(|g| g.final_cap) {
+        SOFTCAP_BACKWARD_NV
+    } else {
+        0
+    };
     let loss_transient = match d.chunk {
-        None => (loss_nv * d.n * d.p).max(d.n * d.p + head_copies * d.p * d.h) * c,
+        None => ((loss_nv + cap_nv) * d.n * d.p).max(d.n * d.p + head_copies * d.p * d.h) * c,
         Some(r) => chunked_loss_transient(
             &d,
             r,
@@ -614,6 +758,7 @@ pub fn activation_bytes_for(
         ),
     };
     let attention_backward = match (d.flash, stock) {
+        (false, _) if d.gemma.is_some() => gemma_attention_backward(&d, c),
         (true, false) => flash_backward(&d),
         (true, true) => flash_backward(&d) + STOCK_FLASH_BACKWARD_NH * d.n * d.h * c,
         (false, false) => composed_backward(&d) * c,
@@ -624,11 +769,20 @@ pub fn activation_bytes_for(
     };
     let mlp_ni = mlp_backward_ni(cfg.family) + if stock { STOCK_MLP_BACKWARD_NI } else { 0 };
     // The backward crosses a block's MLP, then its attention core.
+    // A mixture of experts' backward crosses one expert at a time: its
+    // share of the routed rows, n·k/E with balanced routing.
+    let mlp_rows = d.moe.map_or(d.n, |(e, k, _)| (d.n * k).div_ceil(e.max(1)));
     let block_transient =
-        attention_backward.max(mlp_ni * d.n * d.i * c) + adapters_backward(&d, plan, c);
+        attention_backward.max(mlp_ni * mlp_rows * d.i * c) + adapters_backward(&d, plan, c);
     let embedding_transient = match plan.lora {
         Some(_) => 0,
         None => embedding_backward_copies(spec, backward) * d.v * d.h * c,
+    };
+    // Gemma's strays, one set per block the backward has crossed.
+    let stray = if d.gemma.is_some() && !d.flash {
+        gemma_stray_gradients(&d, c)
+    } else {
+        0
     };
     match exec.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
@@ -644,11 +798,11 @@ pub fn activation_bytes_for(
                 },
                 blocks: Moment {
                     activations: recomputed,
-                    transient: block_transient,
+                    transient: block_transient + k * stray,
                 },
                 embedding: Moment {
                     activations: recomputed,
-                    transient: embedding_transient,
+                    transient: embedding_transient + k * stray,
                 },
             }
         }
@@ -662,11 +816,11 @@ pub fn activation_bytes_for(
                 },
                 blocks: Moment {
                     activations: kept,
-                    transient: block_transient,
+                    transient: block_transient + layers * stray,
                 },
                 embedding: Moment {
                     activations: kept,
-                    transient: embedding_transient,
+                    transient: embedding_transient + layers * stray,
                 },
             }
         }

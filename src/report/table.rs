@@ -7,8 +7,18 @@ use std::fmt::Write;
 
 fn model_line(spec: &ModelSpec) -> String {
     let c = &spec.config;
+    // A mixture of experts is labelled, its architecture named.
+    let arch = match (&c.settings.architecture, &c.settings.moe) {
+        (a, Some(m)) => format!(
+            " ({}mixture of experts, {} experts, {} per token)",
+            a.as_ref().map_or(String::new(), |a| format!("{a}: ")),
+            m.experts,
+            m.top_k
+        ),
+        (_, None) => String::new(),
+    };
     let mut s = format!(
-        "{}, {} parameters ({})",
+        "{}{arch}, {} parameters ({})",
         c.family,
         group_digits(spec.parameters()),
         spec.dtype
@@ -289,6 +299,44 @@ pub fn inspect_text(spec: &ModelSpec) -> String {
             let _ = writeln!(out, "biases         {biases}");
             if s.qk_norm {
                 let _ = writeln!(out, "q/k norm       per head (RMSNorm)");
+            }
+            if let Some(m) = &s.moe {
+                let _ = writeln!(
+                    out,
+                    "experts        {} per block, {} per token, MLP {} each (mixture of experts: \
+                     planned, not trained)",
+                    m.experts, m.top_k, m.expert_intermediate
+                );
+            }
+            if let Some(g) = &s.gemma {
+                let cap = |c: Option<f64>| c.map_or("none".to_string(), |c| c.to_string());
+                let sliding = g.sliding_layers.iter().filter(|&&x| x).count();
+                let _ = writeln!(
+                    out,
+                    "gemma          {}: norms scaled by 1 + w, 4 per block, embedding x sqrt(hidden), \
+                     scores x {}^-1/2",
+                    g.version, g.query_pre_attn_scalar
+                );
+                let _ = writeln!(
+                    out,
+                    "soft-caps      attention {}, logits {}",
+                    cap(g.attn_softcap),
+                    cap(g.final_softcap)
+                );
+                let local = g
+                    .local_rope_theta
+                    .map_or(String::new(), |t| format!(", RoPE base {t}"));
+                let _ = writeln!(
+                    out,
+                    "sliding blocks {sliding} of {}{local}",
+                    g.sliding_layers.len()
+                );
+            }
+            if !c.flash_computes_it() {
+                let _ = writeln!(
+                    out,
+                    "attention      composed (flash attention computes neither soft-caps nor sliding windows)"
+                );
             }
         }
         if let Some(w) = s.sliding_window {

@@ -173,6 +173,7 @@ impl Bert {
         let output = Output {
             weight: &self.word,
             bias: Some(&self.decoder_bias),
+            softcap: None,
             tag: decoder,
         };
         Ok(Forward {

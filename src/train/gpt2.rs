@@ -134,6 +134,7 @@ impl Gpt2 {
         let output = Output {
             weight: &self.wte,
             bias: None,
+            softcap: None,
             tag: lm_head,
         };
         Ok(Forward {

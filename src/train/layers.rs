@@ -132,23 +132,28 @@ impl LayerNorm {
     }
 }
 
-/// RMS normalisation with a scale, computed in f32 and returned in the input's
-/// dtype: one [`ops::rms_norm`] node.
+/// RMS normalisation with a scale (`w + offset`: Gemma's `1 + w`), computed
+/// in f32 and returned in the input's dtype: one [`ops::rms_norm_offset`] node.
 #[derive(Debug, Clone)]
 pub(crate) struct RmsNorm {
     weight: Tensor,
     eps: f64,
+    offset: f32,
 }
 
 impl RmsNorm {
-    pub(crate) fn new(weight: Tensor, eps: f64) -> Self {
-        RmsNorm { weight, eps }
+    pub(crate) fn new(weight: Tensor, eps: f64, offset: f32) -> Self {
+        RmsNorm {
+            weight,
+            eps,
+            offset,
+        }
     }
 
     /// Allocates the output, the size of `x`.
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _op = Scope::op(Op::RmsNorm);
-        ops::rms_norm(x, &self.weight, self.eps)
+        ops::rms_norm_offset(x, &self.weight, self.eps, self.offset)
     }
 }
 

@@ -27,6 +27,9 @@ struct Block {
     qk_norm: Option<(RmsNorm, RmsNorm)>,
     intermediate: usize,
     head_dim: usize,
+    /// The part of each head RoPE rotates (`head_dim` unless
+    /// `partial_rotary_factor` says less).
+    rotary: usize,
     heads: usize,
     kv_heads: usize,
     /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
@@ -97,7 +100,7 @@ impl Block {
             p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn)
         };
         let eps = config.norm_eps();
-        let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps);
+        let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps, 0.0);
         let (qkv_bias, o_bias) = (
             config.qkv_bias || config.settings.attention_bias,
             config.settings.attention_bias,
@@ -132,6 +135,7 @@ impl Block {
                 None
             },
             head_dim: config.head_dim(),
+            rotary: config.rotary_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
             tags: [
@@ -163,13 +167,21 @@ impl Block {
             let (q, k) = {
                 let _op = Scope::op(Op::Rope);
                 (
-                    ops::rope(&q, self.heads, &ctx.rope_q)?,
-                    ops::rope(&k, self.kv_heads, &ctx.rope_k)?,
+                    self.rope(&q, self.heads, &ctx.rope_q)?,
+                    self.rope(&k, self.kv_heads, &ctx.rope_k)?,
                 )
             };
             let v = split_heads(&v, self.kv_heads)?.contiguous()?;
-            // The queries' RoPE tables already carry the attention scale.
-            let out = self.o_proj.forward(&ctx.attend.forward(&q, &k, &v, 1.0)?)?;
+            // With the whole head rotated the queries' RoPE tables carry the
+            // attention scale; with part of it, the attention applies it.
+            let scale = if self.rotary == self.head_dim {
+                1.0
+            } else {
+                (self.head_dim as f64).powf(-0.5)
+            };
+            let out = self
+                .o_proj
+                .forward(&ctx.attend.forward(&q, &k, &v, scale)?)?;
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
@@ -186,6 +198,25 @@ impl Block {
         let out = self.down_proj.forward(&mlp)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)
+    }
+
+    /// RoPE on `x` (`[b, s, n·d]` or `[b, s, n, d]`, `n` = `heads`) with the
+    /// heads moved first, `[b, n, s, d]`: the whole head ([`ops::rope`]), or
+    /// its first `rotary` elements, the rest passed through as transformers'
+    /// partial rotary does (Phi-4-mini). Partial: the rotated part's
+    /// contiguous copy `[n·rotary]` per token, its RoPE and the two parts
+    /// joined `[b, n, s, d]` (a non-contiguous `x`, a fused projection's
+    /// slice, is copied first).
+    fn rope(&self, x: &Tensor, heads: usize, tables: &RopeTables) -> candle_core::Result<Tensor> {
+        if self.rotary == self.head_dim {
+            return ops::rope(x, heads, tables);
+        }
+        let (b, s) = (x.dim(0)?, x.dim(1)?);
+        let (d, r) = (self.head_dim, self.rotary);
+        let x = x.reshape((b, s, heads, d))?;
+        let rotated = ops::rope(&x.narrow(3, 0, r)?, heads, tables)?;
+        let passed = x.narrow(3, r, d - r)?.transpose(1, 2)?;
+        Tensor::cat(&[&rotated, &passed], 3)
     }
 }
 
@@ -216,7 +247,7 @@ impl Llama {
             blocks: (0..config.layers)
                 .map(|l| Block::new(&p, l, config))
                 .collect::<Result<_>>()?,
-            norm: p.rms_norm("model.norm", config.norm_eps())?,
+            norm: p.rms_norm("model.norm", config.norm_eps(), 0.0)?,
             vars: p.into_vars(),
             tags: [
                 "model.embed_tokens",
@@ -236,11 +267,18 @@ impl Llama {
         let device = self.embed.device();
         let [embed, rotary, norm, lm_head] = self.tags;
         let (freqs, factor) = rope::frequencies(&self.config, s)?;
+        // The attention scale rides on the queries' tables when RoPE rotates
+        // whole heads (partial rotary: the attention applies it).
+        let q_factor = if self.config.rotary_dim() == d {
+            factor / (d as f64).sqrt()
+        } else {
+            factor
+        };
         let ctx = {
             let _m = Scope::new(rotary, Op::Rope);
             Rc::new(Context {
                 attend: Attend::causal(exec),
-                rope_q: RopeTables::from_inv_freq(s, &freqs, factor / (d as f64).sqrt(), device)?,
+                rope_q: RopeTables::from_inv_freq(s, &freqs, q_factor, device)?,
                 rope_k: RopeTables::from_inv_freq(s, &freqs, factor, device)?,
             })
         };
@@ -263,6 +301,7 @@ impl Llama {
         let output = Output {
             weight: &self.lm_head,
             bias: None,
+            softcap: None,
             tag: lm_head,
         };
         Ok(Forward {

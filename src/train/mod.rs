@@ -99,6 +99,22 @@
 //! their outputs `[n,H·d]` and `[n,KV·d]` c. RoPE scaling changes only the
 //! tables' values (`yarn`'s attention factor is folded into both tables).
 //!
+//! Partial rotary (Phi-4-mini) copies the rotated part of each head of q
+//! and k `[n,H·r]`, `[n,KV·r]`, turns it (the same size again) and joins
+//! it to the rest (`[n,H·d]`, `[n,KV·d]` in place of RoPE's output).
+//!
+//! Gemma 2 / 3 (`gemma.rs`) add to a Llama block two norms
+//! (`pre_feedforward_layernorm`, `post_feedforward_layernorm`, `[n,h]`
+//! each), a GeLU and its product with up in place of SwiGLU (`[n,I]` ×2),
+//! Gemma 3's q/k norms, and compose attention: the scores `[b,H,s,s]` c,
+//! with a cap their tanh and its multiple (c ×2), the masked scores c, with
+//! 16-bit compute their f32 copy, the shifted scores, exponentials and
+//! probabilities f32 ×3, with 16-bit compute the probabilities' copy c, the
+//! row maximum and sum `[b,H,s]` f32. Its stem keeps the embedding rows and
+//! their √hidden multiple `[n,h]` ×2 and, per kind of block (full, sliding),
+//! RoPE tables and an `[s,s]` mask c; Gemma 2's head soft-caps the logits
+//! (`[n,P]` ×3 more).
+//!
 //! Keys and values are never repeated for grouped-query attention: each group's
 //! queries are multiplied with the shared key/value head directly.
 //! Stem: `embed_tokens` rows `[n,h]` c. Once per forward: RoPE tables `[s,d]` ×4 f32 (cos/sin, and both scaled
@@ -195,6 +211,7 @@ mod schedule;
 pub use saved::{ModelSource, TrainingState};
 pub use schedule::{default_lr, Decay, LrSchedule, PRETRAINED_LR, RANDOM_INIT_LR};
 pub use trainer::{compute_dtype, plan_changes, Evaluation, StepStats, TrainOptions, Trainer};
+mod gemma;
 mod gpt2;
 mod layers;
 mod llama;
@@ -332,6 +349,7 @@ pub struct StepOutput {
 enum FamilyModel {
     Gpt2(gpt2::Gpt2),
     Llama(llama::Llama),
+    Gemma(gemma::Gemma),
     Bert(bert::Bert),
 }
 
@@ -357,6 +375,7 @@ impl HubModel {
         match &self.family {
             FamilyModel::Gpt2(m) => m.config(),
             FamilyModel::Llama(m) => m.config(),
+            FamilyModel::Gemma(m) => m.config(),
             FamilyModel::Bert(m) => m.config(),
         }
     }
@@ -367,6 +386,7 @@ impl HubModel {
         match &self.family {
             FamilyModel::Gpt2(m) => m.named_vars(),
             FamilyModel::Llama(m) => m.named_vars(),
+            FamilyModel::Gemma(m) => m.named_vars(),
             FamilyModel::Bert(m) => m.named_vars(),
         }
     }
@@ -377,6 +397,7 @@ impl HubModel {
         match &self.family {
             FamilyModel::Gpt2(m) => m.forward(batch, exec),
             FamilyModel::Llama(m) => m.forward(batch, exec),
+            FamilyModel::Gemma(m) => m.forward(batch, exec),
             FamilyModel::Bert(m) => m.forward(batch, exec),
         }
     }
@@ -478,8 +499,13 @@ impl Model for HubModel {
         }))
     }
 
+    /// Every capability, except flash attention for a model whose attention
+    /// it does not compute ([`ModelConfig::flash_computes_it`]).
     fn capabilities(&self) -> Capabilities {
-        Capabilities::ALL.with_blocks(self.config().layers)
+        let mut caps = Capabilities::ALL.with_blocks(self.config().layers);
+        caps.attention = self.config().flash_computes_it();
+        caps.chunked_loss = self.config().chunked_loss_computes_it();
+        caps
     }
 }
 
@@ -552,6 +578,9 @@ pub fn build_model_with(
     let built = Rc::clone(&params.built);
     let family = match config.family {
         Family::Gpt2 => FamilyModel::Gpt2(gpt2::Gpt2::new(config, params)?),
+        Family::Llama if config.settings.gemma.is_some() => {
+            FamilyModel::Gemma(gemma::Gemma::new(config, params)?)
+        }
         Family::Llama => FamilyModel::Llama(llama::Llama::new(config, params)?),
         Family::Bert => FamilyModel::Bert(bert::Bert::new(config, params)?),
         Family::Generic => return Err(untrainable()),
@@ -826,9 +855,13 @@ impl Params {
         ))
     }
 
-    /// The RMS norm `{prefix}.weight`.
-    pub(crate) fn rms_norm(&self, prefix: &str, eps: f64) -> Result<RmsNorm> {
-        Ok(RmsNorm::new(self.get(&format!("{prefix}.weight"))?, eps))
+    /// The RMS norm `{prefix}.weight`, its scale `weight + offset`.
+    pub(crate) fn rms_norm(&self, prefix: &str, eps: f64, offset: f32) -> Result<RmsNorm> {
+        Ok(RmsNorm::new(
+            self.get(&format!("{prefix}.weight"))?,
+            eps,
+            offset,
+        ))
     }
 
     /// The trained variables with their names (LoRA: the adapters).
@@ -882,19 +915,26 @@ pub(crate) struct Forward<'a> {
 }
 
 /// The output layer of a family: the output embedding `[V, h]` (tied or
-/// not) and bias `[V]` (BERT's decoder), tagged as their module.
+/// not), bias `[V]` (BERT's decoder) and soft-cap of the logits (Gemma 2:
+/// `cap·tanh(logits/cap)`), tagged as their module.
 #[derive(Clone, Copy)]
 pub(crate) struct Output<'a> {
     pub(crate) weight: &'a Tensor,
     pub(crate) bias: Option<&'a Tensor>,
+    pub(crate) softcap: Option<f64>,
     pub(crate) tag: Module,
 }
 
 impl Output<'_> {
-    /// The padded logits `[n, P]` of the hidden states `x` `[n, h]`.
+    /// The padded logits `[n, P]` of the hidden states `x` `[n, h]`,
+    /// soft-capped where the family caps them.
     fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let _m = Scope::module(self.tag);
-        layers::lm_logits(x, self.weight, self.bias)
+        let logits = layers::lm_logits(x, self.weight, self.bias)?;
+        match self.softcap {
+            Some(cap) => (logits / cap)?.tanh()?.affine(cap, 0.0),
+            None => Ok(logits),
+        }
     }
 
     /// The mean cross-entropy of the hidden states `x` `[n, h]` against the
@@ -913,6 +953,10 @@ impl Output<'_> {
         let Some(bytes) = exec.loss_chunk_bytes else {
             return lm_loss(&self.logits(x)?, vocab, batch);
         };
+        if self.softcap.is_some() {
+            // Refused before training: such a model does not declare the capability.
+            candle_core::bail!("the loss in chunks does not soft-cap the logits");
+        }
         let (weight, bias) = {
             let _m = Scope::new(self.tag, Op::Matmul);
             layers::padded_output(self.weight, self.bias)?

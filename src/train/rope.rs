@@ -6,12 +6,13 @@ use std::f64::consts::PI;
 
 use crate::{Error, ModelConfig, Result};
 
-/// The inverse frequencies (`head_dim / 2` of them) for sequences of `s`
-/// tokens, and the factor cos and sin are multiplied by (`yarn`'s attention
-/// factor, else 1). A scaling without the numbers it needs is a usage error
-/// naming them.
+/// The inverse frequencies (`rotary_dim / 2` of them: the whole head, or
+/// the part `partial_rotary_factor` says) for sequences of `s` tokens, and
+/// the factor cos and sin are multiplied by (`yarn`'s and `longrope`'s
+/// attention factor, else 1). A scaling without the numbers it needs is a
+/// usage error naming them.
 pub(crate) fn frequencies(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f64)> {
-    let d = config.head_dim();
+    let d = config.rotary_dim();
     let base = config.rope_theta();
     let plain = |base: f64| -> Vec<f64> {
         (0..d / 2)
@@ -29,6 +30,9 @@ pub(crate) fn frequencies(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f
     };
     if kind == "yarn" {
         return Ok(yarn(config));
+    }
+    if kind == "longrope" {
+        return longrope(config, s);
     }
     let factor = need(r.factor, "factor")?;
     match kind {
@@ -74,6 +78,62 @@ pub(crate) fn frequencies(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f
     }
 }
 
+/// The unscaled inverse frequencies of the sliding-window blocks when they
+/// have a RoPE base of their own (Gemma 3's `rope_local_base_freq`); `None`
+/// when they share the global blocks' frequencies.
+pub(crate) fn local_frequencies(config: &ModelConfig) -> Option<Vec<f64>> {
+    let base = config.settings.gemma.as_ref()?.local_rope_theta?;
+    let d = config.head_dim();
+    Some(
+        (0..d / 2)
+            .map(|i| 1.0 / base.powf(2.0 * i as f64 / d as f64))
+            .collect(),
+    )
+}
+
+/// `longrope` (Phi-3 128k, Phi-3.5, Phi-4-mini): each frequency divided by
+/// its `long_factor` past the original context
+/// (`original_max_position_embeddings`), else by its `short_factor`; the
+/// attention factor `attention_factor`, else `√(1 + ln f / ln original)`
+/// with `f` the `factor`, else the ratio of the contexts (1 when `f ≤ 1`).
+fn longrope(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f64)> {
+    let r = &config.settings.rope;
+    let d = config.rotary_dim();
+    let original = r.original_max_positions.filter(|&o| o > 0).ok_or_else(|| {
+        Error::Usage("rope_scaling \"longrope\" needs \"original_max_position_embeddings\"".into())
+    })?;
+    let (name, factors) = if s > original {
+        ("long_factor", &r.long_factor)
+    } else {
+        ("short_factor", &r.short_factor)
+    };
+    let factors = factors
+        .as_ref()
+        .filter(|f| f.len() == d / 2)
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "rope_scaling \"longrope\" needs a \"{name}\" of {} numbers (one per rotated pair)",
+                d / 2
+            ))
+        })?;
+    let base = config.rope_theta();
+    let freqs = factors
+        .iter()
+        .enumerate()
+        .map(|(i, f)| 1.0 / (f * base.powf(2.0 * i as f64 / d as f64)))
+        .collect();
+    let factor = r
+        .factor
+        .filter(|&f| f > 0.0)
+        .unwrap_or(config.max_positions as f64 / original as f64);
+    let attention = match r.attention_factor {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    Ok((freqs, attention))
+}
+
 /// `yarn`: frequencies blended between the original (fast rotations) and
 /// the interpolated ones (slow rotations) over a linear ramp, and the
 /// attention factor. The pre-training context is
@@ -81,7 +141,7 @@ pub(crate) fn frequencies(config: &ModelConfig, s: usize) -> Result<(Vec<f64>, f
 /// factor `factor`, else the ratio of the two contexts.
 fn yarn(config: &ModelConfig) -> (Vec<f64>, f64) {
     let r = &config.settings.rope;
-    let d = config.head_dim() as f64;
+    let d = config.rotary_dim() as f64;
     let base = config.rope_theta();
     let original = r
         .original_max_positions
@@ -117,7 +177,7 @@ fn yarn(config: &ModelConfig) -> (Vec<f64>, f64) {
     if low == high {
         high += 0.001;
     }
-    let freqs = (0..config.head_dim() / 2)
+    let freqs = (0..config.rotary_dim() / 2)
         .map(|i| {
             let extrapolated = 1.0 / base.powf(2.0 * i as f64 / d);
             let interpolated = extrapolated / factor;
@@ -177,6 +237,8 @@ mod tests {
             "llama-linear",
             "llama-dynamic",
             "llama-yarn",
+            "phi3-longrope",
+            "phi4-mini",
         ] {
             let spec = crate::inspect(&dir.join(name)).unwrap();
             let reference = candle_core::safetensors::load(

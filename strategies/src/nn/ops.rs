@@ -73,6 +73,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
     let op = Norm {
         kind: NormKind::Layer,
         eps: eps as f32,
+        offset: 0.0,
     };
     x.contiguous()?
         .apply_op3(&w.contiguous()?, &b.contiguous()?, op)
@@ -86,6 +87,7 @@ pub fn layer_norm_no_bias(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let op = Norm {
         kind: NormKind::Layer,
         eps: eps as f32,
+        offset: 0.0,
     };
     x.contiguous()?.apply_op2(&w.contiguous()?, op)
 }
@@ -93,10 +95,19 @@ pub fn layer_norm_no_bias(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// `x/√(mean(x²) + eps)·w` over the last dimension of `x`; `w` is `[h]` in
 /// `x`'s dtype. Keeps only its output for backward.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    rms_norm_offset(x, w, eps, 0.0)
+}
+
+/// [`rms_norm`] scaled by `w + offset` instead of `w`, the sum taken in f32:
+/// `x/√(mean(x²) + eps)·(offset + w)` (Gemma's norms store `w` with
+/// `offset` 1). The output is rounded to `x`'s dtype once, after the scale.
+/// Keeps only its output for backward.
+pub fn rms_norm_offset(x: &Tensor, w: &Tensor, eps: f64, offset: f32) -> Result<Tensor> {
     check_param(x, w, "the scale")?;
     let op = Norm {
         kind: NormKind::Rms,
         eps: eps as f32,
+        offset,
     };
     x.contiguous()?.apply_op2(&w.contiguous()?, op)
 }
@@ -282,6 +293,8 @@ fn row_stats<T: WithDType>(row: &[T], kind: NormKind, eps: f32) -> (f32, f32) {
 struct Norm {
     kind: NormKind,
     eps: f32,
+    /// Added to the scale `w` (in f32) before it multiplies.
+    offset: f32,
 }
 
 fn norm_cpu<T: WithDType>(
@@ -300,7 +313,7 @@ fn norm_cpu<T: WithDType>(
             let (mean, rstd) = row_stats(x, op.kind, op.eps);
             for (j, (y, &v)) in y.iter_mut().zip(x).enumerate() {
                 let shift = b.map_or(0.0, |b| f(b[j]));
-                *y = T::from_f64(((f(v) - mean) * rstd * f(w[j]) + shift) as f64);
+                *y = T::from_f64(((f(v) - mean) * rstd * (f(w[j]) + op.offset) + shift) as f64);
             }
         });
     Ok(T::to_cpu_storage_owned(y))
@@ -446,7 +459,7 @@ fn norm_grad_cpu<T: WithDType>(
     w: (&CpuStorage, &Layout),
     dy: (&CpuStorage, &Layout),
 ) -> Result<CpuStorage> {
-    let NormGrad(Norm { kind, eps }, part) = *op;
+    let NormGrad(Norm { kind, eps, offset }, part) = *op;
     let (x, w, dy) = (
         cpu_slice::<T>(x.0, x.1)?,
         cpu_slice::<T>(w.0, w.1)?,
@@ -460,7 +473,7 @@ fn norm_grad_cpu<T: WithDType>(
             dx.par_chunks_mut(h).zip(rows).for_each(|(dx, (x, dy))| {
                 let (mean, rstd) = row_stats(x, kind, eps);
                 let xhat = |j: usize| (f(x[j]) - mean) * rstd;
-                let g = |j: usize| f(dy[j]) * f(w[j]);
+                let g = |j: usize| f(dy[j]) * (f(w[j]) + offset);
                 let mean_g = match kind {
                     NormKind::Layer => (0..h).map(g).sum::<f32>() / h as f32,
                     NormKind::Rms => 0.0,

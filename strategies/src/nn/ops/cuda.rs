@@ -89,6 +89,7 @@ fn norm_typed<T: CudaDType + DeviceRepr>(
     if n > 0 {
         let func = dev.get_or_load_custom_func(&format!("norm_{name}"), MODULE, ptx()?)?;
         let (h64, eps, rms) = (h as u64, op.eps, i32::from(op.kind == NormKind::Rms));
+        let offset = op.offset;
         let null = 0u64;
         let mut launch = func.builder();
         launch.arg(&xv).arg(&wv);
@@ -103,8 +104,9 @@ fn norm_typed<T: CudaDType + DeviceRepr>(
             .arg(&rows64)
             .arg(&h64)
             .arg(&eps)
-            .arg(&rms);
-        // SAFETY: arguments match `norm_*(x, w, b or null, y, rows, h, eps, rms)`; x
+            .arg(&rms)
+            .arg(&offset);
+        // SAFETY: arguments match `norm_*(x, w, b or null, y, rows, h, eps, rms, offset)`; x
         // and y hold rows·h elements, w and b h; one warp per row.
         unsafe { launch.launch(warp_rows(rows)?) }.w()?;
     }
@@ -139,6 +141,7 @@ fn norm_grad_typed<T: CudaDType + DeviceRepr>(
         view::<T>(dy.0, dy.1)?,
     );
     let (h64, eps, rms) = (h as u64, op.eps, i32::from(op.kind == NormKind::Rms));
+    let offset = op.offset;
     let rows = n / h.max(1);
     let (config, rows64) = (warp_rows(rows)?, rows as u64);
     Ok(match part {
@@ -156,8 +159,10 @@ fn norm_grad_typed<T: CudaDType + DeviceRepr>(
                     .arg(&rows64)
                     .arg(&h64)
                     .arg(&eps)
-                    .arg(&rms);
-                // SAFETY: arguments match `norm_dx_*(x, w, dy, dx, rows, h, eps, rms)`;
+                    .arg(&rms)
+                    .arg(&offset);
+                // SAFETY: arguments match `norm_dx_*(x, w, dy, dx, rows, h, eps, rms,
+                // offset)`;
                 // x, dy and dx hold rows·h elements, w h; one warp per row.
                 unsafe { launch.launch(config) }.w()?;
             }

@@ -41,30 +41,32 @@ __device__ void row_stats(const T *row, u64 h, float eps, int rms, float &mean, 
     rstd = rsqrtf(warp_sum(q) / (float)h + eps);
 }
 
-// y = (x - mean) * rstd * w (+ b); b may be null.
+// y = (x - mean) * rstd * (w + offset) (+ b); b may be null.
 template <typename T>
-__device__ void norm(const T *x, const T *w, const T *b, T *y, u64 rows, u64 h, float eps, int rms) {
+__device__ void norm(const T *x, const T *w, const T *b, T *y, u64 rows, u64 h, float eps, int rms,
+                     float offset) {
     u64 base;
     if (!warp_row(rows, h, base)) return;
     float mean, rstd;
     row_stats(x + base, h, eps, rms, mean, rstd);
     LANE_STRIDE(j, h) {
-        float v = (to_f32(x[base + j]) - mean) * rstd * to_f32(w[j]);
+        float v = (to_f32(x[base + j]) - mean) * rstd * (to_f32(w[j]) + offset);
         if (b) v += to_f32(b[j]);
         y[base + j] = from_f32<T>(v);
     }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (RMS: no mean(g)).
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * (w + offset) (RMS: no mean(g)).
 template <typename T>
-__device__ void norm_dx(const T *x, const T *w, const T *dy, T *dx, u64 rows, u64 h, float eps, int rms) {
+__device__ void norm_dx(const T *x, const T *w, const T *dy, T *dx, u64 rows, u64 h, float eps, int rms,
+                        float offset) {
     u64 base;
     if (!warp_row(rows, h, base)) return;
     float mean, rstd;
     row_stats(x + base, h, eps, rms, mean, rstd);
     float sg = 0.0f, sgx = 0.0f;
     LANE_STRIDE(j, h) {
-        float g = to_f32(dy[base + j]) * to_f32(w[j]);
+        float g = to_f32(dy[base + j]) * (to_f32(w[j]) + offset);
         sg += g;
         sgx += g * (to_f32(x[base + j]) - mean) * rstd;
     }
@@ -72,7 +74,7 @@ __device__ void norm_dx(const T *x, const T *w, const T *dy, T *dx, u64 rows, u6
     float mean_gx = warp_sum(sgx) / (float)h;
     LANE_STRIDE(j, h) {
         float xhat = (to_f32(x[base + j]) - mean) * rstd;
-        float g = to_f32(dy[base + j]) * to_f32(w[j]);
+        float g = to_f32(dy[base + j]) * (to_f32(w[j]) + offset);
         dx[base + j] = from_f32<T>(rstd * (g - mean_g - xhat * mean_gx));
     }
 }
@@ -208,12 +210,13 @@ __device__ void attention_probs_grad(const T *p, const T *dp, T *ds, u64 rows, u
 
 #define KERNELS(NAME, T)                                                                         \
     extern "C" __global__ void norm_##NAME(const T *x, const T *w, const T *b, T *y, u64 rows,  \
-                                           u64 h, float eps, int rms) {                          \
-        norm<T>(x, w, b, y, rows, h, eps, rms);                                                  \
+                                           u64 h, float eps, int rms, float offset) {            \
+        norm<T>(x, w, b, y, rows, h, eps, rms, offset);                                          \
     }                                                                                            \
     extern "C" __global__ void norm_dx_##NAME(const T *x, const T *w, const T *dy, T *dx,       \
-                                              u64 rows, u64 h, float eps, int rms) {             \
-        norm_dx<T>(x, w, dy, dx, rows, h, eps, rms);                                             \
+                                              u64 rows, u64 h, float eps, int rms,               \
+                                              float offset) {                                    \
+        norm_dx<T>(x, w, dy, dx, rows, h, eps, rms, offset);                                     \
     }                                                                                            \
     extern "C" __global__ void norm_scale_grad_##NAME(const T *x, const T *dy, float *out,      \
                                                       u64 rows, u64 h, float eps, int rms) {     \

@@ -1,0 +1,385 @@
+//! Gemma 2 and Gemma 3 (text) decoders, as Hugging Face `transformers`
+//! computes them ([`crate::GemmaSettings`]): RMSNorms scaled by `1 + w`
+//! (in f32), four norms per block, the embedding multiplied by √hidden
+//! rounded to the compute dtype, scores scaled by
+//! `query_pre_attn_scalar^-½`, sliding-window blocks beside full ones,
+//! a GeLU (tanh) gated MLP and a tied head; Gemma 2 soft-caps the
+//! attention scores and the logits, Gemma 3 norms each query and key head
+//! and gives its sliding blocks their own RoPE base.
+//!
+//! Attention is composed from candle ops (flash attention computes neither
+//! the soft-cap nor the window: [`ModelConfig::flash_computes_it`]): the
+//! scores `q·kᵀ` (the scale, and `1/cap` with soft-capping, folded into
+//! the queries' RoPE tables), `cap·tanh(·)`, the additive mask (causal, or
+//! causal within the window), the softmax in f32 (its row maximum detached)
+//! and its output in the compute dtype, as transformers' eager attention
+//! upcasts it.
+
+use std::rc::Rc;
+
+use candle_core::{DType, Tensor, Var, D};
+use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
+use oomfix_strategies::{Attention, Execution};
+
+use super::layers::{split_heads, Linear, RmsNorm};
+use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
+use crate::track::tag::{Module, Op, Scope};
+use crate::{Error, GemmaSettings, ModelConfig, Result};
+
+struct Block {
+    input_norm: RmsNorm,
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    /// Gemma 3's RMSNorm over each query and key head, before RoPE.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    post_attention_norm: RmsNorm,
+    pre_feedforward_norm: RmsNorm,
+    post_feedforward_norm: RmsNorm,
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    gelu: GeluForm,
+    /// Attends within the sliding window only.
+    sliding: bool,
+    head_dim: usize,
+    heads: usize,
+    kv_heads: usize,
+    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`,
+    /// `pre_feedforward_layernorm`, `mlp`, `post_feedforward_layernorm`.
+    tags: [Module; 6],
+}
+
+/// The RoPE tables and the additive mask of one kind of block.
+struct Kind {
+    /// The queries' tables, scaled by the attention scale (and `1/cap`).
+    rope_q: RopeTables,
+    rope_k: RopeTables,
+    /// `[s, s]` in the compute dtype: 0 where a query sees a key, −∞ elsewhere.
+    mask: Tensor,
+}
+
+/// What every block of one forward shares.
+struct Context {
+    full: Kind,
+    /// The sliding blocks'; `None` when they compute what the full ones do
+    /// (same RoPE base, a window no shorter than the sequence).
+    sliding: Option<Kind>,
+    /// The attention scores' cap.
+    softcap: Option<f64>,
+}
+
+impl Block {
+    fn new(p: &Params, l: usize, config: &ModelConfig, gemma: &GemmaSettings) -> Result<Self> {
+        let prefix = format!("model.layers.{l}");
+        let bias = config.settings.attention_bias;
+        let proj = |name: &str, bias: bool| {
+            p.linear(&format!("{prefix}.{name}"), bias, WeightLayout::OutIn)
+        };
+        let eps = config.norm_eps();
+        let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps, 1.0);
+        Ok(Block {
+            input_norm: norm("input_layernorm")?,
+            q_proj: proj("self_attn.q_proj", bias)?,
+            k_proj: proj("self_attn.k_proj", bias)?,
+            v_proj: proj("self_attn.v_proj", bias)?,
+            o_proj: proj("self_attn.o_proj", bias)?,
+            qk_norm: if config.settings.qk_norm {
+                Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
+            } else {
+                None
+            },
+            post_attention_norm: norm("post_attention_layernorm")?,
+            pre_feedforward_norm: norm("pre_feedforward_layernorm")?,
+            post_feedforward_norm: norm("post_feedforward_layernorm")?,
+            gate_proj: proj("mlp.gate_proj", false)?,
+            up_proj: proj("mlp.up_proj", false)?,
+            down_proj: proj("mlp.down_proj", false)?,
+            gelu: super::gelu_form(config)?,
+            sliding: gemma.sliding(l),
+            head_dim: config.head_dim(),
+            heads: config.heads,
+            kv_heads: config.kv_heads,
+            tags: [
+                "input_layernorm",
+                "self_attn",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "mlp",
+                "post_feedforward_layernorm",
+            ]
+            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+        })
+    }
+
+    fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
+        let [input_norm, attn, post_attn, pre_ff, mlp_tag, post_ff] = self.tags;
+        let kind = match (&ctx.sliding, self.sliding) {
+            (Some(sliding), true) => sliding,
+            _ => &ctx.full,
+        };
+        let h = {
+            let _m = Scope::module(input_norm);
+            self.input_norm.forward(x)?
+        };
+        let out = {
+            let _m = Scope::module(attn);
+            let mut q = self.q_proj.forward(&h)?;
+            let mut k = self.k_proj.forward(&h)?;
+            let v = self.v_proj.forward(&h)?;
+            if let Some((q_norm, k_norm)) = &self.qk_norm {
+                let (b, s, _) = q.dims3()?;
+                q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
+                k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
+            }
+            let (q, k) = {
+                let _op = Scope::op(Op::Rope);
+                (
+                    ops::rope(&q, self.heads, &kind.rope_q)?,
+                    ops::rope(&k, self.kv_heads, &kind.rope_k)?,
+                )
+            };
+            let v = split_heads(&v, self.kv_heads)?.contiguous()?;
+            self.o_proj
+                .forward(&attend(&q, &k, &v, &kind.mask, ctx.softcap)?)?
+        };
+        let x = {
+            let out = {
+                let _m = Scope::module(post_attn);
+                self.post_attention_norm.forward(&out)?
+            };
+            let _op = Scope::op(Op::Residual);
+            x.add(&out)?
+        };
+        let h = {
+            let _m = Scope::module(pre_ff);
+            self.pre_feedforward_norm.forward(&x)?
+        };
+        let out = {
+            let _m = Scope::module(mlp_tag);
+            let gate = self.gate_proj.forward(&h)?;
+            let up = self.up_proj.forward(&h)?;
+            let act = {
+                let _op = Scope::op(Op::Gelu);
+                ops::gelu(&gate, self.gelu)?.mul(&up)?
+            };
+            self.down_proj.forward(&act)?
+        };
+        let out = {
+            let _m = Scope::module(post_ff);
+            self.post_feedforward_norm.forward(&out)?
+        };
+        let _op = Scope::op(Op::Residual);
+        x.add(&out)
+    }
+}
+
+/// `softmax(cap·tanh(q·kᵀ) + mask)·v` (without a cap: `q·kᵀ + mask`), the
+/// softmax in f32 and its output in `q`'s dtype, heads merged: `q`
+/// `[b, H, s, d]` (its scale folded in), `k`, `v` `[b, KV, s, d]`
+/// contiguous, `mask` `[s, s]` → `[b, s, H·d]`. Grouped-query heads share
+/// `k` and `v` without a copy.
+///
+/// Keeps, besides its inputs, score-sized tensors `[b, H, s, s]`: the
+/// scores; with a cap, `tanh` and its multiple; the masked scores; with a
+/// 16-bit compute dtype, their f32 copy; the shifted scores, their
+/// exponentials and the probabilities (f32); with a 16-bit compute dtype,
+/// the probabilities' copy; and the row maximum and sum `[b, H, s]` f32.
+fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    softcap: Option<f64>,
+) -> candle_core::Result<Tensor> {
+    let _op = Scope::op(Op::Attention);
+    let (b, h, s, d) = q.dims4()?;
+    let kv = k.dim(1)?;
+    let scores = {
+        let _op = Scope::op(Op::Matmul);
+        q.reshape((b, kv, h / kv * s, d))?
+            .matmul(&k.t()?)?
+            .reshape((b, h, s, s))?
+    };
+    let scores = match softcap {
+        Some(cap) => scores.tanh()?.affine(cap, 0.0)?,
+        None => scores,
+    };
+    let probs = {
+        let _op = Scope::op(Op::Softmax);
+        let x = scores.broadcast_add(mask)?.to_dtype(DType::F32)?;
+        let max = x.max_keepdim(D::Minus1)?.detach();
+        let e = x.broadcast_sub(&max)?.exp()?;
+        e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?
+            .to_dtype(q.dtype())?
+    };
+    let _op = Scope::op(Op::Matmul);
+    probs
+        .reshape((b, kv, h / kv * s, s))?
+        .matmul(v)?
+        .reshape((b, h, s, d))?
+        .transpose(1, 2)?
+        .reshape((b, s, h * d))
+}
+
+/// The additive `[s, s]` mask in `dtype`: 0 where query `i` sees key `j`
+/// (`j ≤ i`, and with a window `w`, `i − j < w`), −∞ elsewhere.
+fn mask(
+    s: usize,
+    window: Option<usize>,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> candle_core::Result<Tensor> {
+    let values: Vec<f32> = (0..s)
+        .flat_map(|i| {
+            (0..s).map(move |j| {
+                let seen = j <= i && window.is_none_or(|w| i - j < w);
+                if seen {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)
+}
+
+/// √hidden rounded to `dtype`, as transformers multiplies the embedding by
+/// a tensor of the weights' dtype.
+fn embed_scale(hidden: usize, dtype: DType) -> f64 {
+    let x = (hidden as f64).sqrt();
+    match dtype {
+        DType::BF16 => half::bf16::from_f64(x).to_f64(),
+        DType::F16 => half::f16::from_f64(x).to_f64(),
+        _ => x as f32 as f64,
+    }
+}
+
+/// A trainable Gemma 2 or Gemma 3 (text) model.
+pub(crate) struct Gemma {
+    config: ModelConfig,
+    gemma: GemmaSettings,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    /// `[V, h]`: the embedding when tied, else `lm_head.weight`.
+    lm_head: Tensor,
+    vars: Vec<(String, Var)>,
+    /// `model.embed_tokens`, `model.rotary_emb`, `model.norm`, `lm_head`.
+    tags: [Module; 4],
+}
+
+impl Gemma {
+    pub(crate) fn new(config: &ModelConfig, p: Params) -> Result<Self> {
+        let gemma = config
+            .settings
+            .gemma
+            .clone()
+            .ok_or_else(|| Error::Usage("a Gemma model needs Gemma's settings".into()))?;
+        let embed = p.get("model.embed_tokens.weight")?;
+        Ok(Gemma {
+            config: config.clone(),
+            lm_head: if config.tied_embeddings {
+                embed.clone()
+            } else {
+                p.get("lm_head.weight")?
+            },
+            embed,
+            blocks: (0..config.layers)
+                .map(|l| Block::new(&p, l, config, &gemma))
+                .collect::<Result<_>>()?,
+            norm: p.rms_norm("model.norm", config.norm_eps(), 1.0)?,
+            gemma,
+            vars: p.into_vars(),
+            tags: [
+                "model.embed_tokens",
+                "model.rotary_emb",
+                "model.norm",
+                "lm_head",
+            ]
+            .map(Module::intern),
+        })
+    }
+
+    /// The forward pass on `batch`: the scaled embedding, blocks, final norm,
+    /// LM head and (Gemma 2) the logits' soft-cap. Attention is composed
+    /// whatever `exec` says; flash attention is an error.
+    pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
+        if exec.attention == Attention::Flash {
+            return Err(Error::Usage(
+                "flash attention does not compute Gemma's soft-capped scores and sliding \
+                 windows: Gemma attends with composed attention"
+                    .into(),
+            ));
+        }
+        let (b, s) = batch_dims(batch, &self.config)?;
+        let h = self.config.hidden;
+        let device = self.embed.device();
+        let dtype = self.embed.dtype();
+        let g = &self.gemma;
+        let [embed, rotary, norm, lm_head] = self.tags;
+        let softcap = g.attn_softcap;
+        let q_scale = g.query_pre_attn_scalar.powf(-0.5) / softcap.unwrap_or(1.0);
+        let ctx = {
+            let _m = Scope::new(rotary, Op::Rope);
+            let kind = |freqs: &[f64], factor: f64, window: Option<usize>| -> Result<Kind> {
+                Ok(Kind {
+                    rope_q: RopeTables::from_inv_freq(s, freqs, factor * q_scale, device)?,
+                    rope_k: RopeTables::from_inv_freq(s, freqs, factor, device)?,
+                    mask: mask(s, window, dtype, device)?,
+                })
+            };
+            let (freqs, factor) = rope::frequencies(&self.config, s)?;
+            let window = self.config.settings.sliding_window.filter(|&w| w < s);
+            let any_sliding = (0..self.config.layers).any(|l| g.sliding(l));
+            let local = rope::local_frequencies(&self.config);
+            let sliding = if any_sliding && (window.is_some() || local.is_some()) {
+                Some(match &local {
+                    Some(f) => kind(f, 1.0, window)?,
+                    None => kind(&freqs, factor, window)?,
+                })
+            } else {
+                None
+            };
+            Rc::new(Context {
+                full: kind(&freqs, factor, None)?,
+                sliding,
+                softcap,
+            })
+        };
+        let stem = {
+            let _m = Scope::new(embed, Op::Embedding);
+            ops::embedding(&self.embed, &batch.input_ids.flatten_all()?)?
+                .reshape((b, s, h))?
+                .affine(embed_scale(h, dtype), 0.0)?
+        };
+        let blocks = self
+            .blocks
+            .iter()
+            .map(|blk| {
+                let ctx = Rc::clone(&ctx);
+                Forward::layer(move |x| blk.forward(x, &ctx))
+            })
+            .collect();
+        let head = Forward::layer(move |x| {
+            let _m = Scope::module(norm);
+            self.norm.forward(x)?.reshape((b * s, h))
+        });
+        let output = Output {
+            weight: &self.lm_head,
+            bias: None,
+            softcap: g.final_softcap,
+            tag: lm_head,
+        };
+        Ok(Forward {
+            stem,
+            blocks,
+            head,
+            output,
+        })
+    }
+}
+
+super::trainable_family!(Gemma);
