@@ -648,6 +648,28 @@ impl Planner {
         ctx.host_offload = self.target.has_host_memory();
         ctx.model = self.capabilities;
         ctx.model.chunked_loss &= spec.config.chunked_loss_computes_it();
+        // A pin the model or device cannot honour is refused, not planned.
+        if self.pins.attention == Some(Attention::Flash) && !ctx.flash_attention {
+            let why = if spec.config.flash_computes_it() {
+                format!(
+                    "no flash-attention kernel for a head size of {} on {}",
+                    spec.config.head_dim(),
+                    self.target
+                )
+            } else {
+                "it does not compute Gemma's soft-capped scores and sliding windows".to_string()
+            };
+            return Err(Error::Usage(format!(
+                "--attention flash cannot be used for this model: {why}"
+            )));
+        }
+        if self.pins.chunked_loss == Some(true) && !ctx.model.chunked_loss {
+            return Err(Error::Usage(
+                "--loss chunked cannot be used for this model: its loss is not an LM head's \
+                 cross-entropy the chunks compute (a soft-capped head, or a loss of its own)"
+                    .into(),
+            ));
+        }
         let skipped: Vec<Skipped> = self
             .pipeline
             .strategies()

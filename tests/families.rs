@@ -548,3 +548,36 @@ fn group(n: u64) -> String {
     }
     out
 }
+
+/// A pin the model cannot honour is refused before planning: Gemma's
+/// attention is composed (flash attention computes neither its soft-cap
+/// nor its windows), and Gemma 2's soft-capped head has no loss in chunks;
+/// Gemma 3's uncapped head has.
+#[test]
+fn pins_a_gemma_model_cannot_honour_are_refused() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train");
+    let with = |model: &str, pin: &[&str]| {
+        oomfix()
+            .args(["--budget", "1GiB", "--device", "cpu", "--seq-len", "16"])
+            .arg(fixtures.join(model))
+            .args(pin)
+            .output()
+            .unwrap()
+    };
+    refused(
+        &with("gemma2", &["--attention", "flash"]),
+        &["--attention flash", "soft-capped scores"],
+    );
+    refused(
+        &with("gemma2", &["--loss", "chunked"]),
+        &["--loss chunked", "soft-capped head"],
+    );
+    let out = with("gemma3", &["--loss", "chunked"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("chunked loss"));
+}
