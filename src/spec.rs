@@ -457,11 +457,10 @@ impl ModelConfig {
     /// Whether the `chunked-loss` fix computes this model's loss: not for a
     /// head whose logits are soft-capped (Gemma 2), which it does not cap.
     pub fn chunked_loss_computes_it(&self) -> bool {
-        !self
-            .settings
+        self.settings
             .gemma
             .as_ref()
-            .is_some_and(|g| g.final_softcap.is_some())
+            .is_none_or(|g| g.final_softcap.is_none())
     }
 
     /// The offset added to the RMSNorm scales: 1 for Gemma (`1 + w`), else 0.
