@@ -86,6 +86,22 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
+/// Every gradient of `got` within `tol` of `want`'s, relative to the largest
+/// value of the gradient (of all of `want`'s for one that vanishes
+/// analytically).
+fn assert_same_gradients(model: &HubModel, got: &[Tensor], want: &[Tensor], tol: f32, what: &str) {
+    let largest = want.iter().map(max_abs).fold(0f32, f32::max);
+    for ((name, _), (g, w)) in model.named_vars().iter().zip(got.iter().zip(want)) {
+        let scale = if analytically_zero(name) {
+            largest
+        } else {
+            max_abs(w)
+        };
+        let rel = max_diff(g, w) / scale;
+        assert!(rel < tol, "{what}: gradient of {name} differs by {rel:e}");
+    }
+}
+
 fn label(config: &ModelConfig) -> String {
     format!(
         "{} (tied {}, qkv bias {}, {:?})",
@@ -158,28 +174,12 @@ fn checkpointed_gradients_equal_plain_gradients() {
         let model = model(&config, DType::F32);
         let batch = batch(&config);
         let plain = step(&model, &batch, Checkpointing::None);
-        let largest = plain.grads.iter().map(max_abs).fold(0f32, f32::max);
         // 3 blocks: Every(1) = three segments; Every(2) = blocks 0..2 and 2..3; Every(3) = one.
         for k in [1, 2, 3] {
             let ckpt = step(&model, &batch, Checkpointing::Every(k));
             assert_eq!(ckpt.loss, plain.loss, "{} Every({k})", label(&config));
-            for ((name, _), (c, p)) in model
-                .named_vars()
-                .iter()
-                .zip(ckpt.grads.iter().zip(&plain.grads))
-            {
-                let scale = if analytically_zero(name) {
-                    largest
-                } else {
-                    max_abs(p)
-                };
-                let rel = max_diff(c, p) / scale;
-                assert!(
-                    rel < 1e-5,
-                    "{} Every({k}): {name} differs by {rel:e}",
-                    label(&config)
-                );
-            }
+            let what = format!("{} Every({k})", label(&config));
+            assert_same_gradients(&model, &ckpt.grads, &plain.grads, 1e-5, &what);
         }
     }
 }
@@ -210,7 +210,6 @@ fn flash_attention_gives_the_composed_loss_and_gradients() {
         );
         let model = model(&config, DType::F32);
         let composed = step(&model, &batch, Checkpointing::None);
-        let largest = composed.grads.iter().map(max_abs).fold(0f32, f32::max);
         for policy in [
             Checkpointing::None,
             Checkpointing::Every(1),
@@ -231,22 +230,8 @@ fn flash_attention_gives_the_composed_loss_and_gradients() {
                 flash.loss,
                 composed.loss
             );
-            for ((name, _), (f, c)) in model
-                .named_vars()
-                .iter()
-                .zip(flash.grads.iter().zip(&composed.grads))
-            {
-                let scale = if analytically_zero(name) {
-                    largest
-                } else {
-                    max_abs(c)
-                };
-                let rel = max_diff(f, c) / scale;
-                assert!(
-                    rel < 1e-4,
-                    "{label} {policy}: gradient of {name} differs by {rel:e}"
-                );
-            }
+            let what = format!("{label} {policy}");
+            assert_same_gradients(&model, &flash.grads, &composed.grads, 1e-4, &what);
         }
     }
 }
@@ -291,23 +276,8 @@ fn chunked_loss_gives_the_unchunked_loss_and_gradients() {
                 chunked.loss,
                 whole.loss
             );
-            let largest = whole.grads.iter().map(max_abs).fold(0f32, f32::max);
-            for ((name, _), (c, w)) in model
-                .named_vars()
-                .iter()
-                .zip(chunked.grads.iter().zip(&whole.grads))
-            {
-                let scale = if analytically_zero(name) {
-                    largest
-                } else {
-                    max_abs(w)
-                };
-                let rel = max_diff(c, w) / scale;
-                assert!(
-                    rel < 1e-5,
-                    "{label} {policy} {attention}: gradient of {name} differs by {rel:e}"
-                );
-            }
+            let what = format!("{label} {policy} {attention}");
+            assert_same_gradients(&model, &chunked.grads, &whole.grads, 1e-5, &what);
             // The forward-only loss is the same, in chunks or not.
             let forward_only = model
                 .loss(&batch, &exec.loss_chunks(Some(chunk_of(&config, 3))))
