@@ -128,6 +128,8 @@ SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "phi
 # Gemma's norms scale by 1 + w: their w drawn from N(0, 0.5) (scales 1 ± 0.5,
 # where a model reading w as the scale would use 0 ± 0.5).
 GEMMA = {"gemma2", "gemma3"}
+# Fixtures whose batch holds the padding id at its third position.
+PADDED = {"gemma3"}
 
 
 def spread_gemma_norms(model):
@@ -228,14 +230,15 @@ def parity_models():
     # Gemma 3 (text): q/k norms (1 + w), sliding blocks with their own RoPE
     # base (10000) beside a full block with a linearly scaled global base
     # (1e6, factor 4), a window of 3, scores scaled by 32^-1/2, no
-    # soft-capping.
+    # soft-capping; the class's padding id (0), which the batch holds
+    # (PADDED), so the embedding's row 0 gets the tied head's gradient only.
     yield "gemma3", Gemma3ForCausalLM(Gemma3TextConfig(
         num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, intermediate_size=48, vocab_size=V, max_position_embeddings=64,
         rms_norm_eps=1e-6, query_pre_attn_scalar=32, sliding_window=3,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-        bos_token_id=0, eos_token_id=0, pad_token_id=None, attn_implementation="eager",
+        bos_token_id=0, eos_token_id=0, attn_implementation="eager",
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
@@ -266,6 +269,8 @@ def write_parity(out, only=None):
             spread_gemma_norms(model)
         model.eval()  # no dropout (all probabilities are 0 anyway)
         tokens = torch.randint(0, V, (B, S + 1))
+        if name in PADDED:
+            tokens[:, 2] = model.config.pad_token_id
         batch = {}
         if name == "bert":
             targets = tokens[:, :S]

@@ -105,6 +105,11 @@ pub struct ModelSettings {
     pub mlp_bias: bool,
     /// The end-of-text id (`eos_token_id`; the first of a list).
     pub eos_token_id: Option<u32>,
+    /// The padding id (`pad_token_id`; absent: the class's default, 0 for
+    /// BERT and Gemma, 32000 for Phi-3, none for the others). Its embedding
+    /// row gets no gradient from the lookup, as transformers'
+    /// `padding_idx` gives it none; GPT-2's embedding has no padding id.
+    pub pad_token_id: Option<u32>,
     /// The architecture `config.json` names (`architectures[0]`, else
     /// `model_type`); `None` without one.
     pub architecture: Option<String>,

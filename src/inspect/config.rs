@@ -202,6 +202,17 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         },
         Some(v) => Some(token_id("eos_token_id", v)?),
     };
+    let pad_token_id = match get("pad_token_id") {
+        Some(v) => Some(token_id("pad_token_id", v)?),
+        // A null is no padding id; an absent key, the class's default.
+        None if obj.contains_key("pad_token_id") => None,
+        None => match (gemma_version, architecture.as_deref()) {
+            (Some(_), _) => Some(0),
+            (_, Some(a)) if a.starts_with("Phi3") || a == "phi3" => Some(32000),
+            (_, Some(a)) if a.starts_with("Bert") || a == "bert" => Some(0),
+            _ => None,
+        },
+    };
     Ok(ModelSettings {
         // Gemma 3's global base when the file gives none.
         rope_theta: rope_theta.or((gemma_version == Some(3)).then_some(1_000_000.0)),
@@ -212,6 +223,7 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         attention_bias: flag("attention_bias")?,
         mlp_bias: flag("mlp_bias")?,
         eos_token_id,
+        pad_token_id,
         architecture,
         head_dim: match (count_field(obj, &["head_dim"])?, gemma_version) {
             (None, Some(_)) => Some(256), // Gemma's default head size

@@ -137,8 +137,12 @@ impl Bert {
         let [embeddings, mask, transform, decoder] = self.tags;
         let stem = {
             let _m = Scope::new(embeddings, Op::Embedding);
-            let words =
-                ops::embedding(&self.word, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
+            let words = ops::embedding_padded(
+                &self.word,
+                &batch.input_ids.flatten_all()?,
+                self.config.settings.pad_token_id,
+            )?
+            .reshape((b, s, h))?;
             // Every token is in segment A: token type 0 for all positions.
             let position_and_type = self
                 .position

@@ -351,9 +351,13 @@ impl Gemma {
         };
         let stem = {
             let _m = Scope::new(embed, Op::Embedding);
-            ops::embedding(&self.embed, &batch.input_ids.flatten_all()?)?
-                .reshape((b, s, h))?
-                .affine(embed_scale(h, dtype), 0.0)?
+            ops::embedding_padded(
+                &self.embed,
+                &batch.input_ids.flatten_all()?,
+                self.config.settings.pad_token_id,
+            )?
+            .reshape((b, s, h))?
+            .affine(embed_scale(h, dtype), 0.0)?
         };
         let blocks = self
             .blocks

@@ -284,7 +284,12 @@ impl Llama {
         };
         let stem = {
             let _m = Scope::new(embed, Op::Embedding);
-            ops::embedding(&self.embed, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?
+            ops::embedding_padded(
+                &self.embed,
+                &batch.input_ids.flatten_all()?,
+                self.config.settings.pad_token_id,
+            )?
+            .reshape((b, s, h))?
         };
         let blocks = self
             .blocks

@@ -449,6 +449,10 @@ fn made_config(c: &ModelConfig) -> Result<Map<String, Value>> {
         m.insert("architectures".into(), json!(["Qwen3ForCausalLM"]));
         m.insert("model_type".into(), json!("qwen3"));
     }
+    if c.family != Family::Gpt2 {
+        // null where there is none: the class's default may name one.
+        m.insert("pad_token_id".into(), json!(s.pad_token_id));
+    }
     if let Some(eos) = s.eos_token_id {
         m.insert("eos_token_id".into(), json!(eos));
         if c.family != Family::Bert {

@@ -990,7 +990,7 @@ fn rope_slices<T: WithDType>(
 }
 
 mod embedding;
-pub use embedding::embedding;
+pub use embedding::{embedding, embedding_padded};
 
 mod attention_probs;
 pub use attention_probs::{attention_probs, ProbsOptions, PROBS_BACKWARD_CHUNKS};

@@ -11,6 +11,9 @@
 //! reduction); the CPU backward sums each table row's gradients in f32, rows
 //! in parallel, in a fixed order.
 //!
+//! A padding id ([`embedding_padded`], transformers' `padding_idx`) gets no
+//! gradient from the lookup: its positions are left out of the scatter.
+//!
 //! Memory: the backward makes one `[V, h]` tensor, the gradient itself (candle:
 //! the zeros and the copy). A tied table's gradient is then the sum of this
 //! one and the output head's, made by candle's gradient store.
@@ -24,17 +27,30 @@ use super::{cpu_slice, f};
 /// Rows `ids` (1-D, u32 or i64) of `table` `[V, h]`: `[ids.len(), h]`. Its
 /// backward gives `table` a gradient and `ids` none.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    embedding_padded(table, ids, None)
+}
+
+/// [`embedding`] whose backward gives row `padding_idx` nothing from the
+/// positions holding it, as `torch.nn.Embedding(padding_idx=…)` does (the
+/// row still gets what other uses of the table give it, a tied head's).
+/// `None`, or an id past the table, is no padding id.
+pub fn embedding_padded(table: &Tensor, ids: &Tensor, padding_idx: Option<u32>) -> Result<Tensor> {
     let (vocab, _) = table.dims2()?;
     if ids.rank() != 1 {
         candle_core::bail!("embedding: ids must be 1-D, got {:?}", ids.dims());
     }
     let ids = ids.to_dtype(DType::U32)?.contiguous()?;
-    table.contiguous()?.apply_op2(&ids, Embedding { vocab })
+    let padding_idx = padding_idx.filter(|&p| (p as usize) < vocab);
+    table
+        .contiguous()?
+        .apply_op2(&ids, Embedding { vocab, padding_idx })
 }
 
 /// Forward: `table`, `ids` → the rows.
 struct Embedding {
     vocab: usize,
+    /// The id whose positions the backward leaves out.
+    padding_idx: Option<u32>,
 }
 
 /// Backward: `dy` `[n, h]`, `ids` → `[vocab, h]`, the rows of `dy` summed by id.
@@ -82,9 +98,18 @@ impl CustomOp2 for Embedding {
         _rows: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // The padding id's positions scatter to `vocab`, past the table: both
+        // backward kernels skip such ids.
+        let ids = match self.padding_idx {
+            Some(p) => {
+                let past = Tensor::full(self.vocab as u32, ids.shape(), ids.device())?;
+                ids.eq(p as f64)?.where_cond(&past, ids)?
+            }
+            None => ids.clone(),
+        };
         let grad = dy
             .contiguous()?
-            .apply_op2_no_bwd(ids, &EmbeddingGrad { vocab: self.vocab })?;
+            .apply_op2_no_bwd(&ids, &EmbeddingGrad { vocab: self.vocab })?;
         Ok((Some(grad), None))
     }
 }
@@ -100,20 +125,23 @@ fn check_ids(ids: &[u32], vocab: usize) -> Result<()> {
 }
 
 /// The rows of `dy` `[ids.len(), h]` summed into a `[vocab, h]` table by id, in f32, one table
-/// row per task (the ids sorted by a counting sort).
+/// row per task (the ids sorted by a counting sort); ids at or past `vocab`
+/// (a padding id's positions) are left out.
 fn scatter_cpu<T: WithDType>(dy: &[T], ids: &[u32], vocab: usize, h: usize) -> CpuStorage {
-    let mut start = vec![0usize; vocab + 1];
+    // One more bucket, last, for the ids left out.
+    let bucket = |id: u32| (id as usize).min(vocab);
+    let mut start = vec![0usize; vocab + 2];
     for &id in ids {
-        start[id as usize + 1] += 1;
+        start[bucket(id) + 1] += 1;
     }
-    for v in 0..vocab {
+    for v in 0..=vocab {
         start[v + 1] += start[v];
     }
     let mut order = vec![0usize; ids.len()];
     let mut next = start.clone();
     for (row, &id) in ids.iter().enumerate() {
-        order[next[id as usize]] = row;
-        next[id as usize] += 1;
+        order[next[bucket(id)]] = row;
+        next[bucket(id)] += 1;
     }
     let mut out = vec![T::zero(); vocab * h];
     out.par_chunks_mut(h.max(1)).enumerate().for_each_init(
@@ -149,8 +177,8 @@ impl CustomOp2 for EmbeddingGrad {
         ids: &CpuStorage,
         il: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        // The forward checked the ids; `vocab` marks a padding position.
         let ids = cpu_slice::<u32>(ids, il)?;
-        check_ids(ids, self.vocab)?;
         let (_, h) = dl.shape().dims2()?;
         let out = by_dtype!(dy.dtype(), scatter_slices(dy, dl, ids, self.vocab, h))?;
         Ok((out, Shape::from((self.vocab, h))))

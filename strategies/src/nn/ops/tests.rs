@@ -310,6 +310,59 @@ fn embedding_matches_index_select_with_repeated_ids_and_a_tied_use() {
     assert!(embedding(&table, &Tensor::new(&[[1u32]], &Device::Cpu).unwrap()).is_err());
 }
 
+#[test]
+fn a_padding_id_gets_no_gradient_from_the_lookup_only() {
+    // Id 3 is the padding id: its rows come out, its positions give the
+    // table nothing; a tied use still gives row 3 its share.
+    let ids = Tensor::new(&[3u32, 0, 3, 5, 3, 1, 0], &Device::Cpu).unwrap();
+    let keep = Tensor::new(&[0f32, 1., 0., 1., 0., 1., 1.], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(1)
+        .unwrap();
+    // The reference: the rows at padding positions taken from a detached table.
+    let reference = |t: &Tensor| {
+        let rows = t.index_select(&ids, 0).unwrap();
+        let frozen = t.detach().index_select(&ids, 0).unwrap();
+        let keep = keep.to_dtype(t.dtype()).unwrap();
+        (rows.broadcast_mul(&keep).unwrap()
+            + frozen.broadcast_mul(&(1.0 - &keep).unwrap()).unwrap())
+        .unwrap()
+    };
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &[randn(&[6, 4], 1.0, 0.0)],
+            |t| embedding_padded(&t[0], &ids, Some(3)).unwrap(),
+            |t| reference(&t[0]),
+        );
+        check(
+            dtype,
+            tol,
+            &[randn(&[6, 4], 1.0, 0.0)],
+            |t| {
+                embedding_padded(&t[0], &ids, Some(3))
+                    .unwrap()
+                    .matmul(&t[0].t().unwrap())
+                    .unwrap()
+            },
+            |t| reference(&t[0]).matmul(&t[0].t().unwrap()).unwrap(),
+        );
+    }
+    // No padding id, or one past the table: the plain lookup's gradient.
+    let table = candle_core::Var::from_tensor(&randn(&[6, 4], 1.0, 0.0)).unwrap();
+    let grad = |padding| {
+        let y = embedding_padded(table.as_tensor(), &ids, padding).unwrap();
+        let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        g.get(table.as_tensor()).unwrap().clone()
+    };
+    assert_eq!(rel_diff(&grad(None), &grad(Some(6))), 0.0);
+    let padded = grad(Some(3));
+    let row3: Vec<f32> = padded.get(3).unwrap().to_vec1().unwrap();
+    assert!(row3.iter().all(|&v| v == 0.0), "{row3:?}");
+    assert!(rel_diff(&padded.get(0).unwrap(), &grad(None).get(0).unwrap()) == 0.0);
+}
+
 /// softmax(q·kᵀ·scale + mask) from candle ops, with each key head repeated
 /// for its query heads; `allowed(batch, i, j)` says whether query `i` sees key `j`.
 fn composed_probs(
