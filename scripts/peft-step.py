@@ -1,13 +1,15 @@
 """PyTorch + PEFT LoRA training steps on a model shape, beside oomfix's
 (scripts/gpu-lora.sh): a causal LM of `config.json`'s shape with random
 weights in bfloat16 on the GPU, PEFT LoRA adapters (rank R, alpha 2R, every
-linear projection of the blocks, PEFT's default fp32 adapters), gradient
+linear projection of the blocks, PEFT's default fp32 adapters; with
+`--base nf4` every projection of the blocks is first replaced by
+bitsandbytes' 4-bit NF4 `Linear4bit`, bf16 compute, as QLoRA does), gradient
 checkpointing (non-reentrant), fused AdamW on the adapters, random tokens;
 ACCUM micro-batches of MICRO x SEQ tokens per optimizer step. Prints one
 JSON object: the card, the step times (the first is warm-up), the peak
 allocated and reserved bytes (torch.cuda.max_memory_*).
 
-Usage: python scripts/peft-step.py CONFIG_JSON --rank R --seq SEQ --micro MICRO --accum ACCUM --steps N [--device cuda]
+Usage: python scripts/peft-step.py CONFIG_JSON --rank R --seq SEQ --micro MICRO --accum ACCUM --steps N [--base bf16|nf4|nf4-dq] [--device cuda]
 """
 
 import argparse
@@ -19,6 +21,30 @@ import torch
 import transformers
 
 
+def quantize_blocks(model, double):
+    """Replaces every linear projection of the blocks by bitsandbytes'
+    4-bit NF4 layer (blocks of 64, bf16 compute; `double`: the absmax
+    values double-quantized), one layer at a time."""
+    import bitsandbytes as bnb
+
+    for block in model.model.layers:
+        for name, linear in list(block.named_modules()):
+            if not isinstance(linear, torch.nn.Linear):
+                continue
+            parent, _, child = name.rpartition(".")
+            q = bnb.nn.Linear4bit(linear.in_features, linear.out_features,
+                                  bias=linear.bias is not None, compute_dtype=torch.bfloat16,
+                                  compress_statistics=double, quant_type="nf4",
+                                  device="meta")
+            q.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False,
+                                         compress_statistics=double, quant_type="nf4")
+            q.weight = q.weight.to(linear.weight.device)
+            if linear.bias is not None:
+                q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+            setattr(block.get_submodule(parent) if parent else block, child, q)
+    torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("config")
@@ -27,6 +53,7 @@ def main():
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--accum", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--base", choices=["bf16", "nf4", "nf4-dq"], default="bf16")
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
     config = transformers.AutoConfig.from_pretrained(a.config)
@@ -35,6 +62,8 @@ def main():
     with torch.device(a.device):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     torch.set_default_dtype(torch.float32)
+    if a.base != "bf16":
+        quantize_blocks(model, double=a.base == "nf4-dq")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(r=a.rank, lora_alpha=2 * a.rank, lora_dropout=0.0,
                            target_modules="all-linear", task_type="CAUSAL_LM")
@@ -67,7 +96,7 @@ def main():
     print(json.dumps({
         "card": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "peft": peft.__version__,
+        "peft": peft.__version__, "base": a.base,
         "adapters": sum(p.numel() for p in trainable),
         "tokens_per_step": a.micro * a.seq * a.accum,
         "step_seconds": times,
