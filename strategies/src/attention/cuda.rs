@@ -391,7 +391,7 @@ fn kv_splits(dims: &Dims, info: &DeviceInfo, var: &Variant) -> candle_core::Resu
         };
         return Ok((1..=cap.min(group))
             .rev()
-            .find(|n| group % n == 0)
+            .find(|n| group.is_multiple_of(*n))
             .unwrap_or(1));
     }
     let blocks = dims.s_k.div_ceil(var.bwd_keys()) * dims.kv_heads * dims.b;
@@ -399,7 +399,7 @@ fn kv_splits(dims: &Dims, info: &DeviceInfo, var: &Variant) -> candle_core::Resu
     let resident = if var.wgmma { 1 } else { 3 };
     let want = 4 * resident * info.sms;
     Ok((1..=group)
-        .find(|n| group % n == 0 && blocks * n >= want)
+        .find(|n| group.is_multiple_of(*n) && blocks * n >= want)
         .unwrap_or(group))
 }
 
@@ -413,7 +413,7 @@ fn grid(len: usize, rows: usize, heads: usize, b: usize) -> (u32, u32, u32) {
 /// Whether rows of `d` elements start on `width`-element boundaries, and so
 /// do the operands (at `offsets` elements into their storage).
 fn rows_aligned(width: usize, d: usize, offsets: &[usize]) -> bool {
-    d % width == 0 && offsets.iter().all(|o| o % width == 0)
+    d.is_multiple_of(width) && offsets.iter().all(|o| o.is_multiple_of(width))
 }
 
 /// Whether the kernels' 16-byte loads are safe: rows of `d` elements start on
