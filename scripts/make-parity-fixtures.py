@@ -442,7 +442,7 @@ def write_finetune(out):
     print("finetune: tokens", len(ids), "first micro-batch loss", out_.loss.item())
 
 
-LORA_MODELS = ("gpt2", "llama", "qwen2", "qwen3", "phi3")
+LORA_MODELS = ("gpt2", "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 
 def peft_name(name):

@@ -106,7 +106,9 @@ impl Fixture {
     }
 }
 
-const FIXTURES: [&str; 5] = ["gpt2", "llama", "qwen2", "qwen3", "phi3"];
+const FIXTURES: [&str; 7] = [
+    "gpt2", "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+];
 
 /// The adapted models' logits, loss and adapter gradients against PEFT's:
 /// in f32 within 1e-5 of the largest logit, of the loss, and of each
@@ -126,40 +128,48 @@ fn forward_and_adapter_gradients_equal_peft_in_f32_and_bf16() {
         let bf16_loss = f.bf16["loss"].to_vec1::<f32>().unwrap()[0];
         for dtype in [DType::F32, DType::BF16] {
             let model = f.model(dtype);
-            for attention in [Attention::Composed, Attention::Flash] {
+            // What the model computes: Gemma's attention composed only, Gemma
+            // 2's capped head not in chunks.
+            let config = &f.spec.config;
+            let attentions: &[Attention] = if config.flash_computes_it() {
+                &[Attention::Composed, Attention::Flash]
+            } else {
+                &[Attention::Composed]
+            };
+            for &attention in attentions {
                 // The loss whole, and in chunks of 5 rows of f32 logits (the
                 // frozen head gets no gradient; the hidden states' does).
-                let chunk = (5 * f.spec.config.vocab.next_multiple_of(64) * 4) as u64;
-                for (policy, chunks) in [
-                    (Checkpointing::None, None),
-                    (Checkpointing::Every(1), None),
-                    (Checkpointing::None, Some(chunk)),
-                    (Checkpointing::Every(1), Some(chunk)),
-                ] {
-                    let exec = Execution::default()
-                        .attention(attention)
-                        .checkpoint(policy)
-                        .loss_chunks(chunks);
-                    let policy = match chunks {
-                        None => policy.to_string(),
-                        Some(_) => format!("{policy}, chunked loss"),
-                    };
-                    let logits = model.logits(&f.batch, &exec).unwrap();
-                    let logits_rel = max_diff(&logits, want_logits) / max_abs(want_logits);
-                    let out = model.forward_backward(&f.batch, &exec).unwrap();
-                    let loss_rel = (out.loss - want_loss).abs() / want_loss;
-                    let mut worst = (0f32, String::new());
-                    let mut worst_peft_bf16 = 0f32;
-                    for ((name, _), got) in model.named_vars().iter().zip(&out.grads) {
-                        let truth = &f.f32[&peft(name)];
-                        let rel = rel_error(got, truth);
-                        worst_peft_bf16 =
-                            worst_peft_bf16.max(rel_error(&f.bf16[&peft(name)], truth));
-                        if rel > worst.0 {
-                            worst = (rel, name.clone());
+                let chunk = (5 * config.vocab.next_multiple_of(64) * 4) as u64;
+                let mut chunkings = vec![None];
+                if config.chunked_loss_computes_it() {
+                    chunkings.push(Some(chunk));
+                }
+                for chunks in chunkings {
+                    for policy in [Checkpointing::None, Checkpointing::Every(1)] {
+                        let exec = Execution::default()
+                            .attention(attention)
+                            .checkpoint(policy)
+                            .loss_chunks(chunks);
+                        let policy = match chunks {
+                            None => policy.to_string(),
+                            Some(_) => format!("{policy}, chunked loss"),
+                        };
+                        let logits = model.logits(&f.batch, &exec).unwrap();
+                        let logits_rel = max_diff(&logits, want_logits) / max_abs(want_logits);
+                        let out = model.forward_backward(&f.batch, &exec).unwrap();
+                        let loss_rel = (out.loss - want_loss).abs() / want_loss;
+                        let mut worst = (0f32, String::new());
+                        let mut worst_peft_bf16 = 0f32;
+                        for ((name, _), got) in model.named_vars().iter().zip(&out.grads) {
+                            let truth = &f.f32[&peft(name)];
+                            let rel = rel_error(got, truth);
+                            worst_peft_bf16 =
+                                worst_peft_bf16.max(rel_error(&f.bf16[&peft(name)], truth));
+                            if rel > worst.0 {
+                                worst = (rel, name.clone());
+                            }
                         }
-                    }
-                    eprintln!(
+                        eprintln!(
                         "{} {dtype:?} {attention} {policy}: logits {logits_rel:.2e}, loss {loss_rel:.2e}, \
                          adapter gradients up to {:.2e} ({}); PEFT bf16: loss {:.2e}, gradients up to {worst_peft_bf16:.2e}",
                         f.name,
@@ -167,26 +177,27 @@ fn forward_and_adapter_gradients_equal_peft_in_f32_and_bf16() {
                         worst.1,
                         (bf16_loss - want_loss).abs() / want_loss
                     );
-                    let peft_bf16_logits =
-                        max_diff(&f.bf16["logits"], want_logits) / max_abs(want_logits);
-                    let (logits_tol, loss_tol, grad_tol) = match dtype {
-                        DType::F32 => (1e-5, 1e-5, 1e-5),
-                        _ => (
-                            2.0 * peft_bf16_logits + 0.01,
-                            5e-3,
-                            2.0 * worst_peft_bf16 + 0.01,
-                        ),
-                    };
-                    let what = format!("{} {dtype:?} {attention} {policy}", f.name);
-                    assert!(logits_rel < logits_tol, "{what}: logits {logits_rel:e}");
-                    assert!(loss_rel < loss_tol, "{what}: loss {loss_rel:e}");
-                    assert!(
-                        worst.0 < grad_tol,
-                        "{what}: gradient of {} {:e}",
-                        worst.1,
-                        worst.0
-                    );
-                    assert_eq!(out.grads.len(), model.named_vars().len());
+                        let peft_bf16_logits =
+                            max_diff(&f.bf16["logits"], want_logits) / max_abs(want_logits);
+                        let (logits_tol, loss_tol, grad_tol) = match dtype {
+                            DType::F32 => (1e-5, 1e-5, 1e-5),
+                            _ => (
+                                2.0 * peft_bf16_logits + 0.01,
+                                5e-3,
+                                2.0 * worst_peft_bf16 + 0.01,
+                            ),
+                        };
+                        let what = format!("{} {dtype:?} {attention} {policy}", f.name);
+                        assert!(logits_rel < logits_tol, "{what}: logits {logits_rel:e}");
+                        assert!(loss_rel < loss_tol, "{what}: loss {loss_rel:e}");
+                        assert!(
+                            worst.0 < grad_tol,
+                            "{what}: gradient of {} {:e}",
+                            worst.1,
+                            worst.0
+                        );
+                        assert_eq!(out.grads.len(), model.named_vars().len());
+                    }
                 }
             }
         }
