@@ -223,7 +223,15 @@ pub fn stop_recording() -> (Vec<Event>, bool) {
         return (Vec::new(), false);
     }
     // SAFETY: the first min(n, cap) events were written before recording stopped.
-    let events = unsafe { std::slice::from_raw_parts(buf, n.min(cap)) }.to_vec();
+    let mut events = unsafe { std::slice::from_raw_parts(buf, n.min(cap)) }.to_vec();
+    // Events are in the order their indices were handed out; a thread stopped
+    // between taking its index and reading the clock can stamp a time a few
+    // nanoseconds before its predecessor's: raise it to that time.
+    let mut latest = 0;
+    for e in &mut events {
+        latest = latest.max(e.time_ns);
+        e.time_ns = latest;
+    }
     (events, n > cap)
 }
 
