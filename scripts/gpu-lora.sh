@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # QLoRA on a Llama-3-8B-shaped model (random weights) inside an enforced
 # 8 GiB budget on the GPU machine, beside PyTorch + PEFT bf16 LoRA on the
-# same shape (scripts/peft-step.py), in one run: the oomfix binary built by
+# same shape (scripts/peft-step.py), with a bf16 base and with bitsandbytes'
+# NF4 base (QLoRA), in one run: the oomfix binary built by
 # scripts/build-cuda.sh, the model's config.json and safetensors header
 # (the data region is made sparse: --init random reads none of it), and
-# PEFT's package (pure Python) carried in CARRY.
+# PEFT's package (pure Python) and bitsandbytes' (the PyPI wheel unpacked,
+# its libbitsandbytes_cuda130.so the only library kept) in CARRY/py.
 #
 # Usage: scripts/gpu-lora.sh CARRY SEQ STEPS   (writes into $OUT)
 set -uo pipefail
-carry=${1:?carry folder} seq=${2:-512} steps=${3:-3}
+carry=${1:?carry folder} seq=${2:-512} steps=${3:-4}
 out=${OUT:-/tmp/gpu-lora}
 mkdir -p "$out" /tmp/l3
 xz -dc "$carry/oomfix-cuda.xz" >/tmp/oomfix && chmod +x /tmp/oomfix
@@ -23,9 +25,12 @@ timeout 300 /tmp/oomfix train /tmp/l3 --init random --device cuda:0 --budget 8Gi
     >"$out/oomfix.txt" 2>"$out/oomfix.log"
 echo "oomfix exit $?"
 tail -n 30 "$out/oomfix.txt" "$out/oomfix.log"
-echo "== PyTorch + PEFT"
-PYTHONPATH="$carry/py" timeout 200 python3 "$(dirname "$0")/peft-step.py" /tmp/l3/config.json \
-    --rank 16 --seq "$seq" --micro 1 --accum 8 --steps "$steps" >"$out/peft.json" 2>"$out/peft.log"
-echo "peft exit $?"
-cat "$out/peft.json"
-tail -n 5 "$out/peft.log"
+for base in nf4 bf16; do
+    echo "== PyTorch + PEFT, $base base"
+    PYTHONPATH="$carry/py" timeout 200 python3 "$(dirname "$0")/peft-step.py" /tmp/l3/config.json \
+        --rank 16 --seq "$seq" --micro 1 --accum 8 --steps "$steps" --base "$base" \
+        >"$out/peft-$base.json" 2>"$out/peft-$base.log"
+    echo "peft $base exit $?"
+    cat "$out/peft-$base.json"
+    tail -n 5 "$out/peft-$base.log"
+done
