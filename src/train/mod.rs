@@ -679,7 +679,7 @@ fn load_tensors(
         .map(|(name, _)| name.as_str())
         .filter(|name| !found.contains_key(*name) && is_objective_head(config.family, name))
         .collect();
-    let mut init = Init::new(seed);
+    let init = Init::new(seed);
     if !missing_head.is_empty() {
         tracing::warn!(
             "{} has no {}: the training objective's head is newly initialised \
@@ -733,7 +733,7 @@ fn load_tensors(
 
 /// Random f32 tensors on the CPU for every tensor of `config`.
 fn random_tensors(config: &ModelConfig, seed: u64) -> Result<Vec<(String, Tensor)>> {
-    let mut init = Init::new(seed);
+    let init = Init::new(seed);
     config
         .tensors()
         .into_iter()
@@ -762,7 +762,7 @@ impl Init {
     }
 
     /// A new f32 tensor `name` of `shape` on the CPU.
-    fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         use rayon::prelude::*;
         let n = shape.iter().product();
         let values: Vec<f32> = if shape.len() >= 2 {
