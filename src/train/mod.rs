@@ -1078,3 +1078,32 @@ pub(crate) fn batch_dims(batch: &TokenBatch, config: &ModelConfig) -> Result<(us
     }
     Ok((b, s))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A matrix of several chunks has the same values whatever the number of
+    /// threads drawing them, and its chunks are not copies of one another.
+    #[test]
+    fn random_matrices_do_not_depend_on_the_thread_count() {
+        let draw = |threads| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                Init::new(7)
+                    .tensor("model.layers.0.mlp.up_proj.weight", &[3, Init::CHUNK])
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap()
+            })
+        };
+        let one = draw(1);
+        assert_eq!(one, draw(4));
+        assert_ne!(one[0], one[1]);
+        let std = (one[0].iter().map(|v| v * v).sum::<f32>() / Init::CHUNK as f32).sqrt();
+        assert!((std / INIT_STD - 1.0).abs() < 0.01, "std {std}");
+    }
+}
