@@ -697,20 +697,10 @@ fn the_saved_directory_passes_the_python_check() {
     );
     let saved = work.path().join("tuned");
     let file = saved_logits(&saved, work.path());
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check-saved-model.py");
-    let check = std::process::Command::new(python)
-        .arg(script)
-        .arg(&saved)
-        .arg("--logits")
-        .arg(&file)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&check.stdout);
-    eprintln!("{said}");
-    assert!(
-        check.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&check.stderr)
+    common::run_python_check(
+        &python,
+        "check-saved-model.py",
+        &[saved.as_os_str(), "--logits".as_ref(), file.as_os_str()],
     );
 }
 

@@ -4,6 +4,8 @@
 //! command line trains, saves a PEFT adapter directory or the merged model,
 //! resumes, and refuses what it cannot do.
 
+mod common;
+
 use assert_cmd::Command;
 use candle_core::{DType, Device, Tensor};
 use oomfix::strategies::lora::{BasePrecision, Lora};
@@ -302,13 +304,18 @@ fn quantized_base(spec: &ModelSpec, double: bool) -> HubModel {
 
 /// `oomfix train` in `work` on the fine-tuning fixture, on the CPU in fp32.
 fn train(work: &Path, args: &[&str]) -> (i32, String) {
+    train_model(work, &fixtures().join("finetune"), args)
+}
+
+/// [`train`] of the model in `model` on the fine-tuning fixture's data.
+fn train_model(work: &Path, model: &Path, args: &[&str]) -> (i32, String) {
     let dir = fixtures().join("finetune");
     let out = Command::cargo_bin("oomfix")
         .unwrap()
         .current_dir(work)
         .env_remove("RUST_LOG")
         .arg("train")
-        .arg(&dir)
+        .arg(model)
         .arg("--data")
         .arg(dir.join("train.txt"))
         .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
@@ -500,33 +507,14 @@ fn bad_lora_runs_are_refused_in_one_line() {
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         std::fs::copy(fixtures().join("finetune").join(f), other.join(f)).unwrap();
     }
-    let dir = fixtures().join("finetune");
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .current_dir(w)
-        .arg("train")
-        .arg(&other)
-        .arg("--data")
-        .arg(dir.join("train.txt"))
-        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
-        .args([
-            "--seq-len",
-            "32",
-            "--lora",
-            "4",
-            "--steps",
-            "2",
-            "--resume",
-            "ad",
-            "--save",
-            "out",
-            "--lr",
-            "1e-2",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, stderr) = train_model(
+        w,
+        &other,
+        &[
+            "--lora", "4", "--steps", "2", "--resume", "ad", "--save", "out",
+        ],
+    );
+    assert_eq!(code, 2, "{stderr}");
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
     assert!(
         stderr.contains("adapters are for the base model"),
@@ -577,21 +565,16 @@ fn peft_loads_the_saved_adapters_and_gives_oomfix_logits() {
         ("logits".to_string(), logits),
     ]);
     candle_core::safetensors::save(&tensors, &file).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/check-peft-adapter.py");
-    let check = std::process::Command::new(python)
-        .arg(script)
-        .arg(&dir)
-        .arg(w.join("ad"))
-        .arg("--logits")
-        .arg(&file)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&check.stdout);
-    eprintln!("{said}");
-    assert!(
-        check.status.success(),
-        "{said}{}",
-        String::from_utf8_lossy(&check.stderr)
+    let adapters = w.join("ad");
+    common::run_python_check(
+        &python,
+        "check-peft-adapter.py",
+        &[
+            dir.as_os_str(),
+            adapters.as_os_str(),
+            "--logits".as_ref(),
+            file.as_os_str(),
+        ],
     );
 }
 

@@ -150,3 +150,23 @@ pub fn values(t: &candle_core::Tensor) -> Vec<f32> {
         .to_vec1()
         .unwrap()
 }
+
+/// Runs `scripts/SCRIPT` with the Python `python` and `args`, prints what it
+/// printed, and fails the test with its output when it fails.
+pub fn run_python_check<S: AsRef<std::ffi::OsStr>>(python: &str, script: &str, args: &[S]) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join(script);
+    let check = std::process::Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&check.stdout);
+    eprintln!("{said}");
+    assert!(
+        check.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}
