@@ -511,21 +511,8 @@ impl CustomOp3 for Attached {
 mod tests {
     use super::*;
     use crate::nn::loss::cross_entropy_padded;
+    use crate::nn::ops::tests::rel_diff;
     use candle_core::{Device, Var};
-
-    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
-        let a = a.to_dtype(DType::F32).unwrap();
-        let b = b.to_dtype(DType::F32).unwrap();
-        let diff = (&a - &b).unwrap().abs().unwrap().max_all().unwrap();
-        let scale = b
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        diff.to_scalar::<f32>().unwrap() / scale.max(f32::MIN_POSITIVE)
-    }
 
     struct Case {
         x: Var,
@@ -636,7 +623,7 @@ mod tests {
                     "{label}: loss {loss} vs {want_loss}"
                 );
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    let rel = max_rel(g, w);
+                    let rel = rel_diff(g, w);
                     assert!(rel < 1e-5, "{label}: gradient {i} off by {rel:e}");
                 }
                 // The padding columns' rows of the weight get nothing.
@@ -665,7 +652,7 @@ mod tests {
             assert!((loss - want_loss).abs() <= 1e-3 * want_loss, "{dtype:?}");
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.dtype(), dtype);
-                let rel = max_rel(g, w);
+                let rel = rel_diff(g, w);
                 assert!(rel < 0.02, "{dtype:?}: gradient {i} off by {rel:e}");
             }
         }
@@ -685,8 +672,8 @@ mod tests {
         };
         let loss = linear_cross_entropy(&c.x, &head, &c.targets, None, 64, 1.0).unwrap();
         let store = loss.affine(3.0, 0.0).unwrap().backward().unwrap();
-        assert!(max_rel(store.get(&c.w).unwrap(), &want[1]) < 1e-5);
-        assert!(max_rel(store.get(&c.x).unwrap(), &want[0]) < 1e-5);
+        assert!(rel_diff(store.get(&c.w).unwrap(), &want[1]) < 1e-5);
+        assert!(rel_diff(store.get(&c.x).unwrap(), &want[0]) < 1e-5);
         let again = loss.backward().unwrap_err().to_string();
         assert!(again.contains("twice"), "{again}");
     }

@@ -996,4 +996,4 @@ mod attention_probs;
 pub use attention_probs::{attention_probs, ProbsOptions, PROBS_BACKWARD_CHUNKS};
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

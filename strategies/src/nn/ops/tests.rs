@@ -5,7 +5,7 @@ use super::*;
 use candle_core::{Device, Var};
 
 /// Largest |a − b| relative to the largest |b| (both widened to f32).
-fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+pub(crate) fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap();
     let b = b.to_dtype(DType::F32).unwrap();
     assert_eq!(a.dims(), b.dims());
