@@ -634,7 +634,7 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
 /// The logits of the model saved in `saved`, computed here from its files,
 /// written as `logits.safetensors` in `work` beside the input ids.
 fn saved_logits(saved: &Path, work: &Path) -> PathBuf {
-    use oomfix::train::{build_model, TokenBatch};
+    use oomfix::train::build_model;
     let spec = oomfix::inspect(saved).unwrap();
     let model = build_model(
         &spec.config,
@@ -644,31 +644,11 @@ fn saved_logits(saved: &Path, work: &Path) -> PathBuf {
         0,
     )
     .unwrap();
-    let vocab = spec.config.vocab as u32;
-    let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 + 11) % vocab).collect();
-    let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap();
-    let batch = TokenBatch {
-        input_ids: ids.clone(),
-        targets: ids.clone(),
-        loss_mask: None,
-        attention_mask: None,
-    };
-    let logits = model
-        .logits(&batch, &oomfix::strategies::Execution::default())
-        .unwrap();
+    let (file, logits) = common::write_logits(&model, spec.config.vocab, work);
     assert!(
         values(&logits).iter().all(|v| v.is_finite()),
         "the saved model's logits are finite"
     );
-    let file = work.join("logits.safetensors");
-    let tensors = HashMap::from([
-        (
-            "input_ids".to_string(),
-            ids.to_dtype(candle_core::DType::I64).unwrap(),
-        ),
-        ("logits".to_string(), logits),
-    ]);
-    candle_core::safetensors::save(&tensors, &file).unwrap();
     file
 }
 

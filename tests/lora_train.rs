@@ -549,22 +549,7 @@ fn peft_loads_the_saved_adapters_and_gives_oomfix_logits() {
     )
     .unwrap();
     set_adapters(&model, &adapter_file(&w.join("ad")), "");
-    let vocab = spec.config.vocab as u32;
-    let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 + 11) % vocab).collect();
-    let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap();
-    let batch = TokenBatch {
-        input_ids: ids.clone(),
-        targets: ids.clone(),
-        loss_mask: None,
-        attention_mask: None,
-    };
-    let logits = model.logits(&batch, &Execution::default()).unwrap();
-    let file = w.join("logits.safetensors");
-    let tensors = HashMap::from([
-        ("input_ids".to_string(), ids.to_dtype(DType::I64).unwrap()),
-        ("logits".to_string(), logits),
-    ]);
-    candle_core::safetensors::save(&tensors, &file).unwrap();
+    let (file, _) = common::write_logits(&model, spec.config.vocab, w);
     let adapters = w.join("ad");
     common::run_python_check(
         &python,

@@ -170,3 +170,33 @@ pub fn run_python_check<S: AsRef<std::ffi::OsStr>>(python: &str, script: &str, a
         String::from_utf8_lossy(&check.stderr)
     );
 }
+
+/// The logits of `model` on a fixed batch of 2 × 16 token ids below
+/// `vocab`, written with those ids (as i64) to `logits.safetensors` in
+/// `work`, for the Python checks to compare with: the file and the logits.
+pub fn write_logits(
+    model: &oomfix::train::HubModel,
+    vocab: usize,
+    work: &Path,
+) -> (PathBuf, candle_core::Tensor) {
+    use candle_core::{DType, Device, Tensor};
+    let vocab = vocab as u32;
+    let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 + 11) % vocab).collect();
+    let ids = Tensor::from_vec(ids, (2, 16), &Device::Cpu).unwrap();
+    let batch = oomfix::train::TokenBatch {
+        input_ids: ids.clone(),
+        targets: ids.clone(),
+        loss_mask: None,
+        attention_mask: None,
+    };
+    let logits = model
+        .logits(&batch, &oomfix::strategies::Execution::default())
+        .unwrap();
+    let file = work.join("logits.safetensors");
+    let tensors = std::collections::HashMap::from([
+        ("input_ids".to_string(), ids.to_dtype(DType::I64).unwrap()),
+        ("logits".to_string(), logits.clone()),
+    ]);
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    (file, logits)
+}
