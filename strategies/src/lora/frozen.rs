@@ -536,27 +536,17 @@ mod tests {
                     .unwrap()
                     .to_device(&Device::Cpu)
                     .unwrap();
+                // Every dtype here widens to f32 exactly.
                 let bits = |t: &Tensor| -> Vec<u32> {
-                    match dtype {
-                        DType::F32 => t
-                            .flatten_all()
-                            .unwrap()
-                            .to_vec1::<f32>()
-                            .unwrap()
-                            .iter()
-                            .map(|v| v.to_bits())
-                            .collect(),
-                        _ => t
-                            .to_dtype(DType::F32)
-                            .unwrap()
-                            .flatten_all()
-                            .unwrap()
-                            .to_vec1::<f32>()
-                            .unwrap()
-                            .iter()
-                            .map(|v| v.to_bits())
-                            .collect(),
-                    }
+                    t.to_dtype(DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect()
                 };
                 assert_eq!(bits(&a), bits(&b), "double {double}, {dtype:?}");
             }
