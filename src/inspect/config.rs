@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use super::{header::kind, read_small_text};
 use crate::architecture::{self, Support};
-use crate::{Error, GemmaSettings, ModelSettings, MoeSettings, Result, RopeFactors};
+use crate::{Error, Family, GemmaSettings, ModelSettings, MoeSettings, Result, RopeFactors};
 
 /// What `config.json` says, each field absent when the file does not say it.
 /// GPT-2's names (`n_head`, `n_positions`, …) are accepted as aliases.
@@ -206,10 +206,13 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         Some(v) => Some(token_id("pad_token_id", v)?),
         // A null is no padding id; an absent key, the class's default.
         None if obj.contains_key("pad_token_id") => None,
-        None => match (gemma_version, architecture.as_deref()) {
-            (Some(_), _) => Some(0),
-            (_, Some(a)) if a.starts_with("Phi3") || a == "phi3" => Some(32000),
-            (_, Some(a)) if a.starts_with("Bert") || a == "bert" => Some(0),
+        None => match support {
+            Some(Support::Implemented {
+                family: Family::Bert,
+                ..
+            })
+            | Some(Support::Implemented { gemma: Some(_), .. }) => Some(0),
+            Some(Support::Implemented { fused: true, .. }) => Some(32000), // Phi-3
             _ => None,
         },
     };
@@ -465,5 +468,29 @@ mod tests {
         assert!(count_field(&bad, &["vocab_size"])
             .unwrap_err()
             .contains("\"vocab_size\" is -3"));
+    }
+
+    /// The padding id: the file's, none for a null, else the class's default.
+    #[test]
+    fn padding_ids_are_the_files_or_the_classs() {
+        let pad =
+            |json: &str| settings(&serde_json::from_str(json).unwrap()).map(|s| s.pad_token_id);
+        for (architecture, default) in [
+            ("BertForMaskedLM", Some(0)),
+            ("Gemma2ForCausalLM", Some(0)),
+            ("Gemma3ForCausalLM", Some(0)),
+            ("Phi3ForCausalLM", Some(32000)),
+            ("LlamaForCausalLM", None),
+            ("Qwen3ForCausalLM", None),
+            ("GPT2LMHeadModel", None),
+        ] {
+            let named = format!(r#"{{"architectures":["{architecture}"]"#);
+            assert_eq!(pad(&format!("{named}}}")), Ok(default), "{architecture}");
+            assert_eq!(pad(&format!(r#"{named},"pad_token_id":null}}"#)), Ok(None));
+            assert_eq!(pad(&format!(r#"{named},"pad_token_id":5}}"#)), Ok(Some(5)));
+        }
+        assert!(pad(r#"{"pad_token_id":-1}"#)
+            .unwrap_err()
+            .contains("pad_token_id"));
     }
 }
