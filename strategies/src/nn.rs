@@ -52,6 +52,13 @@
 //! let up = linear(hidden, 4 * hidden, vb.pp("up"))?; // gate and up halves
 //! let down = linear(2 * hidden, hidden, vb.pp("down"))?;
 //! let head = linear_no_bias(hidden, vocab, vb.pp("head"))?;
+//! // candle's CPU random numbers take no seed: fixed matrices make the example
+//! // the same on every run (biases start at zero, norm weights at one).
+//! for var in varmap.all_vars().iter().filter(|v| v.rank() == 2) {
+//!     let n = var.elem_count();
+//!     let values = (Tensor::arange(0u32, n as u32, &dev)?.to_dtype(DType::F32)? * 0.7)?;
+//!     var.set(&(values.sin()? * 0.3)?.reshape(var.shape())?)?;
+//! }
 //!
 //! let forward = |ids: &Tensor| -> candle_core::Result<Tensor> {
 //!     let (b, s) = ids.dims2()?;
