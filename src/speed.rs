@@ -37,8 +37,14 @@ pub struct StepWork {
     /// products, its gradient summed chunk by chunk (0 unchunked).
     pub loss_chunk_bytes: f64,
     /// Bytes the composed attention's probabilities (`b·H·s²` per block)
-    /// move through their softmax and its backward; 0 with flash attention.
+    /// move through their softmax and its backward; 0 with flash attention
+    /// and for Gemma (whose scores count in [`Self::unfused_bytes`]).
     pub probabilities_bytes: f64,
+    /// Bytes moved through score- and logits-sized tensors by what is
+    /// composed from candle ops one op at a time ([`gemma_unfused_bytes`]):
+    /// Gemma's attention between its two products, Gemma 2's logit
+    /// soft-cap; 0 for the other families.
+    pub unfused_bytes: f64,
     /// Bytes the optimizer step moves on the device (fused: each state tensor
     /// read and written once; `candle_nn::AdamW`: its elementwise ops'
     /// full-size outputs), plus the accumulation of gradients between
@@ -71,6 +77,8 @@ pub struct Throughput {
     pub elementwise: f64,
     /// Bytes per second of the composed attention's probabilities.
     pub probabilities: f64,
+    /// Bytes per second of [`StepWork::unfused_bytes`].
+    pub unfused: f64,
     /// Bytes per second of a chunked loss's extra weight traffic
     /// ([`StepWork::loss_chunk_bytes`]): not fitted to chunked steps, but
     /// the rate of the target's other streaming work over whole tensors.
@@ -115,6 +123,7 @@ impl Throughput {
             + work.attention_flops / self.attention
             + work.elementwise_bytes / self.elementwise
             + work.probabilities_bytes / self.probabilities
+            + work.unfused_bytes / self.unfused
             + work.loss_chunk_bytes / self.loss_chunks
             + work.micro_batches * self.micro_batch_seconds;
         let optimizer =
@@ -154,6 +163,14 @@ const CPU: Throughput = Throughput {
     attention: f64::INFINITY,
     elementwise: f64::INFINITY,
     probabilities: 6.471e9,
+    // Fitted (least squares of the relative error) to six Gemma steps on 2
+    // cores, 2026-12-06: `--verify` of scripts/make-hub-shape.py's Gemma 3
+    // and Gemma 2 shapes cut to 4 blocks of 256 (8 heads of 32, vocabulary
+    // 4096), 2 × 512 and 2 × 1024 tokens in fp32, 2 × 1024 in bf16, against
+    // the rest of the model: errors +0 to +21% in fp32, −28% and −35% in
+    // bf16 (where a Llama of the same shape is −59%); without the term the
+    // six were −74% to −86%.
+    unfused: 2.21e9,
     // The optimizer step's rate: bytes streamed through whole fp32 tensors
     // (the elementwise ops' own rate got no weight in the fit).
     loss_chunks: 2.083e10,
@@ -188,6 +205,12 @@ const CUDA_H200: Throughput = Throughput {
     attention: f64::INFINITY,
     elementwise: 6.065e11,
     probabilities: 4.731e12,
+    // Not fitted: the elementwise rate, which the same candle kernels
+    // reach in the steps above. Gemma 3 1B (2 × 4 × 1024 tokens, bf16,
+    // composed attention, fused AdamW) is modelled at 552 ms with it
+    // (313 ms without), measured 633 ms on an H100 (docs/accuracy-families.md),
+    // whose memory is slower than the H200's these rates are fitted to.
+    unfused: 6.065e11,
     // Nominal: the H200's memory bandwidth (4.8 TB/s). A chunk's products
     // are bound by reading the weight, at the rate the memory gives.
     loss_chunks: 4.8e12,
@@ -286,7 +309,8 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         * (layers * block_elements * (3.0 + 2.0 * recompute) + head_elements * 3.0)
         + dequantized_bytes(plan, &facts, recompute);
     let loss_chunk_bytes = chunked_loss_bytes(spec, plan, exec, weight_gradients);
-    let probabilities_bytes = if flash {
+    let unfused_bytes = gemma_unfused_bytes(spec, plan, recompute);
+    let probabilities_bytes = if flash || c.settings.gemma.is_some() {
         0.0
     } else {
         bytes * layers * 5.0 * b * heads * s * s * (3.0 + 2.0 * recompute)
@@ -306,6 +330,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         elementwise_bytes: accum * elementwise_bytes,
         loss_chunk_bytes: accum * loss_chunk_bytes,
         probabilities_bytes: accum * probabilities_bytes,
+        unfused_bytes: accum * unfused_bytes,
         optimizer_bytes,
         host_bus_bytes,
         host_parameters,
@@ -313,6 +338,54 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         micro_batches: accum,
         half: plan.precision != Precision::F32,
     }
+}
+
+/// Bytes per score element that Gemma's attention moves between its two
+/// products, forward and backward, one candle op at a time as
+/// `train::gemma`'s attention and candle's backward run them (each op reads
+/// its operands and writes its output; `c` bytes in the compute dtype, 4 in
+/// the f32 softmax; a first gradient is stored, not added to zeros):
+///
+/// * forward: the scores written (c); with a cap, `tanh` and `×cap` (4c);
+///   the mask added (3c); in 16 bits, the copy to f32 (c + 4); the row
+///   maximum, its subtraction, `exp`, the row sum and the division (32);
+///   in 16 bits, the copy back (4 + c); `P·v` reading the probabilities (c);
+/// * backward: `dP` written and `P` read for `dv` (2c); in 16 bits, `dP`
+///   to f32 (c + 4); the division's two gradients (the divisor's made
+///   score-sized: zeros, `×E`, `sum²`, `÷`, `−`, then summed: 56); the row
+///   sum's gradient added into `E`'s (12); `exp`'s (12); the detached
+///   maximum's stray gradient (zeros, `−`: 16); in 16 bits, back to the
+///   compute dtype (4 + c); with a cap, `×cap` (2c) and `tanh`'s (zeros,
+///   square, `−1`, `×`, `−`: 11c); `dS` read by both products' backward (2c).
+fn gemma_score_bytes(c: f64, capped: bool) -> (f64, f64) {
+    let half = if c < 4.0 { 1.0 } else { 0.0 };
+    let cap = if capped { 1.0 } else { 0.0 };
+    let forward = 5.0 * c + 4.0 * c * cap + 32.0 + half * (2.0 * c + 8.0);
+    let backward = 4.0 * c + 96.0 + half * (2.0 * c + 8.0) + 13.0 * c * cap;
+    (forward, backward)
+}
+
+/// The bytes of one micro-batch that Gemma moves through what it composes
+/// from candle ops one at a time ([`StepWork::unfused_bytes`]): every
+/// block's scores ([`gemma_score_bytes`], the forward again when
+/// recomputed) and, with Gemma 2's logit soft-cap, the padded logits
+/// `[n, P]` divided, `tanh`'d and multiplied forward (6c a logit), and
+/// back through the three (15c: `tanh`'s backward as in the scores'). 0
+/// for the other families.
+fn gemma_unfused_bytes(spec: &ModelSpec, plan: &Plan, recompute: f64) -> f64 {
+    let c = &spec.config;
+    let Some(gemma) = &c.settings.gemma else {
+        return 0.0;
+    };
+    let cb = plan.precision.compute_bytes() as f64;
+    let (b, s) = (plan.micro_batch as f64, plan.seq_len as f64);
+    let scores = b * c.heads as f64 * s * s * c.layers as f64;
+    let (forward, backward) = gemma_score_bytes(cb, gemma.attn_softcap.is_some());
+    let logits = match gemma.final_softcap {
+        Some(_) => b * s * c.vocab.next_multiple_of(VOCAB_ALIGN) as f64 * 21.0 * cb,
+        None => 0.0,
+    };
+    scores * (forward * (1.0 + recompute) + backward) + logits
 }
 
 /// What computing the loss in chunks of tokens
@@ -475,6 +548,54 @@ mod tests {
         );
         assert!((whole.matmul_flops - split.matmul_flops).abs() < 1.0);
         assert!(split.micro_batches == 8.0 && split.optimizer_bytes > whole.optimizer_bytes);
+    }
+
+    /// A TinyLlama shape with Gemma's settings: version 2 soft-caps scores
+    /// and logits.
+    fn gemma(version: u8) -> ModelSpec {
+        let mut c = ModelConfig::tinyllama_1_1b();
+        c.settings.gemma = Some(crate::spec::GemmaSettings {
+            version,
+            query_pre_attn_scalar: 64.0,
+            attn_softcap: (version == 2).then_some(50.0),
+            final_softcap: (version == 2).then_some(30.0),
+            sliding_layers: vec![true, false],
+            local_rope_theta: None,
+        });
+        ModelSpec::from_config("gemma", c)
+    }
+
+    #[test]
+    fn gemmas_attention_is_counted_op_by_op() {
+        let plain = Plan {
+            precision: Precision::Bf16,
+            ..Plan::baseline(2, 1024)
+        };
+        let llama = work(
+            &ModelSpec::from_config("llama", ModelConfig::tinyllama_1_1b()),
+            &plain,
+        );
+        let (g3, g2) = (work(&gemma(3), &plain), work(&gemma(2), &plain));
+        assert_eq!(llama.unfused_bytes, 0.0);
+        assert_eq!(g3.probabilities_bytes, 0.0);
+        // Every score moves more bytes op by op than through the fused softmax.
+        assert!(g3.unfused_bytes > 5.0 * llama.probabilities_bytes);
+        // The caps add tanh on the scores and on the logits.
+        assert!(g2.unfused_bytes > g3.unfused_bytes);
+        let t = |w: &StepWork| Throughput::of(&Target::Cuda(0)).seconds(w).total;
+        assert!(t(&g3) > t(&llama));
+        // Recomputation runs the scores' forward again, not their backward.
+        let ck = work(
+            &gemma(3),
+            &Plan {
+                checkpoint: Checkpointing::Every(1),
+                ..plain
+            },
+        );
+        let (forward, backward) = gemma_score_bytes(2.0, false);
+        let scores = 2.0 * 32.0 * 1024.0 * 1024.0 * 22.0;
+        assert_eq!(g3.unfused_bytes, scores * (forward + backward));
+        assert_eq!(ck.unfused_bytes - g3.unfused_bytes, scores * forward);
     }
 
     #[test]
