@@ -20,8 +20,9 @@ Needs torch and transformers (no network: the configs are written here).
 import argparse
 import json
 import os
-import struct
 import sys
+
+import sparse_safetensors
 
 # The values of each model's config.json on the Hub.
 SHAPES = {
@@ -112,26 +113,6 @@ def tensors(config):
     return out, parameters
 
 
-def write_header_only(path, entries):
-    """A safetensors file of `entries` (bf16) whose data region is a hole,
-    written under a temporary name and renamed."""
-    header, offset = {}, 0
-    for name, shape in entries:
-        size = 2
-        for d in shape:
-            size *= d
-        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.truncate(8 + len(raw) + offset)
-    os.replace(tmp, path)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", choices=sorted(SHAPES))
@@ -155,7 +136,7 @@ def main():
             parser.error(f"--set {item}: {e}")
     entries, parameters = tensors(config)
     os.makedirs(args.dir, exist_ok=True)
-    write_header_only(os.path.join(args.dir, "model.safetensors"), entries)
+    sparse_safetensors.write(os.path.join(args.dir, "model.safetensors"), entries)
     tmp = os.path.join(args.dir, "config.json.tmp")
     with open(tmp, "w") as f:
         json.dump(config, f, indent=2)

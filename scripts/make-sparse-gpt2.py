@@ -6,7 +6,9 @@ Defaults are GPT-2 medium's shape (24 layers, hidden 1024: 354,823,168
 parameters, 1.4 GB of fp32). Names as on the Hub (no prefix, Conv1D weights
 [in, out], vocab 50257, 1024 positions, MLP 4x, head tied to wte).
 """
-import json, struct, sys
+import sys
+
+import sparse_safetensors
 
 out = sys.argv[1]
 layers, hidden = (int(x) for x in (sys.argv[2:] or [24, 1024]))
@@ -21,18 +23,5 @@ for l in range(layers):
                 (p + "mlp.c_fc.weight", [hidden, inner]), (p + "mlp.c_fc.bias", [inner]),
                 (p + "mlp.c_proj.weight", [inner, hidden]), (p + "mlp.c_proj.bias", [hidden])]
 tensors += [("ln_f.weight", [hidden]), ("ln_f.bias", [hidden])]
-header, offset, params = {}, 0, 0
-for name, shape in tensors:
-    n = 1
-    for d in shape:
-        n *= d
-    params += n
-    header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * n]}
-    offset += 4 * n
-blob = json.dumps(header, separators=(",", ":")).encode()
-blob += b" " * (-len(blob) % 8)
-with open(out, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    f.truncate(8 + len(blob) + offset)
+params, offset = sparse_safetensors.write(out, tensors, "F32")
 print(f"{out}: {params:,} parameters, {offset / 1e9:.1f} GB sparse")

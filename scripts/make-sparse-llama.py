@@ -4,7 +4,9 @@
 usage: make-sparse-llama.py OUT [layers hidden heads kv_heads intermediate vocab]
 Defaults are Llama-2-70B's shape (68,976,648,192 parameters, 138 GB of bf16).
 """
-import json, struct, sys
+import sys
+
+import sparse_safetensors
 
 out = sys.argv[1]
 layers, hidden, heads, kv, inter, vocab = (int(x) for x in (sys.argv[2:] or [80, 8192, 64, 8, 28672, 32000]))
@@ -22,17 +24,5 @@ for l in range(layers):
                 (p + "mlp.up_proj.weight", [inter, hidden]),
                 (p + "mlp.down_proj.weight", [hidden, inter])]
 tensors += [("model.norm.weight", [hidden]), ("lm_head.weight", [vocab, hidden])]
-header, offset = {}, 0
-for name, shape in tensors:
-    n = 2
-    for d in shape:
-        n *= d
-    header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
-    offset += n
-blob = json.dumps(header, separators=(",", ":")).encode()
-blob += b" " * (-len(blob) % 8)
-with open(out, "wb") as f:
-    f.write(struct.pack("<Q", len(blob)))
-    f.write(blob)
-    f.truncate(8 + len(blob) + offset)
-print(f"{out}: {sum(eval('*'.join(map(str, s))) for _, s in tensors):,} parameters, {offset / 1e9:.1f} GB sparse")
+params, offset = sparse_safetensors.write(out, tensors, "BF16")
+print(f"{out}: {params:,} parameters, {offset / 1e9:.1f} GB sparse")

@@ -11,8 +11,9 @@ use serde_json::Value;
 use std::path::Path;
 use tempfile::TempDir;
 
-/// `scripts/make-hub-shape.py` run by `python` with `args`: its JSON line.
-fn make(python: &str, args: &[&str]) -> Value {
+/// The standard output of `scripts/make-hub-shape.py` run by `python` with
+/// `args`, which must succeed.
+fn make(python: &str, args: &[&str]) -> Vec<u8> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/make-hub-shape.py");
     let out = std::process::Command::new(python)
         .arg(script)
@@ -24,6 +25,23 @@ fn make(python: &str, args: &[&str]) -> Value {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    out.stdout
+}
+
+/// `oomfix inspect --json DIR`'s object.
+fn inspect(dir: &Path) -> Value {
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .args(["inspect", "--json"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -32,31 +50,15 @@ fn make(python: &str, args: &[&str]) -> Value {
 fn the_hub_shapes_are_read_as_transformers_builds_them() {
     let python = std::env::var("OOMFIX_PYTHON")
         .expect("OOMFIX_PYTHON names a Python with torch and transformers");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/make-hub-shape.py");
-    let list = std::process::Command::new(&python)
-        .arg(&script)
-        .arg("--list")
-        .output()
-        .unwrap();
-    let names = String::from_utf8(list.stdout).unwrap();
+    let names = String::from_utf8(make(&python, &["--list"])).unwrap();
     let work = TempDir::new().unwrap();
     for name in names.lines() {
         let dir = work.path().join(name);
-        let made = make(&python, &[name, dir.to_str().unwrap()]);
+        let made: Value =
+            serde_json::from_slice(&make(&python, &[name, dir.to_str().unwrap()])).unwrap();
         let config: Value =
             serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
-        let out = Command::cargo_bin("oomfix")
-            .unwrap()
-            .args(["inspect", "--json"])
-            .arg(&dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let seen = inspect(&dir);
         assert_eq!(seen["parameters"], made["parameters"], "{name}");
         assert_eq!(seen["architecture"], config["architectures"][0], "{name}");
         assert!(seen["missing"].is_null(), "{name}: {}", seen["missing"]);
@@ -109,13 +111,8 @@ fn a_smaller_model_of_a_family_is_made_with_set() {
             "num_hidden_layers=2",
         ],
     );
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args(["inspect", "--json"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let made: Value = serde_json::from_slice(&made).unwrap();
+    let seen = inspect(&dir);
     assert_eq!(seen["layers"], 2);
     assert_eq!(seen["parameters"], made["parameters"]);
 }
