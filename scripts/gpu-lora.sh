@@ -3,20 +3,19 @@
 # 8 GiB budget on the GPU machine, beside PyTorch + PEFT bf16 LoRA on the
 # same shape (scripts/peft-step.py), with a bf16 base and with bitsandbytes'
 # NF4 base (QLoRA), in one run: the oomfix binary built by
-# scripts/build-cuda.sh, the model's config.json and safetensors header
-# (the data region is made sparse: --init random reads none of it), and
-# PEFT's package (pure Python) and bitsandbytes' (the PyPI wheel unpacked,
-# its libbitsandbytes_cuda130.so the only library kept) in CARRY/py.
+# scripts/build-cuda.sh in CARRY, the model made here by
+# scripts/make-hub-shape.py (a header over a sparse data region:
+# --init random reads none of it), and PEFT's package (pure Python) and
+# bitsandbytes' (the PyPI wheel unpacked, its libbitsandbytes_cuda130.so the
+# only library kept) in CARRY/py.
 #
 # Usage: scripts/gpu-lora.sh CARRY SEQ STEPS   (writes into $OUT)
 set -uo pipefail
 carry=${1:?carry folder} seq=${2:-512} steps=${3:-4}
 out=${OUT:-/tmp/gpu-lora}
-mkdir -p "$out" /tmp/l3
+mkdir -p "$out"
 xz -dc "$carry/oomfix-cuda.xz" >/tmp/oomfix && chmod +x /tmp/oomfix
-cp "$carry/l3/config.json" /tmp/l3/config.json
-cp "$carry/l3/header" /tmp/l3/model.safetensors
-truncate -s "$(cat "$carry/l3/size")" /tmp/l3/model.safetensors
+python3 "$(dirname "$0")/make-hub-shape.py" llama-3-8b /tmp/l3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/card.txt"
 export NCCL_NVLS_ENABLE=0
 echo "== oomfix"
