@@ -1,6 +1,8 @@
 //! The Hub shapes of `scripts/make-hub-shape.py` (the tensor lists
 //! transformers builds from each model's Hub config, over a sparse data
-//! region) read by the real binary: each is recognised as its architecture
+//! region; Llama 3.x, Qwen3, Gemma 2/3, Phi-3.5/4-mini, TinyLlama and the
+//! mixtures of experts Mixtral, Qwen3-MoE and OLMoE) read by the real
+//! binary: each is recognised as its architecture
 //! with transformers' parameter count; those under 4B parameters plan a
 //! full fine-tune on one 80 GiB GPU, and Meta-Llama-3-8B fits 8 GiB under
 //! QLoRA. These are the checkpoints the GPU rows of the family
@@ -63,7 +65,7 @@ fn the_hub_shapes_are_read_as_transformers_builds_them() {
         assert_eq!(seen["architecture"], config["architectures"][0], "{name}");
         assert!(seen["missing"].is_null(), "{name}: {}", seen["missing"]);
         if made["parameters"].as_u64().unwrap() > 4_000_000_000 {
-            continue; // a full fine-tune of 8B needs more than one GPU
+            continue; // a full fine-tune of these needs more than one GPU
         }
         Command::cargo_bin("oomfix")
             .unwrap()
