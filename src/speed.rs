@@ -41,7 +41,7 @@ pub struct StepWork {
     /// and for Gemma (whose scores count in [`Self::unfused_bytes`]).
     pub probabilities_bytes: f64,
     /// Bytes moved through score- and logits-sized tensors by what is
-    /// composed from candle ops one op at a time ([`gemma_unfused_bytes`]):
+    /// composed from candle ops one op at a time, counted op by op:
     /// Gemma's attention between its two products, Gemma 2's logit
     /// soft-cap; 0 for the other families.
     pub unfused_bytes: f64,
