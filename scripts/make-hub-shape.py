@@ -157,9 +157,7 @@ def tensors(config):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     parameters = sum(p.numel() for p in model.parameters())
     state = model.state_dict()
-    tied = getattr(cfg, "tie_word_embeddings", False) or (
-        cfg.get_text_config().tie_word_embeddings if hasattr(cfg, "get_text_config") else False
-    )
+    tied = cfg.tie_word_embeddings
     out = []
     for name, t in state.items():
         if tied and name == "lm_head.weight":
