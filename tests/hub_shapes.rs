@@ -8,26 +8,16 @@
 //! QLoRA. These are the checkpoints the GPU rows of the family
 //! accuracy matrix are measured on.
 
+mod common;
+
 use assert_cmd::Command;
 use serde_json::Value;
 use std::path::Path;
 use tempfile::TempDir;
 
-/// The standard output of `scripts/make-hub-shape.py` run by `python` with
-/// `args`, which must succeed.
-fn make(python: &str, args: &[&str]) -> Vec<u8> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/make-hub-shape.py");
-    let out = std::process::Command::new(python)
-        .arg(script)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out.stdout
+/// `scripts/make-hub-shape.py` run by `python` with `args`: its output.
+fn make(python: &str, args: &[&str]) -> String {
+    common::run_python_check(python, "make-hub-shape.py", args)
 }
 
 /// `oomfix inspect --json DIR`'s object.
@@ -52,12 +42,12 @@ fn inspect(dir: &Path) -> Value {
 fn the_hub_shapes_are_read_as_transformers_builds_them() {
     let python = std::env::var("OOMFIX_PYTHON")
         .expect("OOMFIX_PYTHON names a Python with torch and transformers");
-    let names = String::from_utf8(make(&python, &["--list"])).unwrap();
+    let names = make(&python, &["--list"]);
     let work = TempDir::new().unwrap();
     for name in names.lines() {
         let dir = work.path().join(name);
         let made: Value =
-            serde_json::from_slice(&make(&python, &[name, dir.to_str().unwrap()])).unwrap();
+            serde_json::from_str(&make(&python, &[name, dir.to_str().unwrap()])).unwrap();
         let config: Value =
             serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
         let seen = inspect(&dir);
@@ -113,7 +103,7 @@ fn a_smaller_model_of_a_family_is_made_with_set() {
             "num_hidden_layers=2",
         ],
     );
-    let made: Value = serde_json::from_slice(&made).unwrap();
+    let made: Value = serde_json::from_str(&made).unwrap();
     let seen = inspect(&dir);
     assert_eq!(seen["layers"], 2);
     assert_eq!(seen["parameters"], made["parameters"]);

@@ -152,8 +152,13 @@ pub fn values(t: &candle_core::Tensor) -> Vec<f32> {
 }
 
 /// Runs `scripts/SCRIPT` with the Python `python` and `args`, prints what it
-/// printed, and fails the test with its output when it fails.
-pub fn run_python_check<S: AsRef<std::ffi::OsStr>>(python: &str, script: &str, args: &[S]) {
+/// printed, and fails the test with its output when it fails; returns its
+/// standard output.
+pub fn run_python_check<S: AsRef<std::ffi::OsStr>>(
+    python: &str,
+    script: &str,
+    args: &[S],
+) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("scripts")
         .join(script);
@@ -169,6 +174,7 @@ pub fn run_python_check<S: AsRef<std::ffi::OsStr>>(python: &str, script: &str, a
         "{said}{}",
         String::from_utf8_lossy(&check.stderr)
     );
+    said.into_owned()
 }
 
 /// The logits of `model` on a fixed batch of 2 × 16 token ids below
