@@ -147,6 +147,20 @@ configs = [
     (1, {"num_attention_heads": 4, "num_key_value_heads": None}),
     (2, {"model_type": "bert", "num_attention_heads": 2, "intermediate_size": 16, "tie_word_embeddings": True}),
     (0, {"num_attention_heads": 3}),
+    # Values the rules check (src/inspect/config/rules.rs), valid and not.
+    (1, {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "max_position_embeddings": 64,
+         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 16}}),
+    (1, {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "max_position_embeddings": 64,
+         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "beta_slow": 1}}),
+    (1, {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "max_position_embeddings": 64,
+         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+                          "original_max_position_embeddings": 4}, "partial_rotary_factor": 0.5}),
+    (1, {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "max_position_embeddings": 64,
+         "rope_parameters": {"rope_type": "linear", "factor": 0.0, "rope_theta": 10000.0},
+         "sliding_window": 0, "pad_token_id": 3, "attention_dropout": 0.1}),
+    (0, {"model_type": "gpt2", "n_head": 2, "n_positions": 8, "n_embd": 4, "n_layer": 1, "vocab_size": 16,
+         "layer_norm_epsilon": 1e-5, "attn_pdrop": 0.1, "activation_function": "gelu_new"}),
 ]
 for i, (n, config) in enumerate(configs):
     write(f"corpus/config/{i}.json", bytes([n]) + json.dumps(config).encode())

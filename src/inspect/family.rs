@@ -60,6 +60,10 @@ pub(crate) fn infer(
     }
     let family = draft.config.family;
     check_architecture(source, &draft.config, hf)?;
+    if let Some(hf) = hf {
+        let notes = super::config::rules::check(hf, &draft.config)?;
+        draft.assumptions.extend(notes);
+    }
     check_tensors(source, &draft, &all)?;
     let tensors = all
         .into_iter()

@@ -1,5 +1,9 @@
-//! The fields of a Hugging Face `config.json` that inference uses.
+//! The fields of a Hugging Face `config.json` that inference uses, and
+//! ([`rules`]) what their values must be.
 
+pub(crate) mod rules;
+
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
@@ -25,13 +29,71 @@ pub(crate) struct HfConfig {
     pub tie_word_embeddings: Option<bool>,
     /// The settings beyond the shape.
     pub settings: ModelSettings,
+    /// The keys the file gives a value (not `null`), for naming a field as
+    /// the file spells it.
+    pub keys: Vec<String>,
+    /// The key the RoPE scaling was read from: `rope_scaling`,
+    /// `rope_parameters` or `rope_parameters.full_attention`.
+    pub rope_key: &'static str,
+    /// The dropout probabilities the file sets ([`DROPOUT_KEYS`]).
+    pub dropout: BTreeMap<&'static str, f64>,
 }
+
+/// The dropout probabilities of the families' `config.json` files. The
+/// models train without dropout; a nonzero value is said in `inspect`.
+pub(crate) const DROPOUT_KEYS: [&str; 7] = [
+    "attention_dropout",
+    "attn_pdrop",
+    "resid_pdrop",
+    "embd_pdrop",
+    "hidden_dropout",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+];
 
 impl HfConfig {
     /// An input error about this config file.
     pub fn error(&self, msg: impl Into<String>) -> Error {
         Error::input(&self.path, msg)
     }
+
+    /// The first of `keys` (a field and its aliases) the file gives, else
+    /// the first.
+    pub fn spelled<'a>(&self, keys: &[&'a str]) -> &'a str {
+        keys.iter()
+            .find(|k| self.keys.iter().any(|present| present == *k))
+            .unwrap_or(&keys[0])
+    }
+}
+
+/// Where the RoPE settings are: `rope_parameters` in newer files (Gemma 3's
+/// per layer type: `full_attention`, `sliding_attention`), and its object.
+fn rope_source(
+    obj: &Map<String, Value>,
+) -> std::result::Result<(&'static str, Option<&Map<String, Value>>), String> {
+    let top = obj.get("rope_parameters").and_then(Value::as_object);
+    match top.and_then(|p| p.get("full_attention")) {
+        Some(Value::Object(full)) => Ok(("rope_parameters.full_attention", Some(full))),
+        Some(v) => Err(format!(
+            "\"rope_parameters.full_attention\" is {v}, not an object"
+        )),
+        None => Ok(("rope_parameters", top)),
+    }
+}
+
+/// The dropout probabilities `obj` sets, each a number from 0 to 1 (as
+/// PyTorch's dropout layers require).
+fn dropout(obj: &Map<String, Value>) -> std::result::Result<BTreeMap<&'static str, f64>, String> {
+    DROPOUT_KEYS
+        .into_iter()
+        .filter_map(|key| Some((key, obj.get(key).filter(|v| !v.is_null())?)))
+        .map(
+            |(key, v)| match v.as_f64().filter(|p| (0.0..=1.0).contains(p)) {
+                Some(p) => Ok((key, p)),
+                None => Err(format!("\"{key}\" is {v}, not a probability from 0 to 1")),
+            },
+        )
+        .collect()
 }
 
 /// Reads `dir/config.json` when it exists; a malformed one is an input error naming it.
@@ -65,8 +127,20 @@ pub(crate) fn read(dir: &Path) -> Result<Option<HfConfig>> {
         }
     };
     let settings = settings(obj).map_err(|msg| Error::input(&path, msg))?;
+    let (rope_key, _) = rope_source(obj).map_err(|msg| Error::input(&path, msg))?;
+    let rope_key = match obj.get("rope_scaling") {
+        Some(v) if !v.is_null() => "rope_scaling",
+        _ => rope_key,
+    };
     Ok(Some(HfConfig {
         settings,
+        keys: obj
+            .iter()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, _)| k.clone())
+            .collect(),
+        rope_key,
+        dropout: dropout(obj).map_err(|msg| Error::input(&path, msg))?,
         heads,
         kv_heads: count(&["num_key_value_heads"])?,
         head_dim: count(&["head_dim"])?,
@@ -102,19 +176,8 @@ fn settings(obj: &Map<String, Value>) -> std::result::Result<ModelSettings, Stri
         Some(Value::String(s)) => Ok(Some(s.clone())),
         Some(v) => Err(format!("\"{key}\" is {v}, not a string")),
     };
-    // Newer files group RoPE's settings under `rope_parameters`; Gemma 3's
-    // group them per layer type (`full_attention`, `sliding_attention`).
     let rope_top = get("rope_parameters").and_then(Value::as_object);
-    let per_layer_type = rope_top.and_then(|p| p.get("full_attention"));
-    let (rope_key, rope_params) = match per_layer_type {
-        Some(Value::Object(full)) => ("rope_parameters.full_attention", Some(full)),
-        Some(v) => {
-            return Err(format!(
-                "\"rope_parameters.full_attention\" is {v}, not an object"
-            ))
-        }
-        None => ("rope_parameters", rope_top),
-    };
+    let (rope_key, rope_params) = rope_source(obj)?;
     let local_params = rope_top
         .and_then(|p| p.get("sliding_attention"))
         .and_then(Value::as_object);
