@@ -128,6 +128,15 @@ fn models(quick: bool) -> Vec<(&'static str, ModelConfig)> {
                     ..ModelConfig::bert(6, 512, 8, 8192)
                 },
             ),
+            // A masked-LM head 78 times the hidden size, as all-MiniLM-L6-v2's
+            // 30,522 words are of its 384.
+            (
+                "bert-wide-head",
+                ModelConfig {
+                    max_positions: 256,
+                    ..ModelConfig::bert(2, 64, 4, 5000)
+                },
+            ),
         ]);
     }
     m
@@ -522,6 +531,22 @@ fn explain_peak(t: &Timeline) {
     println!("    largest groups alive at the peak (tag, component: bytes in blocks):");
     for ((tag, component), (bytes, count)) in groups.iter().take(12) {
         println!("      {tag:<40} {component:<16} {bytes:>12} in {count}");
+    }
+    let mut alive: Vec<_> = t
+        .blocks
+        .iter()
+        .filter(|b| b.alloc_ns.is_some_and(|a| a <= at) && b.free_ns.is_none_or(|f| f > at))
+        .collect();
+    alive.sort_by_key(|b| std::cmp::Reverse(b.size));
+    println!("    largest blocks allocated during the step and alive at the peak:");
+    for b in alive.iter().take(12) {
+        println!(
+            "      {:>12} {:<40} {} at {:.1} ms",
+            b.size,
+            b.tag.name(),
+            b.component.as_str(),
+            b.alloc_ns.unwrap_or(0) as f64 / 1e6
+        );
     }
 }
 

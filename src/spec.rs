@@ -413,6 +413,18 @@ impl ModelConfig {
                 ));
             }
         }
+        let d = self.head_dim();
+        if self.family != Family::Generic && self.heads > 0 && !d.is_multiple_of(2) {
+            let (field, value) = match self.settings.head_dim {
+                Some(given) => ("head_dim", given.to_string()),
+                None => ("num_attention_heads", self.heads.to_string()),
+            };
+            return Some((
+                field,
+                value,
+                format!("heads of an even size are implemented (here {d})"),
+            ));
+        }
         let act = self.hidden_act();
         let implemented: &[&str] = match self.family {
             Family::Gpt2 | Family::Bert => &["gelu", "gelu_new", "gelu_pytorch_tanh"],

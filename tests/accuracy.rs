@@ -27,13 +27,59 @@ fn llama_estimate_within_8_percent() {
 
 #[test]
 fn bert_estimate_within_8_percent() {
-    check(
-        "bert",
-        ModelConfig {
-            max_positions: 256,
-            ..ModelConfig::bert(4, 256, 4, 4096)
-        },
-    );
+    check("bert", bert());
+}
+
+fn bert() -> ModelConfig {
+    ModelConfig {
+        max_positions: 256,
+        ..ModelConfig::bert(4, 256, 4, 4096)
+    }
+}
+
+/// Every family at one, four and eight sequences of 128 tokens and at four
+/// of 256, with the whole logits (plain fp32 and AdamW; flash attention
+/// where the family has it, fused AdamW), so that a term right at one size
+/// and wrong at another is caught. Beside the small models, a BERT whose
+/// 5,000-word masked-LM head is 78 times its hidden size, as
+/// all-MiniLM-L6-v2's 30,522 words are of its 384.
+#[test]
+fn estimates_hold_across_micro_batches_and_sequence_lengths() {
+    let shapes = [(1, 128), (4, 128), (8, 128), (4, 256)];
+    let wide_bert = ModelConfig {
+        max_positions: 256,
+        ..ModelConfig::bert(2, 64, 4, 5000)
+    };
+    let models = [
+        ("gpt2", estimate::gpt2()),
+        ("llama", estimate::llama()),
+        ("qwen3", qwen3()),
+        ("phi3", phi3()),
+        ("gemma2", gemma(2)),
+        ("gemma3", gemma(3)),
+        ("bert", bert()),
+        ("bert-wide-head", wide_bert),
+    ];
+    for (name, config) in models {
+        let flash = config.flash_computes_it();
+        let plans: Vec<Plan> = shapes
+            .iter()
+            .flat_map(|&(b, s)| {
+                let plain = Plan::baseline(b, s);
+                let lean = Plan {
+                    attention: if flash {
+                        oomfix::strategies::Attention::Flash
+                    } else {
+                        plain.attention
+                    },
+                    optimizer: OptimizerImpl::FusedAdamW,
+                    ..plain
+                };
+                [plain, lean]
+            })
+            .collect();
+        check_plans(name, config, &plans);
+    }
 }
 
 /// A vocabulary far larger than the hidden size makes the loss's backward the
@@ -159,11 +205,15 @@ fn an_offloaded_plan_on_the_cpu_needs_the_peak_and_the_host_bytes() {
 /// key head (their outputs kept for backward).
 #[test]
 fn qwen3_estimate_within_8_percent() {
+    check("qwen3", qwen3());
+}
+
+fn qwen3() -> ModelConfig {
     let mut c = estimate::llama();
     c.settings.head_dim = Some(2 * c.head_dim());
     c.settings.qk_norm = true;
     c.settings.architecture = Some("Qwen3ForCausalLM".into());
-    check("qwen3", c);
+    c
 }
 
 /// Llama 3.x: the `llama3` RoPE scaling changes the tables' values only.
@@ -186,10 +236,14 @@ fn llama3_estimate_within_8_percent() {
 /// by RoPE, the head split and SwiGLU).
 #[test]
 fn phi3_estimate_within_8_percent() {
+    check("phi3", phi3());
+}
+
+fn phi3() -> ModelConfig {
     let mut c = estimate::llama();
     c.settings.fused_projections = true;
     c.settings.architecture = Some("Phi3ForCausalLM".into());
-    check("phi3", c);
+    c
 }
 
 /// Phi-4-mini: fused projections, RoPE on 3/4 of each head (the rotated

@@ -674,6 +674,69 @@ pub fn widen_cpu_bf16_matmuls(
     act.blocks.transient = act.blocks.transient.max(block);
 }
 
+/// Register-tile rows and columns of gemm's f32 kernel on x86-64 (AVX2/FMA:
+/// three vectors of 8 by 4 columns), the tile [`cpu_matmul_workspace`]'s
+/// panel sizes are computed for.
+const GEMM_TILE: (usize, usize) = (24, 4);
+
+/// Bytes of the packed operand panel the CPU matrix kernel (gemm, which
+/// candle-core calls) allocates while making a `[rows, cols]` product over
+/// `k`, in values of `value_bytes`. candle asks gemm for the transposed
+/// product, so the panel holds `kc × nc` values of the operand `rows` comes
+/// from (when `cols` spans more than two register tiles): `kc` at most `k`
+/// (512 for longer sums), `nc` at most `rows` and
+/// bounded by the L3 cache this machine reports (gemm's own
+/// `kernel_params`, from the same cache sizes). The head's weight gradient
+/// `dyᵀ·x` over the tokens has `rows` = the vocabulary: 10 MB at 8 × 128
+/// tokens of a 5,000-word head, up to the L3 cache's size for a larger one,
+/// so the term depends on the machine.
+pub fn cpu_matmul_workspace(rows: u64, cols: u64, k: u64, value_bytes: u64) -> u64 {
+    let (rows, cols, k) = (rows as usize, cols as usize, k as usize);
+    let (mr, nr) = GEMM_TILE;
+    // gemm packs the panel only for more than two register tiles of `cols`.
+    if rows == 0 || k == 0 || cols <= 2 * mr {
+        return 0;
+    }
+    let p = gemm_common::cache::kernel_params(cols, rows, k, mr, nr, value_bytes as usize);
+    (p.kc * p.nc.min(rows.next_multiple_of(nr))) as u64 * value_bytes
+}
+
+/// Adds to the loss's working set the CPU matrix kernel's packing panel
+/// ([`cpu_matmul_workspace`]) of the head's largest product while the whole
+/// logits' gradient is alive: the weight gradient over the `n` tokens
+/// (BERT's `[P,h]`, large; the others' `[h,P]`, one row panel of `h`), or
+/// under LoRA, whose head is frozen, the input gradient
+/// `dy·W` (`[n,h]` over the `P` words), in fp32 or fp16 (bf16's widened
+/// products are counted by [`widen_cpu_bf16_matmuls`], fitted on measured
+/// peaks that hold the panel). The loss in chunks makes small products and
+/// is left as it is.
+pub fn add_cpu_matmul_workspace(
+    act: &mut Activations,
+    spec: &ModelSpec,
+    plan: &Plan,
+    exec: &Execution,
+) {
+    let c = &spec.config;
+    if c.family == Family::Generic || c.layers == 0 || plan.precision == Precision::Bf16 {
+        return;
+    }
+    let d = Dims::new(spec, plan, exec);
+    if d.chunk.is_some() {
+        return;
+    }
+    let value_bytes = plan.precision.compute_bytes();
+    let panel = if plan.lora.is_some() {
+        cpu_matmul_workspace(d.n, d.h, d.p, value_bytes)
+    } else if c.family == Family::Bert {
+        // The decoder with its bias is one op that makes `dyᵀ·x`, `[P,h]`.
+        cpu_matmul_workspace(d.p, d.h, d.n, value_bytes)
+    } else {
+        // `x·Wᵀ`'s backward makes `xᵀ·dy`, `[h,P]`, then its transpose.
+        cpu_matmul_workspace(d.h, d.p, d.n, value_bytes)
+    };
+    act.loss.transient += panel;
+}
+
 /// What a LoRA adapter's backward adds while it crosses a projection:
 /// `x·Aᵀ` recomputed and its gradient, `[n, r]` each. The adapted projection
 /// is one op (the frozen product and the adapter's) that keeps only its
@@ -737,9 +800,13 @@ pub fn activation_bytes_for(
         (LOSS_BACKWARD_NV, HEAD_WEIGHT_BACKWARD_COPIES)
     };
     // Under LoRA the head and the embedding are frozen: no weight gradient
-    // of the head, no backward of the lookup.
+    // of the head, no backward of the lookup. BERT's decoder with its bias
+    // is one op ([`oomfix_strategies::nn::ops::linear`]) whose backward
+    // makes the `[P,h]` weight gradient directly, without a transpose.
     if plan.lora.is_some() {
         head_copies = 0;
+    } else if cfg.family == Family::Bert && !stock {
+        head_copies = 1;
     }
     let cap_nv = if d.gemma.is_some_and(|g| g.final_cap) {
         SOFTCAP_BACKWARD_NV

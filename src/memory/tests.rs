@@ -363,7 +363,10 @@ fn the_loss_backward_holds_no_gradient() {
         ..Plan::baseline(8, 256)
     };
     let b = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
-    let a = activation_bytes(&spec, &plan, &builtin_execution(&plan));
+    let exec = builtin_execution(&plan);
+    let mut a = activation_bytes(&spec, &plan, &exec);
+    // The CPU target's: the matrix kernel's panel of the head's product.
+    add_cpu_matmul_workspace(&mut a, &spec, &plan, &exec);
     assert_eq!(b.peak_phase, PeakMoment::LossBackward);
     assert_eq!(b.peak, b.weights + b.optimizer_state + a.loss.total());
     assert!(b
