@@ -51,6 +51,7 @@
 pub mod anymodel;
 pub mod architecture;
 pub mod dist;
+pub mod facts;
 pub mod inspect;
 pub mod measure;
 pub mod memory;

@@ -9,44 +9,7 @@ use serde::{Deserialize, Serialize};
 /// the three products around them.
 pub const VOCAB_ALIGN: usize = 64;
 
-/// Architecture family, inferred from tensor names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Family {
-    /// GPT-2: learned positions, LayerNorm, GELU MLP, Conv1D weights (`in x out`).
-    Gpt2,
-    /// Llama-style: RoPE, RMSNorm, SwiGLU, grouped-query attention (Llama 2/3, Mistral, Qwen2, …).
-    Llama,
-    /// BERT encoder with a masked-LM head.
-    Bert,
-    /// Unknown architecture: only the tensors are known; estimates are generic.
-    Generic,
-}
-
-impl Family {
-    /// Lower-case name (`gpt2`, `llama`, `bert`, `generic`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Family::Gpt2 => "gpt2",
-            Family::Llama => "llama",
-            Family::Bert => "bert",
-            Family::Generic => "generic",
-        }
-    }
-}
-
-impl Family {
-    /// Whether the family has a learned position table that bounds the sequence length.
-    pub fn has_learned_positions(self) -> bool {
-        matches!(self, Family::Gpt2 | Family::Bert)
-    }
-}
-
-impl std::fmt::Display for Family {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use crate::architecture::Family;
 
 /// Shape hyper-parameters of a transformer, enough to rebuild its tensors and
 /// its op sequence.

@@ -237,7 +237,7 @@ pub struct StepTime {
 }
 
 /// Modelled time of one optimizer step of `plan` with `fixes` (e.g.
-/// [`crate::memory::builtins`]) on `target`.
+/// [`crate::facts::builtins`]) on `target`.
 pub fn step_time(
     spec: &ModelSpec,
     plan: &Plan,
@@ -250,10 +250,10 @@ pub fn step_time(
 /// The work of one optimizer step of `plan` on one rank with `fixes`: the
 /// passes as their execution hooks make them (what they recompute, how they
 /// compute attention), the optimizer step as their time hooks
-/// ([`crate::memory::step_cost`]).
+/// ([`crate::facts::step_cost`]).
 pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> StepWork {
     let exec = &Execution::for_plan(plan, fixes);
-    let cost = crate::memory::step_cost(spec, plan, fixes);
+    let cost = crate::facts::step_cost(spec, plan, fixes);
     let c = &spec.config;
     let (b, s) = (plan.micro_batch as f64, plan.seq_len as f64);
     let n = b * s;
@@ -263,7 +263,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     let padded_vocab = c.vocab.next_multiple_of(VOCAB_ALIGN) as f64;
     let bytes = plan.precision.compute_bytes() as f64;
     let accum = plan.grad_accum as f64;
-    let facts = crate::memory::trained_facts(spec, plan, fixes);
+    let facts = crate::facts::trained_facts(spec, plan, fixes);
     let params = facts.parameters as f64;
     // Under LoRA the frozen weights get no gradient: a block's and the
     // head's products run forward and for the input gradient only.
@@ -476,7 +476,7 @@ pub fn collective_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> f64 
         return 0.0;
     }
     // What the ranks reduce: every parameter's gradient, or the adapters'.
-    let mut facts = crate::memory::model_facts(spec);
+    let mut facts = crate::facts::model_facts(spec);
     LoraFix.facts(plan, &mut facts);
     let psi = facts.parameters as f64 * plan.precision.compute_bytes() as f64;
     let accum = plan.grad_accum as f64;
@@ -500,7 +500,7 @@ pub fn collective_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> f64 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::builtins;
+    use crate::facts::builtins;
     use crate::spec::ModelConfig;
     use oomfix_strategies::OptimizerImpl;
 

@@ -37,15 +37,16 @@ fn bert() -> ModelConfig {
     }
 }
 
-/// Every family at one, four and eight sequences of 128 tokens and at four
-/// of 256, with the whole logits (plain fp32 and AdamW; flash attention
-/// where the family has it, fused AdamW), so that a term right at one size
-/// and wrong at another is caught. Beside the small models, a BERT whose
-/// 5,000-word masked-LM head is 78 times its hidden size, as
-/// all-MiniLM-L6-v2's 30,522 words are of its 384.
+/// Every family (GPT-2; Llama-style as Llama, Phi-3 and Gemma 2; BERT) at
+/// one and eight sequences of 128 tokens and at four of 256, with the whole
+/// logits (plain fp32 and AdamW; flash attention where the family has it,
+/// fused AdamW), so that a term right at one size and wrong at another is
+/// caught. Beside the small models, a BERT whose 5,000-word masked-LM head
+/// is 78 times its hidden size, as all-MiniLM-L6-v2's 30,522 words are of
+/// its 384.
 #[test]
 fn estimates_hold_across_micro_batches_and_sequence_lengths() {
-    let shapes = [(1, 128), (4, 128), (8, 128), (4, 256)];
+    let shapes = [(1, 128), (8, 128), (4, 256)];
     let wide_bert = ModelConfig {
         max_positions: 256,
         ..ModelConfig::bert(2, 64, 4, 5000)
@@ -53,10 +54,8 @@ fn estimates_hold_across_micro_batches_and_sequence_lengths() {
     let models = [
         ("gpt2", estimate::gpt2()),
         ("llama", estimate::llama()),
-        ("qwen3", qwen3()),
         ("phi3", phi3()),
         ("gemma2", gemma(2)),
-        ("gemma3", gemma(3)),
         ("bert", bert()),
         ("bert-wide-head", wide_bert),
     ];

@@ -173,20 +173,13 @@ fn train(model: &Path, save: &Path) -> std::process::Output {
 fn refuses(family: &Family, cases: &[(Value, &str)]) {
     let valid = family.dir(&json!({}));
     let out = train(valid.path(), &valid.path().join("saved"));
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{} with its valid config: {}",
-        family.name,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_exit(&out, 0);
     for (extra, field) in cases {
         let d = family.dir(extra);
         let save = d.path().join("saved");
         let out = train(d.path(), &save);
-        let stderr = String::from_utf8_lossy(&out.stderr);
         let what = format!("{} with {extra}", family.name);
-        assert_eq!(out.status.code(), Some(2), "{what}: {stderr}");
+        let stderr = assert_exit(&out, 2);
         assert!(out.stdout.is_empty(), "{what}: stdout");
         assert_eq!(stderr.trim_end().lines().count(), 1, "{what}: {stderr}");
         assert!(stderr.contains("config.json"), "{what}: {stderr}");
@@ -420,12 +413,7 @@ fn tolerated_values_are_planned_and_said() {
         .arg(d.path())
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_exit(&out, 0);
     let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(

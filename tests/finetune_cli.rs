@@ -383,7 +383,8 @@ fn inspect_prints_the_checkpoints_settings() {
             "rope_theta": 500000.0,
             "rms_norm_eps": 1e-5,
             "hidden_act": "silu",
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
             "sliding_window": 4096,
             "eos_token_id": [7, 9],
         }))

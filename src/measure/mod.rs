@@ -5,9 +5,9 @@ mod record;
 mod step;
 pub mod timeline;
 
-pub use record::RunRecording;
+pub use record::{RunRecording, MAX_EVENTS};
 #[doc(hidden)]
 pub use step::limit_address_space;
 pub(crate) use step::warm_up_threads;
-pub use step::{measure_plan, measure_sharded, record_plan, StepVerifier, MAX_EVENTS};
+pub use step::{measure_plan, measure_sharded, record_plan, StepVerifier};
 pub use timeline::Timeline;

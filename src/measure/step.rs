@@ -96,12 +96,6 @@ pub fn measure_sharded(
     })
 }
 
-/// Capacity of the event buffer of a recording (40 bytes an event; memory is
-/// touched only as events are written). A recording holds the trainer's
-/// construction, a warm-up step and the measured step: GPT-2 small at 1 × 4
-/// micro-batches of 32 tokens makes about 800,000 events.
-pub const MAX_EVENTS: usize = 16 << 20;
-
 /// Measures one steady-state step like [`measure_plan`] and records its
 /// allocation timeline (for `--snapshot` and `--plot`).
 ///

@@ -220,6 +220,43 @@ pub fn snapshot_pickle(timeline: &Timeline) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    /// A snapshot's memoized pickle holds the same value as its plain pickle
+    /// (serde-pickle's), as Python's pickle reads both; a device snapshot's
+    /// passes scripts/check-snapshot.py (with PyTorch's own readers where
+    /// installed).
+    #[test]
+    fn a_snapshots_pickle_is_its_plain_pickle() {
+        use super::super::snapshot::{snapshot, tests};
+        let python = std::env::var("OOMFIX_PYTHON").unwrap_or_else(|_| "python3".into());
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/check-snapshot.py");
+        let same = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
+        for (timeline, device) in [(tests::timeline(), false), (tests::device_timeline(), true)] {
+            let bytes = snapshot_pickle(&timeline);
+            assert_eq!(&bytes[..2], b"\x80\x03", "pickle protocol 3");
+            let plain = serde_pickle::to_vec(&snapshot(&timeline), serde_pickle::SerOptions::new())
+                .unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let (a, b) = (dir.path().join("a.pickle"), dir.path().join("b.pickle"));
+            std::fs::write(&a, &bytes).unwrap();
+            std::fs::write(&b, &plain).unwrap();
+            let mut checks = vec![vec!["-c", same, a.to_str().unwrap(), b.to_str().unwrap()]];
+            if device {
+                checks.push(vec![script, a.to_str().unwrap(), "--pool"]);
+            }
+            for args in checks {
+                match std::process::Command::new(&python).args(&args).output() {
+                    Ok(out) => assert!(
+                        out.status.success(),
+                        "{}{}",
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    ),
+                    Err(e) => eprintln!("{python} not run ({e}): not checked"),
+                }
+            }
+        }
+    }
+
     #[test]
     fn ints_round_trip_through_serde_pickle() {
         for v in [

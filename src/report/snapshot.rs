@@ -370,13 +370,14 @@ pub fn snapshot_value(timeline: &Timeline) -> serde_json::Value {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::track::alloc::{Event, EventKind};
     use crate::track::tag::{Component, Module, Op, Tag};
     use std::collections::HashMap;
 
-    fn timeline() -> Timeline {
+    /// A heap step: a weight before it, an activation made and freed.
+    pub(crate) fn timeline() -> Timeline {
         let m = Module::intern("h.0.attn");
         let ev = |kind, t, addr, size, phase, op| Event {
             time_ns: t,
@@ -437,35 +438,18 @@ mod tests {
         assert_eq!(t[2].time_us, 4);
         assert_eq!(s.segments.len(), 1);
         assert_eq!(s.segments[0].address, 0x10);
-        let bytes = super::super::pickle::snapshot_pickle(&timeline());
-        assert_eq!(&bytes[..2], b"\x80\x03", "pickle protocol 3");
-        // The memoized pickle holds the same value as a plain one (checked by Python's pickle).
-        let plain = serde_pickle::to_vec(&s, serde_pickle::SerOptions::new()).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let (a, b) = (dir.path().join("a.pickle"), dir.path().join("b.pickle"));
-        std::fs::write(&a, &bytes).unwrap();
-        std::fs::write(&b, &plain).unwrap();
-        let check = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
-        match std::process::Command::new("python3")
-            .args(["-c", check])
-            .arg(&a)
-            .arg(&b)
-            .output()
-        {
-            Ok(out) => assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            ),
-            Err(e) => eprintln!("python3 not run ({e}): equality not checked"),
-        }
+    }
+
+    /// A device step with the pool's reserve, 7 bytes outside the pool.
+    pub(crate) fn device_timeline() -> Timeline {
+        use crate::measure::timeline::tests::device_events;
+        Timeline::from_device_events(&device_events(), &HashMap::new(), 7, false)
     }
 
     #[test]
     fn a_device_snapshot_has_the_pools_segments_and_figures() {
-        use crate::measure::timeline::tests::device_events;
         use crate::measure::timeline::POOL_BUFFERS_ADDR;
-        let t = Timeline::from_device_events(&device_events(), &HashMap::new(), 7, false);
+        let t = device_timeline();
         let s = snapshot(&t);
         let trace = &s.device_traces[0];
         // Replayed, the trace's allocated and reserved bytes peak at the pool's marks.
@@ -506,30 +490,5 @@ mod tests {
             && e.frames[0].name == crate::measure::timeline::POOL_BUFFERS));
         assert_eq!(s.allocator_settings.figures["outside_pool"], 7);
         assert_eq!(s.allocator_settings.figures["pool_used_high"], 158);
-        // The memoized pickle holds the same value as a plain one, and the
-        // Python check reads it (with PyTorch's own readers where installed).
-        let bytes = super::super::pickle::snapshot_pickle(&t);
-        let plain = serde_pickle::to_vec(&s, serde_pickle::SerOptions::new()).unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let (a, b) = (dir.path().join("a.pickle"), dir.path().join("b.pickle"));
-        std::fs::write(&a, &bytes).unwrap();
-        std::fs::write(&b, &plain).unwrap();
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/check-snapshot.py");
-        let same = "import pickle, sys; a, b = (pickle.load(open(p, 'rb')) for p in sys.argv[1:]); assert a == b";
-        let python = std::env::var("OOMFIX_PYTHON").unwrap_or_else(|_| "python3".into());
-        for args in [
-            vec!["-c", same, a.to_str().unwrap(), b.to_str().unwrap()],
-            vec![script, a.to_str().unwrap(), "--pool"],
-        ] {
-            match std::process::Command::new(&python).args(&args).output() {
-                Ok(out) => assert!(
-                    out.status.success(),
-                    "{}{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                ),
-                Err(e) => eprintln!("{python} not run ({e}): not checked"),
-            }
-        }
     }
 }

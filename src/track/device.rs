@@ -9,7 +9,7 @@
 //! happened, as the heap recording's do ([`super::alloc`]), so
 //! [`crate::measure::Timeline`] gives the blocks the same components.
 
-use super::alloc::{Event, EventKind, Phase};
+use super::event::{Event, EventKind, Phase};
 use super::tag;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::Mutex;
@@ -101,7 +101,7 @@ pub fn note(kind: EventKind, addr: u64, size: u64) {
         live: pool.used,
         tag: tag::current(),
         kind,
-        phase: super::alloc::phase(),
+        phase: super::event::phase(),
     };
     r.events.push(DeviceEvent { event, pool });
 }

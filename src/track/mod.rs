@@ -9,6 +9,7 @@ pub mod alloc;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod event;
 pub mod tag;
 
 pub use alloc::CountingAlloc;

@@ -75,11 +75,7 @@ impl Strategy for FusedAdamWStrategy {
     }
 }
 
-/// How many times the largest parameter tensor `candle_nn::AdamW` holds in
-/// temporaries during its per-tensor update: each of its 14 elementwise ops
-/// (measured) allocates a full-size output, and since the moments are `Var`s
-/// the outputs stay referenced by the graph until the tensor's update ends.
-pub const CANDLE_ADAMW_TEMPORARIES: u64 = 14;
+pub use crate::memory::CANDLE_ADAMW_TEMPORARIES;
 
 // ---------------------------------------------------------------------------
 // Mechanism: the fused step.

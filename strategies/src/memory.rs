@@ -29,83 +29,13 @@
 use crate::{Plan, Strategy};
 use std::sync::Arc;
 
-/// The most linear projections per block [`ModelFacts`] describes.
-pub const MAX_LINEARS: usize = 16;
+pub use crate::facts::{Linear, ModelFacts, MAX_LINEARS};
 
-/// One linear projection of a block: its module name (the last part of its
-/// path: `q_proj`, `c_attn`, `dense`) and its widths.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Linear {
-    /// Module name, as PEFT's `target_modules` names it.
-    pub name: &'static str,
-    /// Input features.
-    pub inputs: u64,
-    /// Output features.
-    pub outputs: u64,
-}
-
-/// What the fixes' memory hooks may know about a model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct ModelFacts {
-    /// Trainable parameters (a tied weight counted once).
-    pub parameters: u64,
-    /// Elements of the largest parameter tensor.
-    pub largest_tensor: u64,
-    /// Transformer blocks.
-    pub layers: usize,
-    /// Parameters of one block (0 when not known).
-    pub block_parameters: u64,
-    /// Parameters that are not trained (frozen), besides `parameters`.
-    pub frozen: u64,
-    /// Elements of the largest frozen tensor.
-    pub largest_frozen: u64,
-    /// The linear projections of one block (all blocks alike), in order;
-    /// empty when not known.
-    pub linears: [Option<Linear>; MAX_LINEARS],
-}
-
-impl ModelFacts {
-    /// Facts of a model with `parameters` parameters, the largest tensor of
-    /// `largest_tensor` elements, and `layers` blocks.
-    pub fn new(parameters: u64, largest_tensor: u64, layers: usize) -> Self {
-        ModelFacts {
-            parameters,
-            largest_tensor,
-            layers,
-            block_parameters: 0,
-            frozen: 0,
-            largest_frozen: 0,
-            linears: [None; MAX_LINEARS],
-        }
-    }
-
-    /// These facts with one more linear projection per block, `name`, from
-    /// `inputs` to `outputs` features (beyond [`MAX_LINEARS`] it is left out).
-    pub fn with_linear(mut self, name: &str, inputs: u64, outputs: u64) -> Self {
-        if let Some(slot) = self.linears.iter_mut().find(|l| l.is_none()) {
-            *slot = Some(Linear {
-                name: crate::plan::intern(name.to_string()),
-                inputs,
-                outputs,
-            });
-        }
-        self
-    }
-
-    /// The linear projections of one block, in order.
-    pub fn linears(&self) -> impl Iterator<Item = Linear> + '_ {
-        self.linears.iter().flatten().copied()
-    }
-
-    /// These facts with `n` parameters in each block.
-    pub fn with_block_parameters(self, n: u64) -> Self {
-        ModelFacts {
-            block_parameters: n,
-            ..self
-        }
-    }
-}
+/// How many times the largest parameter tensor `candle_nn::AdamW` holds in
+/// temporaries during its per-tensor update: each of its 14 elementwise ops
+/// (measured) allocates a full-size output, and since the moments are `Var`s
+/// the outputs stay referenced by the graph until the tensor's update ends.
+pub const CANDLE_ADAMW_TEMPORARIES: u64 = 14;
 
 /// What one optimizer step costs on one rank besides the forward and
 /// backward passes, term by term: the fixes' time terms, which a step-time
@@ -132,10 +62,9 @@ impl StepCost {
     /// over the fp32 weights, gradients and moments, and under mixed
     /// precision the gradient's upcast and the weights' copy back.
     ///
-    /// [`CANDLE_ADAMW_TEMPORARIES`]: crate::adamw::CANDLE_ADAMW_TEMPORARIES
     pub fn unfixed(plan: &crate::Plan, model: &ModelFacts) -> Self {
         let bytes = plan.precision.compute_bytes() as f64;
-        let temporaries = crate::adamw::CANDLE_ADAMW_TEMPORARIES as f64;
+        let temporaries = CANDLE_ADAMW_TEMPORARIES as f64;
         let mixed = if plan.precision.is_mixed() {
             4.0 + 2.0 * bytes
         } else {

@@ -4,6 +4,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::ops::Range;
 
+use crate::intern::intern;
+
 /// Numeric precision of the forward and backward pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Precision {
@@ -537,22 +539,4 @@ impl<'de> Deserialize<'de> for Extensions {
         }
         Ok(out)
     }
-}
-
-/// A `'static` copy of `name`, one per distinct name for the process's life
-/// (extension names are fix names: a handful).
-pub(crate) fn intern(name: String) -> &'static str {
-    use std::collections::HashSet;
-    use std::sync::{Mutex, OnceLock};
-    static NAMES: OnceLock<Mutex<HashSet<&'static str>>> = OnceLock::new();
-    let mut names = NAMES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if let Some(n) = names.get(name.as_str()) {
-        return n;
-    }
-    let leaked: &'static str = Box::leak(name.into_boxed_str());
-    names.insert(leaked);
-    leaked
 }

@@ -206,3 +206,11 @@ pub fn write_logits(
     candle_core::safetensors::save(&tensors, &file).unwrap();
     (file, logits)
 }
+
+/// Asserts that a run of the binary exited with `code`, showing its stderr
+/// otherwise; returns the stderr.
+pub fn assert_exit(out: &std::process::Output, code: i32) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(code), "{stderr}");
+    stderr
+}

@@ -993,7 +993,17 @@ mod embedding;
 pub use embedding::{embedding, embedding_padded};
 
 mod attention_probs;
-pub use attention_probs::{attention_probs, ProbsOptions, PROBS_BACKWARD_CHUNKS};
+pub use attention_probs::{attention_probs, PROBS_BACKWARD_CHUNKS};
+
+/// The masking and scale of [`attention_probs`] (the CPU's and CUDA's kernels read it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ProbsOptions {
+    /// Factor applied to `q·kᵀ` before the softmax.
+    pub scale: f32,
+    /// Query `i` sees key `j` only when `j <= i + s_k − s_q` (the lower
+    /// triangle when `s_q == s_k`).
+    pub causal: bool,
+}
 
 #[cfg(test)]
 pub(crate) mod tests;

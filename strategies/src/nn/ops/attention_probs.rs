@@ -20,21 +20,11 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::{cpu_slice, f};
+use super::{cpu_slice, f, ProbsOptions};
 
 /// Groups the backward splits the key heads into (fewer when there are
 /// fewer heads): `dS` is made for one group at a time.
 pub const PROBS_BACKWARD_CHUNKS: usize = 4;
-
-/// The masking and scale of [`attention_probs`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ProbsOptions {
-    /// Factor applied to `q·kᵀ` before the softmax.
-    pub scale: f32,
-    /// Query `i` sees key `j` only when `j <= i + s_k − s_q` (the lower
-    /// triangle when `s_q == s_k`).
-    pub causal: bool,
-}
 
 /// `softmax(q·kᵀ·scale)` over the keys each query sees: `q` `[b, H, s_q, d]`
 /// and `k` `[b, KV, s_k, d]` of one dtype (f32, bf16, f16), `H` a multiple of
