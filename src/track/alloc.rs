@@ -14,7 +14,7 @@
 //! While [`start_recording`] is on, each allocation and free is written as an
 //! [`Event`] into a buffer obtained from the system allocator (neither counted
 //! nor recorded), by index: the allocator never allocates while recording. An
-//! event carries the [`Phase`] and the [`Tag`] (module path and op, see
+//! event carries the [`Phase`] and the [`Tag`](super::tag::Tag) (module path and op, see
 //! [`super::tag`]) current when it happened; both are plain atomics, so
 //! allocations on worker threads (candle's CPU ops use rayon) carry the tag of
 //! the scope the training thread is in. Besides allocations the buffer holds

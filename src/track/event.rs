@@ -65,8 +65,8 @@ pub enum EventKind {
     Free = 1,
     /// The phase changed to the event's `phase`.
     Phase = 2,
-    /// The live block at `addr` holds the [`Component`] numbered `size`
-    /// ([`Component::from_index`]).
+    /// The live block at `addr` holds the [`Component`](super::tag::Component) numbered `size`
+    /// ([`Component::from_index`](super::tag::Component::from_index)).
     Mark = 3,
     /// The measured step starts here.
     StepStart = 4,

@@ -66,11 +66,12 @@ impl HfConfig {
     }
 }
 
+/// A key of `config.json` and the object under it, if any.
+type Keyed<'a> = (&'static str, Option<&'a Map<String, Value>>);
+
 /// Where the RoPE settings are: `rope_parameters` in newer files (Gemma 3's
 /// per layer type: `full_attention`, `sliding_attention`), and its object.
-fn rope_source(
-    obj: &Map<String, Value>,
-) -> std::result::Result<(&'static str, Option<&Map<String, Value>>), String> {
+fn rope_source(obj: &Map<String, Value>) -> std::result::Result<Keyed<'_>, String> {
     let top = obj.get("rope_parameters").and_then(Value::as_object);
     match top.and_then(|p| p.get("full_attention")) {
         Some(Value::Object(full)) => Ok(("rope_parameters.full_attention", Some(full))),

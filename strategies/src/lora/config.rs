@@ -14,12 +14,12 @@ pub enum BasePrecision {
     /// (bf16, or f16 on a device without bf16), f32 under fp32 compute.
     #[serde(rename = "bf16")]
     Bf16,
-    /// 4-bit NormalFloat, blocks of [`nf4::BLOCK`] values with an fp32 absmax
-    /// each ([`nf4`]); embeddings, norms and the head 16-bit.
+    /// 4-bit NormalFloat, blocks of [`nf4::BLOCK`](super::nf4::BLOCK) values with an fp32 absmax
+    /// each ([`nf4`](super::nf4)); embeddings, norms and the head 16-bit.
     #[serde(rename = "nf4")]
     Nf4,
     /// NF4 with the absmax values themselves quantized: 8 bits each, with an
-    /// fp32 scale per [`nf4::DOUBLE_BLOCK`] absmax values and one fp32 offset
+    /// fp32 scale per [`nf4::DOUBLE_BLOCK`](super::nf4::DOUBLE_BLOCK) absmax values and one fp32 offset
     /// per weight.
     #[serde(rename = "nf4-dq")]
     Nf4Double,
