@@ -24,9 +24,6 @@ pub(crate) fn check(hf: &HfConfig, config: &ModelConfig) -> Result<Vec<String>> 
         // Planned from its numbers alone: nothing computes with them.
         return Ok(Vec::new());
     }
-    let refuse = |field: &str, value: &dyn std::fmt::Display, why: String| {
-        Err(hf.error(format!("\"{field}\" is {value}: {why}")))
-    };
     let sizes_in_the_weights = [
         (
             hf.vocab,
@@ -50,6 +47,7 @@ pub(crate) fn check(hf: &HfConfig, config: &ModelConfig) -> Result<Vec<String>> 
     for (said, found, keys, what) in sizes_in_the_weights {
         if let Some(said) = said.filter(|&v| v != found) {
             return refuse(
+                hf,
                 hf.spelled(keys),
                 &said,
                 format!("the weights have {found} ({what})"),
@@ -61,12 +59,12 @@ pub(crate) fn check(hf: &HfConfig, config: &ModelConfig) -> Result<Vec<String>> 
         if let Some(said) = hf.intermediate.filter(|&v| v != config.intermediate) {
             let key = hf.spelled(&["intermediate_size", "n_inner"]);
             let why = format!("the weights' MLP has {}", config.intermediate);
-            return refuse(key, &said, why);
+            return refuse(hf, key, &said, why);
         }
     }
     let key = hf.spelled(&["max_position_embeddings", "n_positions"]);
     match hf.max_positions {
-        Some(0) => return refuse(key, &0, "a context of no tokens".into()),
+        Some(0) => return refuse(hf, key, &0, "a context of no tokens".into()),
         // GPT-2 and BERT learn a position table of that many rows.
         Some(said)
             if matches!(config.family, Family::Gpt2 | Family::Bert)
@@ -76,7 +74,7 @@ pub(crate) fn check(hf: &HfConfig, config: &ModelConfig) -> Result<Vec<String>> 
                 "the weights' position table has {} rows",
                 config.max_positions
             );
-            return refuse(key, &said, why);
+            return refuse(hf, key, &said, why);
         }
         _ => {}
     }
@@ -85,6 +83,7 @@ pub(crate) fn check(hf: &HfConfig, config: &ModelConfig) -> Result<Vec<String>> 
     }
     if let Some(w) = config.settings.sliding_window.filter(|&w| w == 0) {
         return refuse(
+            hf,
             "sliding_window",
             &w,
             "a window of no tokens attends to nothing".into(),
@@ -99,27 +98,29 @@ pub(crate) fn check(hf: &HfConfig, config: &ModelConfig) -> Result<Vec<String>> 
             "the embedding's padding row must be one of its {} rows",
             config.vocab
         );
-        return refuse("pad_token_id", &p, why);
+        return refuse(hf, "pad_token_id", &p, why);
     }
     Ok(notes(hf, config))
 }
 
+/// The refusal of `field`'s `value`, `why` it cannot be used.
+fn refuse<T>(hf: &HfConfig, field: &str, value: &dyn std::fmt::Display, why: String) -> Result<T> {
+    Err(hf.error(format!("\"{field}\" is {value}: {why}")))
+}
+
 /// The rules of a Llama-style model's attention and RoPE.
 fn llama(hf: &HfConfig, config: &ModelConfig) -> Result<()> {
-    let refuse = |field: &str, value: &dyn std::fmt::Display, why: String| {
-        Err(hf.error(format!("\"{field}\" is {value}: {why}")))
-    };
     if hf.head_dim == Some(0) {
-        return refuse("head_dim", &0, "a head of no elements".into());
+        return refuse(hf, "head_dim", &0, "a head of no elements".into());
     }
     let (heads, kv) = (config.heads, config.kv_heads);
     if kv == 0 || !heads.is_multiple_of(kv) {
         let why = format!("each key/value head serves a whole group of the {heads} query heads");
-        return refuse("num_key_value_heads", &kv, why);
+        return refuse(hf, "num_key_value_heads", &kv, why);
     }
     if let Some(p) = config.settings.partial_rotary_factor.filter(|&p| p > 1.0) {
         let why = "the part of each head RoPE rotates is at most the whole head (at most 1)";
-        return refuse("partial_rotary_factor", &p, why.into());
+        return refuse(hf, "partial_rotary_factor", &p, why.into());
     }
     if let Some(g) = &config.settings.gemma {
         if g.sliding_layers.len() != config.layers {
@@ -129,7 +130,7 @@ fn llama(hf: &HfConfig, config: &ModelConfig) -> Result<()> {
                 g.sliding_layers.len(),
                 config.layers
             );
-            return refuse(key, &"a list", why);
+            return refuse(hf, key, &"a list", why);
         }
     }
     let Some(kind) = config.settings.rope_scaling.as_deref() else {
@@ -139,7 +140,7 @@ fn llama(hf: &HfConfig, config: &ModelConfig) -> Result<()> {
     let field = |name: &str| format!("{}.{name}", hf.rope_key);
     let positive = |name: &str, v: Option<f64>, needed: bool| match v {
         Some(x) if x > 0.0 => Ok(()),
-        Some(x) => refuse(&field(name), &x, "not a positive number".into()),
+        Some(x) => refuse(hf, &field(name), &x, "not a positive number".into()),
         None if needed => Err(hf.error(format!(
             "\"{}\" has no \"{name}\": the {kind:?} RoPE scaling needs it",
             hf.rope_key
@@ -149,7 +150,7 @@ fn llama(hf: &HfConfig, config: &ModelConfig) -> Result<()> {
     let original = |needed: bool| {
         match r.original_max_positions {
         Some(0) => refuse(
-            &field("original_max_position_embeddings"),
+            hf, &field("original_max_position_embeddings"),
             &0,
             "a context of no tokens".into(),
         ),
@@ -188,7 +189,7 @@ fn llama(hf: &HfConfig, config: &ModelConfig) -> Result<()> {
                             "{} numbers, and the heads rotate {pairs} pairs (one factor each)",
                             f.len()
                         );
-                        return refuse(&field(name), &"a list", why);
+                        return refuse(hf, &field(name), &"a list", why);
                     }
                     None => {
                         return Err(hf.error(format!(
