@@ -133,18 +133,12 @@ fn bert() -> Family {
 impl Family {
     /// The family's weights (F32, sparse) with its config and `extra` over it.
     fn dir(&self, extra: &Value) -> TempDir {
-        let dir = TempDir::new().unwrap();
-        write_safetensors(
-            &dir.path().join("model.safetensors"),
-            &with_dtype(self.tensors.clone(), "F32"),
-        );
         let mut config = self.config.clone();
         config
             .as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        write_json(&dir.path().join("config.json"), &config);
-        dir
+        model_dir(self.tensors.clone(), config)
     }
 }
 
@@ -179,11 +173,8 @@ fn refuses(family: &Family, cases: &[(Value, &str)]) {
         let save = d.path().join("saved");
         let out = train(d.path(), &save);
         let what = format!("{} with {extra}", family.name);
-        let stderr = assert_exit(&out, 2);
-        assert!(out.stdout.is_empty(), "{what}: stdout");
-        assert_eq!(stderr.trim_end().lines().count(), 1, "{what}: {stderr}");
-        assert!(stderr.contains("config.json"), "{what}: {stderr}");
-        assert!(stderr.contains(field), "{what}: {field} not in {stderr}");
+        eprintln!("{what}");
+        refused(&out, &["config.json", field]);
         assert!(!save.exists(), "{what}: {} was written", save.display());
         // inspect, which reads only the header, refuses it the same way.
         let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();

@@ -11,24 +11,11 @@ use assert_cmd::Command;
 use common::*;
 use oomfix::{ModelConfig, ModelSettings};
 use serde_json::{json, Value};
-use tempfile::TempDir;
 
 fn oomfix() -> Command {
     let mut cmd = Command::cargo_bin("oomfix").unwrap();
     cmd.env_remove("RUST_LOG");
     cmd
-}
-
-/// A model directory: `model.safetensors` with `tensors` (F32, sparse) and
-/// `config.json`.
-fn model_dir(tensors: Vec<(String, Vec<usize>)>, config: Value) -> TempDir {
-    let dir = TempDir::new().unwrap();
-    write_safetensors(
-        &dir.path().join("model.safetensors"),
-        &with_dtype(tensors, "F32"),
-    );
-    write_json(&dir.path().join("config.json"), &config);
-    dir
 }
 
 /// `config.json` of a 2-layer Llama-style model of hidden 32 (4 heads, 2 kv).
@@ -56,21 +43,6 @@ fn plan(model: &Path) -> std::process::Output {
         .arg(model)
         .output()
         .unwrap()
-}
-
-/// Exit 2, nothing on stdout, one line on stderr containing every phrase.
-fn refused(out: &std::process::Output, phrases: &[&str]) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(
-        out.stdout.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
-    for p in phrases {
-        assert!(stderr.contains(p), "{p}: {stderr}");
-    }
 }
 
 fn qwen3(head_dim: usize) -> ModelConfig {

@@ -731,16 +731,18 @@ pub fn cpu_matmul_workspace(rows: u64, cols: u64, k: u64, value_bytes: u64) -> u
 /// - BERT's decoder with its bias is one op
 ///   ([`oomfix_strategies::nn::ops::linear`]) whose backward makes the
 ///   `[P,h]` weight gradient once, where the loss's working set counts
-///   [`HEAD_WEIGHT_BACKWARD_COPIES`] (a product and its transpose) for
-///   every family: one fewer on the CPU (measured on all-MiniLM-L6-v2; the
+///   `HEAD_WEIGHT_BACKWARD_COPIES` (a product and its transpose) for
+///   every family: one fewer on the CPU with `backward`'s
+///   [`Backward::FirstGradientAsIs`] (measured on all-MiniLM-L6-v2; the
 ///   CUDA rows of BERT, 0.5–4.1% under with both, keep them).
 ///
 /// The loss in chunks makes small products and is left as it is.
-pub fn add_cpu_matmul_workspace(
+pub fn add_cpu_head_backward(
     act: &mut Activations,
     spec: &ModelSpec,
     plan: &Plan,
     exec: &Execution,
+    backward: Backward,
 ) {
     let c = &spec.config;
     if c.family == Family::Generic || c.layers == 0 || plan.precision == Precision::Bf16 {
@@ -762,7 +764,7 @@ pub fn add_cpu_matmul_workspace(
     };
     let made_once = if c.family == Family::Bert
         && plan.lora.is_none()
-        && Backward::linked() == Backward::FirstGradientAsIs
+        && backward == Backward::FirstGradientAsIs
     {
         d.p * d.h * value_bytes
     } else {

@@ -43,7 +43,7 @@ pub use crate::facts::{
 
 pub use crate::target::Target;
 pub use activations::{
-    activation_bytes, activation_bytes_for, add_cpu_matmul_workspace, cpu_matmul_workspace,
+    activation_bytes, activation_bytes_for, add_cpu_head_backward, cpu_matmul_workspace,
     embedding_backward_copies, mlp_backward_ni, widen_cpu_bf16_matmuls, Activations, Backward,
     Moment,
 };
@@ -300,7 +300,7 @@ fn estimate(
     let mut act = activation_bytes_for(spec, plan, &exec, backward);
     if *target == Target::Cpu {
         widen_cpu_bf16_matmuls(&mut act, spec, plan, &exec);
-        add_cpu_matmul_workspace(&mut act, spec, plan, &exec);
+        add_cpu_head_backward(&mut act, spec, plan, &exec, backward);
     }
     // A frozen weight converted for the pass, while the backward crosses a block.
     act.blocks.transient += s.pass_transient;

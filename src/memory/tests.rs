@@ -365,8 +365,8 @@ fn the_loss_backward_holds_no_gradient() {
     let b = MemoryModel.estimate(&spec, &plan, &Target::Cpu);
     let exec = builtin_execution(&plan);
     let mut a = activation_bytes(&spec, &plan, &exec);
-    // The CPU target's: the matrix kernel's panel of the head's product.
-    add_cpu_matmul_workspace(&mut a, &spec, &plan, &exec);
+    // The CPU target's terms of the head's backward.
+    add_cpu_head_backward(&mut a, &spec, &plan, &exec, Backward::linked());
     assert_eq!(b.peak_phase, PeakMoment::LossBackward);
     assert_eq!(b.peak, b.weights + b.optimizer_state + a.loss.total());
     assert!(b

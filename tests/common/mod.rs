@@ -214,3 +214,31 @@ pub fn assert_exit(out: &std::process::Output, code: i32) -> String {
     assert_eq!(out.status.code(), Some(code), "{stderr}");
     stderr
 }
+
+/// A model directory: `model.safetensors` with `tensors` (F32, sparse) and
+/// `config.json`.
+pub fn model_dir(tensors: Vec<(String, Vec<usize>)>, config: Value) -> tempfile::TempDir {
+    let dir = tempfile::TempDir::new().unwrap();
+    write_safetensors(
+        &dir.path().join("model.safetensors"),
+        &with_dtype(tensors, "F32"),
+    );
+    write_json(&dir.path().join("config.json"), &config);
+    dir
+}
+
+/// Exit 2, nothing on stdout, one line on stderr containing every phrase;
+/// returns the stderr.
+pub fn refused(out: &std::process::Output, phrases: &[&str]) -> String {
+    let stderr = assert_exit(out, 2);
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    for p in phrases {
+        assert!(stderr.contains(p), "{p}: {stderr}");
+    }
+    stderr
+}

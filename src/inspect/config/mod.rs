@@ -57,12 +57,15 @@ impl HfConfig {
         Error::input(&self.path, msg)
     }
 
+    /// Whether the file gives `key` a value (not `null`).
+    pub fn gives(&self, key: &str) -> bool {
+        self.keys.iter().any(|present| present == key)
+    }
+
     /// The first of `keys` (a field and its aliases) the file gives, else
     /// the first.
     pub fn spelled<'a>(&self, keys: &[&'a str]) -> &'a str {
-        keys.iter()
-            .find(|k| self.keys.iter().any(|present| present == *k))
-            .unwrap_or(&keys[0])
+        keys.iter().find(|k| self.gives(k)).unwrap_or(&keys[0])
     }
 }
 

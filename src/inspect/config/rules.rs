@@ -66,10 +66,7 @@ pub(crate) fn check(hf: &HfConfig, config: &ModelConfig) -> Result<Vec<String>> 
     match hf.max_positions {
         Some(0) => return refuse(hf, key, &0, "a context of no tokens".into()),
         // GPT-2 and BERT learn a position table of that many rows.
-        Some(said)
-            if matches!(config.family, Family::Gpt2 | Family::Bert)
-                && said != config.max_positions =>
-        {
+        Some(said) if config.family.has_learned_positions() && said != config.max_positions => {
             let why = format!(
                 "the weights' position table has {} rows",
                 config.max_positions
@@ -92,7 +89,7 @@ pub(crate) fn check(hf: &HfConfig, config: &ModelConfig) -> Result<Vec<String>> 
     // GPT-2 has no padding row; the others' embeddings keep one. (A class's
     // default outside a tiny vocabulary pads nothing: see `notes`.)
     let pad = config.settings.pad_token_id.map(|p| p as usize);
-    let given = hf.keys.iter().any(|k| k == "pad_token_id");
+    let given = hf.gives("pad_token_id");
     if let Some(p) = pad.filter(|&p| given && p >= config.vocab && config.family != Family::Gpt2) {
         let why = format!(
             "the embedding's padding row must be one of its {} rows",
@@ -138,28 +135,25 @@ fn llama(hf: &HfConfig, config: &ModelConfig) -> Result<()> {
     };
     let r = &config.settings.rope;
     let field = |name: &str| format!("{}.{name}", hf.rope_key);
+    let missing = |name: &str, what: &str| -> Result<()> {
+        let (key, kind) = (hf.rope_key, kind);
+        Err(hf.error(format!(
+            "\"{key}\" has no \"{name}\": the {kind:?} RoPE scaling needs {what}"
+        )))
+    };
     let positive = |name: &str, v: Option<f64>, needed: bool| match v {
         Some(x) if x > 0.0 => Ok(()),
         Some(x) => refuse(hf, &field(name), &x, "not a positive number".into()),
-        None if needed => Err(hf.error(format!(
-            "\"{}\" has no \"{name}\": the {kind:?} RoPE scaling needs it",
-            hf.rope_key
-        ))),
+        None if needed => missing(name, "it"),
         None => Ok(()),
     };
-    let original = |needed: bool| {
-        match r.original_max_positions {
-        Some(0) => refuse(
-            hf, &field("original_max_position_embeddings"),
-            &0,
-            "a context of no tokens".into(),
-        ),
-        None if needed => Err(hf.error(format!(
-            "\"{}\" has no \"original_max_position_embeddings\": the {kind:?} RoPE scaling needs it",
-            hf.rope_key
-        ))),
+    let original = |needed: bool| match r.original_max_positions {
+        Some(0) => {
+            let why = "a context of no tokens".into();
+            refuse(hf, &field("original_max_position_embeddings"), &0, why)
+        }
+        None if needed => missing("original_max_position_embeddings", "it"),
         _ => Ok(()),
-    }
     };
     match kind {
         "linear" | "dynamic" => positive("factor", r.factor, true),
@@ -191,12 +185,7 @@ fn llama(hf: &HfConfig, config: &ModelConfig) -> Result<()> {
                         );
                         return refuse(hf, &field(name), &"a list", why);
                     }
-                    None => {
-                        return Err(hf.error(format!(
-                            "\"{}\" has no \"{name}\": the \"longrope\" RoPE scaling needs {pairs} numbers",
-                            hf.rope_key
-                        )))
-                    }
+                    None => return missing(name, &format!("{pairs} numbers")),
                 }
             }
             positive("factor", r.factor, false)
@@ -227,7 +216,7 @@ fn notes(hf: &HfConfig, config: &ModelConfig) -> Vec<String> {
         .pad_token_id
         .filter(|&p| p as usize >= config.vocab)
     {
-        if !hf.keys.iter().any(|k| k == "pad_token_id") && config.family != Family::Gpt2 {
+        if !hf.gives("pad_token_id") && config.family != Family::Gpt2 {
             notes.push(format!(
                 "padding id {p} (the class's default) is outside the vocabulary of {}: no row is kept for padding",
                 config.vocab
