@@ -30,12 +30,21 @@ fn default_model_fits_in_8gib_and_says_which_model() {
 
 #[test]
 fn plan_subcommand_is_the_default() {
+    // The host budget is given: its default follows the machine's available
+    // memory, which other tests running alongside move.
     let a = oomfix()
-        .args(["--budget", "8GiB", "--json"])
+        .args(["--budget", "8GiB", "--host-budget", "16GiB", "--json"])
         .output()
         .unwrap();
     let b = oomfix()
-        .args(["plan", "--budget", "8GiB", "--json"])
+        .args([
+            "plan",
+            "--budget",
+            "8GiB",
+            "--host-budget",
+            "16GiB",
+            "--json",
+        ])
         .output()
         .unwrap();
     assert_eq!(a.stdout, b.stdout);
