@@ -27,14 +27,7 @@ fn llama_estimate_within_8_percent() {
 
 #[test]
 fn bert_estimate_within_8_percent() {
-    check("bert", bert());
-}
-
-fn bert() -> ModelConfig {
-    ModelConfig {
-        max_positions: 256,
-        ..ModelConfig::bert(4, 256, 4, 4096)
-    }
+    check("bert", estimate::bert());
 }
 
 /// Every family (GPT-2; Llama-style as Llama, Phi-3 and Gemma 2; BERT) at
@@ -54,9 +47,9 @@ fn estimates_hold_across_micro_batches_and_sequence_lengths() {
     let models = [
         ("gpt2", estimate::gpt2()),
         ("llama", estimate::llama()),
-        ("phi3", phi3()),
-        ("gemma2", gemma(2)),
-        ("bert", bert()),
+        ("phi3", estimate::phi3()),
+        ("gemma2", estimate::gemma(2)),
+        ("bert", estimate::bert()),
         ("bert-wide-head", wide_bert),
     ];
     for (name, config) in models {
@@ -198,15 +191,7 @@ fn an_offloaded_plan_on_the_cpu_needs_the_peak_and_the_host_bytes() {
 /// key head (their outputs kept for backward).
 #[test]
 fn qwen3_estimate_within_8_percent() {
-    check("qwen3", qwen3());
-}
-
-fn qwen3() -> ModelConfig {
-    let mut c = estimate::llama();
-    c.settings.head_dim = Some(2 * c.head_dim());
-    c.settings.qk_norm = true;
-    c.settings.architecture = Some("Qwen3ForCausalLM".into());
-    c
+    check("qwen3", estimate::qwen3());
 }
 
 /// Llama 3.x: the `llama3` RoPE scaling changes the tables' values only.
@@ -229,55 +214,14 @@ fn llama3_estimate_within_8_percent() {
 /// by RoPE, the head split and SwiGLU).
 #[test]
 fn phi3_estimate_within_8_percent() {
-    check("phi3", phi3());
-}
-
-fn phi3() -> ModelConfig {
-    let mut c = estimate::llama();
-    c.settings.fused_projections = true;
-    c.settings.architecture = Some("Phi3ForCausalLM".into());
-    c
+    check("phi3", estimate::phi3());
 }
 
 /// Phi-4-mini: fused projections, RoPE on 3/4 of each head (the rotated
 /// part copied, turned and joined to the rest), longrope scaling.
 #[test]
 fn phi4_mini_estimate_within_8_percent() {
-    let mut c = estimate::llama();
-    c.settings.fused_projections = true;
-    c.settings.architecture = Some("Phi3ForCausalLM".into());
-    c.settings.partial_rotary_factor = Some(0.75);
-    c.settings.rope_scaling = Some("longrope".into());
-    let pairs = c.rotary_dim() / 2;
-    c.settings.rope = oomfix::RopeFactors {
-        original_max_positions: Some(32),
-        short_factor: Some(vec![1.5; pairs]),
-        long_factor: Some(vec![4.0; pairs]),
-        ..Default::default()
-    };
-    check("phi4-mini", c);
-}
-
-/// A Gemma-shaped model from the small Llama: GeLU-tanh MLP, head size 64
-/// (hidden / heads is 32), a window of 32 on every other block, scores
-/// scaled by 64^-1/2; `version` 2 soft-caps scores and logits, 3 norms q
-/// and k and gives the sliding blocks their own RoPE base.
-fn gemma(version: u8) -> ModelConfig {
-    let mut c = estimate::llama();
-    c.settings.head_dim = Some(64);
-    c.settings.hidden_act = Some("gelu_pytorch_tanh".into());
-    c.settings.sliding_window = Some(32);
-    c.settings.qk_norm = version == 3;
-    c.settings.architecture = Some(format!("Gemma{version}ForCausalLM"));
-    c.settings.gemma = Some(oomfix::GemmaSettings {
-        version,
-        query_pre_attn_scalar: 64.0,
-        attn_softcap: (version == 2).then_some(50.0),
-        final_softcap: (version == 2).then_some(30.0),
-        sliding_layers: vec![true, false, true, false],
-        local_rope_theta: (version == 3).then_some(10_000.0),
-    });
-    c
+    check("phi4-mini", estimate::phi4_mini());
 }
 
 /// Gemma's plans: no flash attention (the planner never chooses it for
@@ -313,14 +257,14 @@ fn check_gemma(name: &str, config: ModelConfig) {
 /// scores and sliding windows, soft-capped logits.
 #[test]
 fn gemma2_estimate_within_8_percent() {
-    check_gemma("gemma2", gemma(2));
+    check_gemma("gemma2", estimate::gemma(2));
 }
 
 /// Gemma 3: Gemma 2's blocks without soft-caps, with q/k norms and two
 /// kinds of RoPE tables.
 #[test]
 fn gemma3_estimate_within_8_percent() {
-    check_gemma("gemma3", gemma(3));
+    check_gemma("gemma3", estimate::gemma(3));
 }
 
 /// LoRA (a frozen 16-bit base) and QLoRA (an NF4 base, one projection
