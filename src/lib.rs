@@ -28,6 +28,8 @@
 //! * [`units`], [`output`]: byte sizes; atomic output files;
 //! * [`inspect`](mod@inspect) → [`spec`]: a weights file's header → the model's shape;
 //!   [`Target`]: the device planned for;
+//! * [`block`]: a family's block under a plan: its matrix products and the
+//!   tensors it keeps, which both models below read;
 //! * [`memory`]: `(spec, plan, target)` → bytes per component and the peak
 //!   (the fixes' memory hooks, plus activations);
 //! * [`speed`]: `(spec, plan, target)` → modelled seconds per optimizer step;
@@ -50,6 +52,7 @@
 
 pub mod anymodel;
 pub mod architecture;
+pub mod block;
 pub mod dist;
 pub mod facts;
 pub mod inspect;

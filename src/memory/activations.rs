@@ -22,11 +22,10 @@
 //! form makes), its output (the same size as the composed context) and one
 //! f32 log-sum-exp per query row and head. Neither builds a mask.
 
-use crate::spec::VOCAB_ALIGN;
+use crate::block::{Block, Dims};
 use crate::spec::{Family, ModelSpec};
-use oomfix_strategies::chunked_loss::chunk_rows;
 use oomfix_strategies::nn::ops::PROBS_BACKWARD_CHUNKS;
-use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, Precision};
+use oomfix_strategies::{Checkpointing, Execution, Plan, Precision};
 
 /// Activation bytes of one micro-batch on one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -170,233 +169,9 @@ impl Values {
     }
 }
 
-/// The sizes one micro-batch works with.
-struct Dims {
-    n: u64,
-    s: u64,
-    h: u64,
-    i: u64,
-    kv: u64,
-    /// `H·d`: the queries' width (the hidden size unless `head_dim` says otherwise).
-    q: u64,
-    /// Llama-style: RMSNorm outputs of q and k (Qwen3).
-    qk_norm: bool,
-    /// Llama-style: fused `qkv_proj` and `gate_up_proj` (Phi-3).
-    fused: bool,
-    heads: u64,
-    head_dim: u64,
-    v: u64,
-    /// The vocabulary the head's products use, padded to a multiple of
-    /// [`VOCAB_ALIGN`].
-    p: u64,
-    flash: bool,
-    /// Rows per chunk of the LM loss when it runs in chunks
-    /// ([`oomfix_strategies::chunked_loss`]); `None`: the whole logits.
-    chunk: Option<u64>,
-    /// Rows of the head weight's gradient a chunked loss sums at once.
-    weight_rows: u64,
-    /// The compute dtype is 16-bit (f32 copies are real copies).
-    half: bool,
-    /// Llama-style with partial rotary: the rotated part of each head
-    /// (`None`: the whole head).
-    rotary: Option<u64>,
-    /// A mixture of experts: `(experts, experts per token, one expert's
-    /// MLP size)`.
-    moe: Option<(u64, u64, u64)>,
-    /// Gemma 2 / 3: their terms ([`gemma_block`]).
-    gemma: Option<GemmaDims>,
-}
-
-/// What a Gemma model adds to a Llama-style one's activations.
-#[derive(Debug, Clone, Copy)]
-struct GemmaDims {
-    /// Attention scores soft-capped (Gemma 2).
-    attn_cap: bool,
-    /// Logits soft-capped (Gemma 2).
-    final_cap: bool,
-    /// Kinds of blocks with their own RoPE tables and mask: 2 when sliding
-    /// blocks compute another attention than the full ones (a window shorter
-    /// than the sequence, or a RoPE base of their own), else 1.
-    kinds: u64,
-}
-
-impl Dims {
-    fn new(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> Dims {
-        let c = &spec.config;
-        Dims {
-            n: (plan.micro_batch * plan.seq_len) as u64,
-            s: plan.seq_len as u64,
-            h: c.hidden as u64,
-            i: c.intermediate as u64,
-            kv: (c.kv_heads * c.head_dim()) as u64,
-            q: (c.heads * c.head_dim()) as u64,
-            qk_norm: c.settings.qk_norm,
-            fused: c.settings.fused_projections,
-            heads: c.heads as u64,
-            head_dim: c.head_dim() as u64,
-            v: c.vocab as u64,
-            p: c.vocab.next_multiple_of(VOCAB_ALIGN) as u64,
-            flash: exec.attention == Attention::Flash,
-            chunk: exec.loss_chunk_bytes.map(|bytes| {
-                let p = c.vocab.next_multiple_of(VOCAB_ALIGN);
-                let dtype = oomfix_strategies::model::dtype_of(plan.precision);
-                let n = plan.micro_batch * plan.seq_len;
-                chunk_rows(bytes, p, dtype).min(n.max(1)) as u64
-            }),
-            weight_rows: exec.loss_chunk_bytes.map_or(0, |bytes| {
-                let row = (c.hidden.max(1) as u64) * plan.precision.compute_bytes();
-                (bytes / row)
-                    .max(1)
-                    .min(c.vocab.next_multiple_of(VOCAB_ALIGN) as u64)
-            }),
-            half: plan.precision.compute_bytes() < 4,
-            rotary: (c.rotary_dim() != c.head_dim()).then_some(c.rotary_dim() as u64),
-            moe: c.settings.moe.as_ref().map(|m| {
-                (
-                    m.experts as u64,
-                    m.top_k as u64,
-                    m.expert_intermediate as u64,
-                )
-            }),
-            gemma: c.settings.gemma.as_ref().map(|g| {
-                let sliding = g.sliding_layers.iter().any(|&x| x);
-                let window = c.settings.sliding_window.is_some_and(|w| w < plan.seq_len);
-                GemmaDims {
-                    attn_cap: g.attn_softcap.is_some(),
-                    final_cap: g.final_softcap.is_some(),
-                    kinds: if sliding && (window || g.local_rope_theta.is_some()) {
-                        2
-                    } else {
-                        1
-                    },
-                }
-            }),
-        }
-    }
-    /// `[b, H, s, s]` elements.
-    fn scores(&self) -> u64 {
-        self.n * self.heads * self.s
-    }
-    /// A norm (layer or RMS) on `[n, h]`: its output only (one fused op that
-    /// recomputes its row statistics in backward).
-    fn norm(&self) -> Values {
-        Values {
-            c: self.n * self.h,
-            f32: 0,
-        }
-    }
-}
-
-/// What one block's attention keeps between its q, k, v copies and its context
-/// (or the flash op's output), both counted in [`block`].
-///
-/// Composed: the probabilities `[b,H,s,s]`. Flash: the log-sum-exp `[b,H,s]` f32.
-fn attention_core(d: &Dims) -> Values {
-    if d.flash {
-        Values {
-            c: 0,
-            f32: d.n * d.heads,
-        }
-    } else {
-        Values {
-            c: d.scores(),
-            f32: 0,
-        }
-    }
-}
-
-/// What one Gemma block's forward keeps (`gemma::Block` and `attend` in
-/// `src/train/gemma.rs`): four norms `[n,h]`; q `[n,q]`, k, v `[n,kv]`
-/// (Gemma 3: and their norms); the v copy and RoPE of q and k; the composed
-/// attention's score-sized tensors (scores; with a cap, tanh and its
-/// multiple; masked; 16-bit: their f32 copy; shifted, exponentials,
-/// probabilities in f32; 16-bit: the probabilities' copy) and its row
-/// maximum and sum `[b,H,s]` f32; context and merged heads `[n,q]`;
-/// `o_proj` and residual, `down_proj` and residual `[n,h]`; gate, up, GeLU
-/// and product `[n,I]`.
-fn gemma_block(d: &Dims, g: GemmaDims) -> Values {
-    let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
-    let half = u64::from(d.half);
-    let scores_c = 2 + 2 * u64::from(g.attn_cap) + half;
-    Values {
-        c: 4 * n * d.q
-            + 4 * n * kv
-            + 4 * n * h
-            + 4 * n * i
-            + if d.qk_norm { n * (d.q + kv) } else { 0 }
-            + scores_c * d.scores(),
-        f32: (3 + half) * d.scores() + 2 * n * d.heads,
-    }
-    .add(d.norm())
-    .add(d.norm())
-    .add(d.norm())
-    .add(d.norm())
-}
-
-/// What one transformer block's forward keeps.
-fn block(family: Family, d: &Dims) -> Values {
-    let (n, h, i, kv) = (d.n, d.h, d.i, d.kv);
-    if let (Family::Llama, Some(g)) = (family, d.gemma) {
-        return gemma_block(d, g);
-    }
-    let core = attention_core(d);
-    match family {
-        // ln_1; c_attn [n,3h]; q, k, v contiguous copies;
-        // attention core; context; merged, c_proj, residual; ln_2; c_fc, gelu
-        // [n,I]×2; c_proj, residual.
-        Family::Gpt2 | Family::Generic => Values {
-            c: 12 * n * h + 2 * n * i,
-            f32: 0,
-        }
-        .add(core)
-        .add(d.norm())
-        .add(d.norm()),
-        // rms; q [n,q]; k, v [n,kv]×2 (biases, if any, added in place);
-        // with q/k norm, their outputs [n,q], [n,kv]; v copy; RoPE q, k
-        // (fused, heads first); attention core; context, merged [n,q]×2;
-        // o_proj, residual; rms; gate, up, SwiGLU [n,I]×3; down, residual.
-        // Fused projections (one output of q, k, v; one of gate, up): the
-        // contiguous copies RoPE makes of q [n,q] and k [n,kv], the copy
-        // splitting v's heads [n,kv], and SwiGLU's of gate and up [n,I]×2.
-        // Partial rotary (r of each head's d): per head of q and k, the
-        // rotated part's copy and its RoPE [n,r] each besides the joined
-        // head (in place of RoPE's output) — with fused projections the
-        // copy of q and k before the split stands in for RoPE's copy.
-        // A mixture of experts (as transformers' eager MoE computes it), in
-        // place of gate, up and SwiGLU [n,I]×3: the router's logits [n,E]
-        // and their f32 softmax; for each of the n·k routed rows, its
-        // gathered input [h], gate, up, activation and product [I_e]×4, the
-        // expert's output and its weighted copy [h]×2.
-        Family::Llama => Values {
-            c: 4 * n * d.q
-                + 4 * n * h
-                + 4 * n * kv
-                + d.moe
-                    .map_or(3 * n * i, |(e, k, x)| n * e + n * k * (4 * x + 3 * h))
-                + if d.qk_norm { n * (d.q + kv) } else { 0 }
-                + if d.fused {
-                    n * (d.q + 2 * kv) + 2 * n * i
-                } else {
-                    0
-                }
-                + d.rotary
-                    .map_or(0, |r| 2 * n * r * (d.heads + kv / d.head_dim.max(1))),
-            f32: d.moe.map_or(0, |(e, _, _)| n * e),
-        }
-        .add(core)
-        .add(d.norm())
-        .add(d.norm()),
-        // q, k, v; q, k, v contiguous copies; attention core;
-        // context; merged, dense, residual; LN; intermediate, gelu [n,I]×2;
-        // dense, residual; LN.
-        Family::Bert => Values {
-            c: 12 * n * h + 2 * n * i,
-            f32: 0,
-        }
-        .add(core)
-        .add(d.norm())
-        .add(d.norm()),
-    }
+/// A norm (layer or RMS) on `[n, h]`: its output only.
+fn norm(d: &Dims) -> Values {
+    Values { c: d.n * d.h, f32: 0 }
 }
 
 /// The embedding stem, plus what one forward builds once and every block holds
@@ -424,7 +199,7 @@ fn stem(family: Family, d: &Dims) -> Values {
             c: 2 * d.n * d.h + d.s * d.h,
             f32: 0,
         }
-        .add(d.norm()),
+        .add(norm(d)),
     }
 }
 
@@ -439,12 +214,12 @@ fn stem(family: Family, d: &Dims) -> Values {
 /// ([`chunked_loss_transient`]).
 fn head(family: Family, d: &Dims) -> Values {
     let norm = match family {
-        Family::Gpt2 | Family::Generic | Family::Llama => d.norm(),
+        Family::Gpt2 | Family::Generic | Family::Llama => norm(d),
         Family::Bert => Values {
             c: 2 * d.n * d.h,
             f32: d.n,
         }
-        .add(d.norm()),
+        .add(norm(d)),
     };
     let padded = if d.p == d.v { 0 } else { d.p * (d.h + 1) };
     let logits = if d.chunk.is_some() { 0 } else { d.n * d.p };
@@ -826,7 +601,7 @@ pub fn activation_bytes_for(
     let d = Dims::new(spec, plan, exec);
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
-    let block = block(cfg.family, &d).bytes(c);
+    let block = Block::describe(spec, plan, exec).kept_bytes(c);
     let head = head(cfg.family, &d).bytes(c);
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
