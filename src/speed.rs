@@ -12,6 +12,7 @@
 //! lowest modelled time per optimizer step, the global batch being the same
 //! for all of them. Its error against measured steps is in docs/sweep.md.
 
+use crate::block::Block;
 use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
 use crate::target::Target;
 use oomfix_strategies::lora::{BasePrecision, LoraFix};
@@ -257,8 +258,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     let c = &spec.config;
     let (b, s) = (plan.micro_batch as f64, plan.seq_len as f64);
     let n = b * s;
-    let (h, i, layers) = (c.hidden as f64, c.intermediate as f64, c.layers as f64);
-    let kv = (c.kv_heads * c.head_dim()) as f64;
+    let (h, layers) = (c.hidden as f64, c.layers as f64);
     let heads = c.heads as f64;
     let padded_vocab = c.vocab.next_multiple_of(VOCAB_ALIGN) as f64;
     let bytes = plan.precision.compute_bytes() as f64;
@@ -269,11 +269,10 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     // head's products run forward and for the input gradient only.
     let weight_gradients = if plan.lora.is_some() { 0.0 } else { 1.0 };
 
-    // Matrix products per block and in the head, as multiply-adds per token.
-    let block_macs = match c.family {
-        Family::Llama => h * (h + 2.0 * kv) + h * h + 3.0 * h * i,
-        Family::Gpt2 | Family::Bert | Family::Generic => 4.0 * h * h + 2.0 * h * i,
-    };
+    // Matrix products of a block (as its description lists them) and of the
+    // head (per token), as multiply-adds.
+    let block = Block::describe(spec, plan, exec);
+    let block_macs = block.macs() as f64;
     let head_macs = padded_vocab * h + if c.family == Family::Bert { h * h } else { 0.0 };
     // Attention's q·kᵀ and P·v per block; causal flash skips the masked half.
     let causal = c.family != Family::Bert;
@@ -292,18 +291,14 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         _ => 0.0,
     };
     let matmul_flops = 2.0
-        * n
         * (block_macs * layers * (2.0 + weight_gradients + recompute)
-            + head_macs * (2.0 + weight_gradients))
+            + n * head_macs * (2.0 + weight_gradients))
         + lora_matmul_flops(plan, &facts, n, recompute);
     let attention_flops = layers * attention_pass * (1.0 + attention_backward + recompute);
 
-    // Elementwise traffic: the block's kept elements (train/mod.rs's tables)
+    // Elementwise traffic: the block's kept tensors of one row per token
     // written in forward, read and written in backward, again when recomputed.
-    let block_elements = match c.family {
-        Family::Llama => 13.0 * n * h + 7.0 * n * kv + 3.0 * n * i,
-        Family::Gpt2 | Family::Bert | Family::Generic => 14.0 * n * h + 2.0 * n * i,
-    };
+    let block_elements = block.token_elements() as f64;
     let head_elements = n * padded_vocab * 2.0 + n * h * 2.0;
     let elementwise_bytes = bytes
         * (layers * block_elements * (3.0 + 2.0 * recompute) + head_elements * 3.0)
