@@ -475,7 +475,8 @@ fn gemma(b: &mut Builder, g: GemmaDims) {
         .tokens("k rope", kv)
         .scores("scores", false);
     if g.attn_cap {
-        b.scores("capped tanh", false).scores("capped scores", false);
+        b.scores("capped tanh", false)
+            .scores("capped scores", false);
     }
     b.scores("masked", false);
     if d.half {

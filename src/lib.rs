@@ -82,7 +82,9 @@ pub use measure::StepVerifier;
 pub use memory::{Breakdown, Estimator, MemoryModel, Target};
 pub use oomfix_strategies as strategies;
 pub use oomfix_strategies::{Execution, Pipeline, Plan, Strategy};
-pub use search::{Attempt, Headroom, Measurement, Pins, Planner, SearchResult, Verifier, Verify};
+pub use search::{
+    Attempt, Headroom, Longest, Measurement, Pins, Planner, SearchResult, Verifier, Verify,
+};
 pub use spec::{
     Family, GemmaSettings, ModelConfig, ModelSettings, ModelSpec, MoeSettings, RopeFactors,
     TensorInfo,

@@ -218,6 +218,30 @@ fn training_on_a_repeated_token_file_lowers_the_loss() {
     assert!(first > 3.5 && last < 0.8 * first, "{losses:?}");
 }
 
+/// `--seq-len longest` trains at the length the search found: shorter than
+/// the model's 32 positions in 3 MiB, and its steps run.
+#[test]
+fn train_at_the_longest_length_that_fits() {
+    let run = Run::new();
+    let out = run
+        .oomfix()
+        .args(run.args_with("3MiB", &[("--seq-len", "longest")]))
+        .args(["--steps", "2", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let longest = v["longest"]["seq_len"].as_u64().unwrap();
+    assert!(longest > 1 && longest < 32, "{longest}");
+    assert_eq!(v["plan"]["seq_len"].as_u64(), Some(longest));
+    assert_eq!(v["training"]["steps"], 2, "{}", v["training"]);
+}
+
 #[test]
 fn save_then_resume_takes_the_same_steps_as_an_uninterrupted_run() {
     let run = Run::new();

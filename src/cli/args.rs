@@ -20,12 +20,7 @@ use std::path::PathBuf;
 /// The largest `--global-batch` accepted: a million sequences per optimizer
 /// step is far beyond any real run, and bounds the search's arithmetic.
 pub const MAX_GLOBAL_BATCH: usize = 1 << 20;
-/// The largest `--seq-len` accepted (1 Mi tokens per sequence).
-pub const MAX_SEQ_LEN: usize = 1 << 20;
-/// The most tokens per optimizer step (`--global-batch` × `--seq-len`)
-/// accepted: 2^28, sixteen times today's largest runs; it keeps the memory
-/// model's byte counts within 64 bits for realistic model shapes.
-pub const MAX_TOKENS_PER_STEP: u64 = 1 << 28;
+pub use oomfix::search::{MAX_SEQ_LEN, MAX_TOKENS_PER_STEP};
 /// The largest `--gpus` accepted.
 pub const MAX_GPUS: usize = 1 << 16;
 
@@ -272,11 +267,12 @@ pub struct PlanOptions {
     /// Memory per device: 8GiB, 7.5GB, 8192MiB, bytes (required).
     #[arg(short, long, value_parser = parse_budget, value_name = "SIZE", global = true, allow_hyphen_values = true)]
     pub budget: Option<u64>,
-    /// Tokens per sequence [default: the model's maximum, at most 1024].
+    /// Tokens per sequence, or `longest`: the longest at which a plan fits,
+    /// searched over every fix [default: the model's maximum, at most 1024].
     /// Beyond the model's context (max_position_embeddings) it is refused
-    /// unless --allow-beyond-context is given.
-    #[arg(long, value_name = "N", global = true, allow_negative_numbers = true, value_parser = parse_seq_len)]
-    pub seq_len: Option<usize>,
+    /// (and `longest` stops there) unless --allow-beyond-context is given.
+    #[arg(long, value_name = "N|longest", global = true, allow_negative_numbers = true, value_parser = parse_seq_len)]
+    pub seq_len: Option<SeqLen>,
     /// Plan (and train) a --seq-len beyond the model's context
     /// (max_position_embeddings): a rotary-position model computes those
     /// positions but was not trained on them. Learned positions stop at the
@@ -532,7 +528,7 @@ fn parse_normalized(argv: Vec<OsString>) -> Result<Invocation, Stop> {
         .try_get_matches_from(argv)
         .map_err(clap_stop)?;
     let cli = Cli::from_arg_matches(&matches).map_err(clap_stop)?;
-    if let Some(seq) = cli.plan.seq_len {
+    if let Some(SeqLen::Tokens(seq)) = cli.plan.seq_len {
         let tokens = seq as u64 * cli.plan.global_batch as u64;
         if tokens > MAX_TOKENS_PER_STEP {
             return Err(Stop::Usage(Failure::Usage(format!(
@@ -693,8 +689,22 @@ fn parse_global_batch(s: &str) -> Result<usize, String> {
     whole_number(s, 1, MAX_GLOBAL_BATCH as u64).map(|n| n as usize)
 }
 
-fn parse_seq_len(s: &str) -> Result<usize, String> {
-    whole_number(s, 1, MAX_SEQ_LEN as u64).map(|n| n as usize)
+/// `--seq-len`: a length, or the longest that fits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqLen {
+    /// This many tokens.
+    Tokens(usize),
+    /// The longest at which a plan fits (`longest`).
+    Longest,
+}
+
+fn parse_seq_len(s: &str) -> Result<SeqLen, String> {
+    if s == "longest" {
+        return Ok(SeqLen::Longest);
+    }
+    whole_number(s, 1, MAX_SEQ_LEN as u64)
+        .map(|n| SeqLen::Tokens(n as usize))
+        .map_err(|e| format!("{e}, or `longest`"))
 }
 
 fn parse_gpus(s: &str) -> Result<usize, String> {

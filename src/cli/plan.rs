@@ -2,7 +2,7 @@
 //! model, run the search, write `--snapshot` / `--plot`, print the table or
 //! the JSON object.
 
-use super::args::{HalfArg, PlanArgs, PlanOptions, VerifyArg};
+use super::args::{HalfArg, PlanArgs, PlanOptions, SeqLen, VerifyArg};
 use super::{check_writable, logging, print_stdout, Exit, Failure, Outcome};
 use oomfix::measure::StepVerifier;
 use oomfix::report::{self, PlotFormat};
@@ -254,7 +254,7 @@ pub fn search_quietly(
     if let Some(bytes) = o.host_budget.or_else(oomfix::units::available_memory) {
         planner = planner.host_budget(bytes);
     }
-    if let Some(n) = o.seq_len {
+    if let Some(SeqLen::Tokens(n)) = o.seq_len {
         planner = planner.seq_len(n);
     }
     if let Some(mode) = o.verify {
@@ -286,7 +286,10 @@ pub fn search_quietly(
         };
         planner = planner.verify_with(verifier, mode);
     }
-    let result = planner.run(&spec)?;
+    let result = match o.seq_len {
+        Some(SeqLen::Longest) => planner.longest(&spec)?,
+        _ => planner.run(&spec)?,
+    };
     if o.snapshot.is_some() || o.plot.is_some() {
         timeline_outputs(args, &spec, &result, budget, plot, target)?;
     }

@@ -10,7 +10,7 @@
 //! `--init pretrained` without one, the `--data` file (read and checked against the
 //! model's vocabulary), `--save` (writable, not an input), `--resume` (readable).
 
-use super::args::{InitArg, TrainArgs};
+use super::args::{InitArg, SeqLen, TrainArgs};
 use super::job::{self, Joined};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
@@ -183,8 +183,11 @@ fn run_rank(
     plan_args.opts.plot = None;
     let model_dir = args.plan.model.as_deref().map(model_dir);
     if let Some(dir) = &model_dir {
+        // `longest`: the length is the search's; a sliding window it
+        // exceeds is refused once it is known.
         let seq_len = match args.plan.opts.seq_len {
-            Some(n) => n,
+            Some(SeqLen::Tokens(n)) => n,
+            Some(SeqLen::Longest) => 1,
             None => oomfix::Planner::new(1).seq_len_for(&prepared.spec),
         };
         oomfix::train::check_supported(&prepared.spec.config, seq_len, &dir.join("config.json"))?;
@@ -256,6 +259,10 @@ fn run_rank(
     let Some(chosen) = chosen else {
         return Ok(Exit::NothingFits);
     };
+    if let (Some(SeqLen::Longest), Some(dir)) = (args.plan.opts.seq_len, &model_dir) {
+        let config = dir.join("config.json");
+        oomfix::train::check_supported(&spec.config, chosen.seq_len, &config)?;
+    }
     if let Some(j) = joined {
         if chosen.shard.world_size != j.job.world_size {
             return Err(Failure::Usage(format!(

@@ -171,7 +171,10 @@ impl Values {
 
 /// A norm (layer or RMS) on `[n, h]`: its output only.
 fn norm(d: &Dims) -> Values {
-    Values { c: d.n * d.h, f32: 0 }
+    Values {
+        c: d.n * d.h,
+        f32: 0,
+    }
 }
 
 /// The embedding stem, plus what one forward builds once and every block holds

@@ -86,6 +86,7 @@ pub fn search_json(spec: &ModelSpec, result: &SearchResult) -> Value {
         "closest": (!result.fits()).then(|| attempt(shown, result.is_lower_bound(shown))),
         "advice": result.advice,
         "notes": result.notes,
+        "longest": result.longest,
         "skipped": result.skipped,
         "activations_modelled": result.activations_modelled,
         "candle_first_gradient_as_is": oomfix_strategies::model::first_gradient_stored_as_is(),

@@ -132,6 +132,21 @@ pub fn search_table(spec: &ModelSpec, result: &SearchResult) -> String {
         first.global_batch(),
         first.seq_len
     );
+    if let Some(l) = &result.longest {
+        let _ = match l.seq_len {
+            Some(n) => writeln!(
+                out,
+                "longest that fits: {} tokens (of {}; {} searched)\n",
+                group_digits(n as u64),
+                group_digits(l.upper as u64),
+                match l.trail.len() {
+                    1 => "1 length".to_string(),
+                    n => format!("{n} lengths"),
+                }
+            ),
+            None => writeln!(out, "longest that fits: none, not even 1 token\n"),
+        };
+    }
     for note in &result.notes {
         let _ = writeln!(out, "NOTE    {note}\n");
     }
