@@ -21,64 +21,64 @@ fn plans(spec: &ModelSpec) -> Vec<(&'static str, Plan)> {
     let base = Plan::baseline(4, 64);
     let fused = Plan {
         optimizer: OptimizerImpl::FusedAdamW,
-        ..base.clone()
+        ..base
     };
     let facts = oomfix::memory::model_facts(spec);
     let lora = |base_precision| Plan {
         precision: Precision::Bf16,
         lora: Some(Lora::new(8, None, None, base_precision, &facts).unwrap()),
-        ..fused.clone()
+        ..fused
     };
     let shard = |stage| Plan {
         shard: Sharding::new(2, stage),
-        ..fused.clone()
+        ..fused
     };
     vec![
-        ("baseline", base.clone()),
+        ("baseline", base),
         (
             "accumulate",
             Plan {
                 micro_batch: 2,
                 grad_accum: 2,
-                ..base.clone()
+                ..base
             },
         ),
         (
             "bf16",
             Plan {
                 precision: Precision::Bf16,
-                ..base.clone()
+                ..base
             },
         ),
         (
             "fp16",
             Plan {
                 precision: Precision::F16,
-                ..base.clone()
+                ..base
             },
         ),
         (
             "flash",
             Plan {
                 attention: Attention::Flash,
-                ..base.clone()
+                ..base
             },
         ),
         (
             "chunked-loss",
             Plan {
                 chunked_loss: true,
-                ..base.clone()
+                ..base
             },
         ),
         (
             "checkpoint",
             Plan {
                 checkpoint: Checkpointing::Every(1),
-                ..base.clone()
+                ..base
             },
         ),
-        ("fused-adamw", fused.clone()),
+        ("fused-adamw", fused),
         ("zero1", shard(1)),
         ("zero2", shard(2)),
         ("zero3", shard(3)),
@@ -86,7 +86,7 @@ fn plans(spec: &ModelSpec) -> Vec<(&'static str, Plan)> {
             "offload",
             Plan {
                 optimizer: OptimizerImpl::OffloadedAdamW,
-                ..base.clone()
+                ..base
             },
         ),
         ("lora", lora(BasePrecision::Bf16)),
