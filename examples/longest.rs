@@ -60,7 +60,10 @@ fn main() -> oomfix::Result<()> {
             .pins(pins)
             .longest(&spec)?;
         let (longest, plan) = row(&result);
-        println!("| {gib} GiB | {} | {longest} | {plan} |", group_digits(unsloth));
+        println!(
+            "| {gib} GiB | {} | {longest} | {plan} |",
+            group_digits(unsloth)
+        );
     }
     println!("\nFull fine-tuning, batch 1, 80 GiB, 512 GiB of host memory\n");
     println!("| model | oomfix longest | modelled speed; plan |");

@@ -229,12 +229,7 @@ fn train_at_the_longest_length_that_fits() {
         .args(["--steps", "2", "--json"])
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let longest = v["longest"]["seq_len"].as_u64().unwrap();
     assert!(longest > 1 && longest < 32, "{longest}");
