@@ -6,6 +6,12 @@
 //! it as it is, a fix to a term changes it in its own commit that says which
 //! term and by how much. Review a change with `cargo insta review`, or
 //! accept it with `INSTA_UPDATE=always cargo test --test estimates_pinned`.
+//!
+//! The CPU rows include the matrix kernel's packing panel
+//! (`memory::activations::cpu_matmul_workspace`), which follows the
+//! machine's caches; at these sizes (at most 256 tokens, a vocabulary of
+//! 4096) it is the whole operand on any machine with an L3 cache of 5 MB or
+//! more, so the rows are the same there.
 
 use oomfix::speed::{step_work, Throughput};
 use oomfix::strategies::lora::{BasePrecision, Lora};
