@@ -12,10 +12,13 @@ use serde_json::Value;
 #[path = "common/estimate.rs"]
 mod estimate;
 
+/// The planner every search of these tests runs: 2 sequences a step.
+fn planner(budget: u64, target: Target) -> Planner {
+    Planner::new(budget).global_batch(2).target(target)
+}
+
 fn fits(spec: &ModelSpec, budget: u64, target: Target, seq_len: usize) -> bool {
-    Planner::new(budget)
-        .global_batch(2)
-        .target(target)
+    planner(budget, target)
         .seq_len(seq_len)
         .run(spec)
         .unwrap()
@@ -55,11 +58,7 @@ fn fitting_is_monotone_in_the_length_on_every_family() {
             let mut inside = false;
             for quarters in 0..=4 {
                 let budget = none + (all - none) * quarters / 4;
-                let result = Planner::new(budget)
-                    .global_batch(2)
-                    .target(target)
-                    .longest(&spec)
-                    .unwrap();
+                let result = planner(budget, target).longest(&spec).unwrap();
                 let longest = result.longest.clone().unwrap();
                 assert_eq!(longest.upper, upper, "{name}");
                 let mut shorter_fits = true;
