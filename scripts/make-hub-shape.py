@@ -56,6 +56,17 @@ SHAPES = {
         "rope_theta": 500000.0, "tie_word_embeddings": False,
         "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
     },
+    "llama-3.1-8b": {  # meta-llama/Llama-3.1-8B
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    },
     "gemma-3-1b": {  # google/gemma-3-1b-pt
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
         "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,
