@@ -41,6 +41,13 @@ pub struct Activations {
     pub blocks: Moment,
     /// The backward of the embedding lookup, at its end: every gradient exists.
     pub embedding: Moment,
+    /// With checkpointing, the checkpointed segment inputs still alive while
+    /// the backward recomputes the last segment (the first it reaches), on
+    /// top of [`Activations::blocks`]: every segment's input but the first's
+    /// (the stem's output, which `blocks` counts). By the first block's
+    /// backward they are gone, but there most gradients exist; under LoRA
+    /// or at long sequences this earlier moment is the larger.
+    pub later_segment_inputs: u64,
 }
 
 /// What the backward holds at one moment, besides weights, optimizer state
@@ -670,6 +677,7 @@ pub fn activation_bytes_for(
             let surrogate = (2 + SURROGATE_STRAY_NH) * d.n * d.h * c;
             let recomputed = stem + k * block + surrogate;
             Activations {
+                later_segment_inputs: segment_outputs - d.n * d.h * c,
                 kept: stem + segment_outputs,
                 loss: Moment {
                     activations: stem + segment_outputs + head,
@@ -688,6 +696,7 @@ pub fn activation_bytes_for(
         _ => {
             let kept = stem + layers * block + head;
             Activations {
+                later_segment_inputs: 0,
                 kept,
                 loss: Moment {
                     activations: kept,

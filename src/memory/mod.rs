@@ -11,6 +11,10 @@
 //!   a parameter alive until the loss is dropped, and the backward starts at
 //!   the loss, whose working set (several `[n,V]` f32 tensors) is often the
 //!   largest of the step. No parameter gradient exists yet.
+//! * **last segment's recompute** (with checkpointing): every checkpointed
+//!   segment input is still alive, beside the recomputed segment and its
+//!   backward; only the head's and that segment's gradients exist. Under LoRA
+//!   or at long sequences this is the peak.
 //! * **end of backward**: the first block's backward (every gradient but the
 //!   embedding lookup's exists)
 //!   and the embedding lookup's (every gradient exists), with the forward's
@@ -49,7 +53,7 @@ pub use activations::{
 };
 
 use crate::spec::{Family, ModelSpec};
-use oomfix_strategies::{Execution, Pipeline, Plan, StateBytes, Strategy};
+use oomfix_strategies::{Checkpointing, Execution, Pipeline, Plan, StateBytes, Strategy};
 use serde::Serialize;
 use std::sync::Arc;
 
@@ -60,6 +64,9 @@ pub enum PeakMoment {
     /// The backward through the loss and the head (activations and the loss's
     /// working set alive, no parameter gradient yet).
     LossBackward,
+    /// The backward of the last checkpointed segment, the first one it
+    /// recomputes (every segment's input still alive, few gradients yet).
+    SegmentRecompute,
     /// End of backward (activations and fresh gradients both alive).
     #[default]
     Backward,
@@ -75,6 +82,7 @@ impl std::fmt::Display for PeakMoment {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             PeakMoment::LossBackward => "loss backward",
+            PeakMoment::SegmentRecompute => "last segment's recompute",
             PeakMoment::Backward => "end of backward",
             PeakMoment::GradientReduction => "gradient reduction",
             PeakMoment::OptimizerStep => "optimizer step",
@@ -168,7 +176,9 @@ impl Breakdown {
     fn in_peak(&self, component: &str) -> bool {
         match self.peak_phase {
             PeakMoment::LossBackward => !matches!(component, "gradients" | "optimizer_transient"),
-            PeakMoment::Backward => component != "optimizer_transient",
+            PeakMoment::SegmentRecompute | PeakMoment::Backward => {
+                component != "optimizer_transient"
+            }
             PeakMoment::GradientReduction => !matches!(
                 component,
                 "activations" | "backward_transient" | "optimizer_transient"
@@ -319,6 +329,29 @@ fn estimate(
         None => (stem_only_parameters(spec).min(p) * cb).min(s.gradients),
     };
     let block_gradients = s.gradients - stem_gradients;
+    // With checkpointing, the last segment's recompute: every segment's
+    // input is alive, and only the head's gradients and the segment's own
+    // exist (the blocks' share, less the earlier blocks').
+    let (last_segment, last_segment_gradients) = match exec.checkpoint {
+        Checkpointing::Every(k) if k > 0 => {
+            let layers = spec.config.layers.max(1) as u64;
+            let earlier = layers - (k as u64).min(layers);
+            let gradients = match plan.lora {
+                Some(_) => s.gradients * (layers - earlier) / layers,
+                None => {
+                    let earlier_params = earlier * spec.config.block_parameters();
+                    let trained = p.saturating_sub(stem_only_parameters(spec)).max(1);
+                    block_gradients - block_gradients * earlier_params.min(trained) / trained
+                }
+            };
+            let moment = Moment {
+                activations: act.blocks.activations + act.later_segment_inputs,
+                transient: act.blocks.transient,
+            };
+            (moment, gradients)
+        }
+        _ => (Moment::default(), 0),
+    };
     let after = AfterBackward::of(plan, &s, p, facts.largest_tensor, target);
     let accumulation = Moment {
         activations: 0,
@@ -326,6 +359,11 @@ fn estimate(
     };
     let moments = [
         (PeakMoment::LossBackward, act.loss, 0),
+        (
+            PeakMoment::SegmentRecompute,
+            last_segment,
+            last_segment_gradients,
+        ),
         (PeakMoment::Backward, act.blocks, block_gradients),
         (PeakMoment::Backward, act.embedding, s.gradients),
         (PeakMoment::Backward, accumulation, s.gradients),
