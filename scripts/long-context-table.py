@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The table of scripts/long-context-gpu.sh: per budget, the longest length
-planned, the estimated and measured peaks, the start-up (process start to the
+planned, the estimated tensors (the peak less the runtime and the pool's
+slack) and the pool's measured used mark, the start-up (process start to the
 end of the first step) and the steady step (the median of the steps after the
 first).
 
@@ -46,7 +47,12 @@ def row(directory, budget):
     cells["plan"] = ", ".join(
         f"{k} {plan[k]}" for k in ("precision", "checkpoint", "attention", "optimizer") if k in plan
     )
-    cells["estimated"] = (result.get("estimate") or {}).get("peak_bytes")
+    # The estimate's tensors: its peak less what the pool's used mark does
+    # not count (the runtime outside the pool, the pool's reserve).
+    estimate = result.get("estimate") or {}
+    if estimate.get("peak_bytes"):
+        cells["estimated"] = (estimate["peak_bytes"] - estimate.get("runtime_bytes", 0)
+                              - estimate.get("pool_slack_bytes", 0))
     cells["modelled_s"] = result.get("estimated_step_seconds")
     first, step_lines = steps(os.path.join(directory, f"{budget}.log"))
     if step_lines:
@@ -65,7 +71,7 @@ def gib(n):
 
 def main():
     directory, budgets = sys.argv[1], sys.argv[2:]
-    print("| budget | longest | plan | estimated GiB | measured GiB | error | "
+    print("| budget | longest | plan | estimated tensors GiB | measured used GiB | error | "
           "first step from the log's start, s | steady step, s | modelled, s | tokens/s | exit |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for budget in budgets:
