@@ -41,6 +41,21 @@ pub(crate) const CUDA_POOL_SLACK_RECOMPUTED: u64 = 176 << 20;
 /// Llama-160M sweep 2.0% / 8.1%.
 pub(crate) const CUDA_POOL_SLACK_REPEATED: u64 = 120 << 20;
 
+/// At long sequences the pool's slack follows the size of the largest
+/// tensors freed and asked for again: the MLP's backward frees and requests
+/// `[n, I]` blocks in the compute dtype and in f32, which other sizes cannot
+/// reuse. With checkpointing, the slack is at least this many `[n, I]`
+/// tensors of the compute dtype (the larger of this and the three terms
+/// above; without it, none of the steps the terms above were fitted on
+/// held this much). Fitted: Llama-3.1-8B's shape under QLoRA
+/// r 32 at 28,769 tokens, every block checkpointed, on an H100: the
+/// reserved mark was 2.82 GiB above the used one (20.87 GiB) in the second
+/// and third steps (1.69 GiB in the first), 3.7 `[n, I]` bf16 tensors;
+/// at 49,640 tokens 1.90 GiB in the first step (docs/long-context.md). At
+/// the short sequences the terms above were fitted on, the constant terms
+/// are the larger.
+pub(crate) const CUDA_POOL_SLACK_MLP_WIDTHS: u64 = 4;
+
 /// What NCCL's communicator keeps on each rank's device for the whole job
 /// beside the tensors: work queues, proxy state and its kernels' module (a
 /// fixed part) ...
@@ -87,20 +102,32 @@ impl Target {
     }
 
     /// Bytes the device's allocator holds beyond live tensors at the peak of
-    /// `plan` (run as `exec` says) on a model of `blocks` blocks: on CUDA what the stream-ordered
+    /// `plan` (run as `exec` says) on a model of `blocks` blocks whose MLP is
+    /// `mlp_width` wide (0 where unknown): on CUDA what the stream-ordered
     /// pool keeps of the blocks freed in the step (`CUDA_POOL_SLACK_*`), in
     /// whole 2 MiB pages; 0 on the CPU, whose heap is measured live.
-    pub fn pool_slack_bytes(&self, blocks: usize, plan: &Plan, exec: &Execution) -> u64 {
+    pub fn pool_slack_bytes(
+        &self,
+        blocks: usize,
+        mlp_width: usize,
+        plan: &Plan,
+        exec: &Execution,
+    ) -> u64 {
         match self {
             Target::Cpu => 0,
             Target::Cuda(_) => {
                 let recomputed = !exec.checkpoint.segments(blocks).is_empty();
                 let repeated = recomputed || plan.grad_accum > 1;
-                self.round_up(
-                    blocks as u64 * CUDA_POOL_SLACK_PER_BLOCK
-                        + u64::from(recomputed) * CUDA_POOL_SLACK_RECOMPUTED
-                        + u64::from(repeated) * CUDA_POOL_SLACK_REPEATED,
-                )
+                let constant = blocks as u64 * CUDA_POOL_SLACK_PER_BLOCK
+                    + u64::from(recomputed) * CUDA_POOL_SLACK_RECOMPUTED
+                    + u64::from(repeated) * CUDA_POOL_SLACK_REPEATED;
+                let tokens = (plan.micro_batch * plan.seq_len) as u64;
+                let widths = u64::from(recomputed)
+                    * CUDA_POOL_SLACK_MLP_WIDTHS
+                    * tokens
+                    * mlp_width as u64
+                    * plan.precision.compute_bytes();
+                self.round_up(constant.max(widths))
             }
         }
     }

@@ -313,7 +313,7 @@ impl Estimator for MeasuredModel {
         // Outside the tensors, at every moment.
         let outside = runtime + communicator;
         let exec = Execution::for_plan(plan, &self.fixes);
-        let pool_slack = target.pool_slack_bytes(self.facts.layers, plan, &exec);
+        let pool_slack = target.pool_slack_bytes(self.facts.layers, 0, plan, &exec);
         let pass = fit.bytes(plan.micro_batch);
         let held =
             s.weights + buffers + s.master_weights + s.optimizer_state + s.accumulated_gradients;

@@ -315,7 +315,8 @@ fn estimate(
     // A frozen weight converted for the pass, while the backward crosses a block.
     act.blocks.transient += s.pass_transient;
     let runtime = target.runtime_bytes();
-    let pool_slack = target.pool_slack_bytes(spec.config.layers, plan, &exec);
+    let pool_slack =
+        target.pool_slack_bytes(spec.config.layers, spec.config.intermediate, plan, &exec);
     let communicator = target.communicator_bytes(plan.shard.world_size);
     // Outside the tensors, at every moment.
     let outside = runtime + communicator;
