@@ -26,7 +26,7 @@
 
 use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
 use oomfix_strategies::chunked_loss::chunk_rows;
-use oomfix_strategies::{Attention, Execution, Plan};
+use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, SegmentInputs};
 
 /// How a kept tensor's size grows with the sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,6 +217,19 @@ impl Dims {
                     },
                 }
             }),
+        }
+    }
+    /// Bytes of the checkpointed segments' inputs kept in host memory per
+    /// micro-batch ([`oomfix_strategies::SegmentInputs::OnHost`]): every
+    /// segment's input but the first's, `[n, h]` in the compute dtype each;
+    /// 0 when they stay on the device.
+    pub fn offloaded_inputs(&self, layers: usize, exec: &Execution, c: u64) -> u64 {
+        match exec.checkpoint {
+            Checkpointing::Every(k) if k > 0 && exec.segment_inputs == SegmentInputs::OnHost => {
+                let segments = layers.div_ceil(k) as u64;
+                segments.saturating_sub(1) * self.n * self.h * c
+            }
+            _ => 0,
         }
     }
     /// `[b, H, s, s]` elements.

@@ -195,6 +195,9 @@ pub struct Pins {
     pub attention: Option<Attention>,
     /// Whether the LM loss is computed in chunks of tokens (`chunked-loss`).
     pub chunked_loss: Option<bool>,
+    /// Whether the checkpointed segments' inputs wait in host memory
+    /// (`offload-activations`).
+    pub offload_activations: Option<bool>,
     /// Optimizer.
     pub optimizer: Option<OptimizerImpl>,
     /// ZeRO stage (1–3 shard over the planner's GPUs; 0 runs on one).
@@ -220,6 +223,7 @@ impl Pins {
             ("checkpoint", self.checkpoint.is_some()),
             ("attention", self.attention.is_some()),
             ("chunked_loss", self.chunked_loss.is_some()),
+            ("offload_activations", self.offload_activations.is_some()),
             ("optimizer", self.optimizer.is_some()),
             ("shard_stage", self.shard_stage.is_some()),
             ("bucket_bytes", self.bucket_bytes.is_some()),
@@ -242,6 +246,7 @@ impl Pins {
             && keeps(self.checkpoint, plan.checkpoint)
             && keeps(self.attention, plan.attention)
             && keeps(self.chunked_loss, plan.chunked_loss)
+            && keeps(self.offload_activations, plan.offload_activations)
             && keeps(self.optimizer, plan.optimizer)
             && keeps(self.shard_stage, plan.shard.stage)
             && self.lora.is_some() == plan.lora.is_some()
@@ -304,6 +309,19 @@ impl Pins {
         plan.checkpoint = self.checkpoint.unwrap_or(plan.checkpoint);
         plan.attention = self.attention.unwrap_or(plan.attention);
         plan.chunked_loss = self.chunked_loss.unwrap_or(plan.chunked_loss);
+        if self.offload_activations == Some(true) {
+            // Host memory holds what checkpointing keeps: every block
+            // checkpointed unless the checkpointing is pinned too.
+            if self.checkpoint == Some(Checkpointing::None) {
+                return Err(Error::Usage(
+                    "--activations host keeps the checkpointed blocks' inputs on the host: \
+                     it needs checkpointing, not --checkpoint none"
+                        .into(),
+                ));
+            }
+            plan.checkpoint = self.checkpoint.unwrap_or(Checkpointing::Every(1));
+            plan.offload_activations = true;
+        }
         plan.optimizer = self.optimizer.unwrap_or(plan.optimizer);
         plan.lora = match (self.lora, self.base_precision) {
             (None, Some(base)) => {
@@ -550,7 +568,8 @@ impl Planner {
         self.headroom = Some(headroom);
         self
     }
-    /// Host memory available to offloaded optimizer state (default: unbounded).
+    /// Host memory available to offloaded optimizer state and activations
+    /// (default: unbounded).
     pub fn host_budget(mut self, bytes: u64) -> Self {
         self.host_budget = Some(bytes);
         self
@@ -685,6 +704,12 @@ impl Planner {
             return Err(Error::Usage(format!(
                 "--attention flash cannot be used for this model: {why}"
             )));
+        }
+        if self.pins.offload_activations == Some(true) && !ctx.host_offload {
+            return Err(Error::Usage(
+                "--activations host needs a GPU: on the CPU the activations are in host memory already"
+                    .into(),
+            ));
         }
         if self.pins.chunked_loss == Some(true) && !ctx.model.chunked_loss {
             return Err(Error::Usage(
@@ -1138,6 +1163,7 @@ impl Run<'_> {
             checkpoint = tracing::field::Empty,
             attention = tracing::field::Empty,
             chunked_loss = tracing::field::Empty,
+            offload_activations = tracing::field::Empty,
             optimizer = tracing::field::Empty,
             world_size = tracing::field::Empty,
             shard_stage = tracing::field::Empty,
@@ -1274,7 +1300,7 @@ impl Run<'_> {
         if let Some(host_budget) = host_short {
             advice.push(format!(
                 "host memory is what fails: the closest plan keeps {} on the host (the offloaded \
-                 optimizer state) and {} may be used there (--host-budget SIZE; default: the \
+                 optimizer state or activations) and {} may be used there (--host-budget SIZE; default: the \
                  memory available now)",
                 format_bytes(closest.estimate.host),
                 format_bytes(host_budget)

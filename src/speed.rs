@@ -12,7 +12,7 @@
 //! lowest modelled time per optimizer step, the global batch being the same
 //! for all of them. Its error against measured steps is in docs/sweep.md.
 
-use crate::block::Block;
+use crate::block::{Block, Dims};
 use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
 use crate::target::Target;
 use oomfix_strategies::lora::{BasePrecision, LoraFix};
@@ -316,7 +316,14 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     let mut optimizer_bytes = stepped * cost.device_bytes_per_parameter;
     // Accumulation: each later micro-batch's gradients added into the sums.
     optimizer_bytes += (accum - 1.0).max(0.0) * params * bytes * 3.0;
-    let host_bus_bytes = stepped * cost.bus_bytes_per_parameter;
+    // Segment inputs kept on the host go down in the forward and come back
+    // for their recompute, each micro-batch; the compute waits for them.
+    let offloaded = Dims::new(spec, plan, exec).offloaded_inputs(
+        c.layers,
+        exec,
+        plan.precision.compute_bytes(),
+    ) as f64;
+    let host_bus_bytes = stepped * cost.bus_bytes_per_parameter + accum * 2.0 * offloaded;
     let host_parameters = if cost.on_host { stepped } else { 0.0 };
     let collective_bytes = collective_bytes(spec, plan, exec);
     StepWork {

@@ -10,7 +10,7 @@ use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
 
 #[path = "common/estimate.rs"]
 mod estimate;
-use estimate::{check, check_plans, LOCK};
+use estimate::{check, check_plans, check_plans_within, LOCK};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -36,7 +36,9 @@ fn bert_estimate_within_8_percent() {
 /// family has it, and fused AdamW), so that a term right at one size and
 /// wrong at another is caught. Beside the small models, a BERT whose 5,000-word masked-LM head
 /// is 78 times its hidden size, as all-MiniLM-L6-v2's 30,522 words are of
-/// its 384.
+/// its 384. None may be under by more than 2.5% (all-MiniLM-L6-v2 at 8 ×
+/// 128 was 6.4% under before BERT's head gradient panel was counted; the
+/// largest under-estimate here is GPT-2's, −1.6% at 8 × 128).
 #[test]
 fn estimates_hold_across_micro_batches_and_sequence_lengths() {
     let shapes = [(1, 128), (8, 128), (4, 256)];
@@ -64,7 +66,7 @@ fn estimates_hold_across_micro_batches_and_sequence_lengths() {
             optimizer: OptimizerImpl::FusedAdamW,
             ..Plan::baseline(8, 128)
         });
-        check_plans(name, config, &plans);
+        check_plans_within(name, config, &plans, 0.025);
     }
 }
 

@@ -211,3 +211,68 @@ fn the_longest_plan_measured_on_the_cpu_fits_the_budget() {
     assert!(!chosen.is_empty(), "a fitting plan was measured");
     assert!(chosen.iter().all(|&m| m <= budget), "{chosen:?}");
 }
+
+/// Llama-3.1-8B's shape under QLoRA r 32 on one 24 GiB GPU: with the
+/// checkpointed blocks' inputs in host memory (`offload-activations`) the
+/// longest length grows by more than a quarter, the plan says so, and its host bytes hold
+/// them; without the fix in the pipeline it is the shorter one. On the CPU
+/// the pin is refused.
+#[test]
+fn activations_on_the_host_lengthen_the_longest_sequence() {
+    use oomfix::strategies::lora::{BasePrecision, Lora};
+    use oomfix::strategies::Pipeline;
+    use oomfix::{ModelConfig, Pins};
+    let config = ModelConfig {
+        max_positions: 131_072,
+        ..ModelConfig::llama(32, 4096, 32, 8, 14336, 128_256, false)
+    };
+    let spec = ModelSpec::from_config("Llama-3.1-8B shape", config);
+    let facts = oomfix::memory::model_facts(&spec);
+    let longest = |pipeline: Pipeline| {
+        let mut pins = Pins::default();
+        pins.lora = Some(Lora::new(32, None, None, BasePrecision::Nf4, &facts).unwrap());
+        pins.base_precision = Some(BasePrecision::Nf4);
+        Planner::new(24 << 30)
+            .global_batch(1)
+            .host_budget(64 << 30)
+            .pins(pins)
+            .pipeline(pipeline)
+            .longest(&spec)
+            .unwrap()
+    };
+    let all = longest(Pipeline::default());
+    let names: Vec<&str> = Pipeline::default()
+        .names()
+        .into_iter()
+        .filter(|n| *n != "offload-activations")
+        .collect();
+    let kept = longest(Pipeline::from_names(&names).unwrap());
+    let length = |r: &oomfix::SearchResult| r.longest.as_ref().unwrap().seq_len.unwrap();
+    assert!(
+        length(&all) > length(&kept) * 5 / 4,
+        "{} {}",
+        length(&all),
+        length(&kept)
+    );
+    let chosen = all.chosen().unwrap();
+    assert!(chosen.plan.offload_activations, "{}", chosen.plan);
+    assert!(!kept.chosen().unwrap().plan.offload_activations);
+    // 31 of the 32 blocks' inputs, [s, 4096] in bf16, on the host.
+    let inputs = 31 * chosen.plan.seq_len as u64 * 4096 * 2;
+    assert!(chosen.estimate.host >= inputs, "{}", chosen.estimate.host);
+
+    let out = oomfix()
+        .args([
+            "--device",
+            "cpu",
+            "--activations",
+            "host",
+            "--budget",
+            "8GiB",
+        ])
+        .output()
+        .unwrap();
+    let err = common::assert_exit(&out, 2);
+    assert!(err.contains("--activations host needs a GPU"), "{err}");
+    assert!(out.stdout.is_empty());
+}

@@ -112,14 +112,20 @@ fn qlora_fits_llama3_8b_in_8_gib() {
     assert!(text.contains("LoRA r16 α32"), "{text}");
     assert!(text.contains("bf16/nf4"), "{text}");
 
-    // At 1024 tokens (the default here) the NF4 base does not fit with the
-    // CUDA headroom: while the last block is recomputed, the other 31
-    // blocks' checkpointed inputs (248 MiB) are alive beside it. The
-    // closest plan has the loss in chunks and the advice a shorter length.
+    // At 1024 tokens (the default here) the NF4 base fits with the CUDA
+    // headroom only with the blocks' checkpointed inputs on the host: while
+    // the last block is recomputed, the other 31 (248 MiB) would be alive
+    // beside it on the device.
     let (code, out) = plan_json(d.path(), &args[..7]);
+    assert_eq!(code, 0, "{out:#}");
+    assert_eq!(out["plan"]["seq_len"], 1024);
+    assert_eq!(out["plan"]["offload_activations"], true, "{out:#}");
+    assert_eq!(out["plan"]["lora"]["base"], "nf4");
+    let peak = out["estimate"]["peak_bytes"].as_u64().unwrap();
+    assert!(peak <= 8 * GIB, "{peak}");
+    let on_device = [&args[..7], &["--activations", "device"]].concat();
+    let (code, out) = plan_json(d.path(), &on_device);
     assert_eq!(code, 1, "{out:#}");
-    assert_eq!(out["closest"]["chunked_loss"], true, "{out:#}");
-    assert_eq!(out["closest"]["lora"]["base"], "nf4");
     assert!(
         out["advice"].to_string().contains("a sequence length of"),
         "{out:#}"
@@ -214,6 +220,13 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
         .into(),
         "--optimizer".into(),
         closest["optimizer"].as_str().unwrap().into(),
+        "--activations".into(),
+        if closest["offload_activations"] == true {
+            "host"
+        } else {
+            "device"
+        }
+        .into(),
     ];
     let pinned: Vec<&str> = pinned.iter().map(String::as_str).collect();
     let (code, lora) = plan_json(d.path(), &pinned);
@@ -227,9 +240,9 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
         )
     );
 
-    // At 8 GiB and 512 tokens NF4 base weights fit; at 1024 tokens the
-    // double-quantized ones, with the loss in chunks (the closest plan the
-    // hint starts from has it); the table says so too.
+    // At 8 GiB and 512 tokens NF4 base weights fit; at 1024 tokens too,
+    // with the blocks' inputs on the host (the closest plan the hint starts
+    // from is checkpointed); the table says so too.
     let (code, out) = plan_json(d.path(), &[".", "--budget", "8GiB", "--seq-len", "512"]);
     assert_eq!(code, 1);
     let advice = out["advice"].to_string();
@@ -244,7 +257,7 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(
         text.lines()
-            .any(|l| l.starts_with("hint: --lora 16 --base-precision nf4-dq would fit (")),
+            .any(|l| l.starts_with("hint: --lora 16 --base-precision nf4 would fit (")),
         "{text}"
     );
     // Nothing fits even with LoRA: no LoRA hint.

@@ -158,6 +158,7 @@ fn pinned(plan: &Plan) -> Pins {
     pins.checkpoint = Some(plan.checkpoint);
     pins.attention = Some(plan.attention);
     pins.chunked_loss = Some(plan.chunked_loss);
+    pins.offload_activations = Some(plan.offload_activations);
     pins.optimizer = Some(plan.optimizer);
     pins
 }

@@ -318,6 +318,11 @@ pub struct PlanOptions {
     /// chunked (chunk by chunk of tokens, the `chunked-loss` fix).
     #[arg(long, value_name = "HOW", global = true, value_parser = parse_loss)]
     pub loss: Option<bool>,
+    /// Pin where the checkpointed blocks' inputs wait for their recompute:
+    /// device, or host (host memory, the `offload-activations` fix; GPUs
+    /// only, with checkpointing).
+    #[arg(long, value_name = "WHERE", global = true, value_parser = parse_activations)]
+    pub activations: Option<bool>,
     /// Pin the optimizer: adamw, fused-adamw or cpu-adamw (offloaded).
     #[arg(long, value_name = "NAME", global = true, value_parser = parse_from_str::<OptimizerImpl>)]
     pub optimizer: Option<OptimizerImpl>,
@@ -334,8 +339,8 @@ pub struct PlanOptions {
     /// estimate's measured error: 1MiB+1% on the CPU, 192MiB+3% on CUDA].
     #[arg(long, value_name = "SIZE+PCT", global = true, value_parser = parse_from_str::<oomfix::Headroom>)]
     pub headroom: Option<oomfix::Headroom>,
-    /// Host memory the offloaded optimizer state may use [default: the
-    /// machine's available memory].
+    /// Host memory the offloaded optimizer state and activations may use
+    /// [default: the machine's available memory].
     #[arg(long, value_name = "SIZE", global = true, value_parser = parse_budget)]
     pub host_budget: Option<u64>,
     /// Measure plans with real training steps: `fitting` (the default when the
@@ -792,6 +797,15 @@ fn parse_loss(s: &str) -> Result<bool, String> {
         "whole" => Ok(false),
         "chunked" => Ok(true),
         _ => Err(format!("unknown loss `{s}` (expected whole or chunked)")),
+    }
+}
+
+/// `device` or `host`: where the checkpointed blocks' inputs wait.
+fn parse_activations(s: &str) -> Result<bool, String> {
+    match s {
+        "device" => Ok(false),
+        "host" => Ok(true),
+        _ => Err(format!("unknown place `{s}` (expected device or host)")),
     }
 }
 

@@ -181,6 +181,7 @@ fn pins(o: &PlanOptions) -> oomfix::Pins {
     pins.checkpoint = o.checkpoint;
     pins.attention = o.attention;
     pins.chunked_loss = o.loss;
+    pins.offload_activations = o.activations;
     pins.optimizer = o.optimizer;
     pins.shard_stage = o.zero_stage;
     pins.bucket_bytes = o.bucket_size;
@@ -200,6 +201,7 @@ pub fn pin(o: &mut PlanOptions, plan: &oomfix::Plan) {
     o.checkpoint = Some(plan.checkpoint);
     o.attention = Some(plan.attention);
     o.loss = Some(plan.chunked_loss);
+    o.activations = Some(plan.offload_activations);
     o.optimizer = Some(plan.optimizer);
     o.zero_stage = Some(plan.shard.stage);
     o.bucket_size = Some(plan.shard.bucket_bytes);

@@ -48,6 +48,9 @@ pub struct Activations {
     /// backward they are gone, but there most gradients exist; under LoRA
     /// or at long sequences this earlier moment is the larger.
     pub later_segment_inputs: u64,
+    /// Segment inputs kept in host memory instead
+    /// ([`oomfix_strategies::offload_activations`]).
+    pub host: u64,
 }
 
 /// What the backward holds at one moment, besides weights, optimizer state
@@ -676,8 +679,14 @@ pub fn activation_bytes_for(
             let segment_outputs = layers.div_ceil(k) * d.n * d.h * c;
             let surrogate = (2 + SURROGATE_STRAY_NH) * d.n * d.h * c;
             let recomputed = stem + k * block + surrogate;
+            // Offloaded, the device keeps the last segment's output (the
+            // head's input) and, while a later segment is recomputed, its
+            // input brought back.
+            let host = d.offloaded_inputs(cfg.layers, exec, c);
+            let segment_outputs = segment_outputs - host;
             Activations {
-                later_segment_inputs: segment_outputs - d.n * d.h * c,
+                later_segment_inputs: segment_outputs - d.n * d.h * c + host.min(d.n * d.h * c),
+                host,
                 kept: stem + segment_outputs,
                 loss: Moment {
                     activations: stem + segment_outputs + head,
@@ -697,6 +706,7 @@ pub fn activation_bytes_for(
             let kept = stem + layers * block + head;
             Activations {
                 later_segment_inputs: 0,
+                host: 0,
                 kept,
                 loss: Moment {
                     activations: kept,

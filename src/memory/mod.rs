@@ -314,6 +314,9 @@ fn estimate(
     }
     // A frozen weight converted for the pass, while the backward crosses a block.
     act.blocks.transient += s.pass_transient;
+    // Host memory: the fixes' (an offloaded optimizer's) and the segment
+    // inputs kept there.
+    let host = s.host + act.host;
     let runtime = target.runtime_bytes();
     let pool_slack =
         target.pool_slack_bytes(spec.config.layers, spec.config.intermediate, plan, &exec);
@@ -401,7 +404,7 @@ fn estimate(
             ),
             (step, PeakMoment::OptimizerStep, after.broadcast),
         ],
-        s.host,
+        host,
         target,
         pool_slack,
     );
@@ -420,7 +423,7 @@ fn estimate(
         collective_buffers,
         peak,
         peak_phase,
-        host: s.host,
+        host,
     }
 }
 

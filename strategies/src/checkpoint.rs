@@ -53,9 +53,11 @@
 
 use std::ops::Range;
 
-use candle_core::{backprop::GradStore, Tensor, Var};
+use candle_core::{backprop::GradStore, Device, Tensor, Var};
 
-use crate::{Checkpointing, Error, Execution, Plan, Result, SearchContext, Strategy};
+use crate::{
+    Checkpointing, Error, Execution, Plan, Result, SearchContext, SegmentInputs, Strategy,
+};
 
 /// Planner half: checkpoint every block (keep only each block's input).
 ///
@@ -205,22 +207,70 @@ pub fn backward<B: Block>(
     policy: Checkpointing,
     loss_scale: f64,
 ) -> Result<Gradients> {
-    backward_with(stem, blocks, head, vars, policy, loss_scale, &mut NoHook)
+    let inputs = SegmentInputs::OnDevice;
+    backward_with(
+        stem,
+        blocks,
+        head,
+        vars,
+        policy,
+        inputs,
+        loss_scale,
+        &mut NoHook,
+    )
 }
 
-/// [`backward`], calling `hook` around each segment: before and after its
+/// A checkpointed segment's input between the forward and its recompute.
+enum Kept {
+    /// On the device, as the forward left it.
+    Here(Tensor),
+    /// A host copy, and the device to bring it back to.
+    Host(Tensor, Device),
+}
+
+impl Kept {
+    fn new(x: Tensor, offload: bool) -> candle_core::Result<Kept> {
+        if offload {
+            Ok(Kept::Host(x.to_device(&Device::Cpu)?, x.device().clone()))
+        } else {
+            Ok(Kept::Here(x))
+        }
+    }
+
+    /// The input on its device: a fresh variable for a host copy, so that
+    /// the recompute's backward gives its gradient.
+    fn restore(self) -> candle_core::Result<Tensor> {
+        match self {
+            Kept::Here(x) => Ok(x),
+            Kept::Host(x, device) => Ok(Var::from_tensor(&x.to_device(&device)?)?.into_inner()),
+        }
+    }
+}
+
+/// [`backward`], keeping the checkpointed segments' inputs where `inputs`
+/// says and calling `hook` around each segment: before and after its
 /// forward, and before and after its recomputation and backward, then with
 /// its gradients. Without checkpointing the whole stack is one segment, from
 /// before the forward to after the backward (one graph holds every block).
+///
+/// With [`SegmentInputs::OnHost`] every segment's input but the first (the
+/// stem, attached to its graph) is copied to host memory once its segment's
+/// forward has run, and back to the device just before the segment is
+/// recomputed (on the CPU the "copy" shares the input's storage: nothing
+/// moves, but the recompute starts from a fresh variable as on a device).
+/// The gradients are the same bit for bit.
+#[allow(clippy::too_many_arguments)]
 pub fn backward_with<B: Block>(
     stem: &Tensor,
     blocks: &[B],
     head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     vars: &[Var],
     policy: Checkpointing,
+    inputs: SegmentInputs,
     loss_scale: f64,
     hook: &mut dyn SegmentHook,
 ) -> Result<Gradients> {
+    let offload = inputs == SegmentInputs::OnHost;
     let segments = policy.segments(blocks.len());
     if segments.is_empty() {
         hook.before(0..blocks.len())?;
@@ -232,11 +282,11 @@ pub fn backward_with<B: Block>(
     // Forward: keep only each segment's input (segment 0: the attached stem).
     let mut inputs = Vec::with_capacity(segments.len());
     let mut x = stem.clone();
-    for segment in &segments {
+    for (i, segment) in segments.iter().enumerate() {
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &x)?.detach();
         hook.after(segment.clone())?;
-        inputs.push(x);
+        inputs.push(Kept::new(x, offload && i > 0)?);
         x = Var::from_tensor(&y)?.into_inner();
     }
     // Head: its parameter gradients and the gradient of the last hidden states.
@@ -251,6 +301,7 @@ pub fn backward_with<B: Block>(
     drop(x);
     // Segments, last to first, each recomputed from its input.
     for (i, (segment, input)) in segments.iter().zip(inputs).enumerate().rev() {
+        let input = input.restore()?;
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &input)?;
         let mut store = crate::reduce::sum_all(&y.mul(&grad_y)?)?.backward()?;

@@ -30,6 +30,9 @@ pub struct Execution {
     /// LM head and the cross-entropy run chunk by chunk of tokens
     /// ([`crate::chunked_loss`]); `None`: the whole micro-batch's logits at once.
     pub loss_chunk_bytes: Option<u64>,
+    /// Where the checkpointed segments' inputs wait for their recompute
+    /// ([`crate::offload_activations`]).
+    pub segment_inputs: SegmentInputs,
 }
 
 impl Default for Execution {
@@ -40,6 +43,7 @@ impl Default for Execution {
             attention: Attention::Composed,
             loss_scale: 1.0,
             loss_chunk_bytes: None,
+            segment_inputs: SegmentInputs::OnDevice,
         }
     }
 }
@@ -83,4 +87,17 @@ impl Execution {
             ..self
         }
     }
+}
+
+/// Where [`crate::checkpoint::backward_with`] keeps the checkpointed
+/// segments' inputs between the forward and their recompute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SegmentInputs {
+    /// On the device that computes.
+    #[default]
+    OnDevice,
+    /// In host memory, each copied back to the device just before its
+    /// segment is recomputed ([`crate::offload_activations`]). The first
+    /// segment's input, attached to the stem's graph, stays on the device.
+    OnHost,
 }

@@ -32,7 +32,10 @@
 //! let pipeline = Pipeline::default();
 //! assert_eq!(
 //!     pipeline.names(),
-//!     ["accumulate", "precision", "flash-attention", "chunked-loss", "checkpoint", "fused-adamw", "shard", "offload", "lora"]
+//!     [
+//!         "accumulate", "precision", "flash-attention", "chunked-loss", "checkpoint",
+//!         "fused-adamw", "offload-activations", "shard", "offload", "lora",
+//!     ]
 //! );
 //!
 //! // Tighten a plan step by step with the first fix: micro-batch 8 -> 4 -> 2 -> 1.
@@ -69,6 +72,7 @@ pub mod memory;
 pub mod model;
 pub mod nn;
 pub mod offload;
+pub mod offload_activations;
 mod plan;
 pub mod precision;
 mod reduce;
@@ -81,7 +85,7 @@ pub mod shard;
 pub const CUDA_HALF_PRELUDE: &str = include_str!("half.cuh");
 
 pub use error::{Error, Result};
-pub use execution::Execution;
+pub use execution::{Execution, SegmentInputs};
 pub use memory::{ModelFacts, StateBytes, StepCost};
 pub use plan::{
     Attention, Checkpointing, Extensions, OptimizerImpl, Plan, Precision, Sharding, MAX_EXTENSIONS,
@@ -194,6 +198,7 @@ pub fn builtins() -> Vec<Arc<dyn Strategy>> {
         Arc::new(chunked_loss::ChunkedLoss),
         Arc::new(checkpoint::Checkpoint),
         Arc::new(adamw::FusedAdamWStrategy),
+        Arc::new(offload_activations::OffloadActivations),
         Arc::new(shard::Shard),
         Arc::new(offload::Offload),
         Arc::new(lora::LoraFix),

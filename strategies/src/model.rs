@@ -422,6 +422,7 @@ pub fn forward_backward_with<M: Model + ?Sized>(
             s.head,
             vars,
             exec.checkpoint,
+            exec.segment_inputs,
             exec.loss_scale,
             hook,
         )?,

@@ -344,6 +344,11 @@ pub struct Plan {
     /// at a time. Serialized only when set.
     #[serde(default, skip_serializing_if = "is_false")]
     pub chunked_loss: bool,
+    /// The checkpointed segments' inputs kept in host memory between the
+    /// forward and their recompute ([`crate::offload_activations`]).
+    /// Serialized only when set.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub offload_activations: bool,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -385,6 +390,7 @@ impl Plan {
             extensions: Extensions::EMPTY,
             lora: None,
             chunked_loss: false,
+            offload_activations: false,
         }
     }
 
@@ -436,6 +442,9 @@ impl fmt::Display for Plan {
         }
         if self.chunked_loss {
             f.write_str("chunked loss, ")?;
+        }
+        if self.offload_activations {
+            f.write_str("activations on the host, ")?;
         }
         write!(f, "{}", self.optimizer)?;
         if self.shard.world_size > 1 {

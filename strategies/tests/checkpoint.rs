@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, VarBuilder, VarMap};
 use oomfix_strategies::checkpoint::{self, Block, Gradients};
-use oomfix_strategies::Checkpointing;
+use oomfix_strategies::{Checkpointing, SegmentInputs};
 
 const WIDTH: usize = 16;
 const BLOCKS: usize = 5;
@@ -28,9 +28,12 @@ struct Stack {
 
 impl Stack {
     fn new() -> candle_core::Result<Self> {
-        let dev = Device::Cpu;
+        Self::on(&Device::Cpu)
+    }
+
+    fn on(dev: &Device) -> candle_core::Result<Self> {
         let map = VarMap::new();
-        let vb = VarBuilder::from_varmap(&map, DType::F32, &dev);
+        let vb = VarBuilder::from_varmap(&map, DType::F32, dev);
         let stem = linear(8, WIDTH, vb.pp("stem"))?;
         let blocks = (0..BLOCKS)
             .map(|i| linear(WIDTH, WIDTH, vb.pp(format!("block{i}"))).map(TanhLinear))
@@ -38,8 +41,8 @@ impl Stack {
         let head = linear(WIDTH, 3, vb.pp("head"))?;
         let vars = map.all_vars();
         assert_eq!(vars.len(), 2 * (BLOCKS + 2));
-        let input = Tensor::randn(0f32, 1.0, (4, 6, 8), &dev)?;
-        let target = Tensor::randn(0f32, 1.0, (4, 6, 3), &dev)?;
+        let input = Tensor::randn(0f32, 1.0, (4, 6, 8), dev)?;
+        let target = Tensor::randn(0f32, 1.0, (4, 6, 3), dev)?;
         Ok(Stack {
             input,
             target,
@@ -59,6 +62,64 @@ impl Stack {
         let head = |x: &Tensor| candle_nn::loss::mse(&self.head.forward(x)?, &self.target);
         checkpoint::backward(&stem, &self.blocks, head, &self.vars, policy, loss_scale)
     }
+}
+
+impl Stack {
+    fn backward_keeping(
+        &self,
+        policy: Checkpointing,
+        inputs: SegmentInputs,
+    ) -> oomfix_strategies::Result<Gradients> {
+        let stem = self.stem.forward(&self.input)?;
+        let head = |x: &Tensor| candle_nn::loss::mse(&self.head.forward(x)?, &self.target);
+        let hook = &mut checkpoint::NoHook;
+        checkpoint::backward_with(
+            &stem,
+            &self.blocks,
+            head,
+            &self.vars,
+            policy,
+            inputs,
+            1.0,
+            hook,
+        )
+    }
+}
+
+/// Segment inputs kept on the host give the loss and gradients of those
+/// kept on the device, bit for bit, for every segment length.
+fn offloaded_inputs_change_nothing(dev: &Device) {
+    let stack = Stack::on(dev).unwrap();
+    for k in [1, 2, 5] {
+        let policy = Checkpointing::Every(k);
+        let here = stack
+            .backward_keeping(policy, SegmentInputs::OnDevice)
+            .unwrap();
+        let host = stack
+            .backward_keeping(policy, SegmentInputs::OnHost)
+            .unwrap();
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(
+            bits(&here.loss.reshape(1).unwrap()),
+            bits(&host.loss.reshape(1).unwrap())
+        );
+        for (i, (a, b)) in grads(&here).into_iter().zip(grads(&host)).enumerate() {
+            assert_eq!(bits(a), bits(b), "Every({k}): var {i}");
+            assert!(b.device().same_device(dev));
+        }
+    }
+}
+
+#[test]
+fn offloaded_segment_inputs_give_the_same_gradients() {
+    offloaded_inputs_change_nothing(&Device::Cpu);
+}
+
+/// On a CUDA device the inputs really go to host memory and back.
+#[cfg(feature = "cuda")]
+#[test]
+fn offloaded_segment_inputs_give_the_same_gradients_on_cuda() {
+    offloaded_inputs_change_nothing(&Device::new_cuda(0).unwrap());
 }
 
 fn grads(g: &Gradients) -> Vec<&Tensor> {

@@ -148,10 +148,19 @@ fn check(planned: &MeasuredPlan) -> Plan {
         .all(|p| matches!(p.outcome, ProbeOutcome::Measured { bytes, .. } if bytes > 0)));
     // The fixes it cannot take: skipped, with the reason, in the JSON too.
     let skipped: Vec<&str> = result.skipped.iter().map(|s| s.strategy.as_str()).collect();
-    assert_eq!(skipped, ["precision", "flash-attention", "chunked-loss"]);
+    assert_eq!(
+        skipped,
+        [
+            "precision",
+            "flash-attention",
+            "chunked-loss",
+            "offload-activations"
+        ]
+    );
     assert!(result.skipped[0].reason.contains("bf16"));
     assert!(result.skipped[1].reason.contains("attention"));
     assert!(result.skipped[2].reason.contains("loss"));
+    assert!(result.skipped[3].reason.contains("host"));
     assert!(result
         .attempts
         .iter()
