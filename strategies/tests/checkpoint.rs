@@ -58,29 +58,27 @@ impl Stack {
         policy: Checkpointing,
         loss_scale: f64,
     ) -> oomfix_strategies::Result<Gradients> {
-        let stem = self.stem.forward(&self.input)?;
-        let head = |x: &Tensor| candle_nn::loss::mse(&self.head.forward(x)?, &self.target);
-        checkpoint::backward(&stem, &self.blocks, head, &self.vars, policy, loss_scale)
+        self.backward_keeping(policy, SegmentInputs::OnDevice, loss_scale)
     }
-}
 
-impl Stack {
+    /// [`checkpoint::backward_with`], the segments' inputs kept as `inputs` says.
     fn backward_keeping(
         &self,
         policy: Checkpointing,
         inputs: SegmentInputs,
+        loss_scale: f64,
     ) -> oomfix_strategies::Result<Gradients> {
         let stem = self.stem.forward(&self.input)?;
         let head = |x: &Tensor| candle_nn::loss::mse(&self.head.forward(x)?, &self.target);
-        let hook = &mut checkpoint::NoHook;
+        let (vars, hook) = (&self.vars, &mut checkpoint::NoHook);
         checkpoint::backward_with(
             &stem,
             &self.blocks,
             head,
-            &self.vars,
+            vars,
             policy,
             inputs,
-            1.0,
+            loss_scale,
             hook,
         )
     }
@@ -92,11 +90,9 @@ fn offloaded_inputs_change_nothing(dev: &Device) {
     let stack = Stack::on(dev).unwrap();
     for k in [1, 2, 5] {
         let policy = Checkpointing::Every(k);
-        let here = stack
-            .backward_keeping(policy, SegmentInputs::OnDevice)
-            .unwrap();
+        let here = stack.backward(policy, 1.0).unwrap();
         let host = stack
-            .backward_keeping(policy, SegmentInputs::OnHost)
+            .backward_keeping(policy, SegmentInputs::OnHost, 1.0)
             .unwrap();
         let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(
