@@ -79,9 +79,12 @@ impl Strategy for Checkpoint {
             ..*plan
         })
     }
+    /// No checkpointing, and so no checkpointed inputs kept on the host
+    /// ([`crate::offload_activations`]).
     fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {
         (plan.checkpoint != Checkpointing::None).then_some(Plan {
             checkpoint: Checkpointing::None,
+            offload_activations: false,
             ..*plan
         })
     }
