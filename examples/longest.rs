@@ -12,6 +12,7 @@
 //! ```
 
 use oomfix::strategies::lora::{BasePrecision, Lora};
+use oomfix::strategies::Pipeline;
 use oomfix::units::group_digits;
 use oomfix::{ModelConfig, ModelSpec, Pins, Planner, SearchResult};
 
@@ -48,20 +49,29 @@ fn main() -> oomfix::Result<()> {
     let spec = ModelSpec::from_config("Llama-3.1-8B shape", llama(32, 4096, 14336, false));
     let facts = oomfix::memory::model_facts(&spec);
     println!("QLoRA r 32, all linear projections, NF4 base, batch 1, one CUDA device\n");
-    println!("| budget | Unsloth | oomfix longest | modelled speed; plan |");
-    println!("|---:|---:|---:|---|");
+    println!("| budget | Unsloth | oomfix longest | modelled speed; plan | without offload-activations |");
+    println!("|---:|---:|---:|---|---:|");
+    let without: Vec<&str> = Pipeline::default()
+        .names()
+        .into_iter()
+        .filter(|n| *n != "offload-activations")
+        .collect();
     for (gib, unsloth) in UNSLOTH {
-        let mut pins = Pins::default();
-        pins.lora = Some(Lora::new(32, None, None, BasePrecision::Nf4, &facts)?);
-        pins.base_precision = Some(BasePrecision::Nf4);
-        let result = Planner::new(gib << 30)
-            .global_batch(1)
-            .host_budget(64 << 30)
-            .pins(pins)
-            .longest(&spec)?;
-        let (longest, plan) = row(&result);
+        let search = |pipeline: Pipeline| {
+            let mut pins = Pins::default();
+            pins.lora = Some(Lora::new(32, None, None, BasePrecision::Nf4, &facts)?);
+            pins.base_precision = Some(BasePrecision::Nf4);
+            Planner::new(gib << 30)
+                .global_batch(1)
+                .host_budget(64 << 30)
+                .pins(pins)
+                .pipeline(pipeline)
+                .longest(&spec)
+        };
+        let (longest, plan) = row(&search(Pipeline::default())?);
+        let (kept, _) = row(&search(Pipeline::from_names(&without)?)?);
         println!(
-            "| {gib} GiB | {} | {longest} | {plan} |",
+            "| {gib} GiB | {} | {longest} | {plan} | {kept} |",
             group_digits(unsloth)
         );
     }

@@ -24,8 +24,10 @@ pub fn builtin_execution(plan: &Plan) -> Execution {
 /// tensors, named by their module, the last part of the path before
 /// `weight`; GPT-2's `Conv1D` weights are `[in, out]`, the others `[out, in]`).
 pub fn model_facts(spec: &ModelSpec) -> ModelFacts {
-    let mut facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), spec.config.layers)
-        .with_block_parameters(spec.config.block_parameters());
+    let c = &spec.config;
+    let mut facts = ModelFacts::new(spec.parameters(), spec.largest_tensor(), c.layers)
+        .with_block_parameters(c.block_parameters())
+        .with_looked_up(c.looked_up_embedding());
     for t in &spec.tensors {
         let module = t
             .name

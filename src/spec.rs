@@ -619,6 +619,20 @@ impl ModelConfig {
         })
     }
 
+    /// Elements of the token embedding when the model only looks rows up in
+    /// it: a Llama-style model's `embed_tokens` not tied to its output layer
+    /// (Gemma scales the rows it looks up and ties them: 0). Frozen under
+    /// LoRA, it is kept in host memory
+    /// ([`oomfix_strategies::ModelFacts::looked_up`]).
+    pub fn looked_up_embedding(&self) -> u64 {
+        let llama = self.family == Family::Llama && self.settings.gemma.is_none();
+        if llama && !self.tied_embeddings {
+            (self.vocab * self.hidden) as u64
+        } else {
+            0
+        }
+    }
+
     /// Parameters of one transformer block (the first; all are alike).
     pub fn block_parameters(&self) -> u64 {
         self.tensors()

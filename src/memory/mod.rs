@@ -345,7 +345,10 @@ fn estimate(
                 None => {
                     let earlier_params = earlier * spec.config.block_parameters();
                     let trained = p.saturating_sub(stem_only_parameters(spec)).max(1);
-                    block_gradients - block_gradients * earlier_params.min(trained) / trained
+                    let earlier = u128::from(block_gradients)
+                        * u128::from(earlier_params.min(trained))
+                        / u128::from(trained);
+                    block_gradients - earlier as u64
                 }
             };
             let moment = Moment {

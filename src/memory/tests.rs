@@ -397,6 +397,33 @@ fn cuda_offers_flash_attention_only_for_heads_the_kernels_take() {
     assert!(planned(ModelConfig::gpt2(2, 768, 2), Target::Cpu));
 }
 
+/// Under LoRA a Llama-style model's untied token embedding, only looked up,
+/// is host memory; tied to the output layer, or trained, it stays.
+#[test]
+fn a_frozen_looked_up_embedding_is_host_memory() {
+    use oomfix_strategies::lora::{BasePrecision, Lora};
+    let estimate = |tied: bool, lora: bool| {
+        let spec =
+            ModelSpec::from_config("llama", ModelConfig::llama(2, 256, 8, 2, 688, 4096, tied));
+        let facts = crate::memory::model_facts(&spec);
+        let plan = Plan {
+            precision: Precision::Bf16,
+            optimizer: OptimizerImpl::FusedAdamW,
+            lora: lora.then(|| Lora::new(8, None, None, BasePrecision::Nf4, &facts).unwrap()),
+            ..Plan::baseline(2, 64)
+        };
+        MemoryModel.estimate(&spec, &plan, &Target::Cuda(0))
+    };
+    let table = 4096 * 256 * 2;
+    let (untied, tied) = (estimate(false, true), estimate(true, true));
+    assert_eq!(untied.host, table);
+    assert_eq!(tied.host, 0);
+    // On the device the untied model holds its head where the tied one
+    // holds the shared table: the same bytes.
+    assert_eq!(untied.weights, tied.weights);
+    assert_eq!(estimate(false, false).host, 0);
+}
+
 /// At long sequences a checkpointed plan's slack follows the MLP's width:
 /// Llama-3.1-8B's shape at 28,769 tokens held 2.82 GiB reserved above its
 /// used mark on an H100, far above the constant terms.
@@ -695,8 +722,11 @@ mod lora {
         // Fully trained: bf16 weights and gradients, fp32 masters and moments.
         assert_eq!(full.weights, 2 * p);
         assert_eq!(full.optimizer_state, 8 * p);
-        // LoRA: the adapters' state only, the frozen base in 16 bits.
-        assert_eq!(bf16.weights, 2 * p + 2 * adapters);
+        // LoRA: the adapters' state only, the frozen base in 16 bits, its
+        // token embedding (only looked up) on the host.
+        let embedding = 2 * 128_256 * 4096;
+        assert_eq!(bf16.weights, 2 * p + 2 * adapters - embedding);
+        assert_eq!(bf16.host, embedding);
         assert_eq!(bf16.gradients, 2 * adapters);
         assert_eq!(bf16.master_weights, 4 * adapters);
         assert_eq!(bf16.optimizer_state, 8 * adapters);
@@ -759,7 +789,7 @@ mod lora {
         };
         let (_, off) = trained_state(&spec, &offloaded, &fixes);
         assert_eq!((off.master_weights, off.optimizer_state), (0, 0));
-        assert_eq!(off.host, 14 * 41_943_040);
+        assert_eq!(off.host, 14 * 41_943_040 + 2 * 128_256 * 4096);
         assert_eq!(off.weights, one.weights);
     }
 }

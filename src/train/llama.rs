@@ -264,7 +264,8 @@ impl Llama {
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
         let (b, s) = batch_dims(batch, &self.config)?;
         let (h, d) = (self.config.hidden, self.config.head_dim());
-        let device = self.embed.device();
+        // The blocks' device (the embedding may be kept on the host).
+        let device = self.lm_head.device();
         let [embed, rotary, norm, lm_head] = self.tags;
         let (freqs, factor) = rope::frequencies(&self.config, s)?;
         // The attention scale rides on the queries' tables when RoPE rotates
@@ -284,12 +285,14 @@ impl Llama {
         };
         let stem = {
             let _m = Scope::new(embed, Op::Embedding);
-            ops::embedding_padded(
-                &self.embed,
-                &batch.input_ids.flatten_all()?,
-                self.config.settings.pad_token_id,
-            )?
-            .reshape((b, s, h))?
+            // A table on the host looks the rows up there and sends them over.
+            let ids = batch
+                .input_ids
+                .flatten_all()?
+                .to_device(self.embed.device())?;
+            ops::embedding_padded(&self.embed, &ids, self.config.settings.pad_token_id)?
+                .to_device(device)?
+                .reshape((b, s, h))?
         };
         let blocks = self
             .blocks

@@ -70,7 +70,8 @@ impl LoraModel {
         self.family
     }
 
-    /// Bytes the frozen base holds on its device.
+    /// Bytes the frozen base holds (on its device, and a token embedding
+    /// only looked up on the host).
     pub fn frozen_bytes(&self) -> usize {
         let others: usize = self
             .others
@@ -138,6 +139,8 @@ pub(crate) struct Adapting {
     made: RefCell<Made>,
     rng: RefCell<StdRng>,
     dtype: DType,
+    /// Where the model computes.
+    device: Device,
 }
 
 impl Adapting {
@@ -163,7 +166,13 @@ impl Adapting {
         for (name, t) in tensors {
             let projection = ModelConfig::block_of(&name).is_some() && t.rank() == 2;
             if !projection {
-                others.insert(name, t.to_dtype(dtype)?.to_device(device)?);
+                // A token embedding only looked up stays on the host.
+                let place = if looked_up_only(config, &name) {
+                    &Device::Cpu
+                } else {
+                    device
+                };
+                others.insert(name, t.to_dtype(dtype)?.to_device(place)?);
                 continue;
             }
             // [out, in]: GPT-2's Conv1D weights are [in, out].
@@ -188,6 +197,7 @@ impl Adapting {
             made: RefCell::new((Vec::new(), Vec::new())),
             rng: RefCell::new(StdRng::seed_from_u64(seed ^ 0x6c6f_7261)),
             dtype,
+            device: device.clone(),
         })
     }
 
@@ -217,7 +227,7 @@ impl Adapting {
                 out.min(d_in)
             )));
         }
-        let device = frozen_device(&frozen, &self.others)?;
+        let device = &self.device;
         // PEFT: kaiming_uniform_(A, a = √5), a bound of 1/√in; B zeros.
         let bound = 1.0 / (d_in as f64).sqrt();
         let values: Vec<f32> = {
@@ -228,8 +238,8 @@ impl Adapting {
         };
         let a = Tensor::from_vec(values, (rank, d_in), &Device::Cpu)?
             .to_dtype(self.dtype)?
-            .to_device(&device)?;
-        let b = Tensor::zeros((out, rank), self.dtype, &device)?;
+            .to_device(device)?;
+        let b = Tensor::zeros((out, rank), self.dtype, device)?;
         let (a, b) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
         let layer =
             LoraLinear::with_adapter(frozen, bias, a.clone(), b.clone(), self.lora.scale())?;
@@ -255,14 +265,9 @@ impl Adapting {
     }
 }
 
-/// The device the frozen model lives on (that of any of its tensors).
-fn frozen_device(frozen: &FrozenWeight, others: &HashMap<String, Tensor>) -> Result<Device> {
-    if let FrozenWeight::Dense(w) = frozen {
-        return Ok(w.device().clone());
-    }
-    others
-        .values()
-        .next()
-        .map(|t| t.device().clone())
-        .ok_or_else(|| Error::Usage("a model without embeddings".into()))
+/// Whether the frozen tensor `name` of `config` is a token embedding the
+/// model only looks rows up in ([`ModelConfig::looked_up_embedding`]): kept
+/// in host memory, the rows a pass needs sent over.
+fn looked_up_only(config: &ModelConfig, name: &str) -> bool {
+    config.looked_up_embedding() > 0 && name == "model.embed_tokens.weight"
 }

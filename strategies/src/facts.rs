@@ -35,6 +35,10 @@ pub struct ModelFacts {
     /// The linear projections of one block (all blocks alike), in order;
     /// empty when not known.
     pub linears: [Option<Linear>; MAX_LINEARS],
+    /// Elements of a token embedding the model only looks rows up in (not
+    /// tied to its output layer): frozen under LoRA, it is kept in host
+    /// memory ([`crate::lora`]). 0 when there is none or it is not known.
+    pub looked_up: u64,
 }
 
 impl ModelFacts {
@@ -49,6 +53,7 @@ impl ModelFacts {
             frozen: 0,
             largest_frozen: 0,
             linears: [None; MAX_LINEARS],
+            looked_up: 0,
         }
     }
 
@@ -74,6 +79,15 @@ impl ModelFacts {
     pub fn with_block_parameters(self, n: u64) -> Self {
         ModelFacts {
             block_parameters: n,
+            ..self
+        }
+    }
+
+    /// These facts with a looked-up-only token embedding of `n` elements
+    /// ([`looked_up`](Self::looked_up)).
+    pub fn with_looked_up(self, n: u64) -> Self {
+        ModelFacts {
+            looked_up: n,
             ..self
         }
     }

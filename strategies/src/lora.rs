@@ -162,12 +162,18 @@ impl Strategy for LoraFix {
     }
     /// The frozen weights on every device (after the other fixes set the
     /// adapters' terms: ZeRO shards and offload moves adapters' state, never
-    /// the frozen weights), and one weight at a time dequantized in a pass.
+    /// the frozen weights) but a token embedding only looked up, which is
+    /// host memory ([`ModelFacts::looked_up`]), and one weight at a time
+    /// dequantized in a pass.
     fn memory(&self, plan: &Plan, model: &ModelFacts, state: &mut StateBytes) {
         let Some(lora) = plan.lora else { return };
         let frozen = frozen_bytes(lora.base, plan.precision.compute_bytes(), model);
-        state.weights += frozen;
-        state.step_weights += frozen;
+        // A token embedding only looked up stays in host memory; the rows a
+        // pass looks up are sent over.
+        let on_host = (plan.precision.compute_bytes() * model.looked_up).min(frozen);
+        state.weights += frozen - on_host;
+        state.step_weights += frozen - on_host;
+        state.host += on_host;
         state.pass_transient = state
             .pass_transient
             .max(dequantized_bytes(plan, &lora, model));

@@ -69,7 +69,7 @@ impl Strategy for Offload {
             return;
         }
         let compute = plan.precision.compute_bytes();
-        state.host =
+        state.host +=
             plan.per_rank(12 * model.parameters, 1) + plan.per_rank(compute * model.parameters, 1);
         state.master_weights = 0;
         state.optimizer_state = 0;
