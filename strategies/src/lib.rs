@@ -225,8 +225,8 @@ pub struct Pipeline {
 
 impl Default for Pipeline {
     /// Every built-in fix in the order of [`builtins`]: accumulate, precision,
-    /// flash-attention, chunked-loss, checkpoint, fused-adamw, shard, offload,
-    /// lora.
+    /// flash-attention, chunked-loss, checkpoint, fused-adamw,
+    /// offload-activations, shard, offload, lora.
     fn default() -> Self {
         Pipeline {
             strategies: builtins(),
