@@ -234,7 +234,10 @@ enum Kept {
 impl Kept {
     fn new(x: Tensor, offload: bool) -> candle_core::Result<Kept> {
         if offload {
-            Ok(Kept::Host(x.to_device(&Device::Cpu)?, x.device().clone()))
+            // Detached first: a copy of a tracked tensor would keep it (and
+            // its device storage) alive as its backward's input.
+            let host = x.detach().to_device(&Device::Cpu)?;
+            Ok(Kept::Host(host, x.device().clone()))
         } else {
             Ok(Kept::Here(x))
         }
@@ -370,5 +373,32 @@ fn input_grad(store: &mut GradStore, input: &Tensor) -> Result<Tensor> {
         None => Err(Error::Config(
             "checkpointing: the loss does not depend on the blocks' output".into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host copy of a segment's input is out of the graph: a tracked
+    /// copy would hold the device tensor (and its storage) as its
+    /// backward's input, and nothing would leave the device.
+    #[test]
+    fn a_kept_host_copy_holds_no_graph() {
+        let x = Var::randn(0f32, 1.0, (2, 3), &Device::Cpu).unwrap();
+        assert!(x.as_tensor().track_op());
+        match Kept::new(x.as_tensor().clone(), true).unwrap() {
+            Kept::Host(host, device) => {
+                assert!(!host.track_op());
+                assert!(device.is_cpu());
+            }
+            Kept::Here(_) => panic!("not offloaded"),
+        }
+        let restored = Kept::new(x.as_tensor().clone(), true)
+            .unwrap()
+            .restore()
+            .unwrap();
+        assert!(restored.is_variable());
+        assert_ne!(restored.id(), x.as_tensor().id());
     }
 }
