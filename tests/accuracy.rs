@@ -30,7 +30,8 @@ fn bert_estimate_within_8_percent() {
     check("bert", estimate::bert());
 }
 
-/// Every family (GPT-2; Llama-style as Llama, Phi-3 and Gemma 2; BERT) at
+/// Every family (GPT-2; Llama-style as Llama, Qwen3, Phi-3, Phi-4-mini,
+/// Gemma 2 and Gemma 3; BERT) at
 /// one and eight sequences of 128 tokens and at four of 256, with the whole
 /// logits (plain fp32 and AdamW; at 8 × 128 also flash attention where the
 /// family has it, and fused AdamW), so that a term right at one size and
@@ -38,7 +39,8 @@ fn bert_estimate_within_8_percent() {
 /// is 78 times its hidden size, as all-MiniLM-L6-v2's 30,522 words are of
 /// its 384. None may be under by more than 2.5% (all-MiniLM-L6-v2 at 8 ×
 /// 128 was 6.4% under before BERT's head gradient panel was counted; the
-/// largest under-estimate here is GPT-2's, −1.6% at 8 × 128).
+/// largest under-estimates here are Phi-4-mini's, −1.9%, and GPT-2's,
+/// −1.6%, at 8 × 128).
 #[test]
 fn estimates_hold_across_micro_batches_and_sequence_lengths() {
     let shapes = [(1, 128), (8, 128), (4, 256)];
@@ -49,8 +51,11 @@ fn estimates_hold_across_micro_batches_and_sequence_lengths() {
     let models = [
         ("gpt2", estimate::gpt2()),
         ("llama", estimate::llama()),
+        ("qwen3", estimate::qwen3()),
         ("phi3", estimate::phi3()),
+        ("phi4-mini", estimate::phi4_mini()),
         ("gemma2", estimate::gemma(2)),
+        ("gemma3", estimate::gemma(3)),
         ("bert", estimate::bert()),
         ("bert-wide-head", wide_bert),
     ];
