@@ -681,11 +681,16 @@ pub fn activation_bytes_for(
             let recomputed = stem + k * block + surrogate;
             // Offloaded, the device keeps the last segment's output (the
             // head's input) and, while a later segment is recomputed, its
-            // input brought back.
+            // input brought back; else every later segment's input.
+            let input = d.n * d.h * c;
             let host = d.offloaded_inputs(cfg.layers, exec, c);
             let segment_outputs = segment_outputs - host;
             Activations {
-                later_segment_inputs: segment_outputs - d.n * d.h * c + host.min(d.n * d.h * c),
+                later_segment_inputs: if host > 0 {
+                    input
+                } else {
+                    segment_outputs - input
+                },
                 host,
                 kept: stem + segment_outputs,
                 loss: Moment {

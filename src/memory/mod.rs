@@ -339,16 +339,16 @@ fn estimate(
     let (last_segment, last_segment_gradients) = match exec.checkpoint {
         Checkpointing::Every(k) if k > 0 => {
             let layers = spec.config.layers.max(1) as u64;
-            let earlier = layers - (k as u64).min(layers);
+            let recomputed = (k as u64).min(layers);
             let gradients = match plan.lora {
-                Some(_) => s.gradients * (layers - earlier) / layers,
+                Some(_) => s.gradients * recomputed / layers,
                 None => {
-                    let earlier_params = earlier * spec.config.block_parameters();
+                    let earlier_params = (layers - recomputed) * spec.config.block_parameters();
                     let trained = p.saturating_sub(stem_only_parameters(spec)).max(1);
-                    let earlier = u128::from(block_gradients)
+                    let earlier_bytes = u128::from(block_gradients)
                         * u128::from(earlier_params.min(trained))
                         / u128::from(trained);
-                    block_gradients - earlier as u64
+                    block_gradients - earlier_bytes as u64
                 }
             };
             let moment = Moment {

@@ -286,13 +286,13 @@ pub fn backward_with<B: Block>(
         return Ok(out);
     }
     // Forward: keep only each segment's input (segment 0: the attached stem).
-    let mut inputs = Vec::with_capacity(segments.len());
+    let mut kept = Vec::with_capacity(segments.len());
     let mut x = stem.clone();
     for (i, segment) in segments.iter().enumerate() {
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &x)?.detach();
         hook.after(segment.clone())?;
-        inputs.push(Kept::new(x, offload && i > 0)?);
+        kept.push(Kept::new(x, offload && i > 0)?);
         x = Var::from_tensor(&y)?.into_inner();
     }
     // Head: its parameter gradients and the gradient of the last hidden states.
@@ -306,7 +306,7 @@ pub fn backward_with<B: Block>(
     let mut taken = vec![false; vars.len()];
     drop(x);
     // Segments, last to first, each recomputed from its input.
-    for (i, (segment, input)) in segments.iter().zip(inputs).enumerate().rev() {
+    for (i, (segment, input)) in segments.iter().zip(kept).enumerate().rev() {
         let input = input.restore()?;
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &input)?;
