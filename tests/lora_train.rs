@@ -83,6 +83,7 @@ impl Fixture {
                 targets: ids(&r["targets"]),
                 loss_mask: Some(r["loss_mask"].clone()),
                 attention_mask: None,
+                documents: None,
             },
             f32: load(format!("{name}.lora.safetensors")).unwrap(),
             bf16: load(format!("{name}.lora.bf16.safetensors")).unwrap(),

@@ -832,6 +832,7 @@ fn references() -> Vec<Reference> {
                 targets: ids(&values["targets"]),
                 loss_mask: Some(values["loss_mask"].clone()),
                 attention_mask: values.get("attention_mask").map(ids),
+                documents: None,
             };
             Reference {
                 name,

@@ -306,6 +306,7 @@ pub fn batch_from_windows(
             targets: ids(targets)?,
             loss_mask: None,
             attention_mask: None,
+            documents: None,
         });
     }
     let mut rng = StdRng::seed_from_u64(seed ^ 0x6d61_736b);
@@ -331,6 +332,7 @@ pub fn batch_from_windows(
         targets: ids(inputs)?,
         loss_mask: Some(Tensor::from_vec(loss_mask, (batch, seq), device)?),
         attention_mask: None,
+        documents: None,
     })
 }
 

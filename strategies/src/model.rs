@@ -177,6 +177,12 @@ pub struct TokenBatch {
     /// bidirectional attention; causal models ignore it (right padding cannot be
     /// attended to by earlier positions; keep padded positions out of `loss_mask`).
     pub attention_mask: Option<Tensor>,
+    /// Document ids of packed rows, `[b, s]` u32: each document a run of
+    /// equal ids. A position attends only to positions of its own document,
+    /// and positions (rotary angles, learned position rows) count from 0 at
+    /// each document's first token, so a row computes what its documents
+    /// would one by one. `None`: each row is one document.
+    pub documents: Option<Tensor>,
 }
 
 impl TokenBatch {
@@ -187,6 +193,7 @@ impl TokenBatch {
             Some(&self.targets),
             self.loss_mask.as_ref(),
             self.attention_mask.as_ref(),
+            self.documents.as_ref(),
         ];
         if others
             .into_iter()

@@ -194,6 +194,7 @@ pub fn write_logits(
         targets: ids.clone(),
         loss_mask: None,
         attention_mask: None,
+        documents: None,
     };
     let logits = model
         .logits(&batch, &oomfix::strategies::Execution::default())
