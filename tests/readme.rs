@@ -66,7 +66,7 @@ fn run(recipe: &str, root: &Path, path: &std::ffi::OsString) -> String {
 #[test]
 fn the_readmes_recipes_run_as_printed() {
     let recipes = recipes();
-    assert_eq!(recipes.len(), 3, "{recipes:?}");
+    assert_eq!(recipes.len(), 4, "{recipes:?}");
     for recipe in &recipes {
         for line in recipe.lines().filter(|l| !l.starts_with(' ')) {
             assert!(line.starts_with("oomfix "), "{line}");
@@ -113,4 +113,13 @@ fn the_readmes_recipes_run_as_printed() {
     assert_eq!(config["peft_type"], "LORA");
     assert_eq!(config["r"], 8);
     assert!(adapters.join("adapter_model.safetensors").is_file());
+
+    // LoRA on chats: the adapters keep the tokenizer and its chat template.
+    let stdout = run(&recipes[3], &root_dir, &path);
+    assert!(stdout.contains("trained 10 steps"), "{stdout}");
+    let adapters = root_dir.join("chat-adapters");
+    assert!(adapters.join("adapter_config.json").is_file());
+    let template = std::fs::read_to_string(adapters.join("chat_template.jinja")).unwrap();
+    assert!(template.contains("<|im_start|>"), "{template}");
+    assert!(adapters.join("tokenizer_config.json").is_file());
 }

@@ -99,9 +99,12 @@ pub struct TrainOptions {
     /// (the same command line continues an interrupted run).
     #[arg(long, default_value_t = 10, value_name = "N", allow_negative_numbers = true, value_parser = parse_steps)]
     pub steps: u64,
-    /// Training data: a `.bin` of token ids (nanoGPT format), JSON Lines
-    /// (`.jsonl`, one document per line) or plain text, tokenized with the
-    /// model's tokenizer [default: random tokens].
+    /// Training data: a `.bin` of token ids (nanoGPT format), plain text, or
+    /// rows in JSON Lines (`.jsonl`) or a JSON array (`.json`): text
+    /// (`{"text": …}`), chats (`{"messages": […]}`), `{"prompt", "completion"}`
+    /// or Alpaca's `{"instruction", "input", "output"}`; tokenized with the
+    /// model's tokenizer, chats rendered with its chat template
+    /// [default: random tokens].
     #[arg(long, value_name = "PATH")]
     pub data: Option<PathBuf>,
     /// The tokenizer for text data [default: tokenizer.json beside the
@@ -111,6 +114,27 @@ pub struct TrainOptions {
     /// The field of each JSON Lines object that holds its text.
     #[arg(long, value_name = "NAME", default_value = "text")]
     pub text_field: String,
+    /// The Jinja chat template chats are rendered with [default: the
+    /// model's: chat_template.jinja or the "chat_template" of
+    /// tokenizer_config.json beside it]; saved with the model.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Which tokens of chat and prompt/completion examples the loss learns:
+    /// `completions` (the assistant's messages, the completion) or `all`.
+    /// Text data learns every token.
+    #[arg(long, value_name = "WHAT", default_value = "completions", value_parser = parse_loss_on)]
+    pub loss_on: oomfix::train::examples::LossOn,
+    /// Lay several examples into one sequence, kept apart (positions restart
+    /// and attention stays within each) [default].
+    #[arg(long, overrides_with = "no_packing")]
+    pub packing: bool,
+    /// One example per sequence, padded.
+    #[arg(long, overrides_with = "packing")]
+    pub no_packing: bool,
+    /// Cut examples longer than the sequence length to it (without: they are
+    /// dropped); the count is printed either way.
+    #[arg(long)]
+    pub truncate: bool,
     /// Token ids in a `.bin` file are u32 instead of u16.
     #[arg(long)]
     pub u32_tokens: bool,
@@ -701,6 +725,15 @@ pub enum SeqLen {
     Tokens(usize),
     /// The longest at which a plan fits (`longest`).
     Longest,
+}
+
+fn parse_loss_on(s: &str) -> Result<oomfix::train::examples::LossOn, String> {
+    use oomfix::train::examples::LossOn;
+    match s {
+        "completions" => Ok(LossOn::Completions),
+        "all" => Ok(LossOn::All),
+        _ => Err(format!("expected `completions` or `all`, got `{s}`")),
+    }
 }
 
 fn parse_seq_len(s: &str) -> Result<SeqLen, String> {

@@ -17,7 +17,8 @@ use super::signals::{self, StopSignals};
 use super::{io_text, logging, plan, print_stdout, Exit, Failure, Outcome};
 use oomfix::dist::Job;
 use oomfix::report::TrainSummary;
-use oomfix::train::data::{DataFormat, DataSource, TextOptions, TokenWidth};
+use oomfix::train::chat::{ChatTemplate, SpecialTokens};
+use oomfix::train::data::{DataFormat, DataSource, ExampleData, TextOptions, TokenWidth};
 use oomfix::train::saved::{self, ModelSource, TrainingState};
 use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
@@ -182,17 +183,29 @@ fn run_rank(
     plan_args.opts.snapshot = None;
     plan_args.opts.plot = None;
     let model_dir = args.plan.model.as_deref().map(model_dir);
+    let mut data = data_source(args, &prepared.spec.config, model_dir.as_deref())?;
+    if let (None, DataSource::Examples(examples)) = (plan_args.opts.seq_len, &data) {
+        let seq_len = examples_seq_len(examples, &prepared.spec.config);
+        if rank == 0 {
+            logging::notice(format_args!(
+                "sequence length {seq_len}: the longest example of {} is {} tokens{}; --seq-len sets it",
+                examples.path().display(),
+                examples.longest(),
+                if seq_len + 1 < examples.longest() { ", beyond the model's context" } else { "" }
+            ));
+        }
+        plan_args.opts.seq_len = Some(SeqLen::Tokens(seq_len));
+    }
     if let Some(dir) = &model_dir {
         // `longest`: the length is the search's; a sliding window it
         // exceeds is refused once it is known.
-        let seq_len = match args.plan.opts.seq_len {
+        let seq_len = match plan_args.opts.seq_len {
             Some(SeqLen::Tokens(n)) => n,
             Some(SeqLen::Longest) => 1,
             None => oomfix::Planner::new(1).seq_len_for(&prepared.spec),
         };
         oomfix::train::check_supported(&prepared.spec.config, seq_len, &dir.join("config.json"))?;
     }
-    let mut data = data_source(args, &prepared.spec.config, model_dir.as_deref())?;
     if let Some(path) = &o.resume {
         TrainingState::check(path)?;
     }
@@ -506,6 +519,11 @@ fn model_source(
         source.files.retain(|(n, _)| n != "tokenizer.json");
         source.files.push(("tokenizer.json".into(), t.clone()));
     }
+    if let Some(t) = &args.opts.chat_template {
+        let name = oomfix::train::chat::TEMPLATE_FILE;
+        source.files.retain(|(n, _)| n != name);
+        source.files.push((name.into(), t.clone()));
+    }
     source
 }
 
@@ -539,9 +557,9 @@ fn data_source(
 ) -> Result<DataSource, Failure> {
     let o = &args.opts;
     let Some(path) = &o.data else {
-        if o.tokenizer.is_some() || o.text_field != "text" {
+        if o.tokenizer.is_some() || o.text_field != "text" || o.chat_template.is_some() {
             return Err(Failure::Usage(
-                "--tokenizer and --text-field apply to text data: give --data".into(),
+                "--tokenizer, --text-field and --chat-template apply to data: give --data".into(),
             ));
         }
         return Ok(DataSource::synthetic(o.seed));
@@ -560,9 +578,9 @@ fn load_data(
     let o = &args.opts;
     let text_field_given = o.text_field != "text";
     let format = DataFormat::of(path);
-    if text_field_given && format != DataFormat::JsonLines {
+    if text_field_given && !matches!(format, DataFormat::JsonLines | DataFormat::Json) {
         return Err(Failure::Usage(format!(
-            "--text-field applies to JSON Lines data (.jsonl); {} is not",
+            "--text-field applies to JSON data (.jsonl, .json); {} is not",
             path.display()
         )));
     }
@@ -590,12 +608,46 @@ fn load_data(
             ),
         }
     }
+    let template = chat_template(args, model_dir)?;
     let text = TextOptions {
         tokenizer: tokenizer.as_ref(),
         text_field: &o.text_field,
         eos,
+        template: template.as_ref(),
+        loss_on: o.loss_on,
+        packing: !o.no_packing,
+        truncate: o.truncate,
     };
     Ok(DataSource::load(path, width, config.vocab, &text)?)
+}
+
+/// The sequence length examples train at by default: the longest
+/// example's (its tokens less the last, which is only a target), within the
+/// model's context.
+fn examples_seq_len(examples: &ExampleData, config: &ModelConfig) -> usize {
+    examples
+        .longest()
+        .saturating_sub(1)
+        .clamp(1, config.max_positions.max(1))
+}
+
+/// The chat template: `--chat-template` (with the special tokens of the
+/// model's tokenizer_config.json), else the model's own, if any.
+fn chat_template(
+    args: &TrainArgs,
+    model_dir: Option<&Path>,
+) -> Result<Option<ChatTemplate>, Failure> {
+    Ok(match (&args.opts.chat_template, model_dir) {
+        (Some(file), dir) => {
+            let tokens = match dir {
+                Some(dir) => SpecialTokens::from_model_dir(dir)?,
+                None => SpecialTokens::default(),
+            };
+            Some(ChatTemplate::from_file(file, tokens)?)
+        }
+        (None, Some(dir)) => ChatTemplate::from_model_dir(dir)?,
+        (None, None) => None,
+    })
 }
 
 /// Every rank's `peak` (collective), by rank.

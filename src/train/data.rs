@@ -2,8 +2,11 @@
 //!
 //! * `.bin`: little-endian token ids as nanoGPT's `prepare.py` writes them
 //!   (u16 by default, u32 when the vocabulary needs it or when asked);
-//! * `.jsonl` / `.ndjson` (JSON Lines): one document per line, an object whose
-//!   text field (`text` by default) holds the document; blank lines are skipped;
+//! * `.jsonl` / `.ndjson` (JSON Lines): one row per line (blank lines are
+//!   skipped); `.json`: a JSON array of rows. Rows whose text field (`text`
+//!   by default) holds a document are text; rows of chat or instruction
+//!   data (`messages`, `prompt`/`completion`, Alpaca's
+//!   `instruction`/`input`/`output`) are examples ([`super::examples`]);
 //! * any other file: plain UTF-8 text, one document.
 //!
 //! Text is tokenized with the model's tokenizer ([`Tokenizer`]) line by line
@@ -13,13 +16,22 @@
 //! (a byte-level fallback that needs a vocabulary of at least 256).
 //! No file: uniformly random tokens from a seeded generator.
 //!
+//! Examples train as sequences of their own: laid into rows of the plan's
+//! sequence length ([`super::examples::pack`]), several to a row kept apart
+//! by document ids, or one to a row, padded; the loss on the tokens they
+//! learn.
+//!
 //! Every id is checked against the model's vocabulary. Windows of
 //! `seq_len + 1` tokens are read in order and wrap around (documents are
 //! packed: a window may span an end-of-text id); the trainer turns each into
 //! inputs and next-token targets.
 
+use super::chat::ChatTemplate;
+use super::examples::{self, Example, LossOn, PackOptions, Packed, Rows, Shape};
 use super::tokenizer::Tokenizer;
 use crate::{Error, Result};
+use candle_core::{Device, Tensor};
+use oomfix_strategies::model::TokenBatch;
 use std::path::{Path, PathBuf};
 
 /// How a data file is read, from its name.
@@ -29,6 +41,8 @@ pub enum DataFormat {
     Tokens,
     /// `.jsonl` or `.ndjson`: one JSON object per line.
     JsonLines,
+    /// `.json`: a JSON array of objects.
+    Json,
     /// Anything else: UTF-8 text.
     Text,
 }
@@ -39,6 +53,7 @@ impl DataFormat {
         match path.extension().and_then(|e| e.to_str()) {
             Some("bin") => DataFormat::Tokens,
             Some("jsonl" | "ndjson") => DataFormat::JsonLines,
+            Some("json") => DataFormat::Json,
             _ => DataFormat::Text,
         }
     }
@@ -53,6 +68,14 @@ pub struct TextOptions<'a> {
     pub text_field: &'a str,
     /// The id put after every document (the model's end-of-text token).
     pub eos: Option<u32>,
+    /// The chat template message rows are rendered with.
+    pub template: Option<&'a ChatTemplate>,
+    /// Which tokens of an example the loss learns.
+    pub loss_on: LossOn,
+    /// Several examples to a row (kept apart); else one to a row.
+    pub packing: bool,
+    /// An example longer than a row is cut to it; else dropped.
+    pub truncate: bool,
 }
 
 impl Default for TextOptions<'_> {
@@ -61,6 +84,10 @@ impl Default for TextOptions<'_> {
             tokenizer: None,
             text_field: "text",
             eos: None,
+            template: None,
+            loss_on: LossOn::Completions,
+            packing: true,
+            truncate: false,
         }
     }
 }
@@ -92,6 +119,13 @@ pub enum DataPosition {
     },
     /// The model makes its own micro-batches (from their index and the seed).
     ModelMade,
+    /// The next row of `len` rows of examples.
+    Examples {
+        /// Next row.
+        pos: u64,
+        /// Rows in a pass.
+        len: u64,
+    },
 }
 
 /// Where a training run's micro-batches come from: tokens (random or from a
@@ -116,6 +150,147 @@ pub enum DataSource {
     /// No tokens: a model given as code makes its own micro-batches
     /// ([`oomfix_strategies::model::MicroBatch::index`] and `seed`).
     ModelMade,
+    /// Chat or instruction examples, laid into rows of the plan's sequence
+    /// length, read in order with wrap-around.
+    Examples(ExampleData),
+}
+
+/// The examples of a data file and the rows they are laid into.
+#[derive(Debug, Clone)]
+pub struct ExampleData {
+    path: PathBuf,
+    examples: Vec<Example>,
+    packing: bool,
+    truncate: bool,
+    pad: u32,
+    /// The rows at the sequence length last asked for.
+    packed: Option<Packed>,
+    /// Next row.
+    pos: usize,
+}
+
+impl ExampleData {
+    /// The file the examples came from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The examples, in file order.
+    pub fn examples(&self) -> &[Example] {
+        &self.examples
+    }
+
+    /// The rows at `seq_len` (laid out on first use at that length).
+    pub fn packed(&mut self, seq_len: usize) -> &Packed {
+        if self.packed.as_ref().is_none_or(|p| p.seq_len != seq_len) {
+            self.packed = Some(examples::pack(&self.examples, self.pack_options(seq_len)));
+            self.pos = 0;
+        }
+        self.packed.as_ref().expect("laid out above")
+    }
+
+    fn pack_options(&self, seq_len: usize) -> PackOptions {
+        PackOptions {
+            seq_len,
+            packing: self.packing,
+            truncate: self.truncate,
+            pad: self.pad,
+        }
+    }
+
+    /// Rows at `seq_len`, without laying them out for reading.
+    fn rows(&self, seq_len: usize) -> usize {
+        match &self.packed {
+            Some(p) if p.seq_len == seq_len => p.report.rows,
+            _ => {
+                examples::pack(&self.examples, self.pack_options(seq_len))
+                    .report
+                    .rows
+            }
+        }
+    }
+
+    /// Tokens of the longest example.
+    pub fn longest(&self) -> usize {
+        self.examples.iter().map(|e| e.ids.len()).max().unwrap_or(0)
+    }
+
+    /// The learned tokens of each of the next `micro_batches` micro-batches
+    /// of `batch` rows (wrapping around), from where the stream stands.
+    pub fn learned_ahead(
+        &mut self,
+        micro_batches: usize,
+        batch: usize,
+        seq_len: usize,
+    ) -> Vec<usize> {
+        let pos = self.pos;
+        let p = self.packed(seq_len);
+        let rows = p.report.rows.max(1);
+        (0..micro_batches)
+            .map(|m| {
+                (0..batch)
+                    .map(|r| p.learned_in_row((pos + m * batch + r) % rows))
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// The next `batch` rows at `seq_len` as a batch on `device`: with
+    /// `wrap`, from the start again past the last row; without, only the
+    /// rows left in the pass (`None` when none is).
+    pub fn next_batch(
+        &mut self,
+        batch: usize,
+        seq_len: usize,
+        wrap: bool,
+        device: &Device,
+    ) -> Result<Option<TokenBatch>> {
+        let pos = self.pos;
+        let p = self.packed(seq_len);
+        let rows = p.report.rows;
+        if rows == 0 {
+            return Err(Error::input(
+                &self.path,
+                format!("no example fits {seq_len} tokens and has a token to learn"),
+            ));
+        }
+        let take: Vec<usize> = if wrap {
+            (0..batch).map(|r| (pos + r) % rows).collect()
+        } else {
+            (pos..(pos + batch).min(rows)).collect()
+        };
+        if take.is_empty() {
+            return Ok(None);
+        }
+        let s = p.seq_len;
+        let gather = |v: &[u32]| -> Vec<u32> {
+            take.iter()
+                .flat_map(|&r| v[r * s..(r + 1) * s].to_vec())
+                .collect()
+        };
+        let shape = (take.len(), s);
+        let mask: Vec<f32> = take
+            .iter()
+            .flat_map(|&r| p.loss_mask[r * s..(r + 1) * s].to_vec())
+            .collect();
+        let tokens = TokenBatch {
+            input_ids: Tensor::from_vec(gather(&p.inputs), shape, device)?,
+            targets: Tensor::from_vec(gather(&p.targets), shape, device)?,
+            loss_mask: Some(Tensor::from_vec(mask, shape, device)?),
+            attention_mask: None,
+            documents: p
+                .documents
+                .as_deref()
+                .map(|d| Tensor::from_vec(gather(d), shape, device))
+                .transpose()?,
+        };
+        self.pos = if wrap {
+            (pos + batch) % rows
+        } else {
+            pos + take.len()
+        };
+        Ok(Some(tokens))
+    }
 }
 
 impl DataSource {
@@ -137,16 +312,61 @@ impl DataSource {
     /// file (and the line of a text format): an empty file, text that is not
     /// UTF-8, a JSON line that is not an object with the text field as a
     /// string, an id outside `vocab`, fewer than 2 tokens.
-    pub fn load(path: &Path, width: TokenWidth, vocab: usize, text: &TextOptions) -> Result<Self> {
+    pub fn load(path: &Path, width: TokenWidth, vocab: usize, opts: &TextOptions) -> Result<Self> {
         let bytes = std::fs::read(path)
             .map_err(|e| Error::input(path, format!("cannot read data: {e}")))?;
         if bytes.is_empty() {
             return Err(Error::input(path, "is empty: no data to train on"));
         }
-        let ids = match DataFormat::of(path) {
-            DataFormat::Tokens => token_ids(path, &bytes, width, vocab)?,
-            format => text_ids(path, &bytes, format, vocab, text)?,
+        let format = DataFormat::of(path);
+        if format == DataFormat::Tokens {
+            return Self::tokens(path, token_ids(path, &bytes, width, vocab)?);
+        }
+        let text = utf8(path, &bytes)?;
+        if format == DataFormat::Text {
+            return Self::tokens(path, text_ids(path, text, None, vocab, opts)?);
+        }
+        let rows = Rows::parse(path, text)?;
+        let shape = rows.shape(path, opts.text_field)?;
+        if shape == Shape::Text {
+            let documents = text_rows(path, &rows, opts.text_field)?;
+            return Self::tokens(path, text_ids(path, text, Some(&documents), vocab, opts)?);
+        }
+        let tokenizer = opts.tokenizer.ok_or_else(|| {
+            Error::Usage(format!(
+                "{}: chat and instruction data is tokenized with the model's tokenizer: \
+                 give --tokenizer or put tokenizer.json beside the model",
+                path.display()
+            ))
+        })?;
+        let eopts = examples::ExampleOptions {
+            tokenizer,
+            template: opts.template,
+            loss_on: opts.loss_on,
+            eos: opts.eos,
+            vocab,
         };
+        let examples = examples::examples(path, &rows, shape, &eopts)?;
+        tracing::info!(
+            examples = examples.len(),
+            shape = ?shape,
+            longest = examples.iter().map(|e| e.ids.len()).max().unwrap_or(0),
+            "examples of {}",
+            path.display()
+        );
+        Ok(DataSource::Examples(ExampleData {
+            path: path.to_path_buf(),
+            examples,
+            packing: opts.packing,
+            truncate: opts.truncate,
+            pad: opts.eos.unwrap_or(0),
+            packed: None,
+            pos: 0,
+        }))
+    }
+
+    /// A token stream of `ids` read from `path` (at least 2).
+    fn tokens(path: &Path, ids: Vec<u32>) -> Result<Self> {
         if ids.len() < 2 {
             return Err(Error::input(path, "holds fewer than 2 tokens"));
         }
@@ -166,6 +386,10 @@ impl DataSource {
                 len: ids.len() as u64,
             },
             DataSource::ModelMade => DataPosition::ModelMade,
+            DataSource::Examples(e) => DataPosition::Examples {
+                pos: e.pos as u64,
+                len: e.packed.as_ref().map_or(0, |p| p.report.rows) as u64,
+            },
         }
     }
 
@@ -176,6 +400,18 @@ impl DataSource {
         match (self, position) {
             (DataSource::Synthetic { state }, DataPosition::Synthetic(s)) if s != 0 => *state = s,
             (DataSource::ModelMade, DataPosition::ModelMade) => {}
+            (DataSource::Examples(e), DataPosition::Examples { pos, len })
+                if e.packed.as_ref().is_some_and(|p| p.report.rows as u64 == len) && pos < len =>
+            {
+                e.pos = pos as usize
+            }
+            (DataSource::Examples(e), DataPosition::Examples { len, .. }) => {
+                return Err(format!(
+                    "the data was {len} rows of examples; {} gives {} at this sequence length",
+                    e.path.display(),
+                    e.packed.as_ref().map_or(0, |p| p.report.rows)
+                ))
+            }
             (DataSource::Tokens { ids, pos, .. }, DataPosition::Tokens { pos: p, len })
                 if len == ids.len() as u64 && p < len =>
             {
@@ -207,13 +443,16 @@ impl DataSource {
         match self {
             DataSource::Synthetic { .. } | DataSource::ModelMade => None,
             DataSource::Tokens { ids, .. } => Some((ids.len() - 1).div_ceil(seq_len.max(1)).max(1)),
+            DataSource::Examples(e) => Some(e.rows(seq_len)),
         }
     }
 
     /// Back to the start of the token stream (synthetic data: unchanged).
     pub fn rewind(&mut self) {
-        if let DataSource::Tokens { pos, .. } = self {
-            *pos = 0;
+        match self {
+            DataSource::Tokens { pos, .. } => *pos = 0,
+            DataSource::Examples(e) => e.pos = 0,
+            DataSource::Synthetic { .. } | DataSource::ModelMade => {}
         }
     }
 
@@ -232,12 +471,17 @@ impl DataSource {
                 *pos = ((*pos as u128 + windows as u128 * seq_len as u128) % ids.len() as u128)
                     as usize;
             }
+            DataSource::Examples(e) => {
+                let rows = e.packed(seq_len).report.rows.max(1);
+                e.pos = (e.pos + windows) % rows;
+            }
             DataSource::ModelMade => {}
         }
     }
 
     /// The next `batch` windows of `seq_len + 1` tokens, row after row (none
-    /// from [`DataSource::ModelMade`]).
+    /// from [`DataSource::ModelMade`] and [`DataSource::Examples`], whose
+    /// batches come from [`ExampleData::next_batch`]).
     pub fn next_windows(&mut self, batch: usize, seq_len: usize, vocab: usize) -> Vec<u32> {
         let n = batch * (seq_len + 1);
         match self {
@@ -259,7 +503,7 @@ impl DataSource {
                 }
                 out
             }
-            DataSource::ModelMade => Vec::new(),
+            DataSource::ModelMade | DataSource::Examples(_) => Vec::new(),
         }
     }
 }
@@ -303,16 +547,10 @@ struct Piece<'a> {
     ends_document: bool,
 }
 
-/// The ids of a text or JSON Lines file.
-fn text_ids(
-    path: &Path,
-    bytes: &[u8],
-    format: DataFormat,
-    vocab: usize,
-    opts: &TextOptions,
-) -> Result<Vec<u32>> {
-    let at = |line: usize, msg: String| Error::input(path, format!("line {line}: {msg}"));
-    let text = std::str::from_utf8(bytes).map_err(|e| {
+/// `bytes` as UTF-8, or an input error naming the line and column of the
+/// first invalid byte.
+fn utf8<'a>(path: &Path, bytes: &'a [u8]) -> Result<&'a str> {
+    std::str::from_utf8(bytes).map_err(|e| {
         let bad = e.valid_up_to();
         let line = bytes[..bad].iter().filter(|&&b| b == b'\n').count() + 1;
         let column = bad
@@ -321,14 +559,56 @@ fn text_ids(
                 .rposition(|&b| b == b'\n')
                 .map_or(0, |i| i + 1)
             + 1;
-        at(
-            line,
+        Error::input(
+            path,
             format!(
-                "not UTF-8 (invalid byte 0x{:02x} at column {column})",
+                "line {line}: not UTF-8 (invalid byte 0x{:02x} at column {column})",
                 bytes[bad]
             ),
         )
-    })?;
+    })
+}
+
+/// The documents of text rows: each row's text field, with its line;
+/// empty texts are skipped.
+fn text_rows(path: &Path, rows: &Rows, field: &str) -> Result<Vec<(usize, String)>> {
+    let mut documents = Vec::new();
+    for (at, row) in &rows.rows {
+        match row.get(field) {
+            Some(serde_json::Value::String(s)) if s.is_empty() => {}
+            Some(serde_json::Value::String(s)) => documents.push((*at, s.clone())),
+            Some(other) => {
+                return Err(Error::input(
+                    path,
+                    format!(
+                        "{} {at}: \"{field}\" is {}, not a string",
+                        rows.unit,
+                        json_kind(other)
+                    ),
+                ))
+            }
+            None => unreachable!("a text row has the field"),
+        }
+    }
+    if documents.is_empty() {
+        return Err(Error::input(
+            path,
+            "holds no documents (every text is empty)",
+        ));
+    }
+    Ok(documents)
+}
+
+/// The ids of plain text (`documents` `None`: one document, line by line)
+/// or of the documents of text rows, each followed by the end-of-text id.
+fn text_ids(
+    path: &Path,
+    text: &str,
+    documents: Option<&[(usize, String)]>,
+    vocab: usize,
+    opts: &TextOptions,
+) -> Result<Vec<u32>> {
+    let at = |line: usize, msg: String| Error::input(path, format!("line {line}: {msg}"));
     if opts.tokenizer.is_none() && vocab < 256 {
         return Err(Error::input(
             path,
@@ -341,58 +621,29 @@ fn text_ids(
             format!("the end-of-text id {eos} is outside the model's vocabulary of {vocab}"),
         ));
     }
-    let mut documents: Vec<(usize, String)> = Vec::new();
-    let mut pieces: Vec<Piece> = Vec::new();
-    match format {
-        DataFormat::JsonLines => {
-            for (i, line) in text.lines().enumerate() {
-                if line.trim().is_empty() {
-                    continue;
-                }
-                let value: serde_json::Value =
-                    serde_json::from_str(line).map_err(|e| at(i + 1, format!("not JSON: {e}")))?;
-                let field = opts.text_field;
-                let doc = match value.get(field) {
-                    Some(serde_json::Value::String(s)) => s.clone(),
-                    Some(other) => {
-                        return Err(at(
-                            i + 1,
-                            format!("\"{field}\" is {}, not a string", json_kind(other)),
-                        ))
-                    }
-                    None if value.is_object() => {
-                        return Err(at(i + 1, format!("the object has no \"{field}\" field")))
-                    }
-                    None => {
-                        return Err(at(
-                            i + 1,
-                            format!(
-                                "{}, not an object with a \"{field}\" field",
-                                json_kind(&value)
-                            ),
-                        ))
-                    }
-                };
-                if !doc.is_empty() {
-                    documents.push((i + 1, doc));
-                }
-            }
-            pieces.extend(documents.iter().map(|(line, doc)| Piece {
+    let pieces: Vec<Piece> = match documents {
+        Some(documents) => documents
+            .iter()
+            .map(|(line, doc)| Piece {
                 line: *line,
                 text: doc,
                 ends_document: true,
-            }));
-        }
-        _ => {
+            })
+            .collect(),
+        None => {
             let lines: Vec<&str> = text.split_inclusive('\n').collect();
             let last = lines.len().saturating_sub(1);
-            pieces.extend(lines.into_iter().enumerate().map(|(i, t)| Piece {
-                line: i + 1,
-                text: t,
-                ends_document: i == last,
-            }));
+            lines
+                .into_iter()
+                .enumerate()
+                .map(|(i, t)| Piece {
+                    line: i + 1,
+                    text: t,
+                    ends_document: i == last,
+                })
+                .collect()
         }
-    }
+    };
     let mut ids = Vec::with_capacity(text.len() / 3);
     for batch in pieces.chunks(LINES_PER_BATCH) {
         let encoded: Vec<Vec<u32>> = match opts.tokenizer {
@@ -418,17 +669,11 @@ fn text_ids(
             }
         }
     }
-    if ids.is_empty() && documents.is_empty() && format == DataFormat::JsonLines {
-        return Err(Error::input(
-            path,
-            "holds no documents (every line is blank or empty text)",
-        ));
-    }
     Ok(ids)
 }
 
 /// What a JSON value is, for messages.
-fn json_kind(v: &serde_json::Value) -> &'static str {
+pub(crate) fn json_kind(v: &serde_json::Value) -> &'static str {
     match v {
         serde_json::Value::Null => "null",
         serde_json::Value::Bool(_) => "a boolean",

@@ -201,7 +201,9 @@
 //! and the surrogate's product `y·grad_y` `[n,h]` c are alive besides its tables.
 
 mod bert;
+pub mod chat;
 pub mod data;
+pub mod examples;
 mod optim;
 pub mod saved;
 pub mod tokenizer;

@@ -53,9 +53,10 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 /// The rest of the training state ([`TrainerState`]).
 pub const STATE_FILE: &str = "trainer_state.json";
 /// The files copied from beside the source weights when present.
-pub const SIDE_FILES: [&str; 6] = [
+pub const SIDE_FILES: [&str; 7] = [
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",
@@ -178,6 +179,13 @@ pub enum DataState {
         position: u64,
         /// Ids in the stream.
         tokens: u64,
+    },
+    /// The next row of examples.
+    Examples {
+        /// Next row.
+        row: u64,
+        /// Rows in a pass.
+        rows: u64,
     },
 }
 

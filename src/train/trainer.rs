@@ -39,7 +39,7 @@ use crate::track;
 use crate::track::alloc::mark_tensors;
 use crate::track::alloc::{self, Phase};
 use crate::track::tag::{Component, Module, Op, Scope};
-use crate::{Error, ModelConfig, Result};
+use crate::{Error, Family, ModelConfig, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::ParamsAdamW;
 use oomfix_strategies::accumulate::GradAccumulator;
@@ -842,6 +842,10 @@ impl Trainer {
                     position: pos,
                     tokens: len,
                 },
+                DataPosition::Examples { pos, len } => DataState::Examples {
+                    row: pos,
+                    rows: len,
+                },
                 DataPosition::ModelMade => return Err(Error::Usage(
                     "a run of a Hugging Face family trains on tokens, not DataSource::ModelMade"
                         .into(),
@@ -1041,6 +1045,10 @@ impl Trainer {
         self.check_lora_checkpoint(&ck.state, &state_path)?;
         let position = match ck.state.data {
             DataState::Synthetic { state } => DataPosition::Synthetic(state),
+            DataState::Examples { row, rows } => DataPosition::Examples {
+                pos: row,
+                len: rows,
+            },
             DataState::Tokens { position, tokens } => DataPosition::Tokens {
                 pos: position,
                 len: tokens,
@@ -1187,20 +1195,25 @@ impl Trainer {
     /// family's takes the next windows of tokens from `data` (`seed` chooses
     /// BERT's masked positions); a model given as code makes its own from
     /// `index` and the run's seed ([`DataSource::ModelMade`]).
+    ///
+    /// Examples come `micro_batch` rows at a time, wrapping around past the
+    /// last row; without `wrap` (evaluation) the last batch of a pass holds
+    /// the rows left, and `None` says none is.
     fn micro_batch(
         &self,
         data: &mut DataSource,
         index: u64,
         seed: u64,
         exec: Execution,
-    ) -> Result<MicroBatch> {
+        wrap: bool,
+    ) -> Result<Option<MicroBatch>> {
         let _op = Scope::op(Op::Batch);
         let (b, s) = (self.plan.micro_batch, self.plan.seq_len);
         let batch = MicroBatch::new(b, index, exec)
             .with_seq_len(s)
             .with_seed(self.seed);
-        match (&self.config, &data) {
-            (None, DataSource::ModelMade) => Ok(batch),
+        match (&self.config, data) {
+            (None, DataSource::ModelMade) => Ok(Some(batch)),
             (None, _) => Err(Error::Usage(
                 "a model given as code makes its own micro-batches: train it on DataSource::ModelMade"
                     .into(),
@@ -1209,7 +1222,20 @@ impl Trainer {
                 "a Hugging Face family trains on tokens: give it token data or synthetic tokens"
                     .into(),
             )),
-            (Some(config), _) => {
+            (Some(config), DataSource::Examples(examples)) => {
+                if config.family == Family::Bert {
+                    return Err(Error::Usage(
+                        "chat and instruction examples train causal language models; BERT is a masked one"
+                            .into(),
+                    ));
+                }
+                let Some(tokens) = examples.next_batch(b, s, wrap, &self.device)? else {
+                    return Ok(None);
+                };
+                batch_dims(&tokens, config)?;
+                Ok(Some(batch.with_tokens(tokens)?))
+            }
+            (Some(config), data) => {
                 let windows = data.next_windows(b, s, config.vocab);
                 let tokens: TokenBatch = batch_from_windows(
                     config.family,
@@ -1221,7 +1247,7 @@ impl Trainer {
                     &self.device,
                 )?;
                 batch_dims(&tokens, config)?;
-                Ok(batch.with_tokens(tokens)?)
+                Ok(Some(batch.with_tokens(tokens)?))
             }
         }
     }
@@ -1241,14 +1267,14 @@ impl Trainer {
         track::reset_device_peak(&self.device)?;
         let outcome = self.eval_batches(data, batches);
         alloc::set_phase(Phase::Setup);
-        let (sum, count) = outcome?;
+        let (sum, weight, count) = outcome?;
         let peak = track::phase_peak(&self.device, self.live_base)?;
-        let (sum, count) = match self.comm() {
-            None => (sum, count),
+        let (sum, weight, count) = match self.comm() {
+            None => (sum, weight, count),
             Some(comm) => {
-                let t = comm.all_reduce_sum(&Tensor::new(&[sum, count as f64], &Device::Cpu)?)?;
-                let v = t.to_vec1::<f64>()?;
-                (v[0], v[1] as usize)
+                let t = Tensor::new(&[sum, weight, count as f64], &Device::Cpu)?;
+                let v = comm.all_reduce_sum(&t)?.to_vec1::<f64>()?;
+                (v[0], v[1], v[2] as usize)
             }
         };
         if count == 0 {
@@ -1256,7 +1282,7 @@ impl Trainer {
                 "an evaluation needs at least one batch".into(),
             ));
         }
-        let loss = sum / count as f64;
+        let loss = sum / weight;
         Ok(Evaluation {
             step: self.step,
             loss,
@@ -1268,29 +1294,44 @@ impl Trainer {
         })
     }
 
-    /// This rank's share of [`evaluate`](Self::evaluate): the sum of its
-    /// batches' losses and their count.
-    fn eval_batches(&mut self, data: &mut DataSource, batches: usize) -> Result<(f64, usize)> {
+    /// This rank's share of [`evaluate`](Self::evaluate): the weighted sum
+    /// of its batches' losses, the sum of the weights and the batches'
+    /// count. A batch weighs 1, a batch of examples its learned tokens (so
+    /// the loss is the mean over every learned token).
+    fn eval_batches(&mut self, data: &mut DataSource, batches: usize) -> Result<(f64, f64, usize)> {
         let (rank, world) = (self.rank(), self.world_size());
         if let Optim::Sharded(opt) = &mut self.optim {
             let _op = Scope::op(Op::WeightSync);
             opt.gather_params()?;
         }
         let exec = self.execution;
-        let (mut sum, mut count) = (0.0, 0);
+        let examples = matches!(data, DataSource::Examples(_));
+        let (mut sum, mut weight, mut count) = (0.0, 0.0, 0);
         for i in 0..batches {
             if i % world != rank {
                 data.skip_windows(self.plan.micro_batch, self.plan.seq_len);
                 continue;
             }
-            let batch = self.micro_batch(data, i as u64, 0, exec)?;
-            sum += f64::from(model::loss_only(self.model.as_ref(), &batch)?);
+            let Some(batch) = self.micro_batch(data, i as u64, 0, exec, false)? else {
+                break;
+            };
+            let w = match (&batch.tokens, examples) {
+                (
+                    Some(TokenBatch {
+                        loss_mask: Some(m), ..
+                    }),
+                    true,
+                ) => f64::from(m.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?),
+                _ => 1.0,
+            };
+            sum += w * f64::from(model::loss_only(self.model.as_ref(), &batch)?);
+            weight += w;
             count += 1;
         }
         if let Optim::Sharded(opt) = &mut self.optim {
             opt.release_params()?;
         }
-        Ok((sum, count))
+        Ok((sum, weight, count))
     }
 
     /// One optimizer step over `grad_accum` micro-batches from `data` (at
@@ -1335,6 +1376,29 @@ impl Trainer {
         self.optim.traffic()
     }
 
+    /// For examples, what each of this rank's micro-batches of the step
+    /// weighs: its learned tokens × micro-batches of the step (all ranks) ÷
+    /// the learned tokens of the step, so that the step's loss and gradient
+    /// are the mean over every learned token of the step, whatever the
+    /// accumulation and the ranks (transformers' `num_items_in_batch`);
+    /// `None` for token streams, whose micro-batches weigh the same.
+    fn example_weights(&self, data: &mut DataSource) -> Option<Vec<f64>> {
+        let DataSource::Examples(examples) = data else {
+            return None;
+        };
+        let (rank, world, accum) = (self.rank(), self.world_size(), self.plan.grad_accum);
+        let learned =
+            examples.learned_ahead(world * accum, self.plan.micro_batch, self.plan.seq_len);
+        let total: usize = learned.iter().sum();
+        let all = (world * accum) as f64;
+        Some(
+            learned[rank * accum..(rank + 1) * accum]
+                .iter()
+                .map(|&n| n as f64 * all / total.max(1) as f64)
+                .collect(),
+        )
+    }
+
     /// The phases of [`step`](Self::step): `(loss, forward/backward peak,
     /// optimizer peak, skipped, gradient norm)`.
     fn step_phases(&mut self, data: &mut DataSource) -> Result<(f32, u64, u64, bool, f64)> {
@@ -1347,6 +1411,7 @@ impl Trainer {
         let mut loss_sum = 0.0;
         let (rank, world) = (self.rank(), self.world_size());
         let per_rank = self.plan.micro_batch * self.plan.grad_accum;
+        let weights = self.example_weights(data);
         data.skip_windows(rank * per_rank, self.plan.seq_len);
         if let Optim::Sharded(opt) = &mut self.optim {
             let _op = Scope::op(Op::WeightSync);
@@ -1360,8 +1425,11 @@ impl Trainer {
         for k in 0..accum {
             alloc::set_phase(Phase::Forward);
             let index = (self.step * world as u64 + rank as u64) * accum + k;
-            let exec = self.execution.loss_scale(scale);
-            let batch = self.micro_batch(data, index, self.step, exec)?;
+            let weight = weights.as_ref().map_or(1.0, |w| w[k as usize]);
+            let exec = self.execution.loss_scale(scale * weight);
+            let batch = self
+                .micro_batch(data, index, self.step, exec, true)?
+                .expect("training batches wrap around");
             let vars = &self.vars;
             let out = match (&mut self.optim, &self.units) {
                 (Optim::Sharded(opt), Some(units)) => {
@@ -1375,7 +1443,7 @@ impl Trainer {
             // The gradients the segments' hook did not take.
             let grads: Vec<Tensor> = out.grads.into_iter().flatten().collect();
             mark_tensors(&grads, Component::Gradients);
-            loss_sum += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            loss_sum += out.loss.to_dtype(DType::F32)?.to_scalar::<f32>()? * weight as f32;
             let _op = Scope::op(Op::GradAccumulate);
             match (&mut self.optim, &self.units) {
                 // The blocks' gradients were reduced segment by segment.
