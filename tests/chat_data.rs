@@ -331,3 +331,50 @@ fn bad_chat_data_is_refused_naming_the_file_and_line() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--chat-template"), "{stderr}");
 }
+
+#[test]
+fn inspect_counts_the_examples_and_training_defaults_to_the_longest() {
+    let r = reference();
+    let model = fixture().join("model");
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .arg("inspect")
+        .arg(&model)
+        .arg("--data")
+        .arg(fixture().join("messages.jsonl"))
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let examples = r["messages.jsonl"].as_array().unwrap();
+    let learned: u64 = examples
+        .iter()
+        .map(|e| e["tokens_completions"].as_u64().unwrap())
+        .sum();
+    let tokens: usize = examples
+        .iter()
+        .map(|e| e["input_ids"].as_array().unwrap().len())
+        .sum();
+    assert_eq!(v["data"]["examples"], 5);
+    assert_eq!(v["data"]["learned_tokens"], learned);
+    assert_eq!(v["data"]["tokens"], tokens);
+    assert_eq!(v["data"]["longest"], 127);
+
+    // No --seq-len: the longest example's 127 tokens make 126 positions.
+    let work = tempfile::tempdir().unwrap();
+    let out = train(work.path(), "messages.jsonl", &["--steps", "1", "--json"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["plan"]["seq_len"], 126, "{v:#}");
+}

@@ -99,45 +99,9 @@ pub struct TrainOptions {
     /// (the same command line continues an interrupted run).
     #[arg(long, default_value_t = 10, value_name = "N", allow_negative_numbers = true, value_parser = parse_steps)]
     pub steps: u64,
-    /// Training data: a `.bin` of token ids (nanoGPT format), plain text, or
-    /// rows in JSON Lines (`.jsonl`) or a JSON array (`.json`): text
-    /// (`{"text": …}`), chats (`{"messages": […]}`), `{"prompt", "completion"}`
-    /// or Alpaca's `{"instruction", "input", "output"}`; tokenized with the
-    /// model's tokenizer, chats rendered with its chat template
-    /// [default: random tokens].
-    #[arg(long, value_name = "PATH")]
-    pub data: Option<PathBuf>,
-    /// The tokenizer for text data [default: tokenizer.json beside the
-    /// model's weights; without one, bytes are tokens].
-    #[arg(long, value_name = "PATH")]
-    pub tokenizer: Option<PathBuf>,
-    /// The field of each JSON Lines object that holds its text.
-    #[arg(long, value_name = "NAME", default_value = "text")]
-    pub text_field: String,
-    /// The Jinja chat template chats are rendered with [default: the
-    /// model's: chat_template.jinja or the "chat_template" of
-    /// tokenizer_config.json beside it]; saved with the model.
-    #[arg(long, value_name = "FILE")]
-    pub chat_template: Option<PathBuf>,
-    /// Which tokens of chat and prompt/completion examples the loss learns:
-    /// `completions` (the assistant's messages, the completion) or `all`.
-    /// Text data learns every token.
-    #[arg(long, value_name = "WHAT", default_value = "completions", value_parser = parse_loss_on)]
-    pub loss_on: oomfix::train::examples::LossOn,
-    /// Lay several examples into one sequence, kept apart (positions restart
-    /// and attention stays within each) [default].
-    #[arg(long, overrides_with = "no_packing")]
-    pub packing: bool,
-    /// One example per sequence, padded.
-    #[arg(long, overrides_with = "packing")]
-    pub no_packing: bool,
-    /// Cut examples longer than the sequence length to it (without: they are
-    /// dropped); the count is printed either way.
-    #[arg(long)]
-    pub truncate: bool,
-    /// Token ids in a `.bin` file are u32 instead of u16.
-    #[arg(long)]
-    pub u32_tokens: bool,
+    /// The data and how it is read.
+    #[command(flatten)]
+    pub input: DataOptions,
     /// AdamW's peak learning rate [default: 5e-5 from pretrained weights,
     /// as the Hugging Face Trainer; 3e-4 from a random initialisation].
     #[arg(long, allow_negative_numbers = true, value_parser = parse_lr)]
@@ -254,11 +218,60 @@ pub struct MeasureStepArgs {
     pub hold_device_to: Option<u64>,
 }
 
+/// Where the training data comes from and how it is read (`train`'s
+/// `--data` and `--eval-data`; `inspect --data`).
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Data")]
+pub struct DataOptions {
+    /// Training data: a `.bin` of token ids (nanoGPT format), plain text, or
+    /// rows in JSON Lines (`.jsonl`) or a JSON array (`.json`): text
+    /// (`{"text": …}`), chats (`{"messages": […]}`), `{"prompt", "completion"}`
+    /// or Alpaca's `{"instruction", "input", "output"}`; tokenized with the
+    /// model's tokenizer, chats rendered with its chat template
+    /// [default: random tokens].
+    #[arg(long, value_name = "PATH")]
+    pub data: Option<PathBuf>,
+    /// The tokenizer for text data [default: tokenizer.json beside the
+    /// model's weights; without one, bytes are tokens].
+    #[arg(long, value_name = "PATH")]
+    pub tokenizer: Option<PathBuf>,
+    /// The field of each JSON Lines object that holds its text.
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    pub text_field: String,
+    /// The Jinja chat template chats are rendered with [default: the
+    /// model's: chat_template.jinja or the "chat_template" of
+    /// tokenizer_config.json beside it]; saved with the model.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Which tokens of chat and prompt/completion examples the loss learns:
+    /// `completions` (the assistant's messages, the completion) or `all`.
+    /// Text data learns every token.
+    #[arg(long, value_name = "WHAT", default_value = "completions", value_parser = parse_loss_on)]
+    pub loss_on: oomfix::train::examples::LossOn,
+    /// Lay several examples into one sequence, kept apart (positions restart
+    /// and attention stays within each) [default].
+    #[arg(long, overrides_with = "no_packing")]
+    pub packing: bool,
+    /// One example per sequence, padded.
+    #[arg(long, overrides_with = "packing")]
+    pub no_packing: bool,
+    /// Cut examples longer than the sequence length to it (without: they are
+    /// dropped); the count is printed either way.
+    #[arg(long)]
+    pub truncate: bool,
+    /// Token ids in a `.bin` file are u32 instead of u16.
+    #[arg(long)]
+    pub u32_tokens: bool,
+}
+
 /// Options of `oomfix inspect`.
 #[derive(Debug, Clone, Args)]
 struct InspectCmd {
     /// A .safetensors file, a directory of them, or a model.safetensors.index.json.
     model: PathBuf,
+    /// The data, read as `train --data` reads it: its token and example counts.
+    #[command(flatten)]
+    input: DataOptions,
 }
 
 /// Which attempts `--verify` measures.
@@ -483,6 +496,8 @@ pub struct PlanArgs {
 pub struct InspectArgs {
     /// The model.
     pub model: PathBuf,
+    /// `--data` and how it is read.
+    pub input: DataOptions,
     /// `--json`.
     pub json: bool,
 }
@@ -593,6 +608,7 @@ fn parse_normalized(argv: Vec<OsString>) -> Result<Invocation, Stop> {
                     refuse_planning_options(&matches, "inspect", "reads only the header")?;
                     Command::Inspect(InspectArgs {
                         model: i.model,
+                        input: i.input,
                         json: cli.output.json,
                     })
                 }

@@ -9,6 +9,7 @@
 //! * [`signals`], [`progress`]: what `train` does on SIGINT/SIGTERM and how it shows progress.
 
 pub mod args;
+pub mod data;
 pub mod inspect;
 pub mod job;
 pub mod launch;

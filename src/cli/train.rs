@@ -14,15 +14,13 @@ use super::args::{InitArg, SeqLen, TrainArgs};
 use super::job::{self, Joined};
 use super::progress::Progress;
 use super::signals::{self, StopSignals};
-use super::{io_text, logging, plan, print_stdout, Exit, Failure, Outcome};
+use super::{data, io_text, logging, plan, print_stdout, Exit, Failure, Outcome};
 use oomfix::dist::Job;
 use oomfix::report::TrainSummary;
-use oomfix::train::chat::{ChatTemplate, SpecialTokens};
-use oomfix::train::data::{DataFormat, DataSource, ExampleData, TextOptions, TokenWidth};
+use oomfix::train::data::DataSource;
 use oomfix::train::saved::{self, ModelSource, TrainingState};
-use oomfix::train::tokenizer::Tokenizer;
 use oomfix::train::{TrainOptions, Trainer};
-use oomfix::{ModelConfig, Plan, Target};
+use oomfix::{Plan, Target};
 use std::path::{Path, PathBuf};
 
 /// Runs `oomfix train`: in this process; as one rank of a job (started by
@@ -166,6 +164,7 @@ fn run_rank(
         })?,
     };
     let data_inputs: Vec<&Path> = o
+        .input
         .data
         .iter()
         .chain(&o.eval_data)
@@ -182,10 +181,15 @@ fn run_rank(
     let recorded = record_to.snapshot.is_some() || record_to.plot.is_some();
     plan_args.opts.snapshot = None;
     plan_args.opts.plot = None;
-    let model_dir = args.plan.model.as_deref().map(model_dir);
-    let mut data = data_source(args, &prepared.spec.config, model_dir.as_deref())?;
+    let model_dir = args.plan.model.as_deref().map(data::model_dir);
+    let mut data = data::data_source(
+        &o.input,
+        o.seed,
+        &prepared.spec.config,
+        model_dir.as_deref(),
+    )?;
     if let (None, DataSource::Examples(examples)) = (plan_args.opts.seq_len, &data) {
-        let seq_len = examples_seq_len(examples, &prepared.spec.config);
+        let seq_len = data::examples_seq_len(examples, &prepared.spec.config);
         if rank == 0 {
             logging::notice(format_args!(
                 "sequence length {seq_len}: the longest example of {} is {} tokens{}; --seq-len sets it",
@@ -210,8 +214,8 @@ fn run_rank(
         TrainingState::check(path)?;
     }
     let mut eval_data = match &o.eval_data {
-        Some(path) => Some(load_data(
-            args,
+        Some(path) => Some(data::load_data(
+            &o.input,
             path,
             &prepared.spec.config,
             model_dir.as_deref(),
@@ -221,7 +225,7 @@ fn run_rank(
     if let Some(save) = &o.save {
         let mut inputs: Vec<&Path> = prepared.spec.files.iter().map(|p| p.as_path()).collect();
         inputs.extend(args.plan.model.as_deref());
-        inputs.extend(o.data.as_deref());
+        inputs.extend(o.input.data.as_deref());
         inputs.extend(o.eval_data.as_deref());
         // The checkpoint resumed, and the model when it is that checkpoint:
         // replacing them is the point.
@@ -515,139 +519,16 @@ fn model_source(
             ..ModelSource::default()
         },
     };
-    if let Some(t) = &args.opts.tokenizer {
+    if let Some(t) = &args.opts.input.tokenizer {
         source.files.retain(|(n, _)| n != "tokenizer.json");
         source.files.push(("tokenizer.json".into(), t.clone()));
     }
-    if let Some(t) = &args.opts.chat_template {
+    if let Some(t) = &args.opts.input.chat_template {
         let name = oomfix::train::chat::TEMPLATE_FILE;
         source.files.retain(|(n, _)| n != name);
         source.files.push((name.into(), t.clone()));
     }
     source
-}
-
-/// The directory holding the model's side files (`config.json`,
-/// `tokenizer.json`): the model itself when it is a directory, else its parent.
-fn model_dir(model: &Path) -> PathBuf {
-    if model.is_dir() {
-        model.to_path_buf()
-    } else {
-        model.parent().map(Path::to_path_buf).unwrap_or_default()
-    }
-}
-
-/// The tokenizer for text data: `--tokenizer`, else `tokenizer.json` in
-/// `model_dir` when there is one.
-fn tokenizer(args: &TrainArgs, model_dir: Option<&Path>) -> Result<Option<Tokenizer>, Failure> {
-    let path = match (&args.opts.tokenizer, model_dir) {
-        (Some(p), _) => p.clone(),
-        (None, Some(dir)) if dir.join("tokenizer.json").is_file() => dir.join("tokenizer.json"),
-        _ => return Ok(None),
-    };
-    Ok(Some(Tokenizer::from_file(&path)?))
-}
-
-/// The training data `args` ask for, tokenized and checked against the
-/// model's vocabulary.
-fn data_source(
-    args: &TrainArgs,
-    config: &ModelConfig,
-    model_dir: Option<&Path>,
-) -> Result<DataSource, Failure> {
-    let o = &args.opts;
-    let Some(path) = &o.data else {
-        if o.tokenizer.is_some() || o.text_field != "text" || o.chat_template.is_some() {
-            return Err(Failure::Usage(
-                "--tokenizer, --text-field and --chat-template apply to data: give --data".into(),
-            ));
-        }
-        return Ok(DataSource::synthetic(o.seed));
-    };
-    load_data(args, path, config, model_dir)
-}
-
-/// The data file `path` (`--data` or `--eval-data`) in its format,
-/// tokenized as `args` say and checked against the model's vocabulary.
-fn load_data(
-    args: &TrainArgs,
-    path: &Path,
-    config: &ModelConfig,
-    model_dir: Option<&Path>,
-) -> Result<DataSource, Failure> {
-    let o = &args.opts;
-    let text_field_given = o.text_field != "text";
-    let format = DataFormat::of(path);
-    if text_field_given && !matches!(format, DataFormat::JsonLines | DataFormat::Json) {
-        return Err(Failure::Usage(format!(
-            "--text-field applies to JSON data (.jsonl, .json); {} is not",
-            path.display()
-        )));
-    }
-    let width = if o.u32_tokens {
-        TokenWidth::U32
-    } else {
-        TokenWidth::U16
-    };
-    let tokenizer = tokenizer(args, model_dir)?;
-    let eos = config
-        .settings
-        .eos_token_id
-        .or_else(|| tokenizer.as_ref().and_then(Tokenizer::eos_id));
-    if format != DataFormat::Tokens {
-        match &tokenizer {
-            Some(t) => tracing::info!(
-                tokenizer = %t.path().display(),
-                eos = eos.map(i64::from).unwrap_or(-1),
-                "tokenizing {}",
-                path.display()
-            ),
-            None => tracing::warn!(
-                "no tokenizer.json beside the model and no --tokenizer: each byte of {} is a token",
-                path.display()
-            ),
-        }
-    }
-    let template = chat_template(args, model_dir)?;
-    let text = TextOptions {
-        tokenizer: tokenizer.as_ref(),
-        text_field: &o.text_field,
-        eos,
-        template: template.as_ref(),
-        loss_on: o.loss_on,
-        packing: !o.no_packing,
-        truncate: o.truncate,
-    };
-    Ok(DataSource::load(path, width, config.vocab, &text)?)
-}
-
-/// The sequence length examples train at by default: the longest
-/// example's (its tokens less the last, which is only a target), within the
-/// model's context.
-fn examples_seq_len(examples: &ExampleData, config: &ModelConfig) -> usize {
-    examples
-        .longest()
-        .saturating_sub(1)
-        .clamp(1, config.max_positions.max(1))
-}
-
-/// The chat template: `--chat-template` (with the special tokens of the
-/// model's tokenizer_config.json), else the model's own, if any.
-fn chat_template(
-    args: &TrainArgs,
-    model_dir: Option<&Path>,
-) -> Result<Option<ChatTemplate>, Failure> {
-    Ok(match (&args.opts.chat_template, model_dir) {
-        (Some(file), dir) => {
-            let tokens = match dir {
-                Some(dir) => SpecialTokens::from_model_dir(dir)?,
-                None => SpecialTokens::default(),
-            };
-            Some(ChatTemplate::from_file(file, tokens)?)
-        }
-        (None, Some(dir)) => ChatTemplate::from_model_dir(dir)?,
-        (None, None) => None,
-    })
 }
 
 /// Every rank's `peak` (collective), by rank.

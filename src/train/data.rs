@@ -183,7 +183,44 @@ impl ExampleData {
     /// The rows at `seq_len` (laid out on first use at that length).
     pub fn packed(&mut self, seq_len: usize) -> &Packed {
         if self.packed.as_ref().is_none_or(|p| p.seq_len != seq_len) {
-            self.packed = Some(examples::pack(&self.examples, self.pack_options(seq_len)));
+            let packed = examples::pack(&self.examples, self.pack_options(seq_len));
+            let r = packed.report;
+            tracing::info!(
+                examples = r.examples,
+                rows = r.rows,
+                seq_len,
+                packing = self.packing,
+                learned_tokens = r.learned,
+                tokens = r.tokens,
+                "examples of {} laid into rows",
+                self.path.display()
+            );
+            if r.dropped_long > 0 {
+                tracing::warn!(
+                    "{} of {} examples of {} are longer than {} tokens and are left out (--truncate cuts them)",
+                    r.dropped_long,
+                    self.examples.len(),
+                    self.path.display(),
+                    seq_len + 1
+                );
+            }
+            if r.truncated > 0 {
+                tracing::warn!(
+                    "{} examples of {} are cut to {} tokens",
+                    r.truncated,
+                    self.path.display(),
+                    seq_len + 1
+                );
+            }
+            if r.dropped_unlearned > 0 {
+                tracing::warn!(
+                    "{} examples of {} have no token to learn within {} tokens and are left out",
+                    r.dropped_unlearned,
+                    self.path.display(),
+                    seq_len + 1
+                );
+            }
+            self.packed = Some(packed);
             self.pos = 0;
         }
         self.packed.as_ref().expect("laid out above")
@@ -293,7 +330,43 @@ impl ExampleData {
     }
 }
 
+/// What a data file holds (`inspect --data`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct DataSummary {
+    /// Tokens in all (every example's, or the stream's).
+    pub tokens: usize,
+    /// Examples (none for a token stream).
+    pub examples: Option<usize>,
+    /// Tokens the loss learns (of examples; a stream learns every token).
+    pub learned_tokens: Option<usize>,
+    /// Tokens of the shortest example.
+    pub shortest: Option<usize>,
+    /// Tokens of the longest example.
+    pub longest: Option<usize>,
+}
+
 impl DataSource {
+    /// What the data holds; `None` for random tokens and a model's own data.
+    pub fn summary(&self) -> Option<DataSummary> {
+        match self {
+            DataSource::Tokens { ids, .. } => Some(DataSummary {
+                tokens: ids.len(),
+                examples: None,
+                learned_tokens: None,
+                shortest: None,
+                longest: None,
+            }),
+            DataSource::Examples(e) => Some(DataSummary {
+                tokens: e.examples.iter().map(|x| x.ids.len()).sum(),
+                examples: Some(e.examples.len()),
+                learned_tokens: Some(e.examples.iter().map(Example::learned).sum()),
+                shortest: e.examples.iter().map(|x| x.ids.len()).min(),
+                longest: e.examples.iter().map(|x| x.ids.len()).max(),
+            }),
+            DataSource::Synthetic { .. } | DataSource::ModelMade => None,
+        }
+    }
+
     /// Random tokens, reproducible from `seed`.
     pub fn synthetic(seed: u64) -> Self {
         DataSource::Synthetic {

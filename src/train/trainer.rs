@@ -1054,6 +1054,10 @@ impl Trainer {
                 len: tokens,
             },
         };
+        if let DataSource::Examples(examples) = data {
+            // Rows exist at a sequence length: the checkpoint's plan's.
+            examples.packed(ck.state.plan.seq_len);
+        }
         data.seek(position)
             .map_err(|msg| Error::input(&state_path, format!("cannot continue the data: {msg}")))?;
         self.load_tensors(&ck)?;
