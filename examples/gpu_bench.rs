@@ -771,7 +771,7 @@ fn fused_cases() -> Vec<FusedCase> {
                     scale: 0.125,
                     causal: true,
                 };
-                ops::attention_probs(&t[0], &t[1], None, opts)
+                ops::attention_probs(&t[0], &t[1], None, None, opts)
             },
             composed: |t| composed_probs(&t[0], &t[1]),
         },

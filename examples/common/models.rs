@@ -53,7 +53,7 @@ impl VitBlock {
                     scale: 1.0 / (dh as f32).sqrt(),
                     causal: false,
                 };
-                attention_probs(&q, &k, None, opts)?.matmul(&v)?
+                attention_probs(&q, &k, None, None, opts)?.matmul(&v)?
             }
         };
         let ctx = ctx.transpose(1, 2)?.reshape((b, s, d))?;

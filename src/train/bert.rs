@@ -9,7 +9,7 @@ use oomfix_strategies::Execution;
 use super::layers::{split_heads, Attend, LayerNorm, Linear};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
-use crate::{ModelConfig, Result};
+use crate::{Error, ModelConfig, Result};
 
 struct Block {
     query: Linear,
@@ -131,8 +131,17 @@ impl Bert {
     }
 
     /// The forward pass on `batch`: embeddings, blocks and the masked-LM head.
+    /// Packed documents ([`TokenBatch::documents`]) are refused: BERT
+    /// attends as the batch's `attention_mask` says.
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
         let (b, s) = batch_dims(batch, &self.config)?;
+        if batch.documents.is_some() {
+            return Err(Error::Usage(
+                "BERT does not take packed documents (a batch's `documents`): give it one \
+                 document per row, padded, with an attention_mask"
+                    .into(),
+            ));
+        }
         let h = self.config.hidden;
         let [embeddings, mask, transform, decoder] = self.tags;
         let stem = {

@@ -21,7 +21,7 @@ use candle_core::{DType, Tensor, Var, D};
 use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
 use oomfix_strategies::{Attention, Execution};
 
-use super::layers::{split_heads, Linear, RmsNorm};
+use super::layers::{split_heads, Linear, Packing, RmsNorm};
 use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, GemmaSettings, ModelConfig, Result};
@@ -56,7 +56,8 @@ struct Kind {
     /// The queries' tables, scaled by the attention scale (and `1/cap`).
     rope_q: RopeTables,
     rope_k: RopeTables,
-    /// `[s, s]` in the compute dtype: 0 where a query sees a key, −∞ elsewhere.
+    /// `[s, s]` (`[b, 1, s, s]` with packed documents) in the compute
+    /// dtype: 0 where a query sees a key, −∞ elsewhere.
     mask: Tensor,
 }
 
@@ -178,8 +179,8 @@ impl Block {
 /// `softmax(cap·tanh(q·kᵀ) + mask)·v` (without a cap: `q·kᵀ + mask`), the
 /// softmax in f32 and its output in `q`'s dtype, heads merged: `q`
 /// `[b, H, s, d]` (its scale folded in), `k`, `v` `[b, KV, s, d]`
-/// contiguous, `mask` `[s, s]` → `[b, s, H·d]`. Grouped-query heads share
-/// `k` and `v` without a copy.
+/// contiguous, `mask` `[s, s]` or `[b, 1, s, s]` → `[b, s, H·d]`.
+/// Grouped-query heads share `k` and `v` without a copy.
 ///
 /// Keeps, besides its inputs, score-sized tensors `[b, H, s, s]`: the
 /// scores; with a cap, `tanh` and its multiple; the masked scores; with a
@@ -223,27 +224,43 @@ fn attend(
         .reshape((b, s, h * d))
 }
 
-/// The additive `[s, s]` mask in `dtype`: 0 where query `i` sees key `j`
-/// (`j ≤ i`, and with a window `w`, `i − j < w`), −∞ elsewhere.
+/// The additive mask in `dtype`: 0 where query `i` sees key `j` (`j ≤ i`,
+/// with a window `w` `i − j < w`, and with packed documents `j` at or
+/// after the first position of `i`'s document), −∞ elsewhere: `[s, s]`,
+/// or `[b, 1, s, s]` for the `b` rows of first positions `starts`.
 fn mask(
     s: usize,
     window: Option<usize>,
+    starts: Option<&[Vec<u32>]>,
     dtype: DType,
     device: &candle_core::Device,
 ) -> candle_core::Result<Tensor> {
-    let values: Vec<f32> = (0..s)
-        .flat_map(|i| {
-            (0..s).map(move |j| {
-                let seen = j <= i && window.is_none_or(|w| i - j < w);
-                if seen {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
+    let row = |first: &dyn Fn(usize) -> usize| -> Vec<f32> {
+        (0..s)
+            .flat_map(|i| {
+                let first = first(i);
+                (0..s).map(move |j| {
+                    let seen = first <= j && j <= i && window.is_none_or(|w| i - j < w);
+                    if seen {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
             })
-        })
-        .collect();
-    Tensor::from_vec(values, (s, s), device)?.to_dtype(dtype)
+            .collect()
+    };
+    let mask = match starts {
+        None => Tensor::from_vec(row(&|_| 0), (s, s), device)?,
+        Some(starts) => {
+            let values: Vec<f32> = starts
+                .iter()
+                .flat_map(|st| row(&|i| st[i] as usize))
+                .collect();
+            Tensor::from_vec(values, (starts.len(), 1, s, s), device)?
+        }
+    };
+    mask.to_dtype(dtype)
 }
 
 /// √hidden rounded to `dtype`, as transformers multiplies the embedding by
@@ -305,7 +322,11 @@ impl Gemma {
 
     /// The forward pass on `batch`: the scaled embedding, blocks, final norm,
     /// LM head and (Gemma 2) the logits' soft-cap. Attention is composed
-    /// whatever `exec` says; flash attention is an error.
+    /// whatever `exec` says; flash attention is an error. Packed documents
+    /// ([`TokenBatch::documents`]): each token attends to its own document
+    /// (within its window on the sliding blocks) and RoPE turns it by its
+    /// position in the document (per-token tables, both kinds of block);
+    /// the masks are `[b, 1, s, s]`.
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
         if exec.attention == Attention::Flash {
             return Err(Error::Usage(
@@ -324,14 +345,25 @@ impl Gemma {
         let q_scale = g.query_pre_attn_scalar.powf(-0.5) / softcap.unwrap_or(1.0);
         let ctx = {
             let _m = Scope::new(rotary, Op::Rope);
+            let packing = Packing::of(batch, device)?;
+            // Positions run to the longest document's length.
+            let positions = packing.as_ref().map_or(s, |p| p.longest);
+            let tables = |freqs: &[f64], factor: f64| -> candle_core::Result<RopeTables> {
+                let tables = RopeTables::from_inv_freq(positions, freqs, factor, device)?;
+                match &packing {
+                    Some(p) => tables.at_positions(&p.positions),
+                    None => Ok(tables),
+                }
+            };
+            let starts = packing.as_ref().map(|p| p.starts.as_slice());
             let kind = |freqs: &[f64], factor: f64, window: Option<usize>| -> Result<Kind> {
                 Ok(Kind {
-                    rope_q: RopeTables::from_inv_freq(s, freqs, factor * q_scale, device)?,
-                    rope_k: RopeTables::from_inv_freq(s, freqs, factor, device)?,
-                    mask: mask(s, window, dtype, device)?,
+                    rope_q: tables(freqs, factor * q_scale)?,
+                    rope_k: tables(freqs, factor)?,
+                    mask: mask(s, window, starts, dtype, device)?,
                 })
             };
-            let (freqs, factor) = rope::frequencies(&self.config, s)?;
+            let (freqs, factor) = rope::frequencies(&self.config, positions)?;
             let window = self.config.settings.sliding_window.filter(|&w| w < s);
             let any_sliding = (0..self.config.layers).any(|l| g.sliding(l));
             let local = rope::local_frequencies(&self.config);

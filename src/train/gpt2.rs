@@ -6,7 +6,7 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::Execution;
 
-use super::layers::{Attend, LayerNorm, Linear};
+use super::layers::{Attend, LayerNorm, Linear, Packing};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -107,18 +107,28 @@ impl Gpt2 {
     }
 
     /// The forward pass on `batch`: embeddings, blocks, `ln_f`, and the tied
-    /// embedding as the output layer.
+    /// embedding as the output layer. Packed documents
+    /// ([`TokenBatch::documents`]): each token attends to its own document
+    /// and takes the position row of its place in the document (the rows
+    /// looked up per token, `[b·s, h]`, instead of the first `s` rows).
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
         let (b, s) = batch_dims(batch, &self.config)?;
         let h = self.config.hidden;
         let [wte, ln_f, lm_head] = self.tags;
+        let packing = Packing::of(batch, self.wte.device())?;
         let stem = {
             let _m = Scope::new(wte, Op::Embedding);
             let tokens =
                 ops::embedding(&self.wte, &batch.input_ids.flatten_all()?)?.reshape((b, s, h))?;
-            tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?
+            match &packing {
+                Some(p) => {
+                    let rows = ops::embedding(&self.wpe, &p.positions.flatten_all()?)?;
+                    tokens.add(&rows.reshape((b, s, h))?)?
+                }
+                None => tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?,
+            }
         };
-        let attend = Rc::new(Attend::causal(exec));
+        let attend = Rc::new(Attend::causal(exec, packing.as_ref()));
         let blocks = self
             .blocks
             .iter()

@@ -11,9 +11,10 @@
 
 use crate::spec::VOCAB_ALIGN;
 use crate::track::tag::{Op, Scope};
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
 use oomfix_strategies::lora::{FrozenLinear, FrozenWeight, LoraLinear};
+use oomfix_strategies::model::TokenBatch;
 use oomfix_strategies::nn::ops::{self, WeightLayout};
 use oomfix_strategies::{Attention, Execution};
 
@@ -163,6 +164,75 @@ pub(crate) fn split_heads(x: &Tensor, heads: usize) -> Result<Tensor> {
     x.reshape((b, s, heads, ()))?.transpose(1, 2)
 }
 
+/// The documents of a packed batch ([`TokenBatch::documents`]), read once
+/// per forward on the host: each token's position in its document and the
+/// first position of its document, which the causal families give RoPE (or
+/// the learned position rows) and attention, so that a row computes what
+/// its documents would one by one. A document is a run of equal ids: an id
+/// that comes back after another starts a new document.
+#[derive(Debug, Clone)]
+pub(crate) struct Packing {
+    /// Each token's position in its document, `[b, s]` u32 on the blocks'
+    /// device.
+    pub(crate) positions: Tensor,
+    /// The first position of each token's document in its row, `[b, s]` u32
+    /// on the blocks' device: the first key the token attends to.
+    pub(crate) key_start: Tensor,
+    /// [`key_start`](Self::key_start) on the host, row by row.
+    pub(crate) starts: Vec<Vec<u32>>,
+    /// Tokens of the longest document.
+    pub(crate) longest: usize,
+}
+
+impl Packing {
+    /// The packing of `batch` on `device`, or `None` when it has no
+    /// documents (each row is one).
+    pub(crate) fn of(batch: &TokenBatch, device: &Device) -> Result<Option<Self>> {
+        let Some(documents) = &batch.documents else {
+            return Ok(None);
+        };
+        if !documents.dtype().is_int() || documents.rank() != 2 {
+            candle_core::bail!(
+                "documents must be [b, s] ids of an integer dtype, got {:?} {:?}",
+                documents.dims(),
+                documents.dtype()
+            );
+        }
+        let ids = documents.to_dtype(DType::U32)?.to_vec2::<u32>()?;
+        let starts: Vec<Vec<u32>> = ids
+            .iter()
+            .map(|row| {
+                let mut first = 0;
+                (0..row.len())
+                    .map(|i| {
+                        if i > 0 && row[i] != row[i - 1] {
+                            first = i;
+                        }
+                        first as u32
+                    })
+                    .collect()
+            })
+            .collect();
+        let positions: Vec<Vec<u32>> = starts
+            .iter()
+            .map(|row| (0..row.len() as u32).zip(row).map(|(i, f)| i - f).collect())
+            .collect();
+        let longest = positions
+            .iter()
+            .flatten()
+            .max()
+            .map_or(0, |&p| p as usize + 1);
+        let dims = documents.dims2()?;
+        let tensor = |rows: &[Vec<u32>]| Tensor::from_vec(rows.concat(), dims, device);
+        Ok(Some(Packing {
+            positions: tensor(&positions)?,
+            key_start: tensor(&starts)?,
+            starts,
+            longest,
+        }))
+    }
+}
+
 /// A block's attention as the plan chooses it: the form and the masking
 /// (the scale is set per call).
 #[derive(Debug, Clone)]
@@ -172,12 +242,14 @@ pub(crate) struct Attend {
 }
 
 impl Attend {
-    /// Causal attention.
-    pub(crate) fn causal(exec: &Execution) -> Self {
+    /// Causal attention; with a packing, each token attends to the tokens
+    /// of its own document only.
+    pub(crate) fn causal(exec: &Execution, packing: Option<&Packing>) -> Self {
         Attend {
             kind: exec.attention,
             opts: AttentionOptions {
                 causal: true,
+                key_start: packing.map(|p| p.key_start.clone()),
                 ..Default::default()
             },
         }
@@ -215,7 +287,8 @@ impl Attend {
                 };
                 let probs = {
                     let _op = Scope::op(Op::Softmax);
-                    ops::attention_probs(q, k, self.opts.key_padding.as_ref(), opts)?
+                    let (keep, start) = (&self.opts.key_padding, &self.opts.key_start);
+                    ops::attention_probs(q, k, keep.as_ref(), start.as_ref(), opts)?
                 };
                 let kv = k.dim(1)?;
                 let _op = Scope::op(Op::Matmul);
@@ -325,7 +398,7 @@ mod tests {
                 .unwrap();
             for kind in [Attention::Composed, Attention::Flash] {
                 let attend = match keep {
-                    None => Attend::causal(&Execution::default().attention(kind)),
+                    None => Attend::causal(&Execution::default().attention(kind), None),
                     Some(keep) => {
                         Attend::padded(&Execution::default().attention(kind), Some(keep)).unwrap()
                     }

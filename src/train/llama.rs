@@ -11,7 +11,7 @@ use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::Execution;
 
-use super::layers::{split_heads, Attend, Linear, RmsNorm};
+use super::layers::{split_heads, Attend, Linear, Packing, RmsNorm};
 use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -261,13 +261,26 @@ impl Llama {
 
     /// The forward pass on `batch`: embedding, blocks, final norm, and the LM
     /// head as the output layer.
+    ///
+    /// Packed documents ([`TokenBatch::documents`]): each token attends to
+    /// its own document and RoPE turns it by its position in the document
+    /// (per-token tables `[b·s, d]`, [`RopeTables::at_positions`]). The RoPE
+    /// scalings that depend on the length (`dynamic`, `longrope`) take the
+    /// longest document's, as transformers takes the largest position id
+    /// plus one: a document shorter than the longest gets the frequencies
+    /// of the longest, which equal its own unless the two lie on different
+    /// sides of the scaling's threshold (`dynamic` past the model's context
+    /// also changes with the length).
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
         let (b, s) = batch_dims(batch, &self.config)?;
         let (h, d) = (self.config.hidden, self.config.head_dim());
         // The blocks' device (the embedding may be kept on the host).
         let device = self.lm_head.device();
         let [embed, rotary, norm, lm_head] = self.tags;
-        let (freqs, factor) = rope::frequencies(&self.config, s)?;
+        let packing = Packing::of(batch, device)?;
+        // Positions run to the longest document's length.
+        let positions = packing.as_ref().map_or(s, |p| p.longest);
+        let (freqs, factor) = rope::frequencies(&self.config, positions)?;
         // The attention scale rides on the queries' tables when RoPE rotates
         // whole heads (partial rotary: the attention applies it).
         let q_factor = if self.config.rotary_dim() == d {
@@ -277,10 +290,17 @@ impl Llama {
         };
         let ctx = {
             let _m = Scope::new(rotary, Op::Rope);
+            let tables = |factor: f64| -> candle_core::Result<RopeTables> {
+                let tables = RopeTables::from_inv_freq(positions, &freqs, factor, device)?;
+                match &packing {
+                    Some(p) => tables.at_positions(&p.positions),
+                    None => Ok(tables),
+                }
+            };
             Rc::new(Context {
-                attend: Attend::causal(exec),
-                rope_q: RopeTables::from_inv_freq(s, &freqs, q_factor, device)?,
-                rope_k: RopeTables::from_inv_freq(s, &freqs, factor, device)?,
+                attend: Attend::causal(exec, packing.as_ref()),
+                rope_q: tables(q_factor)?,
+                rope_k: tables(factor)?,
             })
         };
         let stem = {

@@ -12,8 +12,8 @@
 //! probabilities block by block from that log-sum-exp. What the autograd graph
 //! keeps for backward is therefore the inputs, the output and
 //! `4 · batch · heads · s_q` bytes (plus one byte per key when a padding mask is
-//! given), instead of the `batch · heads · s_q · s_k` probabilities that
-//! composed attention keeps.
+//! given, and four per query position with key starts), instead of the
+//! `batch · heads · s_q · s_k` probabilities that composed attention keeps.
 //!
 //! ```
 //! use candle_core::{Device, Tensor, Var};
@@ -114,6 +114,12 @@ pub struct AttentionOptions {
     /// Key padding mask of shape `[b, s_k]`, any dtype: non-zero keeps a key,
     /// zero masks it out for every query and head of that batch row.
     pub key_padding: Option<Tensor>,
+    /// Each query's first visible key, `[b, s_q]` of an integer dtype: query
+    /// `i` of batch row `bb` sees no key before `key_start[bb, i]` (packed
+    /// documents: with `causal`, the first position of the query's
+    /// document). The CPU kernels skip the key blocks before a query
+    /// block's smallest start; the CUDA kernels mask them.
+    pub key_start: Option<Tensor>,
 }
 
 /// Scaled dot-product attention that never materialises the `s_q × s_k` matrices.
@@ -146,6 +152,17 @@ pub fn flash_attention(
         Some(mask) => (Some(keep_mask(mask, dims.b, dims.s_k)?), None),
         None => (None, None),
     };
+    let (start, start_device) = match &opts.key_start {
+        Some(start) => {
+            let start = start_tensor(start, dims.b, dims.s_q, q.device())?;
+            if q.device().is_cuda() {
+                (None, Some(start))
+            } else {
+                (Some(start.flatten_all()?.to_vec1::<u32>()?), None)
+            }
+        }
+        None => (None, None),
+    };
     let op = FlashOp {
         dims,
         params: Params {
@@ -154,6 +171,8 @@ pub fn flash_attention(
         },
         keep,
         keep_device,
+        start,
+        start_device,
         lse: OnceLock::new(),
     };
     q.contiguous()?
@@ -246,6 +265,24 @@ fn keep_tensor(
     mask.to_device(device)?.ne(0.0)?.contiguous()
 }
 
+/// A `[b, s_q]` tensor of key starts (an integer dtype) as a contiguous u32
+/// tensor on `device`.
+fn start_tensor(
+    start: &Tensor,
+    b: usize,
+    s_q: usize,
+    device: &candle_core::Device,
+) -> candle_core::Result<Tensor> {
+    if start.dims() != [b, s_q] || !start.dtype().is_int() {
+        bail!(
+            "flash_attention: key_start is {:?} {:?}, expected [{b}, {s_q}] of an integer dtype",
+            start.dims(),
+            start.dtype()
+        );
+    }
+    start.to_device(device)?.to_dtype(DType::U32)?.contiguous()
+}
+
 /// Log-sum-exp of every query row, where the forward pass ran.
 enum Lse {
     /// On the host (CPU op).
@@ -271,6 +308,12 @@ struct FlashOp {
     /// `[b, s_k]` keep flags (u8) on the inputs' CUDA device, or `None`.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     keep_device: Option<Tensor>,
+    /// `[b, s_q]` first visible key of each query for the CPU op, or `None`
+    /// (key 0).
+    start: Option<Vec<u32>>,
+    /// `[b, s_q]` key starts (u32) on the inputs' CUDA device, or `None`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    start_device: Option<Tensor>,
     /// Log-sum-exp of every query row's scores, `[b, heads, s_q]`, written by
     /// the forward pass; `-inf` for a row with no visible key.
     lse: OnceLock<Lse>,
@@ -281,6 +324,28 @@ impl FlashOp {
     fn keep_row(&self, b: usize) -> Option<&[u8]> {
         let s_k = self.dims.s_k;
         self.keep.as_deref().map(|k| &k[b * s_k..(b + 1) * s_k])
+    }
+
+    /// The key starts of batch row `b`.
+    fn start_row(&self, b: usize) -> Option<&[u32]> {
+        let s_q = self.dims.s_q;
+        self.start.as_deref().map(|st| &st[b * s_q..(b + 1) * s_q])
+    }
+
+    /// The part of (batch, query head) pair `bh` of the CPU op's inputs.
+    fn head<'a>(&'a self, bh: usize, q: &'a [f32], k: &'a [f32], v: &'a [f32]) -> Head<'a> {
+        let dims = &self.dims;
+        let (q_len, k_len) = dims.head_sizes();
+        let kv = dims.kv_offset(bh);
+        Head {
+            q: &q[bh * q_len..][..q_len],
+            k: &k[kv..][..k_len],
+            v: &v[kv..][..k_len],
+            keep: self.keep_row(bh / dims.heads),
+            start: self.start_row(bh / dims.heads),
+            dims,
+            params: self.params,
+        }
     }
 }
 
@@ -300,25 +365,14 @@ impl CustomOp3 for FlashOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (q, k, v) = (f32_view(s1, l1)?, f32_view(s2, l2)?, f32_view(s3, l3)?);
         let dims = self.dims;
-        let (q_len, k_len) = dims.head_sizes();
+        let (q_len, _) = dims.head_sizes();
         let mut out = vec![0f32; dims.b * dims.heads * q_len];
         let mut lse = vec![f32::NEG_INFINITY; dims.b * dims.heads * dims.s_q];
         if q_len > 0 {
             out.par_chunks_mut(q_len)
                 .zip(lse.par_chunks_mut(dims.s_q))
                 .enumerate()
-                .for_each(|(bh, (out, lse))| {
-                    let kv = dims.kv_offset(bh);
-                    let head = Head {
-                        q: &q[bh * q_len..][..q_len],
-                        k: &k[kv..][..k_len],
-                        v: &v[kv..][..k_len],
-                        keep: self.keep_row(bh / dims.heads),
-                        dims: &dims,
-                        params: self.params,
-                    };
-                    head.forward(out, lse);
-                });
+                .for_each(|(bh, (out, lse))| self.head(bh, &q, &k, &v).forward(out, lse));
         }
         if self.lse.set(Lse::Host(lse)).is_err() {
             bail!("flash_attention: forward ran twice on one op");
@@ -337,9 +391,15 @@ impl CustomOp3 for FlashOp {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let keep = self.keep_device.as_ref();
-        let (out, shape, lse) =
-            cuda::forward(&self.dims, &self.params, keep, (s1, l1), (s2, l2), (s3, l3))?;
+        let masks = (self.keep_device.as_ref(), self.start_device.as_ref());
+        let (out, shape, lse) = cuda::forward(
+            &self.dims,
+            &self.params,
+            masks,
+            (s1, l1),
+            (s2, l2),
+            (s3, l3),
+        )?;
         if self.lse.set(Lse::Device(lse)).is_err() {
             bail!("flash_attention: forward ran twice on one op");
         }
@@ -359,9 +419,9 @@ impl CustomOp3 for FlashOp {
             Some(Lse::Host(lse)) => lse,
             #[cfg(feature = "cuda")]
             Some(Lse::Device(lse)) => {
-                let keep = self.keep_device.as_ref();
+                let masks = (self.keep_device.as_ref(), self.start_device.as_ref());
                 let (dq, dk, dv) =
-                    cuda::backward(&self.dims, &self.params, keep, lse, q, k, v, o, grad_o)?;
+                    cuda::backward(&self.dims, &self.params, masks, lse, q, k, v, o, grad_o)?;
                 return Ok((Some(dq), Some(dk), Some(dv)));
             }
         };
@@ -380,15 +440,7 @@ impl CustomOp3 for FlashOp {
                 .zip(dv.par_chunks_mut(k_len))
                 .enumerate()
                 .for_each(|(bh, ((dq, dk), dv))| {
-                    let kv = dims.kv_offset(bh);
-                    let head = Head {
-                        q: &q32[bh * q_len..][..q_len],
-                        k: &k32[kv..][..k_len],
-                        v: &v32[kv..][..k_len],
-                        keep: self.keep_row(bh / dims.heads),
-                        dims: &dims,
-                        params: self.params,
-                    };
+                    let head = self.head(bh, &q32, &k32, &v32);
                     let rows = bh * dims.s_q..(bh + 1) * dims.s_q;
                     let up = Upstream {
                         o: &o32[bh * q_len..][..q_len],
@@ -466,6 +518,8 @@ struct Head<'a> {
     k: &'a [f32],
     v: &'a [f32],
     keep: Option<&'a [u8]>,
+    /// The first key each query sees (`s_q` of them), or `None` (key 0).
+    start: Option<&'a [u32]>,
     dims: &'a Dims,
     params: Params,
 }
@@ -495,6 +549,22 @@ impl Head<'_> {
         }
     }
 
+    /// Start of the keys query row `i` may see.
+    fn key_begin(&self, i: usize) -> usize {
+        self.start.map_or(0, |st| st[i] as usize)
+    }
+
+    /// The keys any of the query rows `i0..i0 + rows` may see: from the
+    /// smallest start to the last row's end (empty when none does).
+    fn block_keys(&self, i0: usize, rows: usize) -> std::ops::Range<usize> {
+        let begin = (i0..i0 + rows)
+            .map(|i| self.key_begin(i))
+            .min()
+            .unwrap_or(0);
+        let end = self.key_end(i0 + rows - 1);
+        begin.min(end)..end
+    }
+
     /// `s[r, c] = scale · q[i0 + r] · k[j0 + c]`, then `-inf` where key `j0 + c`
     /// is padded or hidden from query `i0 + r`. `s` is `rows × cols`, row-major.
     fn scores(&self, s: &mut [f32], i0: usize, rows: usize, j0: usize, cols: usize) {
@@ -505,6 +575,8 @@ impl Head<'_> {
         for (r, row) in s[..rows * cols].chunks_exact_mut(cols).enumerate() {
             let visible = self.key_end(i0 + r).saturating_sub(j0).min(cols);
             row[visible..].fill(f32::NEG_INFINITY);
+            let hidden = self.key_begin(i0 + r).saturating_sub(j0).min(visible);
+            row[..hidden].fill(f32::NEG_INFINITY);
             if let Some(keep) = self.keep {
                 for (x, &kept) in row[..visible].iter_mut().zip(&keep[j0..]) {
                     if kept == 0 {
@@ -526,8 +598,9 @@ impl Head<'_> {
             let acc = &mut out[i0 * d..(i0 + rows) * d];
             max.fill(f32::NEG_INFINITY);
             sum.fill(0.0);
-            let key_end = self.key_end(i0 + rows - 1);
-            for j0 in (0..key_end).step_by(BLOCK_K) {
+            let keys = self.block_keys(i0, rows);
+            let key_end = keys.end;
+            for j0 in keys.step_by(BLOCK_K) {
                 let cols = BLOCK_K.min(key_end - j0);
                 self.scores(&mut s, i0, rows, j0, cols);
                 for (r, row) in s[..rows * cols].chunks_exact_mut(cols).enumerate() {
@@ -580,8 +653,9 @@ impl Head<'_> {
             let rows = BLOCK_Q.min(s_q - i0);
             let q = View::rows(&self.q[i0 * d..], rows, d, d);
             let grad_o = View::rows(&up.grad[i0 * d..], rows, d, d);
-            let key_end = self.key_end(i0 + rows - 1);
-            for j0 in (0..key_end).step_by(BLOCK_K) {
+            let keys = self.block_keys(i0, rows);
+            let key_end = keys.end;
+            for j0 in keys.step_by(BLOCK_K) {
                 let cols = BLOCK_K.min(key_end - j0);
                 self.scores(&mut p, i0, rows, j0, cols);
                 for (r, row) in p[..rows * cols].chunks_exact_mut(cols).enumerate() {

@@ -11,6 +11,7 @@ use std::sync::{RwLock, RwLockReadGuard};
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use common::{assert_close, det, values};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
+use oomfix_strategies::nn::ops::{attention_probs, ProbsOptions};
 
 /// Counts live bytes and their high-water mark.
 struct Counting;
@@ -82,6 +83,7 @@ impl Case {
             causal: self.causal,
             scale: None,
             key_padding,
+            key_start: None,
         }
     }
 }
@@ -111,11 +113,16 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, opts: &AttentionOptions) -> Res
         Some(m) => values(m)?,
         None => vec![1.0; b * s_k],
     };
+    let start = match &opts.key_start {
+        Some(t) => values(t)?,
+        None => vec![0.0; b * s_q],
+    };
     for bi in 0..b {
         for i in 0..s_q {
             for j in 0..s_k {
                 let hidden = opts.causal && j + s_q > i + s_k;
-                if hidden || keep[bi * s_k + j] == 0.0 {
+                let before = (j as f32) < start[bi * s_q + i];
+                if hidden || before || keep[bi * s_k + j] == 0.0 {
                     allowed[(bi * s_q + i) * s_k + j] = 0.0;
                 }
             }
@@ -263,6 +270,186 @@ fn key_padding_masks_in_u8_u32_and_f32() {
             }
         }
     }
+}
+
+/// Key starts of packed documents: each batch row's lengths, in order; a
+/// query's start is its document's first position (`[b, s]` u32).
+fn document_starts(rows: &[&[usize]]) -> Tensor {
+    let starts: Vec<Vec<u32>> = rows
+        .iter()
+        .map(|lengths| {
+            let mut first = 0;
+            lengths
+                .iter()
+                .flat_map(|&n| {
+                    let start = first as u32;
+                    first += n;
+                    std::iter::repeat_n(start, n)
+                })
+                .collect()
+        })
+        .collect();
+    Tensor::new(starts, &Device::Cpu).unwrap()
+}
+
+/// Causal attention over packed documents (the key starts: each query's
+/// document's first position) against the naive reference and against the
+/// composed probabilities with the same starts, in value and gradients:
+/// documents within a 64-key block and across blocks (whole key blocks
+/// before a query block are skipped), grouped-query heads, with and without
+/// key padding on top.
+#[test]
+fn key_starts_keep_packed_documents_apart() {
+    let _g = shared();
+    let docs: [&[usize]; 2] = [&[3, 70, 1, 26, 50], &[150]];
+    let start = document_starts(&docs);
+    for kv_heads in [4, 2] {
+        for keep in [None, Some(padding(2, 150, DType::U8))] {
+            let case = Case::new(4, kv_heads, 150, true);
+            let opts = AttentionOptions {
+                key_start: Some(start.clone()),
+                ..case.opts(keep.clone())
+            };
+            let (q, k, v) = case.inputs(5);
+            let w = det((case.b, case.heads, case.s_q, case.d), 6);
+            let inputs = (q, k, v);
+            let flash = run(|q, k, v| flash_attention(q, k, v, &opts), &inputs, &w).unwrap();
+            let naive = run(|q, k, v| reference(q, k, v, &opts), &inputs, &w).unwrap();
+            let composed = run(
+                |q, k, v| {
+                    let scale = 1.0 / (case.d as f32).sqrt();
+                    let probs = ProbsOptions {
+                        scale,
+                        causal: true,
+                    };
+                    let p = attention_probs(q, k, keep.as_ref(), Some(&start), probs)?;
+                    let g = case.heads / kv_heads;
+                    p.reshape((case.b, kv_heads, g * case.s_q, case.s_k))?
+                        .matmul(v)?
+                        .reshape((case.b, case.heads, case.s_q, case.d))
+                },
+                &inputs,
+                &w,
+            )
+            .unwrap();
+            let label = format!("kv {kv_heads}, padded {}", keep.is_some());
+            for (name, ((f, n), c)) in ["output", "dq", "dk", "dv"]
+                .iter()
+                .zip(flash.iter().zip(&naive).zip(&composed))
+            {
+                close(f, n, 1e-5, &format!("{label}: flash {name}"));
+                close(c, n, 1e-5, &format!("{label}: composed {name}"));
+            }
+        }
+    }
+    // A document of one token sees itself only: its output is its value.
+    let case = Case::new(2, 2, 5, true);
+    let (q, k, v) = case.inputs(9);
+    let opts = AttentionOptions {
+        key_start: Some(document_starts(&[&[2, 1, 2], &[4, 1]])),
+        ..case.opts(None)
+    };
+    let o = flash_attention(&q, &k, &v, &opts).unwrap();
+    let row = |t: &Tensor, b: usize, i: usize| {
+        values(&t.get(b).unwrap().get(0).unwrap().get(i).unwrap()).unwrap()
+    };
+    assert_eq!(row(&o, 0, 2), row(&v, 0, 2));
+    assert_eq!(row(&o, 1, 4), row(&v, 1, 4));
+}
+
+#[test]
+fn key_starts_of_the_wrong_shape_or_dtype_are_errors() {
+    let _g = shared();
+    let case = Case::new(2, 2, 5, true);
+    let (q, k, v) = case.inputs(1);
+    for bad in [
+        Tensor::zeros((2, 4), DType::U32, &Device::Cpu).unwrap(),
+        Tensor::zeros((2, 5), DType::F32, &Device::Cpu).unwrap(),
+    ] {
+        let opts = AttentionOptions {
+            key_start: Some(bad.clone()),
+            ..case.opts(None)
+        };
+        assert!(flash_attention(&q, &k, &v, &opts).is_err());
+        let probs = ProbsOptions {
+            scale: 1.0,
+            causal: true,
+        };
+        assert!(attention_probs(&q, &k, None, Some(&bad), probs).is_err());
+    }
+}
+
+/// The CUDA kernels (the variant the device runs: warpgroup, `mma.sync` or
+/// SIMT) with packed documents against the CPU op, in value and gradients:
+/// flash attention in f32, bf16 and f16 at head sizes 64 and 128, and the
+/// composed probabilities.
+#[cfg(feature = "cuda")]
+#[test]
+fn key_starts_on_cuda_match_the_cpu() {
+    let _g = shared();
+    let gpu = Device::new_cuda(0).unwrap();
+    let start = document_starts(&[&[3, 70, 1, 26, 50, 10], &[130, 30]]);
+    for d in [64, 128] {
+        for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 2e-2), (DType::F16, 1e-2)] {
+            for kv_heads in [4, 2] {
+                let case = Case {
+                    d,
+                    ..Case::new(4, kv_heads, 160, true)
+                };
+                let (q, k, v) = case.inputs(3);
+                let w = det((case.b, case.heads, case.s_q, d), 4);
+                let cast =
+                    |t: &Tensor, dev: &Device| t.to_dtype(dtype).unwrap().to_device(dev).unwrap();
+                let on = |dev: &Device| (cast(&q, dev), cast(&k, dev), cast(&v, dev));
+                let opts = |dev: &Device| AttentionOptions {
+                    key_start: Some(start.to_device(dev).unwrap()),
+                    ..case.opts(None)
+                };
+                let (cpu_opts, gpu_opts) = (opts(&Device::Cpu), opts(&gpu));
+                let want = run(
+                    |q, k, v| flash_attention(q, k, v, &cpu_opts),
+                    &on(&Device::Cpu),
+                    &w,
+                )
+                .unwrap();
+                let w_gpu = w.to_device(&gpu).unwrap();
+                let got = run(
+                    |q, k, v| flash_attention(q, k, v, &gpu_opts),
+                    &on(&gpu),
+                    &w_gpu,
+                )
+                .unwrap();
+                for (name, (g, c)) in ["output", "dq", "dk", "dv"]
+                    .iter()
+                    .zip(got.iter().zip(&want))
+                {
+                    let g = g.to_device(&Device::Cpu).unwrap();
+                    close(
+                        &g,
+                        c,
+                        tol,
+                        &format!("d {d} {dtype:?} kv {kv_heads}: CUDA flash {name}"),
+                    );
+                }
+            }
+        }
+    }
+    let case = Case::new(4, 2, 160, true);
+    let (q, k, _) = case.inputs(8);
+    let probs = ProbsOptions {
+        scale: 0.25,
+        causal: true,
+    };
+    let cpu = attention_probs(&q, &k, None, Some(&start), probs).unwrap();
+    let (qg, kg) = (q.to_device(&gpu).unwrap(), k.to_device(&gpu).unwrap());
+    let got =
+        attention_probs(&qg, &kg, None, Some(&start.to_device(&gpu).unwrap()), probs).unwrap();
+    close(
+        &got.to_device(&Device::Cpu).unwrap(),
+        &cpu,
+        1e-5,
+        "CUDA composed probabilities",
+    );
 }
 
 #[test]

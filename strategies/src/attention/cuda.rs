@@ -75,6 +75,7 @@ struct KernelParams {
     causal: i32,
     has_keep: i32,
     kv_splits: i32,
+    has_start: i32,
 }
 
 // SAFETY: `KernelParams` is `#[repr(C)]` with the field types and order of the
@@ -343,10 +344,37 @@ fn keep_slice(
     Ok((dst, true))
 }
 
+/// The device's key starts of a `[b, s_q]` u32 tensor (and `true`), or a
+/// one-element placeholder (and `false`).
+fn start_slice(
+    dev: &CudaDevice,
+    start: Option<&Tensor>,
+) -> candle_core::Result<(CudaSlice<u32>, bool)> {
+    let Some(start) = start else {
+        return Ok((dev.alloc_zeros::<u32>(1)?, false));
+    };
+    let (storage, layout) = start.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else {
+        bail!("flash_attention: the key starts are not on the CUDA device");
+    };
+    let src = s.as_cuda_slice::<u32>()?;
+    let n = layout.shape().elem_count();
+    let mut dst = dev.alloc_zeros::<u32>(n.max(1))?;
+    let first = layout.start_offset();
+    if n > 0 {
+        dev.memcpy_dtod(&src.slice(first..first + n), &mut dst.slice_mut(0..n))?;
+    }
+    Ok((dst, true))
+}
+
+/// The key padding flags (`[b, s_k]` u8) and key starts (`[b, s_q]` u32) on
+/// the inputs' device, where given.
+pub(super) type Masks<'a> = (Option<&'a Tensor>, Option<&'a Tensor>);
+
 fn kernel_params(
     dims: &Dims,
     params: &Params,
-    has_keep: bool,
+    (has_keep, has_start): (bool, bool),
 ) -> candle_core::Result<KernelParams> {
     let int = |x: usize, what: &str| {
         i32::try_from(x).map_err(|_| {
@@ -374,6 +402,7 @@ fn kernel_params(
         causal: params.causal as i32,
         has_keep: has_keep as i32,
         kv_splits: 1,
+        has_start: has_start as i32,
     })
 }
 
@@ -436,15 +465,15 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> candle_core::Result
 pub(super) fn forward(
     dims: &Dims,
     params: &Params,
-    keep: Option<&Tensor>,
+    masks: Masks,
     (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
 ) -> candle_core::Result<(CudaStorage, Shape, CudaSlice<f32>)> {
     match q.dtype() {
-        DType::F32 => forward_t::<f32>(dims, params, keep, (q, ql), (k, kl), (v, vl)),
-        DType::BF16 => forward_t::<bf16>(dims, params, keep, (q, ql), (k, kl), (v, vl)),
-        DType::F16 => forward_t::<f16>(dims, params, keep, (q, ql), (k, kl), (v, vl)),
+        DType::F32 => forward_t::<f32>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
+        DType::BF16 => forward_t::<bf16>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
+        DType::F16 => forward_t::<f16>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
         other => bail!("flash_attention: unsupported dtype {other:?}"),
     }
 }
@@ -452,7 +481,7 @@ pub(super) fn forward(
 fn forward_t<T: CudaDType + DeviceRepr>(
     dims: &Dims,
     params: &Params,
-    keep: Option<&Tensor>,
+    (keep, start): Masks,
     (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
@@ -468,7 +497,8 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let mut lse = unsafe { dev.alloc::<f32>(rows) }?;
     if rows > 0 && dims.d > 0 {
         let (keep, has_keep) = keep_slice(dev, keep)?;
-        let p = kernel_params(dims, params, has_keep)?;
+        let (start, has_start) = start_slice(dev, start)?;
+        let p = kernel_params(dims, params, (has_keep, has_start))?;
         let vec = vectorizable(
             dims.d,
             &[ql.start_offset(), kl.start_offset(), vl.start_offset()],
@@ -489,6 +519,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
             .arg(&mut out)
             .arg(&mut lse)
             .arg(&keep)
+            .arg(&start)
             .arg(&p);
         if var.mma {
             b.arg(&vec);
@@ -515,7 +546,7 @@ macro_rules! cuda_storage {
 pub(super) fn backward(
     dims: &Dims,
     params: &Params,
-    keep: Option<&Tensor>,
+    masks: Masks,
     lse: &CudaSlice<f32>,
     q: &Tensor,
     k: &Tensor,
@@ -524,9 +555,9 @@ pub(super) fn backward(
     grad_o: &Tensor,
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     match q.dtype() {
-        DType::F32 => backward_t::<f32>(dims, params, keep, lse, [q, k, v, o, grad_o]),
-        DType::BF16 => backward_t::<bf16>(dims, params, keep, lse, [q, k, v, o, grad_o]),
-        DType::F16 => backward_t::<f16>(dims, params, keep, lse, [q, k, v, o, grad_o]),
+        DType::F32 => backward_t::<f32>(dims, params, masks, lse, [q, k, v, o, grad_o]),
+        DType::BF16 => backward_t::<bf16>(dims, params, masks, lse, [q, k, v, o, grad_o]),
+        DType::F16 => backward_t::<f16>(dims, params, masks, lse, [q, k, v, o, grad_o]),
         other => bail!("flash_attention: unsupported dtype {other:?}"),
     }
 }
@@ -534,7 +565,7 @@ pub(super) fn backward(
 fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     dims: &Dims,
     params: &Params,
-    keep: Option<&Tensor>,
+    (keep, start): Masks,
     lse: &CudaSlice<f32>,
     tensors: [&Tensor; 5],
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
@@ -556,7 +587,8 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         )
     } else {
         let (keep, has_keep) = keep_slice(&dev, keep)?;
-        let p = kernel_params(dims, params, has_keep)?;
+        let (start, has_start) = start_slice(&dev, start)?;
+        let p = kernel_params(dims, params, (has_keep, has_start))?;
         cuda_storage!(q => qs, ql);
         cuda_storage!(k => ks, kl);
         cuda_storage!(v => vs, vl);
@@ -621,7 +653,14 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             ($kernel:expr, $grid:expr, $($rest:expr),+) => {{
                 let (func, cfg) = var.launch(&dev, info, $kernel, $grid)?;
                 let mut b = stream.launch_builder(&func);
-                b.arg(&qv).arg(&kv).arg(&vv).arg(&gv).arg(lse).arg(&delta).arg(&keep);
+                b.arg(&qv)
+                    .arg(&kv)
+                    .arg(&vv)
+                    .arg(&gv)
+                    .arg(lse)
+                    .arg(&delta)
+                    .arg(&keep)
+                    .arg(&start);
                 $(b.arg($rest);)+
                 // SAFETY: the arguments match the kernel's signature; every
                 // index it forms stays inside the sizes given in `p`.

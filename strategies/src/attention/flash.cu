@@ -3,9 +3,12 @@
 //
 // Tensors are contiguous: q, o, dq [b, heads, s_q, d]; k, v, dk, dv
 // [b, kv_heads, s_k, d]; lse and delta [b, heads, s_q] (f32); keep [b, s_k]
-// (u8, 1 = key kept) when `has_keep`. Query head h reads key/value head
-// h / (heads / kv_heads). Query i sees key j when j < s_k, the key is kept,
-// and, with `causal`, j <= i + s_k - s_q. A row that sees no key gets zeros
+// (u8, 1 = key kept) when `has_keep`; start [b, s_q] (u32, each query's first
+// visible key: packed documents) when `has_start`. Query head h reads
+// key/value head h / (heads / kv_heads). Query i of batch row bb sees key j
+// when j < s_k, the key is kept, j >= start[bb, i], and, with `causal`,
+// j <= i + s_k - s_q. Tiles are not skipped by their starts: a query tile
+// walks the keys from 0, masking those before each row's start. A row that sees no key gets zeros
 // and lse = -inf.
 //
 // Two families of kernels, each templated on the element type T and on
@@ -44,6 +47,7 @@ struct Params {
     // taking heads / kv_heads / kv_splits query heads of the group (with more
     // than one, dK and dV are added into f32 accumulators).
     int kv_splits;
+    int has_start;
 };
 
 #define LOG2E 1.4426950408889634f
@@ -71,10 +75,23 @@ __device__ __forceinline__ int first_query(const Params& p, int j) {
 // heads for the forward and dQ kernels, key/value heads for dK/dV).
 __device__ __forceinline__ int block_head() { return blockIdx.z * gridDim.y + blockIdx.y; }
 
-__device__ __forceinline__ bool visible(const Params& p, const u8* keep_row, int i, int j) {
+// The masks of one batch row: its keys' keep flags [s_k] (read when
+// `has_keep`) and its queries' first visible keys [s_q] (read when
+// `has_start`).
+struct RowMask {
+    const u8* keep;
+    const u32* start;
+};
+
+__device__ __forceinline__ RowMask row_mask(const Params& p, const u8* keep, const u32* start, int bb) {
+    return RowMask{keep + (i64)bb * p.s_k, start + (i64)bb * p.s_q};
+}
+
+__device__ __forceinline__ bool visible(const Params& p, const RowMask& mask_row, int i, int j) {
     if (i >= p.s_q || j >= p.s_k) return false;
     if (p.causal && j > i + p.s_k - p.s_q) return false;
-    if (p.has_keep && keep_row[j] == 0) return false;
+    if (p.has_keep && mask_row.keep[j] == 0) return false;
+    if (p.has_start && j < (int)mask_row.start[i]) return false;
     return true;
 }
 
@@ -156,7 +173,8 @@ __device__ __forceinline__ void product_add(float (&acc)[4][NC], const float* P,
 
 template <typename T, int D>
 __device__ void fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                         T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p) {
+                         T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep,
+                         const u32* __restrict__ start, Params p) {
     const int LD = D + SPAD, PLD = SB + 1, NC = D / 16;
     extern __shared__ __align__(16) float smem[];
     float* Qs = smem;
@@ -172,7 +190,7 @@ __device__ void fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const
     const T* qh = q + (i64)bh * p.s_q * p.d;
     const T* kh = k + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
     const T* vh = v + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
-    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const RowMask mask_row = row_mask(p, keep, start, bb);
     // Scores in the log2 domain: q is pre-multiplied by scale * log2(e).
     load_tile_f32<T, D>(Qs, qh, i0, p.s_q, p.d, p.scale * LOG2E);
 
@@ -214,7 +232,7 @@ __device__ void fwd_simt(const T* __restrict__ q, const T* __restrict__ k, const
             float mx = NEG_INF;
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
-                if (!visible(p, keep_row, i, j0 + tx + 16 * b)) s[a][b] = NEG_INF;
+                if (!visible(p, mask_row, i, j0 + tx + 16 * b)) s[a][b] = NEG_INF;
                 mx = fmaxf(mx, s[a][b]);
             }
 #pragma unroll
@@ -292,8 +310,8 @@ __device__ __forceinline__ void products2(float (&s)[4][4], float (&dp)[4][4], c
 template <typename T, int D>
 __device__ void dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                           const T* __restrict__ dout, const float* __restrict__ lse,
-                          const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
-                          T* __restrict__ dv, Params p) {
+                          const float* __restrict__ delta, const u8* __restrict__ keep, const u32* __restrict__ start,
+                          T* __restrict__ dk, T* __restrict__ dv, Params p) {
     const int LD = D + SPAD, PLD = SB + 1, NC = D / 16;
     extern __shared__ __align__(16) float smem[];
     float* Ks = smem;
@@ -309,7 +327,7 @@ __device__ void dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, cons
     const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
     const int group = p.heads / p.kv_heads;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const RowMask mask_row = row_mask(p, keep, start, bb);
     const float sl2 = p.scale * LOG2E;
     load_tile_f32<T, D>(Ks, k + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, 1.f);
     load_tile_f32<T, D>(Vs, v + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, 1.f);
@@ -343,7 +361,7 @@ __device__ void dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, cons
                     const int qi = tx + 16 * b;
                     const float ls = Ls[qi];
                     float pe = 0.f;
-                    if (ls != NEG_INF && visible(p, keep_row, i0 + qi, j)) pe = exp2f(s[a][b] * sl2 - ls);
+                    if (ls != NEG_INF && visible(p, mask_row, i0 + qi, j)) pe = exp2f(s[a][b] * sl2 - ls);
                     Pt[(ty * 4 + a) * PLD + qi] = pe;
                     St[(ty * 4 + a) * PLD + qi] = pe * (dp[a][b] - Es[qi]);
                 }
@@ -390,7 +408,7 @@ __device__ void dkdv_simt(const T* __restrict__ q, const T* __restrict__ k, cons
 template <typename T, int D>
 __device__ void dq_simt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                        const u8* __restrict__ keep, T* __restrict__ dq, Params p) {
+                        const u8* __restrict__ keep, const u32* __restrict__ start, T* __restrict__ dq, Params p) {
     const int LD = D + SPAD, PLD = SB + 1, NC = D / 16;
     extern __shared__ __align__(16) float smem[];
     float* Qs = smem;
@@ -406,7 +424,7 @@ __device__ void dq_simt(const T* __restrict__ q, const T* __restrict__ k, const 
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     const T* kh = k + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
     const T* vh = v + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
-    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const RowMask mask_row = row_mask(p, keep, start, bb);
     const float sl2 = p.scale * LOG2E;
     load_tile_f32<T, D>(Qs, q + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, 1.f);
     load_tile_f32<T, D>(Ds, dout + (i64)bh * p.s_q * p.d, i0, p.s_q, p.d, 1.f);
@@ -434,7 +452,7 @@ __device__ void dq_simt(const T* __restrict__ q, const T* __restrict__ k, const 
             for (int b = 0; b < 4; ++b) {
                 const int kj = tx + 16 * b;
                 float pe = 0.f;
-                if (ls[a] != NEG_INF && visible(p, keep_row, i, j0 + kj)) pe = exp2f(s[a][b] * sl2 - ls[a]);
+                if (ls[a] != NEG_INF && visible(p, mask_row, i, j0 + kj)) pe = exp2f(s[a][b] * sl2 - ls[a]);
                 Ss[(ty * 4 + a) * PLD + kj] = pe * (dp[a][b] - es[a]);
             }
         }
@@ -836,13 +854,13 @@ __device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, flo
 // The forward's masking, a pass of its own so that the softmax after it has
 // no branches: scores of a thread's two fragment rows (row_a, row_a + 8) and
 // keys j0 + 8n + 2t (+1) that the row may not see become -inf.
-__device__ __forceinline__ void mask_tile(float (&s)[8][4], const Params& p, const u8* keep_row, int row_a, int j0,
+__device__ __forceinline__ void mask_tile(float (&s)[8][4], const Params& p, const RowMask& mask_row, int row_a, int j0,
                                           int t) {
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            if (!visible(p, keep_row, row_a + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1))) s[n][e] = NEG_INF;
+            if (!visible(p, mask_row, row_a + (e >> 1) * 8, j0 + n * 8 + 2 * t + (e & 1))) s[n][e] = NEG_INF;
 }
 
 // One key tile's step of the online softmax for a thread's two fragment rows
@@ -918,8 +936,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[NO][4], const floa
 // key and value fragment loaded from shared memory.
 template <typename T, int D, int RG>
 __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                        T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p,
-                        int vec) {
+                        T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep,
+                        const u32* __restrict__ start, Params p, int vec) {
     typedef Frag<T> M;
     typedef typename M::E E;
     constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, BM = MB * RG;
@@ -935,7 +953,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const E* kh = reinterpret_cast<const E*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
     const E* vh = reinterpret_cast<const E*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
-    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const RowMask mask_row = row_mask(p, keep, start, bb);
     const float sl2 = p.scale * LOG2E;
 
     const int last = min(i0 + BM, p.s_q) - 1;
@@ -967,7 +985,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     // This thread's rows: row_a + 16 * rg and row_a + 16 * rg + 8.
     const int row_a = i0 + warp * 16 * RG + g;
     // Key tiles from `full_end` on may hide keys from some rows of the block.
-    const int full_end = p.has_keep ? 0 : key_end(p, i0);
+    const int full_end = p.has_keep || p.has_start ? 0 : key_end(p, i0);
     for (int j0 = 0, it = 0; j0 < kend; j0 += MB, ++it) {
         // Fetch the next key tile while this one is used (the barrier at the
         // end of the last iteration freed its buffer).
@@ -997,7 +1015,7 @@ __device__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
         }
         if (j0 + MB > full_end) {
 #pragma unroll
-            for (int rg = 0; rg < RG; ++rg) mask_tile(s[rg], p, keep_row, row_a + rg * 16, j0, t);
+            for (int rg = 0; rg < RG; ++rg) mask_tile(s[rg], p, mask_row, row_a + rg * 16, j0, t);
         }
 #pragma unroll
         for (int rg = 0; rg < RG; ++rg) softmax_tile<NO>(s[rg], acc[rg], m[rg], l[rg], sl2);
@@ -1048,7 +1066,7 @@ __device__ __forceinline__ void load_rows(float* Ls, float* Es, const float* __r
 // has no branches, so that the tile's exponentials overlap.
 template <int N, bool MASKED>
 __device__ __forceinline__ void probs_and_ds_tile(float (&s)[N][4], float (&dp)[N][4], const float* Ls,
-                                                  const float* Es, const Params& p, const u8* keep_row, int i0,
+                                                  const float* Es, const Params& p, const RowMask& mask_row, int i0,
                                                   int key_a, int t) {
     const float sl2 = p.scale * LOG2E;
 #pragma unroll
@@ -1060,7 +1078,7 @@ __device__ __forceinline__ void probs_and_ds_tile(float (&s)[N][4], float (&dp)[
         for (int e = 0; e < 4; ++e) {
             // A row that sees no key (lse = -inf) is in a masked tile.
             float pe = fast_exp2(fmaf(s[n][e], sl2, l2[e & 1]));
-            if (MASKED && !visible(p, keep_row, i0 + n * 8 + 2 * t + (e & 1), key_a + (e >> 1) * 8)) pe = 0.f;
+            if (MASKED && !visible(p, mask_row, i0 + n * 8 + 2 * t + (e & 1), key_a + (e >> 1) * 8)) pe = 0.f;
             s[n][e] = pe;
             dp[n][e] = pe * (dp[n][e] - (e & 1 ? es.y : es.x));
         }
@@ -1069,12 +1087,12 @@ __device__ __forceinline__ void probs_and_ds_tile(float (&s)[N][4], float (&dp)[
 
 template <int N>
 __device__ __forceinline__ void probs_and_ds(float (&s)[N][4], float (&dp)[N][4], const float* Ls, const float* Es,
-                                             const Params& p, const u8* keep_row, bool masked, int i0, int key_a,
+                                             const Params& p, const RowMask& mask_row, bool masked, int i0, int key_a,
                                              int t) {
     if (masked)
-        probs_and_ds_tile<N, true>(s, dp, Ls, Es, p, keep_row, i0, key_a, t);
+        probs_and_ds_tile<N, true>(s, dp, Ls, Es, p, mask_row, i0, key_a, t);
     else
-        probs_and_ds_tile<N, false>(s, dp, Ls, Es, p, keep_row, i0, key_a, t);
+        probs_and_ds_tile<N, false>(s, dp, Ls, Es, p, mask_row, i0, key_a, t);
 }
 
 // Writes a warp's dK and dV (16 keys from key0, N column chunks of 8) of
@@ -1115,9 +1133,9 @@ __device__ __forceinline__ void store_dkdv(const float (&gk)[N][4], const float 
 template <typename T, int D, int BQ>
 __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                         const T* __restrict__ dout, const float* __restrict__ lse,
-                        const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
-                        T* __restrict__ dv, float* __restrict__ dq_acc, float* __restrict__ dkv_acc, Params p,
-                        int vec) {
+                        const float* __restrict__ delta, const u8* __restrict__ keep, const u32* __restrict__ start,
+                        T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc, float* __restrict__ dkv_acc,
+                        Params p, int vec) {
     // MB keys per block, 16 per warp.
     constexpr int LD = D + MPAD, KS = D / 16, NO = D / 8, NQ = BQ / 8, LDS = BQ + MPAD;
     // dQ = dS K: the four warps as QW groups of 16 queries times DW groups of columns.
@@ -1138,7 +1156,7 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
     const int bb = bkv / p.kv_heads, kvh = bkv % p.kv_heads;
     const int group = p.heads / p.kv_heads, share = group / p.kv_splits;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const RowMask mask_row = row_mask(p, keep, start, bb);
     load_tile<MB, D>(Ks, reinterpret_cast<const E*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
     load_tile<MB, D>(Vs, reinterpret_cast<const E*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d, vec);
     float gk[NO][4], gv[NO][4];
@@ -1198,8 +1216,8 @@ __device__ void bwd_mma(const T* __restrict__ q, const T* __restrict__ k, const 
                 M::mma2(dp[2 * np], dp[2 * np + 1], va, bd);
             }
         }
-        const bool masked = p.has_keep || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
-        probs_and_ds<NQ>(s, dp, Ls, Es, p, keep_row, masked, i0, key_a, t);
+        const bool masked = p.has_keep || p.has_start || i0 < full_from || i0 + BQ > p.s_q || j0 + MB > p.s_k;
+        probs_and_ds<NQ>(s, dp, Ls, Es, p, mask_row, masked, i0, key_a, t);
         // dV += P^T dO, dK += dS^T Q; dS^T to shared memory for dQ.
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk) {
@@ -1400,8 +1418,9 @@ WG_POLICY(F16, "f16")
 template <typename T>
 __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                           const T* __restrict__ dout, const float* __restrict__ lse,
-                          const float* __restrict__ delta, const u8* __restrict__ keep, T* __restrict__ dk,
-                          T* __restrict__ dv, float* __restrict__ dq_acc, float* __restrict__ dkv_acc, Params p) {
+                          const float* __restrict__ delta, const u8* __restrict__ keep, const u32* __restrict__ start,
+                          T* __restrict__ dk, T* __restrict__ dv, float* __restrict__ dq_acc,
+                          float* __restrict__ dkv_acc, Params p) {
 #if WGMMA_OK
     typedef Frag<T> M;
     typedef u16 E;
@@ -1425,7 +1444,7 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     const int wg = warpgroup(), warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int jw = j0 + wg * WG;               // this warpgroup's first key
-    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const RowMask mask_row = row_mask(p, keep, start, bb);
     load_swz<BK>(Ks, reinterpret_cast<const E*>(k) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d);
     load_swz<BK>(Vs, reinterpret_cast<const E*>(v) + (i64)bkv * p.s_k * p.d, j0, p.s_k, p.d);
     const int key_a = jw + warp * 16 + g;
@@ -1498,8 +1517,8 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         const unsigned long long qd = wg_at(q_desc, (it & 1) * TILE_E), dd = wg_at(do_desc, (it & 1) * TILE_E);
         wg_pin(s);
         wg_pin(dp);
-        const bool masked = p.has_keep || i0 < full_from || i0 + WG > p.s_q || jw + WG > p.s_k;
-        probs_and_ds<8>(s, dp, Lb + (it & 1) * WG, Eb + (it & 1) * WG, p, keep_row, masked, i0, key_a, t);
+        const bool masked = p.has_keep || p.has_start || i0 < full_from || i0 + WG > p.s_q || jw + WG > p.s_k;
+        probs_and_ds<8>(s, dp, Lb + (it & 1) * WG, Eb + (it & 1) * WG, p, mask_row, masked, i0, key_a, t);
         u32 pa[4][4], sa[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
@@ -1560,7 +1579,8 @@ __device__ void bwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
 // one's P V runs) in swizzled shared memory.
 template <typename T>
 __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                          T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep, Params p) {
+                          T* __restrict__ o, float* __restrict__ lse, const u8* __restrict__ keep,
+                          const u32* __restrict__ start, Params p) {
 #if WGMMA_OK
     typedef Frag<T> M;
     typedef u16 E;
@@ -1578,7 +1598,7 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     const int g = lane / 4, t = lane % 4;
     const E* kh = reinterpret_cast<const E*>(k) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
     const E* vh = reinterpret_cast<const E*>(v) + ((i64)bb * p.kv_heads + kvh) * p.s_k * p.d;
-    const u8* keep_row = keep + (i64)bb * p.s_k;
+    const RowMask mask_row = row_mask(p, keep, start, bb);
     const float sl2 = p.scale * LOG2E;
 
     const int last = min(i0 + BM, p.s_q) - 1;
@@ -1598,7 +1618,7 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
     // This thread's rows: row_a and row_a + 8.
     const int row_a = i0 + wg * WG + warp * 16 + g;
     // Key tiles from `full_end` on may hide keys from some rows of the block.
-    const int full_end = p.has_keep ? 0 : key_end(p, i0);
+    const int full_end = p.has_keep || p.has_start ? 0 : key_end(p, i0);
     for (int j0 = 0, it = 0; j0 < kend; j0 += WG, ++it) {
         const unsigned long long kd = wg_at(k_desc, (it & 1) * TILE_E), vd = wg_at(v_desc, (it % 3) * TILE_E);
         // Tile `it` has arrived; every warpgroup is done with tile it - 1's K
@@ -1621,7 +1641,7 @@ __device__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k, cons
         wg_wait<0>();  // also the last tile's P V
         wg_pin(s);
         wg_pin(acc);
-        if (j0 + WG > full_end) mask_tile(s, p, keep_row, row_a, j0, t);
+        if (j0 + WG > full_end) mask_tile(s, p, mask_row, row_a, j0, t);
         softmax_tile<8>(s, acc, m, l, sl2);
         u32 pa[4][4];
 #pragma unroll
@@ -1671,42 +1691,44 @@ __device__ void dq_convert(const float* __restrict__ acc, T* __restrict__ dq, i6
 // ===========================================================================
 // Entry points: <kernel>_<dtype>_<D>.
 
-#define SIMT_ENTRIES(TN, T, D)                                                                                \
+#define SIMT_ENTRIES(TN, T, D)                                                                                   \
     extern "C" __global__ void __launch_bounds__(256) flash_fwd_simt_##TN##_##D(                                 \
-        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p) {                        \
-        fwd_simt<T, D>(q, k, v, o, lse, keep, p);                                                             \
-    }                                                                                                         \
+        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, const u32* start, Params p) {      \
+        fwd_simt<T, D>(q, k, v, o, lse, keep, start, p);                                                         \
+    }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) flash_dkdv_simt_##TN##_##D(                                \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
-        T* dk, T* dv, Params p) {                                                                             \
-        dkdv_simt<T, D>(q, k, v, dout, lse, delta, keep, dk, dv, p);                                         \
-    }                                                                                                         \
+        const u32* start, T* dk, T* dv, Params p) {                                                              \
+        dkdv_simt<T, D>(q, k, v, dout, lse, delta, keep, start, dk, dv, p);                                      \
+    }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) flash_dq_simt_##TN##_##D(                                  \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
-        T* dq, Params p) {                                                                                    \
-        dq_simt<T, D>(q, k, v, dout, lse, delta, keep, dq, p);                                               \
+        const u32* start, T* dq, Params p) {                                                                     \
+        dq_simt<T, D>(q, k, v, dout, lse, delta, keep, start, dq, p);                                            \
     }
 
-#define MMA_ENTRIES(TN, T, D, RG, BQ)                                                                         \
+#define MMA_ENTRIES(TN, T, D, RG, BQ)                                                                            \
     extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##TN##_##D(                                  \
-        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p, int vec) {              \
-        fwd_mma<T, D, RG>(q, k, v, o, lse, keep, p, vec);                                                     \
-    }                                                                                                         \
+        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep,                                    \
+        const u32* start, Params p, int vec) {                                                                   \
+        fwd_mma<T, D, RG>(q, k, v, o, lse, keep, start, p, vec);                                                 \
+    }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_##TN##_##D(                                  \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
-        T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                                     \
-        bwd_mma<T, D, BQ>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, dkv_acc, p, vec);                 \
+        const u32* start, T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                      \
+        bwd_mma<T, D, BQ>(q, k, v, dout, lse, delta, keep, start, dk, dv, dq_acc, dkv_acc, p, vec);              \
     }
 
-#define WGMMA_ENTRY(TN, T)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_fwd_wgmma_##TN##_64(                        \
-        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep, Params p, int vec) {              \
-        fwd_wgmma<T>(q, k, v, o, lse, keep, p);                                                               \
-    }                                                                                                         \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_bwd_wgmma_##TN##_64(                        \
+#define WGMMA_ENTRY(TN, T)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_fwd_wgmma_##TN##_64(                          \
+        const T* q, const T* k, const T* v, T* o, float* lse, const u8* keep,                                    \
+        const u32* start, Params p, int vec) {                                                                   \
+        fwd_wgmma<T>(q, k, v, o, lse, keep, start, p);                                                           \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS) flash_bwd_wgmma_##TN##_64(                          \
         const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* delta, const u8* keep, \
-        T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                                     \
-        bwd_wgmma<T>(q, k, v, dout, lse, delta, keep, dk, dv, dq_acc, dkv_acc, p);                        \
+        const u32* start, T* dk, T* dv, float* dq_acc, float* dkv_acc, Params p, int vec) {                      \
+        bwd_wgmma<T>(q, k, v, dout, lse, delta, keep, start, dk, dv, dq_acc, dkv_acc, p);                        \
     }
 
 #define DELTA_ENTRY(TN, T)                                                                                    \

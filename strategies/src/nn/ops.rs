@@ -141,7 +141,9 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// `n` = `heads`) with the heads moved first: `[b, n, s, d]`, contiguous, ready
 /// for attention. Element `i < d/2` of a head becomes `x_i·cos_i + x_{i+d/2}·sin_i`
 /// and element `i + d/2` becomes `x_{i+d/2}·cos_{i+d/2} + x_i·sin_{i+d/2}`, with
-/// `cos` and `sin` the first `s` rows of `tables` (a [`RopeTables`]).
+/// `cos` and `sin` the first `s` rows of `tables` (a [`RopeTables`]), or,
+/// with per-token tables ([`RopeTables::at_positions`]), row `bb·s + p`
+/// for token `p` of batch row `bb`.
 ///
 /// One graph node that keeps nothing (its backward is the transposed map of
 /// the output's gradient), instead of the composed form's half-swapped copy,
@@ -150,11 +152,22 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 pub fn rope(x: &Tensor, heads: usize, tables: &RopeTables) -> Result<Tensor> {
     let (b, s) = (x.dim(0)?, x.dim(1)?);
     let d = tables.cos.dim(1)?;
-    if x.elem_count() != b * s * heads * d || d % 2 != 0 || tables.cos.dim(0)? < s {
+    let rows = tables.cos.dim(0)?;
+    let rows_fit = if tables.per_token {
+        rows == b * s
+    } else {
+        rows >= s
+    };
+    if x.elem_count() != b * s * heads * d || d % 2 != 0 || !rows_fit {
         candle_core::bail!(
-            "rope: x {:?} is not [b, s, {heads}·{d}] for tables of {:?} positions (even d)",
+            "rope: x {:?} is not [b, s, {heads}·{d}] for tables of {:?} {} (even d)",
             x.dims(),
-            tables.cos.dims()
+            tables.cos.dims(),
+            if tables.per_token {
+                "tokens"
+            } else {
+                "positions"
+            }
         );
     }
     let op = Rope {
@@ -165,11 +178,16 @@ pub fn rope(x: &Tensor, heads: usize, tables: &RopeTables) -> Result<Tensor> {
     x.contiguous()?.apply_op1(op)
 }
 
-/// The `[positions, d]` f32 cosine and signed-sine tables of [`rope`].
+/// The `[positions, d]` f32 cosine and signed-sine tables of [`rope`], or
+/// their rows at each token's position (`[b·s, d]`,
+/// [`RopeTables::at_positions`]).
 #[derive(Debug, Clone)]
 pub struct RopeTables {
     cos: Tensor,
     sin: Tensor,
+    /// Row `bb·s + p` is token `p` of batch row `bb` (else row `p` serves
+    /// position `p` of every batch row).
+    per_token: bool,
 }
 
 impl RopeTables {
@@ -216,6 +234,42 @@ impl RopeTables {
         Ok(RopeTables {
             cos: Tensor::from_vec(cos, (s, head_dim), device)?,
             sin: Tensor::from_vec(sin, (s, head_dim), device)?,
+            per_token: false,
+        })
+    }
+
+    /// Per-token tables: the rows of these (per-position) tables at
+    /// `positions` (`[b, s]` u32, on the tables' device, each below the
+    /// tables' number of positions), as `[b·s, d]` tables that [`rope`]
+    /// reads row `bb·s + p` of for token `p` of batch row `bb`. Packed
+    /// documents each count their positions from 0 so.
+    pub fn at_positions(&self, positions: &Tensor) -> Result<Self> {
+        let rows = self.cos.dim(0)?;
+        if self.per_token || positions.rank() != 2 || positions.dtype() != DType::U32 {
+            candle_core::bail!(
+                "rope tables at positions: need per-position tables and [b, s] u32 positions, \
+                 got {} tables and {:?} {:?}",
+                if self.per_token {
+                    "per-token"
+                } else {
+                    "per-position"
+                },
+                positions.dims(),
+                positions.dtype()
+            );
+        }
+        let ids = positions.flatten_all()?;
+        // The CPU lookup checks the ids; a CUDA one would not.
+        if ids.elem_count() > 0 {
+            let last = ids.max(0)?.to_scalar::<u32>()? as usize;
+            if last >= rows {
+                candle_core::bail!("rope tables at positions: position {last} of {rows}");
+            }
+        }
+        Ok(RopeTables {
+            cos: self.cos.index_select(&ids, 0)?,
+            sin: self.sin.index_select(&ids, 0)?,
+            per_token: true,
         })
     }
 }
@@ -881,12 +935,14 @@ struct Rope {
     back: bool,
 }
 
+/// `per_token`: the tables' row of token `p` of batch row `bb` is `bb·s + p`
+/// (else `p`).
 fn rope_cpu<T: WithDType>(
     x: &[T],
-    cos: &[f32],
-    sin: &[f32],
+    (cos, sin): (&[f32], &[f32]),
     [_, s, n, d]: [usize; 4],
     back: bool,
+    per_token: bool,
 ) -> CpuStorage {
     let half = d / 2;
     let mut y = vec![T::zero(); x.len()];
@@ -902,7 +958,8 @@ fn rope_cpu<T: WithDType>(
             let (hh, p) = (rest / s, rest % s);
             (p, ((bb * s + p) * n + hh) * d)
         };
-        let (x, c, sn) = (&x[input..input + d], &cos[p * d..], &sin[p * d..]);
+        let t = if per_token { bb * s + p } else { p };
+        let (x, c, sn) = (&x[input..input + d], &cos[t * d..], &sin[t * d..]);
         for i in 0..half {
             let (lo, hi) = (f(x[i]), f(x[i + half]));
             let (s_lo, s_hi) = if back {
@@ -932,9 +989,10 @@ impl CustomOp1 for Rope {
             candle_core::bail!("rope: the tables are not on the CPU");
         };
         let (cos, sin) = (cpu_slice::<f32>(cs, cos.1)?, cpu_slice::<f32>(ss, sin.1)?);
+        let per_token = self.tables.per_token;
         let y = by_dtype!(
             st.dtype(),
-            rope_slices(st, l, cos, sin, self.dims, self.back)
+            rope_slices(st, l, (cos, sin), self.dims, self.back, per_token)
         )?;
         Ok((y, self.out_shape()))
     }
@@ -947,10 +1005,10 @@ impl CustomOp1 for Rope {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let y = cuda::rope(
             (st, l),
-            &self.tables.cos,
-            &self.tables.sin,
+            (&self.tables.cos, &self.tables.sin),
             self.dims,
             self.back,
+            self.tables.per_token,
         )?;
         Ok((y, self.out_shape()))
     }
@@ -981,12 +1039,18 @@ impl Rope {
 fn rope_slices<T: WithDType>(
     st: &CpuStorage,
     l: &Layout,
-    cos: &[f32],
-    sin: &[f32],
+    tables: (&[f32], &[f32]),
     dims: [usize; 4],
     back: bool,
+    per_token: bool,
 ) -> Result<CpuStorage> {
-    Ok(rope_cpu(cpu_slice::<T>(st, l)?, cos, sin, dims, back))
+    Ok(rope_cpu(
+        cpu_slice::<T>(st, l)?,
+        tables,
+        dims,
+        back,
+        per_token,
+    ))
 }
 
 mod embedding;

@@ -7,10 +7,11 @@
 //! leave score-sized stray gradients. Here the scores are multiplied into one
 //! buffer (cuBLAS or candle's CPU kernel) and turned into probabilities in
 //! place, in f32 whatever the storage dtype; the mask is applied by position
-//! (causal) and by flag (key padding), not built. The graph keeps the output
-//! `P` (which `P·v` keeps anyway) and the inputs `q`, `k` (kept by the ops
-//! that made them). Backward: `dS = scale·P∘(dP − rowsum(P∘dP))` in one pass,
-//! then `dq = dS·k` and `dk = dSᵀ·q`, a quarter of the key heads at a time
+//! (causal, and each query's first visible key) and by flag (key padding),
+//! not built. The graph keeps the output `P` (which `P·v` keeps anyway) and
+//! the inputs `q`, `k` (kept by the ops that made them). Backward:
+//! `dS = scale·P∘(dP − rowsum(P∘dP))` in one pass, then `dq = dS·k` and
+//! `dk = dSᵀ·q`, a quarter of the key heads at a time
 //! ([`PROBS_BACKWARD_CHUNKS`]): beside `dP`, a quarter of `dS` is alive.
 //! This is what PyTorch's eager attention keeps (the softmax's output).
 
@@ -33,10 +34,12 @@ pub const PROBS_BACKWARD_CHUNKS: usize = 4;
 /// Grouped-query attention: query head `i` uses key head `i / (H/KV)`, with
 /// no copy of `k` (the `H/KV` query heads of one key head are multiplied as
 /// one `[(H/KV)·s_q, d]` matrix). `keep` (`[b, s_k]`, any dtype; zero masks
-/// the key for every query of that batch row) adds key padding. A row that
-/// sees no key is all zeros (no gradient), as in
-/// [`crate::attention::flash_attention`]. `q` and `k` are made
-/// contiguous (a copy when strided). Gradients flow to `q` and `k`.
+/// the key for every query of that batch row) adds key padding;
+/// `key_start` (`[b, s_q]`, an integer dtype) hides from query `i` of batch
+/// row `bb` the keys before `key_start[bb, i]` (packed documents: a query
+/// sees its own document only). A row that sees no key is all zeros (no
+/// gradient), as in [`crate::attention::flash_attention`]. `q` and `k` are
+/// made contiguous (a copy when strided). Gradients flow to `q` and `k`.
 ///
 /// ```
 /// use candle_core::{Device, Tensor, Var};
@@ -45,7 +48,7 @@ pub const PROBS_BACKWARD_CHUNKS: usize = 4;
 /// let q = Var::randn(0f32, 1.0, (1, 2, 5, 4), &Device::Cpu)?;
 /// let k = Tensor::randn(0f32, 1.0, (1, 1, 5, 4), &Device::Cpu)?;
 /// let opts = ProbsOptions { scale: 0.5, causal: true };
-/// let p = attention_probs(q.as_tensor(), &k, None, opts)?;
+/// let p = attention_probs(q.as_tensor(), &k, None, None, opts)?;
 /// assert_eq!(p.dims(), &[1, 2, 5, 5]);
 /// // The first query sees only the first key.
 /// assert_eq!(p.get(0)?.get(1)?.get(0)?.to_vec1::<f32>()?, [1.0, 0.0, 0.0, 0.0, 0.0]);
@@ -57,9 +60,10 @@ pub fn attention_probs(
     q: &Tensor,
     k: &Tensor,
     keep: Option<&Tensor>,
+    key_start: Option<&Tensor>,
     opts: ProbsOptions,
 ) -> Result<Tensor> {
-    let (b, h, _, d) = q.dims4()?;
+    let (b, h, s_q, d) = q.dims4()?;
     let (kb, kv, s_k, kd) = k.dims4()?;
     if (kb, kd) != (b, d) || kv == 0 || h % kv != 0 || k.dtype() != q.dtype() {
         candle_core::bail!(
@@ -71,7 +75,20 @@ pub fn attention_probs(
         );
     }
     let (q, k) = (q.contiguous()?, k.contiguous()?);
-    let probs = Probs { opts };
+    let start = match key_start {
+        None => None,
+        Some(t) if t.dims() == [b, s_q] && t.dtype().is_int() => Some(
+            t.to_device(q.device())?
+                .to_dtype(DType::U32)?
+                .contiguous()?,
+        ),
+        Some(t) => candle_core::bail!(
+            "attention_probs: key starts must be [{b}, {s_q}] of an integer dtype, got {:?} {:?}",
+            t.dims(),
+            t.dtype()
+        ),
+    };
+    let probs = Probs { opts, start };
     match keep {
         None => q.apply_op2(&k, probs),
         Some(keep) => {
@@ -92,9 +109,12 @@ pub fn attention_probs(
 
 /// Forward: `q`, `k` (and the keep flags as bytes, nonzero keeps) → the
 /// probabilities.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Probs {
     opts: ProbsOptions,
+    /// Each query's first visible key, `[b, s_q]` u32 contiguous on the
+    /// inputs' device; `None`: key 0.
+    start: Option<Tensor>,
 }
 
 /// Backward of the softmax: `P`, `dP` → `dS`.
@@ -160,10 +180,11 @@ impl Dims {
 }
 
 /// Turns each row of `p` (`s_k` scores) into probabilities in place: see
-/// `attention_probs` in `fused.cu`, which this mirrors.
+/// `attention_probs` in `fused.cu`, which this mirrors. `start`: each
+/// query's first visible key, `[b, s_q]`.
 fn softmax_rows_cpu<T: WithDType>(
     p: &mut [T],
-    keep: Option<&[u8]>,
+    (keep, start): (Option<&[u8]>, Option<&[u32]>),
     dims: &Dims,
     opts: ProbsOptions,
 ) {
@@ -178,7 +199,8 @@ fn softmax_rows_cpu<T: WithDType>(
                 s_k
             };
             let flags = keep.map(|k| &k[row / per_batch * s_k..][..s_k]);
-            let visible = |j: usize| j < seen && flags.is_none_or(|k| k[j] != 0);
+            let first = start.map_or(0, |st| st[row / per_batch * s_q + row % s_q] as usize);
+            let visible = |j: usize| first <= j && j < seen && flags.is_none_or(|k| k[j] != 0);
             let mut m = f32::NEG_INFINITY;
             for (j, &x) in p.iter().enumerate() {
                 if visible(j) {
@@ -227,17 +249,25 @@ impl Probs {
         let dims = Dims::new(q.1, k.1)?;
         let scores = dims.scores(q, k)?;
         let keep = keep.map(|(s, l)| cpu_slice::<u8>(s, l)).transpose()?;
+        let start = self.start.as_ref().map(|t| t.storage_and_layout());
+        let start = match &start {
+            None => None,
+            Some((storage, layout)) => match &**storage {
+                candle_core::Storage::Cpu(s) => Some(cpu_slice::<u32>(s, layout)?),
+                _ => candle_core::bail!("attention_probs: the key starts are not on the CPU"),
+            },
+        };
         fn run<T: WithDType>(
             scores: CpuStorage,
-            keep: Option<&[u8]>,
+            masks: (Option<&[u8]>, Option<&[u32]>),
             dims: &Dims,
             opts: ProbsOptions,
         ) -> Result<CpuStorage> {
             let mut p = T::cpu_storage_data(scores)?;
-            softmax_rows_cpu(&mut p, keep, dims, opts);
+            softmax_rows_cpu(&mut p, masks, dims, opts);
             Ok(T::to_cpu_storage_owned(p))
         }
-        let p = by_dtype!(scores.dtype(), run(scores, keep, &dims, self.opts))?;
+        let p = by_dtype!(scores.dtype(), run(scores, (keep, start), &dims, self.opts))?;
         Ok((p, dims.shape()))
     }
 
@@ -250,7 +280,15 @@ impl Probs {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = Dims::new(q.1, k.1)?;
         let mut scores = dims.scores(q, k)?;
-        super::cuda::attention_probs(&mut scores, keep, dims.geometry(), self.opts)?;
+        let start = self.start.as_ref().map(|t| t.storage_and_layout());
+        let start = match &start {
+            None => None,
+            Some((storage, layout)) => match &**storage {
+                candle_core::Storage::Cuda(s) => Some((s, *layout)),
+                _ => candle_core::bail!("attention_probs: the key starts are not on the device"),
+            },
+        };
+        super::cuda::attention_probs(&mut scores, (keep, start), dims.geometry(), self.opts)?;
         Ok((scores, dims.shape()))
     }
 

@@ -318,10 +318,10 @@ pub(super) fn swiglu(
 fn rope_typed<T: CudaDType + DeviceRepr>(
     name: &str,
     x: (&CudaStorage, &Layout),
-    cos: &Tensor,
-    sin: &Tensor,
+    (cos, sin): (&Tensor, &Tensor),
     [b, s, n, d]: [usize; 4],
     back: bool,
+    per_token: bool,
 ) -> Result<CudaStorage> {
     let dev = x.0.device().clone();
     let len = x.1.shape().elem_count();
@@ -335,7 +335,7 @@ fn rope_typed<T: CudaDType + DeviceRepr>(
     if len > 0 {
         let func = dev.get_or_load_custom_func(&format!("rope_{name}"), MODULE, ptx()?)?;
         let [b, s, n, d] = [b, s, n, d].map(|v| v as u64);
-        let back = i32::from(back);
+        let (back, per_token) = (i32::from(back), i32::from(per_token));
         let mut launch = func.builder();
         launch
             .arg(&xv)
@@ -346,23 +346,26 @@ fn rope_typed<T: CudaDType + DeviceRepr>(
             .arg(&s)
             .arg(&n)
             .arg(&d)
-            .arg(&back);
-        // SAFETY: arguments match `rope_*(src, dst, cos, sin, b, s, n, d, back)`; src
-        // and dst hold b·s·n·d elements, cos and sin s·d.
+            .arg(&back)
+            .arg(&per_token);
+        // SAFETY: arguments match `rope_*(src, dst, cos, sin, b, s, n, d, back,
+        // per_token)`; src and dst hold b·s·n·d elements, cos and sin at least
+        // s·d (b·s·d when per_token, checked by `super::rope`).
         unsafe { launch.launch(elementwise_config(len / 2)) }.w()?;
     }
     Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }
 
-/// [`super::rope`]'s map, or (`back`) its transpose, of `x`.
+/// [`super::rope`]'s map, or (`back`) its transpose, of `x`, with the
+/// `tables` (cos, sin) per position or (`per_token`) per token.
 pub(super) fn rope(
     x: (&CudaStorage, &Layout),
-    cos: &Tensor,
-    sin: &Tensor,
+    tables: (&Tensor, &Tensor),
     dims: [usize; 4],
     back: bool,
+    per_token: bool,
 ) -> Result<CudaStorage> {
-    by_dtype!(x.0.dtype(), rope_typed(x, cos, sin, dims, back))
+    by_dtype!(x.0.dtype(), rope_typed(x, tables, dims, back, per_token))
 }
 
 fn embedding_grad_typed<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
@@ -420,15 +423,23 @@ pub(super) struct ProbsGeometry {
     pub rows_per_batch: usize,
 }
 
+/// The key padding flags (`[b, s_k]` u8) and each query's first visible
+/// key (`[b, s_q]` u32) of [`attention_probs`], where given.
+pub(super) type ProbsMasks<'a> = (
+    Option<(&'a CudaStorage, &'a Layout)>,
+    Option<(&'a CudaStorage, &'a Layout)>,
+);
+
 fn attention_probs_typed<T: CudaDType + DeviceRepr>(
     name: &str,
     scores: &mut CudaStorage,
-    keep: Option<(&CudaStorage, &Layout)>,
+    (keep, start): ProbsMasks,
     g: ProbsGeometry,
     opts: super::ProbsOptions,
 ) -> Result<()> {
     let dev = scores.device().clone();
     let keep = keep.map(|(s, l)| view::<u8>(s, l)).transpose()?;
+    let start = start.map(|(s, l)| view::<u32>(s, l)).transpose()?;
     if g.rows * g.s_k == 0 {
         return Ok(());
     }
@@ -442,6 +453,10 @@ fn attention_probs_typed<T: CudaDType + DeviceRepr>(
         Some(k) => launch.arg(k),
         None => launch.arg(&null),
     };
+    match &start {
+        Some(st) => launch.arg(st),
+        None => launch.arg(&null),
+    };
     launch
         .arg(&rows)
         .arg(&s_k)
@@ -449,9 +464,10 @@ fn attention_probs_typed<T: CudaDType + DeviceRepr>(
         .arg(&per_batch)
         .arg(&opts.scale)
         .arg(&causal);
-    // SAFETY: arguments match `attention_probs_*(p, keep or null, rows, n, s_q,
-    // rows_per_batch, scale, causal)`; p holds rows·n elements, keep
-    // rows/rows_per_batch·n; one warp per row.
+    // SAFETY: arguments match `attention_probs_*(p, keep or null, start or
+    // null, rows, n, s_q, rows_per_batch, scale, causal)`; p holds rows·n
+    // elements, keep rows/rows_per_batch·n, start rows/rows_per_batch·s_q
+    // (checked by `attention_probs`); one warp per row.
     unsafe { launch.launch(warp_rows(g.rows)?) }.w()?;
     Ok(())
 }
@@ -459,11 +475,14 @@ fn attention_probs_typed<T: CudaDType + DeviceRepr>(
 /// Turns the scores `q·kᵀ` in `scores` into attention probabilities in place.
 pub(super) fn attention_probs(
     scores: &mut CudaStorage,
-    keep: Option<(&CudaStorage, &Layout)>,
+    masks: ProbsMasks,
     g: ProbsGeometry,
     opts: super::ProbsOptions,
 ) -> Result<()> {
-    by_dtype!(scores.dtype(), attention_probs_typed(scores, keep, g, opts))
+    by_dtype!(
+        scores.dtype(),
+        attention_probs_typed(scores, masks, g, opts)
+    )
 }
 
 fn attention_probs_grad_typed<T: CudaDType + DeviceRepr>(

@@ -111,17 +111,20 @@ __device__ __forceinline__ void gelu_and_slope(float x, int form, float &y, floa
 // (i, i + d/2) of one row; a row is (batch bb, head hh, position p). Forward
 // (back = 0): x [b, s, n, d] -> y [b, n, s, d], y_i = x_i cos_i + x_{i+d/2} sin_i,
 // y_{i+d/2} = x_{i+d/2} cos_{i+d/2} + x_i sin_{i+d/2}. Backward (back = 1): the
-// transposed map, dy [b, n, s, d] -> dx [b, s, n, d]. cos, sin: [s, d] f32.
+// transposed map, dy [b, n, s, d] -> dx [b, s, n, d]. cos, sin: [s, d] f32,
+// row p for position p; per_token: [b * s, d], row bb * s + p for token p of
+// batch row bb (packed documents, each counting its positions from 0).
 template <typename T>
 __device__ void rope(const T *src, T *dst, const float *cos, const float *sin, u64 b, u64 s, u64 n,
-                     u64 d, int back) {
+                     u64 d, int back, int per_token) {
     u64 half = d / 2;
     GRID_STRIDE(t, b * n * s * half) {
         u64 i = t % half, row = t / half;
         u64 p = row % s, hh = (row / s) % n, bb = row / (s * n);
         u64 heads_first = ((bb * n + hh) * s + p) * d, seq_first = ((bb * s + p) * n + hh) * d;
         u64 in = back ? heads_first : seq_first, out = back ? seq_first : heads_first;
-        const float *c = cos + p * d, *sn = sin + p * d;
+        const u64 t_row = per_token ? bb * s + p : p;  // the tables' row of this token
+        const float *c = cos + t_row * d, *sn = sin + t_row * d;
         float lo = to_f32(src[in + i]), hi = to_f32(src[in + i + half]);
         float s_lo = back ? sn[i + half] : sn[i], s_hi = back ? sn[i] : sn[i + half];
         dst[out + i] = from_f32<T>(lo * c[i] + hi * s_lo);
@@ -159,21 +162,24 @@ __device__ void embedding_grad(const T *src, const u32 *ids, T *dst, u64 n, u64 
 // Attention probabilities, in place: each row of n scores (one query's) becomes
 // softmax(scale * score) over the keys it sees, zero elsewhere. Row r is query
 // i = r % s_q of batch r / rows_per_batch; causal: key j is seen when
-// j <= i + n - s_q; keep (null: every key) is [batch, n], zero masking key j.
+// j <= i + n - s_q; keep (null: every key) is [batch, n], zero masking key j;
+// start (null: 0) is [batch, s_q], the first key query i sees (packed
+// documents).
 // One warp per row: an online max and sum, then the normalised write. A row
 // that sees no key is all zeros.
 template <typename T>
-__device__ void attention_probs(T *p, const unsigned char *keep, u64 rows, u64 n, u64 s_q,
-                                u64 rows_per_batch, float scale, int causal) {
+__device__ void attention_probs(T *p, const unsigned char *keep, const u32 *start, u64 rows, u64 n,
+                                u64 s_q, u64 rows_per_batch, float scale, int causal) {
     u64 base;
     if (!warp_row(rows, n, base)) return;
     const u64 row = base / n;
     const unsigned char *kp = keep ? keep + (row / rows_per_batch) * n : nullptr;
+    const u64 first = start ? start[(row / rows_per_batch) * s_q + row % s_q] : 0;
     const u64 last = row % s_q + n + 1;  // causal: keys [0, last - s_q) are seen
     const u64 seen = !causal ? n : last <= s_q ? 0 : last - s_q < n ? last - s_q : n;
     float m = NEG_INF, l = 0.0f;
     LANE_STRIDE(j, seen) {
-        if (kp && !kp[j]) continue;
+        if (j < first || (kp && !kp[j])) continue;
         const float x = to_f32(p[base + j]) * scale;
         if (x > m) {
             l = l * expf(m - x) + 1.0f;
@@ -192,7 +198,7 @@ __device__ void attention_probs(T *p, const unsigned char *keep, u64 rows, u64 n
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     LANE_STRIDE(j, n) {
         float v = 0.0f;
-        if (j < seen && (!kp || kp[j])) v = expf(to_f32(p[base + j]) * scale - m) * inv;
+        if (first <= j && j < seen && (!kp || kp[j])) v = expf(to_f32(p[base + j]) * scale - m) * inv;
         p[base + j] = from_f32<T>(v);
     }
 }
@@ -255,17 +261,18 @@ __device__ void attention_probs_grad(const T *p, const T *dp, T *ds, u64 rows, u
     }                                                                                            \
     extern "C" __global__ void rope_##NAME(const T *src, T *dst, const float *cos,               \
                                            const float *sin, u64 b, u64 s, u64 n, u64 d,         \
-                                           int back) {                                           \
-        rope<T>(src, dst, cos, sin, b, s, n, d, back);                                           \
+                                           int back, int per_token) {                            \
+        rope<T>(src, dst, cos, sin, b, s, n, d, back, per_token);                                \
     }                                                                                            \
     extern "C" __global__ void embedding_grad_##NAME(const T *src, const u32 *ids, T *dst, u64 n, \
                                                      u64 h, u64 vocab) {                         \
         embedding_grad<T>(src, ids, dst, n, h, vocab);                                           \
     }                                                                                            \
-    extern "C" __global__ void attention_probs_##NAME(T *p, const unsigned char *keep, u64 rows, \
-                                                      u64 n, u64 s_q, u64 rows_per_batch,        \
-                                                      float scale, int causal) {                 \
-        attention_probs<T>(p, keep, rows, n, s_q, rows_per_batch, scale, causal);                \
+    extern "C" __global__ void attention_probs_##NAME(T *p, const unsigned char *keep,          \
+                                                      const u32 *start, u64 rows, u64 n,         \
+                                                      u64 s_q, u64 rows_per_batch, float scale,  \
+                                                      int causal) {                              \
+        attention_probs<T>(p, keep, start, rows, n, s_q, rows_per_batch, scale, causal);         \
     }                                                                                            \
     extern "C" __global__ void attention_probs_grad_##NAME(const T *p, const T *dp, T *ds,       \
                                                            u64 rows, u64 n, float scale) {       \

@@ -242,6 +242,92 @@ fn rope_matches_candles_rotate_half_with_heads_moved_first() {
     assert!(rope(&randn(&[b, s + 3, n * d], 1.0, 0.0), n, &tables).is_err());
 }
 
+/// Per-token tables ([`RopeTables::at_positions`]) of packed documents give
+/// what RoPE gives each document alone (its positions from 0), in value
+/// and gradient; per-token tables of another batch size are refused.
+#[test]
+fn rope_with_per_token_tables_restarts_each_documents_positions() {
+    let (b, s, n, d) = (2, 7, 3, 8);
+    let tables = RopeTables::new(s, d, 10_000.0, 0.5, &Device::Cpu).unwrap();
+    let docs: [&[usize]; 2] = [&[3, 1, 3], &[7]];
+    let positions: Vec<Vec<u32>> = docs
+        .iter()
+        .map(|lengths| lengths.iter().flat_map(|&l| 0..l as u32).collect())
+        .collect();
+    let positions = Tensor::new(positions, &Device::Cpu).unwrap();
+    let per_token = tables.at_positions(&positions).unwrap();
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &[randn(&[b, s, n * d], 1.0, 0.0)],
+            |t| rope(&t[0], n, &per_token).unwrap(),
+            |t| {
+                // Each document by itself, joined along the sequence.
+                let rows: Vec<Tensor> = docs
+                    .iter()
+                    .enumerate()
+                    .map(|(bb, lengths)| {
+                        let mut first = 0;
+                        let parts: Vec<Tensor> = lengths
+                            .iter()
+                            .map(|&l| {
+                                let x = t[0].narrow(0, bb, 1).unwrap().narrow(1, first, l).unwrap();
+                                first += l;
+                                rope(&x, n, &tables).unwrap()
+                            })
+                            .collect();
+                        Tensor::cat(&parts, 2).unwrap()
+                    })
+                    .collect();
+                Tensor::cat(&rows, 0).unwrap()
+            },
+        );
+    }
+    assert!(rope(&randn(&[1, s, n * d], 1.0, 0.0), n, &per_token).is_err());
+    assert!(per_token.at_positions(&positions).is_err());
+    let beyond = Tensor::new(&[[0u32, 7]], &Device::Cpu).unwrap();
+    assert!(tables.at_positions(&beyond).is_err());
+}
+
+/// Per-token RoPE tables on CUDA (the kernel reads row `bb·s + p`) against
+/// the CPU op, in value and in the gradient of the input.
+#[cfg(feature = "cuda")]
+#[test]
+fn rope_with_per_token_tables_on_cuda_matches_the_cpu() {
+    let gpu = Device::new_cuda(0).unwrap();
+    let (b, s, n, d) = (2, 7, 3, 8);
+    let positions = Tensor::new(
+        &[[0u32, 1, 2, 0, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let (x, w) = (
+        randn(&[b, s, n * d], 1.0, 0.0),
+        randn(&[b, n, s, d], 1.0, 0.0),
+    );
+    for (dtype, tol) in CASES {
+        let run = |dev: &Device| {
+            let tables = RopeTables::new(s, d, 10_000.0, 0.5, dev).unwrap();
+            let tables = tables
+                .at_positions(&positions.to_device(dev).unwrap())
+                .unwrap();
+            let x = Var::from_tensor(&x.to_dtype(dtype).unwrap().to_device(dev).unwrap()).unwrap();
+            let y = rope(x.as_tensor(), n, &tables).unwrap();
+            let loss = y
+                .to_dtype(DType::F32)
+                .unwrap()
+                .mul(&w.to_device(dev).unwrap());
+            let grads = loss.unwrap().sum_all().unwrap().backward().unwrap();
+            let back = |t: &Tensor| t.to_device(&Device::Cpu).unwrap();
+            (back(&y), back(grads.get(&x).unwrap()))
+        };
+        let ((y, dx), (y_cpu, dx_cpu)) = (run(&gpu), run(&Device::Cpu));
+        assert!(rel_diff(&y, &y_cpu) < tol, "{dtype:?} output");
+        assert!(rel_diff(&dx, &dx_cpu) < tol, "{dtype:?} gradient");
+    }
+}
+
 #[test]
 fn mismatched_parameters_are_errors() {
     let x = randn(&[2, 8], 1.0, 0.0);
@@ -420,7 +506,7 @@ fn attention_probs_match_the_composed_softmax() {
                 dtype,
                 tol,
                 &inputs,
-                |t| attention_probs(&t[0], &t[1], pad.then_some(&keep), opts).unwrap(),
+                |t| attention_probs(&t[0], &t[1], pad.then_some(&keep), None, opts).unwrap(),
                 |t| {
                     let allowed = |bb, i, j| {
                         if pad {
@@ -434,6 +520,49 @@ fn attention_probs_match_the_composed_softmax() {
             );
         }
     }
+}
+
+/// Each query's first visible key (packed documents) on top of the causal
+/// mask and key padding, against the composed softmax.
+#[test]
+fn attention_probs_with_key_starts_match_the_composed_softmax() {
+    let (b, h, kv, s, d) = (2, 4, 2, 9, 8);
+    let start = Tensor::new(
+        &[[0u32, 0, 0, 3, 3, 5, 5, 5, 5], [0, 1, 1, 1, 1, 1, 6, 6, 6]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let first = start.to_vec2::<u32>().unwrap();
+    let keep = Tensor::new(
+        &[[1u8, 1, 1, 1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let flags = keep.to_vec2::<u8>().unwrap();
+    let inputs = [
+        randn(&[b, h, s, d], 1.0, 0.0),
+        randn(&[b, kv, s, d], 1.0, 0.0),
+    ];
+    let opts = ProbsOptions {
+        scale: 0.35,
+        causal: true,
+    };
+    for (dtype, tol) in CASES {
+        check(
+            dtype,
+            tol,
+            &inputs,
+            |t| attention_probs(&t[0], &t[1], Some(&keep), Some(&start), opts).unwrap(),
+            |t| {
+                let allowed = |bb: usize, i: usize, j: usize| {
+                    j <= i && j >= first[bb][i] as usize && flags[bb][j] != 0
+                };
+                composed_probs(&t[0], &t[1], 0.35, allowed)
+            },
+        );
+    }
+    let wrong = Tensor::zeros((b, s - 1), DType::U32, &Device::Cpu).unwrap();
+    assert!(attention_probs(&inputs[0], &inputs[1], None, Some(&wrong), opts).is_err());
 }
 
 #[test]
@@ -454,7 +583,7 @@ fn attention_probs_backward_in_uneven_groups_of_key_heads() {
             DType::F32,
             1e-5,
             &inputs,
-            |t| attention_probs(&t[0], &t[1], None, opts).unwrap(),
+            |t| attention_probs(&t[0], &t[1], None, None, opts).unwrap(),
             |t| composed_probs(&t[0], &t[1], 0.5, |_, i, j| j <= i + s_k - s_q),
         );
     }
@@ -469,7 +598,7 @@ fn attention_probs_of_a_query_that_sees_no_key_are_zero() {
         scale: 1.0,
         causal: false,
     };
-    let p = attention_probs(q.as_tensor(), k.as_tensor(), Some(&keep), opts).unwrap();
+    let p = attention_probs(q.as_tensor(), k.as_tensor(), Some(&keep), None, opts).unwrap();
     assert_eq!(p.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [0.0; 9]);
     let grads = p.sum_all().unwrap().backward().unwrap();
     for var in [&q, &k] {
@@ -486,10 +615,10 @@ fn attention_probs_reject_mismatched_inputs() {
         causal: true,
     };
     // 3 query heads on 2 key heads; a head size that differs; padding of the wrong shape.
-    assert!(attention_probs(&q, &randn(&[1, 2, 4, 8], 1.0, 0.0), None, opts).is_err());
-    assert!(attention_probs(&q, &randn(&[1, 1, 4, 4], 1.0, 0.0), None, opts).is_err());
+    assert!(attention_probs(&q, &randn(&[1, 2, 4, 8], 1.0, 0.0), None, None, opts).is_err());
+    assert!(attention_probs(&q, &randn(&[1, 1, 4, 4], 1.0, 0.0), None, None, opts).is_err());
     let keep = Tensor::ones((1, 3), DType::U8, &Device::Cpu).unwrap();
-    assert!(attention_probs(&q, &randn(&[1, 1, 4, 8], 1.0, 0.0), Some(&keep), opts).is_err());
+    assert!(attention_probs(&q, &randn(&[1, 1, 4, 8], 1.0, 0.0), Some(&keep), None, opts).is_err());
 }
 
 /// softmax(q·kᵀ·scale) over the keys each query sees, in f64 loops: `[b, H,
@@ -559,7 +688,7 @@ proptest::proptest! {
         let qt = Tensor::from_vec(q.clone(), (b, h, s_q, d), &dev).unwrap();
         let kt = Tensor::from_vec(k.clone(), (b, kv, s_k, d), &dev).unwrap();
         let keep_t = keep.map(|f| Tensor::from_vec(f.to_vec(), (b, s_k), &dev).unwrap());
-        let p = attention_probs(&qt, &kt, keep_t.as_ref(), opts).unwrap();
+        let p = attention_probs(&qt, &kt, keep_t.as_ref(), None, opts).unwrap();
         let got = p.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let want = probs_reference(&q, &k, [b, h, kv, s_q, s_k, d], keep, opts);
         for (x, y) in got.iter().zip(&want) {
