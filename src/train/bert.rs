@@ -4,7 +4,7 @@ use std::rc::Rc;
 
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
-use oomfix_strategies::Execution;
+use oomfix_strategies::{tiled_mlp, Execution};
 
 use super::layers::{split_heads, Attend, LayerNorm, Linear};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
@@ -47,7 +47,12 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, attend: &Attend) -> candle_core::Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        attend: &Attend,
+        mlp_tile: Option<usize>,
+    ) -> candle_core::Result<Tensor> {
         let d = x.dim(2)? / self.heads;
         let [attention, intermediate, output] = self.tags;
         let x = {
@@ -69,19 +74,33 @@ impl Block {
             };
             self.attn_norm.forward(&sum)?
         };
-        let inner = {
-            let _m = Scope::module(intermediate);
-            let inner = self.intermediate.forward(&x)?;
-            let _op = Scope::op(Op::Gelu);
-            ops::gelu(&inner, self.gelu)?
+        // The MLP, its residual and the LayerNorm after it: row-wise, so
+        // they may run in tiles of tokens.
+        let (dense, out, norm, gelu) = (
+            self.intermediate.clone(),
+            self.output.clone(),
+            self.out_norm.clone(),
+            self.gelu,
+        );
+        let part = move |x: &Tensor| {
+            let inner = {
+                let _m = Scope::module(intermediate);
+                let inner = dense.forward(x)?;
+                let _op = Scope::op(Op::Gelu);
+                ops::gelu(&inner, gelu)?
+            };
+            let _m = Scope::module(output);
+            let mlp = out.forward(&inner)?;
+            let sum = {
+                let _op = Scope::op(Op::Residual);
+                x.add(&mlp)?
+            };
+            norm.forward(&sum)
         };
-        let _m = Scope::module(output);
-        let mlp = self.output.forward(&inner)?;
-        let sum = {
-            let _op = Scope::op(Op::Residual);
-            x.add(&mlp)?
-        };
-        self.out_norm.forward(&sum)
+        match mlp_tile {
+            Some(tile) => tiled_mlp::tiled_rows(&x, tile, part),
+            None => part(&x),
+        }
     }
 }
 
@@ -171,7 +190,8 @@ impl Bert {
             .iter()
             .map(|blk| {
                 let attend = Rc::clone(&attend);
-                Forward::layer(move |x| blk.forward(x, &attend))
+                let tile = exec.mlp_tile;
+                Forward::layer(move |x| blk.forward(x, &attend, tile))
             })
             .collect();
         let head = Forward::layer(move |x| {

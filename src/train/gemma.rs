@@ -19,7 +19,7 @@ use std::rc::Rc;
 
 use candle_core::{DType, Tensor, Var, D};
 use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
-use oomfix_strategies::{Attention, Execution};
+use oomfix_strategies::{tiled_mlp, Attention, Execution};
 
 use super::layers::{split_heads, Linear, Packing, RmsNorm};
 use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
@@ -63,6 +63,8 @@ struct Kind {
 
 /// What every block of one forward shares.
 struct Context {
+    /// Tokens per tile of the MLP ([`Execution::mlp_tile`]).
+    mlp_tile: Option<usize>,
     full: Kind,
     /// The sliding blocks'; `None` when they compute what the full ones do
     /// (same RoPE base, a window no shorter than the sequence).
@@ -153,23 +155,37 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        let h = {
-            let _m = Scope::module(pre_ff);
-            self.pre_feedforward_norm.forward(&x)?
-        };
-        let out = {
-            let _m = Scope::module(mlp_tag);
-            let gate = self.gate_proj.forward(&h)?;
-            let up = self.up_proj.forward(&h)?;
-            let act = {
-                let _op = Scope::op(Op::Gelu);
-                ops::gelu(&gate, self.gelu)?.mul(&up)?
+        // The norms around the MLP and the MLP: row-wise, so they may run
+        // in tiles of tokens.
+        let (pre, gate_proj, up_proj, down_proj, post, gelu) = (
+            self.pre_feedforward_norm.clone(),
+            self.gate_proj.clone(),
+            self.up_proj.clone(),
+            self.down_proj.clone(),
+            self.post_feedforward_norm.clone(),
+            self.gelu,
+        );
+        let part = move |x: &Tensor| {
+            let h = {
+                let _m = Scope::module(pre_ff);
+                pre.forward(x)?
             };
-            self.down_proj.forward(&act)?
-        };
-        let out = {
+            let out = {
+                let _m = Scope::module(mlp_tag);
+                let gate = gate_proj.forward(&h)?;
+                let up = up_proj.forward(&h)?;
+                let act = {
+                    let _op = Scope::op(Op::Gelu);
+                    ops::gelu(&gate, gelu)?.mul(&up)?
+                };
+                down_proj.forward(&act)?
+            };
             let _m = Scope::module(post_ff);
-            self.post_feedforward_norm.forward(&out)?
+            post.forward(&out)
+        };
+        let out = match ctx.mlp_tile {
+            Some(tile) => tiled_mlp::tiled_rows(&x, tile, part)?,
+            None => part(&x)?,
         };
         let _op = Scope::op(Op::Residual);
         x.add(&out)
@@ -376,6 +392,7 @@ impl Gemma {
                 None
             };
             Rc::new(Context {
+                mlp_tile: exec.mlp_tile,
                 full: kind(&freqs, factor, None)?,
                 sliding,
                 softcap,

@@ -4,7 +4,7 @@ use std::rc::Rc;
 
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
-use oomfix_strategies::Execution;
+use oomfix_strategies::{tiled_mlp, Execution};
 
 use super::layers::{Attend, LayerNorm, Linear, Packing};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
@@ -41,7 +41,12 @@ impl Block {
         })
     }
 
-    fn forward(&self, x: &Tensor, attend: &Attend) -> candle_core::Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        attend: &Attend,
+        mlp_tile: Option<usize>,
+    ) -> candle_core::Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let d = h / self.heads;
         let [ln_1, attn_tag, ln_2, mlp_tag] = self.tags;
@@ -63,17 +68,30 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        let normed = {
-            let _m = Scope::module(ln_2);
-            self.ln_2.forward(&x)?
+        // ln_2 and the MLP: row-wise, so they may run in tiles of tokens.
+        let (norm, c_fc, proj, gelu) = (
+            self.ln_2.clone(),
+            self.c_fc.clone(),
+            self.mlp_proj.clone(),
+            self.gelu,
+        );
+        let part = move |x: &Tensor| {
+            let normed = {
+                let _m = Scope::module(ln_2);
+                norm.forward(x)?
+            };
+            let _m = Scope::module(mlp_tag);
+            let inner = c_fc.forward(&normed)?;
+            let inner = {
+                let _op = Scope::op(Op::Gelu);
+                ops::gelu(&inner, gelu)?
+            };
+            proj.forward(&inner)
         };
-        let _m = Scope::module(mlp_tag);
-        let inner = self.c_fc.forward(&normed)?;
-        let inner = {
-            let _op = Scope::op(Op::Gelu);
-            ops::gelu(&inner, self.gelu)?
+        let mlp = match mlp_tile {
+            Some(tile) => tiled_mlp::tiled_rows(&x, tile, part)?,
+            None => part(&x)?,
         };
-        let mlp = self.mlp_proj.forward(&inner)?;
         let _op = Scope::op(Op::Residual);
         x.add(&mlp)
     }
@@ -134,7 +152,8 @@ impl Gpt2 {
             .iter()
             .map(|blk| {
                 let attend = Rc::clone(&attend);
-                Forward::layer(move |x| blk.forward(x, &attend))
+                let tile = exec.mlp_tile;
+                Forward::layer(move |x| blk.forward(x, &attend, tile))
             })
             .collect();
         let head = Forward::layer(move |x| {

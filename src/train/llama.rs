@@ -9,7 +9,7 @@ use std::rc::Rc;
 
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
-use oomfix_strategies::Execution;
+use oomfix_strategies::{tiled_mlp, Execution};
 
 use super::layers::{split_heads, Attend, Linear, Packing, RmsNorm};
 use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
@@ -20,20 +20,60 @@ struct Block {
     input_norm: RmsNorm,
     qkv: Qkv,
     o_proj: Linear,
-    post_norm: RmsNorm,
-    gate_up: GateUp,
-    down_proj: Linear,
+    mlp: Mlp,
     /// Qwen3's RMSNorm over each query and key head, before RoPE.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
-    intermediate: usize,
     head_dim: usize,
     /// The part of each head RoPE rotates (`head_dim` unless
     /// `partial_rotary_factor` says less).
     rotary: usize,
     heads: usize,
     kv_heads: usize,
-    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
-    tags: [Module; 4],
+    /// `input_layernorm`, `self_attn` under `model.layers.{l}`.
+    tags: [Module; 2],
+}
+
+/// A block's row-wise part: the RMSNorm after attention and the MLP (each
+/// token's output from its own input only, so it may run in tiles of
+/// tokens: [`oomfix_strategies::tiled_mlp`]). Its tensors are shared
+/// handles: a copy is cheap.
+#[derive(Clone)]
+struct Mlp {
+    post_norm: RmsNorm,
+    gate_up: GateUp,
+    down_proj: Linear,
+    intermediate: usize,
+    /// `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
+    tags: [Module; 2],
+}
+
+impl Mlp {
+    /// `down(silu(gate(h)) · up(h))` of `h = RMSNorm(x)`, `x` `[b, s, h]`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [post_norm, mlp_tag] = self.tags;
+        let h = {
+            let _m = Scope::module(post_norm);
+            self.post_norm.forward(x)?
+        };
+        let _m = Scope::module(mlp_tag);
+        let (gate, up) = self.gate_up.forward(&h, self.intermediate)?;
+        let mlp = {
+            let _op = Scope::op(Op::Silu);
+            ops::swiglu(&gate, &up)?
+        };
+        self.down_proj.forward(&mlp)
+    }
+
+    /// [`forward`](Self::forward), in tiles of `tile` tokens when given.
+    fn forward_tiled(&self, x: &Tensor, tile: Option<usize>) -> candle_core::Result<Tensor> {
+        match tile {
+            Some(tile) => {
+                let mlp = self.clone();
+                tiled_mlp::tiled_rows(x, tile, move |x| mlp.forward(x))
+            }
+            None => self.forward(x),
+        }
+    }
 }
 
 /// The q, k, v projections: three, or Phi-3's one `qkv_proj` whose rows are
@@ -67,6 +107,7 @@ impl Qkv {
 
 /// The MLP's gate and up projections: two, or Phi-3's one `gate_up_proj`
 /// whose rows are the gate's, then up's.
+#[derive(Clone)]
 enum GateUp {
     Separate(Linear, Linear),
     Fused(Linear),
@@ -91,6 +132,8 @@ struct Context {
     /// Tables for the queries, scaled by `1/√d`.
     rope_q: RopeTables,
     rope_k: RopeTables,
+    /// Tokens per tile of the MLP ([`Execution::mlp_tile`]).
+    mlp_tile: Option<usize>,
 }
 
 impl Block {
@@ -118,17 +161,21 @@ impl Block {
                 )
             },
             o_proj: proj("self_attn.o_proj", o_bias)?,
-            post_norm: norm("post_attention_layernorm")?,
-            gate_up: if config.settings.fused_projections {
-                GateUp::Fused(proj("mlp.gate_up_proj", false)?)
-            } else {
-                GateUp::Separate(
-                    proj("mlp.gate_proj", mlp_bias)?,
-                    proj("mlp.up_proj", mlp_bias)?,
-                )
+            mlp: Mlp {
+                post_norm: norm("post_attention_layernorm")?,
+                gate_up: if config.settings.fused_projections {
+                    GateUp::Fused(proj("mlp.gate_up_proj", false)?)
+                } else {
+                    GateUp::Separate(
+                        proj("mlp.gate_proj", mlp_bias)?,
+                        proj("mlp.up_proj", mlp_bias)?,
+                    )
+                },
+                down_proj: proj("mlp.down_proj", mlp_bias)?,
+                intermediate: config.intermediate,
+                tags: ["post_attention_layernorm", "mlp"]
+                    .map(|m| Module::intern(&format!("{prefix}.{m}"))),
             },
-            down_proj: proj("mlp.down_proj", mlp_bias)?,
-            intermediate: config.intermediate,
             qk_norm: if config.settings.qk_norm {
                 Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
             } else {
@@ -138,18 +185,13 @@ impl Block {
             rotary: config.rotary_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
-            tags: [
-                "input_layernorm",
-                "self_attn",
-                "post_attention_layernorm",
-                "mlp",
-            ]
-            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: ["input_layernorm", "self_attn"]
+                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
-        let [input_norm, attn, post_norm, mlp_tag] = self.tags;
+        let [input_norm, attn] = self.tags;
         let h = {
             let _m = Scope::module(input_norm);
             self.input_norm.forward(x)?
@@ -185,17 +227,7 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        let h = {
-            let _m = Scope::module(post_norm);
-            self.post_norm.forward(&x)?
-        };
-        let _m = Scope::module(mlp_tag);
-        let (gate, up) = self.gate_up.forward(&h, self.intermediate)?;
-        let mlp = {
-            let _op = Scope::op(Op::Silu);
-            ops::swiglu(&gate, &up)?
-        };
-        let out = self.down_proj.forward(&mlp)?;
+        let out = self.mlp.forward_tiled(&x, ctx.mlp_tile)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)
     }
@@ -301,6 +333,7 @@ impl Llama {
                 attend: Attend::causal(exec, packing.as_ref()),
                 rope_q: tables(q_factor)?,
                 rope_k: tables(factor)?,
+                mlp_tile: exec.mlp_tile,
             })
         };
         let stem = {

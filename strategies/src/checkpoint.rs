@@ -298,7 +298,7 @@ pub fn backward_with<B: Block>(
     // Head: its parameter gradients and the gradient of the last hidden states.
     let (loss, mut grads, mut grad_y) = {
         let loss = head(&x)?;
-        let mut store = scaled(&loss, loss_scale)?.backward()?;
+        let mut store = backward_of(&scaled(&loss, loss_scale)?, vars)?;
         let mut grads = vec![None; vars.len()];
         accumulate(&mut grads, &mut store, vars)?;
         (loss.detach(), grads, input_grad(&mut store, &x)?)
@@ -310,7 +310,7 @@ pub fn backward_with<B: Block>(
         let input = input.restore()?;
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &input)?;
-        let mut store = crate::reduce::sum_all(&y.mul(&grad_y)?)?.backward()?;
+        let mut store = backward_of(&crate::reduce::sum_all(&y.mul(&grad_y)?)?, vars)?;
         drop(y);
         accumulate(&mut grads, &mut store, vars)?;
         if i > 0 {
@@ -332,7 +332,7 @@ fn plain<B: Block>(
     loss_scale: f64,
 ) -> Result<Gradients> {
     let loss = head(&run(blocks, stem)?)?;
-    let mut store = scaled(&loss, loss_scale)?.backward()?;
+    let mut store = backward_of(&scaled(&loss, loss_scale)?, vars)?;
     let mut grads = vec![None; vars.len()];
     accumulate(&mut grads, &mut store, vars)?;
     Ok(Gradients::untaken(loss.detach(), grads))
@@ -352,10 +352,34 @@ fn scaled(loss: &Tensor, loss_scale: f64) -> candle_core::Result<Tensor> {
     }
 }
 
+/// The gradients of `t`, those a tiled MLP's tiles made on the side
+/// ([`crate::tiled_mlp`]) added to them.
+fn backward_of(t: &Tensor, vars: &[Var]) -> candle_core::Result<Backward> {
+    let (store, tiles) = crate::tiled_mlp::with_tile_gradients(vars, || t.backward())?;
+    Ok(Backward { store, tiles })
+}
+
+/// A backward pass's gradients: candle's store and the tiles' gradients
+/// of the variables.
+struct Backward {
+    store: GradStore,
+    tiles: Vec<Option<Tensor>>,
+}
+
+impl Backward {
+    /// The (detached) gradient of `t`, taken out of the store.
+    fn remove(&mut self, t: &Tensor) -> Option<Tensor> {
+        self.store.remove(t)
+    }
+}
+
 /// Moves the gradients of `vars` out of `store` (detached) and adds them to `grads`.
-fn accumulate(grads: &mut [Option<Tensor>], store: &mut GradStore, vars: &[Var]) -> Result<()> {
-    for (acc, var) in grads.iter_mut().zip(vars) {
-        if let Some(g) = store.remove(var.as_tensor()) {
+fn accumulate(grads: &mut [Option<Tensor>], store: &mut Backward, vars: &[Var]) -> Result<()> {
+    for ((acc, var), tile) in grads.iter_mut().zip(vars).zip(&mut store.tiles) {
+        for g in [store.store.remove(var.as_tensor()), tile.take()]
+            .into_iter()
+            .flatten()
+        {
             let g = g.detach();
             *acc = Some(match acc.take() {
                 Some(sum) => sum.add(&g)?,
@@ -367,7 +391,7 @@ fn accumulate(grads: &mut [Option<Tensor>], store: &mut GradStore, vars: &[Var])
 }
 
 /// The detached gradient of a segment input (or of the head's input).
-fn input_grad(store: &mut GradStore, input: &Tensor) -> Result<Tensor> {
+fn input_grad(store: &mut Backward, input: &Tensor) -> Result<Tensor> {
     match store.remove(input) {
         Some(g) => Ok(g.detach()),
         None => Err(Error::Config(

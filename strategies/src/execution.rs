@@ -33,6 +33,9 @@ pub struct Execution {
     /// Where the checkpointed segments' inputs wait for their recompute
     /// ([`crate::offload_activations`]).
     pub segment_inputs: SegmentInputs,
+    /// Tokens per tile of each block's MLP ([`crate::tiled_mlp`]); `None`:
+    /// the whole micro-batch at once.
+    pub mlp_tile: Option<usize>,
 }
 
 impl Default for Execution {
@@ -44,6 +47,7 @@ impl Default for Execution {
             loss_scale: 1.0,
             loss_chunk_bytes: None,
             segment_inputs: SegmentInputs::OnDevice,
+            mlp_tile: None,
         }
     }
 }

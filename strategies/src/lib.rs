@@ -77,6 +77,7 @@ mod plan;
 pub mod precision;
 mod reduce;
 pub mod shard;
+pub mod tiled_mlp;
 
 /// CUDA C prepended to every NVRTC kernel source of this crate:
 /// the 16-bit float types (`Bf16`, `F16`, raw bits) and their conversions to
@@ -199,6 +200,7 @@ pub fn builtins() -> Vec<Arc<dyn Strategy>> {
         Arc::new(checkpoint::Checkpoint),
         Arc::new(adamw::FusedAdamWStrategy),
         Arc::new(offload_activations::OffloadActivations),
+        Arc::new(tiled_mlp::TiledMlp),
         Arc::new(shard::Shard),
         Arc::new(offload::Offload),
         Arc::new(lora::LoraFix),

@@ -89,6 +89,9 @@ pub struct Capabilities {
     /// chunk by chunk of tokens when [`Execution::loss_chunk_bytes`] says so
     /// ([`crate::chunked_loss::linear_cross_entropy`]).
     pub chunked_loss: bool,
+    /// Whether its blocks run their MLP tile by tile of tokens when
+    /// [`Execution::mlp_tile`] says so ([`crate::tiled_mlp::tiled_rows`]).
+    pub tiled_mlp: bool,
 }
 
 impl Capabilities {
@@ -100,6 +103,7 @@ impl Capabilities {
         bf16: false,
         f16: false,
         chunked_loss: false,
+        tiled_mlp: false,
     };
 
     /// Everything a fix may need, with an unknown number of blocks (what
@@ -110,6 +114,7 @@ impl Capabilities {
         bf16: true,
         f16: true,
         chunked_loss: true,
+        tiled_mlp: true,
     };
 
     /// With `blocks` blocks to checkpoint.

@@ -349,6 +349,11 @@ pub struct Plan {
     /// Serialized only when set.
     #[serde(default, skip_serializing_if = "is_false")]
     pub offload_activations: bool,
+    /// Tokens per tile of each block's MLP, run tile by tile and recomputed
+    /// in the backward ([`crate::tiled_mlp`]); `None`: the whole micro-batch
+    /// at once. Serialized only when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_tile: Option<usize>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -391,6 +396,7 @@ impl Plan {
             lora: None,
             chunked_loss: false,
             offload_activations: false,
+            mlp_tile: None,
         }
     }
 
@@ -445,6 +451,9 @@ impl fmt::Display for Plan {
         }
         if self.offload_activations {
             f.write_str("activations on the host, ")?;
+        }
+        if let Some(tile) = self.mlp_tile {
+            write!(f, "MLP in tiles of {tile}, ")?;
         }
         write!(f, "{}", self.optimizer)?;
         if self.shard.world_size > 1 {
