@@ -380,17 +380,17 @@ fn key_starts_of_the_wrong_shape_or_dtype_are_errors() {
 }
 
 /// The CUDA kernels (the variant the device runs: warpgroup, `mma.sync` or
-/// SIMT) with packed documents against the CPU op, in value and gradients:
-/// flash attention in f32, bf16 and f16 at head sizes 64 and 128, and the
-/// composed probabilities.
+/// SIMT) with packed documents, and without, against the CPU op, in value
+/// and gradients: flash attention in f32, bf16 and f16 at head sizes 64 and
+/// 128, and the composed probabilities.
 #[cfg(feature = "cuda")]
 #[test]
 fn key_starts_on_cuda_match_the_cpu() {
     let _g = shared();
     let gpu = Device::new_cuda(0).unwrap();
     let start = document_starts(&[&[3, 70, 1, 26, 50, 10], &[130, 30]]);
-    for d in [64, 128] {
-        for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 2e-2), (DType::F16, 1e-2)] {
+    for (d, packed) in [(64, false), (64, true), (128, false), (128, true)] {
+        for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 2e-2), (DType::F16, 2e-2)] {
             for kv_heads in [4, 2] {
                 let case = Case {
                     d,
@@ -402,7 +402,7 @@ fn key_starts_on_cuda_match_the_cpu() {
                     |t: &Tensor, dev: &Device| t.to_dtype(dtype).unwrap().to_device(dev).unwrap();
                 let on = |dev: &Device| (cast(&q, dev), cast(&k, dev), cast(&v, dev));
                 let opts = |dev: &Device| AttentionOptions {
-                    key_start: Some(start.to_device(dev).unwrap()),
+                    key_start: packed.then(|| start.to_device(dev).unwrap()),
                     ..case.opts(None)
                 };
                 let (cpu_opts, gpu_opts) = (opts(&Device::Cpu), opts(&gpu));
@@ -428,7 +428,7 @@ fn key_starts_on_cuda_match_the_cpu() {
                         &g,
                         c,
                         tol,
-                        &format!("d {d} {dtype:?} kv {kv_heads}: CUDA flash {name}"),
+                        &format!("d {d} {dtype:?} kv {kv_heads} packed {packed}: CUDA {name}"),
                     );
                 }
             }
@@ -440,16 +440,16 @@ fn key_starts_on_cuda_match_the_cpu() {
         scale: 0.25,
         causal: true,
     };
-    let cpu = attention_probs(&q, &k, None, Some(&start), probs).unwrap();
-    let (qg, kg) = (q.to_device(&gpu).unwrap(), k.to_device(&gpu).unwrap());
-    let got =
-        attention_probs(&qg, &kg, None, Some(&start.to_device(&gpu).unwrap()), probs).unwrap();
-    close(
-        &got.to_device(&Device::Cpu).unwrap(),
-        &cpu,
-        1e-5,
-        "CUDA composed probabilities",
-    );
+    let keep = padding(2, 160, DType::U8);
+    for keep in [None, Some(&keep)] {
+        let cpu = attention_probs(&q, &k, keep, Some(&start), probs).unwrap();
+        let to_gpu = |t: &Tensor| t.to_device(&gpu).unwrap();
+        let (qg, kg, sg) = (to_gpu(&q), to_gpu(&k), to_gpu(&start));
+        let keep_gpu = keep.map(to_gpu);
+        let got = attention_probs(&qg, &kg, keep_gpu.as_ref(), Some(&sg), probs).unwrap();
+        let what = format!("CUDA composed probabilities, padded {}", keep.is_some());
+        close(&got.to_device(&Device::Cpu).unwrap(), &cpu, 1e-4, &what);
+    }
 }
 
 #[test]
