@@ -50,6 +50,9 @@ pub struct Tensor {
     pub f32: bool,
     /// How its size grows with the sequence.
     pub extent: Extent,
+    /// Made by the block's row-wise part (the norm before the MLP and the
+    /// MLP), which a tiled MLP recomputes tile by tile instead of keeping.
+    pub row_wise: bool,
 }
 
 impl Tensor {
@@ -71,6 +74,8 @@ pub struct Product {
     pub inputs: u64,
     /// Output features.
     pub outputs: u64,
+    /// In the block's row-wise part (see [`Tensor::row_wise`]).
+    pub row_wise: bool,
 }
 
 /// One block of a model under a plan: its products and what its forward
@@ -79,8 +84,15 @@ pub struct Product {
 pub struct Block {
     /// The matrix products of the forward, outside attention's two.
     pub products: Vec<Product>,
-    /// The tensors kept for the backward.
+    /// The tensors the forward makes: all kept for the backward but the
+    /// row-wise part's under a tiled MLP.
     pub kept: Vec<Tensor>,
+    /// Tokens per tile of the row-wise part
+    /// ([`oomfix_strategies::tiled_mlp`]), and the tokens of the
+    /// micro-batch; `None`: untiled.
+    pub tiles: Option<(u64, u64)>,
+    /// The hidden size: the width of the tiled part's output.
+    pub hidden: u64,
 }
 
 impl Block {
@@ -91,9 +103,56 @@ impl Block {
         describe(&Dims::new(spec, plan, exec), spec.config.family)
     }
 
-    /// Bytes kept with a compute dtype of `c` bytes.
+    /// Bytes kept with a compute dtype of `c` bytes. Tiled, the row-wise
+    /// part keeps two `[n, h]` in place of its tensors: the output computed
+    /// tile by tile, which the op standing for the part holds, and the op's
+    /// copy of it, which the residual add holds.
     pub fn kept_bytes(&self, c: u64) -> u64 {
-        self.kept.iter().map(|t| t.bytes(c)).sum()
+        let tiled = self.tiles.is_some();
+        let kept: u64 = self
+            .kept
+            .iter()
+            .filter(|t| !(tiled && t.row_wise))
+            .map(|t| t.bytes(c))
+            .sum();
+        match self.tiles {
+            Some((_, n)) => kept + 2 * n * self.hidden * c,
+            None => kept,
+        }
+    }
+
+    /// Bytes of one tile's row-wise tensors, recomputed for its backward
+    /// (0 untiled: they are kept).
+    pub fn tile_bytes(&self, c: u64) -> u64 {
+        let Some((tile, n)) = self.tiles else {
+            return 0;
+        };
+        let part: u64 = self
+            .kept
+            .iter()
+            .filter(|t| t.row_wise)
+            .map(|t| t.bytes(c))
+            .sum();
+        part * tile.min(n) / n.max(1)
+    }
+
+    /// Multiply-adds of the row-wise part's products: what a tiled MLP's
+    /// backward runs once more.
+    pub fn row_wise_macs(&self) -> u64 {
+        self.products
+            .iter()
+            .filter(|p| p.row_wise)
+            .map(|p| p.rows * p.inputs * p.outputs)
+            .sum()
+    }
+
+    /// Elements of the row-wise part's tensors (see [`token_elements`](Self::token_elements)).
+    pub fn row_wise_elements(&self) -> u64 {
+        self.kept
+            .iter()
+            .filter(|t| t.row_wise && t.extent == Extent::Tokens)
+            .map(|t| t.elements)
+            .sum()
     }
 
     /// Multiply-adds of the forward's products.
@@ -151,6 +210,8 @@ pub(crate) struct Dims {
     pub moe: Option<(u64, u64, u64)>,
     /// Gemma 2 / 3: their terms ([`gemma`]).
     pub gemma: Option<GemmaDims>,
+    /// Tokens per tile of the row-wise part ([`Execution::mlp_tile`]).
+    pub mlp_tile: Option<u64>,
 }
 
 /// What a Gemma model adds to a Llama-style one's activations.
@@ -204,6 +265,7 @@ impl Dims {
                     m.expert_intermediate as u64,
                 )
             }),
+            mlp_tile: exec.mlp_tile.map(|t| t as u64),
             gemma: c.settings.gemma.as_ref().map(|g| {
                 let sliding = g.sliding_layers.iter().any(|&x| x);
                 let window = c.settings.sliding_window.is_some_and(|w| w < plan.seq_len);
@@ -246,6 +308,8 @@ impl Dims {
 struct Builder<'a> {
     d: &'a Dims,
     block: Block,
+    /// The entries from here on are the row-wise part's.
+    row_wise: bool,
 }
 
 impl Builder<'_> {
@@ -267,7 +331,18 @@ impl Builder<'_> {
             elements,
             f32,
             extent,
+            row_wise: self.row_wise,
         });
+        self
+    }
+    /// The entries that follow are the row-wise part's (until
+    /// [`end_row_wise`](Self::end_row_wise)).
+    fn row_wise(&mut self) -> &mut Self {
+        self.row_wise = true;
+        self
+    }
+    fn end_row_wise(&mut self) -> &mut Self {
+        self.row_wise = false;
         self
     }
     /// A product of every token through an `[inputs, outputs]` weight.
@@ -281,6 +356,7 @@ impl Builder<'_> {
             rows,
             inputs,
             outputs,
+            row_wise: self.row_wise,
         });
         self
     }
@@ -309,7 +385,10 @@ fn describe(d: &Dims, family: Family) -> Block {
         block: Block {
             products: Vec::new(),
             kept: Vec::new(),
+            tiles: d.mlp_tile.map(|t| (t, d.n)),
+            hidden: d.h,
         },
+        row_wise: false,
     };
     match (family, d.gemma) {
         (Family::Llama, Some(g)) => gemma(&mut b, g),
@@ -325,10 +404,11 @@ fn describe(d: &Dims, family: Family) -> Block {
 /// gelu `[n,I]`; c_proj, residual.
 fn gpt2(b: &mut Builder) {
     let (h, i) = (b.d.h, b.d.i);
-    b.product("c_attn", h, 3 * h)
-        .product("attn.c_proj", h, h)
+    b.product("c_attn", h, 3 * h).product("attn.c_proj", h, h);
+    b.row_wise()
         .product("c_fc", h, i)
-        .product("mlp.c_proj", i, h);
+        .product("mlp.c_proj", i, h)
+        .end_row_wise();
     b.norm("ln_1")
         .tokens("c_attn", 3 * h)
         .tokens("q", h)
@@ -339,10 +419,12 @@ fn gpt2(b: &mut Builder) {
         .tokens("merged", h)
         .tokens("attn.c_proj", h)
         .tokens("attn residual", h)
+        .row_wise()
         .norm("ln_2")
         .tokens("c_fc", i)
         .tokens("gelu", i)
         .tokens("mlp.c_proj", h)
+        .end_row_wise()
         .tokens("mlp residual", h);
 }
 
@@ -355,8 +437,10 @@ fn bert(b: &mut Builder) {
         .product("key", h, h)
         .product("value", h, h)
         .product("attention.output.dense", h, h)
+        .row_wise()
         .product("intermediate.dense", h, i)
-        .product("output.dense", i, h);
+        .product("output.dense", i, h)
+        .end_row_wise();
     b.tokens("query", h)
         .tokens("key", h)
         .tokens("value", h)
@@ -369,6 +453,7 @@ fn bert(b: &mut Builder) {
         .tokens("attention.output.dense", h)
         .tokens("attention residual", h)
         .norm("attention.output.LayerNorm")
+        .row_wise()
         .tokens("intermediate.dense", i)
         .tokens("gelu", i)
         .tokens("output.dense", h)
@@ -432,6 +517,7 @@ fn llama(b: &mut Builder) {
         .tokens("merged", q)
         .tokens("o_proj", h)
         .tokens("attention residual", h)
+        .row_wise()
         .norm("post_attention_layernorm");
     match d.moe {
         None => {
@@ -458,7 +544,9 @@ fn llama(b: &mut Builder) {
                 .tokens("experts' outputs, weighted", 2 * k * h);
         }
     }
-    b.tokens("down_proj", h).tokens("mlp residual", h);
+    b.tokens("down_proj", h)
+        .end_row_wise()
+        .tokens("mlp residual", h);
 }
 
 /// A Gemma 2 / 3 block (`src/train/gemma.rs`'s `Block` and `attend`): four
@@ -473,9 +561,11 @@ fn gemma(b: &mut Builder, g: GemmaDims) {
     let d = b.d;
     let (h, i, q, kv) = (d.h, d.i, d.q, d.kv);
     attention_products(b);
-    b.product("gate_proj", h, i)
+    b.row_wise()
+        .product("gate_proj", h, i)
         .product("up_proj", h, i)
-        .product("down_proj", i, h);
+        .product("down_proj", i, h)
+        .end_row_wise();
     b.norm("input_layernorm")
         .tokens("q_proj", q)
         .tokens("k_proj", kv)
@@ -509,6 +599,7 @@ fn gemma(b: &mut Builder, g: GemmaDims) {
         .tokens("o_proj", h)
         .norm("post_attention_layernorm")
         .tokens("attention residual", h)
+        .row_wise()
         .norm("pre_feedforward_layernorm")
         .tokens("gate_proj", i)
         .tokens("up_proj", i)
@@ -516,5 +607,6 @@ fn gemma(b: &mut Builder, g: GemmaDims) {
         .tokens("gated", i)
         .tokens("down_proj", h)
         .norm("post_feedforward_layernorm")
+        .end_row_wise()
         .tokens("mlp residual", h);
 }

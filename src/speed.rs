@@ -290,8 +290,11 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         Checkpointing::Every(k) if k > 0 => 1.0,
         _ => 0.0,
     };
+    // A tiled MLP's backward runs the row-wise part's forward once more.
+    let tiled = if exec.mlp_tile.is_some() { 1.0 } else { 0.0 };
     let matmul_flops = 2.0
         * (block_macs * layers * (2.0 + weight_gradients + recompute)
+            + tiled * block.row_wise_macs() as f64 * layers
             + n * head_macs * (2.0 + weight_gradients))
         + lora_matmul_flops(plan, &facts, n, recompute);
     let attention_flops = layers * attention_pass * (1.0 + attention_backward + recompute);
@@ -301,7 +304,9 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     let block_elements = block.token_elements() as f64;
     let head_elements = n * padded_vocab * 2.0 + n * h * 2.0;
     let elementwise_bytes = bytes
-        * (layers * block_elements * (3.0 + 2.0 * recompute) + head_elements * 3.0)
+        * (layers * block_elements * (3.0 + 2.0 * recompute)
+            + tiled * 2.0 * layers * block.row_wise_elements() as f64
+            + head_elements * 3.0)
         + dequantized_bytes(plan, &facts, recompute);
     let loss_chunk_bytes = chunked_loss_bytes(spec, plan, exec, weight_gradients);
     let unfused_bytes = gemma_unfused_bytes(spec, plan, recompute);

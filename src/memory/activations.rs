@@ -614,7 +614,8 @@ pub fn activation_bytes_for(
     let d = Dims::new(spec, plan, exec);
     let layers = cfg.layers as u64;
     let stem = stem(cfg.family, &d).bytes(c);
-    let block = Block::describe(spec, plan, exec).kept_bytes(c);
+    let described = Block::describe(spec, plan, exec);
+    let block = described.kept_bytes(c);
     let head = head(cfg.family, &d).bytes(c);
     // The loss's working set, then the head's weight gradient (with the
     // logits' gradient it is made from).
@@ -661,8 +662,16 @@ pub fn activation_bytes_for(
     // A mixture of experts' backward crosses one expert at a time: its
     // share of the routed rows, n·k/E with balanced routing.
     let mlp_rows = d.moe.map_or(d.n, |(e, k, _)| (d.n * k).div_ceil(e.max(1)));
-    let block_transient =
-        attention_backward.max(mlp_ni * mlp_rows * d.i * c) + adapters_backward(&d, plan, c);
+    // Tiled, the MLP's backward crosses one tile at a time, its row-wise
+    // tensors recomputed beside it.
+    let mlp_backward = match d.mlp_tile {
+        Some(tile) => {
+            let rows = mlp_rows * tile.min(d.n) / d.n.max(1);
+            mlp_ni * rows.max(1) * d.i * c + described.tile_bytes(c)
+        }
+        None => mlp_ni * mlp_rows * d.i * c,
+    };
+    let block_transient = attention_backward.max(mlp_backward) + adapters_backward(&d, plan, c);
     let embedding_transient = match plan.lora {
         Some(_) => 0,
         None => embedding_backward_copies(spec, backward) * d.v * d.h * c,
