@@ -210,7 +210,8 @@ pub(crate) struct Dims {
     pub moe: Option<(u64, u64, u64)>,
     /// Gemma 2 / 3: their terms ([`gemma`]).
     pub gemma: Option<GemmaDims>,
-    /// Tokens per tile of the row-wise part ([`Execution::mlp_tile`]).
+    /// Tokens per tile of the row-wise part ([`Execution::mlp_tile`]),
+    /// fewer than the micro-batch's.
     pub mlp_tile: Option<u64>,
 }
 
@@ -265,7 +266,12 @@ impl Dims {
                     m.expert_intermediate as u64,
                 )
             }),
-            mlp_tile: exec.mlp_tile.map(|t| t as u64),
+            // A tile of every token is no tile (`tiled_rows`
+            // runs the part whole).
+            mlp_tile: exec
+                .mlp_tile
+                .filter(|&t| t > 0 && t < plan.micro_batch * plan.seq_len)
+                .map(|t| t as u64),
             gemma: c.settings.gemma.as_ref().map(|g| {
                 let sliding = g.sliding_layers.iter().any(|&x| x);
                 let window = c.settings.sliding_window.is_some_and(|w| w < plan.seq_len);

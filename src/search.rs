@@ -198,6 +198,8 @@ pub struct Pins {
     /// Whether the checkpointed segments' inputs wait in host memory
     /// (`offload-activations`).
     pub offload_activations: Option<bool>,
+    /// Tokens per tile of the blocks' MLP (`tiled-mlp`); `Some(None)`: untiled.
+    pub mlp_tile: Option<Option<usize>>,
     /// Optimizer.
     pub optimizer: Option<OptimizerImpl>,
     /// ZeRO stage (1–3 shard over the planner's GPUs; 0 runs on one).
@@ -224,6 +226,7 @@ impl Pins {
             ("attention", self.attention.is_some()),
             ("chunked_loss", self.chunked_loss.is_some()),
             ("offload_activations", self.offload_activations.is_some()),
+            ("mlp_tile", self.mlp_tile.is_some()),
             ("optimizer", self.optimizer.is_some()),
             ("shard_stage", self.shard_stage.is_some()),
             ("bucket_bytes", self.bucket_bytes.is_some()),
@@ -247,6 +250,7 @@ impl Pins {
             && keeps(self.attention, plan.attention)
             && keeps(self.chunked_loss, plan.chunked_loss)
             && keeps(self.offload_activations, plan.offload_activations)
+            && keeps(self.mlp_tile, plan.mlp_tile)
             && keeps(self.optimizer, plan.optimizer)
             && keeps(self.shard_stage, plan.shard.stage)
             && self.lora.is_some() == plan.lora.is_some()
@@ -322,6 +326,14 @@ impl Pins {
             plan.checkpoint = self.checkpoint.unwrap_or(Checkpointing::Every(1));
             plan.offload_activations = true;
         }
+        if let Some(Some(tile)) = self.mlp_tile {
+            if tile == 0 || tile > seq_len {
+                return Err(Error::Usage(format!(
+                    "an MLP tile of {tile} tokens is not within the sequence of {seq_len}"
+                )));
+            }
+        }
+        plan.mlp_tile = self.mlp_tile.unwrap_or(plan.mlp_tile);
         plan.optimizer = self.optimizer.unwrap_or(plan.optimizer);
         plan.lora = match (self.lora, self.base_precision) {
             (None, Some(base)) => {
@@ -1164,6 +1176,7 @@ impl Run<'_> {
             attention = tracing::field::Empty,
             chunked_loss = tracing::field::Empty,
             offload_activations = tracing::field::Empty,
+            mlp_tile = tracing::field::Empty,
             optimizer = tracing::field::Empty,
             world_size = tracing::field::Empty,
             shard_stage = tracing::field::Empty,

@@ -360,6 +360,10 @@ pub struct PlanOptions {
     /// only, with checkpointing).
     #[arg(long, value_name = "WHERE", global = true, value_parser = parse_activations)]
     pub activations: Option<bool>,
+    /// Pin the blocks' MLP in tiles of N tokens, each recomputed in the
+    /// backward (the `tiled-mlp` fix), or `none`.
+    #[arg(long, value_name = "N|none", global = true, value_parser = parse_mlp_tile)]
+    pub mlp_tile: Option<Option<usize>>,
     /// Pin the optimizer: adamw, fused-adamw or cpu-adamw (offloaded).
     #[arg(long, value_name = "NAME", global = true, value_parser = parse_from_str::<OptimizerImpl>)]
     pub optimizer: Option<OptimizerImpl>,
@@ -855,6 +859,17 @@ fn parse_activations(s: &str) -> Result<bool, String> {
         "device" => Ok(false),
         "host" => Ok(true),
         _ => Err(format!("unknown place `{s}` (expected device or host)")),
+    }
+}
+
+fn parse_mlp_tile(s: &str) -> Result<Option<usize>, String> {
+    match s {
+        "none" => Ok(None),
+        _ => match s.parse::<usize>() {
+            Ok(0) => Err("a tile holds at least one token".into()),
+            Ok(n) => Ok(Some(n)),
+            Err(_) => Err(format!("expected a number of tokens or `none`, got `{s}`")),
+        },
     }
 }
 

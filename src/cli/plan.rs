@@ -182,6 +182,7 @@ fn pins(o: &PlanOptions) -> oomfix::Pins {
     pins.attention = o.attention;
     pins.chunked_loss = o.loss;
     pins.offload_activations = o.activations;
+    pins.mlp_tile = o.mlp_tile;
     pins.optimizer = o.optimizer;
     pins.shard_stage = o.zero_stage;
     pins.bucket_bytes = o.bucket_size;
@@ -202,6 +203,7 @@ pub fn pin(o: &mut PlanOptions, plan: &oomfix::Plan) {
     o.attention = Some(plan.attention);
     o.loss = Some(plan.chunked_loss);
     o.activations = Some(plan.offload_activations);
+    o.mlp_tile = Some(plan.mlp_tile);
     o.optimizer = Some(plan.optimizer);
     o.zero_stage = Some(plan.shard.stage);
     o.bucket_size = Some(plan.shard.bucket_bytes);
