@@ -134,3 +134,30 @@ fn adapters_on_the_mlp_train_the_same_tiled() {
         assert_same(&model, &tiled, &plain, &format!("{name} with LoRA"));
     }
 }
+
+fn oomfix(args: &[&str]) -> std::process::Output {
+    assert_cmd::Command::cargo_bin("oomfix")
+        .unwrap()
+        .env_remove("RUST_LOG")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn mlp_tile_pins_the_tile_and_refuses_tiles_outside_the_sequence() {
+    let out = oomfix(&["--budget", "8GiB", "--seq-len", "1024", "--mlp-tile", "256", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["plan"]["mlp_tile"], 256, "{v:#}");
+    let out = oomfix(&["--budget", "8GiB", "--seq-len", "1024", "--mlp-tile", "none", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["plan"].get("mlp_tile").is_none(), "{v:#}");
+    for (tile, says) in [("0", "at least one token"), ("2048", "not within the sequence of 1024"), ("x", "a number of tokens")] {
+        let out = oomfix(&["--budget", "8GiB", "--seq-len", "1024", "--mlp-tile", tile]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{tile}: {stderr}");
+        assert!(stderr.contains(says), "{tile}: {stderr}");
+        assert_eq!(stderr.lines().filter(|l| !l.trim().is_empty()).count() <= 3, true, "{stderr}");
+    }
+}

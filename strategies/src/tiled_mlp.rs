@@ -207,7 +207,7 @@ impl CustomOp2 for Tiled {
         out: &candle_core::CudaStorage,
         l: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
+        use candle_core::backend::{BackendDevice, BackendStorage};
         let mut copy = out.device().zeros_impl(l.shape(), out.dtype())?;
         out.copy_strided_src(&mut copy, 0, l)?;
         Ok((copy, l.shape().clone()))
