@@ -12,6 +12,8 @@ use oomfix::strategies::lora::{BasePrecision, Lora};
 use oomfix::strategies::{Attention, Checkpointing, Execution};
 use oomfix::train::{build_model, build_model_with, HubModel, StepOutput, TokenBatch};
 use oomfix::{Error, ModelSpec};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand_distr::StandardNormal;
 
 /// The causal fixtures.
 const FAMILIES: [&str; 13] = [
@@ -234,15 +236,23 @@ fn adapted_models_compute_packed_documents_one_by_one() {
             Some(&lora),
         )
         .unwrap();
+        // Seeded: the same adapters every run.
+        let mut rng = StdRng::seed_from_u64(3);
         for (_, var) in model.named_vars() {
-            let t = Tensor::randn(0f32, 0.2, var.shape(), &Device::Cpu).unwrap();
+            let values: Vec<f32> = (0..var.elem_count())
+                .map(|_| rng.sample::<f32, _>(StandardNormal) * 0.2)
+                .collect();
+            let t = Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap();
             var.set(&t.to_dtype(var.dtype()).unwrap()).unwrap();
         }
         for &attention in attentions(&model) {
             let exec = Execution::default()
                 .attention(attention)
                 .checkpoint(Checkpointing::Every(1));
-            assert_packed_equals_one_by_one(&model, name, &exec, 1e-5);
+            // Adapters of N(0, 0.2²) make some adapter gradients small
+            // sums of large terms: the packed row sums them in another
+            // order (Gemma 3's, up to 1.2e-5 of their largest value).
+            assert_packed_equals_one_by_one(&model, name, &exec, 2e-5);
         }
     }
 }

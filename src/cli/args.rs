@@ -363,7 +363,7 @@ pub struct PlanOptions {
     /// Pin the blocks' MLP in tiles of N tokens, each recomputed in the
     /// backward (the `tiled-mlp` fix), or `none`.
     #[arg(long, value_name = "N|none", global = true, value_parser = parse_mlp_tile)]
-    pub mlp_tile: Option<Option<usize>>,
+    pub mlp_tile: Option<MlpTile>,
     /// Pin the optimizer: adamw, fused-adamw or cpu-adamw (offloaded).
     #[arg(long, value_name = "NAME", global = true, value_parser = parse_from_str::<OptimizerImpl>)]
     pub optimizer: Option<OptimizerImpl>,
@@ -862,12 +862,16 @@ fn parse_activations(s: &str) -> Result<bool, String> {
     }
 }
 
-fn parse_mlp_tile(s: &str) -> Result<Option<usize>, String> {
+/// `--mlp-tile`: tokens per tile, or `none` (`MlpTile(None)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlpTile(pub Option<usize>);
+
+fn parse_mlp_tile(s: &str) -> Result<MlpTile, String> {
     match s {
-        "none" => Ok(None),
+        "none" => Ok(MlpTile(None)),
         _ => match s.parse::<usize>() {
             Ok(0) => Err("a tile holds at least one token".into()),
-            Ok(n) => Ok(Some(n)),
+            Ok(n) => Ok(MlpTile(Some(n))),
             Err(_) => Err(format!("expected a number of tokens or `none`, got `{s}`")),
         },
     }

@@ -80,7 +80,17 @@ pub fn load_data(
             ),
         }
     }
-    let template = chat_template(o, model_dir)?;
+    // Only rows of JSON data may be chats.
+    let template = match format {
+        DataFormat::JsonLines | DataFormat::Json => chat_template(o, model_dir)?,
+        DataFormat::Tokens | DataFormat::Text if o.chat_template.is_some() => {
+            return Err(Failure::Usage(format!(
+                "--chat-template applies to chat data (.jsonl, .json); {} is not",
+                path.display()
+            )))
+        }
+        DataFormat::Tokens | DataFormat::Text => None,
+    };
     let text = TextOptions {
         tokenizer: tokenizer.as_ref(),
         text_field: &o.text_field,

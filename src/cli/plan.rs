@@ -182,7 +182,7 @@ fn pins(o: &PlanOptions) -> oomfix::Pins {
     pins.attention = o.attention;
     pins.chunked_loss = o.loss;
     pins.offload_activations = o.activations;
-    pins.mlp_tile = o.mlp_tile;
+    pins.mlp_tile = o.mlp_tile.map(|t| t.0);
     pins.optimizer = o.optimizer;
     pins.shard_stage = o.zero_stage;
     pins.bucket_bytes = o.bucket_size;
@@ -203,7 +203,7 @@ pub fn pin(o: &mut PlanOptions, plan: &oomfix::Plan) {
     o.attention = Some(plan.attention);
     o.loss = Some(plan.chunked_loss);
     o.activations = Some(plan.offload_activations);
-    o.mlp_tile = Some(plan.mlp_tile);
+    o.mlp_tile = Some(super::args::MlpTile(plan.mlp_tile));
     o.optimizer = Some(plan.optimizer);
     o.zero_stage = Some(plan.shard.stage);
     o.bucket_size = Some(plan.shard.bucket_bytes);

@@ -182,6 +182,25 @@ fn run_rank(
     plan_args.opts.snapshot = None;
     plan_args.opts.plot = None;
     let model_dir = args.plan.model.as_deref().map(data::model_dir);
+    // What the family does not implement is refused before the data is read.
+    let check = |seq_len: Option<SeqLen>| -> Result<(), Failure> {
+        if let Some(dir) = &model_dir {
+            // `longest`: the length is the search's; a sliding window it
+            // exceeds is refused once it is known.
+            let seq_len = match seq_len {
+                Some(SeqLen::Tokens(n)) => n,
+                Some(SeqLen::Longest) => 1,
+                None => oomfix::Planner::new(1).seq_len_for(&prepared.spec),
+            };
+            oomfix::train::check_supported(
+                &prepared.spec.config,
+                seq_len,
+                &dir.join("config.json"),
+            )?;
+        }
+        Ok(())
+    };
+    check(plan_args.opts.seq_len)?;
     let mut data = data::data_source(
         &o.input,
         o.seed,
@@ -199,16 +218,7 @@ fn run_rank(
             ));
         }
         plan_args.opts.seq_len = Some(SeqLen::Tokens(seq_len));
-    }
-    if let Some(dir) = &model_dir {
-        // `longest`: the length is the search's; a sliding window it
-        // exceeds is refused once it is known.
-        let seq_len = match plan_args.opts.seq_len {
-            Some(SeqLen::Tokens(n)) => n,
-            Some(SeqLen::Longest) => 1,
-            None => oomfix::Planner::new(1).seq_len_for(&prepared.spec),
-        };
-        oomfix::train::check_supported(&prepared.spec.config, seq_len, &dir.join("config.json"))?;
+        check(plan_args.opts.seq_len)?;
     }
     if let Some(path) = &o.resume {
         TrainingState::check(path)?;

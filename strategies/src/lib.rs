@@ -34,7 +34,7 @@
 //!     pipeline.names(),
 //!     [
 //!         "accumulate", "precision", "flash-attention", "chunked-loss", "checkpoint",
-//!         "fused-adamw", "offload-activations", "shard", "offload", "lora",
+//!         "fused-adamw", "offload-activations", "tiled-mlp", "shard", "offload", "lora",
 //!     ]
 //! );
 //!

@@ -154,7 +154,8 @@ fn check(planned: &MeasuredPlan) -> Plan {
             "precision",
             "flash-attention",
             "chunked-loss",
-            "offload-activations"
+            "offload-activations",
+            "tiled-mlp"
         ]
     );
     assert!(result.skipped[0].reason.contains("bf16"));
