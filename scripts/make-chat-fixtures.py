@@ -26,9 +26,10 @@ model/
     which adds a default system message ("You are a helpful assistant.")
     when the first message is not a system one and trims each content.
 
-messages.jsonl, messages.json
+messages.jsonl, messages.json, messages.parquet
     {"messages": [{"role", "content"}, ...]} rows (the second file: the same
-    rows as one JSON array): with and without a system message, several
+    rows as one JSON array; the third, as Parquet written by pyarrow with
+    snappy compression, as the Hub's datasets are): with and without a system message, several
     turns with two assistant messages, a content with leading and trailing
     whitespace.
 prompt_completion.jsonl
@@ -81,9 +82,9 @@ reference.json
     The reference is computed from the files as written, reloaded by
     AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained.
 
-Runs on PyTorch CPU with transformers, tokenizers, safetensors and jinja2
+Runs on PyTorch CPU with transformers, tokenizers, safetensors, jinja2 and pyarrow
 from PyPI (written with torch 2.15.0, transformers 5.25.0, tokenizers
-0.23.3, safetensors 0.8.0, jinja2 3.1.6). Every run with the same versions on
+0.23.3, safetensors 0.8.0, jinja2 3.1.6, pyarrow 26.0.1). Every run with the same versions on
 the same machine writes the same files; on another CPU the losses may differ
 in their last bits.
 
@@ -264,6 +265,14 @@ def write_data(out):
     jsonl("messages.jsonl", MESSAGES)
     with open(os.path.join(out, "messages.json"), "w", encoding="utf-8") as f:
         f.write("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in MESSAGES) + "\n]\n")
+    import pyarrow
+    import pyarrow.parquet
+
+    pyarrow.parquet.write_table(
+        pyarrow.Table.from_pylist(MESSAGES),
+        os.path.join(out, "messages.parquet"),
+        compression="snappy",
+    )
     jsonl("prompt_completion.jsonl", PROMPT_COMPLETION)
     jsonl("prompt_completion_text.jsonl", PROMPT_COMPLETION_TEXT)
     jsonl("alpaca.jsonl", ALPACA)

@@ -1,6 +1,7 @@
 //! Chat and instruction data against transformers
 //! (`tests/fixtures/chat`, from `scripts/make-chat-fixtures.py`): the
-//! rendered text and token ids of `apply_chat_template`, the label masks of
+//! rendered text and token ids of `apply_chat_template` (rows of JSON Lines,
+//! a JSON array and Parquet), the label masks of
 //! the loss on completions, the evaluation loss of a tiny Llama on every
 //! file with and without packing; packing and accumulation that change
 //! nothing; bad chat data refused.
@@ -23,9 +24,10 @@ fn reference() -> Value {
 }
 
 /// The data files and how their rows are read.
-const FILES: [&str; 5] = [
+const FILES: [&str; 6] = [
     "messages.jsonl",
     "messages.json",
+    "messages.parquet",
     "prompt_completion.jsonl",
     "prompt_completion_text.jsonl",
     "alpaca.jsonl",
@@ -87,7 +89,13 @@ fn token_ids_and_label_masks_are_transformers() {
     for file in FILES {
         let completions = load(file, LossOn::Completions);
         let all = load(file, LossOn::All);
-        let expected = r[file].as_array().unwrap();
+        // The Parquet file holds messages.jsonl's rows.
+        let key = if file.ends_with(".parquet") {
+            "messages.jsonl"
+        } else {
+            file
+        };
+        let expected = r[key].as_array().unwrap();
         assert_eq!(completions.len(), expected.len(), "{file}");
         for (i, ((c, a), e)) in completions.iter().zip(&all).zip(expected).enumerate() {
             assert_eq!(c.ids, ids(&e["input_ids"]), "{file} example {i}: ids");
@@ -152,8 +160,9 @@ fn eval_loss(data: &str, extra: &[&str]) -> f64 {
 #[test]
 fn the_evaluation_loss_is_transformers_on_every_file_packed_or_not() {
     let r = reference();
-    let cases: [(&str, &[&str], &str); 8] = [
+    let cases: [(&str, &[&str], &str); 9] = [
         ("messages.jsonl", &[], "loss_completions"),
+        ("messages.parquet", &[], "loss_completions"),
         ("messages.jsonl", &["--no-packing"], "loss_completions"),
         ("messages.jsonl", &["--loss-on", "all"], "loss_all"),
         ("messages.json", &[], "loss_completions"),
@@ -174,7 +183,12 @@ fn the_evaluation_loss_is_transformers_on_every_file_packed_or_not() {
         let mut args = vec!["--seq-len", "256", "--global-batch", "2"];
         args.extend_from_slice(extra);
         let loss = eval_loss(file, &args);
-        let expected = r[key][file].as_f64().unwrap();
+        let reference_file = if file.ends_with(".parquet") {
+            "messages.jsonl"
+        } else {
+            file
+        };
+        let expected = r[key][reference_file].as_f64().unwrap();
         let rel = (loss - expected).abs() / expected;
         assert!(
             rel < 1e-4,
@@ -256,6 +270,7 @@ fn bad_chat_data_is_refused_naming_the_file_and_line() {
         &format!("{{\"messages\": [{{\"role\": \"tool\", \"content\": \"x\"}}, {assistant}]}}\n"),
     );
     write("empty.jsonl", "\n\n");
+    write("bad.parquet", "PAR1 not really");
     write(
         "ok.jsonl",
         &format!("{{\"messages\": [{user}, {assistant}]}}\n"),
@@ -267,7 +282,7 @@ fn bad_chat_data_is_refused_naming_the_file_and_line() {
          {{ m.role }}: {{ m.content }}\n{% endfor %}",
     );
     write("broken.jinja", "{% for m in messages %}{{ m.content }");
-    let cases: [(&str, &[&str], &str); 7] = [
+    let cases: [(&str, &[&str], &str); 8] = [
         (
             "shapeless.jsonl",
             &[],
@@ -289,6 +304,7 @@ fn bad_chat_data_is_refused_naming_the_file_and_line() {
             "line 1: the chat template fails",
         ),
         ("empty.jsonl", &[], "holds no rows"),
+        ("bad.parquet", &[], "not a Parquet file"),
         (
             "ok.jsonl",
             &["--chat-template", "broken.jinja"],

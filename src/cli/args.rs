@@ -224,7 +224,8 @@ pub struct MeasureStepArgs {
 #[command(next_help_heading = "Data")]
 pub struct DataOptions {
     /// Training data: a `.bin` of token ids (nanoGPT format), plain text, or
-    /// rows in JSON Lines (`.jsonl`) or a JSON array (`.json`): text
+    /// rows in JSON Lines (`.jsonl`), a JSON array (`.json`) or Parquet
+    /// (`.parquet`): text
     /// (`{"text": …}`), chats (`{"messages": […]}`), `{"prompt", "completion"}`
     /// or Alpaca's `{"instruction", "input", "output"}`; tokenized with the
     /// model's tokenizer, chats rendered with its chat template

@@ -50,9 +50,13 @@ pub fn load_data(
 ) -> Result<DataSource, Failure> {
     let text_field_given = o.text_field != "text";
     let format = DataFormat::of(path);
-    if text_field_given && !matches!(format, DataFormat::JsonLines | DataFormat::Json) {
+    let rows = matches!(
+        format,
+        DataFormat::JsonLines | DataFormat::Json | DataFormat::Parquet
+    );
+    if text_field_given && !rows {
         return Err(Failure::Usage(format!(
-            "--text-field applies to JSON data (.jsonl, .json); {} is not",
+            "--text-field applies to rows (.jsonl, .json, .parquet); {} is not",
             path.display()
         )));
     }
@@ -80,16 +84,16 @@ pub fn load_data(
             ),
         }
     }
-    // Only rows of JSON data may be chats.
+    // Only rows may be chats.
     let template = match format {
-        DataFormat::JsonLines | DataFormat::Json => chat_template(o, model_dir)?,
-        DataFormat::Tokens | DataFormat::Text if o.chat_template.is_some() => {
+        _ if rows => chat_template(o, model_dir)?,
+        _ if o.chat_template.is_some() => {
             return Err(Failure::Usage(format!(
-                "--chat-template applies to chat data (.jsonl, .json); {} is not",
+                "--chat-template applies to chat data (.jsonl, .json, .parquet); {} is not",
                 path.display()
             )))
         }
-        DataFormat::Tokens | DataFormat::Text => None,
+        _ => None,
     };
     let text = TextOptions {
         tokenizer: tokenizer.as_ref(),

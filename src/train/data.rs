@@ -3,7 +3,8 @@
 //! * `.bin`: little-endian token ids as nanoGPT's `prepare.py` writes them
 //!   (u16 by default, u32 when the vocabulary needs it or when asked);
 //! * `.jsonl` / `.ndjson` (JSON Lines): one row per line (blank lines are
-//!   skipped); `.json`: a JSON array of rows. Rows whose text field (`text`
+//!   skipped); `.json`: a JSON array of rows; `.parquet`: a table of rows
+//!   (a Hub dataset's export). Rows whose text field (`text`
 //!   by default) holds a document are text; rows of chat or instruction
 //!   data (`messages`, `prompt`/`completion`, Alpaca's
 //!   `instruction`/`input`/`output`) are examples ([`super::examples`]);
@@ -43,6 +44,8 @@ pub enum DataFormat {
     JsonLines,
     /// `.json`: a JSON array of objects.
     Json,
+    /// `.parquet`: a table of records.
+    Parquet,
     /// Anything else: UTF-8 text.
     Text,
 }
@@ -54,6 +57,7 @@ impl DataFormat {
             Some("bin") => DataFormat::Tokens,
             Some("jsonl" | "ndjson") => DataFormat::JsonLines,
             Some("json") => DataFormat::Json,
+            Some("parquet") => DataFormat::Parquet,
             _ => DataFormat::Text,
         }
     }
@@ -395,11 +399,17 @@ impl DataSource {
         if format == DataFormat::Tokens {
             return Self::tokens(path, token_ids(path, &bytes, width, vocab)?);
         }
-        let text = utf8(path, &bytes)?;
-        if format == DataFormat::Text {
-            return Self::tokens(path, text_ids(path, text, None, vocab, opts)?);
-        }
-        let rows = Rows::parse(path, text)?;
+        let (text, rows) = match format {
+            DataFormat::Parquet => ("", Rows::parquet(path)?),
+            DataFormat::Text => {
+                let text = utf8(path, &bytes)?;
+                return Self::tokens(path, text_ids(path, text, None, vocab, opts)?);
+            }
+            _ => {
+                let text = utf8(path, &bytes)?;
+                (text, Rows::parse(path, text)?)
+            }
+        };
         let shape = rows.shape(path, opts.text_field)?;
         if shape == Shape::Text {
             let documents = text_rows(path, &rows, opts.text_field)?;

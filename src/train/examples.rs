@@ -1,7 +1,8 @@
 //! Chat and instruction data: examples that each train as a sequence of
 //! their own, with the loss on what the model should learn.
 //!
-//! A row of a JSON Lines file (or an element of a JSON array) is, as TRL's
+//! A row of a JSON Lines file (or an element of a JSON array, or a record
+//! of a Parquet file) is, as TRL's
 //! SFTTrainer reads it:
 //!
 //! * `{"messages": [{"role", "content"}, …]}`: a conversation, rendered
@@ -90,12 +91,13 @@ impl Shape {
     }
 }
 
-/// The rows of a JSON Lines file or a JSON array, each with the 1-based
-/// line (JSON Lines) or element (array) it came from. Blank lines are skipped.
+/// The rows of a JSON Lines file, a JSON array or a Parquet file, each with
+/// the 1-based line (JSON Lines), element (array) or row (Parquet) it came
+/// from. Blank lines are skipped.
 pub struct Rows {
     /// `(line or element, row)`.
     pub rows: Vec<(usize, serde_json::Value)>,
-    /// `"line"` or `"element"`, for messages.
+    /// `"line"`, `"element"` or `"row"`, for messages.
     pub unit: &'static str,
 }
 
@@ -125,6 +127,23 @@ impl Rows {
             rows.push((i + 1, value));
         }
         Ok(Rows { rows, unit: "line" })
+    }
+
+    /// The rows of a Parquet file (a Hub dataset's export): each record as
+    /// JSON (lists as arrays, structs as objects), numbered from 1.
+    pub fn parquet(path: &Path) -> Result<Self> {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        let bad = |e: parquet::errors::ParquetError| {
+            Error::input(path, format!("not a Parquet file we read: {e}"))
+        };
+        let file = std::fs::File::open(path)
+            .map_err(|e| Error::input(path, format!("cannot read data: {e}")))?;
+        let reader = SerializedFileReader::new(file).map_err(bad)?;
+        let mut rows = Vec::new();
+        for (i, row) in reader.get_row_iter(None).map_err(bad)?.enumerate() {
+            rows.push((i + 1, row.map_err(bad)?.to_json_value()));
+        }
+        Ok(Rows { rows, unit: "row" })
     }
 
     /// The one shape of every row; an error names the first row without a
