@@ -913,3 +913,65 @@ fn a_rank_that_fails_stops_the_others_without_a_hang() {
     assert!(stderr.contains("missing.bin"), "{stderr}");
     assert!(stderr.contains("rank 1 failed"), "{stderr}");
 }
+
+/// Chat examples over 2 ranks: each rank's packed row has its own count of
+/// learned tokens, and the step's loss and gradient are the mean over the
+/// learned tokens of both (transformers' `num_items_in_batch`), so 2 ranks
+/// of one row each, and one process accumulating the two rows, take the
+/// steps of one process with both rows in one micro-batch; a mean of the
+/// ranks' (or micro-batches') means would not.
+#[test]
+fn chat_examples_over_2_ranks_take_the_one_process_steps() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat");
+    let (model, data) = (fixture.join("model"), fixture.join("messages.jsonl"));
+    let args = |extra: &[&str]| -> Vec<String> {
+        let fixed = [
+            "train",
+            "--device",
+            "cpu",
+            "--budget",
+            "4GiB",
+            "--precision",
+            "fp32",
+            "--seq-len",
+            "128",
+            "--global-batch",
+            "2",
+            "--lr",
+            "1e-2",
+            "--steps",
+            "3",
+            "--optimizer",
+            "fused-adamw",
+            "--checkpoint",
+            "none",
+            "--attention",
+            "composed",
+            "--log-format",
+            "json",
+        ];
+        let paths = [model.to_str().unwrap(), "--data", data.to_str().unwrap()];
+        fixed
+            .iter()
+            .chain(&paths)
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let run_dir = Run::new();
+    let (code, lines, stderr) = run(run_dir.oomfix().args(args(&["--micro-batch", "2"])));
+    assert_eq!(code, 0, "{stderr}");
+    let (want, _) = losses(&lines);
+    assert_eq!(want.len(), 3, "{stderr}");
+    for (extra, what) in [
+        (&["--micro-batch", "1"][..], "accumulated"),
+        (
+            &["--micro-batch", "1", "--zero-stage", "1", "--gpus", "2"][..],
+            "over 2 ranks",
+        ),
+    ] {
+        let (code, lines, stderr) = run(run_dir.oomfix().args(args(extra)));
+        assert_eq!(code, 0, "{what}: {stderr}");
+        assert_close(&losses(&lines).0, &want, &format!("chat examples {what}"));
+    }
+}
