@@ -6,6 +6,8 @@
 //! file with and without packing; packing and accumulation that change
 //! nothing; bad chat data refused.
 
+mod common;
+
 use assert_cmd::Command;
 use oomfix::train::chat::ChatTemplate;
 use oomfix::train::data::{DataSource, TextOptions, TokenWidth};
@@ -361,12 +363,7 @@ fn inspect_counts_the_examples_and_training_defaults_to_the_longest() {
         .arg("--json")
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let examples = r["messages.jsonl"].as_array().unwrap();
     let learned: u64 = examples
@@ -385,12 +382,7 @@ fn inspect_counts_the_examples_and_training_defaults_to_the_longest() {
     // No --seq-len: the longest example's 127 tokens make 126 positions.
     let work = tempfile::tempdir().unwrap();
     let out = train(work.path(), "messages.jsonl", &["--steps", "1", "--json"]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["plan"]["seq_len"], 126, "{v:#}");
 }

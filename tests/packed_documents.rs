@@ -5,6 +5,8 @@
 //! 3), with composed and flash attention, with and without checkpointing,
 //! LoRA adapters included; BERT refuses documents.
 
+mod common;
+
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
@@ -12,8 +14,6 @@ use oomfix::strategies::lora::{BasePrecision, Lora};
 use oomfix::strategies::{Attention, Checkpointing, Execution};
 use oomfix::train::{build_model, build_model_with, HubModel, StepOutput, TokenBatch};
 use oomfix::{Error, ModelSpec};
-use rand::{rngs::StdRng, Rng, SeedableRng};
-use rand_distr::StandardNormal;
 
 /// The causal fixtures.
 const FAMILIES: [&str; 13] = [
@@ -236,15 +236,7 @@ fn adapted_models_compute_packed_documents_one_by_one() {
             Some(&lora),
         )
         .unwrap();
-        // Seeded: the same adapters every run.
-        let mut rng = StdRng::seed_from_u64(3);
-        for (_, var) in model.named_vars() {
-            let values: Vec<f32> = (0..var.elem_count())
-                .map(|_| rng.sample::<f32, _>(StandardNormal) * 0.2)
-                .collect();
-            let t = Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap();
-            var.set(&t.to_dtype(var.dtype()).unwrap()).unwrap();
-        }
+        common::seeded_variables(&model);
         for &attention in attentions(&model) {
             let exec = Execution::default()
                 .attention(attention)

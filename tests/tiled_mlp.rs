@@ -4,6 +4,8 @@
 //! `tests/train_models.rs`, with and without checkpointing, LoRA adapters
 //! included; a tile that divides the tokens or not.
 
+mod common;
+
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
@@ -11,8 +13,6 @@ use oomfix::strategies::lora::{BasePrecision, Lora};
 use oomfix::strategies::{Checkpointing, Execution};
 use oomfix::train::{build_model_with, HubModel, StepOutput, TokenBatch};
 use oomfix::ModelSpec;
-use rand::{rngs::StdRng, Rng, SeedableRng};
-use rand_distr::StandardNormal;
 
 const FAMILIES: [&str; 9] = [
     "gpt2", "llama", "qwen2", "qwen3", "llama3", "phi3", "gemma2", "gemma3", "bert",
@@ -126,15 +126,7 @@ fn adapters_on_the_mlp_train_the_same_tiled() {
         let facts = oomfix::memory::model_facts(&spec);
         let lora = Lora::new(4, Some(8), None, BasePrecision::Bf16, &facts).unwrap();
         let model = model(&spec, Some(&lora));
-        // Seeded: the same adapters every run.
-        let mut rng = StdRng::seed_from_u64(3);
-        for (_, var) in model.named_vars() {
-            let values: Vec<f32> = (0..var.elem_count())
-                .map(|_| rng.sample::<f32, _>(StandardNormal) * 0.2)
-                .collect();
-            let t = Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap();
-            var.set(&t.to_dtype(var.dtype()).unwrap()).unwrap();
-        }
+        common::seeded_variables(&model);
         let batch = batch(name);
         let plain = step(&model, &batch, Checkpointing::Every(1), None);
         let tiled = step(&model, &batch, Checkpointing::Every(1), Some(5));

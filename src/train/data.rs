@@ -199,30 +199,27 @@ impl ExampleData {
                 "examples of {} laid into rows",
                 self.path.display()
             );
-            if r.dropped_long > 0 {
-                tracing::warn!(
-                    "{} of {} examples of {} are longer than {} tokens and are left out (--truncate cuts them)",
+            let file = self.path.display();
+            let limit = seq_len + 1;
+            for (count, what) in [
+                (
                     r.dropped_long,
-                    self.examples.len(),
-                    self.path.display(),
-                    seq_len + 1
-                );
-            }
-            if r.truncated > 0 {
-                tracing::warn!(
-                    "{} examples of {} are cut to {} tokens",
-                    r.truncated,
-                    self.path.display(),
-                    seq_len + 1
-                );
-            }
-            if r.dropped_unlearned > 0 {
-                tracing::warn!(
-                    "{} examples of {} have no token to learn within {} tokens and are left out",
+                    format!(
+                        "are longer than {limit} tokens and are left out (--truncate cuts them)"
+                    ),
+                ),
+                (r.truncated, format!("are cut to {limit} tokens")),
+                (
                     r.dropped_unlearned,
-                    self.path.display(),
-                    seq_len + 1
-                );
+                    format!("have no token to learn within {limit} tokens and are left out"),
+                ),
+            ] {
+                if count > 0 {
+                    tracing::warn!(
+                        "{count} of the {} examples of {file} {what}",
+                        self.examples.len()
+                    );
+                }
             }
             self.packed = Some(packed);
             self.pos = 0;

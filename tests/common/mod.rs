@@ -243,3 +243,18 @@ pub fn refused(out: &std::process::Output, phrases: &[&str]) -> String {
     }
     stderr
 }
+
+/// Sets every variable of `model` to seeded N(0, 0.2²) values (LoRA's
+/// B starts at zero, which would give A no gradient).
+pub fn seeded_variables(model: &oomfix::train::HubModel) {
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+    let mut rng = StdRng::seed_from_u64(3);
+    for (_, var) in model.named_vars() {
+        let values: Vec<f32> = (0..var.elem_count())
+            .map(|_| rng.sample::<f32, _>(rand_distr::StandardNormal) * 0.2)
+            .collect();
+        let t =
+            candle_core::Tensor::from_vec(values, var.shape(), &candle_core::Device::Cpu).unwrap();
+        var.set(&t.to_dtype(var.dtype()).unwrap()).unwrap();
+    }
+}
