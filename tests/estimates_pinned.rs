@@ -85,6 +85,13 @@ fn plans(spec: &ModelSpec) -> Vec<(&'static str, Plan)> {
             },
         ),
         ("fused-adamw", fused),
+        (
+            "tiled-mlp",
+            Plan {
+                mlp_tile: Some(64),
+                ..base
+            },
+        ),
         ("zero1", shard(1)),
         ("zero2", shard(2)),
         ("zero3", shard(3)),
