@@ -386,3 +386,25 @@ fn inspect_counts_the_examples_and_training_defaults_to_the_longest() {
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["plan"]["seq_len"], 126, "{v:#}");
 }
+
+/// A run of chat examples saved after 2 steps and resumed takes the steps
+/// 3 and 4 of a run that never stopped (the data continues at its row).
+#[test]
+fn a_resumed_run_continues_the_examples_where_it_stopped() {
+    let work = tempfile::tempdir().unwrap();
+    let common = ["--seq-len", "128", "--global-batch", "1", "--lr", "1e-2"];
+    let steps = |extra: &[&str]| -> Vec<f64> {
+        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
+        let out = train(work.path(), "messages.jsonl", &args);
+        let stderr = common::assert_exit(&out, 0);
+        events(&stderr, "step")
+            .iter()
+            .map(|s| s["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let whole = steps(&["--steps", "4"]);
+    steps(&["--steps", "2", "--save", "ck"]);
+    let resumed = steps(&["--steps", "4", "--save", "ck", "--resume", "ck"]);
+    assert_eq!(resumed.len(), 2, "{resumed:?}");
+    assert_close(&resumed, &whole[2..], "resumed");
+}
