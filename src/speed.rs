@@ -203,7 +203,15 @@ const CPU: Throughput = Throughput {
 const CUDA_H200: Throughput = Throughput {
     matmul_f32: 4.709e13,
     matmul_half: 7.34e14,
-    attention: f64::INFINITY,
+    // Fitted (least squares through the origin) to what five long steps
+    // left over with attention free: Llama-3.1-8B's shape under QLoRA r 32,
+    // batch 1, bf16, every block checkpointed, flash attention, at 16,384,
+    // 25,129, 28,769, 32,768 and 49,640 tokens on an H100 80GB HBM3
+    // (docs/long-context.md; 2.06 to 16.46 s a step above the rest of the
+    // model, 171 to 196 T a second each). The steps above, at 1024 and 2048
+    // tokens, gave it no weight: attention was a few percent of them. Not
+    // measured on the H200, whose tensor cores are the H100's.
+    attention: 1.934e14,
     elementwise: 6.065e11,
     probabilities: 4.731e12,
     // Not fitted: the elementwise rate, which the same candle kernels
