@@ -730,6 +730,11 @@ impl Planner {
                     .into(),
             ));
         }
+        if matches!(self.pins.mlp_tile, Some(Some(_))) && !ctx.model.tiled_mlp {
+            return Err(Error::Usage(
+                "--mlp-tile cannot be used for this model: it does not run its MLP in tiles".into(),
+            ));
+        }
         let skipped: Vec<Skipped> = self
             .pipeline
             .strategies()

@@ -186,3 +186,25 @@ fn mlp_tile_pins_the_tile_and_refuses_tiles_outside_the_sequence() {
         assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
     }
 }
+
+/// A model that does not run its MLP in tiles (a model given as code
+/// declares what it does) refuses a pinned tile; the search skips the fix.
+#[test]
+fn a_model_without_tiles_refuses_the_pin() {
+    use oomfix::strategies::model::Capabilities;
+    let spec = ModelSpec::default_model();
+    let mut pins = oomfix::Pins::default();
+    pins.mlp_tile = Some(Some(256));
+    let planner = || {
+        oomfix::Planner::new(8 << 30)
+            .seq_len(1024)
+            .model_capabilities(Capabilities::NONE.with_blocks(12))
+    };
+    let e = planner().pins(pins).run(&spec).unwrap_err().to_string();
+    assert!(
+        e.contains("--mlp-tile cannot be used for this model"),
+        "{e}"
+    );
+    let result = planner().run(&spec).unwrap();
+    assert!(result.skipped.iter().any(|s| s.strategy == "tiled-mlp"));
+}
