@@ -1023,10 +1023,7 @@ impl<'a> Forward<'a> {
     /// graph, so a block's activations are dropped once its output exists.
     fn padded_logits(self) -> Result<Tensor> {
         let _scope = Scope::module(Module::ROOT);
-        let mut x = self.stem.detach();
-        for block in &self.blocks {
-            x = block(&x)?.detach();
-        }
+        let x = oomfix_strategies::model::through_blocks(&self.stem, &self.blocks)?;
         Ok(self.output.logits(&(self.head)(&x)?)?.detach())
     }
 

@@ -480,15 +480,21 @@ pub fn forward_backward_with<M: Model + ?Sized>(
 pub fn loss_only<M: Model + ?Sized>(model: &M, batch: &MicroBatch) -> Result<f32> {
     let loss = match model.forward(batch)? {
         Forward::Loss(loss) => loss,
-        Forward::Stages(s) => {
-            let mut x = s.stem.detach();
-            for block in &s.blocks {
-                x = block(&x)?.detach();
-            }
-            (s.head)(&x)?
-        }
+        Forward::Stages(s) => (s.head)(&through_blocks(&s.stem, &s.blocks)?)?,
     };
     Ok(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?)
+}
+
+/// `stem` through `blocks` for a pass without backward: each block's input
+/// is detached from the graph, so a block's activations are dropped once
+/// its output exists; the output is detached too.
+pub fn through_blocks<B: crate::checkpoint::Block>(
+    stem: &Tensor,
+    blocks: &[B],
+) -> candle_core::Result<Tensor> {
+    blocks
+        .iter()
+        .try_fold(stem.detach(), |x, block| Ok(block.forward(&x)?.detach()))
 }
 
 /// Whether the linked candle-core stores a tensor's first gradient as it is
