@@ -85,12 +85,7 @@ fn a_tensor_the_model_would_not_use_is_refused_before_planning() {
         .arg(&save)
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(2),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 2);
     assert!(!save.exists());
 }
 
@@ -146,12 +141,7 @@ fn a_qwen3_checkpoint_is_planned_with_its_head_size() {
             .arg(dir)
             .output()
             .unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::assert_exit(&out, 0);
         serde_json::from_slice(&out.stdout).unwrap()
     };
     plan_json(d.path(), &[]);
@@ -317,12 +307,7 @@ fn a_phi3_checkpoint_is_planned_with_its_fused_projections() {
         .sum();
     assert_eq!(v["parameters"].as_u64().unwrap(), elements as u64);
     let out = plan(d.path());
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
 }
 
 /// A mixture-of-experts model's settings for [`ModelConfig::tensors`].
@@ -533,11 +518,6 @@ fn pins_a_gemma_model_cannot_honour_are_refused() {
         &["--loss chunked", "soft-capped head"],
     );
     let out = with("gemma3", &["--loss", "chunked"]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     assert!(String::from_utf8_lossy(&out.stdout).contains("chunked loss"));
 }

@@ -670,12 +670,7 @@ fn the_saved_directory_passes_the_python_check() {
         .args(["--save", "tuned", "--seq-len", &seq, "--steps", "2"])
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let saved = work.path().join("tuned");
     let file = saved_logits(&saved, work.path());
     common::run_python_check(
@@ -872,12 +867,7 @@ fn the_saved_directory_carries_the_models_licence_and_card() {
             .args(["--seq-len", &seq, "--steps", "1", "--save", save])
             .output()
             .unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::assert_exit(&out, 0);
         work.path().join(save)
     };
     let first = train(model.path(), "tuned");

@@ -268,12 +268,7 @@ fn the_command_line_pins_fields_and_reports_time_and_margin() {
         ])
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["pinned"], serde_json::json!(["micro_batch", "optimizer"]));
     assert_eq!(v["plan"]["micro_batch"], 4);

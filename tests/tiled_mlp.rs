@@ -154,12 +154,7 @@ fn mlp_tile_pins_the_tile_and_refuses_tiles_outside_the_sequence() {
         "256",
         "--json",
     ]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["plan"]["mlp_tile"], 256, "{v:#}");
     let out = oomfix(&[

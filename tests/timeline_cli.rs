@@ -85,12 +85,7 @@ fn cli_snapshot_loads_with_python_pickle_and_plots_are_svg_and_png() {
             svg.as_os_str(),
         ],
     );
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let bytes = std::fs::read(&snap).unwrap();
     assert!(
         bytes[0] == 0x80 && bytes[1] <= 4,
@@ -128,12 +123,7 @@ fn cli_snapshot_loads_with_python_pickle_and_plots_are_svg_and_png() {
         assert!(text.contains(s), "the SVG has no `{s}`");
     }
     let out = oomfix(&model, &["--plot".as_ref(), png.as_os_str()]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let image = std::fs::read(&png).unwrap();
     assert_eq!(&image[..8], b"\x89PNG\r\n\x1a\n");
     assert_eq!(&image[12..16], b"IHDR");

@@ -196,12 +196,7 @@ fn clipping_changes_the_steps_and_zero_disables_it() {
             .arg(&log)
             .output()
             .unwrap();
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::assert_exit(&out, 0);
         events(&log, "step")
             .iter()
             .map(|s| {

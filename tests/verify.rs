@@ -110,12 +110,7 @@ fn cli_verify_records_measured_bytes() {
         .arg(&model)
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let chosen = v["attempts"]
         .as_array()
@@ -149,12 +144,7 @@ fn cli_verify_all_with_a_budget_too_small_for_any_real_step() {
         .arg(&model)
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 1);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["attempts"]
         .as_array()
@@ -188,12 +178,7 @@ fn snapshot_loads_with_python_pickle_and_plot_is_svg() {
         .arg(&model)
         .output()
         .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::assert_exit(&out, 0);
     let check = r#"
 import pickle, sys
 d = pickle.load(open(sys.argv[1], "rb"))
