@@ -93,9 +93,8 @@ fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
 fn cli_verify_records_measured_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_gpt2_file(dir.path());
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args([
+    let v = oomfix_json(
+        &[
             "--budget",
             "256MiB",
             "--device",
@@ -106,12 +105,10 @@ fn cli_verify_records_measured_bytes() {
             "2",
             "--verify",
             "--json",
-        ])
-        .arg(&model)
-        .output()
-        .unwrap();
-    common::assert_exit(&out, 0);
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        ],
+        &model,
+        0,
+    );
     let chosen = v["attempts"]
         .as_array()
         .unwrap()
@@ -127,9 +124,8 @@ fn cli_verify_all_with_a_budget_too_small_for_any_real_step() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_gpt2_file(dir.path());
     // 300 KiB: smaller than weights + AdamW state + one step's activations
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args([
+    let v = oomfix_json(
+        &[
             "--budget",
             "300KiB",
             "--device",
@@ -140,12 +136,10 @@ fn cli_verify_all_with_a_budget_too_small_for_any_real_step() {
             "2",
             "--verify=all",
             "--json",
-        ])
-        .arg(&model)
-        .output()
-        .unwrap();
-    common::assert_exit(&out, 1);
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        ],
+        &model,
+        1,
+    );
     assert!(v["attempts"]
         .as_array()
         .unwrap()
@@ -410,4 +404,16 @@ print(sum(1 for a, b in zip([None] + seq, seq) if b == "optimizer_step" and a !=
             "the plot's title names the steps"
         );
     }
+}
+
+/// The JSON result of `oomfix ARGS MODEL`, which exits with `code`.
+fn oomfix_json(args: &[&str], model: &std::path::Path, code: i32) -> Value {
+    let out = Command::cargo_bin("oomfix")
+        .unwrap()
+        .args(args)
+        .arg(model)
+        .output()
+        .unwrap();
+    common::assert_exit(&out, code);
+    serde_json::from_slice(&out.stdout).unwrap()
 }
