@@ -204,6 +204,10 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
             "device"
         }
         .into(),
+        "--mlp-tile".into(),
+        closest["mlp_tile"]
+            .as_u64()
+            .map_or("none".into(), |t| t.to_string()),
     ];
     let pinned: Vec<&str> = pinned.iter().map(String::as_str).collect();
     let (code, lora) = plan_json(d.path(), &pinned);

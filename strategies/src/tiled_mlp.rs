@@ -51,9 +51,16 @@ use crate::{Execution, Plan, SearchContext, Strategy};
 /// hidden size, 4,096 for an 8B model).
 pub const DEFAULT_TILE: usize = 4096;
 
+/// The tile the planner picks for a micro-batch of `tokens`:
+/// [`DEFAULT_TILE`], or half the tokens when they are fewer than two of it
+/// (so that the memory a plan needs grows with the sequence: a length that
+/// fits means every shorter one does, tiled or not).
+pub fn tile_for(tokens: usize) -> usize {
+    DEFAULT_TILE.min(tokens.div_ceil(2)).max(1)
+}
+
 /// Planner half: run each block's MLP tile by tile over the micro-batch's
-/// tokens ([`Plan::mlp_tile`]), when the micro-batch holds more tokens than
-/// a tile.
+/// tokens ([`Plan::mlp_tile`], of [`tile_for`] tokens).
 ///
 /// ```
 /// use oomfix_strategies::tiled_mlp::{TiledMlp, DEFAULT_TILE};
@@ -65,8 +72,8 @@ pub const DEFAULT_TILE: usize = 4096;
 /// assert_eq!(tiled.mlp_tile, Some(DEFAULT_TILE));
 /// assert!(TiledMlp.tighten(&tiled, &ctx).is_none());
 /// assert_eq!(TiledMlp.relax(&tiled, &ctx).unwrap().mlp_tile, None);
-/// // A micro-batch of one tile or less has nothing to tile.
-/// assert!(TiledMlp.tighten(&Plan::baseline(1, 4096), &ctx).is_none());
+/// // A shorter micro-batch runs in two tiles.
+/// assert_eq!(TiledMlp.tighten(&Plan::baseline(1, 4096), &ctx).unwrap().mlp_tile, Some(2048));
 /// let exec = Execution::for_plan(&tiled, &oomfix_strategies::builtins());
 /// assert_eq!(exec.mlp_tile, Some(DEFAULT_TILE));
 /// ```
@@ -79,8 +86,8 @@ impl Strategy for TiledMlp {
     }
     fn tighten(&self, plan: &Plan, ctx: &SearchContext) -> Option<Plan> {
         let tokens = plan.micro_batch * plan.seq_len;
-        (ctx.model.tiled_mlp && plan.mlp_tile.is_none() && tokens > DEFAULT_TILE).then_some(Plan {
-            mlp_tile: Some(DEFAULT_TILE),
+        (ctx.model.tiled_mlp && plan.mlp_tile.is_none() && tokens >= 2).then_some(Plan {
+            mlp_tile: Some(tile_for(tokens)),
             ..*plan
         })
     }
