@@ -97,10 +97,7 @@ impl Block {
             };
             norm.forward(&sum)
         };
-        match mlp_tile {
-            Some(tile) => tiled_mlp::tiled_rows(&x, tile, part),
-            None => part(&x),
-        }
+        tiled_mlp::tiled_rows(&x, mlp_tile, part)
     }
 }
 

@@ -183,10 +183,7 @@ impl Block {
             let _m = Scope::module(post_ff);
             post.forward(&out)
         };
-        let out = match ctx.mlp_tile {
-            Some(tile) => tiled_mlp::tiled_rows(&x, tile, part)?,
-            None => part(&x)?,
-        };
+        let out = tiled_mlp::tiled_rows(&x, ctx.mlp_tile, part)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)
     }

@@ -88,10 +88,7 @@ impl Block {
             };
             proj.forward(&inner)
         };
-        let mlp = match mlp_tile {
-            Some(tile) => tiled_mlp::tiled_rows(&x, tile, part)?,
-            None => part(&x)?,
-        };
+        let mlp = tiled_mlp::tiled_rows(&x, mlp_tile, part)?;
         let _op = Scope::op(Op::Residual);
         x.add(&mlp)
     }

@@ -69,7 +69,7 @@ impl Mlp {
         match tile {
             Some(tile) => {
                 let mlp = self.clone();
-                tiled_mlp::tiled_rows(x, tile, move |x| mlp.forward(x))
+                tiled_mlp::tiled_rows(x, Some(tile), move |x| mlp.forward(x))
             }
             None => self.forward(x),
         }

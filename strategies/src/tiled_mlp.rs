@@ -28,7 +28,7 @@
 //! };
 //! let vars = [w.clone(), x.clone()];
 //! let (tiled, grads) = with_tile_gradients(&vars, || {
-//!     let y = tiled_rows(x.as_tensor(), 3, part.clone())?;
+//!     let y = tiled_rows(x.as_tensor(), Some(3), part.clone())?;
 //!     y.sum_all()?.backward()
 //! })?;
 //! let whole = part(x.as_tensor())?.sum_all()?.backward()?;
@@ -146,17 +146,19 @@ pub fn with_tile_gradients<T>(
 /// `part(x)` for `x` `[b, s, h]`, computed in tiles of `tile` of its `b·s`
 /// tokens (each given to `part` as `[1, tile, h]`, the last one shorter),
 /// keeping no tile's intermediates: see the module's documentation. With
-/// `tile` 0 or at least the tokens, `part(x)` as it is.
+/// no tile ([`Execution::mlp_tile`] `None`), a tile of 0 or one of at least
+/// the tokens, `part(x)` as it is.
 pub fn tiled_rows(
     x: &Tensor,
-    tile: usize,
+    tile: Option<usize>,
     part: impl Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
 ) -> candle_core::Result<Tensor> {
     let (b, s, h) = x.dims3()?;
     let rows = b * s;
-    if tile == 0 || tile >= rows {
-        return part(x);
-    }
+    let tile = match tile {
+        Some(t) if t > 0 && t < rows => t,
+        _ => return part(x),
+    };
     let part: RowWise = Arc::new(move |t: &Tensor| {
         let len = t.dim(0)?;
         part(&t.reshape((1, len, t.dim(1)?))?)?.reshape((len, ()))
