@@ -397,7 +397,7 @@ impl DataSource {
             return Self::tokens(path, token_ids(path, &bytes, width, vocab)?);
         }
         let (text, rows) = match format {
-            DataFormat::Parquet => ("", Rows::parquet(path)?),
+            DataFormat::Parquet => ("", Rows::parquet(path, bytes)?),
             DataFormat::Text => {
                 let text = utf8(path, &bytes)?;
                 return Self::tokens(path, text_ids(path, text, None, vocab, opts)?);

@@ -129,16 +129,15 @@ impl Rows {
         Ok(Rows { rows, unit: "line" })
     }
 
-    /// The rows of a Parquet file (a Hub dataset's export): each record as
-    /// JSON (lists as arrays, structs as objects), numbered from 1.
-    pub fn parquet(path: &Path) -> Result<Self> {
+    /// The rows of a Parquet file (a Hub dataset's export) read into
+    /// `bytes`: each record as JSON (lists as arrays, structs as objects),
+    /// numbered from 1.
+    pub fn parquet(path: &Path, bytes: Vec<u8>) -> Result<Self> {
         use parquet::file::reader::{FileReader, SerializedFileReader};
         let bad = |e: parquet::errors::ParquetError| {
             Error::input(path, format!("not a Parquet file we read: {e}"))
         };
-        let file = std::fs::File::open(path)
-            .map_err(|e| Error::input(path, format!("cannot read data: {e}")))?;
-        let reader = SerializedFileReader::new(file).map_err(bad)?;
+        let reader = SerializedFileReader::new(bytes::Bytes::from(bytes)).map_err(bad)?;
         let mut rows = Vec::new();
         for (i, row) in reader.get_row_iter(None).map_err(bad)?.enumerate() {
             rows.push((i + 1, row.map_err(bad)?.to_json_value()));
