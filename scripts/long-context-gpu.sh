@@ -8,11 +8,18 @@
 # the measured peak) and its JSON log (one line per step, with its seconds)
 # are kept; a table is printed last (scripts/long-context-table.py).
 #
+# With PEFT_SEQS set, PyTorch + PEFT + bitsandbytes NF4 (scripts/peft-step.py:
+# r 32 on every linear projection, gradient checkpointing, SDPA) then trains
+# the same shape at each of those lengths (shortest first, 2 steps each, one
+# process), its peak allocated and reserved bytes kept per length
+# (peft.jsonl) and printed beside the table.
+#
 # Usage: scripts/long-context-gpu.sh CARRY   (CARRY holds oomfix-cuda.xz from
-#   scripts/build-cuda.sh; writes into $OUT, else /tmp/long-context)
+#   scripts/build-cuda.sh, and py/ with peft and bitsandbytes for PEFT_SEQS;
+#   writes into $OUT, else /tmp/long-context)
 # Environment: BUDGETS (default "8GiB 24GiB"), STEPS (optimizer steps per
 #   run, the first one a warm-up; default 3), CAP (seconds one run may take;
-#   default 240).
+#   default 240), PEFT_SEQS (default: none), PEFT_CAP (seconds; default 240).
 set -uo pipefail
 carry=${1:?carry folder}
 out=${OUT:-/tmp/long-context}
@@ -25,6 +32,8 @@ xz -dc "$carry/oomfix-cuda.xz" >/tmp/oomfix && chmod +x /tmp/oomfix
 python3 "$here/make-hub-shape.py" llama-3.1-8b /tmp/l31 || exit 3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/card.txt"
 export NCCL_NVLS_ENABLE=0
+# One JIT cache for the runs: the kernels are compiled by the first one only.
+export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/oomfix-jit}
 for budget in $BUDGETS; do
     echo "== $budget"
     start=$(date +%s)
@@ -39,3 +48,21 @@ for budget in $BUDGETS; do
     tail -n 3 "$out/$budget.log" | cut -c1-400
 done
 python3 "$here/long-context-table.py" "$out" $BUDGETS | tee "$out/table.md"
+if [ -n "${PEFT_SEQS:-}" ]; then
+    echo "== PyTorch + PEFT + bitsandbytes NF4 at $PEFT_SEQS"
+    PYTHONPATH="$carry/py" timeout "${PEFT_CAP:-240}" python3 "$here/peft-step.py" /tmp/l31/config.json \
+        --rank 32 --base nf4 --micro 1 --accum 1 --steps 2 --seq $PEFT_SEQS >"$out/peft.jsonl" 2>"$out/peft.log"
+    echo "exit $?"
+    python3 - "$out/peft.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("oom"):
+        print(f"{r['seq']:>7,} tokens: out of the card's memory ({r['card']})")
+        continue
+    gib = lambda n: n / 2**30
+    print(f"{r['seq']:>7,} tokens: peak allocated {gib(r['peak_allocated']):.2f} GiB, "
+          f"reserved {gib(r['peak_reserved']):.2f} GiB, steps {', '.join(f'{t:.2f}' for t in r['step_seconds'])} s "
+          f"({r['card']}, torch {r['torch']}, peft {r['peft']})")
+PY
+fi

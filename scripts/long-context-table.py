@@ -47,6 +47,10 @@ def row(directory, budget):
     cells["plan"] = ", ".join(
         f"{k} {plan[k]}" for k in ("precision", "checkpoint", "attention", "optimizer") if k in plan
     )
+    if plan.get("offload_activations"):
+        cells["plan"] += ", activations on the host"
+    if plan.get("mlp_tile"):
+        cells["plan"] += f", MLP tile {plan['mlp_tile']:,}"
     # The estimate's tensors: its peak less what the pool's used mark does
     # not count (the runtime outside the pool, the pool's reserve).
     estimate = result.get("estimate") or {}

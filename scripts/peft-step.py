@@ -6,10 +6,13 @@ linear projection of the blocks, PEFT's default fp32 adapters; with
 bitsandbytes' 4-bit NF4 `Linear4bit`, bf16 compute, as QLoRA does), gradient
 checkpointing (non-reentrant), fused AdamW on the adapters, random tokens;
 ACCUM micro-batches of MICRO x SEQ tokens per optimizer step. Prints one
-JSON object: the card, the step times (the first is warm-up), the peak
-allocated and reserved bytes (torch.cuda.max_memory_*).
+JSON line per sequence length: the card, the step times (the first is
+warm-up), the peak allocated and reserved bytes (torch.cuda.max_memory_*)
+of those steps. With several lengths (a ladder, shortest first) the model is
+built once and each length runs its steps in turn; a length that runs out of
+the card's memory is reported with `"oom": true` and ends the ladder.
 
-Usage: python scripts/peft-step.py CONFIG_JSON --rank R --seq SEQ --micro MICRO --accum ACCUM --steps N [--base bf16|nf4|nf4-dq] [--device cuda]
+Usage: python scripts/peft-step.py CONFIG_JSON --rank R --seq SEQ [SEQ...] --micro MICRO --accum ACCUM --steps N [--base bf16|nf4|nf4-dq] [--device cuda]
 """
 
 import argparse
@@ -49,7 +52,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("config")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--seq", type=int, nargs="+", default=[512])
     p.add_argument("--micro", type=int, default=1)
     p.add_argument("--accum", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
@@ -77,6 +80,29 @@ def main():
         if cuda:
             torch.cuda.synchronize()
 
+    for seq in a.seq:
+        record = {
+            "card": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "peft": peft.__version__, "base": a.base,
+            "adapters": sum(p.numel() for p in trainable),
+            "seq": seq, "tokens_per_step": a.micro * seq * a.accum,
+        }
+        try:
+            record.update(run_steps(model, opt, trainable, config, a, seq, cuda, sync))
+        except torch.cuda.OutOfMemoryError:
+            opt.zero_grad(set_to_none=True)
+            record["oom"] = True
+        print(json.dumps(record), flush=True)
+        if record.get("oom"):
+            break
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def run_steps(model, opt, trainable, config, a, seq, cuda, sync):
+    """`a.steps` optimizer steps at `seq` tokens a sequence: their seconds
+    and the peak allocated and reserved bytes while they ran."""
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -85,7 +111,7 @@ def main():
         sync()
         start = time.perf_counter()
         for _ in range(a.accum):
-            ids = torch.randint(0, config.vocab_size, (a.micro, a.seq), device=a.device)
+            ids = torch.randint(0, config.vocab_size, (a.micro, seq), device=a.device)
             loss = model(input_ids=ids, labels=ids).loss / a.accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -93,16 +119,11 @@ def main():
         opt.zero_grad(set_to_none=True)
         sync()
         times.append(time.perf_counter() - start)
-    print(json.dumps({
-        "card": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "peft": peft.__version__, "base": a.base,
-        "adapters": sum(p.numel() for p in trainable),
-        "tokens_per_step": a.micro * a.seq * a.accum,
+    return {
         "step_seconds": times,
         "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
         "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
-    }))
+    }
 
 
 if __name__ == "__main__":
