@@ -26,7 +26,9 @@
 
 use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
 use oomfix_strategies::chunked_loss::chunk_rows;
-use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, SegmentInputs};
+use oomfix_strategies::{
+    Attention, Checkpointing, Execution, Part, PartRun, Parts, Plan, SegmentInputs,
+};
 
 /// How a kept tensor's size grows with the sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,9 +52,8 @@ pub struct Tensor {
     pub f32: bool,
     /// How its size grows with the sequence.
     pub extent: Extent,
-    /// Made by the block's row-wise part (the norm before the MLP and the
-    /// MLP), which a tiled MLP recomputes tile by tile instead of keeping.
-    pub row_wise: bool,
+    /// The part of the block that makes it.
+    pub part: Part,
 }
 
 impl Tensor {
@@ -74,83 +75,104 @@ pub struct Product {
     pub inputs: u64,
     /// Output features.
     pub outputs: u64,
-    /// In the block's row-wise part (see [`Tensor::row_wise`]).
-    pub row_wise: bool,
+    /// The part of the block it belongs to.
+    pub part: Part,
 }
 
-/// One block of a model under a plan: its products and what its forward
-/// keeps.
+/// One block of a model under a plan: its products, what its forward
+/// makes, and how each of its parts runs between forward and backward (the
+/// fixes' [`Execution::parts`]).
+///
+/// A part that is not kept ([`PartRun::Recomputed`] or
+/// [`PartRun::Tiled`]) keeps two `[n, h]` in place of its tensors: its
+/// output, which the op standing for the part holds, and the op's copy of
+/// it, which the residual add holds. Its tensors exist again in its
+/// backward, whole or one tile's share, and its forward runs once more.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
     /// The matrix products of the forward, outside attention's two.
     pub products: Vec<Product>,
-    /// The tensors the forward makes: all kept for the backward but the
-    /// row-wise part's under a tiled MLP.
+    /// The tensors the forward makes, each kept for the backward unless its
+    /// part is recomputed.
     pub kept: Vec<Tensor>,
-    /// Tokens per tile of the row-wise part
-    /// ([`oomfix_strategies::tiled_mlp`]), and the tokens of the
-    /// micro-batch; `None`: untiled.
-    pub tiles: Option<(u64, u64)>,
-    /// The hidden size: the width of the tiled part's output.
+    /// How each part runs. A tile of the whole micro-batch or more is no
+    /// tile: such a part is kept.
+    pub parts: Parts,
+    /// Tokens of the micro-batch (`n`).
+    pub tokens: u64,
+    /// The hidden size: the width of a part's output.
     pub hidden: u64,
 }
 
 impl Block {
-    /// The block of `spec` for one micro-batch of `plan`, its attention as
-    /// `exec` computes it. Empty for a model given as code ([`Family::Generic`]
+    /// The block of `spec` for one micro-batch of `plan`, its parts run as
+    /// `exec` says. Empty for a model given as code ([`Family::Generic`]
     /// is described as GPT-2's block, which the memory model does not use).
     pub fn describe(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> Block {
-        describe(&Dims::new(spec, plan, exec), spec.config.family)
+        describe(&Dims::new(spec, plan, exec), spec.config.family, exec.parts)
     }
 
-    /// Bytes kept with a compute dtype of `c` bytes. Tiled, the row-wise
-    /// part keeps two `[n, h]` in place of its tensors: the output computed
-    /// tile by tile, which the op standing for the part holds, and the op's
-    /// copy of it, which the residual add holds.
-    pub fn kept_bytes(&self, c: u64) -> u64 {
-        let tiled = self.tiles.is_some();
-        let kept: u64 = self
-            .kept
-            .iter()
-            .filter(|t| !(tiled && t.row_wise))
-            .map(|t| t.bytes(c))
-            .sum();
-        match self.tiles {
-            Some((_, n)) => kept + 2 * n * self.hidden * c,
-            None => kept,
+    /// Whether `part` is recomputed in the backward (whole or in tiles).
+    pub fn recomputes(&self, part: Part) -> bool {
+        self.parts.of(part) != PartRun::Kept
+    }
+
+    /// Tokens `part`'s backward crosses at once: a tile's, else the
+    /// micro-batch's.
+    pub fn rows_at_once(&self, part: Part) -> u64 {
+        match self.parts.of(part) {
+            PartRun::Tiled(tile) => (tile as u64).min(self.tokens),
+            _ => self.tokens,
         }
     }
 
-    /// Bytes of one tile's row-wise tensors, recomputed for its backward
-    /// (0 untiled: they are kept).
-    pub fn tile_bytes(&self, c: u64) -> u64 {
-        let Some((tile, n)) = self.tiles else {
-            return 0;
-        };
-        let part: u64 = self
+    /// Bytes kept with a compute dtype of `c` bytes: the tensors of the
+    /// kept parts, and two `[n, h]` for each recomputed one.
+    pub fn kept_bytes(&self, c: u64) -> u64 {
+        let kept: u64 = self
             .kept
             .iter()
-            .filter(|t| t.row_wise)
+            .filter(|t| !self.recomputes(t.part))
             .map(|t| t.bytes(c))
             .sum();
-        part * tile.min(n) / n.max(1)
+        let outputs = [Part::Attention, Part::Mlp]
+            .into_iter()
+            .filter(|&p| self.recomputes(p))
+            .count() as u64;
+        kept + outputs * 2 * self.tokens * self.hidden * c
     }
 
-    /// Multiply-adds of the row-wise part's products: what a tiled MLP's
-    /// backward runs once more.
-    pub fn row_wise_macs(&self) -> u64 {
+    /// Bytes of `part`'s tensors that its backward recomputes and holds at
+    /// once: all of them, or one tile's share (0 when the part is kept).
+    pub fn recomputed_bytes(&self, part: Part, c: u64) -> u64 {
+        if !self.recomputes(part) {
+            return 0;
+        }
+        let all: u64 = self
+            .kept
+            .iter()
+            .filter(|t| t.part == part)
+            .map(|t| t.bytes(c))
+            .sum();
+        all * self.rows_at_once(part) / self.tokens.max(1)
+    }
+
+    /// Multiply-adds of the recomputed parts' products: what the backward
+    /// runs once more.
+    pub fn recomputed_macs(&self) -> u64 {
         self.products
             .iter()
-            .filter(|p| p.row_wise)
+            .filter(|p| self.recomputes(p.part))
             .map(|p| p.rows * p.inputs * p.outputs)
             .sum()
     }
 
-    /// Elements of the row-wise part's tensors (see [`token_elements`](Self::token_elements)).
-    pub fn row_wise_elements(&self) -> u64 {
+    /// Elements of the recomputed parts' tensors of one row per token (see
+    /// [`token_elements`](Self::token_elements)).
+    pub fn recomputed_elements(&self) -> u64 {
         self.kept
             .iter()
-            .filter(|t| t.row_wise && t.extent == Extent::Tokens)
+            .filter(|t| self.recomputes(t.part) && t.extent == Extent::Tokens)
             .map(|t| t.elements)
             .sum()
     }
@@ -210,9 +232,6 @@ pub(crate) struct Dims {
     pub moe: Option<(u64, u64, u64)>,
     /// Gemma 2 / 3: their terms ([`gemma`]).
     pub gemma: Option<GemmaDims>,
-    /// Tokens per tile of the row-wise part ([`Execution::mlp_tile`]),
-    /// fewer than the micro-batch's.
-    pub mlp_tile: Option<u64>,
 }
 
 /// What a Gemma model adds to a Llama-style one's activations.
@@ -266,12 +285,6 @@ impl Dims {
                     m.expert_intermediate as u64,
                 )
             }),
-            // A tile of every token is no tile (`tiled_rows`
-            // runs the part whole).
-            mlp_tile: exec
-                .mlp_tile
-                .filter(|&t| t > 0 && t < plan.micro_batch * plan.seq_len)
-                .map(|t| t as u64),
             gemma: c.settings.gemma.as_ref().map(|g| {
                 let sliding = g.sliding_layers.iter().any(|&x| x);
                 let window = c.settings.sliding_window.is_some_and(|w| w < plan.seq_len);
@@ -314,8 +327,8 @@ impl Dims {
 struct Builder<'a> {
     d: &'a Dims,
     block: Block,
-    /// The entries from here on are the row-wise part's.
-    row_wise: bool,
+    /// The part the entries from here on belong to.
+    part: Part,
 }
 
 impl Builder<'_> {
@@ -337,18 +350,18 @@ impl Builder<'_> {
             elements,
             f32,
             extent,
-            row_wise: self.row_wise,
+            part: self.part,
         });
         self
     }
     /// The entries that follow are the row-wise part's (until
-    /// [`end_row_wise`](Self::end_row_wise)).
-    fn row_wise(&mut self) -> &mut Self {
-        self.row_wise = true;
+    /// [`end_mlp_part`](Self::end_mlp_part)).
+    fn mlp_part(&mut self) -> &mut Self {
+        self.part = Part::Mlp;
         self
     }
-    fn end_row_wise(&mut self) -> &mut Self {
-        self.row_wise = false;
+    fn end_mlp_part(&mut self) -> &mut Self {
+        self.part = Part::Attention;
         self
     }
     /// A product of every token through an `[inputs, outputs]` weight.
@@ -362,7 +375,7 @@ impl Builder<'_> {
             rows,
             inputs,
             outputs,
-            row_wise: self.row_wise,
+            part: self.part,
         });
         self
     }
@@ -385,16 +398,25 @@ impl Builder<'_> {
     }
 }
 
-fn describe(d: &Dims, family: Family) -> Block {
+fn describe(d: &Dims, family: Family, parts: Parts) -> Block {
+    // A tile of every token is no tile (`tiled_rows` runs the part whole).
+    let whole = |run| match run {
+        PartRun::Tiled(t) if t == 0 || t as u64 >= d.n => PartRun::Kept,
+        run => run,
+    };
     let mut b = Builder {
         d,
         block: Block {
             products: Vec::new(),
             kept: Vec::new(),
-            tiles: d.mlp_tile.map(|t| (t, d.n)),
+            parts: Parts {
+                attention: whole(parts.attention),
+                mlp: whole(parts.mlp),
+            },
+            tokens: d.n,
             hidden: d.h,
         },
-        row_wise: false,
+        part: Part::Attention,
     };
     match (family, d.gemma) {
         (Family::Llama, Some(g)) => gemma(&mut b, g),
@@ -411,10 +433,10 @@ fn describe(d: &Dims, family: Family) -> Block {
 fn gpt2(b: &mut Builder) {
     let (h, i) = (b.d.h, b.d.i);
     b.product("c_attn", h, 3 * h).product("attn.c_proj", h, h);
-    b.row_wise()
+    b.mlp_part()
         .product("c_fc", h, i)
         .product("mlp.c_proj", i, h)
-        .end_row_wise();
+        .end_mlp_part();
     b.norm("ln_1")
         .tokens("c_attn", 3 * h)
         .tokens("q", h)
@@ -425,12 +447,12 @@ fn gpt2(b: &mut Builder) {
         .tokens("merged", h)
         .tokens("attn.c_proj", h)
         .tokens("attn residual", h)
-        .row_wise()
+        .mlp_part()
         .norm("ln_2")
         .tokens("c_fc", i)
         .tokens("gelu", i)
         .tokens("mlp.c_proj", h)
-        .end_row_wise()
+        .end_mlp_part()
         .tokens("mlp residual", h);
 }
 
@@ -443,10 +465,10 @@ fn bert(b: &mut Builder) {
         .product("key", h, h)
         .product("value", h, h)
         .product("attention.output.dense", h, h)
-        .row_wise()
+        .mlp_part()
         .product("intermediate.dense", h, i)
         .product("output.dense", i, h)
-        .end_row_wise();
+        .end_mlp_part();
     b.tokens("query", h)
         .tokens("key", h)
         .tokens("value", h)
@@ -459,7 +481,7 @@ fn bert(b: &mut Builder) {
         .tokens("attention.output.dense", h)
         .tokens("attention residual", h)
         .norm("attention.output.LayerNorm")
-        .row_wise()
+        .mlp_part()
         .tokens("intermediate.dense", i)
         .tokens("gelu", i)
         .tokens("output.dense", h)
@@ -523,7 +545,7 @@ fn llama(b: &mut Builder) {
         .tokens("merged", q)
         .tokens("o_proj", h)
         .tokens("attention residual", h)
-        .row_wise()
+        .mlp_part()
         .norm("post_attention_layernorm");
     match d.moe {
         None => {
@@ -551,7 +573,7 @@ fn llama(b: &mut Builder) {
         }
     }
     b.tokens("down_proj", h)
-        .end_row_wise()
+        .end_mlp_part()
         .tokens("mlp residual", h);
 }
 
@@ -567,11 +589,11 @@ fn gemma(b: &mut Builder, g: GemmaDims) {
     let d = b.d;
     let (h, i, q, kv) = (d.h, d.i, d.q, d.kv);
     attention_products(b);
-    b.row_wise()
+    b.mlp_part()
         .product("gate_proj", h, i)
         .product("up_proj", h, i)
         .product("down_proj", i, h)
-        .end_row_wise();
+        .end_mlp_part();
     b.norm("input_layernorm")
         .tokens("q_proj", q)
         .tokens("k_proj", kv)
@@ -605,7 +627,7 @@ fn gemma(b: &mut Builder, g: GemmaDims) {
         .tokens("o_proj", h)
         .norm("post_attention_layernorm")
         .tokens("attention residual", h)
-        .row_wise()
+        .mlp_part()
         .norm("pre_feedforward_layernorm")
         .tokens("gate_proj", i)
         .tokens("up_proj", i)
@@ -613,6 +635,6 @@ fn gemma(b: &mut Builder, g: GemmaDims) {
         .tokens("gated", i)
         .tokens("down_proj", h)
         .norm("post_feedforward_layernorm")
-        .end_row_wise()
+        .end_mlp_part()
         .tokens("mlp residual", h);
 }

@@ -17,7 +17,7 @@ use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
 use crate::target::Target;
 use oomfix_strategies::lora::{BasePrecision, LoraFix};
 use oomfix_strategies::{
-    Attention, Checkpointing, Execution, ModelFacts, Plan, Precision, Strategy,
+    Attention, Checkpointing, Execution, ModelFacts, Part, Plan, Precision, Strategy,
 };
 use serde::Serialize;
 use std::sync::Arc;
@@ -298,14 +298,22 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         Checkpointing::Every(k) if k > 0 => 1.0,
         _ => 0.0,
     };
-    // A tiled MLP's backward runs the row-wise part's forward once more.
-    let tiled = if exec.mlp_tile.is_some() { 1.0 } else { 0.0 };
+    // A recomputed part's backward runs its forward once more (a tiled
+    // one's, tile by tile).
     let matmul_flops = 2.0
         * (block_macs * layers * (2.0 + weight_gradients + recompute)
-            + tiled * block.row_wise_macs() as f64 * layers
+            + block.recomputed_macs() as f64 * layers
             + n * head_macs * (2.0 + weight_gradients))
         + lora_matmul_flops(plan, &facts, n, recompute);
-    let attention_flops = layers * attention_pass * (1.0 + attention_backward + recompute);
+    // The attention part recomputed on its own runs attention once more.
+    let attention_recompute = recompute
+        + if block.recomputes(Part::Attention) {
+            1.0
+        } else {
+            0.0
+        };
+    let attention_flops =
+        layers * attention_pass * (1.0 + attention_backward + attention_recompute);
 
     // Elementwise traffic: the block's kept tensors of one row per token
     // written in forward, read and written in backward, again when recomputed.
@@ -313,15 +321,15 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     let head_elements = n * padded_vocab * 2.0 + n * h * 2.0;
     let elementwise_bytes = bytes
         * (layers * block_elements * (3.0 + 2.0 * recompute)
-            + tiled * 2.0 * layers * block.row_wise_elements() as f64
+            + 2.0 * layers * block.recomputed_elements() as f64
             + head_elements * 3.0)
         + dequantized_bytes(plan, &facts, recompute);
     let loss_chunk_bytes = chunked_loss_bytes(spec, plan, exec, weight_gradients);
-    let unfused_bytes = gemma_unfused_bytes(spec, plan, recompute);
+    let unfused_bytes = gemma_unfused_bytes(spec, plan, attention_recompute);
     let probabilities_bytes = if flash || c.settings.gemma.is_some() {
         0.0
     } else {
-        bytes * layers * 5.0 * b * heads * s * s * (3.0 + 2.0 * recompute)
+        bytes * layers * 5.0 * b * heads * s * s * (3.0 + 2.0 * attention_recompute)
     };
 
     // The optimizer step, as the fixes' time hooks cost it.

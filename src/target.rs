@@ -124,7 +124,7 @@ impl Target {
                 // A tiled MLP makes `[tile, I]` blocks instead (assumed,
                 // not yet measured on a GPU).
                 let tokens = (plan.micro_batch * plan.seq_len) as u64;
-                let tokens = exec.mlp_tile.map_or(tokens, |t| tokens.min(t as u64));
+                let tokens = exec.mlp_tile().map_or(tokens, |t| tokens.min(t as u64));
                 let widths = u64::from(recomputed)
                     * CUDA_POOL_SLACK_MLP_WIDTHS
                     * tokens

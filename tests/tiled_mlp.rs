@@ -61,8 +61,7 @@ fn step(
     policy: Checkpointing,
     tile: Option<usize>,
 ) -> StepOutput {
-    let mut exec = Execution::default().checkpoint(policy);
-    exec.mlp_tile = tile;
+    let exec = Execution::default().checkpoint(policy).mlp_tiles(tile);
     model.forward_backward(batch, &exec).unwrap()
 }
 

@@ -25,7 +25,7 @@
 use crate::block::{Block, Dims};
 use crate::spec::{Family, ModelSpec};
 use oomfix_strategies::nn::ops::PROBS_BACKWARD_CHUNKS;
-use oomfix_strategies::{Checkpointing, Execution, Plan, Precision};
+use oomfix_strategies::{Checkpointing, Execution, Part, Plan, Precision};
 
 /// Activation bytes of one micro-batch on one device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -662,15 +662,12 @@ pub fn activation_bytes_for(
     // A mixture of experts' backward crosses one expert at a time: its
     // share of the routed rows, n·k/E with balanced routing.
     let mlp_rows = d.moe.map_or(d.n, |(e, k, _)| (d.n * k).div_ceil(e.max(1)));
-    // Tiled, the MLP's backward crosses one tile at a time, its row-wise
-    // tensors recomputed beside it.
-    let mlp_backward = match d.mlp_tile {
-        Some(tile) => {
-            let rows = mlp_rows * tile.min(d.n) / d.n.max(1);
-            mlp_ni * rows.max(1) * d.i * c + described.tile_bytes(c)
-        }
-        None => mlp_ni * mlp_rows * d.i * c,
-    };
+    // A recomputed part's backward holds its tensors made again (a tiled
+    // one's, one tile's share), and the MLP's backward crosses the rows the
+    // part runs at once.
+    let rows = mlp_rows * described.rows_at_once(Part::Mlp) / d.n.max(1);
+    let mlp_backward = mlp_ni * rows.max(1) * d.i * c + described.recomputed_bytes(Part::Mlp, c);
+    let attention_backward = attention_backward + described.recomputed_bytes(Part::Attention, c);
     let block_transient = attention_backward.max(mlp_backward) + adapters_backward(&d, plan, c);
     let embedding_transient = match plan.lora {
         Some(_) => 0,

@@ -187,7 +187,7 @@ impl Bert {
             .iter()
             .map(|blk| {
                 let attend = Rc::clone(&attend);
-                let tile = exec.mlp_tile;
+                let tile = exec.mlp_tile();
                 Forward::layer(move |x| blk.forward(x, &attend, tile))
             })
             .collect();

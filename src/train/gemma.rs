@@ -389,7 +389,7 @@ impl Gemma {
                 None
             };
             Rc::new(Context {
-                mlp_tile: exec.mlp_tile,
+                mlp_tile: exec.mlp_tile(),
                 full: kind(&freqs, factor, None)?,
                 sliding,
                 softcap,

@@ -333,7 +333,7 @@ impl Llama {
                 attend: Attend::causal(exec, packing.as_ref()),
                 rope_q: tables(q_factor)?,
                 rope_k: tables(factor)?,
-                mlp_tile: exec.mlp_tile,
+                mlp_tile: exec.mlp_tile(),
             })
         };
         let stem = {

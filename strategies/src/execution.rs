@@ -33,9 +33,10 @@ pub struct Execution {
     /// Where the checkpointed segments' inputs wait for their recompute
     /// ([`crate::offload_activations`]).
     pub segment_inputs: SegmentInputs,
-    /// Tokens per tile of each block's MLP ([`crate::tiled_mlp`]); `None`:
-    /// the whole micro-batch at once.
-    pub mlp_tile: Option<usize>,
+    /// How each block's two parts run between its forward and its
+    /// backward: kept, recomputed, or recomputed tile by tile
+    /// ([`crate::tiled_mlp`] tiles the MLP).
+    pub parts: Parts,
 }
 
 impl Default for Execution {
@@ -47,12 +48,21 @@ impl Default for Execution {
             loss_scale: 1.0,
             loss_chunk_bytes: None,
             segment_inputs: SegmentInputs::OnDevice,
-            mlp_tile: None,
+            parts: Parts::default(),
         }
     }
 }
 
 impl Execution {
+    /// Tokens per tile of each block's MLP when it runs tile by tile
+    /// ([`crate::tiled_mlp`]); `None`: the whole micro-batch at once.
+    pub fn mlp_tile(&self) -> Option<usize> {
+        match self.parts.mlp {
+            PartRun::Tiled(tile) => Some(tile),
+            _ => None,
+        }
+    }
+
     /// The execution of `plan`: the default, changed by each of `fixes`' hooks in order.
     pub fn for_plan(plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> Self {
         let mut exec = Execution::default();
@@ -84,6 +94,15 @@ impl Execution {
         }
     }
 
+    /// With each block's MLP run in tiles of `tile` tokens (`None`: whole).
+    pub fn mlp_tiles(self, tile: Option<usize>) -> Self {
+        let mlp = tile.map_or(PartRun::Kept, PartRun::Tiled);
+        Execution {
+            parts: Parts { mlp, ..self.parts },
+            ..self
+        }
+    }
+
     /// With the loss multiplied by `scale` before backward.
     pub fn loss_scale(self, scale: f64) -> Self {
         Execution {
@@ -104,4 +123,53 @@ pub enum SegmentInputs {
     /// segment is recomputed ([`crate::offload_activations`]). The first
     /// segment's input, attached to the stem's graph, stays on the device.
     OnHost,
+}
+
+/// A block's two parts as the families mark them: the attention part
+/// (everything up to and including the attention's residual add) and the
+/// row-wise part (the norm before the MLP and the MLP, whose rows are
+/// independent tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// The norm before attention, the projections, attention and the
+    /// residual add.
+    Attention,
+    /// The norm before the MLP and the MLP.
+    Mlp,
+}
+
+/// How one part of every block runs between the block's forward and its
+/// backward. A fix that changes what a block keeps sets it in its
+/// [`Strategy::execution`] hook; the memory and step-time models read it
+/// from the block's description, and the families' code from here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PartRun {
+    /// Its tensors are kept from the forward for the backward.
+    #[default]
+    Kept,
+    /// Its tensors are dropped after the forward and the part recomputed
+    /// whole from its input just before its backward.
+    Recomputed,
+    /// Run over tiles of this many tokens, each tile recomputed just before
+    /// its backward, so that one tile's tensors exist at a time.
+    Tiled(usize),
+}
+
+/// How each part of the blocks runs ([`PartRun`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Parts {
+    /// The attention part.
+    pub attention: PartRun,
+    /// The row-wise part (the MLP with its norm).
+    pub mlp: PartRun,
+}
+
+impl Parts {
+    /// How `part` runs.
+    pub fn of(&self, part: Part) -> PartRun {
+        match part {
+            Part::Attention => self.attention,
+            Part::Mlp => self.mlp,
+        }
+    }
 }

@@ -86,7 +86,7 @@ pub mod tiled_mlp;
 pub const CUDA_HALF_PRELUDE: &str = include_str!("half.cuh");
 
 pub use error::{Error, Result};
-pub use execution::{Execution, SegmentInputs};
+pub use execution::{Execution, Part, PartRun, Parts, SegmentInputs};
 pub use memory::{ModelFacts, StateBytes, StepCost};
 pub use plan::{
     Attention, Checkpointing, Extensions, OptimizerImpl, Plan, Precision, Sharding, MAX_EXTENSIONS,

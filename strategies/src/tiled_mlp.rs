@@ -44,7 +44,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use crate::{Execution, Plan, SearchContext, Strategy};
+use crate::{Execution, PartRun, Plan, SearchContext, Strategy};
 
 /// Tokens per tile the planner picks: a multiple of the GPU kernels' tiles,
 /// long enough that each tile's products stay efficient (ALST tiles by the
@@ -75,7 +75,7 @@ pub fn tile_for(tokens: usize) -> usize {
 /// // A shorter micro-batch runs in two tiles.
 /// assert_eq!(TiledMlp.tighten(&Plan::baseline(1, 4096), &ctx).unwrap().mlp_tile, Some(2048));
 /// let exec = Execution::for_plan(&tiled, &oomfix_strategies::builtins());
-/// assert_eq!(exec.mlp_tile, Some(DEFAULT_TILE));
+/// assert_eq!(exec.mlp_tile(), Some(DEFAULT_TILE));
 /// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct TiledMlp;
@@ -102,7 +102,9 @@ impl Strategy for TiledMlp {
     /// block's, which the memory and step-time models derive from the
     /// execution.
     fn execution(&self, plan: &Plan, exec: &mut Execution) {
-        exec.mlp_tile = plan.mlp_tile;
+        if let Some(tile) = plan.mlp_tile {
+            exec.parts.mlp = PartRun::Tiled(tile);
+        }
     }
     /// Needs a model whose blocks run their MLP as the execution says.
     fn unusable(&self, ctx: &SearchContext) -> Option<String> {
