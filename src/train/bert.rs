@@ -97,6 +97,8 @@ impl Block {
             };
             norm.forward(&sum)
         };
+        // The tiled part's output is the output module's.
+        let _m = Scope::module(output);
         tiled_mlp::tiled_rows(&x, mlp_tile, part)
     }
 }

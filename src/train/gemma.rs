@@ -183,6 +183,8 @@ impl Block {
             let _m = Scope::module(post_ff);
             post.forward(&out)
         };
+        // The tiled part's output and the residual add are the MLP's.
+        let _m = Scope::module(mlp_tag);
         let out = tiled_mlp::tiled_rows(&x, ctx.mlp_tile, part)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)

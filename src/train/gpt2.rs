@@ -88,6 +88,8 @@ impl Block {
             };
             proj.forward(&inner)
         };
+        // The tiled part's output and the residual add are the MLP's.
+        let _m = Scope::module(mlp_tag);
         let mlp = tiled_mlp::tiled_rows(&x, mlp_tile, part)?;
         let _op = Scope::op(Op::Residual);
         x.add(&mlp)

@@ -227,6 +227,8 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
+        // The tiled part's output and the residual add are the MLP's.
+        let _m = Scope::module(self.mlp.tags[1]);
         let out = self.mlp.forward_tiled(&x, ctx.mlp_tile)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)
