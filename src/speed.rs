@@ -15,7 +15,7 @@
 use crate::block::{Block, Dims};
 use crate::spec::{Family, ModelSpec, VOCAB_ALIGN};
 use crate::target::Target;
-use oomfix_strategies::lora::{BasePrecision, LoraFix};
+use oomfix_strategies::lora::BasePrecision;
 use oomfix_strategies::{
     Attention, Checkpointing, Execution, ModelFacts, Part, Plan, Precision, Strategy,
 };
@@ -346,7 +346,7 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
     ) as f64;
     let host_bus_bytes = stepped * cost.bus_bytes_per_parameter + accum * 2.0 * offloaded;
     let host_parameters = if cost.on_host { stepped } else { 0.0 };
-    let collective_bytes = collective_bytes(spec, plan, exec);
+    let collective_bytes = collective_bytes(spec, plan, exec, &facts);
     StepWork {
         matmul_flops: accum * matmul_flops,
         attention_flops: accum * attention_flops,
@@ -493,14 +493,19 @@ fn dequantized_bytes(plan: &Plan, facts: &ModelFacts, recompute: f64) -> f64 {
 ///   outside the blocks once and each block's before its forward and again
 ///   before its recomputation, every micro-batch;
 /// * without ZeRO, data parallel ranks all-reduce the summed gradients (2Ψ).
-pub fn collective_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> f64 {
+///
+/// `facts` are what the plan trains ([`crate::facts::trained_facts`]): every
+/// parameter's gradient is reduced, or under LoRA the adapters'.
+pub fn collective_bytes(
+    spec: &ModelSpec,
+    plan: &Plan,
+    exec: &Execution,
+    facts: &ModelFacts,
+) -> f64 {
     let world = plan.shard.world_size.max(1) as f64;
     if world <= 1.0 {
         return 0.0;
     }
-    // What the ranks reduce: every parameter's gradient, or the adapters'.
-    let mut facts = crate::facts::model_facts(spec);
-    LoraFix.facts(plan, &mut facts);
     let psi = facts.parameters as f64 * plan.precision.compute_bytes() as f64;
     let accum = plan.grad_accum as f64;
     let blocks = (facts.block_parameters as f64 * spec.config.layers as f64
