@@ -14,12 +14,16 @@
 # process), its peak allocated and reserved bytes kept per length
 # (peft.jsonl) and printed beside the table.
 #
+# With FULL set to a budget, Llama-3.2-1B's shape is then trained in full
+# (no LoRA) at its longest under that budget, enforced (full-1b.json/.log).
+#
 # Usage: scripts/long-context-gpu.sh CARRY   (CARRY holds oomfix-cuda.xz from
 #   scripts/build-cuda.sh, and py/ with peft and bitsandbytes for PEFT_SEQS;
 #   writes into $OUT, else /tmp/long-context)
 # Environment: BUDGETS (default "8GiB 24GiB"), STEPS (optimizer steps per
 #   run, the first one a warm-up; default 3), CAP (seconds one run may take;
-#   default 240), PEFT_SEQS (default: none), PEFT_CAP (seconds; default 240).
+#   default 240), PEFT_SEQS (default: none), PEFT_CAP (seconds; default 240),
+#   FULL (a budget; default: none).
 set -uo pipefail
 carry=${1:?carry folder}
 out=${OUT:-/tmp/long-context}
@@ -48,6 +52,26 @@ for budget in $BUDGETS; do
     tail -n 3 "$out/$budget.log" | cut -c1-400
 done
 python3 "$here/long-context-table.py" "$out" $BUDGETS | tee "$out/table.md"
+if [ -n "${FULL:-}" ]; then
+    echo "== Llama-3.2-1B in full at $FULL"
+    python3 "$here/make-hub-shape.py" llama-3.2-1b /tmp/l32 >/dev/null || exit 3
+    timeout "$CAP" /tmp/oomfix train /tmp/l32 --init random --device cuda:0 \
+        --budget "$FULL" --enforce-budget --global-batch 1 --seq-len longest --steps "$STEPS" \
+        --json --log-format json >"$out/full-1b.json" 2>"$out/full-1b.log"
+    echo "exit $?"
+    python3 - "$out" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+r = json.load(open(os.path.join(out, "full-1b.json")))
+plan, est = r.get("plan", {}), r.get("estimate", {})
+steps = [json.loads(l)["fields"] for l in open(os.path.join(out, "full-1b.log"))
+         if '"message":"step"' in l]
+print(f"longest {plan.get('seq_len')}, plan {plan}, estimated peak {est.get('peak_bytes', 0) / 2**30:.2f} GiB")
+for s in steps:
+    print(f"step {s['step']}: {s['seconds']:.2f} s, loss {s['loss']:.4f}, "
+          f"used {s['forward_backward_peak_bytes'] / 2**30:.2f} GiB")
+PY
+fi
 if [ -n "${PEFT_SEQS:-}" ]; then
     echo "== PyTorch + PEFT + bitsandbytes NF4 at $PEFT_SEQS"
     PYTHONPATH="$carry/py" timeout "${PEFT_CAP:-240}" python3 "$here/peft-step.py" /tmp/l31/config.json \

@@ -152,6 +152,14 @@ SHAPES = {
         "rope_theta": 10000.0, "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
     },
+    "smollm2-135m": {  # HuggingFaceTB/SmolLM2-135M
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0, "tie_word_embeddings": True,
+        "bos_token_id": 0, "eos_token_id": 0, "torch_dtype": "bfloat16",
+    },
 }
 
 
