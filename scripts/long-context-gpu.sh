@@ -20,14 +20,14 @@
 # Usage: scripts/long-context-gpu.sh CARRY   (CARRY holds oomfix-cuda.xz from
 #   scripts/build-cuda.sh, and py/ with peft and bitsandbytes for PEFT_SEQS;
 #   writes into $OUT, else /tmp/long-context)
-# Environment: BUDGETS (default "8GiB 24GiB"), STEPS (optimizer steps per
+# Environment: BUDGETS (default "8GiB 24GiB"; empty: none), STEPS (optimizer steps per
 #   run, the first one a warm-up; default 3), CAP (seconds one run may take;
 #   default 240), PEFT_SEQS (default: none), PEFT_CAP (seconds; default 240),
 #   FULL (a budget; default: none).
 set -uo pipefail
 carry=${1:?carry folder}
 out=${OUT:-/tmp/long-context}
-BUDGETS=${BUDGETS:-8GiB 24GiB}
+BUDGETS=${BUDGETS-8GiB 24GiB}
 STEPS=${STEPS:-3}
 CAP=${CAP:-240}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
