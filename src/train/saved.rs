@@ -43,9 +43,9 @@ use std::path::{Path, PathBuf};
 /// The weights, in the Hub's layout.
 pub const MODEL_FILE: &str = crate::inspect::MODEL_FILE;
 /// A LoRA run's adapters, as PEFT names them.
-pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
+pub const ADAPTER_FILE: &str = oomfix_strategies::lora::ADAPTER_FILE;
 /// A LoRA run's adapter configuration, as PEFT writes it.
-pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+pub const ADAPTER_CONFIG_FILE: &str = oomfix_strategies::lora::ADAPTER_CONFIG_FILE;
 /// The model's configuration, in the Hub's layout.
 pub const CONFIG_FILE: &str = "config.json";
 /// The optimizer's moments and the fp32 weights when the model file is not f32.
