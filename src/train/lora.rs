@@ -8,29 +8,26 @@
 //! [`FrozenWeight`], in the compute dtype or in NF4 (quantized on the host
 //! before they reach the device); the rest (embeddings, norms, biases, the
 //! head) in the compute dtype. A targeted projection gets a fresh adapter
-//! as PEFT's: `A` `[r, in]` uniform in ±1/√in (Kaiming-uniform with
-//! `a = √5`), `B` `[out, r]` zeros, drawn from the run's seed in the order
-//! the blocks are built; the model's trained variables are the adapters
-//! only, named `<module>.lora_A.weight` and `<module>.lora_B.weight`.
+//! as PEFT's ([`oomfix_strategies::lora::fresh_adapter`]), drawn from the
+//! run's seed in the order the blocks are built; the model's trained
+//! variables are the adapters only, under PEFT's names ([`adapter_names`]:
+//! `<module>.lora_A.weight` and `<module>.lora_B.weight`). The LoRA
+//! mechanism itself (the adapted layer, its initialisation and merge, PEFT's
+//! names and files) is `oomfix_strategies::lora`'s; this module says which of
+//! a family's tensors it applies to and where they live.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
-use oomfix_strategies::lora::{FrozenLinear, FrozenWeight, Lora, LoraLinear, Nf4Weight};
+use oomfix_strategies::lora::{
+    self as strategy, adapter_names, Draw, FrozenLinear, FrozenWeight, Lora, LoraLinear,
+};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 
 use super::layers::Linear;
 use crate::{Error, Family, ModelConfig, Result};
-
-/// The adapted module's variable names: `A`, then `B`.
-pub fn adapter_names(module: &str) -> [String; 2] {
-    [
-        format!("{module}.lora_A.weight"),
-        format!("{module}.lora_B.weight"),
-    ]
-}
 
 /// The module path PEFT names in a saved adapter for the module `module`
 /// of `family`'s model (`transformer.h.0.attn.c_attn` for GPT-2's
@@ -70,6 +67,13 @@ impl LoraModel {
         self.family
     }
 
+    /// The name PEFT saves the adapter variable `name`
+    /// (`model.layers.0.self_attn.q_proj.lora_A.weight`) under in this model
+    /// ([`peft_module`]).
+    pub fn peft_name(&self, name: &str) -> String {
+        strategy::peft_name(&peft_module(self.family, name))
+    }
+
     /// Bytes the frozen base holds (on its device, and a token embedding
     /// only looked up on the host).
     pub fn frozen_bytes(&self) -> usize {
@@ -104,20 +108,16 @@ impl LoraModel {
                 .ok_or_else(|| Error::Usage(format!("the model has no tensor `{name}`")))?;
             return Ok(t.to_dtype(dtype)?.to_device(&Device::Cpu)?);
         };
-        let mut w = frozen.weight(DType::F32)?;
         let module = name.strip_suffix(".weight").unwrap_or(name);
-        if self.adapted.iter().any(|m| m == module) {
-            let [a, b] = adapter_names(module).map(|n| adapters.get(&n).cloned());
+        let mut w = if self.adapted.iter().any(|m| m == module) {
+            let [a, b] = adapter_names(module).map(|n| adapters.get(&n));
             let (Some(a), Some(b)) = (a, b) else {
                 return Err(Error::Usage(format!("no adapter weights for `{module}`")));
             };
-            let device = w.device().clone();
-            let ba = b
-                .to_dtype(DType::F32)?
-                .to_device(&device)?
-                .matmul(&a.to_dtype(DType::F32)?.to_device(&device)?)?;
-            w = (w + ba.affine(self.lora.scale(), 0.0)?)?;
-        }
+            strategy::merged_weight(frozen, a, b, self.lora.scale())?
+        } else {
+            frozen.weight(DType::F32)?
+        };
         if self.family == Family::Gpt2 {
             w = w.t()?.contiguous()?;
         }
@@ -180,13 +180,7 @@ impl Adapting {
                 Family::Gpt2 => t.t()?.contiguous()?,
                 _ => t,
             };
-            let frozen = if lora.base.is_quantized() {
-                let values: Vec<f32> = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-                let double = lora.base == oomfix_strategies::lora::BasePrecision::Nf4Double;
-                FrozenWeight::Nf4(Nf4Weight::quantize(&values, t.dims2()?, double, device)?)
-            } else {
-                FrozenWeight::Dense(t.to_dtype(dtype)?.to_device(device)?)
-            };
+            let frozen = FrozenWeight::on_device(&t, lora.base, dtype, device)?;
             projections.insert(name, frozen);
         }
         Ok(Adapting {
@@ -219,28 +213,13 @@ impl Adapting {
         if !self.lora.targets.contains(name) {
             return Ok(Linear::Frozen(FrozenLinear::new(frozen, bias)));
         }
-        let (out, d_in) = frozen.dims()?;
-        let rank = self.lora.rank as usize;
-        if rank > out.min(d_in) {
-            return Err(Error::Usage(format!(
-                "a LoRA rank of {rank} exceeds {prefix} ({out} x {d_in}): at most {}",
-                out.min(d_in)
-            )));
-        }
-        let device = &self.device;
-        // PEFT: kaiming_uniform_(A, a = √5), a bound of 1/√in; B zeros.
-        let bound = 1.0 / (d_in as f64).sqrt();
-        let values: Vec<f32> = {
-            let mut rng = self.rng.borrow_mut();
-            (0..rank * d_in)
-                .map(|_| rng.random_range(-bound..bound) as f32)
-                .collect()
-        };
-        let a = Tensor::from_vec(values, (rank, d_in), &Device::Cpu)?
-            .to_dtype(self.dtype)?
-            .to_device(device)?;
-        let b = Tensor::zeros((out, rank), self.dtype, device)?;
-        let (a, b) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?);
+        let (a, b) = strategy::fresh_adapter(
+            frozen.dims()?,
+            self.lora.rank as usize,
+            self.dtype,
+            &self.device,
+            Draw::Seeded(&mut self.rng.borrow_mut()),
+        )?;
         let layer =
             LoraLinear::with_adapter(frozen, bias, a.clone(), b.clone(), self.lora.scale())?;
         let mut made = self.made.borrow_mut();

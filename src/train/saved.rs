@@ -43,9 +43,9 @@ use std::path::{Path, PathBuf};
 /// The weights, in the Hub's layout.
 pub const MODEL_FILE: &str = crate::inspect::MODEL_FILE;
 /// A LoRA run's adapters, as PEFT names them.
-pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
+pub const ADAPTER_FILE: &str = oomfix_strategies::lora::ADAPTER_FILE;
 /// A LoRA run's adapter configuration, as PEFT writes it.
-pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+pub const ADAPTER_CONFIG_FILE: &str = oomfix_strategies::lora::ADAPTER_CONFIG_FILE;
 /// The model's configuration, in the Hub's layout.
 pub const CONFIG_FILE: &str = "config.json";
 /// The optimizer's moments and the fp32 weights when the model file is not f32.
@@ -413,14 +413,7 @@ fn made_config(c: &ModelConfig) -> Result<Map<String, Value>> {
             json!({
                 "architectures": [if qwen2 { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" }],
                 "model_type": if qwen2 { "qwen2" } else { "llama" },
-                "vocab_size": c.vocab,
-                "max_position_embeddings": c.max_positions,
-                "hidden_size": c.hidden,
-                "intermediate_size": c.intermediate,
-                "num_hidden_layers": c.layers,
-                "num_attention_heads": c.heads,
                 "num_key_value_heads": c.kv_heads,
-                "hidden_act": c.hidden_act(),
                 "rms_norm_eps": c.norm_eps(),
                 "rope_theta": c.rope_theta(),
                 "tie_word_embeddings": c.tied_embeddings,
@@ -431,14 +424,7 @@ fn made_config(c: &ModelConfig) -> Result<Map<String, Value>> {
         Family::Bert => json!({
             "architectures": ["BertForMaskedLM"],
             "model_type": "bert",
-            "vocab_size": c.vocab,
-            "max_position_embeddings": c.max_positions,
-            "hidden_size": c.hidden,
-            "intermediate_size": c.intermediate,
-            "num_hidden_layers": c.layers,
-            "num_attention_heads": c.heads,
             "type_vocab_size": 2,
-            "hidden_act": c.hidden_act(),
             "layer_norm_eps": c.norm_eps(),
         }),
         Family::Generic => {
@@ -458,8 +444,21 @@ fn made_config(c: &ModelConfig) -> Result<Map<String, Value>> {
         m.insert("model_type".into(), json!("qwen3"));
     }
     if c.family != Family::Gpt2 {
-        // null where there is none: the class's default may name one.
-        m.insert("pad_token_id".into(), json!(s.pad_token_id));
+        // The keys Llama-style and BERT configurations name alike.
+        let shared = json!({
+            "vocab_size": c.vocab,
+            "max_position_embeddings": c.max_positions,
+            "hidden_size": c.hidden,
+            "intermediate_size": c.intermediate,
+            "num_hidden_layers": c.layers,
+            "num_attention_heads": c.heads,
+            "hidden_act": c.hidden_act(),
+            // null where there is none: the class's default may name one.
+            "pad_token_id": s.pad_token_id,
+        });
+        if let Value::Object(shared) = shared {
+            m.extend(shared);
+        }
     }
     if let Some(eos) = s.eos_token_id {
         m.insert("eos_token_id".into(), json!(eos));

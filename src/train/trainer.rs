@@ -390,16 +390,6 @@ fn describe(c: &ModelConfig) -> String {
     )
 }
 
-/// The name PEFT saves the adapter variable `name`
-/// (`model.layers.0.self_attn.q_proj.lora_A.weight`) under in a model of
-/// `family`.
-fn peft_name(family: crate::Family, name: &str) -> String {
-    format!(
-        "base_model.model.{}",
-        super::lora::peft_module(family, name)
-    )
-}
-
 /// Whether two names of a base model are the same model: equal, or paths
 /// of the same directory.
 fn same_base(a: &str, b: &str) -> bool {
@@ -901,7 +891,7 @@ impl Trainer {
                     let family = lora.family();
                     let renamed = weights
                         .into_iter()
-                        .map(|(name, t)| (peft_name(family, &name), t))
+                        .map(|(name, t)| (lora.peft_name(&name), t))
                         .collect();
                     state_file::write_safetensors_as(
                         &tmp.join(saved::ADAPTER_FILE),
@@ -1134,7 +1124,7 @@ impl Trainer {
                 read(&ck.optimizer, &master, compute)?
             } else {
                 match &self.lora {
-                    Some(lora) => read(&ck.model, &peft_name(lora.family(), name), compute)?,
+                    Some(lora) => read(&ck.model, &lora.peft_name(name), compute)?,
                     None => read(&ck.model, name, compute)?,
                 }
             };

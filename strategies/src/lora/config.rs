@@ -265,3 +265,31 @@ impl fmt::Display for Lora {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lora::testing::llama3_8b;
+
+    #[test]
+    fn bad_settings_are_refused() {
+        let facts = llama3_8b();
+        let new = |rank, alpha, targets: Option<&[&str]>| {
+            Lora::new(rank, alpha, targets, BasePrecision::Bf16, &facts)
+        };
+        assert!(new(0, None, None)
+            .unwrap_err()
+            .to_string()
+            .contains("rank of 0"));
+        // k_proj is 1024 wide: the narrowest of all-linear.
+        assert!(new(1024, None, None).is_ok());
+        let e = new(1025, None, None).unwrap_err().to_string();
+        assert!(e.contains("k_proj") && e.contains("at most 1024"), "{e}");
+        assert!(new(2048, None, Some(&["q_proj"])).is_ok());
+        let e = new(8, None, Some(&["qkv"])).unwrap_err().to_string();
+        assert!(e.contains("`qkv`") && e.contains("q_proj, k_proj"), "{e}");
+        assert!(new(8, Some(0), None).is_err());
+        let empty = ModelFacts::new(10, 10, 1);
+        assert!(Lora::new(8, None, None, BasePrecision::Nf4, &empty).is_err());
+    }
+}

@@ -28,17 +28,29 @@ impl FrozenWeight {
     /// to NF4 (double-quantized absmax for [`BasePrecision::Nf4Double`]) on
     /// the weight's device otherwise.
     pub fn new(weight: &Tensor, base: BasePrecision) -> Result<FrozenWeight> {
-        let weight = weight.detach();
-        if base == BasePrecision::Bf16 {
-            return Ok(FrozenWeight::Dense(weight));
+        FrozenWeight::on_device(weight, base, weight.dtype(), weight.device())
+    }
+
+    /// `weight` (`[out, in]`, on any device) frozen as `base` on `device`:
+    /// in `dtype` for [`BasePrecision::Bf16`], else quantized to NF4
+    /// (double-quantized absmax for [`BasePrecision::Nf4Double`]) from its
+    /// values on the host, the codes stored on `device`.
+    pub fn on_device(
+        weight: &Tensor,
+        base: BasePrecision,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<FrozenWeight> {
+        if !base.is_quantized() {
+            let weight = weight.to_dtype(dtype)?.to_device(device)?;
+            return Ok(FrozenWeight::Dense(weight.detach()));
         }
-        let shape = weight.dims2()?;
         let values: Vec<f32> = weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         Ok(FrozenWeight::Nf4(Nf4Weight::quantize(
             &values,
-            shape,
+            weight.dims2()?,
             base == BasePrecision::Nf4Double,
-            weight.device(),
+            device,
         )?))
     }
 
@@ -332,20 +344,31 @@ impl FrozenLinear {
 
     /// `x` `[..., in]` to `[..., out]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (out, d_in) = self.frozen.dims()?;
-        let x2 = x.reshape(((), d_in))?;
-        let y = frozen_product(&x2.detach(), &self.frozen, self.bias.as_ref())?;
-        let op = Frozen {
-            output: Mutex::new(Some(y)),
-            frozen: Arc::clone(&self.frozen),
-        };
-        let y = x2.apply_op1(op)?;
-        let mut dims = x.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = out;
-        }
-        Ok(y.reshape(dims)?)
+        on_rows(x, &self.frozen, |x2| {
+            let y = frozen_product(&x2.detach(), &self.frozen, self.bias.as_ref())?;
+            let op = Frozen {
+                output: Mutex::new(Some(y)),
+                frozen: Arc::clone(&self.frozen),
+            };
+            Ok(x2.apply_op1(op)?)
+        })
     }
+}
+
+/// A projection by `frozen` (`[out, in]`) of `x` `[..., in]`: `project`
+/// of its rows `[n, in]`, `[n, out]` reshaped to `[..., out]`.
+pub(super) fn on_rows(
+    x: &Tensor,
+    frozen: &FrozenWeight,
+    project: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (out, d_in) = frozen.dims()?;
+    let y = project(&x.reshape(((), d_in))?)?;
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = out;
+    }
+    Ok(y.reshape(dims)?)
 }
 
 /// `x·Wᵀ (+ b)` off the graph, `W` converted for the product and freed.
@@ -392,6 +415,29 @@ pub(super) fn cuda_output(y: Tensor) -> candle_core::Result<(candle_core::CudaSt
     }
 }
 
+/// `cpu_fwd` and `cuda_fwd` of a custom op that hands over the output
+/// computed beforehand (its field `output`, taken once), for an op of the
+/// inputs named (`_x` for `CustomOp1`, `_x, _a, _b` for `CustomOp3`).
+macro_rules! hand_over_output {
+    ($($input:ident),+) => {
+        fn cpu_fwd(
+            &self,
+            $($input: &candle_core::CpuStorage, _: &candle_core::Layout),+
+        ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+            $crate::lora::frozen::cpu_output($crate::lora::frozen::take(&self.output)?)
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            $($input: &candle_core::CudaStorage, _: &candle_core::Layout),+
+        ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+            $crate::lora::frozen::cuda_output($crate::lora::frozen::take(&self.output)?)
+        }
+    };
+}
+pub(super) use hand_over_output;
+
 /// The frozen projection as one op of `x` `[n, in]`.
 struct Frozen {
     output: Mutex<Option<Tensor>>,
@@ -403,18 +449,7 @@ impl CustomOp1 for Frozen {
         "oomfix-frozen-linear"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        cpu_output(take(&self.output)?)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        cuda_output(take(&self.output)?)
-    }
+    hand_over_output!(_x);
 
     /// `dx = g·W`, `W` converted again and freed.
     fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -430,9 +465,10 @@ impl CustomOp1 for Frozen {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::lora::testing::{max_diff, values};
 
     /// Deterministic values of changing scale by block.
-    fn values(n: usize) -> Vec<f32> {
+    fn varied(n: usize) -> Vec<f32> {
         (0..n)
             .map(|i| ((i * 7919 % 1013) as f32 / 1013.0 - 0.5) * (1 + i / 64 % 5) as f32)
             .collect()
@@ -443,7 +479,7 @@ mod tests {
     #[test]
     fn dequantized_weights_are_the_codebook_values() {
         let (out, d_in) = (24, 40); // 960 values: 15 blocks, the last pair split
-        let v = values(out * d_in);
+        let v = varied(out * d_in);
         let q = nf4::quantize(&v);
         for double in [false, true] {
             let w = Nf4Weight::quantize(&v, (out, d_in), double, &Device::Cpu).unwrap();
@@ -455,13 +491,7 @@ mod tests {
             let want = nf4::Nf4::from_parts(q.codes().to_vec(), absmax, v.len())
                 .unwrap()
                 .dequantize();
-            let got: Vec<f32> = w
-                .dequantize(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let got = values(&w.dequantize(DType::F32).unwrap());
             assert!(got
                 .iter()
                 .zip(&want)
@@ -502,16 +532,14 @@ mod tests {
             .unwrap()
             .broadcast_add(&b)
             .unwrap();
-        let diff = (&y - &want).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
+        assert!(max_diff(&y, &want) < 1e-6);
         let grads = y.sum_all().unwrap().backward().unwrap();
         let dx = grads.get(x.as_tensor()).unwrap();
         let want = Tensor::ones((2, 3, 6), DType::F32, &dev)
             .unwrap()
             .broadcast_matmul(&w)
             .unwrap();
-        let diff = (dx - want).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-6);
+        assert!(max_diff(dx, &want) < 1e-6);
         assert!(grads.get(&w).is_none());
     }
 
@@ -525,7 +553,7 @@ mod tests {
             return;
         };
         let (out, d_in) = (300, 1000); // blocks over several DOUBLE_BLOCKs, odd pairs none
-        let v = values(out * d_in);
+        let v = varied(out * d_in);
         for double in [false, true] {
             let cpu = Nf4Weight::quantize(&v, (out, d_in), double, &Device::Cpu).unwrap();
             let cuda = Nf4Weight::quantize(&v, (out, d_in), double, &gpu).unwrap();
