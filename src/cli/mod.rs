@@ -6,7 +6,8 @@
 //! * [`logging`]: `tracing` setup, notices and the final error, as text or JSON lines;
 //! * [`plan`], [`inspect`], [`train`], [`measure`]: one module per command;
 //! * [`job`], [`launch`]: `train` as one rank of several, and as their launcher;
-//! * [`signals`], [`progress`]: what `train` does on SIGINT/SIGTERM and how it shows progress.
+//! * [`signals`], [`progress`]: what `train` does on SIGINT/SIGTERM and how it shows progress;
+//! * [`data`], [`timeline`]: the data files `train` reads; the `--snapshot` and `--plot` files.
 
 pub mod args;
 pub mod data;
@@ -18,6 +19,7 @@ pub mod measure;
 pub mod plan;
 pub mod progress;
 pub mod signals;
+pub mod timeline;
 pub mod train;
 
 use std::fmt;
