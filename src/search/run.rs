@@ -6,8 +6,8 @@ use super::{Attempt, Headroom, Planner, Run, SearchResult, Skipped, Verify};
 use crate::memory::{Breakdown, Estimator, MemoryModel};
 use crate::spec::ModelSpec;
 use crate::speed::StepTime;
-use crate::{Error, Result};
-use oomfix_strategies::{Attention, Plan, SearchContext, Strategy};
+use crate::{usable, Error, Result};
+use oomfix_strategies::{Plan, SearchContext, Strategy};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -50,43 +50,19 @@ impl Planner {
             Some(h) => h == oomfix_strategies::Precision::Bf16,
             None => self.target.supports_bf16(),
         };
-        ctx.flash_attention = self.target.has_flash_attention(spec.config.head_dim())
-            && spec.config.flash_computes_it();
+        ctx.flash_attention = self.target.has_flash_attention(spec.config.head_dim());
         ctx.host_offload = self.target.has_host_memory();
         ctx.model = self.capabilities;
+        ctx.model.attention &= spec.config.flash_computes_it();
         ctx.model.chunked_loss &= spec.config.chunked_loss_computes_it();
+        let mut plan = self.pins.baseline(self.global_batch, seq_len, self.gpus)?;
         // A pin the model or device cannot honour is refused, not planned.
-        if self.pins.attention == Some(Attention::Flash) && !ctx.flash_attention {
-            let why = if spec.config.flash_computes_it() {
-                format!(
-                    "no flash-attention kernel for a head size of {} on {}",
-                    spec.config.head_dim(),
-                    self.target
-                )
-            } else {
-                "it does not compute Gemma's soft-capped scores and sliding windows".to_string()
-            };
-            return Err(Error::Usage(format!(
-                "--attention flash cannot be used for this model: {why}"
-            )));
-        }
-        if self.pins.offload_activations == Some(true) && !ctx.host_offload {
-            return Err(Error::Usage(
-                "--activations host needs a GPU: on the CPU the activations are in host memory already"
-                    .into(),
-            ));
-        }
-        if self.pins.chunked_loss == Some(true) && !ctx.model.chunked_loss {
-            return Err(Error::Usage(
-                "--loss chunked cannot be used for this model: its loss is not an LM head's \
-                 cross-entropy the chunks compute (a soft-capped head, or a loss of its own)"
-                    .into(),
-            ));
-        }
-        if matches!(self.pins.mlp_tile, Some(Some(_))) && !ctx.model.tiled_mlp {
-            return Err(Error::Usage(
-                "--mlp-tile cannot be used for this model: it does not run its MLP in tiles".into(),
-            ));
+        let pinned = self.pins.names();
+        let fixes = oomfix_strategies::registered(&self.pipeline);
+        if let Some((fix, reason)) =
+            usable::first_unusable(&plan, &ctx, &fixes, |f| pinned.contains(&f.field))
+        {
+            return Err(Error::Usage(format!("{} {reason}", fix.flag)));
         }
         let skipped: Vec<Skipped> = self
             .pipeline
@@ -132,7 +108,6 @@ impl Planner {
             explored: HashMap::new(),
             usable,
         };
-        let mut plan = self.pins.baseline(self.global_batch, seq_len, self.gpus)?;
         let mut fits = run.evaluate("baseline", plan)?;
         let strategies = run.usable.clone();
         'fixes: for s in &strategies {

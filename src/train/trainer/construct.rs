@@ -10,39 +10,37 @@ use crate::train::build_model_with;
 #[cfg(doc)]
 use crate::train::data::DataSource;
 use crate::train::optim::Optim;
-use crate::{Error, ModelConfig, Result};
+use crate::{usable, Error, ModelConfig, Result};
 use candle_core::{DType, Device};
 use oomfix_strategies::accumulate::GradAccumulator;
 use oomfix_strategies::model::{self, Model};
 use oomfix_strategies::precision::{LossScaler, LossScalerConfig, MasterWeights};
 use oomfix_strategies::shard::{Comm, ZeroStage};
-use oomfix_strategies::{Attention, Checkpointing, Execution, Plan, Precision};
+use oomfix_strategies::{Checkpointing, Execution, Plan, Precision, SearchContext, Strategy};
+use std::sync::Arc;
 
-/// Whether a model that can do `caps` can run `plan`'s fixes; a usage
-/// error naming the first it cannot.
-fn check_capabilities(caps: model::Capabilities, plan: &Plan) -> Result<()> {
-    if !caps.computes_in(plan.precision) {
-        return Err(Error::Usage(format!(
-            "the plan computes in {}, which the model does not support",
-            plan.precision
-        )));
+/// Whether `plan`'s fixes can run on a model that can do `caps` on
+/// `device`, by the fixes' own rules ([`Strategy::unusable`]); a usage
+/// error naming the first that cannot. The plan's fixes run as they would
+/// anywhere else: flash attention where it has a kernel (the CPU, CUDA),
+/// the checkpointed inputs on the host on any device.
+fn check_fixes(
+    caps: model::Capabilities,
+    plan: &Plan,
+    device: &Device,
+    fixes: &[Arc<dyn Strategy>],
+) -> Result<()> {
+    let mut ctx = SearchContext::new(plan.global_batch(), caps.blocks);
+    ctx.gpus = plan.shard.world_size;
+    ctx.flash_attention = device.is_cpu() || device.is_cuda();
+    ctx.model = caps;
+    match usable::first_unusable(plan, &ctx, fixes, |_| true) {
+        Some((fix, reason)) => Err(Error::Usage(format!(
+            "the plan uses {}, which {reason}",
+            fix.fix
+        ))),
+        None => Ok(()),
     }
-    if !plan.checkpoint.segments(1).is_empty() && caps.blocks == 0 {
-        return Err(Error::Usage(
-            "the plan checkpoints blocks, and the model gives none".into(),
-        ));
-    }
-    if plan.attention == Attention::Flash && !caps.attention {
-        return Err(Error::Usage(
-            "the plan uses flash attention, and the model computes its own attention".into(),
-        ));
-    }
-    if plan.chunked_loss && !caps.chunked_loss {
-        return Err(Error::Usage(
-            "the plan computes the loss in chunks, and the model computes its own loss".into(),
-        ));
-    }
-    Ok(())
 }
 
 /// Whether `plan` can run on `comm`'s ranks (one process without); a usage
@@ -231,12 +229,7 @@ impl Trainer {
                 "a plan needs a micro-batch and accumulation of at least 1".into(),
             ));
         }
-        if plan.attention == Attention::Flash && !(device.is_cpu() || device.is_cuda()) {
-            return Err(Error::Usage(
-                "flash attention runs on the CPU and CUDA only; plan without the flash-attention strategy".into(),
-            ));
-        }
-        check_capabilities(model.capabilities(), &plan)?;
+        check_fixes(model.capabilities(), &plan, device, &options.fixes)?;
         let vars = model.vars();
         if vars.is_empty() {
             return Err(Error::Usage("the model has no variables to train".into()));
