@@ -3,9 +3,9 @@
 
 use super::{peft_name, Trainer};
 use crate::state_file::StateFile;
-use crate::train::data::{DataPosition, DataSource};
+use crate::train::data::DataSource;
 use crate::train::optim::Optim;
-use crate::train::saved::{self, DataState, TrainerState, TrainingState};
+use crate::train::saved::{self, TrainerState, TrainingState};
 use crate::{Error, ModelConfig, Result};
 use candle_core::{Tensor, Var};
 use oomfix_strategies::Plan;
@@ -97,22 +97,11 @@ impl Trainer {
             ));
         }
         self.check_lora_checkpoint(&ck.state, &state_path)?;
-        let position = match ck.state.data {
-            DataState::Synthetic { state } => DataPosition::Synthetic(state),
-            DataState::Examples { row, rows } => DataPosition::Examples {
-                pos: row,
-                len: rows,
-            },
-            DataState::Tokens { position, tokens } => DataPosition::Tokens {
-                pos: position,
-                len: tokens,
-            },
-        };
         if let DataSource::Examples(examples) = data {
             // Rows exist at a sequence length: the checkpoint's plan's.
             examples.packed(ck.state.plan.seq_len);
         }
-        data.seek(position)
+        data.seek(ck.state.data)
             .map_err(|msg| Error::input(&state_path, format!("cannot continue the data: {msg}")))?;
         self.load_tensors(&ck)?;
         if let (Some(s), Some(saved)) = (&mut self.scaler, ck.state.loss_scaler) {

@@ -5,9 +5,9 @@
 use super::{peft_name, Trainer};
 use crate::output::write_dir_atomic;
 use crate::state_file;
-use crate::train::data::{DataPosition, DataSource};
+use crate::train::data::DataSource;
 use crate::train::optim::Optim;
-use crate::train::saved::{self, DataState, ScalerState, TrainerState};
+use crate::train::saved::{self, ScalerState, TrainerState};
 use crate::{Error, Result};
 use candle_core::{DType, Tensor, Var};
 use oomfix_strategies::adamw::FusedAdamW;
@@ -55,21 +55,12 @@ impl Trainer {
             format_version: saved::STATE_VERSION,
             step: self.step,
             optimizer_step,
-            data: match data.position() {
-                DataPosition::Synthetic(state) => DataState::Synthetic { state },
-                DataPosition::Tokens { pos, len } => DataState::Tokens {
-                    position: pos,
-                    tokens: len,
-                },
-                DataPosition::Examples { pos, len } => DataState::Examples {
-                    row: pos,
-                    rows: len,
-                },
-                DataPosition::ModelMade => return Err(Error::Usage(
+            data: data.position().ok_or_else(|| {
+                Error::Usage(
                     "a run of a Hugging Face family trains on tokens, not DataSource::ModelMade"
                         .into(),
-                )),
-            },
+                )
+            })?,
             loss_scaler: self.scaler.as_ref().map(|s| ScalerState {
                 scale: s.scale(),
                 growth_tracker: s.growth_tracker(),
