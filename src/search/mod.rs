@@ -62,6 +62,20 @@ pub struct Planner {
     beyond_context: bool,
 }
 
+/// Builder methods of [`Planner`] that each set one field to the value
+/// given (`= Some`: to `Some` of it, for a field that is optional).
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident($value:ident: $ty:ty) => $field:ident $(= $wrap:ident)?;)*) => {$(
+        $(#[$doc])*
+        pub fn $name(mut self, $value: $ty) -> Self {
+            self.$field = setters!(@value $value $($wrap)?);
+            self
+        }
+    )*};
+    (@value $value:ident) => { $value };
+    (@value $value:ident $wrap:ident) => { $wrap($value) };
+}
+
 impl Planner {
     /// A planner for `budget_bytes` per device with the defaults: global batch 8,
     /// the model's sequence length (at most 1024), `cuda:0`, one GPU, the default pipeline.
@@ -85,78 +99,37 @@ impl Planner {
         }
     }
 
-    /// Whether a sequence length beyond the model's context
-    /// (`max_position_embeddings`) is planned (default: no, a usage error).
-    /// A model with rotary positions computes positions past its context,
-    /// but was not trained on them; a model with learned positions has none
-    /// there and is refused either way.
-    pub fn allow_beyond_context(mut self, allow: bool) -> Self {
-        self.beyond_context = allow;
-        self
-    }
-
-    /// Plan fields the search keeps as given.
-    pub fn pins(mut self, pins: Pins) -> Self {
-        self.pins = pins;
-        self
-    }
-
-    /// The margin a plan must leave below the budget (default:
-    /// [`Headroom::default_for`] the target).
-    pub fn headroom(mut self, headroom: Headroom) -> Self {
-        self.headroom = Some(headroom);
-        self
-    }
-
-    /// Host memory available to offloaded optimizer state and activations
-    /// (default: unbounded).
-    pub fn host_budget(mut self, bytes: u64) -> Self {
-        self.host_budget = Some(bytes);
-        self
-    }
-
-    /// Sequences per optimizer step (held constant by every fix).
-    pub fn global_batch(mut self, n: usize) -> Self {
-        self.global_batch = n;
-        self
-    }
-
-    /// Tokens per sequence.
-    pub fn seq_len(mut self, n: usize) -> Self {
-        self.seq_len = Some(n);
-        self
-    }
-
-    /// The device the plan is for.
-    pub fn target(mut self, target: Target) -> Self {
-        self.target = target;
-        self
-    }
-
-    /// Devices available to the sharding fix.
-    pub fn gpus(mut self, n: usize) -> Self {
-        self.gpus = n;
-        self
-    }
-
-    /// The fixes to apply, in order.
-    pub fn pipeline(mut self, pipeline: Pipeline) -> Self {
-        self.pipeline = pipeline;
-        self
-    }
-
-    /// The 16-bit type of the precision fix (`None`: bf16 where the device has it, else fp16).
-    pub fn half_precision(mut self, half: Option<oomfix_strategies::Precision>) -> Self {
-        self.half = half;
-        self
-    }
-
-    /// What the model can do for the fixes that need its help (default:
-    /// everything, as oomfix's own model families can); a fix whose needs
-    /// the model lacks is skipped and recorded in [`SearchResult::skipped`].
-    pub fn model_capabilities(mut self, capabilities: Capabilities) -> Self {
-        self.capabilities = capabilities;
-        self
+    setters! {
+        /// Whether a sequence length beyond the model's context
+        /// (`max_position_embeddings`) is planned (default: no, a usage error).
+        /// A model with rotary positions computes positions past its context,
+        /// but was not trained on them; a model with learned positions has none
+        /// there and is refused either way.
+        allow_beyond_context(allow: bool) => beyond_context;
+        /// Plan fields the search keeps as given.
+        pins(pins: Pins) => pins;
+        /// The margin a plan must leave below the budget (default:
+        /// [`Headroom::default_for`] the target).
+        headroom(headroom: Headroom) => headroom = Some;
+        /// Host memory available to offloaded optimizer state and activations
+        /// (default: unbounded).
+        host_budget(bytes: u64) => host_budget = Some;
+        /// Sequences per optimizer step (held constant by every fix).
+        global_batch(n: usize) => global_batch;
+        /// Tokens per sequence.
+        seq_len(n: usize) => seq_len = Some;
+        /// The device the plan is for.
+        target(target: Target) => target;
+        /// Devices available to the sharding fix.
+        gpus(n: usize) => gpus;
+        /// The fixes to apply, in order.
+        pipeline(pipeline: Pipeline) => pipeline;
+        /// The 16-bit type of the precision fix (`None`: bf16 where the device has it, else fp16).
+        half_precision(half: Option<oomfix_strategies::Precision>) => half;
+        /// What the model can do for the fixes that need its help (default:
+        /// everything, as oomfix's own model families can); a fix whose needs
+        /// the model lacks is skipped and recorded in [`SearchResult::skipped`].
+        model_capabilities(capabilities: Capabilities) => capabilities;
     }
 
     /// Replaces the analytic memory model.
