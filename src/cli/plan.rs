@@ -71,13 +71,8 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
         None => ModelSpec::default_model(),
     };
     if let (Some(path), Some((field, value, why))) = (&args.model, spec.config.unimplemented()) {
-        let dir = if path.is_dir() {
-            path.as_path()
-        } else {
-            path.parent().unwrap_or(Path::new(""))
-        };
         return Err(Error::input(
-            dir.join("config.json"),
+            super::data::model_dir(path).join("config.json"),
             format!("\"{field}\" is {value}: {why}; nothing was planned"),
         )
         .into());
@@ -228,28 +223,21 @@ pub fn search_quietly(
     args: &PlanArgs,
     prepared: Prepared,
 ) -> Result<(ModelSpec, SearchResult), Failure> {
-    let Prepared {
-        spec,
-        target,
-        budget,
-        lora,
-        pipeline,
-        plot,
-    } = prepared;
     let o = &args.opts;
+    let (target, budget) = (prepared.target, prepared.budget);
     // With several ranks each rank holds its own GPU (train's ranks, and
     // --verify's through its verifier), not the planning process.
     if o.enforce_budget && o.gpus <= 1 {
         enforce_budget(target, budget)?;
     }
     let mut pins = pins(o);
-    pins.lora = lora;
+    pins.lora = prepared.lora;
     pins.base_precision = o.base_precision;
     let mut planner = Planner::new(budget)
         .global_batch(o.global_batch)
         .target(target)
         .gpus(o.gpus)
-        .pipeline(pipeline)
+        .pipeline(prepared.pipeline)
         .pins(pins)
         .allow_beyond_context(o.allow_beyond_context);
     if let Some(h) = o.headroom {
@@ -290,12 +278,13 @@ pub fn search_quietly(
         };
         planner = planner.verify_with(verifier, mode);
     }
+    let spec = prepared.spec;
     let result = match o.seq_len {
         Some(SeqLen::Longest) => planner.longest(&spec)?,
         _ => planner.run(&spec)?,
     };
     if o.snapshot.is_some() || o.plot.is_some() {
-        timeline_outputs(args, &spec, &result, budget, plot, target)?;
+        timeline_outputs(args, &spec, &result, budget, prepared.plot, target)?;
     }
     if args.model.is_none() && !args.json {
         logging::notice(format_args!(

@@ -6,7 +6,7 @@
 use super::plan::{refuse_unsupported, Planned, Planning};
 use super::Setup;
 use crate::cli::args::{InitArg, SeqLen};
-use crate::cli::{data, io_text, logging, Failure};
+use crate::cli::{check_can_create, data, logging, Failure};
 use oomfix::measure::RunRecording;
 use oomfix::train::data::DataSource;
 use oomfix::train::saved::{self, ModelSource, TrainingState};
@@ -78,16 +78,7 @@ pub(super) fn inputs(setup: &Setup, planning: &mut Planning) -> Result<Inputs, F
             }
         }
         oomfix::output::check_output_dir(save, saved::STATE_FILE, &inputs, &replaceable)?;
-        let parent = save
-            .parent()
-            .filter(|d| !d.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        tempfile::Builder::new()
-            .prefix(".oomfix-write-check.")
-            .tempdir_in(parent)
-            .map_err(|e| {
-                Failure::Usage(format!("cannot write {}: {}", save.display(), io_text(&e)))
-            })?;
+        check_can_create(save, true)?;
     }
     if rank == 0 && args.plan.model.is_none() && o.init_given().is_none() && o.resume.is_none() {
         logging::notice(
