@@ -33,6 +33,8 @@
 //! * [`memory`]: `(spec, plan, target)` → bytes per component and the peak
 //!   (the fixes' memory hooks, plus activations);
 //! * [`speed`]: `(spec, plan, target)` → modelled seconds per optimizer step;
+//! * `usable`: whether a plan's fixes can run on a model and a device (each
+//!   fix's own rule), which the search and the trainer both ask;
 //! * [`search`]: the pipeline of fixes run against a budget;
 //! * [`track`]: a running step's allocations (counting allocator, tags,
 //!   CUDA pool statistics);
@@ -68,6 +70,7 @@ mod target;
 pub mod track;
 pub mod train;
 pub mod units;
+mod usable;
 
 mod error;
 

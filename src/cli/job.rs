@@ -174,31 +174,42 @@ fn join_mpi(
     ))
 }
 
-#[cfg(feature = "nccl")]
+/// Joins a torchrun job (NCCL between GPU ranks).
 fn join_nccl(
     job: &Job,
     target: Target,
     timeout: std::time::Duration,
 ) -> Result<(Arc<dyn Comm>, Device, Control), Failure> {
-    use oomfix::dist::Listener;
-    use oomfix::strategies::shard::NcclComm;
     if target == Target::Cpu {
         return Err(cpu_under_torchrun());
     }
-    let ordinal = gpu_of(job.local_rank)?;
-    let device = candle_core::Device::new_cuda(ordinal)
-        .map_err(|e| Failure::Usage(format!("cannot use cuda:{ordinal}: {e}")))?;
-    let port = job.master_port.unwrap_or(29500);
-    let (control, id) = if job.rank == 0 {
-        let listener = Listener::bind(&job.master_addr, port)?;
-        let id = NcclComm::unique_id().map_err(|e| Failure::Run(format!("NCCL: {e}")))?;
-        (listener.accept(job.world_size, &id, timeout)?, id)
-    } else {
-        Control::connect(&job.master_addr, port, job.rank, job.world_size, timeout)?
-    };
-    let comm = NcclComm::new(&device, job.rank, job.world_size, &id)
-        .map_err(|e| Failure::Run(format!("NCCL: {e}")))?;
-    Ok((Arc::new(comm), device, control))
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = (job, timeout);
+        Err(Failure::Usage(
+            "RANK and WORLD_SIZE are set (a torchrun job), but this build has no NCCL (build with --features nccl)"
+                .into(),
+        ))
+    }
+    #[cfg(feature = "nccl")]
+    {
+        use oomfix::dist::Listener;
+        use oomfix::strategies::shard::NcclComm;
+        let ordinal = gpu_of(job.local_rank)?;
+        let device = candle_core::Device::new_cuda(ordinal)
+            .map_err(|e| Failure::Usage(format!("cannot use cuda:{ordinal}: {e}")))?;
+        let port = job.master_port.unwrap_or(29500);
+        let (control, id) = if job.rank == 0 {
+            let listener = Listener::bind(&job.master_addr, port)?;
+            let id = NcclComm::unique_id().map_err(|e| Failure::Run(format!("NCCL: {e}")))?;
+            (listener.accept(job.world_size, &id, timeout)?, id)
+        } else {
+            Control::connect(&job.master_addr, port, job.rank, job.world_size, timeout)?
+        };
+        let comm = NcclComm::new(&device, job.rank, job.world_size, &id)
+            .map_err(|e| Failure::Run(format!("NCCL: {e}")))?;
+        Ok((Arc::new(comm), device, control))
+    }
 }
 
 /// `--enforce-budget` in a job: holds this rank's GPU to `budget` bytes,
@@ -249,21 +260,6 @@ fn gpu_of(local_rank: usize) -> Result<usize, Failure> {
              only with NCCL_MULTI_RANK_GPU_ENABLE=1 and NCCL 2.30 or newer)"
         ))),
     }
-}
-
-#[cfg(not(feature = "nccl"))]
-fn join_nccl(
-    _: &Job,
-    target: Target,
-    _: std::time::Duration,
-) -> Result<(Arc<dyn Comm>, Device, Control), Failure> {
-    if target == Target::Cpu {
-        return Err(cpu_under_torchrun());
-    }
-    Err(Failure::Usage(
-        "RANK and WORLD_SIZE are set (a torchrun job), but this build has no NCCL (build with --features nccl)"
-            .into(),
-    ))
 }
 
 fn cpu_under_torchrun() -> Failure {

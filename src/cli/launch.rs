@@ -80,7 +80,7 @@ fn spawn_error(what: &str) -> impl FnOnce(std::io::Error) -> Failure + '_ {
     move |e| Failure::Run(format!("cannot start {what}: {}", super::io_text(&e)))
 }
 
-#[cfg(feature = "mpi")]
+/// Starts `mpirun -n N` on this command line (`can_start` said MPI is there).
 fn spawn_mpirun(
     n: usize,
     exe: &std::path::Path,
@@ -106,17 +106,6 @@ fn spawn_mpirun(
             spawn_error("mpirun")(e)
         }
     })
-}
-
-#[cfg(not(feature = "mpi"))]
-fn spawn_mpirun(
-    _: usize,
-    _: &std::path::Path,
-    _: &[std::ffi::OsString],
-    _: &[(&str, String)],
-) -> Result<Child, Failure> {
-    can_start(Target::Cpu)
-        .map(|()| unreachable!("a build without MPI cannot start ranks on the CPU"))
 }
 
 fn spawn_torchrun(

@@ -6,7 +6,8 @@
 //! * [`logging`]: `tracing` setup, notices and the final error, as text or JSON lines;
 //! * [`plan`], [`inspect`], [`train`], [`measure`]: one module per command;
 //! * [`job`], [`launch`]: `train` as one rank of several, and as their launcher;
-//! * [`signals`], [`progress`]: what `train` does on SIGINT/SIGTERM and how it shows progress.
+//! * [`signals`], [`progress`]: what `train` does on SIGINT/SIGTERM and how it shows progress;
+//! * [`data`], [`timeline`]: the data files `train` reads; the `--snapshot` and `--plot` files.
 
 pub mod args;
 pub mod data;
@@ -18,6 +19,7 @@ pub mod measure;
 pub mod plan;
 pub mod progress;
 pub mod signals;
+pub mod timeline;
 pub mod train;
 
 use std::fmt;
@@ -148,23 +150,32 @@ pub fn print_stdout(text: &str) -> Result<(), Failure> {
 
 /// Checks, before any work, that `output` can be written: not one of
 /// `inputs`, in an existing directory ([`oomfix::output::check_output`]), and
-/// that a file can be created in that directory (a read-only or special
-/// directory is refused now, not after the run).
+/// that a file can be created in that directory ([`check_can_create`]).
 pub fn check_writable(output: &Path, inputs: &[&Path]) -> Result<(), Failure> {
     oomfix::output::check_output(output, inputs)?;
-    let dir = output
+    check_can_create(output, false)
+}
+
+/// Checks that a file (`dir`: a directory) can be created beside `output`,
+/// so that a read-only or special directory is refused now, not after the
+/// run.
+pub fn check_can_create(output: &Path, dir: bool) -> Result<(), Failure> {
+    let parent = output
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    tempfile::Builder::new()
-        .prefix(".oomfix-write-check.")
-        .tempfile_in(dir)
-        .map(drop)
-        .map_err(|e| {
-            Failure::Usage(format!(
-                "cannot write {}: {}",
-                output.display(),
-                io_text(&e)
-            ))
-        })
+    let mut check = tempfile::Builder::new();
+    check.prefix(".oomfix-write-check.");
+    let created = if dir {
+        check.tempdir_in(parent).map(drop)
+    } else {
+        check.tempfile_in(parent).map(drop)
+    };
+    created.map_err(|e| {
+        Failure::Usage(format!(
+            "cannot write {}: {}",
+            output.display(),
+            io_text(&e)
+        ))
+    })
 }

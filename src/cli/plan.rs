@@ -71,13 +71,8 @@ pub fn prepare(args: &PlanArgs, target: Target, inputs: &[&Path]) -> Result<Prep
         None => ModelSpec::default_model(),
     };
     if let (Some(path), Some((field, value, why))) = (&args.model, spec.config.unimplemented()) {
-        let dir = if path.is_dir() {
-            path.as_path()
-        } else {
-            path.parent().unwrap_or(Path::new(""))
-        };
         return Err(Error::input(
-            dir.join("config.json"),
+            super::data::model_dir(path).join("config.json"),
             format!("\"{field}\" is {value}: {why}; nothing was planned"),
         )
         .into());
@@ -228,28 +223,21 @@ pub fn search_quietly(
     args: &PlanArgs,
     prepared: Prepared,
 ) -> Result<(ModelSpec, SearchResult), Failure> {
-    let Prepared {
-        spec,
-        target,
-        budget,
-        lora,
-        pipeline,
-        plot,
-    } = prepared;
     let o = &args.opts;
+    let (target, budget) = (prepared.target, prepared.budget);
     // With several ranks each rank holds its own GPU (train's ranks, and
     // --verify's through its verifier), not the planning process.
     if o.enforce_budget && o.gpus <= 1 {
         enforce_budget(target, budget)?;
     }
     let mut pins = pins(o);
-    pins.lora = lora;
+    pins.lora = prepared.lora;
     pins.base_precision = o.base_precision;
     let mut planner = Planner::new(budget)
         .global_batch(o.global_batch)
         .target(target)
         .gpus(o.gpus)
-        .pipeline(pipeline)
+        .pipeline(prepared.pipeline)
         .pins(pins)
         .allow_beyond_context(o.allow_beyond_context);
     if let Some(h) = o.headroom {
@@ -290,12 +278,13 @@ pub fn search_quietly(
         };
         planner = planner.verify_with(verifier, mode);
     }
+    let spec = prepared.spec;
     let result = match o.seq_len {
         Some(SeqLen::Longest) => planner.longest(&spec)?,
         _ => planner.run(&spec)?,
     };
     if o.snapshot.is_some() || o.plot.is_some() {
-        timeline_outputs(args, &spec, &result, budget, plot, target)?;
+        timeline_outputs(args, &spec, &result, budget, prepared.plot, target)?;
     }
     if args.model.is_none() && !args.json {
         logging::notice(format_args!(
@@ -395,74 +384,5 @@ fn timeline_outputs(
         attempt.plan
     );
     let title = format!("{}: {}", spec.source, attempt.plan);
-    write_timeline(&args.opts, plot, &timeline, budget, &title, None)
-}
-
-/// Writes `timeline` to the `--snapshot` and `--plot` files `opts` names
-/// (`plot` the plot's format), each atomically; with `rank`, as
-/// `NAME.rankR.EXT` (one file per rank of a job).
-pub fn write_timeline(
-    opts: &PlanOptions,
-    plot: Option<PlotFormat>,
-    timeline: &oomfix::measure::Timeline,
-    budget: u64,
-    title: &str,
-    rank: Option<usize>,
-) -> Result<(), Failure> {
-    let named = |path: &Path| match rank {
-        None => path.to_path_buf(),
-        Some(r) => {
-            let stem = path.file_stem().unwrap_or_default().to_string_lossy();
-            let name = match path.extension() {
-                Some(ext) => format!("{stem}.rank{r}.{}", ext.to_string_lossy()),
-                None => format!("{stem}.rank{r}"),
-            };
-            path.with_file_name(name)
-        }
-    };
-    if let Some(pool) = &timeline.pool {
-        tracing::info!(
-            pool_used_high = pool.used_high,
-            pool_reserved_high = pool.reserved_high,
-            at_peak_used = pool.at_used_peak().used,
-            at_peak_reserved = pool.at_used_peak().reserved,
-            outside_pool_bytes = pool.outside,
-            "recorded CUDA pool"
-        );
-        logging::say(format_args!("oomfix: {}", pool.summary()));
-    }
-    if let Some(path) = &opts.snapshot {
-        let path = named(path);
-        let bytes = report::snapshot_pickle(timeline);
-        oomfix::output::write_atomic(&path, |f| write_all(f, &path, &bytes))?;
-    }
-    if let (Some(path), Some(format)) = (&opts.plot, plot) {
-        let path = named(path);
-        let image = report::timeline_plot(timeline, budget, title, format).map_err(Failure::Run)?;
-        oomfix::output::write_atomic(&path, |f| write_all(f, &path, &image))?;
-    }
-    Ok(())
-}
-
-fn write_all(f: &mut std::fs::File, path: &Path, bytes: &[u8]) -> oomfix::Result<()> {
-    use std::io::Write;
-    f.write_all(bytes).map_err(|e| Error::Io {
-        context: format!("writing {}", path.display()),
-        source: e,
-    })
-}
-
-/// `train --verify` in a job another launcher started (`mpirun`,
-/// `torchrun`): rank 0 plans inside the job and cannot start the ranks that
-/// measuring a plan of `ranks` > 1 needs.
-pub fn refuse_verify_over_ranks(ranks: usize) -> Result<(), Failure> {
-    if ranks > 1 {
-        return Err(Failure::Usage(
-            "train --verify cannot measure plans inside a job of several ranks started by another launcher: \
-             run `oomfix train --gpus N --verify` (it measures before it starts the ranks), or measure with \
-             `oomfix plan --gpus N --verify` and train the plan it prints with its fields pinned"
-                .into(),
-        ));
-    }
-    Ok(())
+    super::timeline::write_timeline(&args.opts, plot, &timeline, budget, &title, None)
 }

@@ -274,32 +274,29 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
 /// serde_json's compact output with Python's default separators.
 struct PythonFormatter;
 
-impl serde_json::ser::Formatter for PythonFormatter {
-    fn begin_array_value<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
-        item_separator(w, first)
-    }
-    fn begin_object_key<W: ?Sized + std::io::Write>(
-        &mut self,
-        w: &mut W,
-        first: bool,
-    ) -> std::io::Result<()> {
-        item_separator(w, first)
-    }
-    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
-        w.write_all(b": ")
-    }
+/// [`PythonFormatter`]'s methods that write Python's `", "` before every
+/// item but the first.
+macro_rules! item_separators {
+    ($($method:ident),*) => {$(
+        fn $method<W: ?Sized + std::io::Write>(
+            &mut self,
+            w: &mut W,
+            first: bool,
+        ) -> std::io::Result<()> {
+            if first {
+                Ok(())
+            } else {
+                w.write_all(b", ")
+            }
+        }
+    )*};
 }
 
-/// Python's `", "` before every item but the first.
-fn item_separator<W: ?Sized + std::io::Write>(w: &mut W, first: bool) -> std::io::Result<()> {
-    if first {
-        Ok(())
-    } else {
-        w.write_all(b", ")
+impl serde_json::ser::Formatter for PythonFormatter {
+    item_separators!(begin_array_value, begin_object_key);
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
     }
 }
 

@@ -29,6 +29,7 @@
 
 use super::chat::ChatTemplate;
 use super::examples::{self, Example, LossOn, PackOptions, Packed, Rows, Shape};
+use super::saved::DataState;
 use super::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use candle_core::{Device, Tensor};
@@ -106,30 +107,6 @@ pub enum TokenWidth {
     U16,
     /// 4 bytes per id.
     U32,
-}
-
-/// Where a [`DataSource`] stands in its stream: what a checkpoint saves to
-/// resume it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DataPosition {
-    /// The state of the synthetic generator.
-    Synthetic(u64),
-    /// The next read position in a token stream of `len` ids.
-    Tokens {
-        /// Next read position.
-        pos: u64,
-        /// Number of ids in the stream.
-        len: u64,
-    },
-    /// The model makes its own micro-batches (from their index and the seed).
-    ModelMade,
-    /// The next row of `len` rows of examples.
-    Examples {
-        /// Next row.
-        pos: u64,
-        /// Rows in a pass.
-        len: u64,
-    },
 }
 
 /// Where a training run's micro-batches come from: tokens (random or from a
@@ -457,58 +434,58 @@ impl DataSource {
         })
     }
 
-    /// Where the stream stands.
-    pub fn position(&self) -> DataPosition {
+    /// Where the stream stands, as a checkpoint saves it (`None` for a
+    /// model's own micro-batches, which come from no stream).
+    pub fn position(&self) -> Option<DataState> {
         match self {
-            DataSource::Synthetic { state } => DataPosition::Synthetic(*state),
-            DataSource::Tokens { ids, pos, .. } => DataPosition::Tokens {
-                pos: *pos as u64,
-                len: ids.len() as u64,
-            },
-            DataSource::ModelMade => DataPosition::ModelMade,
-            DataSource::Examples(e) => DataPosition::Examples {
-                pos: e.pos as u64,
-                len: e.packed.as_ref().map_or(0, |p| p.report.rows) as u64,
-            },
+            DataSource::Synthetic { state } => Some(DataState::Synthetic { state: *state }),
+            DataSource::Tokens { ids, pos, .. } => Some(DataState::Tokens {
+                position: *pos as u64,
+                tokens: ids.len() as u64,
+            }),
+            DataSource::ModelMade => None,
+            DataSource::Examples(e) => Some(DataState::Examples {
+                row: e.pos as u64,
+                rows: e.packed.as_ref().map_or(0, |p| p.report.rows) as u64,
+            }),
         }
     }
 
     /// Continues the stream from `position` (from [`position`](Self::position)
     /// on a source of the same kind: synthetic, or tokens of the same length).
     /// On error, says why in a sentence and changes nothing.
-    pub fn seek(&mut self, position: DataPosition) -> Result<(), String> {
+    pub fn seek(&mut self, position: DataState) -> Result<(), String> {
         match (self, position) {
-            (DataSource::Synthetic { state }, DataPosition::Synthetic(s)) if s != 0 => *state = s,
-            (DataSource::ModelMade, DataPosition::ModelMade) => {}
-            (DataSource::Examples(e), DataPosition::Examples { pos, len })
-                if e.packed.as_ref().is_some_and(|p| p.report.rows as u64 == len) && pos < len =>
+            (DataSource::Synthetic { state }, DataState::Synthetic { state: s }) if s != 0 => *state = s,
+            (DataSource::Examples(e), DataState::Examples { row, rows })
+                if e.packed.as_ref().is_some_and(|p| p.report.rows as u64 == rows) && row < rows =>
             {
-                e.pos = pos as usize
+                e.pos = row as usize
             }
-            (DataSource::Examples(e), DataPosition::Examples { len, .. }) => {
+            (DataSource::Examples(e), DataState::Examples { rows, .. }) => {
                 return Err(format!(
-                    "the data was {len} rows of examples; {} gives {} at this sequence length",
+                    "the data was {rows} rows of examples; {} gives {} at this sequence length",
                     e.path.display(),
                     e.packed.as_ref().map_or(0, |p| p.report.rows)
                 ))
             }
-            (DataSource::Tokens { ids, pos, .. }, DataPosition::Tokens { pos: p, len })
-                if len == ids.len() as u64 && p < len =>
+            (DataSource::Tokens { ids, pos, .. }, DataState::Tokens { position, tokens })
+                if tokens == ids.len() as u64 && position < tokens =>
             {
-                *pos = p as usize
+                *pos = position as usize
             }
-            (DataSource::Tokens { ids, path, .. }, DataPosition::Tokens { len, .. }) if len != ids.len() as u64 => {
+            (DataSource::Tokens { ids, path, .. }, DataState::Tokens { tokens, .. }) if tokens != ids.len() as u64 => {
                 return Err(format!(
-                    "the data was a stream of {len} tokens; {} holds {}",
+                    "the data was a stream of {tokens} tokens; {} holds {}",
                     path.display(),
                     ids.len()
                 ))
             }
-            (DataSource::Tokens { path, .. }, DataPosition::Synthetic(_)) => {
+            (DataSource::Tokens { path, .. }, DataState::Synthetic { .. }) => {
                 return Err(format!("the data was random tokens; this run reads {}", path.display()))
             }
-            (DataSource::Synthetic { .. }, DataPosition::Tokens { len, .. }) => {
-                return Err(format!("the data was a file of {len} tokens; this run uses random tokens (give --data)"))
+            (DataSource::Synthetic { .. }, DataState::Tokens { tokens, .. }) => {
+                return Err(format!("the data was a file of {tokens} tokens; this run uses random tokens (give --data)"))
             }
             (_, p) => return Err(format!("invalid data position {p:?}")),
         }
@@ -756,13 +733,18 @@ fn text_ids(
 mod tests {
     use super::*;
 
-    #[test]
-    fn token_file_windows_overlap_by_one_and_wrap() {
-        let dir = tempfile::tempdir().unwrap();
+    /// A file of the ids 0 to 9 as 16-bit tokens in `dir`.
+    fn ten_tokens(dir: &tempfile::TempDir) -> PathBuf {
         let p = dir.path().join("t.bin");
         let ids: Vec<u8> = (0u16..10).flat_map(|i| i.to_le_bytes()).collect();
         std::fs::write(&p, ids).unwrap();
-        let mut d = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
+        p
+    }
+
+    #[test]
+    fn token_file_windows_overlap_by_one_and_wrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut d = DataSource::from_file(&ten_tokens(&dir), TokenWidth::U16, 16).unwrap();
         assert_eq!(d.next_windows(2, 3, 16), [0, 1, 2, 3, 3, 4, 5, 6]);
         assert_eq!(d.next_windows(1, 4, 16), [6, 7, 8, 9, 0]);
     }
@@ -770,10 +752,7 @@ mod tests {
     #[test]
     fn skipping_windows_is_reading_and_dropping_them() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("t.bin");
-        let ids: Vec<u8> = (0u16..10).flat_map(|i| i.to_le_bytes()).collect();
-        std::fs::write(&p, ids).unwrap();
-        let file = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
+        let file = DataSource::from_file(&ten_tokens(&dir), TokenWidth::U16, 16).unwrap();
         for source in [DataSource::synthetic(7), file] {
             let (mut read, mut skip) = (source.clone(), source);
             read.next_windows(3, 4, 16);
@@ -812,32 +791,39 @@ mod tests {
         let mut a = DataSource::synthetic(3);
         a.next_windows(2, 4, 50);
         let mut b = DataSource::synthetic(9);
-        b.seek(a.position()).unwrap();
+        b.seek(a.position().unwrap()).unwrap();
         assert_eq!(a.next_windows(1, 4, 50), b.next_windows(1, 4, 50));
 
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("t.bin");
-        std::fs::write(
-            &p,
-            (0u16..10)
-                .flat_map(|i| i.to_le_bytes())
-                .collect::<Vec<u8>>(),
-        )
-        .unwrap();
+        let p = ten_tokens(&dir);
         let mut t = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
         t.next_windows(1, 3, 16);
         let mut u = DataSource::from_file(&p, TokenWidth::U16, 16).unwrap();
-        u.seek(t.position()).unwrap();
+        u.seek(t.position().unwrap()).unwrap();
         assert_eq!(u.next_windows(1, 2, 16), [3, 4, 5]);
 
         assert!(u
-            .seek(DataPosition::Tokens { pos: 1, len: 11 })
+            .seek(DataState::Tokens {
+                position: 1,
+                tokens: 11
+            })
             .unwrap_err()
             .contains("11 tokens"));
-        assert!(u.seek(DataPosition::Tokens { pos: 10, len: 10 }).is_err());
-        assert!(u.seek(a.position()).unwrap_err().contains("random tokens"));
-        assert!(a.seek(t.position()).unwrap_err().contains("--data"));
-        assert!(a.seek(DataPosition::Synthetic(0)).is_err());
+        assert!(u
+            .seek(DataState::Tokens {
+                position: 10,
+                tokens: 10
+            })
+            .is_err());
+        assert!(u
+            .seek(a.position().unwrap())
+            .unwrap_err()
+            .contains("random tokens"));
+        assert!(a
+            .seek(t.position().unwrap())
+            .unwrap_err()
+            .contains("--data"));
+        assert!(a.seek(DataState::Synthetic { state: 0 }).is_err());
     }
 
     #[test]

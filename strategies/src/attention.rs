@@ -82,10 +82,22 @@ impl Strategy for FlashAttention {
     fn execution(&self, plan: &Plan, exec: &mut Execution) {
         exec.attention = plan.attention;
     }
-    /// Needs a model that computes attention as the execution says.
+    /// Needs a model that computes attention as the execution says, and a
+    /// kernel for its heads on the device.
     fn unusable(&self, ctx: &SearchContext) -> Option<String> {
-        (!ctx.model.attention)
-            .then(|| "the model does not compute its attention as the plan's execution says".into())
+        if !ctx.model.attention {
+            return Some(
+                "needs a model that computes its attention as the plan's execution says \
+                 (flash attention computes neither soft-capped scores nor sliding windows)"
+                    .into(),
+            );
+        }
+        (!ctx.flash_attention).then(|| {
+            format!(
+                "needs a flash-attention kernel for the model's heads on the device (the CPU \
+                 has one for every head size, CUDA for head sizes up to {CUDA_MAX_HEAD_DIM})"
+            )
+        })
     }
 }
 

@@ -97,7 +97,8 @@ impl Strategy for Checkpoint {
     /// Needs the model's blocks ([`crate::model::Forward::Stages`]).
     fn unusable(&self, ctx: &SearchContext) -> Option<String> {
         (ctx.model.blocks == 0).then(|| {
-            "the model gives no blocks to recompute (its forward returns a loss, not stages)".into()
+            "needs a model that gives blocks to recompute (its forward returns a loss, not stages)"
+                .into()
         })
     }
 }

@@ -124,7 +124,8 @@ impl Strategy for ChunkedLoss {
     /// Needs a model whose loss is an LM head computed as the execution says.
     fn unusable(&self, ctx: &SearchContext) -> Option<String> {
         (!ctx.model.chunked_loss).then(|| {
-            "the model computes its own loss (no LM head computed in chunks as the execution says)"
+            "needs a model whose loss is an LM head's cross-entropy, which the chunks compute \
+             (not a soft-capped head, nor a loss of its own)"
                 .into()
         })
     }

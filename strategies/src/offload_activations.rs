@@ -77,6 +77,6 @@ impl Strategy for OffloadActivations {
     /// Needs memory apart from the host's.
     fn unusable(&self, ctx: &SearchContext) -> Option<String> {
         (!ctx.host_offload)
-            .then(|| "the device's memory is the host's: activations are there already".into())
+            .then(|| "needs a GPU: on the CPU the activations are in host memory already".into())
     }
 }

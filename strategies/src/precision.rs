@@ -48,8 +48,7 @@ impl Strategy for MixedPrecision {
     /// Needs a model that can be built in the 16-bit dtype of the device.
     fn unusable(&self, ctx: &SearchContext) -> Option<String> {
         let half = half_of(ctx);
-        (!ctx.model.computes_in(half))
-            .then(|| format!("the model cannot be built in {half} (only fp32)"))
+        (!ctx.model.computes_in(half)).then(|| format!("needs a model that can be built in {half}"))
     }
     /// Back to fp32 (faster where 16-bit products are not: the CPU widens them).
     fn relax(&self, plan: &Plan, _ctx: &SearchContext) -> Option<Plan> {

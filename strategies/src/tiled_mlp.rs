@@ -109,7 +109,7 @@ impl Strategy for TiledMlp {
     /// Needs a model whose blocks run their MLP as the execution says.
     fn unusable(&self, ctx: &SearchContext) -> Option<String> {
         (!ctx.model.tiled_mlp)
-            .then(|| "the model does not run its MLP in tiles as the plan's execution says".into())
+            .then(|| "cannot be used for this model: it does not run its MLP in tiles".into())
     }
 }
 
