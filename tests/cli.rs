@@ -1,19 +1,13 @@
 //! Tests of the real `oomfix` binary: exit codes, output, logs.
 
-use assert_cmd::Command;
+mod common;
+
+use common::oomfix;
 use predicates::prelude::*;
 use serde_json::Value;
 
-fn oomfix() -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.env_remove("RUST_LOG");
-    cmd
-}
-
 fn json_of(args: &[&str]) -> (i32, Value) {
-    let out = oomfix().args(args).arg("--json").output().unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
-    (out.status.code().unwrap(), v)
+    common::code_and_json(oomfix().args(args).arg("--json"))
 }
 
 #[test]

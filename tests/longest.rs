@@ -5,7 +5,7 @@
 
 mod common;
 
-use assert_cmd::Command;
+use common::oomfix;
 use oomfix::{ModelSpec, Planner, Target};
 use serde_json::Value;
 
@@ -98,14 +98,8 @@ fn fitting_is_monotone_in_the_length_on_every_family() {
     }
 }
 
-fn oomfix() -> Command {
-    Command::cargo_bin("oomfix").unwrap()
-}
-
 fn json(args: &[&str]) -> (i32, Value) {
-    let out = oomfix().args(args).arg("--json").output().unwrap();
-    let code = out.status.code().unwrap();
-    (code, serde_json::from_slice(&out.stdout).unwrap())
+    common::code_and_json(oomfix().args(args).arg("--json"))
 }
 
 /// The plan, its JSON and its table: the length found is the plan's, the
