@@ -294,11 +294,17 @@ mod tests {
         v
     }
 
-    #[test]
-    fn replaces_the_target_whole() {
+    /// A directory holding `out.bin`, of `old contents`.
+    fn old_file() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("out.bin");
         std::fs::write(&p, b"old contents").unwrap();
+        (dir, p)
+    }
+
+    #[test]
+    fn replaces_the_target_whole() {
+        let (dir, p) = old_file();
         write_atomic(&p, |f| {
             f.write_all(b"new").map_err(|e| Error::Io {
                 context: "test".into(),
@@ -312,9 +318,7 @@ mod tests {
 
     #[test]
     fn a_failing_writer_leaves_the_target_and_no_temporary_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("out.bin");
-        std::fs::write(&p, b"old contents").unwrap();
+        let (dir, p) = old_file();
         let mut seen = None;
         let err = write_atomic(&p, |f| {
             f.write_all(b"partial").unwrap();
