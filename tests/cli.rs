@@ -210,12 +210,10 @@ fn enforce_budget_on_the_cpu_is_a_usage_error() {
 
 #[test]
 fn json_logs_are_one_object_per_line_with_attempt_fields() {
-    let out = oomfix()
-        .args(["--budget", "8GiB", "--log-format", "json"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let stderr = String::from_utf8(out.stderr).unwrap();
+    let stderr = common::stderr_of(
+        oomfix().args(["--budget", "8GiB", "--log-format", "json"]),
+        0,
+    );
     let attempts: Vec<Value> = stderr
         .lines()
         .filter(|l| l.starts_with('{'))

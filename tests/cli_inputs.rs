@@ -26,10 +26,16 @@ fn file(dir: &tempfile::TempDir, name: &str) -> PathBuf {
     dir.path().join(name)
 }
 
-fn header(dir: &tempfile::TempDir, header: &str, data_len: u64) -> PathBuf {
+/// `m.safetensors` in `dir`: a length field of `length`, then `header` and
+/// `data_len` bytes of data.
+fn raw(dir: &tempfile::TempDir, length: u64, header: &[u8], data_len: u64) -> PathBuf {
     let p = file(dir, "m.safetensors");
-    write_header(&p, header, data_len);
+    write_raw(&p, length, header, data_len);
     p
+}
+
+fn header(dir: &tempfile::TempDir, header: &str, data_len: u64) -> PathBuf {
+    raw(dir, header.len() as u64, header.as_bytes(), data_len)
 }
 
 const W: &str = r#""w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#;
@@ -47,19 +53,14 @@ fn truncated_files() {
 #[test]
 fn lying_header_lengths() {
     let d = tempfile::tempdir().unwrap();
-    let p = file(&d, "m.safetensors");
-    write_raw(&p, 1000, b"{}", 0);
-    rejects(&p, "header");
-    write_raw(&p, u64::MAX, b"{}", 0);
-    rejects(&p, "header");
+    rejects(&raw(&d, 1000, b"{}", 0), "header");
+    rejects(&raw(&d, u64::MAX, b"{}", 0), "header");
 }
 
 #[test]
 fn headers_that_are_not_json_objects() {
     let d = tempfile::tempdir().unwrap();
-    let p = file(&d, "m.safetensors");
-    write_raw(&p, 4, &[0xff, 0xfe, 0x7b, 0x7d], 0);
-    rejects(&p, "utf-8");
+    rejects(&raw(&d, 4, &[0xff, 0xfe, 0x7b, 0x7d], 0), "utf-8");
     rejects(&header(&d, "{not json", 0), "json");
     rejects(&header(&d, "[1,2]", 0), "object");
 }

@@ -302,31 +302,16 @@ fn moe_config(
 /// Qwen3-30B-A3B and OLMoE-1B-7B (as transformers 5.25 builds them).
 #[test]
 fn mixture_of_experts_parameter_counts_are_the_published_ones() {
-    let mixtral = moe_config(
-        ModelConfig::llama(32, 4096, 32, 8, 14336, 32000, false),
-        8,
-        2,
-        14336,
-        true,
-    );
+    let llama = ModelConfig::llama(32, 4096, 32, 8, 14336, 32000, false);
+    let mixtral = moe_config(llama, 8, 2, 14336, true);
     assert_eq!(mixtral.parameter_count(), 46_702_792_704);
-    let mut qwen3 = moe_config(
-        ModelConfig::llama(48, 2048, 32, 4, 768, 151936, false),
-        128,
-        8,
-        768,
-        false,
-    );
+    let llama = ModelConfig::llama(48, 2048, 32, 4, 768, 151936, false);
+    let mut qwen3 = moe_config(llama, 128, 8, 768, false);
     qwen3.settings.head_dim = Some(128);
     qwen3.settings.qk_norm = true;
     assert_eq!(qwen3.parameter_count(), 30_532_122_624);
-    let mut olmoe = moe_config(
-        ModelConfig::llama(16, 2048, 16, 16, 1024, 50304, false),
-        64,
-        8,
-        1024,
-        false,
-    );
+    let llama = ModelConfig::llama(16, 2048, 16, 16, 1024, 50304, false);
+    let mut olmoe = moe_config(llama, 64, 8, 1024, false);
     olmoe.settings.qk_norm = true;
     olmoe.settings.qk_norm_whole = true;
     assert_eq!(olmoe.parameter_count(), 6_919_161_856);

@@ -37,12 +37,18 @@ fn assert_mentions(msg: &str, phrase: &str) {
     assert!(msg.contains(phrase), "expected {phrase:?} in: {msg}");
 }
 
-/// An input error for a file with `header` and `data_len` bytes of data.
-fn header_error(header: &str, data_len: u64) -> String {
+/// The input error for a file whose length field says `length`, then
+/// `header` and `data_len` bytes of data.
+fn raw_error(length: u64, header: &[u8], data_len: u64) -> String {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("bad.safetensors");
-    write_header(&path, header, data_len);
+    write_raw(&path, length, header, data_len);
     input_error(&path)
+}
+
+/// An input error for a file with `header` and `data_len` bytes of data.
+fn header_error(header: &str, data_len: u64) -> String {
+    raw_error(header.len() as u64, header.as_bytes(), data_len)
 }
 
 // ---- families ----------------------------------------------------------------------------
@@ -437,44 +443,33 @@ fn shorter_than_length_field() {
 
 #[test]
 fn header_length_larger_than_file() {
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("trunc.safetensors");
-    write_raw(&path, 1000, b"{}", 0);
     assert_mentions(
-        &input_error(&path),
+        &raw_error(1000, b"{}", 0),
         "header length 1000 is larger than the file: only 2 bytes follow",
     );
 }
 
 #[test]
 fn absurd_header_length_is_refused_before_allocating() {
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("absurd.safetensors");
-    write_raw(&path, u64::MAX, b"{}", 0);
     assert_mentions(
-        &input_error(&path),
+        &raw_error(u64::MAX, b"{}", 0),
         "over the safetensors limit of 100000000 bytes",
     );
     // Even when the file is long enough to hold it (sparse 1 GiB file).
-    write_raw(&path, 200 << 20, b"{}", 1 << 30);
     assert_mentions(
-        &input_error(&path),
+        &raw_error(200 << 20, b"{}", 1 << 30),
         "header length field says 209715200 bytes, over the safetensors limit of 100000000 bytes",
     );
     // One byte over the reference library's limit (which is under 100 MiB).
-    write_raw(&path, 100_000_001, b"{}", 100_000_000);
     assert_mentions(
-        &input_error(&path),
+        &raw_error(100_000_001, b"{}", 100_000_000),
         "header length field says 100000001 bytes, over the safetensors limit",
     );
 }
 
 #[test]
 fn header_not_utf8() {
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("bin.safetensors");
-    write_raw(&path, 4, b"{\"\xc3\x28", 0);
-    assert_mentions(&input_error(&path), "header is not UTF-8");
+    assert_mentions(&raw_error(4, b"{\"\xc3\x28", 0), "header is not UTF-8");
 }
 
 #[test]
@@ -598,7 +593,7 @@ fn gap_between_ranges_and_unused_tail() {
     );
     let tail = r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
     assert_mentions(
-        &header_error(&tail, 20),
+        &header_error(tail, 20),
         "gap of 4 unused bytes at the end of the data region",
     );
 }

@@ -160,11 +160,7 @@ fn nothing_fits_at_any_length_exits_1_with_the_closest_plan() {
 
 #[test]
 fn a_misspelled_length_is_a_usage_error() {
-    let out = oomfix()
-        .args(["--budget", "8GiB", "--seq-len", "long"])
-        .output()
-        .unwrap();
-    let err = common::assert_exit(&out, 2);
+    let err = common::stderr_of(oomfix().args(["--budget", "8GiB", "--seq-len", "long"]), 2);
     assert!(
         err.contains("--seq-len") && err.contains("`longest`"),
         "{err}"

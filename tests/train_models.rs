@@ -573,25 +573,13 @@ fn bad_weight_files_are_input_errors_naming_the_tensor() {
         |n| n.replace("h.1.ln_2.bias", "unrelated"),
         &[],
     );
-    let err = build_model(&config, Some(&missing), DType::F32, &Device::Cpu, 0)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(err, Error::Input { .. }) && err.to_string().contains("h.1.ln_2.bias"),
-        "{err}"
-    );
+    assert_refused(&config, &missing, "h.1.ln_2.bias");
 
     let bigger = ModelConfig {
         hidden: 64,
         ..config.clone()
     };
-    let err = build_model(&bigger, Some(&missing), DType::F32, &Device::Cpu, 0)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(err, Error::Input { .. }) && err.to_string().contains("shape"),
-        "{err}"
-    );
+    assert_refused(&bigger, &missing, "shape");
 
     // A tensor the model has no parameter for: the checkpoint is refused.
     let extra = Tensor::ones(32, DType::F32, &Device::Cpu).unwrap();
@@ -603,29 +591,21 @@ fn bad_weight_files_are_input_errors_naming_the_tensor() {
         str::to_string,
         &[("h.0.attn.q_norm.weight", extra)],
     );
-    let err = build_model(&config, Some(&unused), DType::F32, &Device::Cpu, 0)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(err, Error::Input { .. })
-            && err
-                .to_string()
-                .contains("would not use: h.0.attn.q_norm.weight"),
-        "{err}"
-    );
+    assert_refused(&config, &unused, "would not use: h.0.attn.q_norm.weight");
 
     let not_safetensors = temp_file(&dir, "garbage.safetensors");
     std::fs::write(&not_safetensors, b"not a safetensors file").unwrap();
-    let err = build_model(
-        &config,
-        Some(&[not_safetensors]),
-        DType::F32,
-        &Device::Cpu,
-        0,
-    )
-    .err()
-    .unwrap();
-    assert!(matches!(err, Error::Input { .. }), "{err}");
+    assert_refused(&config, &[not_safetensors], "");
+}
+
+/// Checks that building `config` from `files` is an input error that says
+/// `says`.
+fn assert_refused(config: &ModelConfig, files: &[PathBuf], says: &str) {
+    let err = build_model(config, Some(files), DType::F32, &Device::Cpu, 0)
+        .err()
+        .unwrap();
+    let input = matches!(err, Error::Input { .. });
+    assert!(input && err.to_string().contains(says), "{err}");
 }
 
 #[test]

@@ -147,6 +147,7 @@ pub fn step_losses(log: &str) -> Vec<f64> {
 /// Starts `cmd` (its stdout discarded) and reads its stderr until a line
 /// `until` accepts (the test fails if the stderr ends first); returns the
 /// child, the rest of its stderr and what was read.
+#[allow(clippy::zombie_processes)] // the caller waits for the child
 pub fn start_until(
     cmd: &mut std::process::Command,
     until: impl Fn(&str) -> bool,
