@@ -39,6 +39,10 @@ use oomfix::track::{Component, CountingAlloc};
 use oomfix::{Estimator, Family, MemoryModel, ModelConfig, ModelSpec, Target};
 use std::fmt::Write as _;
 
+#[path = "common/args.rs"]
+mod args;
+use args::Args;
+
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
@@ -66,77 +70,45 @@ fn gpu_models() -> Vec<(&'static str, ModelConfig)> {
     ]
 }
 
+/// A GPT-2 of `layers` × `hidden` (`heads` heads), a vocabulary of `vocab`
+/// and `positions` learned positions.
+fn gpt2(shape: (usize, usize, usize), vocab: usize, positions: usize) -> ModelConfig {
+    let (layers, hidden, heads) = shape;
+    ModelConfig {
+        vocab,
+        max_positions: positions,
+        ..ModelConfig::gpt2(layers, hidden, heads)
+    }
+}
+
+/// A BERT of `layers` × `hidden` (`heads` heads), a vocabulary of `vocab`
+/// and `positions` learned positions.
+fn bert(shape: (usize, usize, usize), vocab: usize, positions: usize) -> ModelConfig {
+    let (layers, hidden, heads) = shape;
+    ModelConfig {
+        max_positions: positions,
+        ..ModelConfig::bert(layers, hidden, heads, vocab)
+    }
+}
+
 fn models(quick: bool) -> Vec<(&'static str, ModelConfig)> {
+    let llama = ModelConfig::llama;
     let mut m = vec![
-        (
-            "gpt2-tiny",
-            ModelConfig {
-                vocab: 512,
-                max_positions: 256,
-                ..ModelConfig::gpt2(2, 64, 4)
-            },
-        ),
-        (
-            "llama-tiny",
-            ModelConfig::llama(2, 64, 4, 2, 176, 512, false),
-        ),
-        (
-            "bert-tiny",
-            ModelConfig {
-                max_positions: 256,
-                ..ModelConfig::bert(2, 64, 4, 512)
-            },
-        ),
+        ("gpt2-tiny", gpt2((2, 64, 4), 512, 256)),
+        ("llama-tiny", llama(2, 64, 4, 2, 176, 512, false)),
+        ("bert-tiny", bert((2, 64, 4), 512, 256)),
     ];
     if !quick {
         m.extend([
-            (
-                "gpt2-small-ish",
-                ModelConfig {
-                    vocab: 4096,
-                    max_positions: 512,
-                    ..ModelConfig::gpt2(4, 256, 4)
-                },
-            ),
-            (
-                "llama-small-ish",
-                ModelConfig::llama(4, 256, 8, 2, 688, 4096, true),
-            ),
-            (
-                "bert-small-ish",
-                ModelConfig {
-                    max_positions: 512,
-                    ..ModelConfig::bert(4, 256, 4, 4096)
-                },
-            ),
-            (
-                "gpt2-mid",
-                ModelConfig {
-                    vocab: 8192,
-                    max_positions: 512,
-                    ..ModelConfig::gpt2(6, 512, 8)
-                },
-            ),
-            (
-                "llama-mid",
-                ModelConfig::llama(6, 512, 8, 4, 1376, 8192, false),
-            ),
-            (
-                "bert-mid",
-                ModelConfig {
-                    max_positions: 512,
-                    ..ModelConfig::bert(6, 512, 8, 8192)
-                },
-            ),
+            ("gpt2-small-ish", gpt2((4, 256, 4), 4096, 512)),
+            ("llama-small-ish", llama(4, 256, 8, 2, 688, 4096, true)),
+            ("bert-small-ish", bert((4, 256, 4), 4096, 512)),
+            ("gpt2-mid", gpt2((6, 512, 8), 8192, 512)),
+            ("llama-mid", llama(6, 512, 8, 4, 1376, 8192, false)),
+            ("bert-mid", bert((6, 512, 8), 8192, 512)),
             // A masked-LM head 78 times the hidden size, as all-MiniLM-L6-v2's
             // 30,522 words are of its 384.
-            (
-                "bert-wide-head",
-                ModelConfig {
-                    max_positions: 256,
-                    ..ModelConfig::bert(2, 64, 4, 5000)
-                },
-            ),
+            ("bert-wide-head", bert((2, 64, 4), 5000, 256)),
         ]);
     }
     m
@@ -196,14 +168,9 @@ fn plans(shapes: &[(usize, usize)]) -> Vec<Plan> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let value = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    let quick = args.iter().any(|a| a == "--quick");
+    let args = Args::from_env();
+    let value = |option: &str| args.value(option);
+    let quick = args.has("--quick");
     let out_dir = value("--out").unwrap_or("docs".into());
     let target: Target = value("--device").unwrap_or("cpu".into()).parse()?;
     let deadline = value("--deadline")
@@ -232,9 +199,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
     let shapes = custom_shapes.as_deref().unwrap_or(shapes);
-    let explain = args.iter().any(|a| a == "--explain") && !gpu;
+    let explain = args.has("--explain") && !gpu;
     let cache_path = value("--cache");
-    let cache_only = args.iter().any(|a| a == "--cache-only");
+    let cache_only = args.has("--cache-only");
     // A filtered run, or one that skips what its cache lacks, writes no files.
     let partial =
         model_prefixes.is_some() || plan_parts.is_some() || custom_shapes.is_some() || cache_only;

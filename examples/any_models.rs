@@ -11,8 +11,9 @@
 //!
 //! `cargo run --release --example any_models` (a few seconds).
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use oomfix::anymodel::{MeasuredPlan, MeasuredPlanner, Verification};
+use oomfix::strategies::model::Model;
 use oomfix::strategies::shard::{Comm, ThreadComm};
 use oomfix::strategies::OptimizerImpl;
 use oomfix::train::data::DataSource;
@@ -54,22 +55,36 @@ fn show(name: &str, planned: &MeasuredPlan) {
     }
 }
 
-fn main() -> oomfix::Result<()> {
-    let cpu = Device::Cpu;
-    let options = TrainOptions::default();
-
-    // The ViT under 24 MiB with a global batch of 32 images.
-    let planner = Planner::new(24 << 20).global_batch(32).target(Target::Cpu);
-    let planned = MeasuredPlanner::new(planner, vit).name("vit").run()?;
-    show("vit", &planned);
-    let plan = planned.result.chosen().expect("the ViT fits").plan;
-    let mut trainer = Trainer::of_model(vit, plan, &cpu, &options)?;
+/// Plans the model `build` makes by measurement with `planner` (named
+/// `name`, shown as `label`), trains three steps of the plan it chose and
+/// prints their losses.
+fn plan_and_train<M, B>(planner: Planner, build: B, name: &str, label: &str) -> oomfix::Result<()>
+where
+    M: Model + Send + 'static,
+    B: Fn(DType, &Device) -> candle_core::Result<M> + Copy + Send + Sync + 'static,
+{
+    let planned = MeasuredPlanner::new(planner, build).name(name).run()?;
+    show(label, &planned);
+    let chosen = planned.result.chosen();
+    let plan = chosen
+        .unwrap_or_else(|| panic!("{label}: nothing fits"))
+        .plan;
+    let mut trainer = Trainer::of_model(build, plan, &Device::Cpu, &TrainOptions::default())?;
     for step in 0..3 {
         println!(
             "  step {step}: loss {:.4}",
             trainer.step(&mut DataSource::ModelMade)?.loss
         );
     }
+    Ok(())
+}
+
+fn main() -> oomfix::Result<()> {
+    let options = TrainOptions::default();
+
+    // The ViT under 24 MiB with a global batch of 32 images.
+    let planner = Planner::new(24 << 20).global_batch(32).target(Target::Cpu);
+    plan_and_train(planner, vit, "vit", "vit")?;
 
     // The convolution LM under 24 MiB, 16 sequences of 128 tokens.
     let lm = || {
@@ -78,34 +93,15 @@ fn main() -> oomfix::Result<()> {
             .seq_len(128)
             .target(Target::Cpu)
     };
-    let planned = MeasuredPlanner::new(lm(), conv_lm).name("conv-lm").run()?;
-    show("conv-lm", &planned);
-    let plan = planned.result.chosen().expect("the LM fits").plan;
-    let mut trainer = Trainer::of_model(conv_lm, plan, &cpu, &options)?;
-    for step in 0..3 {
-        println!(
-            "  step {step}: loss {:.4}",
-            trainer.step(&mut DataSource::ModelMade)?.loss
-        );
-    }
+    plan_and_train(lm(), conv_lm, "conv-lm", "conv-lm")?;
 
     // The same with the optimizer offloaded (pinned: the planner does not
     // offload on the CPU, whose "host" memory is the device's; the
     // estimate adds the host bytes to the peak there).
     let mut pins = Pins::default();
     pins.optimizer = Some(OptimizerImpl::OffloadedAdamW);
-    let planned = MeasuredPlanner::new(lm().pins(pins), conv_lm)
-        .name("conv-lm offloaded")
-        .run()?;
-    show("conv-lm, optimizer offloaded", &planned);
-    let plan = planned.result.chosen().expect("the offloaded LM fits").plan;
-    let mut trainer = Trainer::of_model(conv_lm, plan, &cpu, &options)?;
-    for step in 0..3 {
-        println!(
-            "  step {step}: loss {:.4}",
-            trainer.step(&mut DataSource::ModelMade)?.loss
-        );
-    }
+    let label = "conv-lm, optimizer offloaded";
+    plan_and_train(lm().pins(pins), conv_lm, "conv-lm offloaded", label)?;
 
     // Sharded over two in-process ranks (ZeRO stage 2 pinned), half the budget each.
     let mut pins = Pins::default();

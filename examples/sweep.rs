@@ -52,6 +52,10 @@ use oomfix::{
 };
 use serde_json::{json, Value};
 
+#[path = "common/args.rs"]
+mod args;
+use args::Args;
+
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
@@ -161,13 +165,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().collect();
-    let value = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
+    let args = Args::from_env();
+    let value = |option: &str| args.value(option);
     let steps: usize = value("--steps").map_or(Ok(5), |s| s.parse())?;
     let rounds: usize = value("--recheck").map_or(Ok(0), |s| s.parse())?;
     let out = value("--out").unwrap_or("docs/sweep.json".into());

@@ -33,29 +33,16 @@ LOG=$OUT_DIR/chunked-loss.txt
 : >"$LOG"
 export CUDA_CACHE_PATH=$WORK/nvcache CUDA_CACHE_MAXSIZE=4294967296
 unset RUST_BACKTRACE
-for bin in oomfix gpu_bench; do
-    xz -dc "$BIN_DIR/$bin-cuda.xz" >"$WORK/$bin" && chmod +x "$WORK/$bin" ||
-        { echo "cannot unpack $BIN_DIR/$bin-cuda.xz" >&2; exit 1; }
-done
+# shellcheck source=scripts/gpu-log.sh
+. "$HERE/gpu-log.sh"
+unpack "$BIN_DIR" oomfix gpu_bench
 python3 "$HERE/make-sparse-gpt2.py" "$WORK/gpt2-medium/model.safetensors" 24 1024 >&2
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee -a "$LOG"
 
-# Runs ARGS..., appending the command line, its output and exit status to the log.
-run() {
-    if ((SECONDS > DEADLINE)); then
-        printf '$ %s\n(skipped: deadline)\n\n' "$*" | tee -a "$LOG"
-        return
-    fi
-    local start=$SECONDS
-    printf '$ %s\n' "$*" | sed "s|$WORK/||g" | tee -a "$LOG"
-    timeout "$CAP" "$@" 2>&1 | sed "s|$WORK/||g" | tee -a "$LOG"
-    printf '(exit status %s, %d s)\n\n' "${PIPESTATUS[0]}" $((SECONDS - start)) | tee -a "$LOG"
-}
-
 M=$WORK/gpt2-medium/model.safetensors
 V=(--budget 8GiB --verify --enforce-budget --device cuda:0)
-run env SECTIONS=5 "$WORK/gpu_bench"
-run "$WORK/oomfix" "${V[@]}" "$M"
-run "$WORK/oomfix" "${V[@]}" --loss whole "$M"
-run "$WORK/oomfix" "${V[@]}" --loss chunked --micro-batch 8 "$M"
-run "$WORK/oomfix" train --init random "${V[@]}" --steps 4 "$M"
+logged env SECTIONS=5 "$WORK/gpu_bench"
+logged "$WORK/oomfix" "${V[@]}" "$M"
+logged "$WORK/oomfix" "${V[@]}" --loss whole "$M"
+logged "$WORK/oomfix" "${V[@]}" --loss chunked --micro-batch 8 "$M"
+logged "$WORK/oomfix" train --init random "${V[@]}" --steps 4 "$M"

@@ -20,27 +20,19 @@ DEADLINE=${DEADLINE:-400}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 WORK=${TMPDIR:-/tmp}/gpu-8gib
 mkdir -p "$OUT_DIR" "$WORK/gpt2-medium" "$WORK/tinyllama"
-CLI=$OUT_DIR/cli.txt
-: >"$CLI"
+LOG=$OUT_DIR/cli.txt
+: >"$LOG"
 export CUDA_CACHE_PATH=$WORK/nvcache CUDA_CACHE_MAXSIZE=4294967296
 unset RUST_BACKTRACE
-xz -dc "$BIN_DIR/oomfix-cuda.xz" >"$WORK/oomfix" && chmod +x "$WORK/oomfix" ||
-    { echo "cannot unpack $BIN_DIR/oomfix-cuda.xz" >&2; exit 1; }
+# shellcheck source=scripts/gpu-log.sh
+. "$HERE/gpu-log.sh"
+unpack "$BIN_DIR" oomfix
 python3 "$HERE/make-sparse-gpt2.py" "$WORK/gpt2-medium/model.safetensors" 24 1024 >&2
 python3 "$HERE/make-sparse-llama.py" "$WORK/tinyllama/model.safetensors" 22 2048 32 4 5632 32000 >&2
 echo '{"num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048}' >"$WORK/tinyllama/config.json"
 
-# Runs `oomfix ARGS...`, appending the command line, its output and exit status to cli.txt.
-run() {
-    if ((SECONDS > DEADLINE)); then
-        printf '$ oomfix %s\n(skipped: deadline)\n\n' "$*" | tee -a "$CLI"
-        return
-    fi
-    local start=$SECONDS
-    printf '$ oomfix %s\n' "$*" | sed "s|$WORK/||g" | tee -a "$CLI"
-    timeout "$CAP" "$WORK/oomfix" "$@" 2>&1 | sed "s|$WORK/||g" | tee -a "$CLI"
-    printf '(exit status %s, %d s)\n\n' "${PIPESTATUS[0]}" $((SECONDS - start)) | tee -a "$CLI"
-}
+# Runs `oomfix ARGS...` into cli.txt.
+run() { logged "$WORK/oomfix" "$@"; }
 
 V=(--budget 8GiB --verify --enforce-budget --device cuda:0)
 # `train --verify`: the plan trained is one whose measured step fitted.

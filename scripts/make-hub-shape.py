@@ -25,6 +25,16 @@ import sys
 
 import sparse_safetensors
 
+# meta-llama/Meta-Llama-3-8B's config.json.
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+
 # The values of each model's config.json on the Hub.
 SHAPES = {
     "qwen3-0.6b": {  # Qwen/Qwen3-0.6B
@@ -48,25 +58,12 @@ SHAPES = {
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": True,
         "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
     },
-    "llama-3-8b": {  # meta-llama/Meta-Llama-3-8B
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
-        "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
-    },
-    "llama-3.1-8b": {  # meta-llama/Llama-3.1-8B
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
-        "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
-    },
+    "llama-3-8b": LLAMA_3_8B,
+    "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B: Llama 3 8B with llama3 RoPE scaling
+        LLAMA_3_8B, max_position_embeddings=131072,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        attention_bias=False, mlp_bias=False),
     "gemma-3-1b": {  # google/gemma-3-1b-pt
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
         "vocab_size": 262144, "hidden_size": 1152, "intermediate_size": 6912,

@@ -122,6 +122,19 @@ def llama_with(scaling, theta=10000.0, **kw):
     return LlamaForCausalLM(LlamaConfig(**args))
 
 
+def phi3_with(original, tied, scaling=None, **kw):
+    """A tiny Phi-3 (fused projections, grouped-query attention) whose
+    original context is `original` positions, with a RoPE scaling."""
+    args = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=48, vocab_size=V,
+                max_position_embeddings=64, original_max_position_embeddings=original,
+                rms_norm_eps=1e-5, tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0,
+                attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+                sliding_window=None, attn_implementation="eager", **rope(10000.0, scaling))
+    args.update(kw)
+    return Phi3ForCausalLM(Phi3Config(**args))
+
+
 # Fixtures after the first four: their norm scales spread (spread_norms).
 SPREAD = {"qwen3", "llama3", "llama-linear", "llama-dynamic", "llama-yarn", "phi3",
           "phi3-longrope", "phi4-mini"}
@@ -183,37 +196,21 @@ def parity_models():
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
     # Phi-3: fused qkv_proj (q, k, v rows) and gate_up_proj (gate, up rows),
     # untied head, full rotary.
-    yield "phi3", Phi3ForCausalLM(Phi3Config(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
-        original_max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        partial_rotary_factor=1.0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
-        bos_token_id=0, eos_token_id=0, pad_token_id=None, sliding_window=None,
-        attn_implementation="eager", **rope(10000.0)))
+    yield "phi3", phi3_with(64, tied=False, partial_rotary_factor=1.0)
     # Phi-3.5-mini-style: longrope scaling, the batch (8) within the original
     # context (16): the short factors, and the attention factor of a context
     # grown 4 times (sqrt(1 + ln 4 / ln 16)).
-    yield "phi3-longrope", Phi3ForCausalLM(Phi3Config(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
-        original_max_position_embeddings=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, bos_token_id=0,
-        eos_token_id=0, pad_token_id=None, sliding_window=None, attn_implementation="eager",
-        **rope(10000.0, {"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0, 6.0],
-                         "long_factor": [1.0, 2.0, 5.0, 12.0],
-                         "original_max_position_embeddings": 16})))
+    yield "phi3-longrope", phi3_with(
+        16, tied=False,
+        scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0, 6.0],
+                 "long_factor": [1.0, 2.0, 5.0, 12.0], "original_max_position_embeddings": 16})
     # Phi-4-mini-style: partial rotary (3/4 of each head of 8), longrope with
     # the batch past the original context (4): the long factors; tied head.
-    yield "phi4-mini", Phi3ForCausalLM(Phi3Config(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=48, vocab_size=V, max_position_embeddings=64,
-        original_max_position_embeddings=4, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, bos_token_id=0,
-        eos_token_id=0, pad_token_id=None, sliding_window=None, attn_implementation="eager",
-        partial_rotary_factor=0.75,
-        **rope(10000.0, {"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0],
-                         "long_factor": [1.0, 4.0, 16.0], "partial_rotary_factor": 0.75,
-                         "original_max_position_embeddings": 4})))
+    yield "phi4-mini", phi3_with(
+        4, tied=True, partial_rotary_factor=0.75,
+        scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0],
+                 "long_factor": [1.0, 4.0, 16.0], "partial_rotary_factor": 0.75,
+                 "original_max_position_embeddings": 4})
     # Gemma 2: three blocks (sliding, full, sliding by the class's pattern), a
     # window of 3 of the batch's 8 positions, head size 16 (hidden / heads is
     # 8), scores scaled by 12^-1/2, attention and logits soft-capped by caps

@@ -682,6 +682,24 @@ mod tests {
         Job::from_lookup(&|name| map.get(name).cloned())
     }
 
+    /// What a rank's thread gets back from [`Control::connect`].
+    type Joining = std::thread::JoinHandle<Result<(Control, Vec<u8>)>>;
+
+    /// Rank 0's listener on a free local port, and threads of `ranks` of a
+    /// world of `world_size` connecting to it (for 10 s at most).
+    fn world(ranks: std::ops::Range<usize>, world_size: usize) -> (Listener, Vec<Joining>) {
+        let l = Listener::bind("127.0.0.1", 0).unwrap();
+        let port = l.port();
+        let peers = ranks
+            .map(|r| {
+                std::thread::spawn(move || {
+                    Control::connect("127.0.0.1", port, r, world_size, Duration::from_secs(10))
+                })
+            })
+            .collect();
+        (l, peers)
+    }
+
     #[test]
     fn torchrun_and_mpirun_environments() {
         assert_eq!(job(&[]).unwrap(), None);
@@ -747,32 +765,20 @@ mod tests {
 
     #[test]
     fn rendezvous_hands_out_the_payload_and_refuses_another_world_size() {
-        let l = Listener::bind("127.0.0.1", 0).unwrap();
-        let port = l.port();
-        let peers: Vec<_> = (1..3)
-            .map(|r| {
-                std::thread::spawn(move || {
-                    Control::connect("127.0.0.1", port, r, 3, Duration::from_secs(10))
-                })
-            })
-            .collect();
+        let (l, peers) = world(1..3, 3);
         let c = l.accept(3, &[1, 2, 255], Duration::from_secs(10)).unwrap();
         for p in peers {
             assert_eq!(p.join().unwrap().unwrap().1, [1, 2, 255]);
         }
         drop(c);
 
-        let l = Listener::bind("127.0.0.1", 0).unwrap();
-        let port = l.port();
-        let peer = std::thread::spawn(move || {
-            Control::connect("127.0.0.1", port, 1, 3, Duration::from_secs(10))
-        });
+        let (l, mut peers) = world(1..2, 3);
         let e = l.accept(2, &[], Duration::from_secs(10)).err().unwrap();
         assert!(
             e.is_input() && e.to_string().contains("WORLD_SIZE=3"),
             "{e}"
         );
-        let e = peer.join().unwrap().err().unwrap();
+        let e = peers.remove(0).join().unwrap().err().unwrap();
         assert!(e.to_string().contains("WORLD_SIZE=3"), "{e}");
 
         // A rank that never comes: a usage error once the timeout has passed.
@@ -846,19 +852,12 @@ mod tests {
 
     #[test]
     fn the_watchdog_names_a_rank_that_dies_or_fails() {
-        let l = Listener::bind("127.0.0.1", 0).unwrap();
-        let port = l.port();
-        let peers: Vec<_> = (1..3)
-            .map(|r| {
-                std::thread::spawn(move || {
-                    Control::connect("127.0.0.1", port, r, 3, Duration::from_secs(10))
-                        .unwrap()
-                        .0
-                })
-            })
-            .collect();
+        let (l, peers) = world(1..3, 3);
         let zero = l.accept(3, &[], Duration::from_secs(10)).unwrap();
-        let mut peers: Vec<Control> = peers.into_iter().map(|p| p.join().unwrap()).collect();
+        let mut peers: Vec<Control> = peers
+            .into_iter()
+            .map(|p| p.join().unwrap().unwrap().0)
+            .collect();
         let (tx, rx) = std::sync::mpsc::channel();
         let tx0 = Mutex::new(tx.clone());
         let (progress, long) = (Arc::new(AtomicU64::new(0)), Duration::from_secs(60));

@@ -22,34 +22,23 @@ pub fn write_atomic<F>(path: &Path, write: F) -> Result<()>
 where
     F: FnOnce(&mut File) -> Result<()>,
 {
-    let io = |what: &str, e: std::io::Error| Error::Io {
-        context: format!("{what} {}", path.display()),
-        source: e,
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::Usage(format!("{} does not name a file", path.display())))?;
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let prefix = format!(".{}.", name.to_string_lossy());
-    let mut builder = tempfile::Builder::new();
-    builder.prefix(&prefix).suffix(".tmp");
+    let dest = Destination::new(path, "file")?;
+    let mut builder = dest.temporary(".tmp");
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
         // What `File::create` would give (the umask applies), not tempfile's 0600.
         builder.permissions(std::fs::Permissions::from_mode(0o666));
     }
+    let io = |what: &str, e| dest.io(what, e);
     let mut tmp = builder
-        .tempfile_in(dir)
+        .tempfile_in(dest.dir)
         .map_err(|e| io("cannot create a temporary file for", e))?;
     write(tmp.as_file_mut())?;
     tmp.as_file().sync_all().map_err(|e| io("cannot sync", e))?;
     tmp.persist(path)
         .map_err(|e| io("cannot rename the temporary file to", e.error))?;
-    sync_dir(dir).map_err(|e| io("cannot sync the directory of", e))
+    sync_dir(dest.dir).map_err(|e| io("cannot sync the directory of", e))
 }
 
 /// Writes the directory `path` atomically with `write`, which fills a new
@@ -70,21 +59,11 @@ pub fn write_dir_atomic<F>(path: &Path, write: F) -> Result<()>
 where
     F: FnOnce(&Path) -> Result<()>,
 {
-    let io = |what: &str, e: std::io::Error| Error::Io {
-        context: format!("{what} {}", path.display()),
-        source: e,
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| Error::Usage(format!("{} does not name a directory", path.display())))?;
-    let parent = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{}.", name.to_string_lossy()))
-        .suffix(".tmp")
-        .tempdir_in(parent)
+    let dest = Destination::new(path, "directory")?;
+    let io = |what: &str, e| dest.io(what, e);
+    let tmp = dest
+        .temporary(".tmp")
+        .tempdir_in(dest.dir)
         .map_err(|e| io("cannot create a temporary directory for", e))?;
     // Errors name the directory being written, not only its temporary path.
     write(tmp.path()).map_err(|e| match e {
@@ -104,10 +83,9 @@ where
     if path.is_dir() {
         if exchange(tmp.path(), path).is_err() {
             // Not atomic: the old directory is aside for a moment.
-            let aside = tempfile::Builder::new()
-                .prefix(&format!(".{}.", name.to_string_lossy()))
-                .suffix(".old")
-                .tempdir_in(parent)
+            let aside = dest
+                .temporary(".old")
+                .tempdir_in(dest.dir)
                 .map_err(|e| io("cannot create a temporary directory for", e))?;
             let old = aside.path().join("old");
             std::fs::rename(path, &old).map_err(|e| io("cannot move aside", e))?;
@@ -124,7 +102,46 @@ where
             return Err(io("cannot rename the temporary directory to", e));
         }
     }
-    sync_dir(parent).map_err(|e| io("cannot sync the directory of", e))
+    sync_dir(dest.dir).map_err(|e| io("cannot sync the directory of", e))
+}
+
+/// The path an atomic write puts in place, and what its steps share.
+struct Destination<'a> {
+    path: &'a Path,
+    /// The directory it is in (`.` for a bare name).
+    dir: &'a Path,
+    /// `.{name}.`: how the temporary files beside it begin.
+    prefix: String,
+}
+
+impl<'a> Destination<'a> {
+    /// `path`; a usage error when it names no `kind` (a file or a directory).
+    fn new(path: &'a Path, kind: &str) -> Result<Destination<'a>> {
+        let name = path
+            .file_name()
+            .ok_or_else(|| Error::Usage(format!("{} does not name a {kind}", path.display())))?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let prefix = format!(".{}.", name.to_string_lossy());
+        Ok(Destination { path, dir, prefix })
+    }
+
+    /// Makes temporary files or directories named `.{name}.XXXXXX{suffix}`.
+    fn temporary<'s>(&'s self, suffix: &'s str) -> tempfile::Builder<'s, 's> {
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(&self.prefix).suffix(suffix);
+        builder
+    }
+
+    /// The error of the step `what` (`cannot sync`, ...) on the path.
+    fn io(&self, what: &str, source: std::io::Error) -> Error {
+        Error::Io {
+            context: format!("{what} {}", self.path.display()),
+            source,
+        }
+    }
 }
 
 /// Swaps two directories in one step.
@@ -277,11 +294,17 @@ mod tests {
         v
     }
 
-    #[test]
-    fn replaces_the_target_whole() {
+    /// A directory holding `out.bin`, of `old contents`.
+    fn old_file() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("out.bin");
         std::fs::write(&p, b"old contents").unwrap();
+        (dir, p)
+    }
+
+    #[test]
+    fn replaces_the_target_whole() {
+        let (dir, p) = old_file();
         write_atomic(&p, |f| {
             f.write_all(b"new").map_err(|e| Error::Io {
                 context: "test".into(),
@@ -295,9 +318,7 @@ mod tests {
 
     #[test]
     fn a_failing_writer_leaves_the_target_and_no_temporary_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("out.bin");
-        std::fs::write(&p, b"old contents").unwrap();
+        let (dir, p) = old_file();
         let mut seen = None;
         let err = write_atomic(&p, |f| {
             f.write_all(b"partial").unwrap();

@@ -235,16 +235,8 @@ fn phi4_mini_estimate_within_8_percent() {
 /// Gemma), plain and frugal at 2 × 64, and plain fp32 and bf16 at 2 × 256,
 /// where the composed attention's score-sized tensors dominate.
 fn check_gemma(name: &str, config: ModelConfig) {
-    use oomfix::strategies::{Checkpointing, OptimizerImpl};
     let plain = Plan::baseline(2, 64);
-    let frugal = Plan {
-        micro_batch: 1,
-        grad_accum: 2,
-        precision: Precision::Bf16,
-        checkpoint: Checkpointing::Every(1),
-        optimizer: OptimizerImpl::FusedAdamW,
-        ..plain
-    };
+    let frugal = estimate::frugal(plain);
     let long = Plan::baseline(2, 256);
     let long_bf16 = Plan {
         precision: Precision::Bf16,

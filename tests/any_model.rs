@@ -8,6 +8,7 @@ use oomfix::train::data::DataSource;
 use oomfix::train::{Decay, LrSchedule};
 use oomfix::{Estimator, ModelSpec, Plan, Target, TrainOptions, Trainer};
 
+mod common;
 #[path = "common/mixer.rs"]
 mod mixer;
 
@@ -219,7 +220,6 @@ impl oomfix::strategies::model::Model for Regression {
 #[test]
 fn a_model_given_as_code_sharded_takes_the_one_rank_steps() {
     use candle_core::{DType, Tensor, Var};
-    use oomfix::strategies::shard::ThreadComm;
     use oomfix::strategies::Sharding;
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let build = |dtype: DType, device: &Device| {
@@ -248,27 +248,12 @@ fn a_model_given_as_code_sharded_takes_the_one_rank_steps() {
             shard: Sharding::new(2, stage),
             ..plan
         };
-        let losses: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let handles: Vec<_> = ThreadComm::group(2)
-                .into_iter()
-                .map(|comm| {
-                    let options = &options;
-                    s.spawn(move || {
-                        let mut t = Trainer::of_model_sharded(
-                            build,
-                            per_rank,
-                            &Device::Cpu,
-                            options,
-                            Box::new(comm),
-                        )
-                        .unwrap();
-                        (0..4)
-                            .map(|_| t.step(&mut DataSource::ModelMade).unwrap().loss)
-                            .collect()
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let losses: Vec<Vec<f32>> = common::on_thread_ranks(2, |comm| {
+            let mut t =
+                Trainer::of_model_sharded(build, per_rank, &Device::Cpu, &options, comm).unwrap();
+            (0..4)
+                .map(|_| t.step(&mut DataSource::ModelMade).unwrap().loss)
+                .collect()
         });
         for (k, w) in want.iter().enumerate() {
             let got = (losses[0][k] + losses[1][k]) / 2.0;

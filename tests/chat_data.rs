@@ -8,7 +8,9 @@
 
 mod common;
 
-use assert_cmd::Command;
+use common::{
+    assert_exit, chat_dir, events, json_of, json_stdout, oomfix, oomfix_in, step_losses, train_fp32,
+};
 use oomfix::train::chat::ChatTemplate;
 use oomfix::train::data::{DataSource, TextOptions, TokenWidth};
 use oomfix::train::examples::LossOn;
@@ -16,12 +18,8 @@ use oomfix::train::tokenizer::Tokenizer;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat")
-}
-
 fn reference() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap())
+    serde_json::from_str(&std::fs::read_to_string(chat_dir().join("reference.json")).unwrap())
         .unwrap()
 }
 
@@ -36,7 +34,7 @@ const FILES: [&str; 6] = [
 ];
 
 fn load(file: &str, loss_on: LossOn) -> Vec<oomfix::train::examples::Example> {
-    let model = fixture().join("model");
+    let model = chat_dir().join("model");
     let tok = Tokenizer::from_file(&model.join("tokenizer.json")).unwrap();
     let template = ChatTemplate::from_model_dir(&model).unwrap().unwrap();
     let opts = TextOptions {
@@ -46,7 +44,7 @@ fn load(file: &str, loss_on: LossOn) -> Vec<oomfix::train::examples::Example> {
         loss_on,
         ..TextOptions::default()
     };
-    match DataSource::load(&fixture().join(file), TokenWidth::U16, 384, &opts).unwrap() {
+    match DataSource::load(&chat_dir().join(file), TokenWidth::U16, 384, &opts).unwrap() {
         DataSource::Examples(e) => e.examples().to_vec(),
         other => panic!("{file}: not examples: {other:?}"),
     }
@@ -63,10 +61,10 @@ fn ids(v: &Value) -> Vec<u32> {
 #[test]
 fn the_template_renders_as_transformers_renders_it() {
     let r = reference();
-    let template = ChatTemplate::from_model_dir(&fixture().join("model"))
+    let template = ChatTemplate::from_model_dir(&chat_dir().join("model"))
         .unwrap()
         .unwrap();
-    let text = std::fs::read_to_string(fixture().join("messages.jsonl")).unwrap();
+    let text = std::fs::read_to_string(chat_dir().join("messages.jsonl")).unwrap();
     let rows: Vec<Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -117,37 +115,19 @@ fn token_ids_and_label_masks_are_transformers() {
 /// `oomfix train` of the fixture's model on `data`, fp32 on the CPU, with
 /// JSON logs on stderr.
 fn train(work: &Path, data: &str, extra: &[&str]) -> std::process::Output {
-    let dir = fixture();
-    Command::cargo_bin("oomfix")
-        .unwrap()
-        .current_dir(work)
-        .env_remove("RUST_LOG")
-        .arg("train")
-        .arg(dir.join("model"))
-        .arg("--data")
-        .arg(dir.join(data))
-        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
+    let dir = chat_dir();
+    train_fp32(work, &dir.join("model"), &dir.join(data))
         .args(["--log-format", "json"])
         .args(extra)
         .output()
         .unwrap()
 }
 
-/// The fields of the JSON events of `stderr` named `message`.
-fn events(stderr: &str, message: &str) -> Vec<Value> {
-    stderr
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["fields"]["message"] == message)
-        .map(|v| v["fields"].clone())
-        .collect()
-}
-
 /// The evaluation loss before any step (`--eval-every 1`: before the
 /// first step and after it) on `data`.
 fn eval_loss(data: &str, extra: &[&str]) -> f64 {
     let work = tempfile::tempdir().unwrap();
-    let path = fixture().join(data);
+    let path = chat_dir().join(data);
     let path = path.to_str().unwrap();
     let mut args = vec!["--eval-data", path, "--eval-every", "1", "--steps", "1"];
     args.extend_from_slice(extra);
@@ -205,12 +185,7 @@ fn losses(extra: &[&str]) -> Vec<f64> {
     let mut args = vec!["--seq-len", "256", "--lr", "1e-2", "--steps", "3"];
     args.extend_from_slice(extra);
     let out = train(work.path(), "messages.jsonl", &args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{extra:?}: {stderr}");
-    events(&stderr, "step")
-        .iter()
-        .map(|s| s["loss"].as_f64().unwrap())
-        .collect()
+    step_losses(&assert_exit(&out, 0))
 }
 
 fn assert_close(a: &[f64], b: &[f64], what: &str) {
@@ -243,7 +218,7 @@ fn model_without_template(work: &Path) -> PathBuf {
     let dir = work.join("model");
     std::fs::create_dir(&dir).unwrap();
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
-        std::fs::copy(fixture().join("model").join(f), dir.join(f)).unwrap();
+        std::fs::copy(chat_dir().join("model").join(f), dir.join(f)).unwrap();
     }
     dir
 }
@@ -337,9 +312,7 @@ fn bad_chat_data_is_refused_naming_the_file_and_line() {
     }
     // Chats for a model without a template name the option that gives one.
     let bare = model_without_template(w);
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .current_dir(w)
+    let out = oomfix_in(w)
         .arg("train")
         .arg(&bare)
         .args(["--data", "ok.jsonl", "--device", "cpu", "--budget", "1GiB"])
@@ -353,18 +326,16 @@ fn bad_chat_data_is_refused_naming_the_file_and_line() {
 #[test]
 fn inspect_counts_the_examples_and_training_defaults_to_the_longest() {
     let r = reference();
-    let model = fixture().join("model");
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .arg("inspect")
-        .arg(&model)
-        .arg("--data")
-        .arg(fixture().join("messages.jsonl"))
-        .arg("--json")
-        .output()
-        .unwrap();
-    common::assert_exit(&out, 0);
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let model = chat_dir().join("model");
+    let v = json_of(
+        oomfix()
+            .arg("inspect")
+            .arg(&model)
+            .arg("--data")
+            .arg(chat_dir().join("messages.jsonl"))
+            .arg("--json"),
+        0,
+    );
     let examples = r["messages.jsonl"].as_array().unwrap();
     let learned: u64 = examples
         .iter()
@@ -382,8 +353,8 @@ fn inspect_counts_the_examples_and_training_defaults_to_the_longest() {
     // No --seq-len: the longest example's 127 tokens make 126 positions.
     let work = tempfile::tempdir().unwrap();
     let out = train(work.path(), "messages.jsonl", &["--steps", "1", "--json"]);
-    common::assert_exit(&out, 0);
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_exit(&out, 0);
+    let v = json_stdout(&out);
     assert_eq!(v["plan"]["seq_len"], 126, "{v:#}");
 }
 
@@ -395,12 +366,10 @@ fn a_resumed_run_continues_the_examples_where_it_stopped() {
     let common = ["--seq-len", "128", "--global-batch", "1", "--lr", "1e-2"];
     let steps = |extra: &[&str]| -> Vec<f64> {
         let args: Vec<&str> = common.iter().chain(extra).copied().collect();
-        let out = train(work.path(), "messages.jsonl", &args);
-        let stderr = common::assert_exit(&out, 0);
-        events(&stderr, "step")
-            .iter()
-            .map(|s| s["loss"].as_f64().unwrap())
-            .collect()
+        step_losses(&assert_exit(
+            &train(work.path(), "messages.jsonl", &args),
+            0,
+        ))
     };
     let whole = steps(&["--steps", "4"]);
     steps(&["--steps", "2", "--save", "ck"]);

@@ -1,19 +1,13 @@
 //! Tests of the real `oomfix` binary: exit codes, output, logs.
 
-use assert_cmd::Command;
+mod common;
+
+use common::oomfix;
 use predicates::prelude::*;
 use serde_json::Value;
 
-fn oomfix() -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.env_remove("RUST_LOG");
-    cmd
-}
-
 fn json_of(args: &[&str]) -> (i32, Value) {
-    let out = oomfix().args(args).arg("--json").output().unwrap();
-    let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
-    (out.status.code().unwrap(), v)
+    common::code_and_json(oomfix().args(args).arg("--json"))
 }
 
 #[test]
@@ -216,12 +210,10 @@ fn enforce_budget_on_the_cpu_is_a_usage_error() {
 
 #[test]
 fn json_logs_are_one_object_per_line_with_attempt_fields() {
-    let out = oomfix()
-        .args(["--budget", "8GiB", "--log-format", "json"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let stderr = String::from_utf8(out.stderr).unwrap();
+    let stderr = common::stderr_of(
+        oomfix().args(["--budget", "8GiB", "--log-format", "json"]),
+        0,
+    );
     let attempts: Vec<Value> = stderr
         .lines()
         .filter(|l| l.starts_with('{'))

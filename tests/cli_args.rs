@@ -12,10 +12,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 fn oomfix(dir: &Path) -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.current_dir(dir)
-        .env_remove("RUST_LOG")
-        .env("RUST_BACKTRACE", "1")
+    let mut cmd = common::oomfix_in(dir);
+    cmd.env("RUST_BACKTRACE", "1")
         .timeout(Duration::from_secs(60));
     cmd
 }
@@ -23,154 +21,94 @@ fn oomfix(dir: &Path) -> Command {
 /// A directory with the tiny GPT-2 (`tiny.safetensors`) and `data.bin`
 /// (u16 ids 1..=15 repeated).
 fn run_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    common::tiny_gpt2_file(dir.path());
-    let ids: Vec<u8> = (0..50)
-        .flat_map(|_| 1u16..16)
-        .flat_map(u16::to_le_bytes)
-        .collect();
-    std::fs::write(dir.path().join("data.bin"), ids).unwrap();
+    let dir = common::tiny_dir();
+    let ids = (0..50).flat_map(|_| 1u16..16);
+    std::fs::write(dir.path().join("data.bin"), common::token_bin(ids)).unwrap();
     dir
 }
-
-/// `train` of the tiny model on the CPU (random tokens).
-const TRAIN: [&str; 12] = [
-    "train",
-    "tiny.safetensors",
-    "--init",
-    "random",
-    "--device",
-    "cpu",
-    "--budget",
-    "1GiB",
-    "--seq-len",
-    "16",
-    "--global-batch",
-    "2",
-];
 
 /// Runs `args` and checks the usage error: exit 2, nothing on stdout, one
 /// `oomfix: ` line on stderr that contains `says`, no panic.
 fn refused(dir: &Path, args: &[&str], says: &str) {
-    let out = oomfix(dir).args(args).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-    assert!(
-        out.stdout.is_empty(),
-        "{args:?}: nothing is printed before the error: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "{args:?}: one line: {stderr}");
-    assert!(lines[0].starts_with("oomfix: "), "{args:?}: {stderr}");
-    assert!(lines[0].contains(says), "{args:?}: says `{says}`: {stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    eprintln!("{args:?}");
+    common::refused(&oomfix(dir).args(args).output().unwrap(), &[says]);
 }
 
 #[test]
 fn train_arguments_are_checked_before_the_plan_is_printed() {
     let d = run_dir();
     let dir = d.path();
-    fn with<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-        [&TRAIN[..], extra].concat()
-    }
+    let with = |extra: &[&'static str]| [&common::train_tiny("1GiB")[..], extra].concat();
+    let no_model = ["train", "--device", "cpu", "--budget", "1GiB"];
     refused(
         dir,
-        &[
-            "train",
-            "--device",
-            "cpu",
-            "--budget",
-            "1GiB",
-            "--init",
-            "pretrained",
-        ],
+        &[&no_model[..], &["--init", "pretrained"]].concat(),
         "--init pretrained needs a model file",
     );
     // The former flag is the same request.
     refused(
         dir,
-        &[
-            "train",
-            "--device",
-            "cpu",
-            "--budget",
-            "1GiB",
-            "--pretrained",
-        ],
+        &[&no_model[..], &["--pretrained"]].concat(),
         "--init pretrained needs a model file",
     );
-    refused(dir, &with(&["--data", "missing.bin"]), "missing.bin");
-    refused(
-        dir,
-        &with(&["--save", "no/such/dir/ck"]),
-        "is not a directory",
-    );
     std::fs::create_dir(dir.join("ck")).unwrap();
-    refused(dir, &with(&["--save", "ck"]), "not an earlier output");
     std::fs::write(dir.join("ck.safetensors"), b"").unwrap();
-    refused(dir, &with(&["--save", "ck.safetensors"]), "it is a file");
-    #[cfg(target_os = "linux")]
-    refused(
-        dir,
-        &with(&["--save", "/proc/oomfix-ck.safetensors"]),
-        "cannot write /proc/oomfix-ck.safetensors",
-    );
-    refused(dir, &with(&["--steps", "0"]), "--steps");
-    refused(
-        dir,
-        &with(&["--save-every", "0", "--save", "x"]),
-        "--save-every",
-    );
-    refused(
-        dir,
-        &with(&["--resume", "missing"]),
-        "missing: cannot read checkpoint",
-    );
     // A data file the model cannot read: ids outside its vocabulary of 256.
     std::fs::write(dir.join("wide.bin"), 1000u16.to_le_bytes().repeat(8)).unwrap();
-    refused(
-        dir,
-        &with(&["--data", "wide.bin"]),
-        "outside the model's vocabulary",
-    );
-    refused(dir, &with(&["--plot", "step.gif"]), "gif");
+    for (extra, says) in [
+        (&["--data", "missing.bin"][..], "missing.bin"),
+        (&["--save", "no/such/dir/ck"], "is not a directory"),
+        (&["--save", "ck"], "not an earlier output"),
+        (&["--save", "ck.safetensors"], "it is a file"),
+        #[cfg(target_os = "linux")]
+        (
+            &["--save", "/proc/oomfix-ck.safetensors"],
+            "cannot write /proc/oomfix-ck.safetensors",
+        ),
+        (&["--steps", "0"], "--steps"),
+        (&["--save-every", "0", "--save", "x"], "--save-every"),
+        (&["--resume", "missing"], "missing: cannot read checkpoint"),
+        (&["--data", "wide.bin"], "outside the model's vocabulary"),
+        (&["--plot", "step.gif"], "gif"),
+    ] {
+        refused(dir, &with(extra), says);
+    }
 }
 
 #[test]
 fn plan_arguments_are_checked_before_anything_is_printed() {
     let d = run_dir();
     let dir = d.path();
-    refused(dir, &["--budget", "0"], "fits nothing");
-    refused(dir, &["--budget", "-8GiB"], "--budget");
-    refused(dir, &["--global-batch", "8"], "a budget is required");
-    refused(
-        dir,
-        &["--budget", "8GiB", "--snapshot", "s.pickle"],
-        "--device cpu",
-    );
-    refused(
-        dir,
-        &[
-            "--budget",
-            "8GiB",
-            "--device",
-            "cpu",
-            "--snapshot",
-            "no/dir/s.pickle",
-        ],
-        "is not a directory",
-    );
-    refused(
-        dir,
-        &["--budget", "8GiB", "--strategies", "accumulate,teleport"],
-        "unknown strategy `teleport`",
-    );
-    refused(
-        dir,
-        &["--budget", "8GiB", "--seq-len", "4096"],
-        "learned positions",
-    );
+    for (args, says) in [
+        (&["--budget", "0"][..], "fits nothing"),
+        (&["--budget", "-8GiB"], "--budget"),
+        (&["--global-batch", "8"], "a budget is required"),
+        (
+            &["--budget", "8GiB", "--snapshot", "s.pickle"],
+            "--device cpu",
+        ),
+        (
+            &[
+                "--budget",
+                "8GiB",
+                "--device",
+                "cpu",
+                "--snapshot",
+                "no/dir/s.pickle",
+            ],
+            "is not a directory",
+        ),
+        (
+            &["--budget", "8GiB", "--strategies", "accumulate,teleport"],
+            "unknown strategy `teleport`",
+        ),
+        (
+            &["--budget", "8GiB", "--seq-len", "4096"],
+            "learned positions",
+        ),
+    ] {
+        refused(dir, args, says);
+    }
 }
 
 #[test]
@@ -220,12 +158,10 @@ fn a_huge_global_batch_is_answered_at_once() {
     }
     // The largest accepted batch is planned (it was 2^20 divisions before).
     let start = Instant::now();
-    let out = oomfix(dir)
-        .args(["--budget", "8GiB", "--global-batch", "1048576", "--json"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = common::json_of(
+        oomfix(dir).args(["--budget", "8GiB", "--global-batch", "1048576", "--json"]),
+        0,
+    );
     let plan = &v["plan"];
     assert_eq!(
         plan["micro_batch"].as_u64().unwrap() * plan["grad_accum"].as_u64().unwrap(),
@@ -254,41 +190,17 @@ fn a_huge_global_batch_is_answered_at_once() {
 fn global_options_work_before_or_after_the_subcommand() {
     let d = run_dir();
     let dir = d.path();
-    let before = oomfix(dir)
-        .args([
-            "-v",
-            "--device",
-            "cpu",
-            "--budget",
-            "1GiB",
-            "--seq-len",
-            "16",
-        ])
-        .args(["--global-batch", "2", "--json", "train", "tiny.safetensors"])
-        .args(["--steps", "1", "--data", "data.bin"])
-        .output()
-        .unwrap();
-    let after = oomfix(dir)
-        .args([
-            "train",
-            "tiny.safetensors",
-            "--steps",
-            "1",
-            "--data",
-            "data.bin",
-        ])
-        .args([
-            "-v",
-            "--device",
-            "cpu",
-            "--budget",
-            "1GiB",
-            "--seq-len",
-            "16",
-        ])
-        .args(["--global-batch", "2", "--json"])
-        .output()
-        .unwrap();
+    let global = [&["-v"][..], &common::on_cpu("1GiB", "2"), &["--json"]].concat();
+    let train = [
+        "train",
+        "tiny.safetensors",
+        "--steps",
+        "1",
+        "--data",
+        "data.bin",
+    ];
+    let before = oomfix(dir).args(&global).args(train).output().unwrap();
+    let after = oomfix(dir).args(train).args(&global).output().unwrap();
     let mut plans = Vec::new();
     for out in [&before, &after] {
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -360,21 +272,13 @@ fn verify_all_works_with_a_space() {
     let dir = d.path();
     // 64 KiB: nothing fits, so `fitting` measures nothing and `all` everything.
     let measured = |args: &[&str]| -> Vec<bool> {
-        let out = oomfix(dir)
-            .args(["--budget", "64KiB", "--device", "cpu", "--seq-len", "16"])
-            .args([
-                "--global-batch",
-                "2",
-                "--strategies",
-                "accumulate",
-                "--json",
-            ])
-            .args(args)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = common::json_of(
+            oomfix(dir)
+                .args(common::on_cpu("64KiB", "2"))
+                .args(["--strategies", "accumulate", "--json"])
+                .args(args),
+            1,
+        );
         assert_eq!(v["model"]["path"], "tiny.safetensors", "{args:?}");
         let attempts = v["attempts"].as_array().unwrap().iter();
         attempts.map(|a| a["measured_bytes"].is_u64()).collect()
@@ -393,9 +297,8 @@ fn verify_all_works_with_a_space() {
 fn train_without_device_on_a_build_without_cuda_uses_the_cpu_and_says_so() {
     let d = run_dir();
     let dir = d.path();
-    let args: Vec<&str> = TRAIN
-        .iter()
-        .copied()
+    let args: Vec<&str> = common::train_tiny("1GiB")
+        .into_iter()
         .filter(|a| *a != "--device" && *a != "cpu")
         .collect();
     oomfix(dir)

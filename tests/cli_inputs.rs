@@ -3,46 +3,22 @@
 
 mod common;
 
-use assert_cmd::Command;
 use common::*;
 use std::path::{Path, PathBuf};
 
 fn rejects(path: &Path, phrase: &str) {
     for args in [vec!["inspect"], vec!["--budget", "8GiB"]] {
-        let out = Command::cargo_bin("oomfix")
-            .unwrap()
+        let out = oomfix()
             .args(&args)
             .arg(path)
             .env("RUST_BACKTRACE", "1")
             .output()
             .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(
-            out.status.code(),
-            Some(2),
-            "{args:?} {}: {stderr}",
-            path.display()
-        );
-        assert!(
-            out.stdout.is_empty(),
-            "stdout must be empty: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        let lines: Vec<&str> = stderr.lines().collect();
-        assert_eq!(lines.len(), 1, "one line: {stderr}");
-        assert!(lines[0].starts_with("oomfix: "), "{stderr}");
-        assert!(
-            lines[0].contains(&path.display().to_string()),
-            "names the file: {stderr}"
-        );
-        assert!(
-            lines[0].to_lowercase().contains(phrase),
-            "says `{phrase}`: {stderr}"
-        );
-        assert!(
-            !stderr.contains("panicked") && !stderr.contains("backtrace"),
-            "{stderr}"
-        );
+        // Names the file and says `phrase`.
+        let stderr = refused(&out, &[&path.display().to_string()]);
+        let said = stderr.to_lowercase().contains(phrase);
+        assert!(said, "{args:?}: says `{phrase}`: {stderr}");
+        assert!(!stderr.contains("backtrace"), "{stderr}");
     }
 }
 
@@ -50,10 +26,16 @@ fn file(dir: &tempfile::TempDir, name: &str) -> PathBuf {
     dir.path().join(name)
 }
 
-fn header(dir: &tempfile::TempDir, header: &str, data_len: u64) -> PathBuf {
+/// `m.safetensors` in `dir`: a length field of `length`, then `header` and
+/// `data_len` bytes of data.
+fn raw(dir: &tempfile::TempDir, length: u64, header: &[u8], data_len: u64) -> PathBuf {
     let p = file(dir, "m.safetensors");
-    write_header(&p, header, data_len);
+    write_raw(&p, length, header, data_len);
     p
+}
+
+fn header(dir: &tempfile::TempDir, header: &str, data_len: u64) -> PathBuf {
+    raw(dir, header.len() as u64, header.as_bytes(), data_len)
 }
 
 const W: &str = r#""w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}"#;
@@ -71,19 +53,14 @@ fn truncated_files() {
 #[test]
 fn lying_header_lengths() {
     let d = tempfile::tempdir().unwrap();
-    let p = file(&d, "m.safetensors");
-    write_raw(&p, 1000, b"{}", 0);
-    rejects(&p, "header");
-    write_raw(&p, u64::MAX, b"{}", 0);
-    rejects(&p, "header");
+    rejects(&raw(&d, 1000, b"{}", 0), "header");
+    rejects(&raw(&d, u64::MAX, b"{}", 0), "header");
 }
 
 #[test]
 fn headers_that_are_not_json_objects() {
     let d = tempfile::tempdir().unwrap();
-    let p = file(&d, "m.safetensors");
-    write_raw(&p, 4, &[0xff, 0xfe, 0x7b, 0x7d], 0);
-    rejects(&p, "utf-8");
+    rejects(&raw(&d, 4, &[0xff, 0xfe, 0x7b, 0x7d], 0), "utf-8");
     rejects(&header(&d, "{not json", 0), "json");
     rejects(&header(&d, "[1,2]", 0), "object");
 }
@@ -91,50 +68,19 @@ fn headers_that_are_not_json_objects() {
 #[test]
 fn bad_tensor_entries() {
     let d = tempfile::tempdir().unwrap();
-    rejects(
-        &header(
-            &d,
-            r#"{"w":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}}"#,
-            8,
+    for (json, says) in [
+        (tensor_w("F33", "[2]", "[0,8]"), "dtype"),
+        (tensor_w("F32", "[-2]", "[0,8]"), "shape"),
+        (tensor_w("F32", "[1.5]", "[0,8]"), "shape"),
+        (tensor_w("F32", "[3]", "[0,8]"), "bytes"),
+        (tensor_w("F32", "[4]", "[0,16]"), "data"),
+        (
+            r#"{"w":{"dtype":"F32","shape":[2]}}"#.into(),
+            "data_offsets",
         ),
-        "dtype",
-    );
-    rejects(
-        &header(
-            &d,
-            r#"{"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#,
-            8,
-        ),
-        "shape",
-    );
-    rejects(
-        &header(
-            &d,
-            r#"{"w":{"dtype":"F32","shape":[1.5],"data_offsets":[0,8]}}"#,
-            8,
-        ),
-        "shape",
-    );
-    rejects(
-        &header(
-            &d,
-            r#"{"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
-            8,
-        ),
-        "bytes",
-    );
-    rejects(
-        &header(
-            &d,
-            r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
-            8,
-        ),
-        "data",
-    );
-    rejects(
-        &header(&d, r#"{"w":{"dtype":"F32","shape":[2]}}"#, 8),
-        "data_offsets",
-    );
+    ] {
+        rejects(&header(&d, &json, 8), says);
+    }
 }
 
 #[test]

@@ -7,17 +7,12 @@ mod common;
 
 use assert_cmd::Command;
 use serde_json::Value;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 fn oomfix(dir: &Path) -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.current_dir(dir)
-        .env_remove("RUST_LOG")
-        .env_remove("NO_COLOR")
-        .timeout(Duration::from_secs(120));
+    let mut cmd = common::oomfix_in(dir);
+    cmd.env_remove("NO_COLOR").timeout(Duration::from_secs(120));
     cmd
 }
 
@@ -112,9 +107,7 @@ fn json_logs_report_every_kind_of_error_as_a_json_event() {
     // A failure while running: the result cannot be written.
     #[cfg(target_os = "linux")]
     {
-        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
-            .current_dir(dir)
-            .env_remove("RUST_LOG")
+        let out = common::oomfix_process(dir)
             .args(["--budget", "8GiB", "--log-format", "json"])
             .stdout(std::fs::File::create("/dev/full").unwrap())
             .output()
@@ -188,47 +181,14 @@ fn json_logs_carry_train_progress_and_its_notices() {
 
 #[test]
 fn json_logs_carry_the_stop_by_a_signal() {
-    let d = tempfile::tempdir().unwrap();
-    let dir = d.path();
-    common::tiny_gpt2_file(dir);
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
-        .current_dir(dir)
-        .env_remove("RUST_LOG")
-        .args([
-            "train",
-            "tiny.safetensors",
-            "--init",
-            "random",
-            "--device",
-            "cpu",
-            "--budget",
-            "1GiB",
-        ])
-        .args([
-            "--seq-len",
-            "16",
-            "--global-batch",
-            "2",
-            "--steps",
-            "1000000",
-        ])
-        .args(["--log-format", "json"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut text = String::new();
-    loop {
-        let mut line = String::new();
-        assert!(err.read_line(&mut line).unwrap() > 0, "ended early: {text}");
-        text.push_str(&line);
-        if line.contains(r#""message":"step""#) {
-            break;
-        }
-    }
-    // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let d = common::tiny_dir();
+    let (mut child, mut err, mut text) = common::start_until(
+        common::oomfix_process(d.path())
+            .args(common::train_tiny("1GiB"))
+            .args(["--steps", "1000000", "--log-format", "json"]),
+        |line| line.contains(r#""message":"step""#),
+    );
+    common::signal(&child, libc::SIGTERM);
     std::io::Read::read_to_string(&mut err, &mut text).unwrap();
     assert_eq!(child.wait().unwrap().code(), Some(143), "{text}");
     let lines = json_lines(text.as_bytes());

@@ -9,7 +9,6 @@ mod common;
 use candle_core::{DType, Device, Tensor, Var};
 use oomfix::strategies::adamw::{FusedAdamW, ParamsAdamW};
 use oomfix::strategies::clip::clip_coefficient;
-use oomfix::strategies::shard::{Comm, ThreadComm};
 use oomfix::strategies::{
     Attention, Checkpointing, Execution, OptimizerImpl, Plan, Precision, Sharding,
 };
@@ -212,31 +211,22 @@ fn two_ranks_report_and_clip_the_global_norm_at_every_stage() {
         .collect();
     assert_close(single[0].1, want, 1e-5, "one rank");
     for stage in 1..=3u8 {
-        let got: Vec<Vec<(f32, f64)>> = std::thread::scope(|s| {
-            let handles: Vec<_> = ThreadComm::group(2)
-                .into_iter()
-                .map(|comm| {
-                    s.spawn(move || {
-                        let comm: Box<dyn Comm> = Box::new(comm);
-                        let mut t = Trainer::new_sharded(
-                            &common::tiny_llama(),
-                            sharded(per_rank, 2, stage),
-                            &Device::Cpu,
-                            &options(clip),
-                            comm,
-                        )
-                        .unwrap();
-                        let mut data = DataSource::synthetic(DATA_SEED);
-                        (0..3)
-                            .map(|_| {
-                                let s = t.step(&mut data).unwrap();
-                                (s.loss, s.grad_norm)
-                            })
-                            .collect()
-                    })
+        let got: Vec<Vec<(f32, f64)>> = common::on_thread_ranks(2, |comm| {
+            let mut t = Trainer::new_sharded(
+                &common::tiny_llama(),
+                sharded(per_rank, 2, stage),
+                &Device::Cpu,
+                &options(clip),
+                comm,
+            )
+            .unwrap();
+            let mut data = DataSource::synthetic(DATA_SEED);
+            (0..3)
+                .map(|_| {
+                    let s = t.step(&mut data).unwrap();
+                    (s.loss, s.grad_norm)
                 })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+                .collect()
         });
         for (rank, steps) in got.iter().enumerate() {
             for (k, ((loss, norm), (want_loss, want_norm))) in steps.iter().zip(&single).enumerate()

@@ -9,17 +9,10 @@ mod common;
 
 use std::path::Path;
 
-use assert_cmd::Command;
 use common::*;
 use oomfix::{GemmaSettings, ModelConfig, ModelSettings};
 use serde_json::{json, Value};
 use tempfile::TempDir;
-
-fn oomfix() -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.env_remove("RUST_LOG");
-    cmd
-}
 
 /// A family's tensors and its valid `config.json`.
 struct Family {
@@ -40,15 +33,12 @@ fn gpt2() -> Family {
 }
 
 fn llama_json(architecture: &str, extra: Value) -> Value {
-    let mut v = json!({
+    let base = json!({
         "architectures": [architecture], "hidden_size": 32, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 32,
         "vocab_size": 96, "intermediate_size": 48, "tie_word_embeddings": false,
     });
-    v.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    v
+    merged(base, extra)
 }
 
 fn llama() -> Family {
@@ -133,11 +123,7 @@ fn bert() -> Family {
 impl Family {
     /// The family's weights (F32, sparse) with its config and `extra` over it.
     fn dir(&self, extra: &Value) -> TempDir {
-        let mut config = self.config.clone();
-        config
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
+        let config = merged(self.config.clone(), extra.clone());
         model_dir(self.tensors.clone(), config)
     }
 }
@@ -145,16 +131,9 @@ impl Family {
 /// `train` for one step on the CPU, saving to `save`.
 fn train(model: &Path, save: &Path) -> std::process::Output {
     oomfix()
-        .args([
-            "train",
-            "--device",
-            "cpu",
-            "--budget",
-            "1GiB",
-            "--seq-len",
-            "16",
-        ])
-        .args(["--global-batch", "2", "--steps", "1", "--save"])
+        .arg("train")
+        .args(on_cpu("1GiB", "2"))
+        .args(["--steps", "1", "--save"])
         .arg(save)
         .arg(model)
         .output()
@@ -399,12 +378,12 @@ fn tolerated_values_are_planned_and_said() {
         "attention_dropout": 0.1,
         "rope_scaling": {"type": "linear", "factor": 0.5},
     }));
-    let out = oomfix()
-        .args(["--budget", "1GiB", "--device", "cpu", "--seq-len", "16"])
-        .arg(d.path())
-        .output()
-        .unwrap();
-    assert_exit(&out, 0);
+    exits(
+        oomfix()
+            .args(["--budget", "1GiB", "--device", "cpu", "--seq-len", "16"])
+            .arg(d.path()),
+        0,
+    );
     let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(

@@ -6,50 +6,21 @@
 mod common;
 
 use assert_cmd::Command;
+use common::{oomfix_process, start_until, tiny_dir, train_tiny};
 use predicates::prelude::*;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
 fn oomfix(dir: &Path) -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.current_dir(dir)
-        .env_remove("RUST_LOG")
-        .timeout(Duration::from_secs(120));
+    let mut cmd = common::oomfix_in(dir);
+    cmd.timeout(Duration::from_secs(120));
     cmd
-}
-
-/// A directory with the tiny GPT-2 as `tiny.safetensors`.
-fn model_dir() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    common::tiny_gpt2_file(dir.path());
-    dir
-}
-
-/// `train` of the tiny model on the CPU (random tokens) with `budget`.
-fn train(budget: &str) -> Vec<String> {
-    [
-        "train",
-        "tiny.safetensors",
-        "--init",
-        "random",
-        "--device",
-        "cpu",
-        "--seq-len",
-        "16",
-        "--global-batch",
-        "2",
-        "--budget",
-        budget,
-    ]
-    .map(String::from)
-    .into()
 }
 
 #[test]
 fn exit_0_when_a_plan_fits_inspect_succeeds_or_training_ends() {
-    let d = model_dir();
+    let d = tiny_dir();
     let dir = d.path();
     oomfix(dir).args(["--budget", "8GiB"]).assert().code(0);
     oomfix(dir)
@@ -61,7 +32,7 @@ fn exit_0_when_a_plan_fits_inspect_succeeds_or_training_ends() {
         .assert()
         .code(0);
     oomfix(dir)
-        .args(train("1GiB"))
+        .args(train_tiny("1GiB"))
         .args(["--steps", "2"])
         .assert()
         .code(0)
@@ -70,7 +41,7 @@ fn exit_0_when_a_plan_fits_inspect_succeeds_or_training_ends() {
 
 #[test]
 fn exit_1_when_nothing_fits_and_train_runs_nothing() {
-    let d = model_dir();
+    let d = tiny_dir();
     let dir = d.path();
     oomfix(dir)
         .args(["--budget", "100MiB"])
@@ -78,7 +49,7 @@ fn exit_1_when_nothing_fits_and_train_runs_nothing() {
         .code(1)
         .stdout(predicate::str::contains("nothing fits"));
     oomfix(dir)
-        .args(train("64KiB"))
+        .args(train_tiny("64KiB"))
         .args(["--steps", "2", "--save", "ck"])
         .assert()
         .code(1)
@@ -89,7 +60,7 @@ fn exit_1_when_nothing_fits_and_train_runs_nothing() {
 
 #[test]
 fn exit_2_for_usage_and_input_errors() {
-    let d = model_dir();
+    let d = tiny_dir();
     let dir = d.path();
     for args in [
         &["--budget", "8GiB", "--no-such-option"][..],
@@ -128,10 +99,10 @@ fn exit_2_for_usage_and_input_errors() {
 
 #[test]
 fn exit_2_for_a_corrupt_checkpoint() {
-    let d = model_dir();
+    let d = tiny_dir();
     let dir = d.path();
     oomfix(dir)
-        .args(train("1GiB"))
+        .args(train_tiny("1GiB"))
         .args(["--steps", "1", "--save", "ck"])
         .assert()
         .code(0);
@@ -142,7 +113,7 @@ fn exit_2_for_a_corrupt_checkpoint() {
     bytes[last] ^= 0x01;
     std::fs::write(&file, &bytes).unwrap();
     oomfix(dir)
-        .args(train("1GiB"))
+        .args(train_tiny("1GiB"))
         .args(["--steps", "2", "--resume", "corrupt"])
         .assert()
         .code(2)
@@ -153,16 +124,14 @@ fn exit_2_for_a_corrupt_checkpoint() {
 #[test]
 #[cfg(target_os = "linux")]
 fn exit_3_when_the_result_cannot_be_written() {
-    let d = model_dir();
+    let d = tiny_dir();
     let dir = d.path();
     for args in [
         &["--budget", "8GiB"][..],
         &["--budget", "8GiB", "--json"],
         &["inspect", "tiny.safetensors"],
     ] {
-        let out = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
-            .current_dir(dir)
-            .env_remove("RUST_LOG")
+        let out = oomfix_process(dir)
             .args(args)
             .stdout(std::fs::File::create("/dev/full").unwrap())
             .output()
@@ -179,10 +148,8 @@ fn exit_3_when_the_result_cannot_be_written() {
 
 #[test]
 fn exit_0_when_stdout_is_a_closed_pipe() {
-    let d = model_dir();
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
-        .current_dir(d.path())
-        .env_remove("RUST_LOG")
+    let d = tiny_dir();
+    let mut child = oomfix_process(d.path())
         .args(["--budget", "8GiB"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -197,32 +164,21 @@ fn exit_0_when_stdout_is_a_closed_pipe() {
 
 #[test]
 fn exit_3_when_a_checkpoint_cannot_be_written_during_training() {
-    let d = model_dir();
+    let d = tiny_dir();
     let dir = d.path();
     let out_dir = dir.join("out");
     std::fs::create_dir(&out_dir).unwrap();
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
-        .current_dir(dir)
-        .env_remove("RUST_LOG")
-        .args(train("1GiB"))
-        .args([
+    let (mut child, mut err, _) = start_until(
+        oomfix_process(dir).args(train_tiny("1GiB")).args([
             "--steps",
             "1000000",
             "--save",
             "out/ck",
             "--save-every",
             "1",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    while !line.starts_with("step 2/") {
-        line.clear();
-        assert!(err.read_line(&mut line).unwrap() > 0, "train ended early");
-    }
+        ]),
+        |line| line.starts_with("step 2/"),
+    );
     // The directory the checkpoints go to disappears: the next save fails.
     while out_dir.exists() {
         let _ = std::fs::remove_dir_all(&out_dir);

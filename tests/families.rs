@@ -7,20 +7,13 @@ mod common;
 
 use std::path::Path;
 
-use assert_cmd::Command;
 use common::*;
 use oomfix::{ModelConfig, ModelSettings};
 use serde_json::{json, Value};
 
-fn oomfix() -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.env_remove("RUST_LOG");
-    cmd
-}
-
 /// `config.json` of a 2-layer Llama-style model of hidden 32 (4 heads, 2 kv).
 fn llama_config(architecture: &str, extra: Value) -> Value {
-    let mut v = json!({
+    let base = json!({
         "architectures": [architecture],
         "hidden_size": 32,
         "num_attention_heads": 4,
@@ -29,20 +22,23 @@ fn llama_config(architecture: &str, extra: Value) -> Value {
         "max_position_embeddings": 64,
         "tie_word_embeddings": true,
     });
-    v.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    v
+    merged(base, extra)
 }
 
-/// `oomfix` (plan) on `model` within 1 GiB on the CPU; with `--save`-like
-/// side effects checked by the caller.
-fn plan(model: &Path) -> std::process::Output {
+/// `oomfix` (plan) on `model` within 1 GiB on the CPU at 16 tokens, with
+/// `options`; with `--save`-like side effects checked by the caller.
+fn plan(model: &Path, options: &[&str]) -> std::process::Output {
     oomfix()
         .args(["--budget", "1GiB", "--device", "cpu", "--seq-len", "16"])
+        .args(options)
         .arg(model)
         .output()
         .unwrap()
+}
+
+/// What `inspect --json` says of `model`.
+fn inspect_json(model: &Path) -> Value {
+    json_of(oomfix().args(["inspect", "--json"]).arg(model), 0)
 }
 
 fn qwen3(head_dim: usize) -> ModelConfig {
@@ -61,7 +57,7 @@ fn a_tensor_the_model_would_not_use_is_refused_before_planning() {
     let tensors = qwen3(8).tensors();
     let d = model_dir(tensors.clone(), llama_config("LlamaForCausalLM", json!({})));
     refused(
-        &plan(&d.path().join("model.safetensors")),
+        &plan(&d.path().join("model.safetensors"), &[]),
         &[
             "4 tensors the model would not use",
             "model.layers.0.self_attn.k_norm.weight",
@@ -71,7 +67,7 @@ fn a_tensor_the_model_would_not_use_is_refused_before_planning() {
     // Without config.json: the family from the names, and no architecture.
     std::fs::remove_file(d.path().join("config.json")).unwrap();
     refused(
-        &plan(d.path()),
+        &plan(d.path(), &[]),
         &["q_norm.weight", "config.json names no architecture"],
     );
     // Training is refused the same way, before --save is made.
@@ -113,13 +109,7 @@ fn a_qwen3_checkpoint_is_planned_with_its_head_size() {
         "tie_word_embeddings": true,
     });
     let d = model_dir(c.tensors(), config);
-    let out = oomfix()
-        .args(["inspect", "--json"])
-        .arg(d.path())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = inspect_json(d.path());
     assert_eq!(v["head_dim"], 128);
     assert_eq!(v["qk_norm"], true);
     assert_eq!(v["architecture"], "Qwen3ForCausalLM");
@@ -127,22 +117,8 @@ fn a_qwen3_checkpoint_is_planned_with_its_head_size() {
     assert_eq!(v["parameters"].as_u64().unwrap(), c.parameter_count());
     // Planned at 64 tokens within 8 GiB on the CPU (exit 0), with `extra` pins.
     let plan_json = |dir: &Path, extra: &[&str]| -> Value {
-        let out = oomfix()
-            .args([
-                "--budget",
-                "8GiB",
-                "--device",
-                "cpu",
-                "--seq-len",
-                "64",
-                "--json",
-            ])
-            .args(extra)
-            .arg(dir)
-            .output()
-            .unwrap();
-        common::assert_exit(&out, 0);
-        serde_json::from_slice(&out.stdout).unwrap()
+        let options = ["--budget", "8GiB", "--device", "cpu", "--seq-len", "64"];
+        json_of(oomfix().args(options).arg("--json").args(extra).arg(dir), 0)
     };
     plan_json(d.path(), &[]);
     // The activations follow the head size: the same model with head size
@@ -222,13 +198,11 @@ fn an_architecture_oomfix_does_not_implement_is_refused_by_name() {
             "\"partial_rotary_factor\" is 0.375".to_string()
         };
         refused(
-            &plan(d.path()),
+            &plan(d.path(), &[]),
             &["config.json", &named, says, "nothing was planned"],
         );
         // inspect reads it and says what is missing.
-        let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();
-        assert_eq!(out.status.code(), Some(0), "{arch}");
-        let text = String::from_utf8(out.stdout).unwrap();
+        let text = stdout_of(oomfix().arg("inspect").arg(d.path()), 0);
         assert!(text.contains(&format!("architecture   {arch}")), "{text}");
         let missing = text
             .lines()
@@ -245,7 +219,7 @@ fn a_config_naming_another_family_than_the_tensors_is_refused() {
         llama_config("Qwen3ForCausalLM", json!({})),
     );
     refused(
-        &plan(d.path()),
+        &plan(d.path(), &[]),
         &["names Qwen3ForCausalLM, a llama model", "gpt2"],
     );
 }
@@ -260,7 +234,7 @@ fn rope_scalings_are_planned_or_refused_by_name() {
     };
     let d = rope(json!({"rope_type": "mrope", "mrope_section": [1, 1, 2]}));
     refused(
-        &plan(d.path()),
+        &plan(d.path(), &[]),
         &[
             "\"rope_scaling\" is \"mrope\"",
             "llama3, linear, dynamic, yarn, longrope",
@@ -276,7 +250,7 @@ fn rope_scalings_are_planned_or_refused_by_name() {
                "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 16}),
     ] {
         let d = rope(scaling.clone());
-        let out = plan(d.path());
+        let out = plan(d.path(), &[]);
         assert_eq!(
             out.status.code(),
             Some(0),
@@ -292,13 +266,7 @@ fn a_phi3_checkpoint_is_planned_with_its_fused_projections() {
         phi3_tensors(),
         llama_config("Phi3ForCausalLM", json!({"intermediate_size": 48})),
     );
-    let out = oomfix()
-        .args(["inspect", "--json"])
-        .arg(d.path())
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = inspect_json(d.path());
     assert_eq!(v["architecture"], "Phi3ForCausalLM");
     assert_eq!(v["missing"], Value::Null);
     let elements: usize = phi3_tensors()
@@ -306,7 +274,7 @@ fn a_phi3_checkpoint_is_planned_with_its_fused_projections() {
         .map(|(_, s)| s.iter().product::<usize>())
         .sum();
     assert_eq!(v["parameters"].as_u64().unwrap(), elements as u64);
-    let out = plan(d.path());
+    let out = plan(d.path(), &[]);
     common::assert_exit(&out, 0);
 }
 
@@ -334,31 +302,16 @@ fn moe_config(
 /// Qwen3-30B-A3B and OLMoE-1B-7B (as transformers 5.25 builds them).
 #[test]
 fn mixture_of_experts_parameter_counts_are_the_published_ones() {
-    let mixtral = moe_config(
-        ModelConfig::llama(32, 4096, 32, 8, 14336, 32000, false),
-        8,
-        2,
-        14336,
-        true,
-    );
+    let llama = ModelConfig::llama(32, 4096, 32, 8, 14336, 32000, false);
+    let mixtral = moe_config(llama, 8, 2, 14336, true);
     assert_eq!(mixtral.parameter_count(), 46_702_792_704);
-    let mut qwen3 = moe_config(
-        ModelConfig::llama(48, 2048, 32, 4, 768, 151936, false),
-        128,
-        8,
-        768,
-        false,
-    );
+    let llama = ModelConfig::llama(48, 2048, 32, 4, 768, 151936, false);
+    let mut qwen3 = moe_config(llama, 128, 8, 768, false);
     qwen3.settings.head_dim = Some(128);
     qwen3.settings.qk_norm = true;
     assert_eq!(qwen3.parameter_count(), 30_532_122_624);
-    let mut olmoe = moe_config(
-        ModelConfig::llama(16, 2048, 16, 16, 1024, 50304, false),
-        64,
-        8,
-        1024,
-        false,
-    );
+    let llama = ModelConfig::llama(16, 2048, 16, 16, 1024, 50304, false);
+    let mut olmoe = moe_config(llama, 64, 8, 1024, false);
     olmoe.settings.qk_norm = true;
     olmoe.settings.qk_norm_whole = true;
     assert_eq!(olmoe.parameter_count(), 6_919_161_856);
@@ -373,33 +326,18 @@ fn mixture_of_experts_parameter_counts_are_the_published_ones() {
 fn a_mixture_of_experts_is_planned_labelled_and_not_trained() {
     let base = ModelConfig::llama(2, 32, 4, 2, 24, 64, true);
     let config = |extra: Value| {
-        llama_config(
-            "MixtralForCausalLM",
-            json!({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24})
-                .as_object()
-                .unwrap()
-                .clone()
-                .into_iter()
-                .chain(extra.as_object().unwrap().clone())
-                .collect(),
-        )
+        let moe =
+            json!({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24});
+        llama_config("MixtralForCausalLM", merged(moe, extra))
     };
-    let per_expert = moe_config(base.clone(), 4, 2, 24, true).tensors();
-    let mut stacked = moe_config(base, 4, 2, 24, false);
+    let per_expert = moe_config(base.clone(), 4, 2, 24, true);
+    let want = per_expert.parameter_count();
+    let per_expert = per_expert.tensors();
+    let mut stacked = moe_config(base.clone(), 4, 2, 24, false);
     stacked.settings.moe.as_mut().unwrap().fused_experts = true;
-    let want = moe_config(
-        ModelConfig::llama(2, 32, 4, 2, 24, 64, true),
-        4,
-        2,
-        24,
-        true,
-    )
-    .parameter_count();
     for tensors in [per_expert.clone(), stacked.tensors()] {
         let d = model_dir(tensors, config(json!({})));
-        let out = oomfix().arg("inspect").arg(d.path()).output().unwrap();
-        let text = String::from_utf8(out.stdout).unwrap();
-        assert_eq!(out.status.code(), Some(0), "{text}");
+        let text = stdout_of(oomfix().arg("inspect").arg(d.path()), 0);
         assert!(
             text.contains("experts        4 per block, 2 per token"),
             "{text}"
@@ -408,7 +346,7 @@ fn a_mixture_of_experts_is_planned_labelled_and_not_trained() {
             text.contains(&format!("parameters     {}", group(want))),
             "{text}"
         );
-        let out = plan(d.path());
+        let out = plan(d.path(), &[]);
         let text = String::from_utf8(out.stdout).unwrap();
         assert_eq!(out.status.code(), Some(0), "{text}");
         assert!(
@@ -444,38 +382,18 @@ fn a_mixture_of_experts_is_planned_labelled_and_not_trained() {
     // Activations grow with the experts each token goes to.
     let estimate = |top_k: usize| {
         let d = model_dir(
-            moe_config(
-                ModelConfig::llama(2, 32, 4, 2, 24, 64, true),
-                4,
-                top_k,
-                24,
-                true,
-            )
-            .tensors(),
+            moe_config(base.clone(), 4, top_k, 24, true).tensors(),
             config(json!({ "num_experts_per_tok": top_k })),
         );
-        let out = oomfix()
-            .args([
-                "--budget",
-                "1GiB",
-                "--device",
-                "cpu",
-                "--seq-len",
-                "16",
-                "--json",
-            ])
-            .args([
-                "--precision",
-                "fp32",
-                "--micro-batch",
-                "2",
-                "--grad-accum",
-                "4",
-            ])
-            .arg(d.path())
-            .output()
-            .unwrap();
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let pins = [
+            "--precision",
+            "fp32",
+            "--micro-batch",
+            "2",
+            "--grad-accum",
+            "4",
+        ];
+        let v = json_stdout(&plan(d.path(), &[&["--json"][..], &pins].concat()));
         v["estimate"]["activations_bytes"].as_u64().unwrap()
     };
     assert!(estimate(1) < estimate(2) && estimate(2) < estimate(4));
@@ -500,15 +418,7 @@ fn group(n: u64) -> String {
 /// Gemma 3's uncapped head has.
 #[test]
 fn pins_a_gemma_model_cannot_honour_are_refused() {
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train");
-    let with = |model: &str, pin: &[&str]| {
-        oomfix()
-            .args(["--budget", "1GiB", "--device", "cpu", "--seq-len", "16"])
-            .arg(fixtures.join(model))
-            .args(pin)
-            .output()
-            .unwrap()
-    };
+    let with = |model: &str, pin: &[&str]| plan(&fixture_dir().join(model), pin);
     refused(
         &with("gemma2", &["--attention", "flash"]),
         &["--attention flash", "soft-capped scores"],

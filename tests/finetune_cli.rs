@@ -6,6 +6,7 @@ mod common;
 
 use assert_cmd::Command;
 use candle_core::{Device, Tensor};
+use common::{events, token_bin, train_on_finetune_text, values};
 use oomfix::train::StateFile;
 use oomfix::ModelConfig;
 use std::collections::HashMap;
@@ -70,27 +71,19 @@ impl Dir {
 
     /// `oomfix ARGS` in this directory, on the CPU, fp32, with small batches.
     fn oomfix(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::cargo_bin("oomfix").unwrap();
-        cmd.current_dir(self.dir.path())
-            .env_remove("RUST_LOG")
-            .args(args)
-            .args([
-                "--device",
-                "cpu",
-                "--budget",
-                "1GiB",
-                "--precision",
-                "fp32",
-                "--global-batch",
-                "2",
-            ]);
+        let mut cmd = common::oomfix_in(self.dir.path());
+        cmd.args(args).args([
+            "--device",
+            "cpu",
+            "--budget",
+            "1GiB",
+            "--precision",
+            "fp32",
+            "--global-batch",
+            "2",
+        ]);
         cmd
     }
-}
-
-/// u16 token ids as nanoGPT writes them.
-fn token_bin(ids: impl IntoIterator<Item = u16>) -> Vec<u8> {
-    ids.into_iter().flat_map(u16::to_le_bytes).collect()
 }
 
 /// The tensor `name` of a saved directory's weights as f32 values.
@@ -102,10 +95,6 @@ fn saved(ck: &Path, name: &str) -> Vec<f32> {
         .unwrap()
         .to_vec1()
         .unwrap()
-}
-
-fn values(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().unwrap().to_vec1().unwrap()
 }
 
 #[test]
@@ -360,17 +349,14 @@ fn tiny_llama() -> ModelConfig {
 
 /// A Llama `config.json` with `extra` fields.
 fn llama_json(extra: serde_json::Value) -> serde_json::Value {
-    let mut v = serde_json::json!({
+    let base = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "max_position_embeddings": 64,
         "tie_word_embeddings": false,
     });
-    v.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    v
+    common::merged(base, extra)
 }
 
 #[test]
@@ -391,15 +377,10 @@ fn inspect_prints_the_checkpoints_settings() {
         .to_string(),
     );
     let inspect = |json: bool| {
-        let mut cmd = Command::cargo_bin("oomfix").unwrap();
-        cmd.current_dir(d.dir.path())
-            .args(["inspect", "model.safetensors"]);
-        if json {
-            cmd.arg("--json");
-        }
-        let out = cmd.output().unwrap();
-        assert_eq!(out.status.code(), Some(0));
-        String::from_utf8(out.stdout).unwrap()
+        let mut cmd = common::oomfix_in(d.dir.path());
+        cmd.args(["inspect", "model.safetensors"])
+            .args(json.then_some("--json"));
+        common::stdout_of(&mut cmd, 0)
     };
     let v: serde_json::Value = serde_json::from_str(&inspect(true)).unwrap();
     assert_eq!(
@@ -495,23 +476,9 @@ fn training_refuses_what_the_family_does_not_implement_naming_the_field() {
 /// tokenizer, training and held-out text, and the reference values of
 /// `scripts/make-parity-fixtures.py`.
 fn finetune_fixture() -> (PathBuf, serde_json::Value) {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/finetune");
+    let dir = common::finetune_dir();
     let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
     (dir, serde_json::from_str(&text).unwrap())
-}
-
-/// `oomfix train` of the fine-tuning fixture `dir` on its `train.txt`, in
-/// `work`: on the CPU, fp32, within 1 GiB.
-fn train_fixture(dir: &Path, work: &Path) -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.current_dir(work)
-        .env_remove("RUST_LOG")
-        .arg("train")
-        .arg(dir)
-        .arg("--data")
-        .arg(dir.join("train.txt"))
-        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"]);
-    cmd
 }
 
 #[test]
@@ -556,20 +523,14 @@ fn fine_tuning_the_pretrained_fixture_starts_from_the_transformers_loss() {
     let work = tempfile::tempdir().unwrap();
     let seq = reference["seq_len"].to_string();
     let micro_batch = reference["micro_batch"].to_string();
-    let out = train_fixture(&dir, work.path())
+    let out = train_on_finetune_text(work.path(), &dir)
         .args(["--seq-len", &seq, "--global-batch", &micro_batch])
         .args(["--micro-batch", &micro_batch, "--grad-accum", "1"])
         .args(["--steps", "3", "--lr", "1e-3", "--log-format", "json"])
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(0), "{stderr}");
-    let losses: Vec<f64> = stderr
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["fields"]["message"] == "step")
-        .map(|v| v["fields"]["loss"].as_f64().unwrap())
-        .collect();
+    let stderr = common::assert_exit(&out, 0);
+    let losses = common::step_losses(&stderr);
     assert_eq!(losses.len(), 3, "{stderr}");
     let expected = reference["first_loss"].as_f64().unwrap();
     let rel = (losses[0] - expected).abs() / expected;
@@ -583,15 +544,6 @@ fn fine_tuning_the_pretrained_fixture_starts_from_the_transformers_loss() {
     assert!(expected < 0.5 * vocab.ln(), "{expected}");
 }
 
-/// The JSON events of `stderr` with `message`.
-fn events(stderr: &str, message: &str) -> Vec<serde_json::Value> {
-    stderr
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["fields"]["message"] == message)
-        .collect()
-}
-
 /// Fine-tuning the pretrained fixture on its text lowers the loss on the
 /// held-out text (evaluated before the first step, every 2 steps and after
 /// the last), and the directory `--save` writes loads as a model.
@@ -600,7 +552,7 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
     let (dir, reference) = finetune_fixture();
     let work = tempfile::tempdir().unwrap();
     let seq = reference["seq_len"].to_string();
-    let out = train_fixture(&dir, work.path())
+    let out = train_on_finetune_text(work.path(), &dir)
         .arg("--eval-data")
         .arg(dir.join("eval.txt"))
         .args(["--eval-every", "2", "--save", "tuned"])
@@ -621,8 +573,8 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
         .iter()
         .map(|e| {
             (
-                e["fields"]["step"].as_u64().unwrap(),
-                e["fields"]["eval_loss"].as_f64().unwrap(),
+                e["step"].as_u64().unwrap(),
+                e["eval_loss"].as_f64().unwrap(),
             )
         })
         .collect();
@@ -635,16 +587,8 @@ fn a_fine_tuned_model_evaluates_better_and_saves_a_directory_others_load() {
 /// The logits of the model saved in `saved`, computed here from its files,
 /// written as `logits.safetensors` in `work` beside the input ids.
 fn saved_logits(saved: &Path, work: &Path) -> PathBuf {
-    use oomfix::train::build_model;
     let spec = oomfix::inspect(saved).unwrap();
-    let model = build_model(
-        &spec.config,
-        Some(&spec.files),
-        candle_core::DType::F32,
-        &Device::Cpu,
-        0,
-    )
-    .unwrap();
+    let model = common::fixture_model(&spec, None);
     let (file, logits) = common::write_logits(&model, spec.config.vocab, work);
     assert!(
         values(&logits).iter().all(|v| v.is_finite()),
@@ -661,12 +605,11 @@ fn saved_logits(saved: &Path, work: &Path) -> PathBuf {
 #[test]
 #[ignore = "needs OOMFIX_PYTHON, a Python with safetensors: `.ci/run` makes one and runs the ignored tests"]
 fn the_saved_directory_passes_the_python_check() {
-    let python = std::env::var("OOMFIX_PYTHON")
-        .expect("OOMFIX_PYTHON names the Python that runs scripts/check-saved-model.py");
+    let python = common::oomfix_python("safetensors");
     let (dir, reference) = finetune_fixture();
     let work = tempfile::tempdir().unwrap();
     let seq = reference["seq_len"].to_string();
-    let out = train_fixture(&dir, work.path())
+    let out = train_on_finetune_text(work.path(), &dir)
         .args(["--save", "tuned", "--seq-len", &seq, "--steps", "2"])
         .output()
         .unwrap();
@@ -685,7 +628,7 @@ fn the_saved_directory_passes_the_python_check() {
 /// naming its tensors; a tensor of the body missing is still an input error.
 #[test]
 fn a_checkpoint_without_the_objectives_head_gets_it_initialised_with_a_warning() {
-    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train/bert");
+    let fixture = common::fixture_dir().join("bert");
     let d = Dir::new();
     std::fs::copy(fixture.join("config.json"), d.path("config.json")).unwrap();
     let all =
@@ -729,16 +672,14 @@ fn a_checkpoint_without_the_objectives_head_gets_it_initialised_with_a_warning()
 /// `train`'s one JSON object (`--json`) of a run of the fine-tuning fixture
 /// with `args`, and its stderr.
 fn train_json(dir: &Path, work: &Path, args: &[&str]) -> (serde_json::Value, String) {
-    let out = train_fixture(dir, work)
-        .args(args)
-        .args(["--json", "--log-format", "json"])
-        .output()
-        .unwrap();
+    let out = common::exits(
+        train_on_finetune_text(work, dir)
+            .args(args)
+            .args(["--json", "--log-format", "json"]),
+        0,
+    );
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
-    let v = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
-    (v, stderr)
+    (common::json_stdout(&out), stderr)
 }
 
 /// Without `--lr`, a run from pretrained weights steps at the Hugging Face
@@ -765,12 +706,12 @@ fn the_default_learning_rate_depends_on_where_the_weights_start() {
         let from = v["training"]["lr_source"].as_str().unwrap();
         assert!(from.starts_with(source), "{extra:?}: {from}");
         let steps = events(&stderr, "step");
-        assert_eq!(steps[0]["fields"]["lr"], lr, "{extra:?}: {stderr}");
+        assert_eq!(steps[0]["lr"], lr, "{extra:?}: {stderr}");
         let said = stderr.contains(&format!("learning rate {lr:e} ({source}"));
         assert_eq!(said, extra.is_empty() || extra[0] == "--init", "{stderr}");
     }
     let work = tempfile::tempdir().unwrap();
-    let out = train_fixture(&dir, work.path())
+    let out = train_on_finetune_text(work.path(), &dir)
         .args(["--seq-len", &seq, "--steps", "1"])
         .output()
         .unwrap();
@@ -822,7 +763,7 @@ fn evaluation_before_the_first_step_is_the_original_models_loss() {
     );
     let steps: Vec<u64> = events(&stderr, "eval")
         .iter()
-        .map(|e| e["fields"]["step"].as_u64().unwrap())
+        .map(|e| e["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, [0, 2], "{stderr}");
 }
@@ -855,15 +796,7 @@ fn the_saved_directory_carries_the_models_licence_and_card() {
     let work = tempfile::tempdir().unwrap();
     let seq = reference["seq_len"].to_string();
     let train = |from: &Path, save: &str| {
-        let out = Command::cargo_bin("oomfix")
-            .unwrap()
-            .current_dir(work.path())
-            .env_remove("RUST_LOG")
-            .arg("train")
-            .arg(from)
-            .arg("--data")
-            .arg(model.path().join("train.txt"))
-            .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
+        let out = train_on_finetune_text(work.path(), from)
             .args(["--seq-len", &seq, "--steps", "1", "--save", save])
             .output()
             .unwrap();

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 fn oomfix() -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.env_remove("RUST_LOG").timeout(Duration::from_secs(120));
+    let mut cmd = common::oomfix();
+    cmd.timeout(Duration::from_secs(120));
     cmd
 }
 
@@ -28,9 +28,7 @@ fn run(args: &[&str]) -> (i32, String, String) {
 
 /// `args` with `--json`: the exit code and the one JSON object.
 fn json_of(args: &[&str]) -> (i32, Value) {
-    let (code, stdout, stderr) = run(&[args, &["--json"]].concat());
-    let v = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}{stderr}"));
-    (code, v)
+    common::code_and_json(oomfix().args(args).arg("--json"))
 }
 
 fn advice(v: &Value) -> Vec<String> {

@@ -10,7 +10,7 @@
 
 mod common;
 
-use assert_cmd::Command;
+use common::{exits, json_of, oomfix};
 use serde_json::Value;
 use std::path::Path;
 use tempfile::TempDir;
@@ -22,26 +22,13 @@ fn make(python: &str, args: &[&str]) -> String {
 
 /// `oomfix inspect --json DIR`'s object.
 fn inspect(dir: &Path) -> Value {
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args(["inspect", "--json"])
-        .arg(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}: {}",
-        dir.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    json_of(oomfix().args(["inspect", "--json"]).arg(dir), 0)
 }
 
 #[test]
 #[ignore = "needs OOMFIX_PYTHON, a Python with torch and transformers"]
 fn the_hub_shapes_are_read_as_transformers_builds_them() {
-    let python = std::env::var("OOMFIX_PYTHON")
-        .expect("OOMFIX_PYTHON names a Python with torch and transformers");
+    let python = common::oomfix_python("torch and transformers");
     let names = make(&python, &["--list"]);
     let work = TempDir::new().unwrap();
     for name in names.lines() {
@@ -57,41 +44,29 @@ fn the_hub_shapes_are_read_as_transformers_builds_them() {
         if made["parameters"].as_u64().unwrap() > 4_000_000_000 {
             continue; // a full fine-tune of these needs more than one GPU
         }
-        Command::cargo_bin("oomfix")
-            .unwrap()
-            .args([
-                "--budget",
-                "80GiB",
-                "--seq-len",
-                "1024",
-                "--precision",
-                "bf16",
-            ])
-            .arg(&dir)
-            .assert()
-            .code(0);
+        let full = [
+            "--budget",
+            "80GiB",
+            "--seq-len",
+            "1024",
+            "--precision",
+            "bf16",
+        ];
+        exits(oomfix().args(full).arg(&dir), 0);
     }
     // The QLoRA plan of the issue, on transformers' own tensor list.
-    Command::cargo_bin("oomfix")
-        .unwrap()
-        .args([
-            "--budget",
-            "8GiB",
-            "--lora",
-            "16",
-            "--base-precision",
-            "nf4",
-        ])
-        .arg(work.path().join("llama-3-8b"))
-        .assert()
-        .code(0);
+    let qlora = ["--lora", "16", "--base-precision", "nf4"];
+    let model = work.path().join("llama-3-8b");
+    exits(
+        oomfix().args(["--budget", "8GiB"]).args(qlora).arg(model),
+        0,
+    );
 }
 
 #[test]
 #[ignore = "needs OOMFIX_PYTHON, a Python with torch and transformers"]
 fn a_smaller_model_of_a_family_is_made_with_set() {
-    let python = std::env::var("OOMFIX_PYTHON")
-        .expect("OOMFIX_PYTHON names a Python with torch and transformers");
+    let python = common::oomfix_python("torch and transformers");
     let work = TempDir::new().unwrap();
     let dir = work.path().join("gemma");
     let made = make(

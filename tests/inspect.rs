@@ -27,16 +27,28 @@ fn input_error(path: &Path) -> String {
     msg
 }
 
+/// Checks that one of `spec`'s assumptions says `phrase`.
+fn assumes(spec: &ModelSpec, phrase: &str) {
+    let said = spec.assumptions.iter().any(|a| a.contains(phrase));
+    assert!(said, "{phrase}: {:?}", spec.assumptions);
+}
+
 fn assert_mentions(msg: &str, phrase: &str) {
     assert!(msg.contains(phrase), "expected {phrase:?} in: {msg}");
 }
 
-/// An input error for a file with `header` and `data_len` bytes of data.
-fn header_error(header: &str, data_len: u64) -> String {
+/// The input error for a file whose length field says `length`, then
+/// `header` and `data_len` bytes of data.
+fn raw_error(length: u64, header: &[u8], data_len: u64) -> String {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("bad.safetensors");
-    write_header(&path, header, data_len);
+    write_raw(&path, length, header, data_len);
     input_error(&path)
+}
+
+/// An input error for a file with `header` and `data_len` bytes of data.
+fn header_error(header: &str, data_len: u64) -> String {
+    raw_error(header.len() as u64, header.as_bytes(), data_len)
 }
 
 // ---- families ----------------------------------------------------------------------------
@@ -54,13 +66,7 @@ fn gpt2_small_with_mask_buffers() {
     assert!(spec.tensors.iter().all(|t| !t.name.ends_with(".attn.bias")));
     // file_bytes covers every tensor in the file, buffers included.
     assert_eq!(spec.file_bytes, 124_439_808 * 4 + 12 * 1024 * 1024 * 4);
-    assert!(
-        spec.assumptions
-            .iter()
-            .any(|a| a.contains("12 attention heads assumed")),
-        "{:?}",
-        spec.assumptions
-    );
+    assumes(&spec, "12 attention heads assumed");
 }
 
 #[test]
@@ -127,13 +133,7 @@ fn llama2_7b() {
     );
     assert!(!spec.config.tied_embeddings);
     assert_eq!(spec.dtype, "F16");
-    assert!(
-        spec.assumptions
-            .iter()
-            .any(|a| a.contains("head size 128 assumed")),
-        "{:?}",
-        spec.assumptions
-    );
+    assumes(&spec, "head size 128 assumed");
 }
 
 fn write_tinyllama(dir: &Path) {
@@ -165,13 +165,7 @@ fn tinyllama_without_config_records_the_guess() {
     let spec = ok(&dir.path().join("model.safetensors"));
     // Head size 128 is the guess for hidden 2048: 16 heads, 256 / 128 = 2 KV heads.
     assert_eq!((spec.config.heads, spec.config.kv_heads), (16, 2));
-    assert!(
-        spec.assumptions
-            .iter()
-            .any(|a| a.contains("no config.json")),
-        "{:?}",
-        spec.assumptions
-    );
+    assumes(&spec, "no config.json");
 }
 
 #[test]
@@ -278,15 +272,8 @@ fn qwen2_like_biases_and_tied_head() {
 fn generic_unknown_model() {
     let dir = TempDir::new().unwrap();
     let path = dir.path().join("model.safetensors");
-    let mut tensors = vec![("stem.weight".to_string(), "F32", vec![64, 3])];
-    for l in 0..5 {
-        tensors.push((
-            format!("encoder.blocks.{l}.mix.weight"),
-            "F32",
-            vec![64, 64],
-        ));
-        tensors.push((format!("encoder.blocks.{l}.step"), "I64", vec![]));
-    }
+    let mut tensors = unknown_encoder();
+    tensors.extend((0..5).map(|l| (format!("encoder.blocks.{l}.step"), "I64", vec![])));
     write_safetensors(&path, &tensors);
     let spec = ok(&path);
     assert_eq!(spec.config.family, Family::Generic);
@@ -300,13 +287,7 @@ fn generic_unknown_model() {
         64 * 3 + 5 * 64 * 64,
         "integer tensors are not trainable"
     );
-    assert!(
-        spec.assumptions
-            .iter()
-            .any(|a| a.contains("estimates are generic")),
-        "{:?}",
-        spec.assumptions
-    );
+    assumes(&spec, "estimates are generic");
 }
 
 // ---- several files ------------------------------------------------------------------------
@@ -462,44 +443,33 @@ fn shorter_than_length_field() {
 
 #[test]
 fn header_length_larger_than_file() {
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("trunc.safetensors");
-    write_raw(&path, 1000, b"{}", 0);
     assert_mentions(
-        &input_error(&path),
+        &raw_error(1000, b"{}", 0),
         "header length 1000 is larger than the file: only 2 bytes follow",
     );
 }
 
 #[test]
 fn absurd_header_length_is_refused_before_allocating() {
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("absurd.safetensors");
-    write_raw(&path, u64::MAX, b"{}", 0);
     assert_mentions(
-        &input_error(&path),
+        &raw_error(u64::MAX, b"{}", 0),
         "over the safetensors limit of 100000000 bytes",
     );
     // Even when the file is long enough to hold it (sparse 1 GiB file).
-    write_raw(&path, 200 << 20, b"{}", 1 << 30);
     assert_mentions(
-        &input_error(&path),
+        &raw_error(200 << 20, b"{}", 1 << 30),
         "header length field says 209715200 bytes, over the safetensors limit of 100000000 bytes",
     );
     // One byte over the reference library's limit (which is under 100 MiB).
-    write_raw(&path, 100_000_001, b"{}", 100_000_000);
     assert_mentions(
-        &input_error(&path),
+        &raw_error(100_000_001, b"{}", 100_000_000),
         "header length field says 100000001 bytes, over the safetensors limit",
     );
 }
 
 #[test]
 fn header_not_utf8() {
-    let dir = TempDir::new().unwrap();
-    let path = dir.path().join("bin.safetensors");
-    write_raw(&path, 4, b"{\"\xc3\x28", 0);
-    assert_mentions(&input_error(&path), "header is not UTF-8");
+    assert_mentions(&raw_error(4, b"{\"\xc3\x28", 0), "header is not UTF-8");
 }
 
 #[test]
@@ -549,69 +519,44 @@ fn tensor_entry_missing_fields() {
 
 #[test]
 fn unknown_dtype() {
-    let msg = header_error(
-        r#"{"w":{"dtype":"F17","shape":[1],"data_offsets":[0,4]}}"#,
-        4,
-    );
+    let msg = header_error(&tensor_w("F17", "[1]", "[0,4]"), 4);
     assert_mentions(&msg, r#"tensor "w": unknown dtype "F17""#);
 }
 
 #[test]
 fn negative_non_integer_and_overflowing_dims() {
+    let shape = |dims: &str| tensor_w("F32", dims, "[0,16]");
     let cases = [
+        (shape("[2,-2]"), "negative dimension -2"),
+        (shape("[2,2.5]"), "non-integer dimension 2.5"),
+        (shape(r#"[2,"2"]"#), "is a string, not an integer"),
         (
-            r#"{"w":{"dtype":"F32","shape":[2,-2],"data_offsets":[0,16]}}"#,
-            "negative dimension -2",
-        ),
-        (
-            r#"{"w":{"dtype":"F32","shape":[2,2.5],"data_offsets":[0,16]}}"#,
-            "non-integer dimension 2.5",
-        ),
-        (
-            r#"{"w":{"dtype":"F32","shape":[2,"2"],"data_offsets":[0,16]}}"#,
-            "is a string, not an integer",
-        ),
-        (
-            r#"{"w":{"dtype":"F32","shape":[4294967296,4294967296,4],"data_offsets":[0,16]}}"#,
+            shape("[4294967296,4294967296,4]"),
             "overflows a 64-bit byte count",
         ),
     ];
     for (header, want) in cases {
-        assert_mentions(&header_error(header, 16), want);
+        assert_mentions(&header_error(&header, 16), want);
     }
 }
 
 #[test]
 fn malformed_data_offsets() {
+    let offsets = |range: &str| tensor_w("F32", "[1]", range);
     let cases = [
-        (
-            r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4,8]}}"#,
-            "two non-negative integers",
-        ),
-        (
-            r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}}"#,
-            "two non-negative integers",
-        ),
-        (
-            r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":"0-4"}}"#,
-            "two non-negative integers",
-        ),
-        (
-            r#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}}"#,
-            "data_offsets [4, 0] begin after they end",
-        ),
+        (offsets("[0,4,8]"), "two non-negative integers"),
+        (offsets("[-4,0]"), "two non-negative integers"),
+        (offsets(r#""0-4""#), "two non-negative integers"),
+        (offsets("[4,0]"), "data_offsets [4, 0] begin after they end"),
     ];
     for (header, want) in cases {
-        assert_mentions(&header_error(header, 4), want);
+        assert_mentions(&header_error(&header, 4), want);
     }
 }
 
 #[test]
 fn shape_and_byte_range_disagree() {
-    let msg = header_error(
-        r#"{"w":{"dtype":"BF16","shape":[3,2],"data_offsets":[0,24]}}"#,
-        24,
-    );
+    let msg = header_error(&tensor_w("BF16", "[3,2]", "[0,24]"), 24);
     assert_mentions(
         &msg,
         "shape [3, 2] of BF16 needs 12 bytes but data_offsets [0, 24] span 24",
@@ -620,10 +565,7 @@ fn shape_and_byte_range_disagree() {
 
 #[test]
 fn offsets_past_the_data_region() {
-    let msg = header_error(
-        r#"{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
-        10,
-    );
+    let msg = header_error(&tensor_w("F32", "[4]", "[0,16]"), 10);
     assert_mentions(
         &msg,
         "data_offsets [0, 16] reach past the end of the data region (10 bytes",

@@ -5,7 +5,7 @@
 
 mod common;
 
-use assert_cmd::Command;
+use common::oomfix;
 use oomfix::{ModelSpec, Planner, Target};
 use serde_json::Value;
 
@@ -98,14 +98,8 @@ fn fitting_is_monotone_in_the_length_on_every_family() {
     }
 }
 
-fn oomfix() -> Command {
-    Command::cargo_bin("oomfix").unwrap()
-}
-
 fn json(args: &[&str]) -> (i32, Value) {
-    let out = oomfix().args(args).arg("--json").output().unwrap();
-    let code = out.status.code().unwrap();
-    (code, serde_json::from_slice(&out.stdout).unwrap())
+    common::code_and_json(oomfix().args(args).arg("--json"))
 }
 
 /// The plan, its JSON and its table: the length found is the plan's, the
@@ -166,11 +160,7 @@ fn nothing_fits_at_any_length_exits_1_with_the_closest_plan() {
 
 #[test]
 fn a_misspelled_length_is_a_usage_error() {
-    let out = oomfix()
-        .args(["--budget", "8GiB", "--seq-len", "long"])
-        .output()
-        .unwrap();
-    let err = common::assert_exit(&out, 2);
+    let err = common::stderr_of(oomfix().args(["--budget", "8GiB", "--seq-len", "long"]), 2);
     assert!(
         err.contains("--seq-len") && err.contains("`longest`"),
         "{err}"

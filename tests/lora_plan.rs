@@ -46,24 +46,15 @@ fn llama3_8b() -> TempDir {
 }
 
 fn oomfix(dir: &Path) -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.current_dir(dir)
-        .env_remove("RUST_LOG")
-        .timeout(Duration::from_secs(120));
+    let mut cmd = common::oomfix_in(dir);
+    cmd.timeout(Duration::from_secs(120));
     cmd
 }
 
 /// `oomfix ARGS --json` in `dir`: the exit code and the JSON object.
 fn plan_json(dir: &Path, args: &[&str]) -> (i32, Value) {
     let out = oomfix(dir).args(args).arg("--json").output().unwrap();
-    let json = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "{e}: {}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    });
-    (out.status.code().unwrap(), json)
+    (out.status.code().unwrap(), common::json_stdout(&out))
 }
 
 #[test]
@@ -150,6 +141,36 @@ fn the_search_quantizes_the_base_when_16_bits_do_not_fit() {
     assert_eq!(roomy["plan"]["lora"]["base"], "bf16", "{roomy:#}");
 }
 
+/// The options that pin every field of a JSON attempt's plan.
+fn pins_of(attempt: &Value) -> Vec<String> {
+    let field = |key: &str| match &attempt[key] {
+        Value::String(s) => s.clone(),
+        v => v.to_string(),
+    };
+    let either = |key: &str, yes: &str, no: &str| {
+        let value = if attempt[key] == true { yes } else { no };
+        value.to_string()
+    };
+    let tile = attempt["mlp_tile"].as_u64();
+    let pins = [
+        ("--micro-batch", field("micro_batch")),
+        ("--grad-accum", field("grad_accum")),
+        ("--precision", field("precision")),
+        ("--checkpoint", field("checkpoint")),
+        ("--attention", field("attention")),
+        ("--loss", either("chunked_loss", "chunked", "whole")),
+        ("--optimizer", field("optimizer")),
+        (
+            "--activations",
+            either("offload_activations", "host", "device"),
+        ),
+        ("--mlp-tile", tile.map_or("none".into(), |t| t.to_string())),
+    ];
+    pins.into_iter()
+        .flat_map(|(option, value)| [option.to_string(), value])
+        .collect()
+}
+
 #[test]
 fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
     let d = llama3_8b();
@@ -169,47 +190,10 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
     assert!(hint.starts_with("--lora 16 would fit ("), "{hint}");
     // The figure is the model's own estimate of that plan: planning it with
     // --lora 16 and the closest plan's fields pinned gives the same peak.
-    let closest = &out["closest"];
-    let pinned: Vec<String> = vec![
-        ".".into(),
-        "--budget".into(),
-        "24GiB".into(),
-        "--lora".into(),
-        "16".into(),
-        "--base-precision".into(),
-        "bf16".into(),
-        "--micro-batch".into(),
-        closest["micro_batch"].to_string(),
-        "--grad-accum".into(),
-        closest["grad_accum"].to_string(),
-        "--precision".into(),
-        closest["precision"].as_str().unwrap().into(),
-        "--checkpoint".into(),
-        closest["checkpoint"].as_str().unwrap().into(),
-        "--attention".into(),
-        closest["attention"].as_str().unwrap().into(),
-        "--loss".into(),
-        if closest["chunked_loss"] == true {
-            "chunked"
-        } else {
-            "whole"
-        }
-        .into(),
-        "--optimizer".into(),
-        closest["optimizer"].as_str().unwrap().into(),
-        "--activations".into(),
-        if closest["offload_activations"] == true {
-            "host"
-        } else {
-            "device"
-        }
-        .into(),
-        "--mlp-tile".into(),
-        closest["mlp_tile"]
-            .as_u64()
-            .map_or("none".into(), |t| t.to_string()),
-    ];
-    let pinned: Vec<&str> = pinned.iter().map(String::as_str).collect();
+    let closest = pins_of(&out["closest"]);
+    let mut pinned = vec![".", "--budget", "24GiB"];
+    pinned.extend(["--lora", "16", "--base-precision", "bf16"]);
+    pinned.extend(closest.iter().map(String::as_str));
     let (code, lora) = plan_json(d.path(), &pinned);
     assert_eq!(code, 0, "{lora:#}");
     let peak = lora["estimate"]["peak_bytes"].as_u64().unwrap();
@@ -246,17 +230,6 @@ fn nothing_fits_without_lora_and_the_advice_says_what_lora_needs() {
     assert!(!tiny["advice"].to_string().contains("--lora"), "{tiny:#}");
 }
 
-/// `oomfix ARGS` fails with exit 2, one line on stderr containing `says`,
-/// nothing on stdout.
-fn refused(dir: &Path, args: &[&str], says: &str) {
-    let out = oomfix(dir).args(args).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-    assert!(out.stdout.is_empty(), "{args:?}");
-    assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: {stderr}");
-    assert!(stderr.contains(says), "{args:?}: {stderr}");
-}
-
 #[test]
 fn bad_lora_settings_are_one_line_and_exit_2() {
     let d = llama3_8b();
@@ -266,46 +239,46 @@ fn bad_lora_settings_are_one_line_and_exit_2() {
         args.extend_from_slice(extra);
         args
     };
-    refused(dir, &plan(&["--lora", "0"]), "rank of 0");
-    refused(dir, &plan(&["--lora", "-4"]), "--lora");
-    // k_proj and v_proj are 1024 wide.
-    refused(dir, &plan(&["--lora", "1025"]), "k_proj");
-    refused(
-        dir,
-        &plan(&["--lora", "16", "--lora-targets", "q_proj,qkv_proj"]),
-        "unknown LoRA target `qkv_proj`",
-    );
-    refused(
-        dir,
-        &plan(&["--base-precision", "nf4"]),
-        "--base-precision sets up LoRA",
-    );
-    refused(dir, &plan(&["--lora-alpha", "32"]), "needs --lora RANK");
-    refused(
-        dir,
-        &plan(&["--lora", "16", "--base-precision", "int3"]),
-        "unknown base precision",
-    );
-    refused(
-        dir,
-        &plan(&["--lora", "16", "--lora-alpha", "0"]),
-        "--lora-alpha",
-    );
-    refused(
-        dir,
-        &["train", ".", "--budget", "8GiB", "--lora", "16", "--merge"],
-        "--merge says what --save writes: it needs --save DIR",
-    );
-    refused(
-        dir,
-        &["train", ".", "--budget", "8GiB", "--merge", "--save", "out"],
-        "--merge adds LoRA adapters into the base weights: it needs --lora RANK",
-    );
-    refused(
-        dir,
-        &["train", ".", "--budget", "8GiB", "--base-precision", "nf4"],
-        "--base-precision sets up LoRA",
-    );
+    let train = |extra: &[&'static str]| {
+        let mut args = vec!["train", ".", "--budget", "8GiB"];
+        args.extend_from_slice(extra);
+        args
+    };
+    for (args, says) in [
+        (plan(&["--lora", "0"]), "rank of 0"),
+        (plan(&["--lora", "-4"]), "--lora"),
+        // k_proj and v_proj are 1024 wide.
+        (plan(&["--lora", "1025"]), "k_proj"),
+        (
+            plan(&["--lora", "16", "--lora-targets", "q_proj,qkv_proj"]),
+            "unknown LoRA target `qkv_proj`",
+        ),
+        (
+            plan(&["--base-precision", "nf4"]),
+            "--base-precision sets up LoRA",
+        ),
+        (plan(&["--lora-alpha", "32"]), "needs --lora RANK"),
+        (
+            plan(&["--lora", "16", "--base-precision", "int3"]),
+            "unknown base precision",
+        ),
+        (plan(&["--lora", "16", "--lora-alpha", "0"]), "--lora-alpha"),
+        (
+            train(&["--lora", "16", "--merge"]),
+            "--merge says what --save writes: it needs --save DIR",
+        ),
+        (
+            train(&["--merge", "--save", "out"]),
+            "--merge adds LoRA adapters into the base weights: it needs --lora RANK",
+        ),
+        (
+            train(&["--base-precision", "nf4"]),
+            "--base-precision sets up LoRA",
+        ),
+    ] {
+        eprintln!("{args:?}");
+        common::refused(&oomfix(dir).args(args).output().unwrap(), &[says]);
+    }
     assert!(!dir.join("out").exists());
     // Within bounds: a rank as wide as the narrowest target, and targets given.
     let (code, out) = plan_json(
@@ -328,21 +301,12 @@ fn bad_lora_settings_are_one_line_and_exit_2() {
 #[test]
 fn the_attempt_spans_log_the_lora() {
     let d = llama3_8b();
-    let out = oomfix(d.path())
-        .args([
-            ".",
-            "--budget",
-            "8GiB",
-            "--lora",
-            "16",
-            "--log-format",
-            "json",
-            "-v",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = common::stderr_of(
+        oomfix(d.path())
+            .args([".", "--budget", "8GiB", "--lora", "16"])
+            .args(["--log-format", "json", "-v"]),
+        0,
+    );
     let lora: Vec<Value> = stderr
         .lines()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())

@@ -6,40 +6,18 @@
 
 mod common;
 
-use assert_cmd::Command;
 use candle_core::{DType, Device, Tensor};
+use common::{
+    finetune_dir, fixture_model, fixture_spec, fixture_values, max_abs, max_diff, reference_batch,
+    rel_error,
+};
 use oomfix::strategies::lora::{BasePrecision, Lora};
 use oomfix::strategies::{Attention, Checkpointing, Execution};
 use oomfix::train::lora::peft_module;
 use oomfix::train::{build_model, build_model_with, HubModel, TokenBatch};
 use oomfix::{Family, ModelSpec};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar()
-        .unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_dtype(DType::F32).unwrap();
-    max_abs(&(a - b).unwrap())
-}
-
-fn rel_error(a: &Tensor, b: &Tensor) -> f32 {
-    max_diff(a, b) / max_abs(b)
-}
+use std::path::Path;
 
 /// A LoRA of `rank` and `alpha` on every linear projection of `spec`'s blocks.
 fn lora(spec: &ModelSpec, rank: u32, alpha: u32, base: BasePrecision) -> Lora {
@@ -71,23 +49,13 @@ struct Fixture {
 
 impl Fixture {
     fn load(name: &'static str) -> Fixture {
-        let dir = fixtures().join("train");
-        let spec = oomfix::inspect(&dir.join(name).join("model.safetensors")).unwrap();
-        let load = |file: String| candle_core::safetensors::load(dir.join(file), &Device::Cpu);
-        let r = load(format!("{name}.ref.safetensors")).unwrap();
-        let ids = |t: &Tensor| t.to_dtype(DType::U32).unwrap();
+        let values = |kind: &str| fixture_values(&format!("{name}.{kind}.safetensors"));
         Fixture {
             name,
-            batch: TokenBatch {
-                input_ids: ids(&r["input_ids"]),
-                targets: ids(&r["targets"]),
-                loss_mask: Some(r["loss_mask"].clone()),
-                attention_mask: None,
-                documents: None,
-            },
-            f32: load(format!("{name}.lora.safetensors")).unwrap(),
-            bf16: load(format!("{name}.lora.bf16.safetensors")).unwrap(),
-            spec,
+            spec: fixture_spec(name),
+            batch: reference_batch(&values("ref")),
+            f32: values("lora"),
+            bf16: values("lora.bf16"),
         }
     }
 
@@ -305,21 +273,12 @@ fn quantized_base(spec: &ModelSpec, double: bool) -> HubModel {
 
 /// `oomfix train` in `work` on the fine-tuning fixture, on the CPU in fp32.
 fn train(work: &Path, args: &[&str]) -> (i32, String) {
-    train_model(work, &fixtures().join("finetune"), args)
+    train_model(work, &finetune_dir(), args)
 }
 
 /// [`train`] of the model in `model` on the fine-tuning fixture's data.
 fn train_model(work: &Path, model: &Path, args: &[&str]) -> (i32, String) {
-    let dir = fixtures().join("finetune");
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .current_dir(work)
-        .env_remove("RUST_LOG")
-        .arg("train")
-        .arg(model)
-        .arg("--data")
-        .arg(dir.join("train.txt"))
-        .args(["--device", "cpu", "--precision", "fp32", "--budget", "1GiB"])
+    let out = common::train_on_finetune_text(work, model)
         .args([
             "--seq-len",
             "32",
@@ -382,7 +341,7 @@ fn train_lora_saves_a_peft_adapter_directory() {
     let base = config["base_model_name_or_path"].as_str().unwrap();
     assert_eq!(
         Path::new(base).canonicalize().unwrap(),
-        fixtures().join("finetune").canonicalize().unwrap()
+        finetune_dir().canonicalize().unwrap()
     );
     let tensors = adapter_file(&ad);
     // 2 blocks × 7 projections × (A, B); hidden 32, kv 2 × 8, MLP 64.
@@ -446,7 +405,7 @@ fn lora_resumes_as_full_fine_tuning_does_and_merges() {
     assert!(merged.join("config.json").exists());
     assert!(!merged.join("adapter_model.safetensors").exists());
     let spec = oomfix::inspect(&merged).unwrap();
-    let base_spec = oomfix::inspect(&fixtures().join("finetune")).unwrap();
+    let base_spec = oomfix::inspect(&finetune_dir()).unwrap();
     assert_eq!(spec.config.hidden, base_spec.config.hidden);
     let m = candle_core::safetensors::load(merged.join("model.safetensors"), &Device::Cpu).unwrap();
     let base = candle_core::safetensors::load(base_spec.files[0].clone(), &Device::Cpu).unwrap();
@@ -506,7 +465,7 @@ fn bad_lora_runs_are_refused_in_one_line() {
     let other = w.join("other-base");
     std::fs::create_dir(&other).unwrap();
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
-        std::fs::copy(fixtures().join("finetune").join(f), other.join(f)).unwrap();
+        std::fs::copy(finetune_dir().join(f), other.join(f)).unwrap();
     }
     let (code, stderr) = train_model(
         w,
@@ -531,24 +490,15 @@ fn bad_lora_runs_are_refused_in_one_line() {
 #[test]
 #[ignore = "needs OOMFIX_PYTHON, a Python with torch, transformers and peft (CI's has none: the test above checks the files)"]
 fn peft_loads_the_saved_adapters_and_gives_oomfix_logits() {
-    let python = std::env::var("OOMFIX_PYTHON")
-        .expect("OOMFIX_PYTHON names a Python with torch, transformers and peft");
+    let python = common::oomfix_python("torch, transformers and peft");
     let work = tempfile::tempdir().unwrap();
     let w = work.path();
     let (code, stderr) = train(w, &["--lora", "4", "--steps", "3", "--save", "ad"]);
     assert_eq!(code, 0, "{stderr}");
-    let dir = fixtures().join("finetune");
+    let dir = finetune_dir();
     let spec = oomfix::inspect(&dir).unwrap();
     let lora = lora(&spec, 4, 8, BasePrecision::Bf16);
-    let model = build_model_with(
-        &spec.config,
-        Some(&spec.files),
-        DType::F32,
-        &Device::Cpu,
-        0,
-        Some(&lora),
-    )
-    .unwrap();
+    let model = fixture_model(&spec, Some(&lora));
     set_adapters(&model, &adapter_file(&w.join("ad")), "");
     let (file, _) = common::write_logits(&model, spec.config.vocab, w);
     let adapters = w.join("ad");

@@ -5,12 +5,13 @@
 //! parameters released after the step, the run's seed and micro-batch
 //! numbers handed to the model).
 
+mod common;
+
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor, Var};
 use oomfix::strategies::model::{Capabilities, Forward, MicroBatch, Model};
-use oomfix::strategies::shard::ThreadComm;
 use oomfix::strategies::{Plan, Precision, Sharding};
 use oomfix::train::data::DataSource;
 use oomfix::train::StepStats;
@@ -83,41 +84,25 @@ fn steps_on_two_ranks(
     overflowing: Range<u64>,
     steps: usize,
 ) -> Vec<RankSteps> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadComm::group(2)
-            .into_iter()
-            .map(|comm| {
-                let overflowing = overflowing.clone();
-                s.spawn(move || {
-                    let seen = Seen::default();
-                    let build = recorder(Arc::clone(&seen), overflowing);
-                    let mut t = Trainer::of_model_sharded(
-                        build,
-                        plan,
-                        &Device::Cpu,
-                        options,
-                        Box::new(comm),
-                    )
-                    .unwrap();
-                    let stats = (0..steps)
-                        .map(|_| t.step(&mut DataSource::ModelMade).unwrap())
-                        .collect();
-                    let readable = t
-                        .model()
-                        .vars()
-                        .iter()
-                        .map(|v| v.flatten_all().and_then(|t| t.to_vec1::<f32>()).is_ok())
-                        .collect();
-                    let seen = seen.lock().unwrap().clone();
-                    RankSteps {
-                        stats,
-                        seen,
-                        readable,
-                    }
-                })
-            })
+    common::on_thread_ranks(2, |comm| {
+        let seen = Seen::default();
+        let build = recorder(Arc::clone(&seen), overflowing.clone());
+        let mut t = Trainer::of_model_sharded(build, plan, &Device::Cpu, options, comm).unwrap();
+        let stats = (0..steps)
+            .map(|_| t.step(&mut DataSource::ModelMade).unwrap())
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let readable = t
+            .model()
+            .vars()
+            .iter()
+            .map(|v| v.flatten_all().and_then(|t| t.to_vec1::<f32>()).is_ok())
+            .collect();
+        let seen = seen.lock().unwrap().clone();
+        RankSteps {
+            stats,
+            seen,
+            readable,
+        }
     })
 }
 

@@ -7,39 +7,11 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use candle_core::{DType, Device, Tensor};
-use oomfix::strategies::lora::{BasePrecision, Lora};
+use candle_core::{Device, Tensor};
+use common::{adapted_fixture, causal_fixtures, fixture_model, fixture_spec, max_abs, max_diff};
 use oomfix::strategies::{Attention, Checkpointing, Execution};
-use oomfix::train::{build_model, build_model_with, HubModel, StepOutput, TokenBatch};
-use oomfix::{Error, ModelSpec};
-
-/// The causal fixtures.
-const FAMILIES: [&str; 13] = [
-    "gpt2",
-    "llama",
-    "qwen2",
-    "qwen3",
-    "llama3",
-    "llama-linear",
-    "llama-dynamic",
-    "llama-yarn",
-    "phi3",
-    "gemma2",
-    "gemma3",
-    "phi3-longrope",
-    "phi4-mini",
-];
-
-fn spec(name: &str) -> ModelSpec {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train");
-    oomfix::inspect(&dir.join(name).join("model.safetensors")).unwrap()
-}
-
-fn model(spec: &ModelSpec) -> HubModel {
-    build_model(&spec.config, Some(&spec.files), DType::F32, &Device::Cpu, 0).unwrap()
-}
+use oomfix::train::{HubModel, StepOutput, TokenBatch};
+use oomfix::Error;
 
 /// Deterministic ids below `vocab`.
 fn ids(n: usize, seed: usize, vocab: usize) -> Vec<u32> {
@@ -111,14 +83,6 @@ fn packed(docs: &[Document], padding: usize) -> TokenBatch {
         attention_mask: None,
         documents: Some(row(ids)),
     }
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs().unwrap().max_all().unwrap().to_scalar().unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    max_abs(&(a - b).unwrap())
 }
 
 /// The document lengths of a family's test (with 3 tokens of padding after
@@ -207,9 +171,8 @@ fn attentions(model: &HubModel) -> &'static [Attention] {
 
 #[test]
 fn a_packed_row_computes_its_documents_one_by_one_in_every_causal_family() {
-    for name in FAMILIES {
-        let spec = spec(name);
-        let model = model(&spec);
+    for name in causal_fixtures() {
+        let model = fixture_model(&fixture_spec(name), None);
         for &attention in attentions(&model) {
             for policy in [Checkpointing::None, Checkpointing::Every(1)] {
                 let exec = Execution::default().attention(attention).checkpoint(policy);
@@ -224,19 +187,7 @@ fn a_packed_row_computes_its_documents_one_by_one_in_every_causal_family() {
 #[test]
 fn adapted_models_compute_packed_documents_one_by_one() {
     for name in ["llama", "gpt2", "gemma3", "phi4-mini"] {
-        let spec = spec(name);
-        let facts = oomfix::memory::model_facts(&spec);
-        let lora = Lora::new(4, Some(8), None, BasePrecision::Bf16, &facts).unwrap();
-        let model = build_model_with(
-            &spec.config,
-            Some(&spec.files),
-            DType::F32,
-            &Device::Cpu,
-            0,
-            Some(&lora),
-        )
-        .unwrap();
-        common::seeded_variables(&model);
+        let model = adapted_fixture(name);
         for &attention in attentions(&model) {
             let exec = Execution::default()
                 .attention(attention)
@@ -254,8 +205,7 @@ fn adapted_models_compute_packed_documents_one_by_one() {
 /// do not).
 #[test]
 fn without_documents_the_packed_row_differs() {
-    let spec = spec("llama");
-    let model = model(&spec);
+    let model = fixture_model(&fixture_spec("llama"), None);
     let docs = documents(&[5, 9, 6], model.config().vocab);
     let mut batch = packed(&docs, 3);
     batch.documents = None;
@@ -270,8 +220,7 @@ fn without_documents_the_packed_row_differs() {
 /// `forward_backward` reports through the training step's error).
 #[test]
 fn bert_refuses_packed_documents() {
-    let spec = spec("bert");
-    let model = model(&spec);
+    let model = fixture_model(&fixture_spec("bert"), None);
     let docs = documents(&[4, 7, 2], model.config().vocab);
     let batch = packed(&docs, 3);
     let exec = Execution::default();

@@ -185,19 +185,12 @@ fn pinned_fields_are_kept_and_the_rest_is_searched() {
         "fp32 at 2 x 4 fits 8 GiB with the other fixes"
     );
     // Contradicting pins are the user's error.
+    let refused = |pins| Planner::new(8 << 30).pins(pins).run(&spec).unwrap_err();
     pins.grad_accum = Some(3);
-    assert!(Planner::new(8 << 30)
-        .pins(pins)
-        .run(&spec)
-        .unwrap_err()
-        .is_input());
+    assert!(refused(pins).is_input());
     let mut pins = Pins::default();
     pins.micro_batch = Some(3);
-    assert!(Planner::new(8 << 30)
-        .pins(pins)
-        .run(&spec)
-        .unwrap_err()
-        .is_input());
+    assert!(refused(pins).is_input());
 }
 
 /// Reports step times that reverse the model's order: the slowest modelled

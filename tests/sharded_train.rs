@@ -26,6 +26,11 @@ fn plan(world: usize, stage: u8, grad_accum: usize) -> Plan {
     }
 }
 
+/// The tiny Llama's trainer of `plan` on one rank.
+fn one_rank(plan: Plan, options: &TrainOptions) -> Trainer {
+    Trainer::new(&common::tiny_llama(), plan, &Device::Cpu, options).unwrap()
+}
+
 fn losses(trainer: &mut Trainer) -> Vec<f32> {
     let mut data = DataSource::synthetic(11);
     (0..STEPS)
@@ -47,40 +52,16 @@ fn every_stage_at_2_and_4_ranks_takes_the_one_rank_steps() {
     options.adamw.lr = 1e-2;
     options.adamw.weight_decay = 0.5;
     for world in [2, 4] {
-        let mut one = Trainer::new(
-            &common::tiny_llama(),
-            plan(1, 0, 2 * world),
-            &Device::Cpu,
-            &options,
-        )
-        .unwrap();
+        let mut one = one_rank(plan(1, 0, 2 * world), &options);
         let want = losses(&mut one);
         assert!(
             want[STEPS - 1] < want[0],
             "training lowers the loss: {want:?}"
         );
         for stage in 1..=3 {
-            let got: Vec<Vec<f32>> = std::thread::scope(|s| {
-                let handles: Vec<_> = ThreadComm::group(world)
-                    .into_iter()
-                    .map(|comm| {
-                        let options = &options;
-                        s.spawn(move || {
-                            let comm: Box<dyn Comm> = Box::new(comm);
-                            let mut t = Trainer::new_sharded(
-                                &common::tiny_llama(),
-                                plan(world, stage, 2),
-                                &Device::Cpu,
-                                options,
-                                comm,
-                            )
-                            .unwrap();
-                            assert_eq!(t.world_size(), world);
-                            losses(&mut t)
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            let got = on_ranks(plan(world, stage, 2), &options, |t| {
+                assert_eq!(t.world_size(), world);
+                losses(t)
             });
             for (rank, l) in got.iter().enumerate() {
                 assert!(
@@ -107,13 +88,7 @@ fn mixed_precision_ranks_keep_the_masters_of_their_share_and_take_the_one_rank_s
     };
     let mut options = TrainOptions::default();
     options.adamw.lr = 1e-2;
-    let mut one = Trainer::new(
-        &common::tiny_llama(),
-        bf16(plan(1, 0, 4)),
-        &Device::Cpu,
-        &options,
-    )
-    .unwrap();
+    let mut one = one_rank(bf16(plan(1, 0, 4)), &options);
     let want = losses(&mut one);
     let vars = one.model().vars().len();
     let masters = |t: &Trainer| {
@@ -169,13 +144,7 @@ fn stages_2_and_3_with_checkpointing_work_block_by_block_and_take_the_one_rank_s
         ..p
     };
     let options = TrainOptions::default();
-    let mut one = Trainer::new(
-        &common::tiny_llama(),
-        every_block(plan(1, 0, 4)),
-        &Device::Cpu,
-        &options,
-    )
-    .unwrap();
+    let mut one = one_rank(every_block(plan(1, 0, 4)), &options);
     let want = losses(&mut one);
     let step = |t: &mut Trainer| {
         let mut data = DataSource::synthetic(11);
@@ -233,35 +202,17 @@ fn on_ranks<R: Send>(
     options: &TrainOptions,
     f: impl Fn(&mut Trainer) -> R + Sync,
 ) -> Vec<R> {
-    let world = plan.shard.world_size;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadComm::group(world)
-            .into_iter()
-            .map(|comm| {
-                let f = &f;
-                s.spawn(move || {
-                    let comm: Box<dyn Comm> = Box::new(comm);
-                    let mut t = Trainer::new_sharded(
-                        &common::tiny_llama(),
-                        plan,
-                        &Device::Cpu,
-                        options,
-                        comm,
-                    )
-                    .unwrap();
-                    f(&mut t)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    common::on_thread_ranks(plan.shard.world_size, |comm| {
+        let llama = common::tiny_llama();
+        let mut t = Trainer::new_sharded(&llama, plan, &Device::Cpu, options, comm).unwrap();
+        f(&mut t)
     })
 }
 
 #[test]
 fn a_sharded_run_saves_one_directory_that_resumes_at_another_world_size() {
     let options = TrainOptions::default();
-    let one =
-        || Trainer::new(&common::tiny_llama(), plan(1, 0, 4), &Device::Cpu, &options).unwrap();
+    let one = || one_rank(plan(1, 0, 4), &options);
     let want = losses(&mut one());
     let dir = tempfile::tempdir().unwrap();
     for stage in [1, 3] {

@@ -6,53 +6,21 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use candle_core::{DType, Device, Tensor};
-use oomfix::strategies::lora::{BasePrecision, Lora};
+use common::{
+    adapted_fixture, fixture_model, fixture_spec, fixture_values, json_of, max_abs, oomfix,
+    reference_batch, stderr_of,
+};
 use oomfix::strategies::{Checkpointing, Execution};
-use oomfix::train::{build_model_with, HubModel, StepOutput, TokenBatch};
+use oomfix::train::{HubModel, StepOutput, TokenBatch};
 use oomfix::ModelSpec;
 
 const FAMILIES: [&str; 9] = [
     "gpt2", "llama", "qwen2", "qwen3", "llama3", "phi3", "gemma2", "gemma3", "bert",
 ];
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train")
-}
-
-fn spec(name: &str) -> ModelSpec {
-    oomfix::inspect(&fixtures().join(name).join("model.safetensors")).unwrap()
-}
-
-fn model(spec: &ModelSpec, lora: Option<&Lora>) -> HubModel {
-    build_model_with(
-        &spec.config,
-        Some(&spec.files),
-        DType::F32,
-        &Device::Cpu,
-        0,
-        lora,
-    )
-    .unwrap()
-}
-
 /// The fixture's reference batch.
 fn batch(name: &str) -> TokenBatch {
-    let r = candle_core::safetensors::load(
-        fixtures().join(format!("{name}.ref.safetensors")),
-        &Device::Cpu,
-    )
-    .unwrap();
-    let ids = |t: &Tensor| t.to_dtype(DType::U32).unwrap();
-    TokenBatch {
-        input_ids: ids(&r["input_ids"]),
-        targets: ids(&r["targets"]),
-        loss_mask: Some(r["loss_mask"].clone()),
-        attention_mask: r.get("attention_mask").map(ids),
-        documents: None,
-    }
+    reference_batch(&fixture_values(&format!("{name}.ref.safetensors")))
 }
 
 fn step(
@@ -63,17 +31,6 @@ fn step(
 ) -> StepOutput {
     let exec = Execution::default().checkpoint(policy).mlp_tiles(tile);
     model.forward_backward(batch, &exec).unwrap()
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn assert_same(model: &HubModel, got: &StepOutput, want: &StepOutput, what: &str) {
@@ -98,8 +55,7 @@ fn assert_same(model: &HubModel, got: &StepOutput, want: &StepOutput, what: &str
 #[test]
 fn a_tiled_mlp_gives_the_untiled_loss_and_gradients_in_every_family() {
     for name in FAMILIES {
-        let spec = spec(name);
-        let model = model(&spec, None);
+        let model = fixture_model(&fixture_spec(name), None);
         let batch = batch(name);
         let (b, s) = batch.input_ids.dims2().unwrap();
         for policy in [Checkpointing::None, Checkpointing::Every(1)] {
@@ -121,11 +77,7 @@ fn a_tiled_mlp_gives_the_untiled_loss_and_gradients_in_every_family() {
 #[test]
 fn adapters_on_the_mlp_train_the_same_tiled() {
     for name in ["llama", "gpt2", "gemma3", "phi3"] {
-        let spec = spec(name);
-        let facts = oomfix::memory::model_facts(&spec);
-        let lora = Lora::new(4, Some(8), None, BasePrecision::Bf16, &facts).unwrap();
-        let model = model(&spec, Some(&lora));
-        common::seeded_variables(&model);
+        let model = adapted_fixture(name);
         let batch = batch(name);
         let plain = step(&model, &batch, Checkpointing::Every(1), None);
         let tiled = step(&model, &batch, Checkpointing::Every(1), Some(5));
@@ -133,48 +85,23 @@ fn adapters_on_the_mlp_train_the_same_tiled() {
     }
 }
 
-fn oomfix(args: &[&str]) -> std::process::Output {
-    assert_cmd::Command::cargo_bin("oomfix")
-        .unwrap()
-        .env_remove("RUST_LOG")
-        .args(args)
-        .output()
-        .unwrap()
-}
-
 #[test]
 fn mlp_tile_pins_the_tile_and_refuses_tiles_outside_the_sequence() {
-    let out = oomfix(&[
-        "--budget",
-        "8GiB",
-        "--seq-len",
-        "1024",
-        "--mlp-tile",
-        "256",
-        "--json",
-    ]);
-    common::assert_exit(&out, 0);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let plan = |tile: &str| {
+        let mut cmd = oomfix();
+        cmd.args(["--budget", "8GiB", "--seq-len", "1024", "--mlp-tile", tile]);
+        cmd
+    };
+    let v = json_of(plan("256").arg("--json"), 0);
     assert_eq!(v["plan"]["mlp_tile"], 256, "{v:#}");
-    let out = oomfix(&[
-        "--budget",
-        "8GiB",
-        "--seq-len",
-        "1024",
-        "--mlp-tile",
-        "none",
-        "--json",
-    ]);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of(plan("none").arg("--json"), 0);
     assert!(v["plan"].get("mlp_tile").is_none(), "{v:#}");
     for (tile, says) in [
         ("0", "at least one token"),
         ("2048", "not within the sequence of 1024"),
         ("x", "a number of tokens"),
     ] {
-        let out = oomfix(&["--budget", "8GiB", "--seq-len", "1024", "--mlp-tile", tile]);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{tile}: {stderr}");
+        let stderr = stderr_of(&mut plan(tile), 2);
         assert!(stderr.contains(says), "{tile}: {stderr}");
         // One line: the error, nothing else.
         assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");

@@ -11,7 +11,7 @@ mod common;
 use common::tiny_gpt2;
 use oomfix::measure::{record_plan, Timeline};
 use oomfix::strategies::{Checkpointing, OptimizerImpl, Precision};
-use oomfix::track::alloc::Phase;
+use oomfix::track::alloc::Phase::{self, Backward, Forward, OptimizerStep, Setup};
 use oomfix::track::{Component, CountingAlloc};
 use oomfix::{ModelConfig, ModelSpec, Plan, Target};
 
@@ -58,6 +58,33 @@ fn replayed_peak(t: &Timeline) -> u64 {
     peak
 }
 
+/// The training state before the step: `weights` bytes per parameter of
+/// weights, and AdamW's two fp32 moments 8 (each plus a little
+/// bookkeeping).
+fn assert_state(t: &Timeline, p: u64, weights: u64) {
+    let start = t.initial_bytes();
+    let near = |x: u64, want: u64| x >= want && (x as f64) < want as f64 * 1.05 + 65536.0;
+    let w = weights * p;
+    let held = start[Component::Weights as usize];
+    assert!(near(held, w), "weights {start:?} vs {weights}P = {w}");
+    let held = start[Component::OptimizerState as usize];
+    assert!(near(held, 8 * p), "optimizer {start:?} vs 8P = {}", 8 * p);
+}
+
+/// The phases of the step, in order.
+fn phases(t: &Timeline) -> Vec<Phase> {
+    t.phases.iter().map(|p| p.1).collect()
+}
+
+/// Checks that a block of `t` is tagged with each of `wanted` (module path
+/// and op).
+fn assert_tagged(t: &Timeline, wanted: &[&str]) {
+    let names: Vec<String> = t.blocks.iter().map(|b| b.tag.name()).collect();
+    for want in wanted {
+        assert!(names.iter().any(|n| n == want), "no block tagged {want}");
+    }
+}
+
 fn gpt2_components_add_up_and_match_the_training_state() {
     let config = tiny_gpt2();
     let p = params(&config);
@@ -83,18 +110,8 @@ fn gpt2_components_add_up_and_match_the_training_state() {
         Component::Temporaries,
     ]
     .map(|c| at_peak[c as usize]);
-    // fp32: 4 bytes per parameter, AdamW's two fp32 moments 8 (plus a little bookkeeping).
-    let near = |x: u64, want: u64| x >= want && (x as f64) < want as f64 * 1.05 + 65536.0;
-    assert!(
-        near(start[Component::Weights as usize], 4 * p),
-        "weights {start:?} vs 4P = {}",
-        4 * p
-    );
-    assert!(
-        near(start[Component::OptimizerState as usize], 8 * p),
-        "optimizer {start:?} vs 8P = {}",
-        8 * p
-    );
+    // fp32: 4 bytes per parameter.
+    assert_state(&t, p, 4);
     assert_eq!(
         start[Component::Gradients as usize],
         0,
@@ -129,36 +146,26 @@ fn gpt2_components_add_up_and_match_the_training_state() {
         .iter()
         .any(|b| b.component == Component::Gradients && b.size == c_attn));
     // Module paths and ops, and parameter names.
-    let names: Vec<String> = t.blocks.iter().map(|b| b.tag.name()).collect();
-    for want in [
-        "h.0.attn.matmul",
-        "h.1.attn.softmax",
-        "h.0.mlp.gelu",
-        "h.0.ln_1.layer_norm",
-        "ln_f.layer_norm",
-        "lm_head.matmul",
-        "loss.loss",
-        "backward",
-        "optimizer.adamw",
-    ] {
-        assert!(names.iter().any(|n| n == want), "no block tagged {want}");
-    }
+    assert_tagged(
+        &t,
+        &[
+            "h.0.attn.matmul",
+            "h.1.attn.softmax",
+            "h.0.mlp.gelu",
+            "h.0.ln_1.layer_norm",
+            "ln_f.layer_norm",
+            "lm_head.matmul",
+            "loss.loss",
+            "backward",
+            "optimizer.adamw",
+        ],
+    );
     assert!(t
         .blocks
         .iter()
         .any(|b| b.name.as_deref() == Some("h.0.attn.c_attn.weight") && b.size == c_attn));
     // Phases in order.
-    let phases: Vec<Phase> = t.phases.iter().map(|p| p.1).collect();
-    assert_eq!(
-        phases,
-        [
-            Phase::Setup,
-            Phase::Forward,
-            Phase::Backward,
-            Phase::OptimizerStep,
-            Phase::Setup
-        ]
-    );
+    assert_eq!(phases(&t), [Setup, Forward, Backward, OptimizerStep, Setup]);
 }
 
 fn llama_mixed_precision_checkpointing_and_fused_adamw() {
@@ -171,47 +178,36 @@ fn llama_mixed_precision_checkpointing_and_fused_adamw() {
         ..plan(1, 2)
     };
     let (_, t) = record(config, plan);
-    let start = t.initial_bytes();
-    // bf16 weights 2P + fp32 masters 4P; fused AdamW's fp32 moments 8P.
-    let near = |x: u64, want: u64| x >= want && (x as f64) < want as f64 * 1.05 + 65536.0;
-    assert!(
-        near(start[Component::Weights as usize], 6 * p),
-        "{start:?} vs 6P = {}",
-        6 * p
-    );
-    assert!(
-        near(start[Component::OptimizerState as usize], 8 * p),
-        "{start:?} vs 8P = {}",
-        8 * p
-    );
+    // bf16 weights 2P + fp32 masters 4P.
+    assert_state(&t, p, 6);
     assert!(t
         .blocks
         .iter()
         .any(|b| b.name.as_deref() == Some("master.model.layers.0.self_attn.q_proj.weight")));
-    let names: Vec<String> = t.blocks.iter().map(|b| b.tag.name()).collect();
-    for want in [
-        "model.layers.0.self_attn.rope",
-        "model.layers.1.mlp.silu",
-        "model.norm.rms_norm",
-        "optimizer.weight_sync",
-    ] {
-        assert!(names.iter().any(|n| n == want), "no block tagged {want}");
-    }
+    assert_tagged(
+        &t,
+        &[
+            "model.layers.0.self_attn.rope",
+            "model.layers.1.mlp.silu",
+            "model.norm.rms_norm",
+            "optimizer.weight_sync",
+        ],
+    );
     // Checkpointed blocks are recomputed during backward, under their own module.
     assert!(t.blocks.iter().any(
         |b| b.phase == Phase::Backward && b.tag.name().starts_with("model.layers.0.self_attn")
     ));
-    let phases: Vec<Phase> = t.phases.iter().map(|p| p.1).collect();
+    // A forward and a backward for each micro-batch.
     assert_eq!(
-        phases,
+        phases(&t),
         [
-            Phase::Setup,
-            Phase::Forward,
-            Phase::Backward,
-            Phase::Forward,
-            Phase::Backward,
-            Phase::OptimizerStep,
-            Phase::Setup
+            Setup,
+            Forward,
+            Backward,
+            Forward,
+            Backward,
+            OptimizerStep,
+            Setup
         ]
     );
     let (_, at_peak) = t.peak();
@@ -226,14 +222,14 @@ fn bert_blocks_carry_encoder_paths() {
         },
         plan(2, 1),
     );
-    let names: Vec<String> = t.blocks.iter().map(|b| b.tag.name()).collect();
-    for want in [
-        "bert.encoder.layer.0.attention.matmul",
-        "bert.encoder.layer.0.intermediate.gelu",
-        "cls.predictions.decoder.matmul",
-    ] {
-        assert!(names.iter().any(|n| n == want), "no block tagged {want}");
-    }
+    assert_tagged(
+        &t,
+        &[
+            "bert.encoder.layer.0.attention.matmul",
+            "bert.encoder.layer.0.intermediate.gelu",
+            "cls.predictions.decoder.matmul",
+        ],
+    );
 }
 
 #[test]

@@ -3,25 +3,15 @@
 
 mod common;
 
-use assert_cmd::Command;
 use common::*;
 use std::path::Path;
 
-fn oomfix(model: &Path, extra: &[&std::ffi::OsStr]) -> std::process::Output {
-    Command::cargo_bin("oomfix")
-        .unwrap()
-        .args([
-            "--budget",
-            "256MiB",
-            "--device",
-            "cpu",
-            "--seq-len",
-            "16",
-            // Enough activations that the backward, not the optimizer step,
-            // holds the peak (every component is then alive at it).
-            "--global-batch",
-            "8",
-        ])
+/// `oomfix` on `model` on the CPU, with `extra` options.
+fn oomfix_on(model: &Path, extra: &[&std::ffi::OsStr]) -> std::process::Output {
+    // Enough activations that the backward, not the optimizer step, holds
+    // the peak (every component is then alive at it).
+    oomfix()
+        .args(on_cpu("256MiB", "8"))
         .args(extra)
         .arg(model)
         .output()
@@ -76,7 +66,7 @@ fn cli_snapshot_loads_with_python_pickle_and_plots_are_svg_and_png() {
         dir.path().join("step.svg"),
         dir.path().join("step.png"),
     );
-    let out = oomfix(
+    let out = oomfix_on(
         &model,
         &[
             "--snapshot".as_ref(),
@@ -122,7 +112,7 @@ fn cli_snapshot_loads_with_python_pickle_and_plots_are_svg_and_png() {
     ] {
         assert!(text.contains(s), "the SVG has no `{s}`");
     }
-    let out = oomfix(&model, &["--plot".as_ref(), png.as_os_str()]);
+    let out = oomfix_on(&model, &["--plot".as_ref(), png.as_os_str()]);
     common::assert_exit(&out, 0);
     let image = std::fs::read(&png).unwrap();
     assert_eq!(&image[..8], b"\x89PNG\r\n\x1a\n");
@@ -135,7 +125,7 @@ fn cli_plot_with_another_extension_is_a_usage_error() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_gpt2_file(dir.path());
     let jpg = dir.path().join("step.jpg");
-    let out = oomfix(&model, &["--plot".as_ref(), jpg.as_os_str()]);
+    let out = oomfix_on(&model, &["--plot".as_ref(), jpg.as_os_str()]);
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(

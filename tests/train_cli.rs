@@ -8,30 +8,12 @@ mod common;
 
 use assert_cmd::Command;
 use oomfix::train::TrainingState;
-use oomfix::{Family, ModelConfig};
 use predicates::prelude::*;
 use serde_json::Value;
-use std::io::{BufRead, BufReader};
+use std::io::BufReader;
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::{Child, ChildStderr, Stdio};
 use std::time::Duration;
-
-/// A 2-layer GPT-2 of hidden 64 (one head of 64, as inspect assumes), vocabulary 64.
-fn tiny_config(layers: usize) -> ModelConfig {
-    ModelConfig {
-        family: Family::Gpt2,
-        layers,
-        hidden: 64,
-        heads: 1,
-        kv_heads: 1,
-        intermediate: 256,
-        vocab: 64,
-        max_positions: 32,
-        tied_embeddings: true,
-        qkv_bias: false,
-        settings: Default::default(),
-    }
-}
 
 /// A run directory with `model.safetensors` (the tiny GPT-2, all zeros:
 /// training starts from a random initialisation, `--init random`) and `data.bin` (ids 1..=15 repeated, u16).
@@ -43,13 +25,21 @@ impl Run {
     fn new() -> Run {
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("model.safetensors");
-        common::write_safetensors(&model, &common::with_dtype(tiny_config(2).tensors(), "F32"));
-        let ids: Vec<u8> = (0..200)
-            .flat_map(|_| 1u16..16)
-            .flat_map(u16::to_le_bytes)
-            .collect();
-        std::fs::write(dir.path().join("data.bin"), ids).unwrap();
+        common::write_safetensors(
+            &model,
+            &common::with_dtype(common::gpt2_64(2).tensors(), "F32"),
+        );
+        let ids = (0..200).flat_map(|_| 1u16..16);
+        std::fs::write(dir.path().join("data.bin"), common::token_bin(ids)).unwrap();
         Run { dir }
+    }
+
+    /// A run directory in which `train` ran with 1 GiB and `extra`
+    /// arguments, logging JSON to `log.json`.
+    fn trained(extra: &[&str]) -> Run {
+        let run = Run::new();
+        run.train("1GiB", extra, "log.json");
+        run
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -101,38 +91,33 @@ impl Run {
     }
 
     fn oomfix(&self) -> Command {
-        let mut cmd = Command::cargo_bin("oomfix").unwrap();
-        cmd.current_dir(self.dir.path()).env_remove("RUST_LOG");
-        cmd
+        common::oomfix_in(self.dir.path())
     }
 
     /// Runs `train` with `budget` and `extra` arguments, logging JSON to
-    /// `log`; returns the exit code, stderr and the logged losses by step.
-    fn train(&self, budget: &str, extra: &[&str], log: &str) -> (i32, String, Vec<(u64, f64)>) {
-        let out = self
-            .oomfix()
-            .args(self.args(budget))
-            .args(extra)
-            .args(["--log-format", "json", "--log-file", log])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        (out.status.code().unwrap(), stderr, self.losses(log))
+    /// `log`, and checks that it exited with 0 (the test fails with its
+    /// stderr otherwise); returns its stderr and the logged losses by step.
+    fn train(&self, budget: &str, extra: &[&str], log: &str) -> (String, Vec<(u64, f64)>) {
+        let stderr = common::stderr_of(
+            self.oomfix().args(self.args(budget)).args(extra).args([
+                "--log-format",
+                "json",
+                "--log-file",
+                log,
+            ]),
+            0,
+        );
+        let steps = self.events(log, "step");
+        let losses = steps.iter().map(|f| {
+            let step = f["step"].as_u64().unwrap();
+            (step, f["loss"].as_f64().unwrap())
+        });
+        (stderr, losses.collect())
     }
 
-    /// `(step, loss)` of each `step` event in a JSON log.
-    fn losses(&self, log: &str) -> Vec<(u64, f64)> {
-        let text = std::fs::read_to_string(self.path(log)).unwrap_or_default();
-        text.lines()
-            .map(|l| serde_json::from_str::<Value>(l).unwrap())
-            .filter(|v| v["fields"]["message"] == "step")
-            .map(|v| {
-                (
-                    v["fields"]["step"].as_u64().unwrap(),
-                    v["fields"]["loss"].as_f64().unwrap(),
-                )
-            })
-            .collect()
+    /// The fields of each event logged with `message` to the JSON log `log`.
+    fn events(&self, log: &str, message: &str) -> Vec<Value> {
+        common::events(&std::fs::read_to_string(self.path(log)).unwrap(), message)
     }
 
     /// A budget whose plan (from the `precision,fused-adamw` pipeline, at
@@ -172,44 +157,22 @@ impl Run {
 
     /// Starts a long `train --save ck` with `extra` arguments and
     /// returns it once it has logged `steps` steps on stderr.
-    fn start_long(
-        &self,
-        extra: &[&str],
-        steps: u64,
-    ) -> (Child, BufReader<std::process::ChildStderr>) {
-        let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
-            .current_dir(self.dir.path())
-            .env_remove("RUST_LOG")
-            .args(self.args("1GiB"))
-            .args(["--steps", "1000000", "--save", "ck"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        while !line.starts_with(&format!("step {steps}/")) {
-            line.clear();
-            assert!(
-                err.read_line(&mut line).unwrap() > 0,
-                "train ended before step {steps}"
-            );
-        }
+    fn start_long(&self, extra: &[&str], steps: u64) -> (Child, BufReader<ChildStderr>) {
+        let (child, err, _) = common::start_until(
+            common::oomfix_process(self.dir.path())
+                .args(self.args("1GiB"))
+                .args(["--steps", "1000000", "--save", "ck"])
+                .args(extra),
+            |line| line.starts_with(&format!("step {steps}/")),
+        );
         (child, err)
     }
-}
-
-fn signal(child: &Child, sig: i32) {
-    // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
 }
 
 #[test]
 fn training_on_a_repeated_token_file_lowers_the_loss() {
     let run = Run::new();
-    let (code, stderr, losses) = run.train("1GiB", &["--steps", "8"], "log.json");
-    assert_eq!(code, 0, "{stderr}");
+    let (_, losses) = run.train("1GiB", &["--steps", "8"], "log.json");
     assert_eq!(
         losses.iter().map(|l| l.0).collect::<Vec<_>>(),
         (1..=8).collect::<Vec<_>>()
@@ -252,22 +215,18 @@ fn save_then_resume_takes_the_same_steps_as_an_uninterrupted_run() {
             "--headroom",
             "0",
         ];
-        let (code, stderr, straight) =
-            run.train(&budget, &[&p[..], &["--steps", "4"]].concat(), "a.json");
-        assert_eq!(code, 0, "{stderr}");
-        let (code, stderr, first) = run.train(
+        let (_, straight) = run.train(&budget, &[&p[..], &["--steps", "4"]].concat(), "a.json");
+        let (stderr, first) = run.train(
             &budget,
             &[&p[..], &["--steps", "2", "--save", "ck"]].concat(),
             "b.json",
         );
-        assert_eq!(code, 0, "{stderr}");
         assert!(
             !stderr.contains("moments"),
             "fused AdamW saves its moments: {stderr}"
         );
         let resume = ["--steps", "4", "--resume", "ck", "--save", "ck"];
-        let (code, stderr, rest) = run.train(&budget, &[&p[..], &resume].concat(), "c.json");
-        assert_eq!(code, 0, "{stderr}");
+        let (stderr, rest) = run.train(&budget, &[&p[..], &resume].concat(), "c.json");
         assert!(stderr.contains("resumed from ck at step 2"), "{stderr}");
         assert!(!stderr.contains("another plan"), "{stderr}");
         let resumed: Vec<_> = first.iter().chain(&rest).copied().collect();
@@ -296,13 +255,7 @@ fn save_then_resume_takes_the_same_steps_as_an_uninterrupted_run() {
 
 #[test]
 fn candle_adamw_checkpoints_say_the_moments_are_not_saved() {
-    let run = Run::new();
-    let (code, stderr, _) = run.train(
-        "1GiB",
-        &["--steps", "1", "--save", "ck", "--optimizer", "adamw"],
-        "log.json",
-    );
-    assert_eq!(code, 0, "{stderr}");
+    let run = Run::trained(&["--steps", "1", "--save", "ck", "--optimizer", "adamw"]);
     let log = std::fs::read_to_string(run.path("log.json")).unwrap();
     assert!(
         log.contains("WARN") && log.contains("restarts them from zero"),
@@ -322,20 +275,9 @@ fn candle_adamw_checkpoints_say_the_moments_are_not_saved() {
 
 #[test]
 fn save_every_writes_along_the_way() {
-    let run = Run::new();
-    let (code, stderr, _) = run.train(
-        "1GiB",
-        &["--steps", "5", "--save", "ck", "--save-every", "2"],
-        "log.json",
-    );
-    assert_eq!(code, 0, "{stderr}");
-    let log = std::fs::read_to_string(run.path("log.json")).unwrap();
-    let saved: Vec<u64> = log
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|v| v["fields"]["message"] == "saved")
-        .map(|v| v["fields"]["step"].as_u64().unwrap())
-        .collect();
+    let run = Run::trained(&["--steps", "5", "--save", "ck", "--save-every", "2"]);
+    let saved = run.events("log.json", "saved");
+    let saved: Vec<u64> = saved.iter().map(|f| f["step"].as_u64().unwrap()).collect();
     assert_eq!(saved, [2, 4, 5]);
     run.oomfix()
         .args(run.args("1GiB"))
@@ -359,9 +301,7 @@ fn damaged_copy(run: &Run, from: &str, to: &str, file: &str, change: impl Fn(&mu
 
 #[test]
 fn damaged_checkpoints_are_refused_with_the_file_named() {
-    let run = Run::new();
-    let (code, stderr, _) = run.train("1GiB", &["--steps", "1", "--save", "ck"], "log.json");
-    assert_eq!(code, 0, "{stderr}");
+    let run = Run::trained(&["--steps", "1", "--save", "ck"]);
     damaged_copy(&run, "ck", "flipped", "model.safetensors", |b| {
         let mid = b.len() / 2;
         b[mid] ^= 0x10;
@@ -404,9 +344,7 @@ fn damaged_checkpoints_are_refused_with_the_file_named() {
 
 #[test]
 fn another_plan_resumes_and_another_model_or_data_is_refused() {
-    let run = Run::new();
-    let (code, stderr, _) = run.train("1GiB", &["--steps", "1", "--save", "ck"], "log.json");
-    assert_eq!(code, 0, "{stderr}");
+    let run = Run::trained(&["--steps", "1", "--save", "ck"]);
     let resume = |replace: &[(&str, &str)], extra: &[&str]| {
         run.oomfix()
             .args(run.args_with("1GiB", replace))
@@ -445,7 +383,7 @@ fn another_plan_resumes_and_another_model_or_data_is_refused() {
         ));
     common::write_safetensors(
         &run.path("deeper.safetensors"),
-        &common::with_dtype(tiny_config(3).tensors(), "F32"),
+        &common::with_dtype(common::gpt2_64(3).tensors(), "F32"),
     );
     resume(&[("model", "deeper.safetensors")], &[])
         .code(2)
@@ -486,9 +424,7 @@ fn save_refuses_to_write_over_an_input() {
 
 #[test]
 fn a_nan_loss_stops_training_with_exit_3_and_keeps_the_checkpoint() {
-    let run = Run::new();
-    let (code, stderr, _) = run.train("1GiB", &["--steps", "2", "--save", "ck"], "log.json");
-    assert_eq!(code, 0, "{stderr}");
+    let run = Run::trained(&["--steps", "2", "--save", "ck"]);
     let files = |dir: &str| -> Vec<(std::ffi::OsString, Vec<u8>)> {
         let mut v: Vec<_> = std::fs::read_dir(run.path(dir))
             .unwrap()
@@ -534,7 +470,7 @@ fn sigterm_and_sigint_stop_at_a_step_boundary_with_a_checkpoint_that_resumes() {
         (libc::SIGINT, 130, "SIGINT"),
     ] {
         let (mut child, mut err) = run.start_long(&[], 2);
-        signal(&child, sig);
+        common::signal(&child, sig);
         let mut rest = String::new();
         std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
         assert_eq!(child.wait().unwrap().code(), Some(code), "{rest}");
@@ -567,7 +503,7 @@ fn sigkill_while_saving_every_step_never_leaves_a_broken_checkpoint() {
         // By step 2's line the save of step 1 is complete.
         let (mut child, _err) = run.start_long(&["--save-every", "1"], 2);
         std::thread::sleep(Duration::from_millis(delay_ms));
-        signal(&child, libc::SIGKILL);
+        common::signal(&child, libc::SIGKILL);
         child.wait().unwrap();
         // The checkpoint is always a complete one: the first save at step 1 or a later one.
         let step = TrainingState::open(&ck).unwrap().state.step;
@@ -590,7 +526,7 @@ fn sigkill_while_saving_every_step_never_leaves_a_broken_checkpoint() {
 #[test]
 fn the_learning_rate_follows_the_schedule_and_is_logged() {
     let run = Run::new();
-    let (code, stderr, losses) = run.train(
+    let (_, losses) = run.train(
         "1GiB",
         &[
             "--steps",
@@ -602,15 +538,9 @@ fn the_learning_rate_follows_the_schedule_and_is_logged() {
         ],
         "log.json",
     );
-    assert_eq!(code, 0, "{stderr}");
     assert_eq!(losses.len(), 4);
-    let text = std::fs::read_to_string(run.path("log.json")).unwrap();
-    let lrs: Vec<f64> = text
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|v| v["fields"]["message"] == "step")
-        .map(|v| v["fields"]["lr"].as_f64().unwrap())
-        .collect();
+    let steps = run.events("log.json", "step");
+    let lrs: Vec<f64> = steps.iter().map(|f| f["lr"].as_f64().unwrap()).collect();
     // --lr 3e-3 (the harness's): warmup (step + 1) / 3, then linear from the
     // peak to 0 after the 4th step
     let want = [1e-3, 2e-3, 3e-3, 1.5e-3];
@@ -630,9 +560,7 @@ fn the_learning_rate_follows_the_schedule_and_is_logged() {
 /// code and its peak resident set in bytes (`ru_maxrss` from `wait4`).
 #[allow(clippy::zombie_processes)] // reaped by wait4
 fn peak_rss(run: &Run, args: &[String]) -> (i32, u64) {
-    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("oomfix"))
-        .current_dir(run.dir.path())
-        .env_remove("RUST_LOG")
+    let child = common::oomfix_process(run.dir.path())
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -652,7 +580,7 @@ fn a_resumed_run_peaks_no_higher_than_a_fresh_run_of_the_same_plan() {
     // Large enough that the training state (about 17 MB per copy of the
     // weights) dominates the process's own footprint.
     let run = Run::new();
-    let mut config = tiny_config(4);
+    let mut config = common::gpt2_64(4);
     config.hidden = 256;
     config.heads = 4;
     config.intermediate = 1024;
@@ -702,7 +630,7 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
     std::fs::create_dir(run.path("src")).unwrap();
     common::write_safetensors(
         &run.path("src/model.safetensors"),
-        &common::with_dtype(tiny_config(2).tensors(), "BF16"),
+        &common::with_dtype(common::gpt2_64(2).tensors(), "BF16"),
     );
     for name in [
         "tokenizer_config.json",
@@ -749,7 +677,11 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
     assert_eq!(ck.model.meta("format"), Some("pt"));
     let mut saved = ck.model.names();
     saved.sort();
-    let mut wanted: Vec<String> = tiny_config(2).tensors().into_iter().map(|t| t.0).collect();
+    let mut wanted: Vec<String> = common::gpt2_64(2)
+        .tensors()
+        .into_iter()
+        .map(|t| t.0)
+        .collect();
     wanted.sort();
     assert_eq!(saved, wanted, "Hub names, every tensor once");
     assert_eq!(
@@ -759,26 +691,9 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
     // The fp32 weights the bf16 file rounds are beside it.
     let master = ck.optimizer.tensor("master.wte.weight").unwrap();
     assert_eq!(master.dtype(), candle_core::DType::F32);
-    assert_eq!(
-        master
-            .to_dtype(candle_core::DType::BF16)
-            .unwrap()
-            .to_dtype(candle_core::DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap(),
-        ck.model
-            .tensor("wte.weight")
-            .unwrap()
-            .to_dtype(candle_core::DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-    );
+    let rounded = master.to_dtype(candle_core::DType::BF16).unwrap();
+    let saved = ck.model.tensor("wte.weight").unwrap();
+    assert_eq!(common::values(&rounded), common::values(&saved));
 
     // The directory is a model: trained from its weights (a learning rate of
     // 0 leaves them as they are), and the run saved from it says so.
@@ -838,7 +753,7 @@ fn a_saved_directory_is_a_model_directory_that_trains_and_resumes() {
 #[test]
 fn the_first_steps_accumulation_is_in_the_estimate() {
     let run = Run::new();
-    let config = ModelConfig::llama(2, 64, 2, 1, 128, 32000, false);
+    let config = oomfix::ModelConfig::llama(2, 64, 2, 1, 128, 32000, false);
     common::write_safetensors(
         &run.path("wide.safetensors"),
         &common::with_dtype(config.tensors(), "F32"),

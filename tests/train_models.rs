@@ -6,7 +6,9 @@ use std::path::PathBuf;
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::values;
+use common::{
+    fixture_spec, fixture_values, max_abs, max_diff, reference_batch, rel_error, values, FIXTURES,
+};
 use oomfix::strategies::{Attention, Checkpointing, Execution};
 use oomfix::train::{build_model, synthetic_batch, HubModel, StepOutput, TokenBatch};
 use oomfix::{Error, Family, ModelConfig};
@@ -64,26 +66,20 @@ fn batch(config: &ModelConfig) -> TokenBatch {
     synthetic_batch(config.family, config.vocab, BATCH, SEQ, 11, &Device::Cpu).unwrap()
 }
 
+/// A forward and backward pass with composed attention and `policy`.
+fn try_step(
+    model: &HubModel,
+    batch: &TokenBatch,
+    policy: Checkpointing,
+) -> oomfix::Result<StepOutput> {
+    let exec = Execution::default()
+        .checkpoint(policy)
+        .attention(Attention::Composed);
+    model.forward_backward(batch, &exec)
+}
+
 fn step(model: &HubModel, batch: &TokenBatch, policy: Checkpointing) -> StepOutput {
-    model
-        .forward_backward(
-            batch,
-            &Execution::default()
-                .checkpoint(policy)
-                .attention(Attention::Composed),
-        )
-        .unwrap()
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    values(t).iter().fold(0f32, |m, v| m.max(v.abs()))
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    values(a)
-        .iter()
-        .zip(values(b))
-        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    try_step(model, batch, policy).unwrap()
 }
 
 /// Every gradient of `got` within `tol` of `want`'s, relative to the largest
@@ -100,6 +96,20 @@ fn assert_same_gradients(model: &HubModel, got: &[Tensor], want: &[Tensor], tol:
         let rel = max_diff(g, w) / scale;
         assert!(rel < tol, "{what}: gradient of {name} differs by {rel:e}");
     }
+}
+
+/// `got`'s loss within `loss_tol` of `want`'s (relative), and its
+/// gradients as [`assert_same_gradients`] with `grad_tol`.
+fn assert_same_step(
+    model: &HubModel,
+    got: &StepOutput,
+    want: &StepOutput,
+    (loss_tol, grad_tol): (f32, f32),
+    what: &str,
+) {
+    let rel = (got.loss - want.loss).abs() / want.loss;
+    assert!(rel < loss_tol, "{what}: loss {} vs {}", got.loss, want.loss);
+    assert_same_gradients(model, &got.grads, &want.grads, grad_tol, what);
 }
 
 fn label(config: &ModelConfig) -> String {
@@ -184,8 +194,9 @@ fn checkpointed_gradients_equal_plain_gradients() {
     }
 }
 
-/// The families' batches, plus a BERT batch whose last three positions are padding.
-fn batches_with_padding() -> Vec<(ModelConfig, TokenBatch)> {
+/// The families' batches, plus a BERT batch whose last three positions
+/// are padding; each with its label.
+fn batches_with_padding() -> Vec<(String, ModelConfig, TokenBatch)> {
     let mut cases: Vec<_> = configs()
         .into_iter()
         .map(|c| (c.clone(), batch(&c)))
@@ -197,17 +208,16 @@ fn batches_with_padding() -> Vec<(ModelConfig, TokenBatch)> {
         .collect();
     padded.attention_mask = Some(Tensor::from_vec(keep, (BATCH, SEQ), &Device::Cpu).unwrap());
     cases.push((bert, padded));
-    cases
+    let label = |(c, b): (ModelConfig, TokenBatch)| {
+        let padded = b.attention_mask.is_some();
+        (format!("{} (padded {padded})", label(&c)), c, b)
+    };
+    cases.into_iter().map(label).collect()
 }
 
 #[test]
 fn flash_attention_gives_the_composed_loss_and_gradients() {
-    for (config, batch) in batches_with_padding() {
-        let label = format!(
-            "{} (padded {})",
-            label(&config),
-            batch.attention_mask.is_some()
-        );
+    for (label, config, batch) in batches_with_padding() {
         let model = model(&config, DType::F32);
         let composed = step(&model, &batch, Checkpointing::None);
         for policy in [
@@ -223,15 +233,8 @@ fn flash_attention_gives_the_composed_loss_and_gradients() {
                         .attention(Attention::Flash),
                 )
                 .unwrap();
-            let rel = (flash.loss - composed.loss).abs() / composed.loss;
-            assert!(
-                rel < 1e-4,
-                "{label} {policy}: loss {} vs {}",
-                flash.loss,
-                composed.loss
-            );
             let what = format!("{label} {policy}");
-            assert_same_gradients(&model, &flash.grads, &composed.grads, 1e-4, &what);
+            assert_same_step(&model, &flash, &composed, (1e-4, 1e-4), &what);
         }
     }
 }
@@ -248,12 +251,7 @@ fn chunk_of(config: &ModelConfig, rows: usize) -> u64 {
 /// composed and flash attention, and with a loss scale.
 #[test]
 fn chunked_loss_gives_the_unchunked_loss_and_gradients() {
-    for (config, batch) in batches_with_padding() {
-        let label = format!(
-            "{} (padded {})",
-            label(&config),
-            batch.attention_mask.is_some()
-        );
+    for (label, config, batch) in batches_with_padding() {
         let model = model(&config, DType::F32);
         for (policy, attention, scale) in [
             (Checkpointing::None, Attention::Composed, 1.0),
@@ -269,15 +267,8 @@ fn chunked_loss_gives_the_unchunked_loss_and_gradients() {
             let chunked = model
                 .forward_backward(&batch, &exec.loss_chunks(Some(chunk_of(&config, 3))))
                 .unwrap();
-            let rel = (chunked.loss - whole.loss).abs() / whole.loss;
-            assert!(
-                rel < 1e-6,
-                "{label} {policy} {attention}: loss {} vs {}",
-                chunked.loss,
-                whole.loss
-            );
             let what = format!("{label} {policy} {attention}");
-            assert_same_gradients(&model, &chunked.grads, &whole.grads, 1e-5, &what);
+            assert_same_step(&model, &chunked, &whole, (1e-6, 1e-5), &what);
             // The forward-only loss is the same, in chunks or not.
             let forward_only = model
                 .loss(&batch, &exec.loss_chunks(Some(chunk_of(&config, 3))))
@@ -582,25 +573,13 @@ fn bad_weight_files_are_input_errors_naming_the_tensor() {
         |n| n.replace("h.1.ln_2.bias", "unrelated"),
         &[],
     );
-    let err = build_model(&config, Some(&missing), DType::F32, &Device::Cpu, 0)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(err, Error::Input { .. }) && err.to_string().contains("h.1.ln_2.bias"),
-        "{err}"
-    );
+    assert_refused(&config, &missing, "h.1.ln_2.bias");
 
     let bigger = ModelConfig {
         hidden: 64,
         ..config.clone()
     };
-    let err = build_model(&bigger, Some(&missing), DType::F32, &Device::Cpu, 0)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(err, Error::Input { .. }) && err.to_string().contains("shape"),
-        "{err}"
-    );
+    assert_refused(&bigger, &missing, "shape");
 
     // A tensor the model has no parameter for: the checkpoint is refused.
     let extra = Tensor::ones(32, DType::F32, &Device::Cpu).unwrap();
@@ -612,29 +591,21 @@ fn bad_weight_files_are_input_errors_naming_the_tensor() {
         str::to_string,
         &[("h.0.attn.q_norm.weight", extra)],
     );
-    let err = build_model(&config, Some(&unused), DType::F32, &Device::Cpu, 0)
-        .err()
-        .unwrap();
-    assert!(
-        matches!(err, Error::Input { .. })
-            && err
-                .to_string()
-                .contains("would not use: h.0.attn.q_norm.weight"),
-        "{err}"
-    );
+    assert_refused(&config, &unused, "would not use: h.0.attn.q_norm.weight");
 
     let not_safetensors = temp_file(&dir, "garbage.safetensors");
     std::fs::write(&not_safetensors, b"not a safetensors file").unwrap();
-    let err = build_model(
-        &config,
-        Some(&[not_safetensors]),
-        DType::F32,
-        &Device::Cpu,
-        0,
-    )
-    .err()
-    .unwrap();
-    assert!(matches!(err, Error::Input { .. }), "{err}");
+    assert_refused(&config, &[not_safetensors], "");
+}
+
+/// Checks that building `config` from `files` is an input error that says
+/// `says`.
+fn assert_refused(config: &ModelConfig, files: &[PathBuf], says: &str) {
+    let err = build_model(config, Some(files), DType::F32, &Device::Cpu, 0)
+        .err()
+        .unwrap();
+    let input = matches!(err, Error::Input { .. });
+    assert!(input && err.to_string().contains(says), "{err}");
 }
 
 #[test]
@@ -663,25 +634,12 @@ fn unusable_requests_are_usage_errors() {
     let config = tiny(Family::Gpt2);
     let model = model(&config, DType::F32);
     let long = synthetic_batch(Family::Gpt2, VOCAB, 1, 17, 0, &Device::Cpu).unwrap();
-    let err = model
-        .forward_backward(
-            &long,
-            &Execution::default()
-                .checkpoint(Checkpointing::None)
-                .attention(Attention::Composed),
-        )
-        .err()
-        .unwrap();
+    let err = try_step(&model, &long, Checkpointing::None).err().unwrap();
     assert!(matches!(err, Error::Usage(_)), "{err}");
     let mut mismatched = batch(&config);
     mismatched.targets = mismatched.targets.narrow(1, 0, 4).unwrap();
     assert!(matches!(
-        model.forward_backward(
-            &mismatched,
-            &Execution::default()
-                .checkpoint(Checkpointing::None)
-                .attention(Attention::Composed)
-        ),
+        try_step(&model, &mismatched, Checkpointing::None),
         Err(Error::Usage(_))
     ));
 }
@@ -768,14 +726,31 @@ struct Reference {
 impl Reference {
     /// The model in compute dtype `dtype`, built as the trainer builds it.
     fn model(&self, dtype: DType) -> HubModel {
-        build_model(
-            &self.spec.config,
-            Some(&self.spec.files),
-            dtype,
-            &Device::Cpu,
-            0,
-        )
-        .unwrap()
+        self.build(&self.spec.config, dtype).unwrap()
+    }
+
+    /// A model of `config` (the fixture's, some settings changed) on the
+    /// fixture's weights.
+    fn build(&self, config: &ModelConfig, dtype: DType) -> oomfix::Result<HubModel> {
+        build_model(config, Some(&self.spec.files), dtype, &Device::Cpu, 0)
+    }
+
+    /// Why a model of `config` on the fixture's weights is refused.
+    fn refusal(&self, config: &ModelConfig) -> String {
+        let err = self.build(config, DType::F32).err();
+        err.expect("refused").to_string()
+    }
+
+    /// Checks that the loss of `model`, which leaves out `what`, is not the
+    /// fixture's (it moves by more than 1e-4).
+    fn assert_moves(&self, model: &HubModel, what: &str) {
+        let (want, other) = (
+            self.loss(),
+            step(model, &self.batch, Checkpointing::None).loss,
+        );
+        let rel = (other - want).abs() / want;
+        eprintln!("{}: {what}: the loss moves by {rel:.2e}", self.name);
+        assert!(rel > 1e-4, "{} {what}: {other} vs {want}", self.name);
     }
 
     fn loss(&self) -> f32 {
@@ -783,63 +758,17 @@ impl Reference {
     }
 }
 
-/// The fixtures: GPT-2; Llama with grouped-query attention and an untied
-/// head; Qwen2 with q/k/v biases and a tied head; BERT masked-LM with
-/// padding; Qwen3 (q/k norms, head size 16 ≠ hidden / heads); Llama
-/// 3.2-style (llama3 RoPE, head size 16); Llamas with linear, dynamic and
-/// yarn RoPE; Phi-3 (fused projections, untied head); Gemma 2 (soft-caps,
-/// sliding windows) and Gemma 3 text (q/k norms, local and global RoPE
-/// bases, sliding windows); Phi-3.5-style (longrope, short factors) and
-/// Phi-4-mini-style (partial rotary, longrope's long factors, tied head).
-/// All but the first four have their norm scales spread (Gemma's `1 + w`
-/// too).
-const FIXTURES: [&str; 14] = [
-    "gpt2",
-    "llama",
-    "qwen2",
-    "bert",
-    "qwen3",
-    "llama3",
-    "llama-linear",
-    "llama-dynamic",
-    "llama-yarn",
-    "phi3",
-    "gemma2",
-    "gemma3",
-    "phi3-longrope",
-    "phi4-mini",
-];
-
 fn references() -> Vec<Reference> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train");
-    let ids = |t: &Tensor| t.to_dtype(DType::U32).unwrap();
     FIXTURES
         .into_iter()
         .map(|name| {
-            let spec = oomfix::inspect(&dir.join(name).join("model.safetensors")).unwrap();
-            let values = candle_core::safetensors::load(
-                dir.join(format!("{name}.ref.safetensors")),
-                &Device::Cpu,
-            )
-            .unwrap();
-            let bf16 = candle_core::safetensors::load(
-                dir.join(format!("{name}.bf16.safetensors")),
-                &Device::Cpu,
-            )
-            .unwrap();
-            let batch = TokenBatch {
-                input_ids: ids(&values["input_ids"]),
-                targets: ids(&values["targets"]),
-                loss_mask: Some(values["loss_mask"].clone()),
-                attention_mask: values.get("attention_mask").map(ids),
-                documents: None,
-            };
+            let values = fixture_values(&format!("{name}.ref.safetensors"));
             Reference {
+                spec: fixture_spec(name),
+                bf16: fixture_values(&format!("{name}.bf16.safetensors")),
+                batch: reference_batch(&values),
                 name,
-                spec,
                 values,
-                bf16,
-                batch,
             }
         })
         .collect()
@@ -859,49 +788,33 @@ fn the_reference_fixtures_are_the_families_they_stand_for() {
                 c.kv_heads,
                 c.tied_embeddings,
                 c.qkv_bias,
-                (c.head_dim(), s.qk_norm, s.rope_scaling.as_deref()),
+                (
+                    c.head_dim(),
+                    s.qk_norm,
+                    s.rope_scaling.as_deref().unwrap_or("-"),
+                ),
             )
         })
         .collect();
+    // The RoPE scaling of each (`-`: none).
     let l = Family::Llama;
     assert_eq!(
         found,
         [
-            ("gpt2", Family::Gpt2, 4, true, false, (8, false, None)),
-            ("llama", l, 2, false, false, (8, false, None)),
-            ("qwen2", l, 2, true, true, (8, false, None)),
-            ("bert", Family::Bert, 4, true, true, (8, false, None)),
-            ("qwen3", l, 2, true, false, (16, true, None)),
-            ("llama3", l, 2, true, false, (16, false, Some("llama3"))),
-            (
-                "llama-linear",
-                l,
-                2,
-                true,
-                false,
-                (8, false, Some("linear"))
-            ),
-            (
-                "llama-dynamic",
-                l,
-                2,
-                true,
-                false,
-                (8, false, Some("dynamic"))
-            ),
-            ("llama-yarn", l, 2, true, false, (8, false, Some("yarn"))),
-            ("phi3", l, 2, false, false, (8, false, None)),
-            ("gemma2", l, 2, true, false, (16, false, None)),
-            ("gemma3", l, 2, true, false, (16, true, Some("linear"))),
-            (
-                "phi3-longrope",
-                l,
-                2,
-                false,
-                false,
-                (8, false, Some("longrope"))
-            ),
-            ("phi4-mini", l, 2, true, false, (8, false, Some("longrope"))),
+            ("gpt2", Family::Gpt2, 4, true, false, (8, false, "-")),
+            ("llama", l, 2, false, false, (8, false, "-")),
+            ("qwen2", l, 2, true, true, (8, false, "-")),
+            ("bert", Family::Bert, 4, true, true, (8, false, "-")),
+            ("qwen3", l, 2, true, false, (16, true, "-")),
+            ("llama3", l, 2, true, false, (16, false, "llama3")),
+            ("llama-linear", l, 2, true, false, (8, false, "linear")),
+            ("llama-dynamic", l, 2, true, false, (8, false, "dynamic")),
+            ("llama-yarn", l, 2, true, false, (8, false, "yarn")),
+            ("phi3", l, 2, false, false, (8, false, "-")),
+            ("gemma2", l, 2, true, false, (16, false, "-")),
+            ("gemma3", l, 2, true, false, (16, true, "linear")),
+            ("phi3-longrope", l, 2, false, false, (8, false, "longrope")),
+            ("phi4-mini", l, 2, true, false, (8, false, "longrope")),
         ]
     );
     for r in &refs[4..] {
@@ -1093,11 +1006,6 @@ fn logits_and_losses_match_hugging_face_transformers_in_f32_and_bf16() {
     }
 }
 
-/// Largest `|a − b|` over the largest `|b|`.
-fn rel_error(a: &Tensor, b: &Tensor) -> f32 {
-    max_diff(a, b) / max_abs(b)
-}
-
 /// In bf16 compute (weights rounded to bf16, as `--precision bf16` trains)
 /// the loss and every gradient are as close to transformers' f32 values as
 /// transformers' own bf16 step is: each gradient's error (largest
@@ -1152,41 +1060,26 @@ fn bf16_losses_and_gradients_are_as_close_to_f32_as_transformers_bf16() {
 /// read as a plain Llama is refused, naming its q/k norms.
 #[test]
 fn the_fixtures_fail_a_model_without_the_familys_maths() {
-    for r in references().into_iter().filter(|r| {
-        [
-            "qwen3",
-            "llama3",
-            "llama-linear",
-            "llama-dynamic",
-            "llama-yarn",
-            "phi3-longrope",
-            "phi4-mini",
-        ]
-        .contains(&r.name)
-    }) {
-        let want = r.loss();
-        let loss_of = |model: &HubModel| step(model, &r.batch, Checkpointing::None).loss;
-        let other = if r.name == "qwen3" {
+    // The fixtures with a scaled RoPE (Gemma's are below) and Qwen3.
+    let scaled = |s: &oomfix::ModelSettings| s.rope_scaling.is_some() && s.gemma.is_none();
+    for r in references()
+        .into_iter()
+        .filter(|r| scaled(&r.spec.config.settings) || r.name == "qwen3")
+    {
+        let model = if r.name == "qwen3" {
             let model = r.model(DType::F32);
             for (n, var) in model.named_vars() {
                 if n.ends_with("q_norm.weight") || n.ends_with("k_norm.weight") {
                     var.set(&var.ones_like().unwrap()).unwrap();
                 }
             }
-            loss_of(&model)
+            model
         } else {
             let mut config = r.spec.config.clone();
             config.settings.rope_scaling = None;
-            let model =
-                build_model(&config, Some(&r.spec.files), DType::F32, &Device::Cpu, 0).unwrap();
-            loss_of(&model)
+            r.build(&config, DType::F32).unwrap()
         };
-        let rel = (other - want).abs() / want;
-        eprintln!(
-            "{}: without the family's maths the loss moves by {rel:.2e}",
-            r.name
-        );
-        assert!(rel > 1e-4, "{}: {other} vs {want}", r.name);
+        r.assert_moves(&model, "without the family's maths");
     }
     // Gemma: each part of its maths left out in turn moves the loss: the
     // soft-caps (Gemma 2), the sliding windows, the sliding blocks' own RoPE
@@ -1196,7 +1089,6 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
         .into_iter()
         .filter(|r| r.name.starts_with("gemma"))
     {
-        let want = r.loss();
         let g = r.spec.config.settings.gemma.clone().unwrap();
         let mut variants: Vec<(&str, oomfix::GemmaSettings)> = vec![
             (
@@ -1241,12 +1133,7 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
         for (what, settings) in variants {
             let mut config = r.spec.config.clone();
             config.settings.gemma = Some(settings);
-            let model =
-                build_model(&config, Some(&r.spec.files), DType::F32, &Device::Cpu, 0).unwrap();
-            let other = step(&model, &r.batch, Checkpointing::None).loss;
-            let rel = (other - want).abs() / want;
-            eprintln!("{}: {what}: the loss moves by {rel:.2e}", r.name);
-            assert!(rel > 1e-4, "{} {what}: {other} vs {want}", r.name);
+            r.assert_moves(&r.build(&config, DType::F32).unwrap(), what);
         }
         // Norm scales w rather than 1 + w.
         let model = r.model(DType::F32);
@@ -1255,17 +1142,11 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
                 var.set(&(var.as_tensor() - 1.0).unwrap()).unwrap();
             }
         }
-        let other = step(&model, &r.batch, Checkpointing::None).loss;
-        let rel = (other - want).abs() / want;
-        eprintln!("{}: norm scales w: the loss moves by {rel:.2e}", r.name);
-        assert!(rel > 1e-4, "{} norm scales w: {other} vs {want}", r.name);
+        r.assert_moves(&model, "norm scales w");
         let mut plain = r.spec.config.clone();
         plain.settings.gemma = None;
         plain.settings.hidden_act = Some("silu".into());
-        let err = build_model(&plain, Some(&r.spec.files), DType::F32, &Device::Cpu, 0)
-            .err()
-            .expect("refused")
-            .to_string();
+        let err = r.refusal(&plain);
         assert!(
             err.contains("would not use") && err.contains("pre_feedforward_layernorm"),
             "{err}"
@@ -1276,10 +1157,7 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
     let phi3 = references().into_iter().find(|r| r.name == "phi3").unwrap();
     let mut plain = phi3.spec.config.clone();
     plain.settings.fused_projections = false;
-    let err = build_model(&plain, Some(&phi3.spec.files), DType::F32, &Device::Cpu, 0)
-        .err()
-        .expect("refused")
-        .to_string();
+    let err = phi3.refusal(&plain);
     assert!(
         err.contains("missing tensor `model.layers.0.self_attn.q_proj.weight`"),
         "{err}"
@@ -1287,10 +1165,7 @@ fn the_fixtures_fail_a_model_without_the_familys_maths() {
     let qwen3 = references().into_iter().nth(4).unwrap();
     let mut plain = qwen3.spec.config.clone();
     plain.settings.qk_norm = false;
-    let err = build_model(&plain, Some(&qwen3.spec.files), DType::F32, &Device::Cpu, 0)
-        .err()
-        .expect("refused")
-        .to_string();
+    let err = qwen3.refusal(&plain);
     assert!(
         err.contains("would not use") && err.contains("model.layers.0.self_attn.q_norm.weight"),
         "{err}"
@@ -1304,26 +1179,11 @@ fn out_of_vocabulary_ids_are_errors_not_panics() {
     let too_big = Tensor::full(VOCAB as u32, (BATCH, SEQ), &Device::Cpu).unwrap();
     let mut batch = batch(&config);
     batch.input_ids = too_big.clone();
-    let err = model
-        .forward_backward(
-            &batch,
-            &Execution::default()
-                .checkpoint(Checkpointing::None)
-                .attention(Attention::Composed),
-        )
-        .err()
-        .unwrap();
+    let err = try_step(&model, &batch, Checkpointing::None).err().unwrap();
     assert!(err.to_string().contains("index"), "{err}");
     let mut batch = self::batch(&config);
     batch.targets = too_big;
-    assert!(model
-        .forward_backward(
-            &batch,
-            &Execution::default()
-                .checkpoint(Checkpointing::None)
-                .attention(Attention::Composed)
-        )
-        .is_err());
+    assert!(try_step(&model, &batch, Checkpointing::None).is_err());
 }
 
 /// The whole model's gradient against a central finite difference of the loss
@@ -1353,32 +1213,16 @@ fn gradients_match_finite_differences() {
             .zip(&out.grads)
             .map(|(t, g)| ((g * 50.0).unwrap() + t.randn_like(0.0, 1e-2).unwrap()).unwrap())
             .collect();
-        let norm: f64 = dirs
-            .iter()
-            .map(|d| {
-                d.sqr()
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap() as f64
-            })
-            .sum::<f64>()
-            .sqrt();
-        let predicted: f64 = out
-            .grads
-            .iter()
-            .zip(&dirs)
-            .map(|(g, d)| {
-                (g * d)
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap() as f64
-            })
-            .sum::<f64>()
-            / norm;
+        // The sum of the elements of `a · b`, over all the tensors.
+        let dot = |a: &[Tensor], b: &[Tensor]| -> f64 {
+            let product = |(x, y): (&Tensor, &Tensor)| {
+                let sum = (x * y).unwrap().sum_all().unwrap();
+                f64::from(sum.to_scalar::<f32>().unwrap())
+            };
+            a.iter().zip(b).map(product).sum()
+        };
+        let norm = dot(&dirs, &dirs).sqrt();
+        let predicted = dot(&out.grads, &dirs) / norm;
         let eps = 1e-2;
         let loss_at = |t: f64| {
             for ((v, s), d) in vars.iter().zip(&start).zip(&dirs) {

@@ -4,42 +4,25 @@
 
 mod common;
 
-use assert_cmd::Command;
 use common::*;
-use serde_json::Value;
 use tempfile::TempDir;
-
-fn oomfix() -> Command {
-    let mut cmd = Command::cargo_bin("oomfix").unwrap();
-    cmd.env_remove("RUST_LOG");
-    cmd
-}
 
 /// An encoder of five mixing layers oomfix has no family for.
 fn unknown_model(dir: &TempDir) -> std::path::PathBuf {
     let path = dir.path().join("model.safetensors");
-    let mut tensors = vec![("stem.weight".to_string(), "F32", vec![64, 3])];
-    for l in 0..5 {
-        tensors.push((
-            format!("encoder.blocks.{l}.mix.weight"),
-            "F32",
-            vec![64, 64],
-        ));
-    }
-    write_safetensors(&path, &tensors);
+    write_safetensors(&path, &unknown_encoder());
     path
 }
 
 #[test]
 fn the_table_says_activations_are_not_modelled() {
     let dir = TempDir::new().unwrap();
-    let out = oomfix()
-        .args(["--budget", "1GiB", "--device", "cpu"])
-        .arg(unknown_model(&dir))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let table = String::from_utf8(out.stdout).unwrap();
+    let table = stdout_of(
+        oomfix()
+            .args(["--budget", "1GiB", "--device", "cpu"])
+            .arg(unknown_model(&dir)),
+        0,
+    );
     assert!(table.contains("activations are not modelled"), "{table}");
     assert!(table.contains("fits on a lower bound only"), "{table}");
     // No attempt row says a bare `yes`: every fit is marked as a lower bound.
@@ -56,13 +39,12 @@ fn the_table_says_activations_are_not_modelled() {
 #[test]
 fn the_json_says_the_estimate_is_a_lower_bound() {
     let dir = TempDir::new().unwrap();
-    let out = oomfix()
-        .args(["--budget", "1GiB", "--device", "cpu", "--json"])
-        .arg(unknown_model(&dir))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of(
+        oomfix()
+            .args(["--budget", "1GiB", "--device", "cpu", "--json"])
+            .arg(unknown_model(&dir)),
+        0,
+    );
     assert_eq!(v["model"]["family"], "generic");
     assert_eq!(v["activations_modelled"], false);
     assert_eq!(v["estimate_is_lower_bound"], true);
@@ -79,29 +61,16 @@ fn the_json_says_the_estimate_is_a_lower_bound() {
 #[test]
 fn a_known_family_is_not_labelled() {
     let dir = TempDir::new().unwrap();
-    let out = oomfix()
-        .args([
-            "--budget",
-            "1GiB",
-            "--device",
-            "cpu",
-            "--json",
-            "--seq-len",
-            "32",
-        ])
-        .arg(tiny_gpt2_file(dir.path()))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let plan = || {
+        let mut cmd = oomfix();
+        cmd.args(["--budget", "1GiB", "--device", "cpu", "--seq-len", "32"])
+            .arg(tiny_gpt2_file(dir.path()));
+        cmd
+    };
+    let v = json_of(plan().arg("--json"), 0);
     assert_eq!(v["activations_modelled"], true);
     assert_eq!(v["estimate_is_lower_bound"], false);
-    let table = oomfix()
-        .args(["--budget", "1GiB", "--device", "cpu", "--seq-len", "32"])
-        .arg(tiny_gpt2_file(dir.path()))
-        .output()
-        .unwrap();
-    let table = String::from_utf8(table.stdout).unwrap();
+    let table = String::from_utf8(plan().output().unwrap().stdout).unwrap();
     assert!(
         !table.contains("not modelled") && !table.contains("yes*"),
         "{table}"

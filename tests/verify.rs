@@ -2,7 +2,6 @@
 
 mod common;
 
-use assert_cmd::Command;
 use common::*;
 use oomfix::measure::StepVerifier;
 use oomfix::search::{Measurement, Verifier};
@@ -10,7 +9,7 @@ use oomfix::track::CountingAlloc;
 use oomfix::{
     Breakdown, Estimator, Headroom, ModelConfig, ModelSpec, Plan, Planner, Target, Verify,
 };
-use serde_json::Value;
+use std::path::Path;
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -91,24 +90,7 @@ fn verify_with_a_verifier_that_reports_oom_is_not_a_fit() {
 
 #[test]
 fn cli_verify_records_measured_bytes() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = tiny_gpt2_file(dir.path());
-    let v = oomfix_json(
-        &[
-            "--budget",
-            "256MiB",
-            "--device",
-            "cpu",
-            "--seq-len",
-            "16",
-            "--global-batch",
-            "2",
-            "--verify",
-            "--json",
-        ],
-        &model,
-        0,
-    );
+    let v = verified("256MiB", "--verify", 0);
     let chosen = v["attempts"]
         .as_array()
         .unwrap()
@@ -121,25 +103,8 @@ fn cli_verify_records_measured_bytes() {
 
 #[test]
 fn cli_verify_all_with_a_budget_too_small_for_any_real_step() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = tiny_gpt2_file(dir.path());
     // 300 KiB: smaller than weights + AdamW state + one step's activations
-    let v = oomfix_json(
-        &[
-            "--budget",
-            "300KiB",
-            "--device",
-            "cpu",
-            "--seq-len",
-            "16",
-            "--global-batch",
-            "2",
-            "--verify=all",
-            "--json",
-        ],
-        &model,
-        1,
-    );
+    let v = verified("300KiB", "--verify=all", 1);
     assert!(v["attempts"]
         .as_array()
         .unwrap()
@@ -153,26 +118,16 @@ fn snapshot_loads_with_python_pickle_and_plot_is_svg() {
     let model = tiny_gpt2_file(dir.path());
     let snap = dir.path().join("step.pickle");
     let plot = dir.path().join("step.svg");
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args([
-            "--budget",
-            "256MiB",
-            "--device",
-            "cpu",
-            "--seq-len",
-            "16",
-            "--global-batch",
-            "2",
-            "--snapshot",
-        ])
-        .arg(&snap)
-        .arg("--plot")
-        .arg(&plot)
-        .arg(&model)
-        .output()
-        .unwrap();
-    common::assert_exit(&out, 0);
+    exits(
+        oomfix()
+            .args(on_cpu("256MiB", "2"))
+            .arg("--snapshot")
+            .arg(&snap)
+            .arg("--plot")
+            .arg(&plot)
+            .arg(&model),
+        0,
+    );
     let check = r#"
 import pickle, sys
 d = pickle.load(open(sys.argv[1], "rb"))
@@ -183,33 +138,8 @@ assert {e["action"] for e in t} <= {"alloc", "free_completed", "snapshot"}
 assert {f["name"] for e in t for f in e["frames"]} >= {"forward", "backward", "optimizer_step"}
 print(len(t))
 "#;
-    let py = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(check)
-        .arg(&snap)
-        .output()
-        .unwrap();
-    assert!(
-        py.status.success(),
-        "{}",
-        String::from_utf8_lossy(&py.stderr)
-    );
-    // The replay check of every snapshot (scripts/check-snapshot.py: frees
-    // match allocations, times in order; PyTorch's readers where installed).
-    let replay = std::process::Command::new("python3")
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/scripts/check-snapshot.py"
-        ))
-        .arg(&snap)
-        .args(["--steps", "1"])
-        .output()
-        .unwrap();
-    assert!(
-        replay.status.success(),
-        "{}",
-        String::from_utf8_lossy(&replay.stderr)
-    );
+    python_on(check, &snap);
+    replay(&snap, 1);
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     assert!(svg.contains("budget"));
@@ -221,14 +151,12 @@ print(len(t))
 fn cuda_recording_and_trimming_are_refused_where_the_build_cannot() {
     let dir = tempfile::tempdir().unwrap();
     let snap = dir.path().join("step.pickle");
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args(["--budget", "8GiB", "--device", "cuda:0", "--snapshot"])
-        .arg(&snap)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let stderr = stderr_of(
+        oomfix()
+            .args(["--budget", "8GiB", "--device", "cuda:0", "--snapshot"])
+            .arg(&snap),
+        2,
+    );
     let expected = if cfg!(feature = "cuda") {
         "memory hook"
     } else {
@@ -239,20 +167,17 @@ fn cuda_recording_and_trimming_are_refused_where_the_build_cannot() {
         "{stderr}"
     );
     assert!(!snap.exists());
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args([
+    let stderr = stderr_of(
+        oomfix().args([
             "train",
             "--budget",
             "256MiB",
             "--device",
             "cpu",
             "--trim-between-phases",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+        ]),
+        2,
+    );
     assert!(stderr.contains("CUDA"), "{stderr}");
 }
 
@@ -261,19 +186,9 @@ fn snapshot_refuses_to_overwrite_the_model() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny_gpt2_file(dir.path());
     let before = std::fs::read(&model).unwrap();
-    Command::cargo_bin("oomfix")
-        .unwrap()
-        .args([
-            "--budget",
-            "256MiB",
-            "--device",
-            "cpu",
-            "--seq-len",
-            "16",
-            "--global-batch",
-            "2",
-            "--plot",
-        ])
+    oomfix()
+        .args(on_cpu("256MiB", "2"))
+        .arg("--plot")
         .arg(&model)
         .arg(&model)
         .assert()
@@ -294,28 +209,14 @@ fn a_host_out_of_memory_while_verifying_is_one_failed_attempt() {
         ..ModelConfig::gpt2(1, 32, 2)
     };
     write_safetensors(&path, &with_dtype(config.tensors(), "F32"));
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args([
-            "--budget",
-            "64MiB",
-            "--device",
-            "cpu",
-            "--seq-len",
-            "1024",
-            "--global-batch",
-            "8",
-            "--strategies",
-            "precision",
-            "--verify=all",
-            "--json",
-        ])
-        .arg(&path)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json_of(
+        oomfix()
+            .args(["--budget", "64MiB", "--device", "cpu", "--seq-len", "1024"])
+            .args(["--global-batch", "8", "--strategies", "precision"])
+            .args(["--verify=all", "--json"])
+            .arg(&path),
+        1,
+    );
     let attempts = v["attempts"].as_array().unwrap();
     assert_eq!(
         attempts.len(),
@@ -348,56 +249,20 @@ print(sum(1 for a, b in zip([None] + seq, seq) if b == "optimizer_step" and a !=
     for steps in [1, 2] {
         let snap = dir.path().join(format!("run{steps}.pickle"));
         let plot = dir.path().join(format!("run{steps}.svg"));
-        let out = Command::cargo_bin("oomfix")
-            .unwrap()
-            .args([
-                "train",
-                "--budget",
-                "256MiB",
-                "--device",
-                "cpu",
-                "--seq-len",
-                "16",
-            ])
-            .args(["--global-batch", "2", "--steps", "3", "--init", "random"])
-            .args(["--snapshot-steps", &steps.to_string(), "--snapshot"])
-            .arg(&snap)
-            .arg("--plot")
-            .arg(&plot)
-            .arg(&model)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(0), "{stderr}");
-        let py = std::process::Command::new("python3")
-            .arg("-c")
-            .arg(count)
-            .arg(&snap)
-            .output()
-            .unwrap();
-        assert!(
-            py.status.success(),
-            "{}",
-            String::from_utf8_lossy(&py.stderr)
+        exits(
+            oomfix()
+                .arg("train")
+                .args(on_cpu("256MiB", "2"))
+                .args(["--steps", "3", "--init", "random"])
+                .args(["--snapshot-steps", &steps.to_string(), "--snapshot"])
+                .arg(&snap)
+                .arg("--plot")
+                .arg(&plot)
+                .arg(&model),
+            0,
         );
-        assert_eq!(
-            String::from_utf8_lossy(&py.stdout).trim(),
-            steps.to_string()
-        );
-        let replay = std::process::Command::new("python3")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/scripts/check-snapshot.py"
-            ))
-            .arg(&snap)
-            .args(["--steps", &steps.to_string()])
-            .output()
-            .unwrap();
-        assert!(
-            replay.status.success(),
-            "{}",
-            String::from_utf8_lossy(&replay.stderr)
-        );
+        assert_eq!(python_on(count, &snap).trim(), steps.to_string());
+        replay(&snap, steps);
         let svg = std::fs::read_to_string(&plot).unwrap();
         assert!(
             svg.contains(&format!("steps 1-{steps}")),
@@ -406,14 +271,43 @@ print(sum(1 for a, b in zip([None] + seq, seq) if b == "optimizer_step" and a !=
     }
 }
 
-/// The JSON result of `oomfix ARGS MODEL`, which exits with `code`.
-fn oomfix_json(args: &[&str], model: &std::path::Path, code: i32) -> Value {
-    let out = Command::cargo_bin("oomfix")
-        .unwrap()
-        .args(args)
-        .arg(model)
+/// The JSON result of `oomfix VERIFY` on the tiny GPT-2 on the CPU within
+/// `budget`, which exits with `code`.
+fn verified(budget: &str, verify: &str, code: i32) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_gpt2_file(dir.path());
+    let args = on_cpu(budget, "2");
+    json_of(
+        oomfix().args(args).args([verify, "--json"]).arg(&model),
+        code,
+    )
+}
+
+/// The standard output of Python's `code` run on `snapshot` (the test
+/// fails with its stderr unless it succeeds).
+fn python_on(code: &str, snapshot: &Path) -> String {
+    let py = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(code)
+        .arg(snapshot)
         .output()
         .unwrap();
-    common::assert_exit(&out, code);
-    serde_json::from_slice(&out.stdout).unwrap()
+    assert!(
+        py.status.success(),
+        "{}",
+        String::from_utf8_lossy(&py.stderr)
+    );
+    String::from_utf8_lossy(&py.stdout).into_owned()
+}
+
+/// The replay check of a snapshot of `steps` steps
+/// (scripts/check-snapshot.py: frees match allocations, times in order;
+/// PyTorch's readers where installed).
+fn replay(snapshot: &Path, steps: usize) {
+    let steps = steps.to_string();
+    run_python_check(
+        "python3",
+        "check-snapshot.py",
+        &[snapshot.as_os_str(), "--steps".as_ref(), steps.as_ref()],
+    );
 }

@@ -273,29 +273,65 @@ fn layer_of(name: &str, prefix: &str, suffix: &str) -> Option<usize> {
 }
 
 fn gpt2(source: &Path, t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
-    let mut assumptions = Vec::new();
-    let embed = format!("{p}wte.weight");
-    let (vocab, hidden) = t.matrix(&embed).unwrap_or_default();
-    let blocks = format!("{p}h.");
-    // Conv1D weights are [in, out].
-    let intermediate = t
-        .layer_shape(&blocks, "mlp.c_fc.weight")
-        .and_then(|s| s.get(1).copied());
-    let heads = heads_or_assume(hf, hidden, &mut assumptions)?;
-    let (tied, tied_copies) = tie(t, &embed, "lm_head.weight", hf, true);
-    let config = ModelConfig {
+    let names = LearnedPositions {
         family: Family::Gpt2,
-        layers: t.layers(&blocks),
+        embed: format!("{p}wte.weight"),
+        positions: format!("{p}wpe.weight"),
+        blocks: format!("{p}h."),
+        // Conv1D weights are [in, out].
+        mlp_in: ("mlp.c_fc.weight", 1),
+        head: "lm_head.weight",
+        qkv_bias: false,
+    };
+    learned_positions(source, t, hf, names)
+}
+
+/// Where a model with learned positions and as many key/value heads as
+/// query heads (GPT-2, BERT) keeps what its shape is read from.
+struct LearnedPositions {
+    family: Family,
+    /// The token embedding (vocabulary × hidden).
+    embed: String,
+    /// The position embedding (positions × hidden).
+    positions: String,
+    /// The prefix of the numbered blocks.
+    blocks: String,
+    /// The MLP's first projection under each block, and the dimension of
+    /// its shape that is the intermediate size.
+    mlp_in: (&'static str, usize),
+    /// The output head, tied to the embedding where absent.
+    head: &'static str,
+    qkv_bias: bool,
+}
+
+/// The draft of a [`LearnedPositions`] model: the intermediate size is
+/// assumed 4 × hidden and the heads 64 wide where neither the tensors nor
+/// `config.json` say.
+fn learned_positions(
+    source: &Path,
+    t: &Tensors,
+    hf: Option<&HfConfig>,
+    names: LearnedPositions,
+) -> Result<Draft> {
+    let mut assumptions = Vec::new();
+    let (vocab, hidden) = t.matrix(&names.embed).unwrap_or_default();
+    let (mlp_in, dim) = names.mlp_in;
+    let intermediate = t
+        .layer_shape(&names.blocks, mlp_in)
+        .and_then(|s| s.get(dim).copied());
+    let heads = heads_or_assume(hf, hidden, &mut assumptions)?;
+    let (tied, tied_copies) = tie(t, &names.embed, names.head, hf, true);
+    let config = ModelConfig {
+        family: names.family,
+        layers: t.layers(&names.blocks),
         hidden,
         heads,
         kv_heads: heads,
         intermediate: assume_4x_unless(intermediate, source, hidden, &mut assumptions)?,
         vocab,
-        max_positions: t
-            .matrix(&format!("{p}wpe.weight"))
-            .map_or(0, |(rows, _)| rows),
+        max_positions: t.matrix(&names.positions).map_or(0, |(rows, _)| rows),
         tied_embeddings: tied,
-        qkv_bias: false,
+        qkv_bias: names.qkv_bias,
         settings: ModelSettings::default(),
     };
     Ok(Draft {
@@ -417,41 +453,25 @@ fn llama_heads(
 }
 
 fn bert(source: &Path, t: &Tensors, p: &str, hf: Option<&HfConfig>) -> Result<Draft> {
-    let mut assumptions = Vec::new();
-    let embed = format!("{p}embeddings.word_embeddings.weight");
-    let (vocab, hidden) = t.matrix(&embed).unwrap_or_default();
-    let blocks = format!("{p}encoder.layer.");
-    let intermediate = t
-        .layer_shape(&blocks, "intermediate.dense.weight")
-        .and_then(|s| s.first().copied());
-    let heads = heads_or_assume(hf, hidden, &mut assumptions)?;
-    let (tied, mut tied_copies) = tie(t, &embed, "cls.predictions.decoder.weight", hf, true);
+    let names = LearnedPositions {
+        family: Family::Bert,
+        embed: format!("{p}embeddings.word_embeddings.weight"),
+        positions: format!("{p}embeddings.position_embeddings.weight"),
+        blocks: format!("{p}encoder.layer."),
+        mlp_in: ("intermediate.dense.weight", 0),
+        head: "cls.predictions.decoder.weight",
+        qkv_bias: true,
+    };
+    let mut draft = learned_positions(source, t, hf, names)?;
     // The MLM decoder's bias is the same parameter as `cls.predictions.bias`.
     if t.shape("cls.predictions.bias").is_some()
         && t.shape("cls.predictions.decoder.bias").is_some()
     {
-        tied_copies.push("cls.predictions.decoder.bias".into());
+        draft
+            .tied_copies
+            .push("cls.predictions.decoder.bias".into());
     }
-    let config = ModelConfig {
-        family: Family::Bert,
-        layers: t.layers(&blocks),
-        hidden,
-        heads,
-        kv_heads: heads,
-        intermediate: assume_4x_unless(intermediate, source, hidden, &mut assumptions)?,
-        vocab,
-        max_positions: t
-            .matrix(&format!("{p}embeddings.position_embeddings.weight"))
-            .map_or(0, |(rows, _)| rows),
-        tied_embeddings: tied,
-        qkv_bias: true,
-        settings: ModelSettings::default(),
-    };
-    Ok(Draft {
-        config,
-        tied_copies,
-        assumptions,
-    })
+    Ok(draft)
 }
 
 /// An unknown architecture: `config.json`'s numbers where it has them, the

@@ -699,6 +699,11 @@ mod tests {
         parse_header(json.as_bytes(), data_len)
     }
 
+    /// A header of one tensor `a` with these fields (JSON text).
+    fn one(dtype: &str, shape: &str, offsets: &str) -> String {
+        format!(r#"{{"a":{{"dtype":"{dtype}","shape":{shape},"data_offsets":{offsets}}}}}"#)
+    }
+
     #[test]
     fn valid_header_sorted_by_offset() {
         let h = parse(
@@ -719,74 +724,42 @@ mod tests {
 
     #[test]
     fn scalar_tensor_has_one_element() {
-        let h = parse(
-            r#"{"s":{"dtype":"F64","shape":[],"data_offsets":[0,8]}}"#,
-            8,
-        )
-        .unwrap();
+        let h = parse(&one("F64", "[]", "[0,8]"), 8).unwrap();
         assert_eq!(h.tensors[0].bytes(), 8);
     }
 
     #[test]
     fn each_problem_has_its_own_message() {
-        let cases: [(&str, u64, &str); 14] = [
-            ("", 0, "not valid JSON"),
-            ("[1]", 0, "not an object (it is an array)"),
-            (r#"{"a":3}"#, 0, "entry is a number, not an object"),
+        let cases: [(String, u64, &str); 14] = [
+            ("".into(), 0, "not valid JSON"),
+            ("[1]".into(), 0, "not an object (it is an array)"),
+            (r#"{"a":3}"#.into(), 0, "entry is a number, not an object"),
             (
-                r#"{"a":{"shape":[],"data_offsets":[0,4]}}"#,
+                r#"{"a":{"shape":[],"data_offsets":[0,4]}}"#.into(),
                 4,
                 "missing \"dtype\"",
             ),
+            (one("Q4", "[]", "[0,4]"), 4, "unknown dtype \"Q4\""),
+            (one("F4", "[2]", "[0,1]"), 1, "not supported"),
+            (one("F32", "[-1]", "[0,4]"), 4, "negative dimension -1"),
+            (one("F32", "[1.5]", "[0,4]"), 4, "non-integer dimension 1.5"),
             (
-                r#"{"a":{"dtype":"Q4","shape":[],"data_offsets":[0,4]}}"#,
-                4,
-                "unknown dtype \"Q4\"",
-            ),
-            (
-                r#"{"a":{"dtype":"F4","shape":[2],"data_offsets":[0,1]}}"#,
-                1,
-                "not supported",
-            ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#,
-                4,
-                "negative dimension -1",
-            ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}}"#,
-                4,
-                "non-integer dimension 1.5",
-            ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}}"#,
+                one("F32", "[4294967296,4294967296]", "[0,4]"),
                 4,
                 "overflows",
             ),
+            (one("F32", "[1]", "[0]"), 4, "two non-negative integers"),
+            (one("F32", "[1]", "[8,4]"), 8, "begin after they end"),
+            (one("F32", "[2]", "[0,4]"), 4, "needs 8 bytes but"),
             (
-                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}}"#,
-                4,
-                "two non-negative integers",
-            ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[8,4]}}"#,
-                8,
-                "begin after they end",
-            ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
-                4,
-                "needs 8 bytes but",
-            ),
-            (
-                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+                one("F32", "[2]", "[0,8]"),
                 4,
                 "past the end of the data region",
             ),
-            (r#"{"__metadata__":{"n":1}}"#, 0, "\"n\" is a number"),
+            (r#"{"__metadata__":{"n":1}}"#.into(), 0, "\"n\" is a number"),
         ];
         for (json, data_len, want) in cases {
-            let err = parse(json, data_len).unwrap_err();
+            let err = parse(&json, data_len).unwrap_err();
             assert!(err.contains(want), "{json}: got {err:?}, want {want:?}");
         }
     }
@@ -801,8 +774,7 @@ mod tests {
         assert!(parse(gap, 10)
             .unwrap_err()
             .contains("gap of 2 unused bytes"));
-        let short = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
-        assert!(parse(short, 9)
+        assert!(parse(&one("U8", "[4]", "[0,4]"), 9)
             .unwrap_err()
             .contains("gap of 5 unused bytes at the end"));
     }
@@ -842,10 +814,7 @@ mod tests {
 
     #[test]
     fn shapes_have_at_most_max_rank_dimensions() {
-        let header = |rank: usize| {
-            let dims = vec!["1"; rank].join(",");
-            format!(r#"{{"a":{{"dtype":"U8","shape":[{dims}],"data_offsets":[0,1]}}}}"#)
-        };
+        let header = |rank: usize| one("U8", &format!("[{}]", vec!["1"; rank].join(",")), "[0,1]");
         assert_eq!(
             parse(&header(MAX_RANK), 1).unwrap().tensors[0].shape.len(),
             MAX_RANK
@@ -862,10 +831,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.ends_with("found [0,1,\"x y\"]"), "{err}");
-        let long = format!(
-            r#"{{"a":{{"dtype":"U8","shape":[1],"data_offsets":"{}"}}}}"#,
-            "7".repeat(100)
-        );
+        let long = one("U8", "[1]", &format!("\"{}\"", "7".repeat(100)));
         let err = parse(&long, 1).unwrap_err();
         assert!(
             err.ends_with(&format!("found \"{}…", "7".repeat(59))),
@@ -912,11 +878,7 @@ mod tests {
         );
         assert_eq!(h.metadata.get("format").as_deref(), Some("np"));
         assert!(!h.metadata.is_empty());
-        let bare = parse(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
-            1,
-        )
-        .unwrap();
+        let bare = parse(&one("U8", "[1]", "[0,1]"), 1).unwrap();
         assert!(bare.metadata.is_empty());
         assert_eq!(bare.metadata.json(), "");
         // Reading the file moves the text within the header's buffer: same result.

@@ -106,8 +106,13 @@ impl PoolTrace {
 
     /// The pool at its highest used bytes (the first such sample).
     pub fn at_used_peak(&self) -> Fragmentation {
-        let peak = self.used_peak();
-        let s = self.samples.iter().find(|s| s.1 == peak).copied();
+        self.first_at(self.used_peak(), |s| s.1)
+    }
+
+    /// The pool at the first sample whose `value` is `peak` (all zeros
+    /// without samples).
+    fn first_at(&self, peak: u64, value: fn(&(u64, u64, u64)) -> u64) -> Fragmentation {
+        let s = self.samples.iter().find(|s| value(s) == peak).copied();
         let (time_ns, used, reserved) = s.unwrap_or((0, 0, 0));
         Fragmentation {
             time_ns,
@@ -153,14 +158,7 @@ impl PoolTrace {
 
     /// The pool at its highest reserved bytes (the first such sample).
     pub fn at_reserved_peak(&self) -> Fragmentation {
-        let peak = self.reserved_peak();
-        let s = self.samples.iter().find(|s| s.2 == peak).copied();
-        let (time_ns, used, reserved) = s.unwrap_or((0, 0, 0));
-        Fragmentation {
-            time_ns,
-            used,
-            reserved,
-        }
+        self.first_at(self.reserved_peak(), |s| s.2)
     }
 }
 
@@ -503,7 +501,8 @@ pub(crate) mod tests {
     use super::*;
     use crate::track::tag::{Module, Op};
 
-    fn ev(kind: EventKind, t: u64, addr: u64, size: u64, phase: Phase, op: Op) -> Event {
+    /// An event of `kind` at `t` ns: `size` bytes at `addr`, in `phase`, by `op`.
+    pub(crate) fn ev(kind: EventKind, t: u64, addr: u64, size: u64, phase: Phase, op: Op) -> Event {
         Event {
             time_ns: t,
             addr,

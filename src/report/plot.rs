@@ -565,20 +565,12 @@ impl DrawingBackend for Canvas<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::track::alloc::{Event, EventKind};
-    use crate::track::tag::{Module, Op, Tag};
+    use crate::measure::timeline::tests::ev;
+    use crate::track::alloc::EventKind;
+    use crate::track::tag::Op;
     use std::collections::HashMap;
 
     fn timeline() -> Timeline {
-        let ev = |kind, t, addr, size, phase, op| Event {
-            time_ns: t,
-            addr,
-            size,
-            live: 0,
-            tag: Tag::new(Module::ROOT, op),
-            kind,
-            phase,
-        };
         use EventKind::{Alloc, Free, StepStart};
         let events = [
             ev(Alloc, 0, 0x10, 4 << 20, Phase::Setup, Op::InitWeights),

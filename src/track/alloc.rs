@@ -170,42 +170,20 @@ fn sub(bytes: u64) {
 // which must come after the free in the recording.
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            INSTALLED.store(true, Ordering::Relaxed);
-            add(layout.size() as u64);
-            record(EventKind::Alloc, p as u64, layout.size() as u64, current());
-        }
-        p
+        allocated(unsafe { System.alloc(layout) }, layout)
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            INSTALLED.store(true, Ordering::Relaxed);
-            add(layout.size() as u64);
-            record(EventKind::Alloc, p as u64, layout.size() as u64, current());
-        }
-        p
+        allocated(unsafe { System.alloc_zeroed(layout) }, layout)
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         let size = layout.size() as u64;
-        record(
-            EventKind::Free,
-            ptr as u64,
-            size,
-            current().saturating_sub(size),
-        );
+        freeing(ptr, size);
         unsafe { System.dealloc(ptr, layout) };
         sub(size);
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let (old, new) = (layout.size() as u64, new_size as u64);
-        record(
-            EventKind::Free,
-            ptr as u64,
-            old,
-            current().saturating_sub(old),
-        );
+        freeing(ptr, old);
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if p.is_null() {
             // The old block is still allocated.
@@ -217,6 +195,28 @@ unsafe impl GlobalAlloc for CountingAlloc {
         }
         p
     }
+}
+
+/// Counts and records the block `p` of `layout` the system just allocated
+/// (nothing when the allocation failed: `p` is null); returns `p`.
+fn allocated(p: *mut u8, layout: Layout) -> *mut u8 {
+    if !p.is_null() {
+        INSTALLED.store(true, Ordering::Relaxed);
+        add(layout.size() as u64);
+        record(EventKind::Alloc, p as u64, layout.size() as u64, current());
+    }
+    p
+}
+
+/// Records the free of the block `ptr` of `size` bytes, before it goes
+/// back to the system.
+fn freeing(ptr: *mut u8, size: u64) {
+    record(
+        EventKind::Free,
+        ptr as u64,
+        size,
+        current().saturating_sub(size),
+    );
 }
 
 /// Whether a [`CountingAlloc`] is the global allocator of this process.

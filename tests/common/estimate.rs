@@ -95,18 +95,24 @@ pub fn gemma(version: u8) -> ModelConfig {
     c
 }
 
-/// Checks three plans of `config` at 2 × 64 tokens: plain fp32, a frugal one
-/// (bf16, checkpointing, fused AdamW, accumulation) and flash attention.
-pub fn check(name: &str, config: ModelConfig) {
-    let plain = Plan::baseline(2, 64);
-    let frugal = Plan {
+/// `plain` made frugal: its two sequences accumulated one at a time, in
+/// bf16, checkpointed, with fused AdamW.
+pub fn frugal(plain: Plan) -> Plan {
+    Plan {
         micro_batch: 1,
         grad_accum: 2,
         precision: Precision::Bf16,
         checkpoint: Checkpointing::Every(1),
         optimizer: OptimizerImpl::FusedAdamW,
         ..plain
-    };
+    }
+}
+
+/// Checks three plans of `config` at 2 × 64 tokens: plain fp32, a
+/// [`frugal`] one and flash attention.
+pub fn check(name: &str, config: ModelConfig) {
+    let plain = Plan::baseline(2, 64);
+    let frugal = frugal(plain);
     let flash = Plan {
         attention: Attention::Flash,
         optimizer: OptimizerImpl::FusedAdamW,

@@ -1,7 +1,16 @@
 //! Helpers shared by the integration tests: safetensors files of any size
 //! (written sparse, so a multi-GB model costs a few kilobytes of disk), raw
-//! malformed files, the JSON side files of a Hub checkout, and tensor values.
+//! malformed files, the JSON side files of a Hub checkout, tensor values,
+//! runs of the binary ([`cli`]) and the reference fixtures ([`fixtures`]).
 #![allow(dead_code)] // each test crate uses a subset
+
+mod cli;
+mod fixtures;
+
+#[allow(unused_imports)] // each test crate uses a subset
+pub use cli::*;
+#[allow(unused_imports)]
+pub use fixtures::*;
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -58,6 +67,11 @@ pub fn write_raw(path: &Path, header_len_field: u64, header_bytes: &[u8], data_l
     f.set_len(8 + header_bytes.len() as u64 + data_len).unwrap();
 }
 
+/// The header JSON of one tensor `w` with these fields (JSON text).
+pub fn tensor_w(dtype: &str, shape: &str, offsets: &str) -> String {
+    format!(r#"{{"w":{{"dtype":"{dtype}","shape":{shape},"data_offsets":{offsets}}}}}"#)
+}
+
 /// Writes a file with a correct length field for `header` and `data_len` bytes of data.
 pub fn write_header(path: &Path, header: &str, data_len: u64) {
     write_raw(path, header.len() as u64, header.as_bytes(), data_len);
@@ -106,6 +120,21 @@ pub fn gpt2_hub_tensors(
     tensors
 }
 
+/// The F32 tensors of an encoder oomfix has no family for: a stem, then
+/// five mixing layers of 64 (`encoder.blocks.L.mix.weight`).
+pub fn unknown_encoder() -> Vec<(String, &'static str, Vec<usize>)> {
+    let blocks = (0..5).map(|l| {
+        (
+            format!("encoder.blocks.{l}.mix.weight"),
+            "F32",
+            vec![64, 64],
+        )
+    });
+    std::iter::once(("stem.weight".to_string(), "F32", vec![64, 3]))
+        .chain(blocks)
+        .collect()
+}
+
 /// A two-layer GPT-2 small enough to train in a test (hidden 32, vocabulary
 /// 256, 64 positions).
 pub fn tiny_gpt2() -> oomfix::ModelConfig {
@@ -134,6 +163,26 @@ pub fn tiny_llama() -> oomfix::ModelConfig {
     }
 }
 
+/// A GPT-2 of `layers` blocks of hidden 64 with one head (as inspect
+/// assumes without a `config.json`), a vocabulary of 64 and 32 positions.
+pub fn gpt2_64(layers: usize) -> oomfix::ModelConfig {
+    oomfix::ModelConfig {
+        vocab: 64,
+        max_positions: 32,
+        ..oomfix::ModelConfig::gpt2(layers, 64, 1)
+    }
+}
+
+/// `base` (a JSON object) with the fields of `extra` (an object) added, or
+/// replacing its own.
+pub fn merged(mut base: Value, extra: Value) -> Value {
+    let Value::Object(extra) = extra else {
+        panic!("not an object: {extra}")
+    };
+    base.as_object_mut().unwrap().extend(extra);
+    base
+}
+
 /// [`tiny_gpt2`]'s F32 weights as `dir/tiny.safetensors` (sparse).
 pub fn tiny_gpt2_file(dir: &Path) -> PathBuf {
     let path = dir.join("tiny.safetensors");
@@ -149,6 +198,13 @@ pub fn values(t: &candle_core::Tensor) -> Vec<f32> {
         .unwrap()
         .to_vec1()
         .unwrap()
+}
+
+/// The Python `OOMFIX_PYTHON` names, which has `packages` (the test
+/// fails without it).
+pub fn oomfix_python(packages: &str) -> String {
+    std::env::var("OOMFIX_PYTHON")
+        .unwrap_or_else(|_| panic!("OOMFIX_PYTHON names a Python with {packages}"))
 }
 
 /// Runs `scripts/SCRIPT` with the Python `python` and `args`, prints what it
@@ -228,20 +284,42 @@ pub fn model_dir(tensors: Vec<(String, Vec<usize>)>, config: Value) -> tempfile:
     dir
 }
 
-/// Exit 2, nothing on stdout, one line on stderr containing every phrase;
-/// returns the stderr.
+/// Exit 2, nothing on stdout, one line `oomfix: ...` on stderr containing
+/// every phrase, no panic; returns the stderr.
 pub fn refused(out: &std::process::Output, phrases: &[&str]) -> String {
     let stderr = assert_exit(out, 2);
     assert!(
         out.stdout.is_empty(),
-        "{}",
+        "nothing is printed before the error: {}",
         String::from_utf8_lossy(&out.stdout)
     );
-    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.starts_with("oomfix: "), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
     for p in phrases {
         assert!(stderr.contains(p), "{p}: {stderr}");
     }
     stderr
+}
+
+/// `f` run on each of `world` in-process ranks (threads over
+/// [`ThreadComm`](oomfix::strategies::shard::ThreadComm)): each rank's
+/// result, by rank.
+pub fn on_thread_ranks<R: Send>(
+    world: usize,
+    f: impl Fn(Box<dyn oomfix::strategies::shard::Comm>) -> R + Sync,
+) -> Vec<R> {
+    use oomfix::strategies::shard::ThreadComm;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(world)
+            .into_iter()
+            .map(|comm| {
+                let f = &f;
+                s.spawn(move || f(Box::new(comm)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
 
 /// Sets every variable of `model` to seeded N(0, 0.2²) values (LoRA's
