@@ -55,23 +55,24 @@ pub fn run(args: &TrainArgs) -> Outcome {
         }
         _ => None,
     };
-    let is_rank = joined.is_some();
-    let outcome = device(joined.as_ref(), target).and_then(|device| {
-        run_rank(&Setup {
-            args,
-            init,
-            target,
-            defaulted,
-            joined,
-            verified,
-            device,
-            model_dir: args.plan.model.as_deref().map(data::model_dir),
-        })
-    });
-    if is_rank {
-        job::conclude(outcome)
-    } else {
-        outcome
+    // Fails outside a job only (a rank's device is the job's).
+    let device = device(joined.as_ref(), target)?;
+    let setup = Setup {
+        args,
+        init,
+        target,
+        defaulted,
+        joined,
+        verified,
+        device,
+        model_dir: args.plan.model.as_deref().map(data::model_dir),
+    };
+    let outcome = run_rank(&setup);
+    // The job's communicator outlives the report of the outcome: closing it
+    // first (MPI's finalisation) would wait for ranks that are stopping.
+    match setup.joined {
+        Some(_) => job::conclude(outcome),
+        None => outcome,
     }
 }
 
