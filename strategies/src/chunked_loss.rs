@@ -64,8 +64,9 @@ use std::sync::Mutex;
 
 #[cfg(feature = "cuda")]
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor};
 
+use crate::custom_op::{CustomOp, Input, Kernel};
 use crate::nn::loss;
 use crate::nn::ops::{self, WeightLayout};
 use crate::{Execution, Plan, SearchContext, Strategy};
@@ -201,8 +202,8 @@ pub fn linear_cross_entropy(
         grads: Mutex::new(Some(grads.grads)),
     };
     match head.bias {
-        None => x.apply_op2(head.weight, op),
-        Some(b) => x.apply_op3(head.weight, b, op),
+        None => x.apply_op2(head.weight, CustomOp(op)),
+        Some(b) => x.apply_op3(head.weight, b, CustomOp(op)),
     }
 }
 
@@ -432,86 +433,36 @@ impl Attached {
     }
 }
 
-impl CustomOp2 for Attached {
+/// Over `x` and the weight (`N` = 2), and the bias (3).
+impl<const N: usize> Kernel<N> for Attached {
     fn name(&self) -> &'static str {
         "oomfix-chunked-linear-cross-entropy"
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        Ok(self.cpu())
-    }
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda(s)
-    }
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let [gx, gw, _] = self.take(grad)?;
-        Ok((gx, gw))
-    }
-}
 
-impl CustomOp3 for Attached {
-    fn name(&self) -> &'static str {
-        "oomfix-chunked-linear-cross-entropy"
-    }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, _: [Input<'_, CpuStorage>; N]) -> Result<(CpuStorage, Shape)> {
         Ok(self.cpu())
     }
+
+    /// On the device of `x`.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        s: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
+        inputs: [Input<'_, candle_core::CudaStorage>; N],
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda(s)
+        self.cuda(inputs[0].0)
     }
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [gx, gw, gb] = self.take(grad)?;
-        Ok((gx, gw, gb))
+
+    fn bwd(&self, _: [&Tensor; N], _: &Tensor, grad: &Tensor) -> Result<[Option<Tensor>; N]> {
+        let mut grads = self.take(grad)?.into_iter();
+        Ok(std::array::from_fn(|_| grads.next().flatten()))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compare::rel_diff;
     use crate::nn::loss::cross_entropy_padded;
-    use crate::nn::ops::tests::rel_diff;
     use candle_core::{Device, Var};
 
     struct Case {
@@ -623,7 +574,7 @@ mod tests {
                     "{label}: loss {loss} vs {want_loss}"
                 );
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    let rel = rel_diff(g, w);
+                    let rel = rel_diff(g, w).unwrap();
                     assert!(rel < 1e-5, "{label}: gradient {i} off by {rel:e}");
                 }
                 // The padding columns' rows of the weight get nothing.
@@ -652,7 +603,7 @@ mod tests {
             assert!((loss - want_loss).abs() <= 1e-3 * want_loss, "{dtype:?}");
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.dtype(), dtype);
-                let rel = rel_diff(g, w);
+                let rel = rel_diff(g, w).unwrap();
                 assert!(rel < 0.02, "{dtype:?}: gradient {i} off by {rel:e}");
             }
         }
@@ -672,8 +623,8 @@ mod tests {
         };
         let loss = linear_cross_entropy(&c.x, &head, &c.targets, None, 64, 1.0).unwrap();
         let store = loss.affine(3.0, 0.0).unwrap().backward().unwrap();
-        assert!(rel_diff(store.get(&c.w).unwrap(), &want[1]) < 1e-5);
-        assert!(rel_diff(store.get(&c.x).unwrap(), &want[0]) < 1e-5);
+        assert!(rel_diff(store.get(&c.w).unwrap(), &want[1]).unwrap() < 1e-5);
+        assert!(rel_diff(store.get(&c.x).unwrap(), &want[0]).unwrap() < 1e-5);
         let again = loss.backward().unwrap_err().to_string();
         assert!(again.contains("twice"), "{again}");
     }
