@@ -1,29 +1,57 @@
 //! BERT: post-LN encoder with learned positions and token types, masked-LM head.
 
-use std::rc::Rc;
-
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
-use oomfix_strategies::{tiled_mlp, Execution};
+use oomfix_strategies::nn::{LayerNorm, Projection};
+use oomfix_strategies::Execution;
 
-use super::layers::{split_heads, Attend, LayerNorm, Linear};
+use super::layers::{block_layers, split_heads, tiled, Attend, RowWise, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
 
 struct Block {
-    query: Linear,
-    key: Linear,
-    value: Linear,
-    attn_out: Linear,
+    query: Projection,
+    key: Projection,
+    value: Projection,
+    attn_out: Projection,
     attn_norm: LayerNorm,
-    intermediate: Linear,
-    output: Linear,
-    out_norm: LayerNorm,
+    mlp: Mlp,
     heads: usize,
+    /// `attention` under `bert.encoder.layer.{l}`.
+    tag: Module,
+}
+
+/// A block's row-wise part: the MLP, its residual and the LayerNorm after
+/// it.
+#[derive(Clone)]
+struct Mlp {
+    intermediate: Projection,
+    output: Projection,
+    out_norm: LayerNorm,
     gelu: GeluForm,
-    /// `attention`, `intermediate`, `output` under `bert.encoder.layer.{l}`.
-    tags: [Module; 3],
+    /// `intermediate`, `output` under `bert.encoder.layer.{l}`.
+    tags: [Module; 2],
+}
+
+impl RowWise for Mlp {
+    /// `LayerNorm(x + output(gelu(intermediate(x))))`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [intermediate, output] = self.tags;
+        let inner = {
+            let _m = Scope::module(intermediate);
+            let inner = self.intermediate.forward(x)?;
+            let _op = Scope::op(Op::Gelu);
+            ops::gelu(&inner, self.gelu)?
+        };
+        let _m = Scope::module(output);
+        let mlp = self.output.forward(&inner)?;
+        let sum = {
+            let _op = Scope::op(Op::Residual);
+            x.add(&mlp)?
+        };
+        self.out_norm.forward(&sum)
+    }
 }
 
 impl Block {
@@ -37,13 +65,15 @@ impl Block {
             value: dense("attention.self.value")?,
             attn_out: dense("attention.output.dense")?,
             attn_norm: p.layer_norm(&format!("{prefix}.attention.output.LayerNorm"), eps)?,
-            intermediate: dense("intermediate.dense")?,
-            output: dense("output.dense")?,
-            out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), eps)?,
+            mlp: Mlp {
+                intermediate: dense("intermediate.dense")?,
+                output: dense("output.dense")?,
+                out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), eps)?,
+                gelu: super::gelu_form(config)?,
+                tags: ["intermediate", "output"].map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            },
             heads: config.heads,
-            gelu: super::gelu_form(config)?,
-            tags: ["attention", "intermediate", "output"]
-                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tag: Module::intern(&format!("{prefix}.attention")),
         })
     }
 
@@ -54,10 +84,9 @@ impl Block {
         mlp_tile: Option<usize>,
     ) -> candle_core::Result<Tensor> {
         let d = x.dim(2)? / self.heads;
-        let [attention, intermediate, output] = self.tags;
         let x = {
-            let _m = Scope::module(attention);
-            let heads = |proj: &Linear| split_heads(&proj.forward(x)?, self.heads);
+            let _m = Scope::module(self.tag);
+            let heads = |proj: &Projection| split_heads(&proj.forward(x)?, self.heads);
             let (k, v) = (
                 heads(&self.key)?.contiguous()?,
                 heads(&self.value)?.contiguous()?,
@@ -74,30 +103,7 @@ impl Block {
             };
             self.attn_norm.forward(&sum)?
         };
-        // The MLP, its residual and the LayerNorm after it: row-wise, so
-        // they may run in tiles of tokens.
-        let (dense, out, norm, gelu) = (
-            self.intermediate.clone(),
-            self.output.clone(),
-            self.out_norm.clone(),
-            self.gelu,
-        );
-        let part = move |x: &Tensor| {
-            let inner = {
-                let _m = Scope::module(intermediate);
-                let inner = dense.forward(x)?;
-                let _op = Scope::op(Op::Gelu);
-                ops::gelu(&inner, gelu)?
-            };
-            let _m = Scope::module(output);
-            let mlp = out.forward(&inner)?;
-            let sum = {
-                let _op = Scope::op(Op::Residual);
-                x.add(&mlp)?
-            };
-            norm.forward(&sum)
-        };
-        tiled_mlp::tiled_rows(&x, mlp_tile, part)
+        tiled(&self.mlp, &x, mlp_tile)
     }
 }
 
@@ -109,7 +115,7 @@ pub(crate) struct Bert {
     token_type: Tensor,
     emb_norm: LayerNorm,
     blocks: Vec<Block>,
-    transform: Linear,
+    transform: Projection,
     transform_norm: LayerNorm,
     gelu: GeluForm,
     decoder_bias: Tensor,
@@ -180,17 +186,13 @@ impl Bert {
         };
         let attend = {
             let _m = Scope::new(mask, Op::Attention);
-            Rc::new(Attend::padded(exec, batch.attention_mask.as_ref())?)
+            Attend::padded(exec, batch.attention_mask.as_ref())?
         };
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|blk| {
-                let attend = Rc::clone(&attend);
-                let tile = exec.mlp_tile;
-                Forward::layer(move |x| blk.forward(x, &attend, tile))
-            })
-            .collect();
+        let blocks = block_layers(
+            &self.blocks,
+            (attend, exec.mlp_tile),
+            |blk, x, (attend, tile)| blk.forward(x, attend, *tile),
+        );
         let head = Forward::layer(move |x| {
             let _m = Scope::module(transform);
             let x = self.transform.forward(x)?;

@@ -15,40 +15,69 @@
 //! and its output in the compute dtype, as transformers' eager attention
 //! upcasts it.
 
-use std::rc::Rc;
-
 use candle_core::{DType, Tensor, Var, D};
 use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
-use oomfix_strategies::{tiled_mlp, Attention, Execution};
+use oomfix_strategies::nn::{Projection, RmsNorm};
+use oomfix_strategies::{Attention, Execution};
 
-use super::layers::{split_heads, Linear, Packing, RmsNorm};
+use super::layers::{block_layers, final_norm, split_heads, tiled, Packing, RowWise, Tagged};
 use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, GemmaSettings, ModelConfig, Result};
 
 struct Block {
     input_norm: RmsNorm,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: Projection,
+    k_proj: Projection,
+    v_proj: Projection,
+    o_proj: Projection,
     /// Gemma 3's RMSNorm over each query and key head, before RoPE.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
     post_attention_norm: RmsNorm,
-    pre_feedforward_norm: RmsNorm,
-    post_feedforward_norm: RmsNorm,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
-    gelu: GeluForm,
+    mlp: Mlp,
     /// Attends within the sliding window only.
     sliding: bool,
     head_dim: usize,
     heads: usize,
     kv_heads: usize,
-    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`,
+    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`.
+    tags: [Module; 3],
+}
+
+/// A block's row-wise part: the norms around the MLP and the MLP.
+#[derive(Clone)]
+struct Mlp {
+    pre_feedforward_norm: RmsNorm,
+    post_feedforward_norm: RmsNorm,
+    gate_proj: Projection,
+    up_proj: Projection,
+    down_proj: Projection,
+    gelu: GeluForm,
     /// `pre_feedforward_layernorm`, `mlp`, `post_feedforward_layernorm`.
-    tags: [Module; 6],
+    tags: [Module; 3],
+}
+
+impl RowWise for Mlp {
+    /// `post(down(gelu(gate(h)) · up(h)))` of `h = pre(x)`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [pre_ff, mlp_tag, post_ff] = self.tags;
+        let h = {
+            let _m = Scope::module(pre_ff);
+            self.pre_feedforward_norm.forward(x)?
+        };
+        let out = {
+            let _m = Scope::module(mlp_tag);
+            let gate = self.gate_proj.forward(&h)?;
+            let up = self.up_proj.forward(&h)?;
+            let act = {
+                let _op = Scope::op(Op::Gelu);
+                ops::gelu(&gate, self.gelu)?.mul(&up)?
+            };
+            self.down_proj.forward(&act)?
+        };
+        let _m = Scope::module(post_ff);
+        self.post_feedforward_norm.forward(&out)
+    }
 }
 
 /// The RoPE tables and the additive mask of one kind of block.
@@ -82,6 +111,7 @@ impl Block {
         };
         let eps = config.norm_eps();
         let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps, 1.0);
+        let tags = |names: [&str; 3]| names.map(|m| Module::intern(&format!("{prefix}.{m}")));
         Ok(Block {
             input_norm: norm("input_layernorm")?,
             q_proj: proj("self_attn.q_proj", bias)?,
@@ -94,30 +124,29 @@ impl Block {
                 None
             },
             post_attention_norm: norm("post_attention_layernorm")?,
-            pre_feedforward_norm: norm("pre_feedforward_layernorm")?,
-            post_feedforward_norm: norm("post_feedforward_layernorm")?,
-            gate_proj: proj("mlp.gate_proj", false)?,
-            up_proj: proj("mlp.up_proj", false)?,
-            down_proj: proj("mlp.down_proj", false)?,
-            gelu: super::gelu_form(config)?,
+            mlp: Mlp {
+                pre_feedforward_norm: norm("pre_feedforward_layernorm")?,
+                post_feedforward_norm: norm("post_feedforward_layernorm")?,
+                gate_proj: proj("mlp.gate_proj", false)?,
+                up_proj: proj("mlp.up_proj", false)?,
+                down_proj: proj("mlp.down_proj", false)?,
+                gelu: super::gelu_form(config)?,
+                tags: tags([
+                    "pre_feedforward_layernorm",
+                    "mlp",
+                    "post_feedforward_layernorm",
+                ]),
+            },
             sliding: gemma.sliding(l),
             head_dim: config.head_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
-            tags: [
-                "input_layernorm",
-                "self_attn",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "mlp",
-                "post_feedforward_layernorm",
-            ]
-            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: tags(["input_layernorm", "self_attn", "post_attention_layernorm"]),
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
-        let [input_norm, attn, post_attn, pre_ff, mlp_tag, post_ff] = self.tags;
+        let [input_norm, attn, post_attn] = self.tags;
         let kind = match (&ctx.sliding, self.sliding) {
             (Some(sliding), true) => sliding,
             _ => &ctx.full,
@@ -155,35 +184,7 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        // The norms around the MLP and the MLP: row-wise, so they may run
-        // in tiles of tokens.
-        let (pre, gate_proj, up_proj, down_proj, post, gelu) = (
-            self.pre_feedforward_norm.clone(),
-            self.gate_proj.clone(),
-            self.up_proj.clone(),
-            self.down_proj.clone(),
-            self.post_feedforward_norm.clone(),
-            self.gelu,
-        );
-        let part = move |x: &Tensor| {
-            let h = {
-                let _m = Scope::module(pre_ff);
-                pre.forward(x)?
-            };
-            let out = {
-                let _m = Scope::module(mlp_tag);
-                let gate = gate_proj.forward(&h)?;
-                let up = up_proj.forward(&h)?;
-                let act = {
-                    let _op = Scope::op(Op::Gelu);
-                    ops::gelu(&gate, gelu)?.mul(&up)?
-                };
-                down_proj.forward(&act)?
-            };
-            let _m = Scope::module(post_ff);
-            post.forward(&out)
-        };
-        let out = tiled_mlp::tiled_rows(&x, ctx.mlp_tile, part)?;
+        let out = tiled(&self.mlp, &x, ctx.mlp_tile)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)
     }
@@ -388,12 +389,12 @@ impl Gemma {
             } else {
                 None
             };
-            Rc::new(Context {
+            Context {
                 mlp_tile: exec.mlp_tile,
                 full: kind(&freqs, factor, None)?,
                 sliding,
                 softcap,
-            })
+            }
         };
         let stem = {
             let _m = Scope::new(embed, Op::Embedding);
@@ -405,29 +406,16 @@ impl Gemma {
             .reshape((b, s, h))?
             .affine(embed_scale(h, dtype), 0.0)?
         };
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|blk| {
-                let ctx = Rc::clone(&ctx);
-                Forward::layer(move |x| blk.forward(x, &ctx))
-            })
-            .collect();
-        let head = Forward::layer(move |x| {
-            let _m = Scope::module(norm);
-            self.norm.forward(x)?.reshape((b * s, h))
-        });
-        let output = Output {
-            weight: &self.lm_head,
-            bias: None,
-            softcap: g.final_softcap,
-            tag: lm_head,
-        };
         Ok(Forward {
             stem,
-            blocks,
-            head,
-            output,
+            blocks: block_layers(&self.blocks, ctx, Block::forward),
+            head: final_norm(&self.norm, norm),
+            output: Output {
+                weight: &self.lm_head,
+                bias: None,
+                softcap: g.final_softcap,
+                tag: lm_head,
+            },
         })
     }
 }

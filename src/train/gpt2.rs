@@ -1,43 +1,72 @@
 //! GPT-2: learned positions, pre-LN blocks, `Conv1D` projections, tied LM head.
 
-use std::rc::Rc;
-
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
-use oomfix_strategies::{tiled_mlp, Execution};
+use oomfix_strategies::nn::{LayerNorm, Projection};
+use oomfix_strategies::Execution;
 
-use super::layers::{Attend, LayerNorm, Linear, Packing};
+use super::layers::{block_layers, final_norm, tiled, Attend, Packing, RowWise, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
 struct Block {
     ln_1: LayerNorm,
-    c_attn: Linear,
-    attn_proj: Linear,
-    ln_2: LayerNorm,
-    c_fc: Linear,
-    mlp_proj: Linear,
+    c_attn: Projection,
+    attn_proj: Projection,
+    mlp: Mlp,
     heads: usize,
+    /// `h.{l}.ln_1`, `h.{l}.attn`.
+    tags: [Module; 2],
+}
+
+/// A block's row-wise part: `ln_2` and the MLP.
+#[derive(Clone)]
+struct Mlp {
+    ln_2: LayerNorm,
+    c_fc: Projection,
+    c_proj: Projection,
     gelu: GeluForm,
-    /// `h.{l}.ln_1`, `h.{l}.attn`, `h.{l}.ln_2`, `h.{l}.mlp`.
-    tags: [Module; 4],
+    /// `h.{l}.ln_2`, `h.{l}.mlp`.
+    tags: [Module; 2],
+}
+
+impl RowWise for Mlp {
+    /// `c_proj(gelu(c_fc(ln_2(x))))`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [ln_2, mlp] = self.tags;
+        let normed = {
+            let _m = Scope::module(ln_2);
+            self.ln_2.forward(x)?
+        };
+        let _m = Scope::module(mlp);
+        let inner = self.c_fc.forward(&normed)?;
+        let inner = {
+            let _op = Scope::op(Op::Gelu);
+            ops::gelu(&inner, self.gelu)?
+        };
+        self.c_proj.forward(&inner)
+    }
 }
 
 impl Block {
     fn new(p: &Params, l: usize, config: &ModelConfig) -> Result<Self> {
         let conv = |name: &str| p.linear(&format!("h.{l}.{name}"), true, WeightLayout::InOut);
-        let eps = config.norm_eps();
+        let norm = |name: &str| p.layer_norm(&format!("h.{l}.{name}"), config.norm_eps());
+        let tags = |names: [&str; 2]| names.map(|m| Module::intern(&format!("h.{l}.{m}")));
         Ok(Block {
-            ln_1: p.layer_norm(&format!("h.{l}.ln_1"), eps)?,
+            ln_1: norm("ln_1")?,
             c_attn: conv("attn.c_attn")?,
             attn_proj: conv("attn.c_proj")?,
-            ln_2: p.layer_norm(&format!("h.{l}.ln_2"), eps)?,
-            c_fc: conv("mlp.c_fc")?,
-            mlp_proj: conv("mlp.c_proj")?,
+            mlp: Mlp {
+                ln_2: norm("ln_2")?,
+                c_fc: conv("mlp.c_fc")?,
+                c_proj: conv("mlp.c_proj")?,
+                gelu: super::gelu_form(config)?,
+                tags: tags(["ln_2", "mlp"]),
+            },
             heads: config.heads,
-            gelu: super::gelu_form(config)?,
-            tags: ["ln_1", "attn", "ln_2", "mlp"].map(|m| Module::intern(&format!("h.{l}.{m}"))),
+            tags: tags(["ln_1", "attn"]),
         })
     }
 
@@ -49,7 +78,7 @@ impl Block {
     ) -> candle_core::Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let d = h / self.heads;
-        let [ln_1, attn_tag, ln_2, mlp_tag] = self.tags;
+        let [ln_1, attn_tag] = self.tags;
         let normed = {
             let _m = Scope::module(ln_1);
             self.ln_1.forward(x)?
@@ -68,27 +97,7 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        // ln_2 and the MLP: row-wise, so they may run in tiles of tokens.
-        let (norm, c_fc, proj, gelu) = (
-            self.ln_2.clone(),
-            self.c_fc.clone(),
-            self.mlp_proj.clone(),
-            self.gelu,
-        );
-        let part = move |x: &Tensor| {
-            let normed = {
-                let _m = Scope::module(ln_2);
-                norm.forward(x)?
-            };
-            let _m = Scope::module(mlp_tag);
-            let inner = c_fc.forward(&normed)?;
-            let inner = {
-                let _op = Scope::op(Op::Gelu);
-                ops::gelu(&inner, gelu)?
-            };
-            proj.forward(&inner)
-        };
-        let mlp = tiled_mlp::tiled_rows(&x, mlp_tile, part)?;
+        let mlp = tiled(&self.mlp, &x, mlp_tile)?;
         let _op = Scope::op(Op::Residual);
         x.add(&mlp)
     }
@@ -143,31 +152,19 @@ impl Gpt2 {
                 None => tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?,
             }
         };
-        let attend = Rc::new(Attend::causal(exec, packing.as_ref()));
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|blk| {
-                let attend = Rc::clone(&attend);
-                let tile = exec.mlp_tile;
-                Forward::layer(move |x| blk.forward(x, &attend, tile))
-            })
-            .collect();
-        let head = Forward::layer(move |x| {
-            let _m = Scope::module(ln_f);
-            self.ln_f.forward(x)?.reshape((b * s, h))
-        });
-        let output = Output {
-            weight: &self.wte,
-            bias: None,
-            softcap: None,
-            tag: lm_head,
-        };
+        let ctx = (Attend::causal(exec, packing.as_ref()), exec.mlp_tile);
         Ok(Forward {
             stem,
-            blocks,
-            head,
-            output,
+            blocks: block_layers(&self.blocks, ctx, |blk, x, (attend, tile)| {
+                blk.forward(x, attend, *tile)
+            }),
+            head: final_norm(&self.ln_f, ln_f),
+            output: Output {
+                weight: &self.wte,
+                bias: None,
+                softcap: None,
+                tag: lm_head,
+            },
         })
     }
 }

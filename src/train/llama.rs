@@ -5,13 +5,14 @@
 //! epsilon, head size, RoPE base and scaling ([`rope`]), and optional biases
 //! on every attention projection (`attention_bias`) and the MLP (`mlp_bias`).
 
-use std::rc::Rc;
-
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
-use oomfix_strategies::{tiled_mlp, Execution};
+use oomfix_strategies::nn::{Projection, RmsNorm};
+use oomfix_strategies::Execution;
 
-use super::layers::{split_heads, Attend, Linear, Packing, RmsNorm};
+use super::layers::{
+    block_layers, final_norm, split_heads, tiled, Attend, Packing, RowWise, Tagged,
+};
 use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -19,7 +20,7 @@ use crate::{ModelConfig, Result};
 struct Block {
     input_norm: RmsNorm,
     qkv: Qkv,
-    o_proj: Linear,
+    o_proj: Projection,
     mlp: Mlp,
     /// Qwen3's RMSNorm over each query and key head, before RoPE.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
@@ -33,22 +34,19 @@ struct Block {
     tags: [Module; 2],
 }
 
-/// A block's row-wise part: the RMSNorm after attention and the MLP (each
-/// token's output from its own input only, so it may run in tiles of
-/// tokens: [`oomfix_strategies::tiled_mlp`]). Its tensors are shared
-/// handles: a copy is cheap.
+/// A block's row-wise part: the RMSNorm after attention and the MLP.
 #[derive(Clone)]
 struct Mlp {
     post_norm: RmsNorm,
     gate_up: GateUp,
-    down_proj: Linear,
+    down_proj: Projection,
     intermediate: usize,
     /// `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
     tags: [Module; 2],
 }
 
-impl Mlp {
-    /// `down(silu(gate(h)) · up(h))` of `h = RMSNorm(x)`, `x` `[b, s, h]`.
+impl RowWise for Mlp {
+    /// `down(silu(gate(h)) · up(h))` of `h = RMSNorm(x)`.
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let [post_norm, mlp_tag] = self.tags;
         let h = {
@@ -63,24 +61,13 @@ impl Mlp {
         };
         self.down_proj.forward(&mlp)
     }
-
-    /// [`forward`](Self::forward), in tiles of `tile` tokens when given.
-    fn forward_tiled(&self, x: &Tensor, tile: Option<usize>) -> candle_core::Result<Tensor> {
-        match tile {
-            Some(tile) => {
-                let mlp = self.clone();
-                tiled_mlp::tiled_rows(x, Some(tile), move |x| mlp.forward(x))
-            }
-            None => self.forward(x),
-        }
-    }
 }
 
 /// The q, k, v projections: three, or Phi-3's one `qkv_proj` whose rows are
 /// q (`H·d`), then k and v (`KV·d` each).
 enum Qkv {
-    Separate(Linear, Linear, Linear),
-    Fused(Linear),
+    Separate(Projection, Projection, Projection),
+    Fused(Projection),
 }
 
 impl Qkv {
@@ -109,8 +96,8 @@ impl Qkv {
 /// whose rows are the gate's, then up's.
 #[derive(Clone)]
 enum GateUp {
-    Separate(Linear, Linear),
-    Fused(Linear),
+    Separate(Projection, Projection),
+    Fused(Projection),
 }
 
 impl GateUp {
@@ -227,7 +214,7 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        let out = self.mlp.forward_tiled(&x, ctx.mlp_tile)?;
+        let out = tiled(&self.mlp, &x, ctx.mlp_tile)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)
     }
@@ -329,12 +316,12 @@ impl Llama {
                     None => Ok(tables),
                 }
             };
-            Rc::new(Context {
+            Context {
                 attend: Attend::causal(exec, packing.as_ref()),
                 rope_q: tables(q_factor)?,
                 rope_k: tables(factor)?,
                 mlp_tile: exec.mlp_tile,
-            })
+            }
         };
         let stem = {
             let _m = Scope::new(embed, Op::Embedding);
@@ -347,29 +334,16 @@ impl Llama {
                 .to_device(device)?
                 .reshape((b, s, h))?
         };
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|blk| {
-                let ctx = Rc::clone(&ctx);
-                Forward::layer(move |x| blk.forward(x, &ctx))
-            })
-            .collect();
-        let head = Forward::layer(move |x| {
-            let _m = Scope::module(norm);
-            self.norm.forward(x)?.reshape((b * s, h))
-        });
-        let output = Output {
-            weight: &self.lm_head,
-            bias: None,
-            softcap: None,
-            tag: lm_head,
-        };
         Ok(Forward {
             stem,
-            blocks,
-            head,
-            output,
+            blocks: block_layers(&self.blocks, ctx, Block::forward),
+            head: final_norm(&self.norm, norm),
+            output: Output {
+                weight: &self.lm_head,
+                bias: None,
+                softcap: None,
+                tag: lm_head,
+            },
         })
     }
 }

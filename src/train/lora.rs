@@ -21,8 +21,8 @@ use oomfix_strategies::lora::{FrozenLinear, FrozenWeight, Lora, LoraLinear, Nf4W
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::layers::Linear;
 use crate::{Error, Family, ModelConfig, Result};
+use oomfix_strategies::nn::Projection;
 
 /// The adapted module's variable names: `A`, then `B`.
 pub fn adapter_names(module: &str) -> [String; 2] {
@@ -208,7 +208,7 @@ impl Adapting {
 
     /// The projection `{prefix}.weight` (+ `{prefix}.bias` if `bias`):
     /// adapted if its name is a target, else frozen.
-    pub(crate) fn linear(&self, prefix: &str, bias: Option<Tensor>) -> Result<Linear> {
+    pub(crate) fn linear(&self, prefix: &str, bias: Option<Tensor>) -> Result<Projection> {
         let weight = format!("{prefix}.weight");
         let frozen = self
             .projections
@@ -217,7 +217,7 @@ impl Adapting {
             .ok_or_else(|| Error::Usage(format!("the model has no tensor `{weight}`")))?;
         let name = prefix.rsplit('.').next().unwrap_or(prefix);
         if !self.lora.targets.contains(name) {
-            return Ok(Linear::Frozen(FrozenLinear::new(frozen, bias)));
+            return Ok(Projection::Frozen(FrozenLinear::new(frozen, bias)));
         }
         let (out, d_in) = frozen.dims()?;
         let rank = self.lora.rank as usize;
@@ -248,7 +248,7 @@ impl Adapting {
         made.0.push((na, a));
         made.0.push((nb, b));
         made.1.push(prefix.to_string());
-        Ok(Linear::Adapted(layer))
+        Ok(Projection::Adapted(layer))
     }
 
     /// The adapters' variables with their names, and the model as built.

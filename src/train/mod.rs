@@ -238,8 +238,8 @@ use rand_distr::{Distribution, Normal};
 use crate::track::alloc::{self, Phase};
 use crate::track::tag::{self, Module, Op, Scope, Tag};
 use crate::{Error, Family, ModelConfig, Result};
-use layers::{LayerNorm, Linear, RmsNorm};
 use oomfix_strategies::nn::ops::WeightLayout;
+use oomfix_strategies::nn::{LayerNorm, Linear, Projection, RmsNorm};
 
 /// The `[MASK]` token id BERT's uncased vocabulary uses.
 const BERT_MASK_ID: u32 = 103;
@@ -862,7 +862,12 @@ impl Params {
     /// one place every family builds a linear projection of its blocks.
     /// Trained; or, with LoRA, frozen, with an adapter if its name (the
     /// last part of `prefix`) is a target.
-    pub(crate) fn linear(&self, prefix: &str, bias: bool, layout: WeightLayout) -> Result<Linear> {
+    pub(crate) fn linear(
+        &self,
+        prefix: &str,
+        bias: bool,
+        layout: WeightLayout,
+    ) -> Result<Projection> {
         let b = if bias {
             Some(self.get(&format!("{prefix}.bias"))?)
         } else {
@@ -871,11 +876,8 @@ impl Params {
         if let Some(adapting) = &self.lora {
             return adapting.linear(prefix, b);
         }
-        Ok(Linear::new(
-            self.get(&format!("{prefix}.weight"))?,
-            b,
-            layout,
-        ))
+        let weight = self.get(&format!("{prefix}.weight"))?;
+        Ok(Linear::with_layout(weight, b, layout).into())
     }
 
     /// The layer norm `{prefix}.weight`, `{prefix}.bias`.
@@ -889,7 +891,7 @@ impl Params {
 
     /// The RMS norm `{prefix}.weight`, its scale `weight + offset`.
     pub(crate) fn rms_norm(&self, prefix: &str, eps: f64, offset: f32) -> Result<RmsNorm> {
-        Ok(RmsNorm::new(
+        Ok(RmsNorm::with_offset(
             self.get(&format!("{prefix}.weight"))?,
             eps,
             offset,
