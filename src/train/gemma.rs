@@ -20,8 +20,9 @@ use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::{Attention, Execution};
 
-use super::layers::{block_layers, final_norm, split_heads, tiled, Packing, RowWise, Tagged};
-use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
+use super::layers::{block_layers, split_heads, tiled, Packing, RowWise, Tagged};
+use super::llama::Ends;
+use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, GemmaSettings, ModelConfig, Result};
 
@@ -292,14 +293,9 @@ fn embed_scale(hidden: usize, dtype: DType) -> f64 {
 pub(crate) struct Gemma {
     config: ModelConfig,
     gemma: GemmaSettings,
-    embed: Tensor,
+    ends: Ends,
     blocks: Vec<Block>,
-    norm: RmsNorm,
-    /// `[V, h]`: the embedding when tied, else `lm_head.weight`.
-    lm_head: Tensor,
     vars: Vec<(String, Var)>,
-    /// `model.embed_tokens`, `model.rotary_emb`, `model.norm`, `lm_head`.
-    tags: [Module; 4],
 }
 
 impl Gemma {
@@ -309,28 +305,14 @@ impl Gemma {
             .gemma
             .clone()
             .ok_or_else(|| Error::Usage("a Gemma model needs Gemma's settings".into()))?;
-        let embed = p.get("model.embed_tokens.weight")?;
         Ok(Gemma {
             config: config.clone(),
-            lm_head: if config.tied_embeddings {
-                embed.clone()
-            } else {
-                p.get("lm_head.weight")?
-            },
-            embed,
+            ends: Ends::new(config, &p, 1.0)?,
             blocks: (0..config.layers)
                 .map(|l| Block::new(&p, l, config, &gemma))
                 .collect::<Result<_>>()?,
-            norm: p.rms_norm("model.norm", config.norm_eps(), 1.0)?,
             gemma,
             vars: p.into_vars(),
-            tags: [
-                "model.embed_tokens",
-                "model.rotary_emb",
-                "model.norm",
-                "lm_head",
-            ]
-            .map(Module::intern),
         })
     }
 
@@ -349,25 +331,18 @@ impl Gemma {
                     .into(),
             ));
         }
-        let (b, s) = batch_dims(batch, &self.config)?;
-        let h = self.config.hidden;
-        let device = self.embed.device();
-        let dtype = self.embed.dtype();
+        let (_, s) = batch_dims(batch, &self.config)?;
+        let (device, dtype) = (self.ends.device(), self.ends.dtype());
         let g = &self.gemma;
-        let [embed, rotary, norm, lm_head] = self.tags;
         let softcap = g.attn_softcap;
         let q_scale = g.query_pre_attn_scalar.powf(-0.5) / softcap.unwrap_or(1.0);
         let ctx = {
-            let _m = Scope::new(rotary, Op::Rope);
+            let _m = Scope::new(self.ends.rotary_tag(), Op::Rope);
             let packing = Packing::of(batch, device)?;
             // Positions run to the longest document's length.
             let positions = packing.as_ref().map_or(s, |p| p.longest);
-            let tables = |freqs: &[f64], factor: f64| -> candle_core::Result<RopeTables> {
-                let tables = RopeTables::from_inv_freq(positions, freqs, factor, device)?;
-                match &packing {
-                    Some(p) => tables.at_positions(&p.positions),
-                    None => Ok(tables),
-                }
+            let tables = |freqs: &[f64], factor: f64| {
+                rope::tables(freqs, factor, positions, packing.as_ref(), device)
             };
             let starts = packing.as_ref().map(|p| p.starts.as_slice());
             let kind = |freqs: &[f64], factor: f64, window: Option<usize>| -> Result<Kind> {
@@ -396,27 +371,10 @@ impl Gemma {
                 softcap,
             }
         };
-        let stem = {
-            let _m = Scope::new(embed, Op::Embedding);
-            ops::embedding_padded(
-                &self.embed,
-                &batch.input_ids.flatten_all()?,
-                self.config.settings.pad_token_id,
-            )?
-            .reshape((b, s, h))?
-            .affine(embed_scale(h, dtype), 0.0)?
-        };
-        Ok(Forward {
-            stem,
-            blocks: block_layers(&self.blocks, ctx, Block::forward),
-            head: final_norm(&self.norm, norm),
-            output: Output {
-                weight: &self.lm_head,
-                bias: None,
-                softcap: g.final_softcap,
-                tag: lm_head,
-            },
-        })
+        let scale = embed_scale(self.config.hidden, dtype);
+        let stem = self.ends.embedded(batch, &self.config, Some(scale))?;
+        let blocks = block_layers(&self.blocks, ctx, Block::forward);
+        Ok(self.ends.pass(stem, blocks, g.final_softcap))
     }
 }
 

@@ -5,7 +5,7 @@
 //! epsilon, head size, RoPE base and scaling ([`rope`]), and optional biases
 //! on every attention projection (`attention_bias`) and the MLP (`mlp_bias`).
 
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::Execution;
@@ -13,7 +13,7 @@ use oomfix_strategies::Execution;
 use super::layers::{
     block_layers, final_norm, split_heads, tiled, Attend, Packing, RowWise, Tagged,
 };
-use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
+use super::{batch_dims, rope, Forward, Layer, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
@@ -239,35 +239,30 @@ impl Block {
     }
 }
 
-/// A trainable Llama-style model.
-pub(crate) struct Llama {
-    config: ModelConfig,
+/// What a Llama-style decoder (Llama, Gemma) holds besides its blocks: the
+/// token embedding, the final RMSNorm and the LM head.
+pub(super) struct Ends {
     embed: Tensor,
-    blocks: Vec<Block>,
     norm: RmsNorm,
     /// `[V, h]`: the embedding when tied, else `lm_head.weight`.
     lm_head: Tensor,
-    vars: Vec<(String, Var)>,
     /// `model.embed_tokens`, `model.rotary_emb`, `model.norm`, `lm_head`.
     tags: [Module; 4],
 }
 
-impl Llama {
-    pub(crate) fn new(config: &ModelConfig, p: Params) -> Result<Self> {
+impl Ends {
+    /// The ends of `config`'s model from `p`, the final norm scaled by
+    /// `w + norm_offset`.
+    pub(super) fn new(config: &ModelConfig, p: &Params, norm_offset: f32) -> Result<Self> {
         let embed = p.get("model.embed_tokens.weight")?;
-        Ok(Llama {
-            config: config.clone(),
+        Ok(Ends {
             lm_head: if config.tied_embeddings {
                 embed.clone()
             } else {
                 p.get("lm_head.weight")?
             },
             embed,
-            blocks: (0..config.layers)
-                .map(|l| Block::new(&p, l, config))
-                .collect::<Result<_>>()?,
-            norm: p.rms_norm("model.norm", config.norm_eps(), 0.0)?,
-            vars: p.into_vars(),
+            norm: p.rms_norm("model.norm", config.norm_eps(), norm_offset)?,
             tags: [
                 "model.embed_tokens",
                 "model.rotary_emb",
@@ -275,6 +270,88 @@ impl Llama {
                 "lm_head",
             ]
             .map(Module::intern),
+        })
+    }
+
+    /// The blocks' device (the embedding may be kept on the host).
+    pub(super) fn device(&self) -> &Device {
+        self.lm_head.device()
+    }
+
+    /// The compute dtype.
+    pub(super) fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    /// The tag of `model.rotary_emb`, under which the RoPE tables are made.
+    pub(super) fn rotary_tag(&self) -> Module {
+        self.tags[1]
+    }
+
+    /// The embedding of the batch's tokens `[b, s, h]` on the blocks'
+    /// device (a table on the host looks the rows up there and sends them
+    /// over), multiplied by `scale` where given.
+    pub(super) fn embedded(
+        &self,
+        batch: &TokenBatch,
+        config: &ModelConfig,
+        scale: Option<f64>,
+    ) -> candle_core::Result<Tensor> {
+        let _m = Scope::new(self.tags[0], Op::Embedding);
+        let (b, s) = batch.input_ids.dims2()?;
+        let ids = batch
+            .input_ids
+            .flatten_all()?
+            .to_device(self.embed.device())?;
+        let rows = ops::embedding_padded(&self.embed, &ids, config.settings.pad_token_id)?
+            .to_device(self.device())?
+            .reshape((b, s, config.hidden))?;
+        match scale {
+            Some(scale) => rows.affine(scale, 0.0),
+            None => Ok(rows),
+        }
+    }
+
+    /// The pass of `stem` through `blocks`, the final norm and the LM head,
+    /// its logits soft-capped at `softcap`.
+    pub(super) fn pass<'a>(
+        &'a self,
+        stem: Tensor,
+        blocks: Vec<Layer<'a>>,
+        softcap: Option<f64>,
+    ) -> Forward<'a> {
+        let [_, _, norm, lm_head] = self.tags;
+        Forward {
+            stem,
+            blocks,
+            head: final_norm(&self.norm, norm),
+            output: Output {
+                weight: &self.lm_head,
+                bias: None,
+                softcap,
+                tag: lm_head,
+            },
+        }
+    }
+}
+
+/// A trainable Llama-style model.
+pub(crate) struct Llama {
+    config: ModelConfig,
+    ends: Ends,
+    blocks: Vec<Block>,
+    vars: Vec<(String, Var)>,
+}
+
+impl Llama {
+    pub(crate) fn new(config: &ModelConfig, p: Params) -> Result<Self> {
+        Ok(Llama {
+            config: config.clone(),
+            ends: Ends::new(config, &p, 0.0)?,
+            blocks: (0..config.layers)
+                .map(|l| Block::new(&p, l, config))
+                .collect::<Result<_>>()?,
+            vars: p.into_vars(),
         })
     }
 
@@ -291,11 +368,9 @@ impl Llama {
     /// sides of the scaling's threshold (`dynamic` past the model's context
     /// also changes with the length).
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
-        let (b, s) = batch_dims(batch, &self.config)?;
-        let (h, d) = (self.config.hidden, self.config.head_dim());
-        // The blocks' device (the embedding may be kept on the host).
-        let device = self.lm_head.device();
-        let [embed, rotary, norm, lm_head] = self.tags;
+        let (_, s) = batch_dims(batch, &self.config)?;
+        let d = self.config.head_dim();
+        let device = self.ends.device();
         let packing = Packing::of(batch, device)?;
         // Positions run to the longest document's length.
         let positions = packing.as_ref().map_or(s, |p| p.longest);
@@ -308,14 +383,8 @@ impl Llama {
             factor
         };
         let ctx = {
-            let _m = Scope::new(rotary, Op::Rope);
-            let tables = |factor: f64| -> candle_core::Result<RopeTables> {
-                let tables = RopeTables::from_inv_freq(positions, &freqs, factor, device)?;
-                match &packing {
-                    Some(p) => tables.at_positions(&p.positions),
-                    None => Ok(tables),
-                }
-            };
+            let _m = Scope::new(self.ends.rotary_tag(), Op::Rope);
+            let tables = |factor| rope::tables(&freqs, factor, positions, packing.as_ref(), device);
             Context {
                 attend: Attend::causal(exec, packing.as_ref()),
                 rope_q: tables(q_factor)?,
@@ -323,28 +392,9 @@ impl Llama {
                 mlp_tile: exec.mlp_tile,
             }
         };
-        let stem = {
-            let _m = Scope::new(embed, Op::Embedding);
-            // A table on the host looks the rows up there and sends them over.
-            let ids = batch
-                .input_ids
-                .flatten_all()?
-                .to_device(self.embed.device())?;
-            ops::embedding_padded(&self.embed, &ids, self.config.settings.pad_token_id)?
-                .to_device(device)?
-                .reshape((b, s, h))?
-        };
-        Ok(Forward {
-            stem,
-            blocks: block_layers(&self.blocks, ctx, Block::forward),
-            head: final_norm(&self.norm, norm),
-            output: Output {
-                weight: &self.lm_head,
-                bias: None,
-                softcap: None,
-                tag: lm_head,
-            },
-        })
+        let stem = self.ends.embedded(batch, &self.config, None)?;
+        let blocks = block_layers(&self.blocks, ctx, Block::forward);
+        Ok(self.ends.pass(stem, blocks, None))
     }
 }
 

@@ -4,7 +4,29 @@
 
 use std::f64::consts::PI;
 
+use candle_core::Device;
+use oomfix_strategies::nn::ops::RopeTables;
+
+use super::layers::Packing;
 use crate::{Error, ModelConfig, Result};
+
+/// The tables of `freqs` (cos and sin multiplied by `factor`) for
+/// `positions` positions on `device`: by position, or with a packing by
+/// token, each token turned by its position in its document
+/// ([`RopeTables::at_positions`]).
+pub(crate) fn tables(
+    freqs: &[f64],
+    factor: f64,
+    positions: usize,
+    packing: Option<&Packing>,
+    device: &Device,
+) -> candle_core::Result<RopeTables> {
+    let tables = RopeTables::from_inv_freq(positions, freqs, factor, device)?;
+    match packing {
+        Some(p) => tables.at_positions(&p.positions),
+        None => Ok(tables),
+    }
+}
 
 /// The inverse frequencies (`rotary_dim / 2` of them: the whole head, or
 /// the part `partial_rotary_factor` says) for sequences of `s` tokens, and
