@@ -5,53 +5,25 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{block_layers, split_heads, tiled, Attend, RowWise, Tagged};
+use super::layers::{block_layers, split_heads, tiled, Attend, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
 
+#[derive(Clone)]
 struct Block {
     query: Projection,
     key: Projection,
     value: Projection,
     attn_out: Projection,
     attn_norm: LayerNorm,
-    mlp: Mlp,
-    heads: usize,
-    /// `attention` under `bert.encoder.layer.{l}`.
-    tag: Module,
-}
-
-/// A block's row-wise part: the MLP, its residual and the LayerNorm after
-/// it.
-#[derive(Clone)]
-struct Mlp {
     intermediate: Projection,
     output: Projection,
     out_norm: LayerNorm,
+    heads: usize,
     gelu: GeluForm,
-    /// `intermediate`, `output` under `bert.encoder.layer.{l}`.
-    tags: [Module; 2],
-}
-
-impl RowWise for Mlp {
-    /// `LayerNorm(x + output(gelu(intermediate(x))))`.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let [intermediate, output] = self.tags;
-        let inner = {
-            let _m = Scope::module(intermediate);
-            let inner = self.intermediate.forward(x)?;
-            let _op = Scope::op(Op::Gelu);
-            ops::gelu(&inner, self.gelu)?
-        };
-        let _m = Scope::module(output);
-        let mlp = self.output.forward(&inner)?;
-        let sum = {
-            let _op = Scope::op(Op::Residual);
-            x.add(&mlp)?
-        };
-        self.out_norm.forward(&sum)
-    }
+    /// `attention`, `intermediate`, `output` under `bert.encoder.layer.{l}`.
+    tags: [Module; 3],
 }
 
 impl Block {
@@ -65,15 +37,13 @@ impl Block {
             value: dense("attention.self.value")?,
             attn_out: dense("attention.output.dense")?,
             attn_norm: p.layer_norm(&format!("{prefix}.attention.output.LayerNorm"), eps)?,
-            mlp: Mlp {
-                intermediate: dense("intermediate.dense")?,
-                output: dense("output.dense")?,
-                out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), eps)?,
-                gelu: super::gelu_form(config)?,
-                tags: ["intermediate", "output"].map(|m| Module::intern(&format!("{prefix}.{m}"))),
-            },
+            intermediate: dense("intermediate.dense")?,
+            output: dense("output.dense")?,
+            out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), eps)?,
             heads: config.heads,
-            tag: Module::intern(&format!("{prefix}.attention")),
+            gelu: super::gelu_form(config)?,
+            tags: ["attention", "intermediate", "output"]
+                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
     }
 
@@ -85,7 +55,7 @@ impl Block {
     ) -> candle_core::Result<Tensor> {
         let d = x.dim(2)? / self.heads;
         let x = {
-            let _m = Scope::module(self.tag);
+            let _m = Scope::module(self.tags[0]);
             let heads = |proj: &Projection| split_heads(&proj.forward(x)?, self.heads);
             let (k, v) = (
                 heads(&self.key)?.contiguous()?,
@@ -103,7 +73,26 @@ impl Block {
             };
             self.attn_norm.forward(&sum)?
         };
-        tiled(&self.mlp, &x, mlp_tile)
+        tiled(self, &x, mlp_tile, Block::mlp)
+    }
+
+    /// The row-wise part: the MLP, its residual and the LayerNorm after it,
+    /// `out_norm(x + output(gelu(intermediate(x))))`.
+    fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [_, intermediate, output] = self.tags;
+        let inner = {
+            let _m = Scope::module(intermediate);
+            let inner = self.intermediate.forward(x)?;
+            let _op = Scope::op(Op::Gelu);
+            ops::gelu(&inner, self.gelu)?
+        };
+        let _m = Scope::module(output);
+        let mlp = self.output.forward(&inner)?;
+        let sum = {
+            let _op = Scope::op(Op::Residual);
+            x.add(&mlp)?
+        };
+        self.out_norm.forward(&sum)
     }
 }
 

@@ -20,12 +20,13 @@ use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::{Attention, Execution};
 
-use super::layers::{block_layers, split_heads, tiled, Packing, RowWise, Tagged};
+use super::layers::{block_layers, split_heads, tiled, Packing, Tagged};
 use super::llama::Ends;
 use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, GemmaSettings, ModelConfig, Result};
 
+#[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
     q_proj: Projection,
@@ -35,50 +36,20 @@ struct Block {
     /// Gemma 3's RMSNorm over each query and key head, before RoPE.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
     post_attention_norm: RmsNorm,
-    mlp: Mlp,
-    /// Attends within the sliding window only.
-    sliding: bool,
-    head_dim: usize,
-    heads: usize,
-    kv_heads: usize,
-    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`.
-    tags: [Module; 3],
-}
-
-/// A block's row-wise part: the norms around the MLP and the MLP.
-#[derive(Clone)]
-struct Mlp {
     pre_feedforward_norm: RmsNorm,
     post_feedforward_norm: RmsNorm,
     gate_proj: Projection,
     up_proj: Projection,
     down_proj: Projection,
     gelu: GeluForm,
+    /// Attends within the sliding window only.
+    sliding: bool,
+    head_dim: usize,
+    heads: usize,
+    kv_heads: usize,
+    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`,
     /// `pre_feedforward_layernorm`, `mlp`, `post_feedforward_layernorm`.
-    tags: [Module; 3],
-}
-
-impl RowWise for Mlp {
-    /// `post(down(gelu(gate(h)) · up(h)))` of `h = pre(x)`.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let [pre_ff, mlp_tag, post_ff] = self.tags;
-        let h = {
-            let _m = Scope::module(pre_ff);
-            self.pre_feedforward_norm.forward(x)?
-        };
-        let out = {
-            let _m = Scope::module(mlp_tag);
-            let gate = self.gate_proj.forward(&h)?;
-            let up = self.up_proj.forward(&h)?;
-            let act = {
-                let _op = Scope::op(Op::Gelu);
-                ops::gelu(&gate, self.gelu)?.mul(&up)?
-            };
-            self.down_proj.forward(&act)?
-        };
-        let _m = Scope::module(post_ff);
-        self.post_feedforward_norm.forward(&out)
-    }
+    tags: [Module; 6],
 }
 
 /// The RoPE tables and the additive mask of one kind of block.
@@ -112,7 +83,6 @@ impl Block {
         };
         let eps = config.norm_eps();
         let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps, 1.0);
-        let tags = |names: [&str; 3]| names.map(|m| Module::intern(&format!("{prefix}.{m}")));
         Ok(Block {
             input_norm: norm("input_layernorm")?,
             q_proj: proj("self_attn.q_proj", bias)?,
@@ -125,29 +95,30 @@ impl Block {
                 None
             },
             post_attention_norm: norm("post_attention_layernorm")?,
-            mlp: Mlp {
-                pre_feedforward_norm: norm("pre_feedforward_layernorm")?,
-                post_feedforward_norm: norm("post_feedforward_layernorm")?,
-                gate_proj: proj("mlp.gate_proj", false)?,
-                up_proj: proj("mlp.up_proj", false)?,
-                down_proj: proj("mlp.down_proj", false)?,
-                gelu: super::gelu_form(config)?,
-                tags: tags([
-                    "pre_feedforward_layernorm",
-                    "mlp",
-                    "post_feedforward_layernorm",
-                ]),
-            },
+            pre_feedforward_norm: norm("pre_feedforward_layernorm")?,
+            post_feedforward_norm: norm("post_feedforward_layernorm")?,
+            gate_proj: proj("mlp.gate_proj", false)?,
+            up_proj: proj("mlp.up_proj", false)?,
+            down_proj: proj("mlp.down_proj", false)?,
+            gelu: super::gelu_form(config)?,
             sliding: gemma.sliding(l),
             head_dim: config.head_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
-            tags: tags(["input_layernorm", "self_attn", "post_attention_layernorm"]),
+            tags: [
+                "input_layernorm",
+                "self_attn",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "mlp",
+                "post_feedforward_layernorm",
+            ]
+            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
-        let [input_norm, attn, post_attn] = self.tags;
+        let [input_norm, attn, post_attn, ..] = self.tags;
         let kind = match (&ctx.sliding, self.sliding) {
             (Some(sliding), true) => sliding,
             _ => &ctx.full,
@@ -185,9 +156,31 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        let out = tiled(&self.mlp, &x, ctx.mlp_tile)?;
+        let out = tiled(self, &x, ctx.mlp_tile, Block::mlp)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)
+    }
+
+    /// The row-wise part: the norms around the MLP and the MLP,
+    /// `post(down(gelu(gate(h)) · up(h)))` of `h = pre(x)`.
+    fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [.., pre_ff, mlp_tag, post_ff] = self.tags;
+        let h = {
+            let _m = Scope::module(pre_ff);
+            self.pre_feedforward_norm.forward(x)?
+        };
+        let out = {
+            let _m = Scope::module(mlp_tag);
+            let gate = self.gate_proj.forward(&h)?;
+            let up = self.up_proj.forward(&h)?;
+            let act = {
+                let _op = Scope::op(Op::Gelu);
+                ops::gelu(&gate, self.gelu)?.mul(&up)?
+            };
+            self.down_proj.forward(&act)?
+        };
+        let _m = Scope::module(post_ff);
+        self.post_feedforward_norm.forward(&out)
     }
 }
 

@@ -5,68 +5,39 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{block_layers, final_norm, tiled, Attend, Packing, RowWise, Tagged};
+use super::layers::{block_layers, final_norm, tiled, Attend, Packing, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
+#[derive(Clone)]
 struct Block {
     ln_1: LayerNorm,
     c_attn: Projection,
     attn_proj: Projection,
-    mlp: Mlp,
-    heads: usize,
-    /// `h.{l}.ln_1`, `h.{l}.attn`.
-    tags: [Module; 2],
-}
-
-/// A block's row-wise part: `ln_2` and the MLP.
-#[derive(Clone)]
-struct Mlp {
     ln_2: LayerNorm,
     c_fc: Projection,
-    c_proj: Projection,
+    mlp_proj: Projection,
+    heads: usize,
     gelu: GeluForm,
-    /// `h.{l}.ln_2`, `h.{l}.mlp`.
-    tags: [Module; 2],
-}
-
-impl RowWise for Mlp {
-    /// `c_proj(gelu(c_fc(ln_2(x))))`.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let [ln_2, mlp] = self.tags;
-        let normed = {
-            let _m = Scope::module(ln_2);
-            self.ln_2.forward(x)?
-        };
-        let _m = Scope::module(mlp);
-        let inner = self.c_fc.forward(&normed)?;
-        let inner = {
-            let _op = Scope::op(Op::Gelu);
-            ops::gelu(&inner, self.gelu)?
-        };
-        self.c_proj.forward(&inner)
-    }
+    /// `h.{l}.ln_1`, `h.{l}.attn`, `h.{l}.ln_2`, `h.{l}.mlp`.
+    tags: [Module; 4],
 }
 
 impl Block {
     fn new(p: &Params, l: usize, config: &ModelConfig) -> Result<Self> {
         let conv = |name: &str| p.linear(&format!("h.{l}.{name}"), true, WeightLayout::InOut);
-        let norm = |name: &str| p.layer_norm(&format!("h.{l}.{name}"), config.norm_eps());
-        let tags = |names: [&str; 2]| names.map(|m| Module::intern(&format!("h.{l}.{m}")));
+        let eps = config.norm_eps();
         Ok(Block {
-            ln_1: norm("ln_1")?,
+            ln_1: p.layer_norm(&format!("h.{l}.ln_1"), eps)?,
             c_attn: conv("attn.c_attn")?,
             attn_proj: conv("attn.c_proj")?,
-            mlp: Mlp {
-                ln_2: norm("ln_2")?,
-                c_fc: conv("mlp.c_fc")?,
-                c_proj: conv("mlp.c_proj")?,
-                gelu: super::gelu_form(config)?,
-                tags: tags(["ln_2", "mlp"]),
-            },
+            ln_2: p.layer_norm(&format!("h.{l}.ln_2"), eps)?,
+            c_fc: conv("mlp.c_fc")?,
+            mlp_proj: conv("mlp.c_proj")?,
             heads: config.heads,
-            tags: tags(["ln_1", "attn"]),
+            gelu: super::gelu_form(config)?,
+            tags: ["ln_1", "attn", "ln_2", "mlp"].map(|m| Module::intern(&format!("h.{l}.{m}"))),
         })
     }
 
@@ -78,7 +49,7 @@ impl Block {
     ) -> candle_core::Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let d = h / self.heads;
-        let [ln_1, attn_tag] = self.tags;
+        let [ln_1, attn_tag, ..] = self.tags;
         let normed = {
             let _m = Scope::module(ln_1);
             self.ln_1.forward(x)?
@@ -97,9 +68,25 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        let mlp = tiled(&self.mlp, &x, mlp_tile)?;
+        let mlp = tiled(self, &x, mlp_tile, Block::mlp)?;
         let _op = Scope::op(Op::Residual);
         x.add(&mlp)
+    }
+
+    /// The row-wise part: `mlp_proj(gelu(c_fc(ln_2(x))))`.
+    fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [_, _, ln_2, mlp_tag] = self.tags;
+        let normed = {
+            let _m = Scope::module(ln_2);
+            self.ln_2.forward(x)?
+        };
+        let _m = Scope::module(mlp_tag);
+        let inner = self.c_fc.forward(&normed)?;
+        let inner = {
+            let _op = Scope::op(Op::Gelu);
+            ops::gelu(&inner, self.gelu)?
+        };
+        self.mlp_proj.forward(&inner)
     }
 }
 

@@ -48,19 +48,18 @@ macro_rules! tagged {
 
 tagged!(Projection => Matmul, LayerNorm => LayerNorm, RmsNorm => RmsNorm);
 
-/// A block's row-wise part (each token's output from its own input only:
-/// the MLP and what surrounds it), which [`tiled`] may run in tiles of
-/// tokens. Its tensors are shared handles: a copy is cheap.
-pub(crate) trait RowWise: Clone + Send + Sync + 'static {
-    /// `x` `[b, s, h]` → `[b, s, h]`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor>;
-}
-
-/// `part.forward(x)`, in tiles of `tile` tokens when given
-/// ([`tiled_mlp::tiled_rows`]).
-pub(crate) fn tiled(part: &impl RowWise, x: &Tensor, tile: Option<usize>) -> Result<Tensor> {
-    let part = part.clone();
-    tiled_mlp::tiled_rows(x, tile, move |x| part.forward(x))
+/// `part(block, x)` for `part` a block's row-wise part (each token's output
+/// from its own input only: the MLP and what surrounds it), in tiles of
+/// `tile` tokens when given ([`tiled_mlp::tiled_rows`]), on a copy of the
+/// block (its tensors are shared handles: a copy is cheap).
+pub(crate) fn tiled<B: Clone + Send + Sync + 'static>(
+    block: &B,
+    x: &Tensor,
+    tile: Option<usize>,
+    part: fn(&B, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let block = block.clone();
+    tiled_mlp::tiled_rows(x, tile, move |x| part(&block, x))
 }
 
 /// The blocks of a pass as its layers, each run by `forward` with the

@@ -10,18 +10,20 @@ use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::Execution;
 
-use super::layers::{
-    block_layers, final_norm, split_heads, tiled, Attend, Packing, RowWise, Tagged,
-};
+use super::layers::{block_layers, final_norm, split_heads, tiled, Attend, Packing, Tagged};
 use super::{batch_dims, rope, Forward, Layer, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
+#[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
     qkv: Qkv,
     o_proj: Projection,
-    mlp: Mlp,
+    post_norm: RmsNorm,
+    gate_up: GateUp,
+    down_proj: Projection,
+    intermediate: usize,
     /// Qwen3's RMSNorm over each query and key head, before RoPE.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
     head_dim: usize,
@@ -30,41 +32,14 @@ struct Block {
     rotary: usize,
     heads: usize,
     kv_heads: usize,
-    /// `input_layernorm`, `self_attn` under `model.layers.{l}`.
-    tags: [Module; 2],
-}
-
-/// A block's row-wise part: the RMSNorm after attention and the MLP.
-#[derive(Clone)]
-struct Mlp {
-    post_norm: RmsNorm,
-    gate_up: GateUp,
-    down_proj: Projection,
-    intermediate: usize,
-    /// `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
-    tags: [Module; 2],
-}
-
-impl RowWise for Mlp {
-    /// `down(silu(gate(h)) · up(h))` of `h = RMSNorm(x)`.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let [post_norm, mlp_tag] = self.tags;
-        let h = {
-            let _m = Scope::module(post_norm);
-            self.post_norm.forward(x)?
-        };
-        let _m = Scope::module(mlp_tag);
-        let (gate, up) = self.gate_up.forward(&h, self.intermediate)?;
-        let mlp = {
-            let _op = Scope::op(Op::Silu);
-            ops::swiglu(&gate, &up)?
-        };
-        self.down_proj.forward(&mlp)
-    }
+    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`
+    /// under `model.layers.{l}`.
+    tags: [Module; 4],
 }
 
 /// The q, k, v projections: three, or Phi-3's one `qkv_proj` whose rows are
 /// q (`H·d`), then k and v (`KV·d` each).
+#[derive(Clone)]
 enum Qkv {
     Separate(Projection, Projection, Projection),
     Fused(Projection),
@@ -148,21 +123,17 @@ impl Block {
                 )
             },
             o_proj: proj("self_attn.o_proj", o_bias)?,
-            mlp: Mlp {
-                post_norm: norm("post_attention_layernorm")?,
-                gate_up: if config.settings.fused_projections {
-                    GateUp::Fused(proj("mlp.gate_up_proj", false)?)
-                } else {
-                    GateUp::Separate(
-                        proj("mlp.gate_proj", mlp_bias)?,
-                        proj("mlp.up_proj", mlp_bias)?,
-                    )
-                },
-                down_proj: proj("mlp.down_proj", mlp_bias)?,
-                intermediate: config.intermediate,
-                tags: ["post_attention_layernorm", "mlp"]
-                    .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            post_norm: norm("post_attention_layernorm")?,
+            gate_up: if config.settings.fused_projections {
+                GateUp::Fused(proj("mlp.gate_up_proj", false)?)
+            } else {
+                GateUp::Separate(
+                    proj("mlp.gate_proj", mlp_bias)?,
+                    proj("mlp.up_proj", mlp_bias)?,
+                )
             },
+            down_proj: proj("mlp.down_proj", mlp_bias)?,
+            intermediate: config.intermediate,
             qk_norm: if config.settings.qk_norm {
                 Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
             } else {
@@ -172,13 +143,18 @@ impl Block {
             rotary: config.rotary_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
-            tags: ["input_layernorm", "self_attn"]
-                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: [
+                "input_layernorm",
+                "self_attn",
+                "post_attention_layernorm",
+                "mlp",
+            ]
+            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
-        let [input_norm, attn] = self.tags;
+        let [input_norm, attn, ..] = self.tags;
         let h = {
             let _m = Scope::module(input_norm);
             self.input_norm.forward(x)?
@@ -214,9 +190,26 @@ impl Block {
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
-        let out = tiled(&self.mlp, &x, ctx.mlp_tile)?;
+        let out = tiled(self, &x, ctx.mlp_tile, Block::mlp)?;
         let _op = Scope::op(Op::Residual);
         x.add(&out)
+    }
+
+    /// The row-wise part: the RMSNorm after attention and the MLP,
+    /// `down(silu(gate(h)) · up(h))` of `h = RMSNorm(x)`.
+    fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [.., post_norm, mlp_tag] = self.tags;
+        let h = {
+            let _m = Scope::module(post_norm);
+            self.post_norm.forward(x)?
+        };
+        let _m = Scope::module(mlp_tag);
+        let (gate, up) = self.gate_up.forward(&h, self.intermediate)?;
+        let mlp = {
+            let _op = Scope::op(Op::Silu);
+            ops::swiglu(&gate, &up)?
+        };
+        self.down_proj.forward(&mlp)
     }
 
     /// RoPE on `x` (`[b, s, n·d]` or `[b, s, n, d]`, `n` = `heads`) with the

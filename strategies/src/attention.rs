@@ -380,10 +380,10 @@ impl Kernel<3> for FlashOp {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        [q, k, v]: [Input<'_, candle_core::CudaStorage>; 3],
+        inputs: [Input<'_, candle_core::CudaStorage>; 3],
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let masks = (self.keep_device.as_ref(), self.start_device.as_ref());
-        let (out, shape, lse) = cuda::forward(&self.dims, &self.params, masks, q, k, v)?;
+        let (out, shape, lse) = cuda::forward(&self.dims, &self.params, masks, inputs)?;
         if self.lse.set(Lse::Device(lse)).is_err() {
             bail!("flash_attention: forward ran twice on one op");
         }

@@ -454,19 +454,18 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> candle_core::Result
         .slice(start..start + l.shape().elem_count()))
 }
 
-/// The forward pass: the output and the log-sum-exp of every query row.
+/// The forward pass of `q`, `k` and `v` (storages and layouts): the output
+/// and the log-sum-exp of every query row.
 pub(super) fn forward(
     dims: &Dims,
     params: &Params,
     masks: Masks,
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
+    qkv: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<(CudaStorage, Shape, CudaSlice<f32>)> {
-    match q.dtype() {
-        DType::F32 => forward_t::<f32>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
-        DType::BF16 => forward_t::<bf16>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
-        DType::F16 => forward_t::<f16>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
+    match qkv[0].0.dtype() {
+        DType::F32 => forward_t::<f32>(dims, params, masks, qkv),
+        DType::BF16 => forward_t::<bf16>(dims, params, masks, qkv),
+        DType::F16 => forward_t::<f16>(dims, params, masks, qkv),
         other => bail!("flash_attention: unsupported dtype {other:?}"),
     }
 }
@@ -475,9 +474,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     dims: &Dims,
     params: &Params,
     masks: Masks,
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
+    [(q, ql), (k, kl), (v, vl)]: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<(CudaStorage, Shape, CudaSlice<f32>)> {
     let dev = &q.device;
     let info = device_info(dev)?;
