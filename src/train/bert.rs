@@ -5,7 +5,7 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{block_layers, split_heads, tiled, Attend, Tagged};
+use super::layers::{block_layers, module_tags, split_heads, tiled, Attend, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
@@ -42,8 +42,7 @@ impl Block {
             out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), eps)?,
             heads: config.heads,
             gelu: super::gelu_form(config)?,
-            tags: ["attention", "intermediate", "output"]
-                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: module_tags(&prefix, ["attention", "intermediate", "output"]),
         })
     }
 
@@ -170,8 +169,7 @@ impl Bert {
                 .broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
             let sum = words.broadcast_add(&position_and_type)?;
             drop(_m);
-            let _m = Scope::module(embeddings);
-            self.emb_norm.forward(&sum)?
+            self.emb_norm.forward_in(embeddings, &sum)?
         };
         let attend = {
             let _m = Scope::new(mask, Op::Attention);

@@ -20,7 +20,7 @@ use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::{Attention, Execution};
 
-use super::layers::{block_layers, split_heads, tiled, Packing, Tagged};
+use super::layers::{block_layers, module_tags, split_heads, tiled, Packing, Tagged};
 use super::llama::Ends;
 use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
@@ -105,15 +105,17 @@ impl Block {
             head_dim: config.head_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
-            tags: [
-                "input_layernorm",
-                "self_attn",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "mlp",
-                "post_feedforward_layernorm",
-            ]
-            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: module_tags(
+                &prefix,
+                [
+                    "input_layernorm",
+                    "self_attn",
+                    "post_attention_layernorm",
+                    "pre_feedforward_layernorm",
+                    "mlp",
+                    "post_feedforward_layernorm",
+                ],
+            ),
         })
     }
 
@@ -123,10 +125,7 @@ impl Block {
             (Some(sliding), true) => sliding,
             _ => &ctx.full,
         };
-        let h = {
-            let _m = Scope::module(input_norm);
-            self.input_norm.forward(x)?
-        };
+        let h = self.input_norm.forward_in(input_norm, x)?;
         let out = {
             let _m = Scope::module(attn);
             let mut q = self.q_proj.forward(&h)?;
@@ -149,10 +148,7 @@ impl Block {
                 .forward(&attend(&q, &k, &v, &kind.mask, ctx.softcap)?)?
         };
         let x = {
-            let out = {
-                let _m = Scope::module(post_attn);
-                self.post_attention_norm.forward(&out)?
-            };
+            let out = self.post_attention_norm.forward_in(post_attn, &out)?;
             let _op = Scope::op(Op::Residual);
             x.add(&out)?
         };
@@ -165,10 +161,7 @@ impl Block {
     /// `post(down(gelu(gate(h)) · up(h)))` of `h = pre(x)`.
     fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let [.., pre_ff, mlp_tag, post_ff] = self.tags;
-        let h = {
-            let _m = Scope::module(pre_ff);
-            self.pre_feedforward_norm.forward(x)?
-        };
+        let h = self.pre_feedforward_norm.forward_in(pre_ff, x)?;
         let out = {
             let _m = Scope::module(mlp_tag);
             let gate = self.gate_proj.forward(&h)?;
@@ -179,8 +172,7 @@ impl Block {
             };
             self.down_proj.forward(&act)?
         };
-        let _m = Scope::module(post_ff);
-        self.post_feedforward_norm.forward(&out)
+        self.post_feedforward_norm.forward_in(post_ff, &out)
     }
 }
 

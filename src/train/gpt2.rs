@@ -5,7 +5,7 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{block_layers, final_norm, tiled, Attend, Packing, Tagged};
+use super::layers::{block_layers, final_norm, module_tags, tiled, Attend, Packing, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -37,7 +37,7 @@ impl Block {
             mlp_proj: conv("mlp.c_proj")?,
             heads: config.heads,
             gelu: super::gelu_form(config)?,
-            tags: ["ln_1", "attn", "ln_2", "mlp"].map(|m| Module::intern(&format!("h.{l}.{m}"))),
+            tags: module_tags(&format!("h.{l}"), ["ln_1", "attn", "ln_2", "mlp"]),
         })
     }
 
@@ -50,10 +50,7 @@ impl Block {
         let (b, s, h) = x.dims3()?;
         let d = h / self.heads;
         let [ln_1, attn_tag, ..] = self.tags;
-        let normed = {
-            let _m = Scope::module(ln_1);
-            self.ln_1.forward(x)?
-        };
+        let normed = self.ln_1.forward_in(ln_1, x)?;
         let x = {
             let _m = Scope::module(attn_tag);
             // [b, s, 3h] viewed as [b, s, 3, H, d]; part i is [b, H, s, d] (strided).
@@ -76,10 +73,7 @@ impl Block {
     /// The row-wise part: `mlp_proj(gelu(c_fc(ln_2(x))))`.
     fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let [_, _, ln_2, mlp_tag] = self.tags;
-        let normed = {
-            let _m = Scope::module(ln_2);
-            self.ln_2.forward(x)?
-        };
+        let normed = self.ln_2.forward_in(ln_2, x)?;
         let _m = Scope::module(mlp_tag);
         let inner = self.c_fc.forward(&normed)?;
         let inner = {

@@ -32,6 +32,13 @@ use oomfix_strategies::{tiled_mlp, Attention, Execution};
 pub(crate) trait Tagged {
     /// The layer's [`candle_core::Module::forward`] under its op's tag.
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// [`forward`](Self::forward) in `module`: what it allocates tagged
+    /// with the module too.
+    fn forward_in(&self, module: Module, x: &Tensor) -> Result<Tensor> {
+        let _m = Scope::module(module);
+        self.forward(x)
+    }
 }
 
 /// [`Tagged`] for each layer type, with its op.
@@ -62,6 +69,12 @@ pub(crate) fn tiled<B: Clone + Send + Sync + 'static>(
     tiled_mlp::tiled_rows(x, tile, move |x| part(&block, x))
 }
 
+/// The modules `{prefix}.{name}` of `names` (a block's, under its prefix),
+/// interned for the memory timeline's tags.
+pub(crate) fn module_tags<const N: usize>(prefix: &str, names: [&str; N]) -> [Module; N] {
+    names.map(|name| Module::intern(&format!("{prefix}.{name}")))
+}
+
 /// The blocks of a pass as its layers, each run by `forward` with the
 /// context `ctx` they share.
 pub(crate) fn block_layers<'a, B, C: 'a>(
@@ -83,11 +96,7 @@ pub(crate) fn block_layers<'a, B, C: 'a>(
 /// of the last block's output `[b, s, h]`, as the `[b·s, h]` hidden states
 /// the output layer takes.
 pub(crate) fn final_norm<'a>(norm: &'a impl Tagged, tag: Module) -> Layer<'a> {
-    Forward::layer(move |x| {
-        let _m = Scope::module(tag);
-        let h = x.dim(2)?;
-        norm.forward(x)?.reshape(((), h))
-    })
+    Forward::layer(move |x| norm.forward_in(tag, x)?.reshape(((), x.dim(2)?)))
 }
 
 /// The LM head's logits `x·Wᵀ (+ b)`, `x` `[n, h]`, `W` `[V, h]`, `b` `[V]`,

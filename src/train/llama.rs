@@ -10,7 +10,9 @@ use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::Execution;
 
-use super::layers::{block_layers, final_norm, split_heads, tiled, Attend, Packing, Tagged};
+use super::layers::{
+    block_layers, final_norm, module_tags, split_heads, tiled, Attend, Packing, Tagged,
+};
 use super::{batch_dims, rope, Forward, Layer, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -143,22 +145,21 @@ impl Block {
             rotary: config.rotary_dim(),
             heads: config.heads,
             kv_heads: config.kv_heads,
-            tags: [
-                "input_layernorm",
-                "self_attn",
-                "post_attention_layernorm",
-                "mlp",
-            ]
-            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: module_tags(
+                &prefix,
+                [
+                    "input_layernorm",
+                    "self_attn",
+                    "post_attention_layernorm",
+                    "mlp",
+                ],
+            ),
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
         let [input_norm, attn, ..] = self.tags;
-        let h = {
-            let _m = Scope::module(input_norm);
-            self.input_norm.forward(x)?
-        };
+        let h = self.input_norm.forward_in(input_norm, x)?;
         let x = {
             let _m = Scope::module(attn);
             let (heads, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
@@ -199,10 +200,7 @@ impl Block {
     /// `down(silu(gate(h)) · up(h))` of `h = RMSNorm(x)`.
     fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let [.., post_norm, mlp_tag] = self.tags;
-        let h = {
-            let _m = Scope::module(post_norm);
-            self.post_norm.forward(x)?
-        };
+        let h = self.post_norm.forward_in(post_norm, x)?;
         let _m = Scope::module(mlp_tag);
         let (gate, up) = self.gate_up.forward(&h, self.intermediate)?;
         let mlp = {
