@@ -5,7 +5,7 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{block_layers, module_tags, split_heads, tiled, Attend, Tagged};
+use super::layers::{block_layers, module_tags, residual, split_heads, tiled, Attend, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
@@ -66,10 +66,7 @@ impl Block {
                 &v,
                 1.0 / (d as f64).sqrt(),
             )?)?;
-            let sum = {
-                let _op = Scope::op(Op::Residual);
-                x.add(&attn)?
-            };
+            let sum = residual(x, &attn)?;
             self.attn_norm.forward(&sum)?
         };
         tiled(self, &x, mlp_tile, Block::mlp)
@@ -87,10 +84,7 @@ impl Block {
         };
         let _m = Scope::module(output);
         let mlp = self.output.forward(&inner)?;
-        let sum = {
-            let _op = Scope::op(Op::Residual);
-            x.add(&mlp)?
-        };
+        let sum = residual(x, &mlp)?;
         self.out_norm.forward(&sum)
     }
 }

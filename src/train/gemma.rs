@@ -20,8 +20,8 @@ use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::{Attention, Execution};
 
-use super::layers::{block_layers, module_tags, split_heads, tiled, Packing, Tagged};
-use super::llama::Ends;
+use super::layers::{block_layers, module_tags, residual, tiled, Packing, Tagged};
+use super::llama::{Ends, Heads, Qkv};
 use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, GemmaSettings, ModelConfig, Result};
@@ -29,12 +29,8 @@ use crate::{Error, GemmaSettings, ModelConfig, Result};
 #[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
-    q_proj: Projection,
-    k_proj: Projection,
-    v_proj: Projection,
+    heads: Heads,
     o_proj: Projection,
-    /// Gemma 3's RMSNorm over each query and key head, before RoPE.
-    qk_norm: Option<(RmsNorm, RmsNorm)>,
     post_attention_norm: RmsNorm,
     pre_feedforward_norm: RmsNorm,
     post_feedforward_norm: RmsNorm,
@@ -44,9 +40,6 @@ struct Block {
     gelu: GeluForm,
     /// Attends within the sliding window only.
     sliding: bool,
-    head_dim: usize,
-    heads: usize,
-    kv_heads: usize,
     /// `input_layernorm`, `self_attn`, `post_attention_layernorm`,
     /// `pre_feedforward_layernorm`, `mlp`, `post_feedforward_layernorm`.
     tags: [Module; 6],
@@ -83,17 +76,21 @@ impl Block {
         };
         let eps = config.norm_eps();
         let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps, 1.0);
+        let qkv = Qkv::Separate(
+            proj("self_attn.q_proj", bias)?,
+            proj("self_attn.k_proj", bias)?,
+            proj("self_attn.v_proj", bias)?,
+        );
+        let qk_norm = if config.settings.qk_norm {
+            Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
+        } else {
+            None
+        };
         Ok(Block {
             input_norm: norm("input_layernorm")?,
-            q_proj: proj("self_attn.q_proj", bias)?,
-            k_proj: proj("self_attn.k_proj", bias)?,
-            v_proj: proj("self_attn.v_proj", bias)?,
+            // RoPE turns the whole head.
+            heads: Heads::new(config, qkv, qk_norm, config.head_dim()),
             o_proj: proj("self_attn.o_proj", bias)?,
-            qk_norm: if config.settings.qk_norm {
-                Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
-            } else {
-                None
-            },
             post_attention_norm: norm("post_attention_layernorm")?,
             pre_feedforward_norm: norm("pre_feedforward_layernorm")?,
             post_feedforward_norm: norm("post_feedforward_layernorm")?,
@@ -102,9 +99,6 @@ impl Block {
             down_proj: proj("mlp.down_proj", false)?,
             gelu: super::gelu_form(config)?,
             sliding: gemma.sliding(l),
-            head_dim: config.head_dim(),
-            heads: config.heads,
-            kv_heads: config.kv_heads,
             tags: module_tags(
                 &prefix,
                 [
@@ -128,33 +122,16 @@ impl Block {
         let h = self.input_norm.forward_in(input_norm, x)?;
         let out = {
             let _m = Scope::module(attn);
-            let mut q = self.q_proj.forward(&h)?;
-            let mut k = self.k_proj.forward(&h)?;
-            let v = self.v_proj.forward(&h)?;
-            if let Some((q_norm, k_norm)) = &self.qk_norm {
-                let (b, s, _) = q.dims3()?;
-                q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
-                k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
-            }
-            let (q, k) = {
-                let _op = Scope::op(Op::Rope);
-                (
-                    ops::rope(&q, self.heads, &kind.rope_q)?,
-                    ops::rope(&k, self.kv_heads, &kind.rope_k)?,
-                )
-            };
-            let v = split_heads(&v, self.kv_heads)?.contiguous()?;
+            let (q, k, v) = self.heads.forward(&h, &kind.rope_q, &kind.rope_k)?;
             self.o_proj
                 .forward(&attend(&q, &k, &v, &kind.mask, ctx.softcap)?)?
         };
         let x = {
             let out = self.post_attention_norm.forward_in(post_attn, &out)?;
-            let _op = Scope::op(Op::Residual);
-            x.add(&out)?
+            residual(x, &out)?
         };
         let out = tiled(self, &x, ctx.mlp_tile, Block::mlp)?;
-        let _op = Scope::op(Op::Residual);
-        x.add(&out)
+        residual(&x, &out)
     }
 
     /// The row-wise part: the norms around the MLP and the MLP,

@@ -5,7 +5,9 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{block_layers, final_norm, module_tags, tiled, Attend, Packing, Tagged};
+use super::layers::{
+    block_layers, final_norm, module_tags, residual, tiled, Attend, Packing, Tagged,
+};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
@@ -62,12 +64,10 @@ impl Block {
             let (k, v) = (part(1)?.contiguous()?, part(2)?.contiguous()?);
             let attn = attend.forward(&part(0)?, &k, &v, 1.0 / (d as f64).sqrt())?;
             let out = self.attn_proj.forward(&attn)?;
-            let _op = Scope::op(Op::Residual);
-            x.add(&out)?
+            residual(x, &out)?
         };
         let mlp = tiled(self, &x, mlp_tile, Block::mlp)?;
-        let _op = Scope::op(Op::Residual);
-        x.add(&mlp)
+        residual(&x, &mlp)
     }
 
     /// The row-wise part: `mlp_proj(gelu(c_fc(ln_2(x))))`.

@@ -69,6 +69,12 @@ pub(crate) fn tiled<B: Clone + Send + Sync + 'static>(
     tiled_mlp::tiled_rows(x, tile, move |x| part(&block, x))
 }
 
+/// `x + out`: a block's residual connection, tagged as one.
+pub(crate) fn residual(x: &Tensor, out: &Tensor) -> Result<Tensor> {
+    let _op = Scope::op(Op::Residual);
+    x.add(out)
+}
+
 /// The modules `{prefix}.{name}` of `names` (a block's, under its prefix),
 /// interned for the memory timeline's tags.
 pub(crate) fn module_tags<const N: usize>(prefix: &str, names: [&str; N]) -> [Module; N] {

@@ -11,7 +11,7 @@ use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::Execution;
 
 use super::layers::{
-    block_layers, final_norm, module_tags, split_heads, tiled, Attend, Packing, Tagged,
+    block_layers, final_norm, module_tags, residual, split_heads, tiled, Attend, Packing, Tagged,
 };
 use super::{batch_dims, rope, Forward, Layer, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
@@ -20,13 +20,23 @@ use crate::{ModelConfig, Result};
 #[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
-    qkv: Qkv,
+    heads: Heads,
     o_proj: Projection,
     post_norm: RmsNorm,
     gate_up: GateUp,
     down_proj: Projection,
     intermediate: usize,
-    /// Qwen3's RMSNorm over each query and key head, before RoPE.
+    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`
+    /// under `model.layers.{l}`.
+    tags: [Module; 4],
+}
+
+/// The query, key and value heads of a Llama-style block's attention (Llama,
+/// Gemma): the projections, Qwen3's and Gemma 3's RMSNorm over each query
+/// and key head, and RoPE.
+#[derive(Clone)]
+pub(super) struct Heads {
+    qkv: Qkv,
     qk_norm: Option<(RmsNorm, RmsNorm)>,
     head_dim: usize,
     /// The part of each head RoPE rotates (`head_dim` unless
@@ -34,15 +44,89 @@ struct Block {
     rotary: usize,
     heads: usize,
     kv_heads: usize,
-    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`
-    /// under `model.layers.{l}`.
-    tags: [Module; 4],
+}
+
+impl Heads {
+    /// The heads of `config`'s blocks from their projections and q/k norms,
+    /// RoPE rotating the first `rotary` elements of each.
+    pub(super) fn new(
+        config: &ModelConfig,
+        qkv: Qkv,
+        qk_norm: Option<(RmsNorm, RmsNorm)>,
+        rotary: usize,
+    ) -> Self {
+        Heads {
+            qkv,
+            qk_norm,
+            head_dim: config.head_dim(),
+            rotary,
+            heads: config.heads,
+            kv_heads: config.kv_heads,
+        }
+    }
+
+    /// q `[b, H, s, d]` and k `[b, KV, s, d]` turned by `rope_q` and
+    /// `rope_k`, and v `[b, KV, s, d]` contiguous, of the normed input `h`
+    /// `[b, s, h]`.
+    pub(super) fn forward(
+        &self,
+        h: &Tensor,
+        rope_q: &RopeTables,
+        rope_k: &RopeTables,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (heads, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let (mut q, mut k, v) = self.qkv.forward(h, heads, kv)?;
+        if let Some((q_norm, k_norm)) = &self.qk_norm {
+            // Over each head: [b, s, heads, d] (views of the projections).
+            let (b, s, _) = q.dims3()?;
+            q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
+            k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
+        }
+        let (q, k) = {
+            let _op = Scope::op(Op::Rope);
+            (
+                self.rope(&q, self.heads, rope_q)?,
+                self.rope(&k, self.kv_heads, rope_k)?,
+            )
+        };
+        let v = split_heads(&v, self.kv_heads)?.contiguous()?;
+        Ok((q, k, v))
+    }
+
+    /// The scale the attention applies: 1 with the whole head rotated (the
+    /// queries' RoPE tables carry it), else `1/√d`.
+    fn attention_scale(&self) -> f64 {
+        if self.rotary == self.head_dim {
+            1.0
+        } else {
+            (self.head_dim as f64).powf(-0.5)
+        }
+    }
+
+    /// RoPE on `x` (`[b, s, n·d]` or `[b, s, n, d]`, `n` = `heads`) with the
+    /// heads moved first, `[b, n, s, d]`: the whole head ([`ops::rope`]), or
+    /// its first `rotary` elements, the rest passed through as transformers'
+    /// partial rotary does (Phi-4-mini). Partial: the rotated part's
+    /// contiguous copy `[n·rotary]` per token, its RoPE and the two parts
+    /// joined `[b, n, s, d]` (a non-contiguous `x`, a fused projection's
+    /// slice, is copied first).
+    fn rope(&self, x: &Tensor, heads: usize, tables: &RopeTables) -> candle_core::Result<Tensor> {
+        if self.rotary == self.head_dim {
+            return ops::rope(x, heads, tables);
+        }
+        let (b, s) = (x.dim(0)?, x.dim(1)?);
+        let (d, r) = (self.head_dim, self.rotary);
+        let x = x.reshape((b, s, heads, d))?;
+        let rotated = ops::rope(&x.narrow(3, 0, r)?, heads, tables)?;
+        let passed = x.narrow(3, r, d - r)?.transpose(1, 2)?;
+        Tensor::cat(&[&rotated, &passed], 3)
+    }
 }
 
 /// The q, k, v projections: three, or Phi-3's one `qkv_proj` whose rows are
 /// q (`H·d`), then k and v (`KV·d` each).
 #[derive(Clone)]
-enum Qkv {
+pub(super) enum Qkv {
     Separate(Projection, Projection, Projection),
     Fused(Projection),
 }
@@ -113,17 +197,23 @@ impl Block {
             config.settings.attention_bias,
         );
         let mlp_bias = config.settings.mlp_bias;
+        let qkv = if config.settings.fused_projections {
+            Qkv::Fused(proj("self_attn.qkv_proj", false)?)
+        } else {
+            Qkv::Separate(
+                proj("self_attn.q_proj", qkv_bias)?,
+                proj("self_attn.k_proj", qkv_bias)?,
+                proj("self_attn.v_proj", qkv_bias)?,
+            )
+        };
+        let qk_norm = if config.settings.qk_norm {
+            Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
+        } else {
+            None
+        };
         Ok(Block {
             input_norm: norm("input_layernorm")?,
-            qkv: if config.settings.fused_projections {
-                Qkv::Fused(proj("self_attn.qkv_proj", false)?)
-            } else {
-                Qkv::Separate(
-                    proj("self_attn.q_proj", qkv_bias)?,
-                    proj("self_attn.k_proj", qkv_bias)?,
-                    proj("self_attn.v_proj", qkv_bias)?,
-                )
-            },
+            heads: Heads::new(config, qkv, qk_norm, config.rotary_dim()),
             o_proj: proj("self_attn.o_proj", o_bias)?,
             post_norm: norm("post_attention_layernorm")?,
             gate_up: if config.settings.fused_projections {
@@ -136,15 +226,6 @@ impl Block {
             },
             down_proj: proj("mlp.down_proj", mlp_bias)?,
             intermediate: config.intermediate,
-            qk_norm: if config.settings.qk_norm {
-                Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
-            } else {
-                None
-            },
-            head_dim: config.head_dim(),
-            rotary: config.rotary_dim(),
-            heads: config.heads,
-            kv_heads: config.kv_heads,
             tags: module_tags(
                 &prefix,
                 [
@@ -162,38 +243,15 @@ impl Block {
         let h = self.input_norm.forward_in(input_norm, x)?;
         let x = {
             let _m = Scope::module(attn);
-            let (heads, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
-            let (mut q, mut k, v) = self.qkv.forward(&h, heads, kv)?;
-            if let Some((q_norm, k_norm)) = &self.qk_norm {
-                // Over each head: [b, s, heads, d] (views of the projections).
-                let (b, s, _) = q.dims3()?;
-                q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
-                k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
-            }
-            let (q, k) = {
-                let _op = Scope::op(Op::Rope);
-                (
-                    self.rope(&q, self.heads, &ctx.rope_q)?,
-                    self.rope(&k, self.kv_heads, &ctx.rope_k)?,
-                )
-            };
-            let v = split_heads(&v, self.kv_heads)?.contiguous()?;
-            // With the whole head rotated the queries' RoPE tables carry the
-            // attention scale; with part of it, the attention applies it.
-            let scale = if self.rotary == self.head_dim {
-                1.0
-            } else {
-                (self.head_dim as f64).powf(-0.5)
-            };
+            let (q, k, v) = self.heads.forward(&h, &ctx.rope_q, &ctx.rope_k)?;
+            let scale = self.heads.attention_scale();
             let out = self
                 .o_proj
                 .forward(&ctx.attend.forward(&q, &k, &v, scale)?)?;
-            let _op = Scope::op(Op::Residual);
-            x.add(&out)?
+            residual(x, &out)?
         };
         let out = tiled(self, &x, ctx.mlp_tile, Block::mlp)?;
-        let _op = Scope::op(Op::Residual);
-        x.add(&out)
+        residual(&x, &out)
     }
 
     /// The row-wise part: the RMSNorm after attention and the MLP,
@@ -208,25 +266,6 @@ impl Block {
             ops::swiglu(&gate, &up)?
         };
         self.down_proj.forward(&mlp)
-    }
-
-    /// RoPE on `x` (`[b, s, n·d]` or `[b, s, n, d]`, `n` = `heads`) with the
-    /// heads moved first, `[b, n, s, d]`: the whole head ([`ops::rope`]), or
-    /// its first `rotary` elements, the rest passed through as transformers'
-    /// partial rotary does (Phi-4-mini). Partial: the rotated part's
-    /// contiguous copy `[n·rotary]` per token, its RoPE and the two parts
-    /// joined `[b, n, s, d]` (a non-contiguous `x`, a fused projection's
-    /// slice, is copied first).
-    fn rope(&self, x: &Tensor, heads: usize, tables: &RopeTables) -> candle_core::Result<Tensor> {
-        if self.rotary == self.head_dim {
-            return ops::rope(x, heads, tables);
-        }
-        let (b, s) = (x.dim(0)?, x.dim(1)?);
-        let (d, r) = (self.head_dim, self.rotary);
-        let x = x.reshape((b, s, heads, d))?;
-        let rotated = ops::rope(&x.narrow(3, 0, r)?, heads, tables)?;
-        let passed = x.narrow(3, r, d - r)?.transpose(1, 2)?;
-        Tensor::cat(&[&rotated, &passed], 3)
     }
 }
 
