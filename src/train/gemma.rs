@@ -76,20 +76,11 @@ impl Block {
         };
         let eps = config.norm_eps();
         let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps, 1.0);
-        let qkv = Qkv::Separate(
-            proj("self_attn.q_proj", bias)?,
-            proj("self_attn.k_proj", bias)?,
-            proj("self_attn.v_proj", bias)?,
-        );
-        let qk_norm = if config.settings.qk_norm {
-            Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
-        } else {
-            None
-        };
+        let qkv = Qkv::new(proj, false, bias)?;
         Ok(Block {
             input_norm: norm("input_layernorm")?,
             // RoPE turns the whole head.
-            heads: Heads::new(config, qkv, qk_norm, config.head_dim()),
+            heads: Heads::new(config, qkv, norm, config.head_dim())?,
             o_proj: proj("self_attn.o_proj", bias)?,
             post_attention_norm: norm("post_attention_layernorm")?,
             pre_feedforward_norm: norm("pre_feedforward_layernorm")?,

@@ -47,22 +47,29 @@ pub(super) struct Heads {
 }
 
 impl Heads {
-    /// The heads of `config`'s blocks from their projections and q/k norms,
-    /// RoPE rotating the first `rotary` elements of each.
+    /// The heads of a block of `config` with the projections `qkv`, and
+    /// the norms `self_attn.q_norm` and `self_attn.k_norm` from `norm` where
+    /// the model has them; RoPE rotates the first `rotary` elements of each
+    /// head.
     pub(super) fn new(
         config: &ModelConfig,
         qkv: Qkv,
-        qk_norm: Option<(RmsNorm, RmsNorm)>,
+        norm: impl Fn(&str) -> Result<RmsNorm>,
         rotary: usize,
-    ) -> Self {
-        Heads {
+    ) -> Result<Self> {
+        let qk_norm = if config.settings.qk_norm {
+            Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
+        } else {
+            None
+        };
+        Ok(Heads {
             qkv,
             qk_norm,
             head_dim: config.head_dim(),
             rotary,
             heads: config.heads,
             kv_heads: config.kv_heads,
-        }
+        })
     }
 
     /// q `[b, H, s, d]` and k `[b, KV, s, d]` turned by `rope_q` and
@@ -132,6 +139,25 @@ pub(super) enum Qkv {
 }
 
 impl Qkv {
+    /// The projections `self_attn.q_proj`, `k_proj` and `v_proj` from
+    /// `proj`, with a bias where `bias`; when `fused`, Phi-3's
+    /// `self_attn.qkv_proj` (no bias).
+    pub(super) fn new(
+        proj: impl Fn(&str, bool) -> Result<Projection>,
+        fused: bool,
+        bias: bool,
+    ) -> Result<Self> {
+        Ok(if fused {
+            Qkv::Fused(proj("self_attn.qkv_proj", false)?)
+        } else {
+            Qkv::Separate(
+                proj("self_attn.q_proj", bias)?,
+                proj("self_attn.k_proj", bias)?,
+                proj("self_attn.v_proj", bias)?,
+            )
+        })
+    }
+
     /// q `[b, s, H·d]`, k and v `[b, s, KV·d]` (the fused form's are views of its output).
     fn forward(
         &self,
@@ -197,23 +223,10 @@ impl Block {
             config.settings.attention_bias,
         );
         let mlp_bias = config.settings.mlp_bias;
-        let qkv = if config.settings.fused_projections {
-            Qkv::Fused(proj("self_attn.qkv_proj", false)?)
-        } else {
-            Qkv::Separate(
-                proj("self_attn.q_proj", qkv_bias)?,
-                proj("self_attn.k_proj", qkv_bias)?,
-                proj("self_attn.v_proj", qkv_bias)?,
-            )
-        };
-        let qk_norm = if config.settings.qk_norm {
-            Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
-        } else {
-            None
-        };
+        let qkv = Qkv::new(proj, config.settings.fused_projections, qkv_bias)?;
         Ok(Block {
             input_norm: norm("input_layernorm")?,
-            heads: Heads::new(config, qkv, qk_norm, config.rotary_dim()),
+            heads: Heads::new(config, qkv, norm, config.rotary_dim())?,
             o_proj: proj("self_attn.o_proj", o_bias)?,
             post_norm: norm("post_attention_layernorm")?,
             gate_up: if config.settings.fused_projections {
