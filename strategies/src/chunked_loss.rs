@@ -520,14 +520,20 @@ mod tests {
         grads_of(c, &loss, scale)
     }
 
+    impl Case {
+        /// The LM head of the case's weight, bias and classes.
+        fn head(&self) -> LmHead<'_> {
+            LmHead {
+                weight: self.w.as_tensor(),
+                bias: self.b.as_ref().map(Var::as_tensor),
+                classes: self.classes,
+            }
+        }
+    }
+
     fn chunked(c: &Case, bytes: u64, scale: f64) -> (f32, Vec<Tensor>) {
-        let head = LmHead {
-            weight: c.w.as_tensor(),
-            bias: c.b.as_ref().map(Var::as_tensor),
-            classes: c.classes,
-        };
-        let loss =
-            linear_cross_entropy(&c.x, &head, &c.targets, c.mask.as_ref(), bytes, scale).unwrap();
+        let loss = linear_cross_entropy(&c.x, &c.head(), &c.targets, c.mask.as_ref(), bytes, scale)
+            .unwrap();
         grads_of(c, &loss, scale)
     }
 
@@ -616,12 +622,7 @@ mod tests {
     fn an_other_incoming_gradient_rescales_and_a_second_backward_fails() {
         let c = case(5, 4, 8, 8, false, false, DType::F32);
         let (_, want) = whole(&c, 3.0);
-        let head = LmHead {
-            weight: c.w.as_tensor(),
-            bias: None,
-            classes: 8,
-        };
-        let loss = linear_cross_entropy(&c.x, &head, &c.targets, None, 64, 1.0).unwrap();
+        let loss = linear_cross_entropy(&c.x, &c.head(), &c.targets, None, 64, 1.0).unwrap();
         let store = loss.affine(3.0, 0.0).unwrap().backward().unwrap();
         assert!(rel_diff(store.get(&c.w).unwrap(), &want[1]).unwrap() < 1e-5);
         assert!(rel_diff(store.get(&c.x).unwrap(), &want[0]).unwrap() < 1e-5);
@@ -635,11 +636,7 @@ mod tests {
     fn detached_inputs_give_the_loss_only_and_bad_shapes_are_errors() {
         let c = case(6, 4, 8, 8, false, true, DType::F32);
         let (want, _) = whole(&c, 1.0);
-        let head = LmHead {
-            weight: c.w.as_tensor(),
-            bias: None,
-            classes: 8,
-        };
+        let head = c.head();
         let x = c.x.as_tensor().detach();
         let loss = linear_cross_entropy(&x, &head, &c.targets, c.mask.as_ref(), 64, 1.0).unwrap();
         assert!(!loss.track_op());

@@ -128,19 +128,13 @@ fn device_info(dev: &CudaDevice) -> candle_core::Result<&'static DeviceInfo> {
     if let Some(info) = INFO.get() {
         return Ok(info);
     }
+    use CUdevice_attribute as A;
     let ctx = dev.cuda_stream().context().clone();
-    let major = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        .w()?;
-    let minor = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-        .w()?;
-    let max_smem = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .w()?;
-    let sms = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?;
+    let attribute = |a: A| ctx.attribute(a).w();
+    let major = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let max_smem = attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    let sms = attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let simt_forced = std::env::var("OOMFIX_FLASH_SIMT").is_ok_and(|v| v == "1");
     let wgmma_off = std::env::var("OOMFIX_FLASH_WGMMA").is_ok_and(|v| v == "0");
     // wgmma needs the architecture-specific target of compute capability 9.0.
