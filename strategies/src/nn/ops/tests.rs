@@ -285,20 +285,13 @@ fn mismatched_parameters_are_errors() {
         1e-5
     )
     .is_err());
-    assert!(linear(
-        &x,
-        &randn(&[7, 3], 1.0, 0.0),
-        &randn(&[3], 1.0, 0.0),
-        WeightLayout::InOut
-    )
-    .is_err());
-    assert!(linear(
-        &x,
-        &randn(&[8, 3], 1.0, 0.0),
-        &randn(&[4], 1.0, 0.0),
-        WeightLayout::InOut
-    )
-    .is_err());
+    // [in, out] weights of the wrong input width, and a bias of the wrong width.
+    let linear_in_out = |w: &[usize], b: &[usize]| {
+        let (w, b) = (randn(w, 1.0, 0.0), randn(b, 1.0, 0.0));
+        linear(&x, &w, &b, WeightLayout::InOut)
+    };
+    assert!(linear_in_out(&[7, 3], &[3]).is_err());
+    assert!(linear_in_out(&[8, 3], &[4]).is_err());
     assert!(swiglu(&x, &randn(&[2, 4], 1.0, 0.0)).is_err());
 }
 
