@@ -1,7 +1,8 @@
 //! What the trainable families share besides the layers of
 //! [`oomfix_strategies::nn`]: those layers' memory-timeline tags
-//! ([`Tagged`]), the LM head's logits, the packing of documents and the
-//! attention as the plan chooses it.
+//! ([`Tagged`]), a block's residual connections and row-wise part in tiles,
+//! a pass's blocks and final norm, the LM head's logits, the packing of
+//! documents and the attention as the plan chooses it.
 //!
 //! Norms, biased projections and the attention probabilities are single graph
 //! nodes with their own backward ([`oomfix_strategies::nn::ops`]; candle's
