@@ -1,24 +1,24 @@
 //! BERT: post-LN encoder with learned positions and token types, masked-LM head.
 
-use std::rc::Rc;
-
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
-use oomfix_strategies::{tiled_mlp, Execution};
+use oomfix_strategies::nn::{LayerNorm, Projection};
+use oomfix_strategies::Execution;
 
-use super::layers::{split_heads, Attend, LayerNorm, Linear};
+use super::layers::{block_layers, module_tags, residual, split_heads, tiled, Attend, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};
 
+#[derive(Clone)]
 struct Block {
-    query: Linear,
-    key: Linear,
-    value: Linear,
-    attn_out: Linear,
+    query: Projection,
+    key: Projection,
+    value: Projection,
+    attn_out: Projection,
     attn_norm: LayerNorm,
-    intermediate: Linear,
-    output: Linear,
+    intermediate: Projection,
+    output: Projection,
     out_norm: LayerNorm,
     heads: usize,
     gelu: GeluForm,
@@ -42,8 +42,7 @@ impl Block {
             out_norm: p.layer_norm(&format!("{prefix}.output.LayerNorm"), eps)?,
             heads: config.heads,
             gelu: super::gelu_form(config)?,
-            tags: ["attention", "intermediate", "output"]
-                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: module_tags(&prefix, ["attention", "intermediate", "output"]),
         })
     }
 
@@ -54,10 +53,9 @@ impl Block {
         mlp_tile: Option<usize>,
     ) -> candle_core::Result<Tensor> {
         let d = x.dim(2)? / self.heads;
-        let [attention, intermediate, output] = self.tags;
         let x = {
-            let _m = Scope::module(attention);
-            let heads = |proj: &Linear| split_heads(&proj.forward(x)?, self.heads);
+            let _m = Scope::module(self.tags[0]);
+            let heads = |proj: &Projection| split_heads(&proj.forward(x)?, self.heads);
             let (k, v) = (
                 heads(&self.key)?.contiguous()?,
                 heads(&self.value)?.contiguous()?,
@@ -68,38 +66,28 @@ impl Block {
                 &v,
                 1.0 / (d as f64).sqrt(),
             )?)?;
-            let sum = {
-                let _op = Scope::op(Op::Residual);
-                x.add(&attn)?
-            };
+            let sum = residual(x, &attn)?;
             self.attn_norm.forward(&sum)?
         };
-        // The MLP, its residual and the LayerNorm after it: row-wise, so
-        // they may run in tiles of tokens.
-        let (dense, out, norm, gelu) = (
-            self.intermediate.clone(),
-            self.output.clone(),
-            self.out_norm.clone(),
-            self.gelu,
-        );
-        let part = move |x: &Tensor| {
-            let inner = {
-                let _m = Scope::module(intermediate);
-                let inner = dense.forward(x)?;
-                let _op = Scope::op(Op::Gelu);
-                ops::gelu(&inner, gelu)?
-            };
-            let _m = Scope::module(output);
-            let mlp = out.forward(&inner)?;
-            let sum = {
-                let _op = Scope::op(Op::Residual);
-                x.add(&mlp)?
-            };
-            norm.forward(&sum)
-        };
         // The tiled part's output is the output module's.
+        let _m = Scope::module(self.tags[2]);
+        tiled(self, &x, mlp_tile, Block::mlp)
+    }
+
+    /// The row-wise part: the MLP, its residual and the LayerNorm after it,
+    /// `out_norm(x + output(gelu(intermediate(x))))`.
+    fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [_, intermediate, output] = self.tags;
+        let inner = {
+            let _m = Scope::module(intermediate);
+            let inner = self.intermediate.forward(x)?;
+            let _op = Scope::op(Op::Gelu);
+            ops::gelu(&inner, self.gelu)?
+        };
         let _m = Scope::module(output);
-        tiled_mlp::tiled_rows(&x, mlp_tile, part)
+        let mlp = self.output.forward(&inner)?;
+        let sum = residual(x, &mlp)?;
+        self.out_norm.forward(&sum)
     }
 }
 
@@ -111,7 +99,7 @@ pub(crate) struct Bert {
     token_type: Tensor,
     emb_norm: LayerNorm,
     blocks: Vec<Block>,
-    transform: Linear,
+    transform: Projection,
     transform_norm: LayerNorm,
     gelu: GeluForm,
     decoder_bias: Tensor,
@@ -177,22 +165,17 @@ impl Bert {
                 .broadcast_add(&self.token_type.narrow(0, 0, 1)?)?;
             let sum = words.broadcast_add(&position_and_type)?;
             drop(_m);
-            let _m = Scope::module(embeddings);
-            self.emb_norm.forward(&sum)?
+            self.emb_norm.forward_in(embeddings, &sum)?
         };
         let attend = {
             let _m = Scope::new(mask, Op::Attention);
-            Rc::new(Attend::padded(exec, batch.attention_mask.as_ref())?)
+            Attend::padded(exec, batch.attention_mask.as_ref())?
         };
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|blk| {
-                let attend = Rc::clone(&attend);
-                let tile = exec.mlp_tile();
-                Forward::layer(move |x| blk.forward(x, &attend, tile))
-            })
-            .collect();
+        let blocks = block_layers(
+            &self.blocks,
+            (attend, exec.mlp_tile()),
+            |blk, x, (attend, tile)| blk.forward(x, attend, *tile),
+        );
         let head = Forward::layer(move |x| {
             let _m = Scope::module(transform);
             let x = self.transform.forward(x)?;

@@ -12,7 +12,7 @@ use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
 
 /// A hidden-state map of a [`Forward`]: a block, or the head.
-type Layer<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
+pub(crate) type Layer<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
 
 /// One forward pass of a family on a batch, laid out for
 /// [`checkpoint::backward`]: the stem's output `[b, s, h]` (attached to the

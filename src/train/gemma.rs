@@ -15,37 +15,31 @@
 //! and its output in the compute dtype, as transformers' eager attention
 //! upcasts it.
 
-use std::rc::Rc;
-
 use candle_core::{DType, Tensor, Var, D};
 use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
-use oomfix_strategies::{tiled_mlp, Attention, Execution};
+use oomfix_strategies::nn::{Projection, RmsNorm};
+use oomfix_strategies::{Attention, Execution};
 
-use super::layers::{split_heads, Linear, Packing, RmsNorm};
-use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
+use super::layers::{block_layers, module_tags, residual, tiled, Packing, Tagged};
+use super::llama::{Ends, Heads, Qkv};
+use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, GemmaSettings, ModelConfig, Result};
 
+#[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    /// Gemma 3's RMSNorm over each query and key head, before RoPE.
-    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    heads: Heads,
+    o_proj: Projection,
     post_attention_norm: RmsNorm,
     pre_feedforward_norm: RmsNorm,
     post_feedforward_norm: RmsNorm,
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    gate_proj: Projection,
+    up_proj: Projection,
+    down_proj: Projection,
     gelu: GeluForm,
     /// Attends within the sliding window only.
     sliding: bool,
-    head_dim: usize,
-    heads: usize,
-    kv_heads: usize,
     /// `input_layernorm`, `self_attn`, `post_attention_layernorm`,
     /// `pre_feedforward_layernorm`, `mlp`, `post_feedforward_layernorm`.
     tags: [Module; 6],
@@ -82,17 +76,12 @@ impl Block {
         };
         let eps = config.norm_eps();
         let norm = |name: &str| p.rms_norm(&format!("{prefix}.{name}"), eps, 1.0);
+        let qkv = Qkv::new(proj, false, bias)?;
         Ok(Block {
             input_norm: norm("input_layernorm")?,
-            q_proj: proj("self_attn.q_proj", bias)?,
-            k_proj: proj("self_attn.k_proj", bias)?,
-            v_proj: proj("self_attn.v_proj", bias)?,
+            // RoPE turns the whole head.
+            heads: Heads::new(config, qkv, norm, config.head_dim())?,
             o_proj: proj("self_attn.o_proj", bias)?,
-            qk_norm: if config.settings.qk_norm {
-                Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
-            } else {
-                None
-            },
             post_attention_norm: norm("post_attention_layernorm")?,
             pre_feedforward_norm: norm("pre_feedforward_layernorm")?,
             post_feedforward_norm: norm("post_feedforward_layernorm")?,
@@ -101,93 +90,59 @@ impl Block {
             down_proj: proj("mlp.down_proj", false)?,
             gelu: super::gelu_form(config)?,
             sliding: gemma.sliding(l),
-            head_dim: config.head_dim(),
-            heads: config.heads,
-            kv_heads: config.kv_heads,
-            tags: [
-                "input_layernorm",
-                "self_attn",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "mlp",
-                "post_feedforward_layernorm",
-            ]
-            .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            tags: module_tags(
+                &prefix,
+                [
+                    "input_layernorm",
+                    "self_attn",
+                    "post_attention_layernorm",
+                    "pre_feedforward_layernorm",
+                    "mlp",
+                    "post_feedforward_layernorm",
+                ],
+            ),
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
-        let [input_norm, attn, post_attn, pre_ff, mlp_tag, post_ff] = self.tags;
+        let [input_norm, attn, post_attn, ..] = self.tags;
         let kind = match (&ctx.sliding, self.sliding) {
             (Some(sliding), true) => sliding,
             _ => &ctx.full,
         };
-        let h = {
-            let _m = Scope::module(input_norm);
-            self.input_norm.forward(x)?
-        };
+        let h = self.input_norm.forward_in(input_norm, x)?;
         let out = {
             let _m = Scope::module(attn);
-            let mut q = self.q_proj.forward(&h)?;
-            let mut k = self.k_proj.forward(&h)?;
-            let v = self.v_proj.forward(&h)?;
-            if let Some((q_norm, k_norm)) = &self.qk_norm {
-                let (b, s, _) = q.dims3()?;
-                q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
-                k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
-            }
-            let (q, k) = {
-                let _op = Scope::op(Op::Rope);
-                (
-                    ops::rope(&q, self.heads, &kind.rope_q)?,
-                    ops::rope(&k, self.kv_heads, &kind.rope_k)?,
-                )
-            };
-            let v = split_heads(&v, self.kv_heads)?.contiguous()?;
+            let (q, k, v) = self.heads.forward(&h, &kind.rope_q, &kind.rope_k)?;
             self.o_proj
                 .forward(&attend(&q, &k, &v, &kind.mask, ctx.softcap)?)?
         };
         let x = {
-            let out = {
-                let _m = Scope::module(post_attn);
-                self.post_attention_norm.forward(&out)?
-            };
-            let _op = Scope::op(Op::Residual);
-            x.add(&out)?
+            let out = self.post_attention_norm.forward_in(post_attn, &out)?;
+            residual(x, &out)?
         };
-        // The norms around the MLP and the MLP: row-wise, so they may run
-        // in tiles of tokens.
-        let (pre, gate_proj, up_proj, down_proj, post, gelu) = (
-            self.pre_feedforward_norm.clone(),
-            self.gate_proj.clone(),
-            self.up_proj.clone(),
-            self.down_proj.clone(),
-            self.post_feedforward_norm.clone(),
-            self.gelu,
-        );
-        let part = move |x: &Tensor| {
-            let h = {
-                let _m = Scope::module(pre_ff);
-                pre.forward(x)?
+        // The tiled part's output and the residual add after it are the MLP's.
+        let _m = Scope::module(self.tags[4]);
+        let out = tiled(self, &x, ctx.mlp_tile, Block::mlp)?;
+        residual(&x, &out)
+    }
+
+    /// The row-wise part: the norms around the MLP and the MLP,
+    /// `post(down(gelu(gate(h)) · up(h)))` of `h = pre(x)`.
+    fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [.., pre_ff, mlp_tag, post_ff] = self.tags;
+        let h = self.pre_feedforward_norm.forward_in(pre_ff, x)?;
+        let out = {
+            let _m = Scope::module(mlp_tag);
+            let gate = self.gate_proj.forward(&h)?;
+            let up = self.up_proj.forward(&h)?;
+            let act = {
+                let _op = Scope::op(Op::Gelu);
+                ops::gelu(&gate, self.gelu)?.mul(&up)?
             };
-            let out = {
-                let _m = Scope::module(mlp_tag);
-                let gate = gate_proj.forward(&h)?;
-                let up = up_proj.forward(&h)?;
-                let act = {
-                    let _op = Scope::op(Op::Gelu);
-                    ops::gelu(&gate, gelu)?.mul(&up)?
-                };
-                down_proj.forward(&act)?
-            };
-            let _m = Scope::module(post_ff);
-            post.forward(&out)
+            self.down_proj.forward(&act)?
         };
-        // The tiled part's output and the residual add are the MLP's.
-        let _m = Scope::module(mlp_tag);
-        let out = tiled_mlp::tiled_rows(&x, ctx.mlp_tile, part)?;
-        let _op = Scope::op(Op::Residual);
-        x.add(&out)
+        self.post_feedforward_norm.forward_in(post_ff, &out)
     }
 }
 
@@ -293,14 +248,9 @@ fn embed_scale(hidden: usize, dtype: DType) -> f64 {
 pub(crate) struct Gemma {
     config: ModelConfig,
     gemma: GemmaSettings,
-    embed: Tensor,
+    ends: Ends,
     blocks: Vec<Block>,
-    norm: RmsNorm,
-    /// `[V, h]`: the embedding when tied, else `lm_head.weight`.
-    lm_head: Tensor,
     vars: Vec<(String, Var)>,
-    /// `model.embed_tokens`, `model.rotary_emb`, `model.norm`, `lm_head`.
-    tags: [Module; 4],
 }
 
 impl Gemma {
@@ -310,28 +260,14 @@ impl Gemma {
             .gemma
             .clone()
             .ok_or_else(|| Error::Usage("a Gemma model needs Gemma's settings".into()))?;
-        let embed = p.get("model.embed_tokens.weight")?;
         Ok(Gemma {
             config: config.clone(),
-            lm_head: if config.tied_embeddings {
-                embed.clone()
-            } else {
-                p.get("lm_head.weight")?
-            },
-            embed,
+            ends: Ends::new(config, &p, 1.0)?,
             blocks: (0..config.layers)
                 .map(|l| Block::new(&p, l, config, &gemma))
                 .collect::<Result<_>>()?,
-            norm: p.rms_norm("model.norm", config.norm_eps(), 1.0)?,
             gemma,
             vars: p.into_vars(),
-            tags: [
-                "model.embed_tokens",
-                "model.rotary_emb",
-                "model.norm",
-                "lm_head",
-            ]
-            .map(Module::intern),
         })
     }
 
@@ -350,25 +286,18 @@ impl Gemma {
                     .into(),
             ));
         }
-        let (b, s) = batch_dims(batch, &self.config)?;
-        let h = self.config.hidden;
-        let device = self.embed.device();
-        let dtype = self.embed.dtype();
+        let (_, s) = batch_dims(batch, &self.config)?;
+        let (device, dtype) = (self.ends.device(), self.ends.dtype());
         let g = &self.gemma;
-        let [embed, rotary, norm, lm_head] = self.tags;
         let softcap = g.attn_softcap;
         let q_scale = g.query_pre_attn_scalar.powf(-0.5) / softcap.unwrap_or(1.0);
         let ctx = {
-            let _m = Scope::new(rotary, Op::Rope);
+            let _m = Scope::new(self.ends.rotary_tag(), Op::Rope);
             let packing = Packing::of(batch, device)?;
             // Positions run to the longest document's length.
             let positions = packing.as_ref().map_or(s, |p| p.longest);
-            let tables = |freqs: &[f64], factor: f64| -> candle_core::Result<RopeTables> {
-                let tables = RopeTables::from_inv_freq(positions, freqs, factor, device)?;
-                match &packing {
-                    Some(p) => tables.at_positions(&p.positions),
-                    None => Ok(tables),
-                }
+            let tables = |freqs: &[f64], factor: f64| {
+                rope::tables(freqs, factor, positions, packing.as_ref(), device)
             };
             let starts = packing.as_ref().map(|p| p.starts.as_slice());
             let kind = |freqs: &[f64], factor: f64, window: Option<usize>| -> Result<Kind> {
@@ -390,47 +319,17 @@ impl Gemma {
             } else {
                 None
             };
-            Rc::new(Context {
+            Context {
                 mlp_tile: exec.mlp_tile(),
                 full: kind(&freqs, factor, None)?,
                 sliding,
                 softcap,
-            })
+            }
         };
-        let stem = {
-            let _m = Scope::new(embed, Op::Embedding);
-            ops::embedding_padded(
-                &self.embed,
-                &batch.input_ids.flatten_all()?,
-                self.config.settings.pad_token_id,
-            )?
-            .reshape((b, s, h))?
-            .affine(embed_scale(h, dtype), 0.0)?
-        };
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|blk| {
-                let ctx = Rc::clone(&ctx);
-                Forward::layer(move |x| blk.forward(x, &ctx))
-            })
-            .collect();
-        let head = Forward::layer(move |x| {
-            let _m = Scope::module(norm);
-            self.norm.forward(x)?.reshape((b * s, h))
-        });
-        let output = Output {
-            weight: &self.lm_head,
-            bias: None,
-            softcap: g.final_softcap,
-            tag: lm_head,
-        };
-        Ok(Forward {
-            stem,
-            blocks,
-            head,
-            output,
-        })
+        let scale = embed_scale(self.config.hidden, dtype);
+        let stem = self.ends.embedded(batch, &self.config, Some(scale))?;
+        let blocks = block_layers(&self.blocks, ctx, Block::forward);
+        Ok(self.ends.pass(stem, blocks, g.final_softcap))
     }
 }
 

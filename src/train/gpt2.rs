@@ -1,23 +1,25 @@
 //! GPT-2: learned positions, pre-LN blocks, `Conv1D` projections, tied LM head.
 
-use std::rc::Rc;
-
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
-use oomfix_strategies::{tiled_mlp, Execution};
+use oomfix_strategies::nn::{LayerNorm, Projection};
+use oomfix_strategies::Execution;
 
-use super::layers::{Attend, LayerNorm, Linear, Packing};
+use super::layers::{
+    block_layers, final_norm, module_tags, residual, tiled, Attend, Packing, Tagged,
+};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
+#[derive(Clone)]
 struct Block {
     ln_1: LayerNorm,
-    c_attn: Linear,
-    attn_proj: Linear,
+    c_attn: Projection,
+    attn_proj: Projection,
     ln_2: LayerNorm,
-    c_fc: Linear,
-    mlp_proj: Linear,
+    c_fc: Projection,
+    mlp_proj: Projection,
     heads: usize,
     gelu: GeluForm,
     /// `h.{l}.ln_1`, `h.{l}.attn`, `h.{l}.ln_2`, `h.{l}.mlp`.
@@ -37,7 +39,7 @@ impl Block {
             mlp_proj: conv("mlp.c_proj")?,
             heads: config.heads,
             gelu: super::gelu_form(config)?,
-            tags: ["ln_1", "attn", "ln_2", "mlp"].map(|m| Module::intern(&format!("h.{l}.{m}"))),
+            tags: module_tags(&format!("h.{l}"), ["ln_1", "attn", "ln_2", "mlp"]),
         })
     }
 
@@ -49,11 +51,8 @@ impl Block {
     ) -> candle_core::Result<Tensor> {
         let (b, s, h) = x.dims3()?;
         let d = h / self.heads;
-        let [ln_1, attn_tag, ln_2, mlp_tag] = self.tags;
-        let normed = {
-            let _m = Scope::module(ln_1);
-            self.ln_1.forward(x)?
-        };
+        let [ln_1, attn_tag, ..] = self.tags;
+        let normed = self.ln_1.forward_in(ln_1, x)?;
         let x = {
             let _m = Scope::module(attn_tag);
             // [b, s, 3h] viewed as [b, s, 3, H, d]; part i is [b, H, s, d] (strided).
@@ -65,34 +64,25 @@ impl Block {
             let (k, v) = (part(1)?.contiguous()?, part(2)?.contiguous()?);
             let attn = attend.forward(&part(0)?, &k, &v, 1.0 / (d as f64).sqrt())?;
             let out = self.attn_proj.forward(&attn)?;
-            let _op = Scope::op(Op::Residual);
-            x.add(&out)?
+            residual(x, &out)?
         };
-        // ln_2 and the MLP: row-wise, so they may run in tiles of tokens.
-        let (norm, c_fc, proj, gelu) = (
-            self.ln_2.clone(),
-            self.c_fc.clone(),
-            self.mlp_proj.clone(),
-            self.gelu,
-        );
-        let part = move |x: &Tensor| {
-            let normed = {
-                let _m = Scope::module(ln_2);
-                norm.forward(x)?
-            };
-            let _m = Scope::module(mlp_tag);
-            let inner = c_fc.forward(&normed)?;
-            let inner = {
-                let _op = Scope::op(Op::Gelu);
-                ops::gelu(&inner, gelu)?
-            };
-            proj.forward(&inner)
-        };
-        // The tiled part's output and the residual add are the MLP's.
+        // The tiled part's output and the residual add after it are the MLP's.
+        let _m = Scope::module(self.tags[3]);
+        let mlp = tiled(self, &x, mlp_tile, Block::mlp)?;
+        residual(&x, &mlp)
+    }
+
+    /// The row-wise part: `mlp_proj(gelu(c_fc(ln_2(x))))`.
+    fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [_, _, ln_2, mlp_tag] = self.tags;
+        let normed = self.ln_2.forward_in(ln_2, x)?;
         let _m = Scope::module(mlp_tag);
-        let mlp = tiled_mlp::tiled_rows(&x, mlp_tile, part)?;
-        let _op = Scope::op(Op::Residual);
-        x.add(&mlp)
+        let inner = self.c_fc.forward(&normed)?;
+        let inner = {
+            let _op = Scope::op(Op::Gelu);
+            ops::gelu(&inner, self.gelu)?
+        };
+        self.mlp_proj.forward(&inner)
     }
 }
 
@@ -145,31 +135,19 @@ impl Gpt2 {
                 None => tokens.broadcast_add(&self.wpe.narrow(0, 0, s)?)?,
             }
         };
-        let attend = Rc::new(Attend::causal(exec, packing.as_ref()));
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|blk| {
-                let attend = Rc::clone(&attend);
-                let tile = exec.mlp_tile();
-                Forward::layer(move |x| blk.forward(x, &attend, tile))
-            })
-            .collect();
-        let head = Forward::layer(move |x| {
-            let _m = Scope::module(ln_f);
-            self.ln_f.forward(x)?.reshape((b * s, h))
-        });
-        let output = Output {
-            weight: &self.wte,
-            bias: None,
-            softcap: None,
-            tag: lm_head,
-        };
+        let ctx = (Attend::causal(exec, packing.as_ref()), exec.mlp_tile());
         Ok(Forward {
             stem,
-            blocks,
-            head,
-            output,
+            blocks: block_layers(&self.blocks, ctx, |blk, x, (attend, tile)| {
+                blk.forward(x, attend, *tile)
+            }),
+            head: final_norm(&self.ln_f, ln_f),
+            output: Output {
+                weight: &self.wte,
+                bias: None,
+                softcap: None,
+                tag: lm_head,
+            },
         })
     }
 }

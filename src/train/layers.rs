@@ -1,76 +1,109 @@
-//! Layers shared by the trainable families.
+//! What the trainable families share besides the layers of
+//! [`oomfix_strategies::nn`]: those layers' memory-timeline tags
+//! ([`Tagged`]), a block's residual connections and row-wise part in tiles,
+//! a pass's blocks and final norm, the LM head's logits, the packing of
+//! documents and the attention as the plan chooses it.
 //!
 //! Norms, biased projections and the attention probabilities are single graph
 //! nodes with their own backward ([`oomfix_strategies::nn::ops`]; candle's
-//! fused fast paths have no backward); these wrappers add the memory
-//! timeline's tags.
+//! fused fast paths have no backward).
 //! Every op output on the path to a parameter stays alive in candle's graph
 //! until the loss is dropped, so each function's doc lists the tensors it
 //! allocates; views (reshape of a contiguous tensor, transpose, narrow,
 //! broadcast) allocate nothing.
 
+use std::rc::Rc;
+
+use super::{Forward, Layer};
 use crate::spec::VOCAB_ALIGN;
-use crate::track::tag::{Op, Scope};
+use crate::track::tag::{Module, Op, Scope};
 use candle_core::{DType, Device, Result, Tensor};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
-use oomfix_strategies::lora::{FrozenLinear, FrozenWeight, LoraLinear};
+use oomfix_strategies::lora::{FrozenLinear, FrozenWeight};
 use oomfix_strategies::model::TokenBatch;
 use oomfix_strategies::nn::ops::{self, WeightLayout};
-use oomfix_strategies::{Attention, Execution};
+use oomfix_strategies::nn::{LayerNorm, Projection, RmsNorm};
+use oomfix_strategies::{tiled_mlp, Attention, Execution};
 
-/// An affine projection of the last dimension: trained, or frozen (with a
-/// LoRA adapter or without), as [`super::Params::linear`] builds it.
-#[derive(Debug, Clone)]
-pub(crate) enum Linear {
-    /// Its weight and bias are the model's trained parameters.
-    Trained {
-        weight: Tensor,
-        bias: Option<Tensor>,
-        layout: WeightLayout,
-    },
-    /// A frozen weight (`[out, in]`, in the compute dtype or NF4) and bias.
-    Frozen(FrozenLinear),
-    /// A frozen weight and bias with a trained low-rank adapter.
-    Adapted(LoraLinear),
+/// A layer of [`oomfix_strategies::nn`] as the families run it: its
+/// forward, with what it allocates tagged with its op in the memory
+/// timeline (the layers themselves know nothing of tags). What each
+/// allocates: [`Projection`] its output (a frozen one keeps only its input),
+/// the norms their output, the size of `x`.
+pub(crate) trait Tagged {
+    /// The layer's [`candle_core::Module::forward`] under its op's tag.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// [`forward`](Self::forward) in `module`: what it allocates tagged
+    /// with the module too.
+    fn forward_in(&self, module: Module, x: &Tensor) -> Result<Tensor> {
+        let _m = Scope::module(module);
+        self.forward(x)
+    }
 }
 
-impl Linear {
-    pub(crate) fn new(weight: Tensor, bias: Option<Tensor>, layout: WeightLayout) -> Self {
-        Linear::Trained {
-            weight,
-            bias,
-            layout,
+/// [`Tagged`] for each layer type, with its op.
+macro_rules! tagged {
+    ($($layer:ty => $op:ident),* $(,)?) => {$(
+        impl Tagged for $layer {
+            fn forward(&self, x: &Tensor) -> Result<Tensor> {
+                let _op = Scope::op(Op::$op);
+                candle_core::Module::forward(self, x)
+            }
         }
-    }
+    )*};
+}
 
-    /// `x`: `[b, s, in]`, contiguous → `[b, s, out]`.
-    ///
-    /// Allocates the output `[b·s, out]`: with a bias, [`ops::linear`] adds it
-    /// in place. Without, `x` is flattened to 2-D (a view) so the weight gradient
-    /// is one `[in, out]` matmul rather than a per-batch product summed afterwards.
-    /// A frozen projection keeps only its input (its weight converted for the
-    /// product and freed, again in backward).
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _op = Scope::op(Op::Matmul);
-        let (weight, bias, layout) = match self {
-            Linear::Trained {
-                weight,
-                bias,
-                layout,
-            } => (weight, bias, *layout),
-            Linear::Frozen(f) => return f.forward(x).map_err(candle_core::Error::wrap),
-            Linear::Adapted(a) => return a.forward(x).map_err(candle_core::Error::wrap),
-        };
-        if let Some(bias) = bias {
-            return ops::linear(x, weight, bias, layout);
-        }
-        let (b, s, d_in) = x.dims3()?;
-        let w = match layout {
-            WeightLayout::InOut => weight.clone(),
-            WeightLayout::OutIn => weight.t()?,
-        };
-        x.reshape((b * s, d_in))?.matmul(&w)?.reshape((b, s, ()))
-    }
+tagged!(Projection => Matmul, LayerNorm => LayerNorm, RmsNorm => RmsNorm);
+
+/// `part(block, x)` for `part` a block's row-wise part (each token's output
+/// from its own input only: the MLP and what surrounds it), in tiles of
+/// `tile` tokens when given ([`tiled_mlp::tiled_rows`]), on a copy of the
+/// block (its tensors are shared handles: a copy is cheap).
+pub(crate) fn tiled<B: Clone + Send + Sync + 'static>(
+    block: &B,
+    x: &Tensor,
+    tile: Option<usize>,
+    part: fn(&B, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let block = block.clone();
+    tiled_mlp::tiled_rows(x, tile, move |x| part(&block, x))
+}
+
+/// `x + out`: a block's residual connection, tagged as one.
+pub(crate) fn residual(x: &Tensor, out: &Tensor) -> Result<Tensor> {
+    let _op = Scope::op(Op::Residual);
+    x.add(out)
+}
+
+/// The modules `{prefix}.{name}` of `names` (a block's, under its prefix),
+/// interned for the memory timeline's tags.
+pub(crate) fn module_tags<const N: usize>(prefix: &str, names: [&str; N]) -> [Module; N] {
+    names.map(|name| Module::intern(&format!("{prefix}.{name}")))
+}
+
+/// The blocks of a pass as its layers, each run by `forward` with the
+/// context `ctx` they share.
+pub(crate) fn block_layers<'a, B, C: 'a>(
+    blocks: &'a [B],
+    ctx: C,
+    forward: fn(&B, &Tensor, &C) -> Result<Tensor>,
+) -> Vec<Layer<'a>> {
+    let ctx = Rc::new(ctx);
+    blocks
+        .iter()
+        .map(|block| {
+            let ctx = Rc::clone(&ctx);
+            Forward::layer(move |x| forward(block, x, &ctx))
+        })
+        .collect()
+}
+
+/// The head of a causal pass: the final norm, tagged as its module `tag`,
+/// of the last block's output `[b, s, h]`, as the `[b·s, h]` hidden states
+/// the output layer takes.
+pub(crate) fn final_norm<'a>(norm: &'a impl Tagged, tag: Module) -> Layer<'a> {
+    Forward::layer(move |x| norm.forward_in(tag, x)?.reshape(((), x.dim(2)?)))
 }
 
 /// The LM head's logits `x·Wᵀ (+ b)`, `x` `[n, h]`, `W` `[V, h]`, `b` `[V]`,
@@ -110,52 +143,6 @@ pub(crate) fn padded_output(w: &Tensor, b: Option<&Tensor>) -> Result<(Tensor, O
         pad(w, &[p - v, h])?,
         b.map(|b| pad(b, &[p - v])).transpose()?,
     ))
-}
-
-/// Layer normalisation with scale and bias, computed in f32 (as PyTorch autocast
-/// does) and returned in the input's dtype: one [`ops::layer_norm`] node.
-#[derive(Debug, Clone)]
-pub(crate) struct LayerNorm {
-    weight: Tensor,
-    bias: Tensor,
-    eps: f64,
-}
-
-impl LayerNorm {
-    pub(crate) fn new(weight: Tensor, bias: Tensor, eps: f64) -> Self {
-        LayerNorm { weight, bias, eps }
-    }
-
-    /// Allocates the output, the size of `x`.
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _op = Scope::op(Op::LayerNorm);
-        ops::layer_norm(x, &self.weight, &self.bias, self.eps)
-    }
-}
-
-/// RMS normalisation with a scale (`w + offset`: Gemma's `1 + w`), computed
-/// in f32 and returned in the input's dtype: one [`ops::rms_norm_offset`] node.
-#[derive(Debug, Clone)]
-pub(crate) struct RmsNorm {
-    weight: Tensor,
-    eps: f64,
-    offset: f32,
-}
-
-impl RmsNorm {
-    pub(crate) fn new(weight: Tensor, eps: f64, offset: f32) -> Self {
-        RmsNorm {
-            weight,
-            eps,
-            offset,
-        }
-    }
-
-    /// Allocates the output, the size of `x`.
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _op = Scope::op(Op::RmsNorm);
-        ops::rms_norm_offset(x, &self.weight, self.eps, self.offset)
-    }
 }
 
 /// `[b, s, n·d]` → `[b, n, s, d]` as a view (strided).
@@ -313,17 +300,7 @@ impl Attend {
 mod tests {
     use super::*;
     use candle_core::{Device, Var, D};
-
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
-    }
+    use oomfix_strategies::compare::max_diff;
 
     /// softmax(q·kᵀ·scale + mask)·v with each kv head repeated for its query
     /// heads, from candle ops; `mask` is additive, `[b, 1, s, s]`.
@@ -405,9 +382,12 @@ mod tests {
                 };
                 let out = attend.forward(&qh, &k, &v, scale).unwrap();
                 let got = out.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-                assert!(max_diff(&out, &expected) < 1e-5, "{name} {kind:?}: output");
+                assert!(
+                    max_diff(&out, &expected).unwrap() < 1e-5,
+                    "{name} {kind:?}: output"
+                );
                 for (var, what) in [(&q, "q"), (&k, "k"), (&v, "v")] {
-                    let diff = max_diff(got.get(var).unwrap(), want.get(var).unwrap());
+                    let diff = max_diff(got.get(var).unwrap(), want.get(var).unwrap()).unwrap();
                     assert!(
                         diff < 1e-5,
                         "{name} {kind:?}: gradient of {what} off by {diff}"

@@ -5,23 +5,38 @@
 //! epsilon, head size, RoPE base and scaling ([`rope`]), and optional biases
 //! on every attention projection (`attention_bias`) and the MLP (`mlp_bias`).
 
-use std::rc::Rc;
-
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
-use oomfix_strategies::{tiled_mlp, Execution};
+use oomfix_strategies::nn::{Projection, RmsNorm};
+use oomfix_strategies::Execution;
 
-use super::layers::{split_heads, Attend, Linear, Packing, RmsNorm};
-use super::{batch_dims, rope, Forward, Output, Params, TokenBatch};
+use super::layers::{
+    block_layers, final_norm, module_tags, residual, split_heads, tiled, Attend, Packing, Tagged,
+};
+use super::{batch_dims, rope, Forward, Layer, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 
+#[derive(Clone)]
 struct Block {
     input_norm: RmsNorm,
+    heads: Heads,
+    o_proj: Projection,
+    post_norm: RmsNorm,
+    gate_up: GateUp,
+    down_proj: Projection,
+    intermediate: usize,
+    /// `input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`
+    /// under `model.layers.{l}`.
+    tags: [Module; 4],
+}
+
+/// The query, key and value heads of a Llama-style block's attention (Llama,
+/// Gemma): the projections, Qwen3's and Gemma 3's RMSNorm over each query
+/// and key head, and RoPE.
+#[derive(Clone)]
+pub(super) struct Heads {
     qkv: Qkv,
-    o_proj: Linear,
-    mlp: Mlp,
-    /// Qwen3's RMSNorm over each query and key head, before RoPE.
     qk_norm: Option<(RmsNorm, RmsNorm)>,
     head_dim: usize,
     /// The part of each head RoPE rotates (`head_dim` unless
@@ -29,61 +44,120 @@ struct Block {
     rotary: usize,
     heads: usize,
     kv_heads: usize,
-    /// `input_layernorm`, `self_attn` under `model.layers.{l}`.
-    tags: [Module; 2],
 }
 
-/// A block's row-wise part: the RMSNorm after attention and the MLP (each
-/// token's output from its own input only, so it may run in tiles of
-/// tokens: [`oomfix_strategies::tiled_mlp`]). Its tensors are shared
-/// handles: a copy is cheap.
-#[derive(Clone)]
-struct Mlp {
-    post_norm: RmsNorm,
-    gate_up: GateUp,
-    down_proj: Linear,
-    intermediate: usize,
-    /// `post_attention_layernorm`, `mlp` under `model.layers.{l}`.
-    tags: [Module; 2],
-}
-
-impl Mlp {
-    /// `down(silu(gate(h)) · up(h))` of `h = RMSNorm(x)`, `x` `[b, s, h]`.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let [post_norm, mlp_tag] = self.tags;
-        let h = {
-            let _m = Scope::module(post_norm);
-            self.post_norm.forward(x)?
+impl Heads {
+    /// The heads of a block of `config` with the projections `qkv`, and
+    /// the norms `self_attn.q_norm` and `self_attn.k_norm` from `norm` where
+    /// the model has them; RoPE rotates the first `rotary` elements of each
+    /// head.
+    pub(super) fn new(
+        config: &ModelConfig,
+        qkv: Qkv,
+        norm: impl Fn(&str) -> Result<RmsNorm>,
+        rotary: usize,
+    ) -> Result<Self> {
+        let qk_norm = if config.settings.qk_norm {
+            Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
+        } else {
+            None
         };
-        let _m = Scope::module(mlp_tag);
-        let (gate, up) = self.gate_up.forward(&h, self.intermediate)?;
-        let mlp = {
-            let _op = Scope::op(Op::Silu);
-            ops::swiglu(&gate, &up)?
-        };
-        self.down_proj.forward(&mlp)
+        Ok(Heads {
+            qkv,
+            qk_norm,
+            head_dim: config.head_dim(),
+            rotary,
+            heads: config.heads,
+            kv_heads: config.kv_heads,
+        })
     }
 
-    /// [`forward`](Self::forward), in tiles of `tile` tokens when given.
-    fn forward_tiled(&self, x: &Tensor, tile: Option<usize>) -> candle_core::Result<Tensor> {
-        match tile {
-            Some(tile) => {
-                let mlp = self.clone();
-                tiled_mlp::tiled_rows(x, Some(tile), move |x| mlp.forward(x))
-            }
-            None => self.forward(x),
+    /// q `[b, H, s, d]` and k `[b, KV, s, d]` turned by `rope_q` and
+    /// `rope_k`, and v `[b, KV, s, d]` contiguous, of the normed input `h`
+    /// `[b, s, h]`.
+    pub(super) fn forward(
+        &self,
+        h: &Tensor,
+        rope_q: &RopeTables,
+        rope_k: &RopeTables,
+    ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (heads, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
+        let (mut q, mut k, v) = self.qkv.forward(h, heads, kv)?;
+        if let Some((q_norm, k_norm)) = &self.qk_norm {
+            // Over each head: [b, s, heads, d] (views of the projections).
+            let (b, s, _) = q.dims3()?;
+            q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
+            k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
         }
+        let (q, k) = {
+            let _op = Scope::op(Op::Rope);
+            (
+                self.rope(&q, self.heads, rope_q)?,
+                self.rope(&k, self.kv_heads, rope_k)?,
+            )
+        };
+        let v = split_heads(&v, self.kv_heads)?.contiguous()?;
+        Ok((q, k, v))
+    }
+
+    /// The scale the attention applies: 1 with the whole head rotated (the
+    /// queries' RoPE tables carry it), else `1/√d`.
+    fn attention_scale(&self) -> f64 {
+        if self.rotary == self.head_dim {
+            1.0
+        } else {
+            (self.head_dim as f64).powf(-0.5)
+        }
+    }
+
+    /// RoPE on `x` (`[b, s, n·d]` or `[b, s, n, d]`, `n` = `heads`) with the
+    /// heads moved first, `[b, n, s, d]`: the whole head ([`ops::rope`]), or
+    /// its first `rotary` elements, the rest passed through as transformers'
+    /// partial rotary does (Phi-4-mini). Partial: the rotated part's
+    /// contiguous copy `[n·rotary]` per token, its RoPE and the two parts
+    /// joined `[b, n, s, d]` (a non-contiguous `x`, a fused projection's
+    /// slice, is copied first).
+    fn rope(&self, x: &Tensor, heads: usize, tables: &RopeTables) -> candle_core::Result<Tensor> {
+        if self.rotary == self.head_dim {
+            return ops::rope(x, heads, tables);
+        }
+        let (b, s) = (x.dim(0)?, x.dim(1)?);
+        let (d, r) = (self.head_dim, self.rotary);
+        let x = x.reshape((b, s, heads, d))?;
+        let rotated = ops::rope(&x.narrow(3, 0, r)?, heads, tables)?;
+        let passed = x.narrow(3, r, d - r)?.transpose(1, 2)?;
+        Tensor::cat(&[&rotated, &passed], 3)
     }
 }
 
 /// The q, k, v projections: three, or Phi-3's one `qkv_proj` whose rows are
 /// q (`H·d`), then k and v (`KV·d` each).
-enum Qkv {
-    Separate(Linear, Linear, Linear),
-    Fused(Linear),
+#[derive(Clone)]
+pub(super) enum Qkv {
+    Separate(Projection, Projection, Projection),
+    Fused(Projection),
 }
 
 impl Qkv {
+    /// The projections `self_attn.q_proj`, `k_proj` and `v_proj` from
+    /// `proj`, with a bias where `bias`; when `fused`, Phi-3's
+    /// `self_attn.qkv_proj` (no bias).
+    pub(super) fn new(
+        proj: impl Fn(&str, bool) -> Result<Projection>,
+        fused: bool,
+        bias: bool,
+    ) -> Result<Self> {
+        Ok(if fused {
+            Qkv::Fused(proj("self_attn.qkv_proj", false)?)
+        } else {
+            Qkv::Separate(
+                proj("self_attn.q_proj", bias)?,
+                proj("self_attn.k_proj", bias)?,
+                proj("self_attn.v_proj", bias)?,
+            )
+        })
+    }
+
     /// q `[b, s, H·d]`, k and v `[b, s, KV·d]` (the fused form's are views of its output).
     fn forward(
         &self,
@@ -109,8 +183,8 @@ impl Qkv {
 /// whose rows are the gate's, then up's.
 #[derive(Clone)]
 enum GateUp {
-    Separate(Linear, Linear),
-    Fused(Linear),
+    Separate(Projection, Projection),
+    Fused(Projection),
 }
 
 impl GateUp {
@@ -149,140 +223,91 @@ impl Block {
             config.settings.attention_bias,
         );
         let mlp_bias = config.settings.mlp_bias;
+        let qkv = Qkv::new(proj, config.settings.fused_projections, qkv_bias)?;
         Ok(Block {
             input_norm: norm("input_layernorm")?,
-            qkv: if config.settings.fused_projections {
-                Qkv::Fused(proj("self_attn.qkv_proj", false)?)
+            heads: Heads::new(config, qkv, norm, config.rotary_dim())?,
+            o_proj: proj("self_attn.o_proj", o_bias)?,
+            post_norm: norm("post_attention_layernorm")?,
+            gate_up: if config.settings.fused_projections {
+                GateUp::Fused(proj("mlp.gate_up_proj", false)?)
             } else {
-                Qkv::Separate(
-                    proj("self_attn.q_proj", qkv_bias)?,
-                    proj("self_attn.k_proj", qkv_bias)?,
-                    proj("self_attn.v_proj", qkv_bias)?,
+                GateUp::Separate(
+                    proj("mlp.gate_proj", mlp_bias)?,
+                    proj("mlp.up_proj", mlp_bias)?,
                 )
             },
-            o_proj: proj("self_attn.o_proj", o_bias)?,
-            mlp: Mlp {
-                post_norm: norm("post_attention_layernorm")?,
-                gate_up: if config.settings.fused_projections {
-                    GateUp::Fused(proj("mlp.gate_up_proj", false)?)
-                } else {
-                    GateUp::Separate(
-                        proj("mlp.gate_proj", mlp_bias)?,
-                        proj("mlp.up_proj", mlp_bias)?,
-                    )
-                },
-                down_proj: proj("mlp.down_proj", mlp_bias)?,
-                intermediate: config.intermediate,
-                tags: ["post_attention_layernorm", "mlp"]
-                    .map(|m| Module::intern(&format!("{prefix}.{m}"))),
-            },
-            qk_norm: if config.settings.qk_norm {
-                Some((norm("self_attn.q_norm")?, norm("self_attn.k_norm")?))
-            } else {
-                None
-            },
-            head_dim: config.head_dim(),
-            rotary: config.rotary_dim(),
-            heads: config.heads,
-            kv_heads: config.kv_heads,
-            tags: ["input_layernorm", "self_attn"]
-                .map(|m| Module::intern(&format!("{prefix}.{m}"))),
+            down_proj: proj("mlp.down_proj", mlp_bias)?,
+            intermediate: config.intermediate,
+            tags: module_tags(
+                &prefix,
+                [
+                    "input_layernorm",
+                    "self_attn",
+                    "post_attention_layernorm",
+                    "mlp",
+                ],
+            ),
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Context) -> candle_core::Result<Tensor> {
-        let [input_norm, attn] = self.tags;
-        let h = {
-            let _m = Scope::module(input_norm);
-            self.input_norm.forward(x)?
-        };
+        let [input_norm, attn, ..] = self.tags;
+        let h = self.input_norm.forward_in(input_norm, x)?;
         let x = {
             let _m = Scope::module(attn);
-            let (heads, kv) = (self.heads * self.head_dim, self.kv_heads * self.head_dim);
-            let (mut q, mut k, v) = self.qkv.forward(&h, heads, kv)?;
-            if let Some((q_norm, k_norm)) = &self.qk_norm {
-                // Over each head: [b, s, heads, d] (views of the projections).
-                let (b, s, _) = q.dims3()?;
-                q = q_norm.forward(&q.reshape((b, s, self.heads, self.head_dim))?)?;
-                k = k_norm.forward(&k.reshape((b, s, self.kv_heads, self.head_dim))?)?;
-            }
-            let (q, k) = {
-                let _op = Scope::op(Op::Rope);
-                (
-                    self.rope(&q, self.heads, &ctx.rope_q)?,
-                    self.rope(&k, self.kv_heads, &ctx.rope_k)?,
-                )
-            };
-            let v = split_heads(&v, self.kv_heads)?.contiguous()?;
-            // With the whole head rotated the queries' RoPE tables carry the
-            // attention scale; with part of it, the attention applies it.
-            let scale = if self.rotary == self.head_dim {
-                1.0
-            } else {
-                (self.head_dim as f64).powf(-0.5)
-            };
+            let (q, k, v) = self.heads.forward(&h, &ctx.rope_q, &ctx.rope_k)?;
+            let scale = self.heads.attention_scale();
             let out = self
                 .o_proj
                 .forward(&ctx.attend.forward(&q, &k, &v, scale)?)?;
-            let _op = Scope::op(Op::Residual);
-            x.add(&out)?
+            residual(x, &out)?
         };
-        // The tiled part's output and the residual add are the MLP's.
-        let _m = Scope::module(self.mlp.tags[1]);
-        let out = self.mlp.forward_tiled(&x, ctx.mlp_tile)?;
-        let _op = Scope::op(Op::Residual);
-        x.add(&out)
+        // The tiled part's output and the residual add after it are the MLP's.
+        let _m = Scope::module(self.tags[3]);
+        let out = tiled(self, &x, ctx.mlp_tile, Block::mlp)?;
+        residual(&x, &out)
     }
 
-    /// RoPE on `x` (`[b, s, n·d]` or `[b, s, n, d]`, `n` = `heads`) with the
-    /// heads moved first, `[b, n, s, d]`: the whole head ([`ops::rope`]), or
-    /// its first `rotary` elements, the rest passed through as transformers'
-    /// partial rotary does (Phi-4-mini). Partial: the rotated part's
-    /// contiguous copy `[n·rotary]` per token, its RoPE and the two parts
-    /// joined `[b, n, s, d]` (a non-contiguous `x`, a fused projection's
-    /// slice, is copied first).
-    fn rope(&self, x: &Tensor, heads: usize, tables: &RopeTables) -> candle_core::Result<Tensor> {
-        if self.rotary == self.head_dim {
-            return ops::rope(x, heads, tables);
-        }
-        let (b, s) = (x.dim(0)?, x.dim(1)?);
-        let (d, r) = (self.head_dim, self.rotary);
-        let x = x.reshape((b, s, heads, d))?;
-        let rotated = ops::rope(&x.narrow(3, 0, r)?, heads, tables)?;
-        let passed = x.narrow(3, r, d - r)?.transpose(1, 2)?;
-        Tensor::cat(&[&rotated, &passed], 3)
+    /// The row-wise part: the RMSNorm after attention and the MLP,
+    /// `down(silu(gate(h)) · up(h))` of `h = RMSNorm(x)`.
+    fn mlp(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let [.., post_norm, mlp_tag] = self.tags;
+        let h = self.post_norm.forward_in(post_norm, x)?;
+        let _m = Scope::module(mlp_tag);
+        let (gate, up) = self.gate_up.forward(&h, self.intermediate)?;
+        let mlp = {
+            let _op = Scope::op(Op::Silu);
+            ops::swiglu(&gate, &up)?
+        };
+        self.down_proj.forward(&mlp)
     }
 }
 
-/// A trainable Llama-style model.
-pub(crate) struct Llama {
-    config: ModelConfig,
+/// What a Llama-style decoder (Llama, Gemma) holds besides its blocks: the
+/// token embedding, the final RMSNorm and the LM head.
+pub(super) struct Ends {
     embed: Tensor,
-    blocks: Vec<Block>,
     norm: RmsNorm,
     /// `[V, h]`: the embedding when tied, else `lm_head.weight`.
     lm_head: Tensor,
-    vars: Vec<(String, Var)>,
     /// `model.embed_tokens`, `model.rotary_emb`, `model.norm`, `lm_head`.
     tags: [Module; 4],
 }
 
-impl Llama {
-    pub(crate) fn new(config: &ModelConfig, p: Params) -> Result<Self> {
+impl Ends {
+    /// The ends of `config`'s model from `p`, the final norm scaled by
+    /// `w + norm_offset`.
+    pub(super) fn new(config: &ModelConfig, p: &Params, norm_offset: f32) -> Result<Self> {
         let embed = p.get("model.embed_tokens.weight")?;
-        Ok(Llama {
-            config: config.clone(),
+        Ok(Ends {
             lm_head: if config.tied_embeddings {
                 embed.clone()
             } else {
                 p.get("lm_head.weight")?
             },
             embed,
-            blocks: (0..config.layers)
-                .map(|l| Block::new(&p, l, config))
-                .collect::<Result<_>>()?,
-            norm: p.rms_norm("model.norm", config.norm_eps(), 0.0)?,
-            vars: p.into_vars(),
+            norm: p.rms_norm("model.norm", config.norm_eps(), norm_offset)?,
             tags: [
                 "model.embed_tokens",
                 "model.rotary_emb",
@@ -290,6 +315,88 @@ impl Llama {
                 "lm_head",
             ]
             .map(Module::intern),
+        })
+    }
+
+    /// The blocks' device (the embedding may be kept on the host).
+    pub(super) fn device(&self) -> &Device {
+        self.lm_head.device()
+    }
+
+    /// The compute dtype.
+    pub(super) fn dtype(&self) -> DType {
+        self.embed.dtype()
+    }
+
+    /// The tag of `model.rotary_emb`, under which the RoPE tables are made.
+    pub(super) fn rotary_tag(&self) -> Module {
+        self.tags[1]
+    }
+
+    /// The embedding of the batch's tokens `[b, s, h]` on the blocks'
+    /// device (a table on the host looks the rows up there and sends them
+    /// over), multiplied by `scale` where given.
+    pub(super) fn embedded(
+        &self,
+        batch: &TokenBatch,
+        config: &ModelConfig,
+        scale: Option<f64>,
+    ) -> candle_core::Result<Tensor> {
+        let _m = Scope::new(self.tags[0], Op::Embedding);
+        let (b, s) = batch.input_ids.dims2()?;
+        let ids = batch
+            .input_ids
+            .flatten_all()?
+            .to_device(self.embed.device())?;
+        let rows = ops::embedding_padded(&self.embed, &ids, config.settings.pad_token_id)?
+            .to_device(self.device())?
+            .reshape((b, s, config.hidden))?;
+        match scale {
+            Some(scale) => rows.affine(scale, 0.0),
+            None => Ok(rows),
+        }
+    }
+
+    /// The pass of `stem` through `blocks`, the final norm and the LM head,
+    /// its logits soft-capped at `softcap`.
+    pub(super) fn pass<'a>(
+        &'a self,
+        stem: Tensor,
+        blocks: Vec<Layer<'a>>,
+        softcap: Option<f64>,
+    ) -> Forward<'a> {
+        let [_, _, norm, lm_head] = self.tags;
+        Forward {
+            stem,
+            blocks,
+            head: final_norm(&self.norm, norm),
+            output: Output {
+                weight: &self.lm_head,
+                bias: None,
+                softcap,
+                tag: lm_head,
+            },
+        }
+    }
+}
+
+/// A trainable Llama-style model.
+pub(crate) struct Llama {
+    config: ModelConfig,
+    ends: Ends,
+    blocks: Vec<Block>,
+    vars: Vec<(String, Var)>,
+}
+
+impl Llama {
+    pub(crate) fn new(config: &ModelConfig, p: Params) -> Result<Self> {
+        Ok(Llama {
+            config: config.clone(),
+            ends: Ends::new(config, &p, 0.0)?,
+            blocks: (0..config.layers)
+                .map(|l| Block::new(&p, l, config))
+                .collect::<Result<_>>()?,
+            vars: p.into_vars(),
         })
     }
 
@@ -306,11 +413,9 @@ impl Llama {
     /// sides of the scaling's threshold (`dynamic` past the model's context
     /// also changes with the length).
     pub(super) fn forward(&self, batch: &TokenBatch, exec: &Execution) -> Result<Forward<'_>> {
-        let (b, s) = batch_dims(batch, &self.config)?;
-        let (h, d) = (self.config.hidden, self.config.head_dim());
-        // The blocks' device (the embedding may be kept on the host).
-        let device = self.lm_head.device();
-        let [embed, rotary, norm, lm_head] = self.tags;
+        let (_, s) = batch_dims(batch, &self.config)?;
+        let d = self.config.head_dim();
+        let device = self.ends.device();
         let packing = Packing::of(batch, device)?;
         // Positions run to the longest document's length.
         let positions = packing.as_ref().map_or(s, |p| p.longest);
@@ -323,56 +428,18 @@ impl Llama {
             factor
         };
         let ctx = {
-            let _m = Scope::new(rotary, Op::Rope);
-            let tables = |factor: f64| -> candle_core::Result<RopeTables> {
-                let tables = RopeTables::from_inv_freq(positions, &freqs, factor, device)?;
-                match &packing {
-                    Some(p) => tables.at_positions(&p.positions),
-                    None => Ok(tables),
-                }
-            };
-            Rc::new(Context {
+            let _m = Scope::new(self.ends.rotary_tag(), Op::Rope);
+            let tables = |factor| rope::tables(&freqs, factor, positions, packing.as_ref(), device);
+            Context {
                 attend: Attend::causal(exec, packing.as_ref()),
                 rope_q: tables(q_factor)?,
                 rope_k: tables(factor)?,
                 mlp_tile: exec.mlp_tile(),
-            })
+            }
         };
-        let stem = {
-            let _m = Scope::new(embed, Op::Embedding);
-            // A table on the host looks the rows up there and sends them over.
-            let ids = batch
-                .input_ids
-                .flatten_all()?
-                .to_device(self.embed.device())?;
-            ops::embedding_padded(&self.embed, &ids, self.config.settings.pad_token_id)?
-                .to_device(device)?
-                .reshape((b, s, h))?
-        };
-        let blocks = self
-            .blocks
-            .iter()
-            .map(|blk| {
-                let ctx = Rc::clone(&ctx);
-                Forward::layer(move |x| blk.forward(x, &ctx))
-            })
-            .collect();
-        let head = Forward::layer(move |x| {
-            let _m = Scope::module(norm);
-            self.norm.forward(x)?.reshape((b * s, h))
-        });
-        let output = Output {
-            weight: &self.lm_head,
-            bias: None,
-            softcap: None,
-            tag: lm_head,
-        };
-        Ok(Forward {
-            stem,
-            blocks,
-            head,
-            output,
-        })
+        let stem = self.ends.embedded(batch, &self.config, None)?;
+        let blocks = block_layers(&self.blocks, ctx, Block::forward);
+        Ok(self.ends.pass(stem, blocks, None))
     }
 }
 

@@ -26,8 +26,8 @@ use oomfix_strategies::lora::{
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use super::layers::Linear;
 use crate::{Error, Family, ModelConfig, Result};
+use oomfix_strategies::nn::Projection;
 
 /// The module path PEFT names in a saved adapter for the module `module`
 /// of `family`'s model (`transformer.h.0.attn.c_attn` for GPT-2's
@@ -202,7 +202,7 @@ impl Adapting {
 
     /// The projection `{prefix}.weight` (+ `{prefix}.bias` if `bias`):
     /// adapted if its name is a target, else frozen.
-    pub(crate) fn linear(&self, prefix: &str, bias: Option<Tensor>) -> Result<Linear> {
+    pub(crate) fn linear(&self, prefix: &str, bias: Option<Tensor>) -> Result<Projection> {
         let weight = format!("{prefix}.weight");
         let frozen = self
             .projections
@@ -211,7 +211,7 @@ impl Adapting {
             .ok_or_else(|| Error::Usage(format!("the model has no tensor `{weight}`")))?;
         let name = prefix.rsplit('.').next().unwrap_or(prefix);
         if !self.lora.targets.contains(name) {
-            return Ok(Linear::Frozen(FrozenLinear::new(frozen, bias)));
+            return Ok(Projection::Frozen(FrozenLinear::new(frozen, bias)));
         }
         let (a, b) = strategy::fresh_adapter(
             frozen.dims()?,
@@ -227,7 +227,7 @@ impl Adapting {
         made.0.push((na, a));
         made.0.push((nb, b));
         made.1.push(prefix.to_string());
-        Ok(Linear::Adapted(layer))
+        Ok(Projection::Adapted(layer))
     }
 
     /// The adapters' variables with their names, and the model as built.

@@ -2,11 +2,11 @@
 //! build their layers: trained variables, or a frozen base with LoRA
 //! adapters.
 
-use super::layers::{LayerNorm, Linear, RmsNorm};
 use super::lora;
 use crate::{Error, Result};
 use candle_core::{Tensor, Var};
 use oomfix_strategies::nn::ops::WeightLayout;
+use oomfix_strategies::nn::{LayerNorm, Linear, Projection, RmsNorm};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -60,7 +60,12 @@ impl Params {
     /// one place every family builds a linear projection of its blocks.
     /// Trained; or, with LoRA, frozen, with an adapter if its name (the
     /// last part of `prefix`) is a target.
-    pub(crate) fn linear(&self, prefix: &str, bias: bool, layout: WeightLayout) -> Result<Linear> {
+    pub(crate) fn linear(
+        &self,
+        prefix: &str,
+        bias: bool,
+        layout: WeightLayout,
+    ) -> Result<Projection> {
         let b = if bias {
             Some(self.get(&format!("{prefix}.bias"))?)
         } else {
@@ -69,11 +74,8 @@ impl Params {
         if let Some(adapting) = &self.lora {
             return adapting.linear(prefix, b);
         }
-        Ok(Linear::new(
-            self.get(&format!("{prefix}.weight"))?,
-            b,
-            layout,
-        ))
+        let weight = self.get(&format!("{prefix}.weight"))?;
+        Ok(Linear::with_layout(weight, b, layout).into())
     }
 
     /// The layer norm `{prefix}.weight`, `{prefix}.bias`.
@@ -87,7 +89,7 @@ impl Params {
 
     /// The RMS norm `{prefix}.weight`, its scale `weight + offset`.
     pub(crate) fn rms_norm(&self, prefix: &str, eps: f64, offset: f32) -> Result<RmsNorm> {
-        Ok(RmsNorm::new(
+        Ok(RmsNorm::with_offset(
             self.get(&format!("{prefix}.weight"))?,
             eps,
             offset,

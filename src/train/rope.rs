@@ -4,7 +4,29 @@
 
 use std::f64::consts::PI;
 
+use candle_core::Device;
+use oomfix_strategies::nn::ops::RopeTables;
+
+use super::layers::Packing;
 use crate::{Error, ModelConfig, Result};
+
+/// The tables of `freqs` (cos and sin multiplied by `factor`) for
+/// `positions` positions on `device`: by position, or with a packing by
+/// token, each token turned by its position in its document
+/// ([`RopeTables::at_positions`]).
+pub(crate) fn tables(
+    freqs: &[f64],
+    factor: f64,
+    positions: usize,
+    packing: Option<&Packing>,
+    device: &Device,
+) -> candle_core::Result<RopeTables> {
+    let tables = RopeTables::from_inv_freq(positions, freqs, factor, device)?;
+    match packing {
+        Some(p) => tables.at_positions(&p.positions),
+        None => Ok(tables),
+    }
+}
 
 /// The inverse frequencies (`rotary_dim / 2` of them: the whole head, or
 /// the part `partial_rotary_factor` says) for sequences of `s` tokens, and
@@ -225,28 +247,30 @@ mod tests {
         assert!((f[4] - plain[4] / 8.0).abs() < 1e-15); // 628 > 64
     }
 
-    /// The frequencies and attention factor of the parity fixtures'
-    /// configurations (8 positions) against those transformers' rotary
-    /// embedding held after its forward pass (computed in f32).
+    /// The frequencies and attention factor of the configurations of the
+    /// parity fixtures whose reference holds them (8 positions) against
+    /// those transformers' rotary embedding held after its forward pass
+    /// (computed in f32).
     #[test]
     fn frequencies_match_transformers() {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/train");
-        for name in [
-            "qwen3",
-            "llama3",
-            "llama-linear",
-            "llama-dynamic",
-            "llama-yarn",
-            "phi3-longrope",
-            "phi4-mini",
-        ] {
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let file = path
+                .file_name()
+                .and_then(|f| f.to_str())
+                .unwrap_or_default();
+            let Some(name) = file.strip_suffix(".ref.safetensors") else {
+                continue;
+            };
+            let reference =
+                candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+            let Some(inv_freq) = reference.get("rope.inv_freq") else {
+                continue;
+            };
             let spec = crate::inspect(&dir.join(name)).unwrap();
-            let reference = candle_core::safetensors::load(
-                dir.join(format!("{name}.ref.safetensors")),
-                &candle_core::Device::Cpu,
-            )
-            .unwrap();
-            let want: Vec<f64> = reference["rope.inv_freq"].to_vec1().unwrap();
+            let want: Vec<f64> = inv_freq.to_vec1().unwrap();
             let factor: Vec<f64> = reference["rope.attention_scaling"].to_vec1().unwrap();
             let (got, got_factor) = frequencies(&spec.config, 8).unwrap();
             assert_eq!(got.len(), want.len(), "{name}");
@@ -260,7 +284,11 @@ mod tests {
                 (got_factor - factor[0]).abs() < 1e-6,
                 "{name}: {got_factor} vs {factor:?}"
             );
+            checked += 1;
         }
+        // Qwen3, Llama 3, linear, dynamic and YaRN scaling, Phi-3 (plain
+        // and LongRoPE), Phi-4-mini.
+        assert_eq!(checked, 8, "fixtures with RoPE frequencies");
     }
 
     #[test]

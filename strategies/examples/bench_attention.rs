@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Result, Tensor, Var, D};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
+use oomfix_strategies::compare;
 
 /// Counts live bytes.
 struct Counting;
@@ -86,13 +87,12 @@ fn median(reps: usize, vars: &[Var; 3], f: Attention) -> Result<(f64, usize)> {
 }
 
 /// `max |a - b| / max |b|` of the two functions' outputs.
-fn rel_diff(vars: &[Var; 3], a: Attention, b: Attention) -> Result<f32> {
+fn rel_diff(vars: &[Var; 3], a: Attention, b: Attention) -> Result<f64> {
     let (a, b) = (
         a(&vars[0], &vars[1], &vars[2])?.detach(),
         b(&vars[0], &vars[1], &vars[2])?.detach(),
     );
-    let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-    Ok(diff / b.abs()?.max_all()?.to_scalar::<f32>()?)
+    compare::rel_diff(&a, &b)
 }
 
 /// Bytes in MiB.

@@ -35,10 +35,11 @@ use std::borrow::Cow;
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{bail, CpuStorage, DType, Layout, Shape, Tensor};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+use crate::custom_op::{CustomOp, Input, Kernel};
 use crate::float::{contiguous_range, is_kernel_dtype, Float};
 use crate::{Attention, Execution, Plan, SearchContext, Strategy};
 
@@ -188,7 +189,7 @@ pub fn flash_attention(
         lse: OnceLock::new(),
     };
     q.contiguous()?
-        .apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+        .apply_op3(&k.contiguous()?, &v.contiguous()?, CustomOp(op))
 }
 
 /// Problem sizes, checked against each other.
@@ -361,19 +362,14 @@ impl FlashOp {
     }
 }
 
-impl CustomOp3 for FlashOp {
+impl Kernel<3> for FlashOp {
     fn name(&self) -> &'static str {
         "flash-attention"
     }
 
     fn cpu_fwd(
         &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
+        [(s1, l1), (s2, l2), (s3, l3)]: [Input<'_, CpuStorage>; 3],
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (q, k, v) = (f32_view(s1, l1)?, f32_view(s2, l2)?, f32_view(s3, l3)?);
         let dims = self.dims;
@@ -396,22 +392,10 @@ impl CustomOp3 for FlashOp {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
+        inputs: [Input<'_, candle_core::CudaStorage>; 3],
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let masks = (self.keep_device.as_ref(), self.start_device.as_ref());
-        let (out, shape, lse) = cuda::forward(
-            &self.dims,
-            &self.params,
-            masks,
-            (s1, l1),
-            (s2, l2),
-            (s3, l3),
-        )?;
+        let (out, shape, lse) = cuda::forward(&self.dims, &self.params, masks, inputs)?;
         if self.lse.set(Lse::Device(lse)).is_err() {
             bail!("flash_attention: forward ran twice on one op");
         }
@@ -420,12 +404,10 @@ impl CustomOp3 for FlashOp {
 
     fn bwd(
         &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
+        [q, k, v]: [&Tensor; 3],
         o: &Tensor,
         grad_o: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    ) -> candle_core::Result<[Option<Tensor>; 3]> {
         let lse = match self.lse.get() {
             None => bail!("flash_attention: backward before forward"),
             Some(Lse::Host(lse)) => lse,
@@ -434,7 +416,7 @@ impl CustomOp3 for FlashOp {
                 let masks = (self.keep_device.as_ref(), self.start_device.as_ref());
                 let (dq, dk, dv) =
                     cuda::backward(&self.dims, &self.params, masks, lse, q, k, v, o, grad_o)?;
-                return Ok((Some(dq), Some(dk), Some(dv)));
+                return Ok([Some(dq), Some(dk), Some(dv)]);
             }
         };
         let dims = self.dims;
@@ -473,11 +455,11 @@ impl CustomOp3 for FlashOp {
         let grad = |data: Vec<f32>, like: &Tensor| {
             Tensor::from_vec(data, like.shape(), like.device())?.to_dtype(like.dtype())
         };
-        Ok((
+        Ok([
             Some(grad(dq, q)?),
             Some(grad(sum_groups(dk, group, k_len), k)?),
             Some(grad(sum_groups(dv, group, k_len), v)?),
-        ))
+        ])
     }
 }
 

@@ -64,8 +64,9 @@ use std::sync::Mutex;
 
 #[cfg(feature = "cuda")]
 use candle_core::backend::{BackendDevice, BackendStorage};
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, DType, Result, Shape, Tensor};
 
+use crate::custom_op::{CustomOp, Input, Kernel};
 use crate::nn::loss;
 use crate::nn::ops::{self, WeightLayout};
 use crate::{Execution, Plan, SearchContext, Strategy};
@@ -202,8 +203,8 @@ pub fn linear_cross_entropy(
         grads: Mutex::new(Some(grads.grads)),
     };
     match head.bias {
-        None => x.apply_op2(head.weight, op),
-        Some(b) => x.apply_op3(head.weight, b, op),
+        None => x.apply_op2(head.weight, CustomOp(op)),
+        Some(b) => x.apply_op3(head.weight, b, CustomOp(op)),
     }
 }
 
@@ -433,86 +434,36 @@ impl Attached {
     }
 }
 
-impl CustomOp2 for Attached {
+/// Over `x` and the weight (`N` = 2), and the bias (3).
+impl<const N: usize> Kernel<N> for Attached {
     fn name(&self) -> &'static str {
         "oomfix-chunked-linear-cross-entropy"
     }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        Ok(self.cpu())
-    }
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda(s)
-    }
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let [gx, gw, _] = self.take(grad)?;
-        Ok((gx, gw))
-    }
-}
 
-impl CustomOp3 for Attached {
-    fn name(&self) -> &'static str {
-        "oomfix-chunked-linear-cross-entropy"
-    }
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, _: [Input<'_, CpuStorage>; N]) -> Result<(CpuStorage, Shape)> {
         Ok(self.cpu())
     }
+
+    /// On the device of `x`.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        s: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
+        inputs: [Input<'_, candle_core::CudaStorage>; N],
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda(s)
+        self.cuda(inputs[0].0)
     }
-    fn bwd(
-        &self,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        _: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [gx, gw, gb] = self.take(grad)?;
-        Ok((gx, gw, gb))
+
+    fn bwd(&self, _: [&Tensor; N], _: &Tensor, grad: &Tensor) -> Result<[Option<Tensor>; N]> {
+        let mut grads = self.take(grad)?.into_iter();
+        Ok(std::array::from_fn(|_| grads.next().flatten()))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compare::rel_diff;
     use crate::nn::loss::cross_entropy_padded;
-    use crate::nn::ops::tests::rel_diff;
     use candle_core::{Device, Var};
 
     struct Case {
@@ -570,14 +521,20 @@ mod tests {
         grads_of(c, &loss, scale)
     }
 
+    impl Case {
+        /// The LM head of the case's weight, bias and classes.
+        fn head(&self) -> LmHead<'_> {
+            LmHead {
+                weight: self.w.as_tensor(),
+                bias: self.b.as_ref().map(Var::as_tensor),
+                classes: self.classes,
+            }
+        }
+    }
+
     fn chunked(c: &Case, bytes: u64, scale: f64) -> (f32, Vec<Tensor>) {
-        let head = LmHead {
-            weight: c.w.as_tensor(),
-            bias: c.b.as_ref().map(Var::as_tensor),
-            classes: c.classes,
-        };
-        let loss =
-            linear_cross_entropy(&c.x, &head, &c.targets, c.mask.as_ref(), bytes, scale).unwrap();
+        let loss = linear_cross_entropy(&c.x, &c.head(), &c.targets, c.mask.as_ref(), bytes, scale)
+            .unwrap();
         grads_of(c, &loss, scale)
     }
 
@@ -624,7 +581,7 @@ mod tests {
                     "{label}: loss {loss} vs {want_loss}"
                 );
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    let rel = rel_diff(g, w);
+                    let rel = rel_diff(g, w).unwrap();
                     assert!(rel < 1e-5, "{label}: gradient {i} off by {rel:e}");
                 }
                 // The padding columns' rows of the weight get nothing.
@@ -653,7 +610,7 @@ mod tests {
             assert!((loss - want_loss).abs() <= 1e-3 * want_loss, "{dtype:?}");
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.dtype(), dtype);
-                let rel = rel_diff(g, w);
+                let rel = rel_diff(g, w).unwrap();
                 assert!(rel < 0.02, "{dtype:?}: gradient {i} off by {rel:e}");
             }
         }
@@ -666,15 +623,10 @@ mod tests {
     fn an_other_incoming_gradient_rescales_and_a_second_backward_fails() {
         let c = case(5, 4, 8, 8, false, false, DType::F32);
         let (_, want) = whole(&c, 3.0);
-        let head = LmHead {
-            weight: c.w.as_tensor(),
-            bias: None,
-            classes: 8,
-        };
-        let loss = linear_cross_entropy(&c.x, &head, &c.targets, None, 64, 1.0).unwrap();
+        let loss = linear_cross_entropy(&c.x, &c.head(), &c.targets, None, 64, 1.0).unwrap();
         let store = loss.affine(3.0, 0.0).unwrap().backward().unwrap();
-        assert!(rel_diff(store.get(&c.w).unwrap(), &want[1]) < 1e-5);
-        assert!(rel_diff(store.get(&c.x).unwrap(), &want[0]) < 1e-5);
+        assert!(rel_diff(store.get(&c.w).unwrap(), &want[1]).unwrap() < 1e-5);
+        assert!(rel_diff(store.get(&c.x).unwrap(), &want[0]).unwrap() < 1e-5);
         let again = loss.backward().unwrap_err().to_string();
         assert!(again.contains("twice"), "{again}");
     }
@@ -685,11 +637,7 @@ mod tests {
     fn detached_inputs_give_the_loss_only_and_bad_shapes_are_errors() {
         let c = case(6, 4, 8, 8, false, true, DType::F32);
         let (want, _) = whole(&c, 1.0);
-        let head = LmHead {
-            weight: c.w.as_tensor(),
-            bias: None,
-            classes: 8,
-        };
+        let head = c.head();
         let x = c.x.as_tensor().detach();
         let loss = linear_cross_entropy(&x, &head, &c.targets, c.mask.as_ref(), 64, 1.0).unwrap();
         assert!(!loss.track_op());

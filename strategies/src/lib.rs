@@ -60,8 +60,10 @@ pub mod attention;
 pub mod checkpoint;
 pub mod chunked_loss;
 pub mod clip;
+pub mod compare;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod custom_op;
 mod error;
 mod execution;
 mod facts;

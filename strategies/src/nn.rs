@@ -22,6 +22,9 @@
 //!   `bias` `[out]`; `layer_norm(size, eps, vb)`, `rms_norm`,
 //!   `embedding(vocab, hidden, vb)`), implement [`Module`], and convert from
 //!   the `candle_nn` types with `From`: switching a model is an import.
+//! * [`Projection`]: a linear layer whose weight may be frozen, as LoRA
+//!   and QLoRA train a model ([`crate::lora`]): trained, frozen, or frozen
+//!   with an adapter.
 //! * [`ops`]: layer norm, RMS norm, biased linear maps, GELU, SwiGLU, rotary
 //!   position embedding, the token embedding lookup and the attention
 //!   probabilities `softmax(q·kᵀ·scale + mask)`, as functions.
@@ -101,5 +104,5 @@ pub use candle_core::Module;
 pub use candle_nn::LayerNormConfig;
 pub use layers::{
     embedding, layer_norm, layer_norm_no_bias, linear, linear_b, linear_no_bias, rms_norm,
-    Activation, Embedding, LayerNorm, Linear, RmsNorm, RotaryEmbedding,
+    Activation, Embedding, LayerNorm, Linear, Projection, RmsNorm, RotaryEmbedding,
 };

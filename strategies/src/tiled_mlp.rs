@@ -40,10 +40,11 @@
 //! ```
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
+use candle_core::{CpuStorage, Shape, Tensor, Var};
 use std::cell::RefCell;
 use std::sync::Arc;
 
+use crate::custom_op::{CustomOp, Input, Kernel};
 use crate::{Execution, PartRun, Plan, SearchContext, Strategy};
 
 /// Tokens per tile the planner picks: a multiple of the GPU kernels' tiles,
@@ -174,7 +175,7 @@ pub fn tiled_rows(
     let out = Tensor::cat(&outs, 0)?;
     drop(outs);
     let op = Tiled { part, tile };
-    flat.apply_op2_arc(&out, Arc::new(Box::new(op)))?
+    flat.apply_op2_arc(&out, Arc::new(Box::new(CustomOp(op))))?
         .reshape(x.shape())
 }
 
@@ -185,17 +186,14 @@ struct Tiled {
     tile: usize,
 }
 
-impl CustomOp2 for Tiled {
+impl Kernel<2> for Tiled {
     fn name(&self) -> &'static str {
         "oomfix-tiled-rows"
     }
 
     fn cpu_fwd(
         &self,
-        _: &CpuStorage,
-        _: &Layout,
-        out: &CpuStorage,
-        l: &Layout,
+        [_, (out, l)]: [Input<'_, CpuStorage>; 2],
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (a, b) = l.contiguous_offsets().ok_or_else(|| {
             candle_core::Error::Msg("tiled rows: the output is not contiguous".into())
@@ -213,10 +211,7 @@ impl CustomOp2 for Tiled {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        out: &candle_core::CudaStorage,
-        l: &Layout,
+        [_, (out, l)]: [Input<'_, candle_core::CudaStorage>; 2],
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::{BackendDevice, BackendStorage};
         let mut copy = out.device().zeros_impl(l.shape(), out.dtype())?;
@@ -226,11 +221,10 @@ impl CustomOp2 for Tiled {
 
     fn bwd(
         &self,
-        x: &Tensor,
-        _out: &Tensor,
-        _res: &Tensor,
+        [x, _]: [&Tensor; 2],
+        _: &Tensor,
         grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    ) -> candle_core::Result<[Option<Tensor>; 2]> {
         let rows = x.dim(0)?;
         let mut grads_x = Vec::with_capacity(rows.div_ceil(self.tile));
         for start in (0..rows).step_by(self.tile) {
@@ -249,7 +243,7 @@ impl CustomOp2 for Tiled {
                 })?;
             grads_x.push(gx);
         }
-        Ok((Some(Tensor::cat(&grads_x, 0)?), None))
+        Ok([Some(Tensor::cat(&grads_x, 0)?), None])
     }
 }
 

@@ -1,43 +1,19 @@
 //! The fused step allocates no tensor-sized memory (its own test binary: it
 //! installs a counting global allocator).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+mod common;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::Optimizer;
+use common::{allocated, Counting};
 use oomfix_strategies::adamw::{FusedAdamW, ParamsAdamW};
-
-/// Counts live bytes and their high-water mark.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
-            PEAK.fetch_max(live, Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(p, layout) };
-        LIVE.fetch_sub(layout.size(), Relaxed);
-    }
-}
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
 /// Bytes allocated above the level at entry, at the worst moment of `f`.
 fn transient(f: impl FnOnce()) -> usize {
-    let base = LIVE.load(Relaxed);
-    PEAK.store(base, Relaxed);
-    f();
-    PEAK.load(Relaxed) - base
+    allocated(f).2
 }
 
 #[test]

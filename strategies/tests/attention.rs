@@ -4,35 +4,12 @@
 
 mod common;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::{RwLock, RwLockReadGuard};
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use common::{assert_close, det, values};
+use common::{allocated, assert_close, det, values, Counting};
 use oomfix_strategies::attention::{flash_attention, AttentionOptions};
 use oomfix_strategies::nn::ops::{attention_probs, ProbsOptions};
-
-/// Counts live bytes and their high-water mark.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
-            PEAK.fetch_max(live, Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(p, layout) };
-        LIVE.fetch_sub(layout.size(), Relaxed);
-    }
-}
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
@@ -628,11 +605,7 @@ fn kept_after_forward(
     );
     let mut runs: Vec<(usize, usize)> = (0..3)
         .map(|_| {
-            let base = LIVE.load(Relaxed);
-            PEAK.store(base, Relaxed);
-            let o = f(&q, &k, &v).unwrap();
-            let kept = LIVE.load(Relaxed).saturating_sub(base);
-            let peak = PEAK.load(Relaxed) - base;
+            let (o, kept, peak) = allocated(|| f(&q, &k, &v).unwrap());
             drop(o);
             (kept, peak)
         })

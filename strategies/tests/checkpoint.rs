@@ -3,6 +3,7 @@
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, VarBuilder, VarMap};
 use oomfix_strategies::checkpoint::{self, Block, Gradients};
+use oomfix_strategies::compare::rel_diff;
 use oomfix_strategies::{Checkpointing, SegmentInputs};
 
 const WIDTH: usize = 16;
@@ -125,26 +126,6 @@ fn grads(g: &Gradients) -> Vec<&Tensor> {
         .collect()
 }
 
-/// max |a - b| / max |b|
-fn relative_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let diff = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let scale = b
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    diff / scale
-}
-
 #[test]
 fn checkpoint_gradients_match_plain_backward() {
     let stack = Stack::new().unwrap();
@@ -169,7 +150,7 @@ fn checkpoint_gradients_match_plain_backward() {
         );
         assert_eq!(a, b, "Every({k}) loss");
         for (i, (c, p)) in grads(&ckpt).into_iter().zip(grads(&plain)).enumerate() {
-            let rel = relative_diff(c, p);
+            let rel = rel_diff(c, p).unwrap();
             assert!(rel < 1e-5, "Every({k}): var {i} differs by {rel:e}");
         }
     }
@@ -187,7 +168,7 @@ fn checkpoint_loss_scale_scales_gradients_not_the_loss() {
         );
         for (s, p) in grads(&scaled).into_iter().zip(grads(&plain)) {
             let unscaled = (s / 1024.0).unwrap();
-            assert!(relative_diff(&unscaled, p) < 1e-5, "{policy}");
+            assert!(rel_diff(&unscaled, p).unwrap() < 1e-5, "{policy}");
         }
     }
 }

@@ -64,13 +64,18 @@ fn loss_scaler_backoff_and_growth_sequence() {
     assert_eq!((s.scale(), s.growth_tracker()), (1024.0, 5));
 }
 
-#[test]
-fn unscale_divides_and_detects_inf_and_nan() {
-    let s = LossScaler::new(LossScalerConfig {
-        init_scale: 1024.0,
+/// A loss scaler starting at `init_scale`, otherwise as by default.
+fn scaler(init_scale: f64) -> LossScaler {
+    LossScaler::new(LossScalerConfig {
+        init_scale,
         ..Default::default()
     })
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn unscale_divides_and_detects_inf_and_nan() {
+    let s = scaler(1024.0);
     let dev = Device::Cpu;
     let mut grads = vec![
         Tensor::new(&[1024f32, -2048.0], &dev).unwrap(),
@@ -112,11 +117,7 @@ fn unscale_divides_and_detects_inf_and_nan() {
         .unwrap()];
     assert!(!s.unscale_and_check(&mut grads).unwrap());
     // large finite f16 values whose sum would overflow f16 are still finite
-    let one = LossScaler::new(LossScalerConfig {
-        init_scale: 1.0,
-        ..Default::default()
-    })
-    .unwrap();
+    let one = scaler(1.0);
     let mut grads = vec![Tensor::full(60000f32, 64, &dev)
         .unwrap()
         .to_dtype(DType::F16)
@@ -126,11 +127,7 @@ fn unscale_divides_and_detects_inf_and_nan() {
 
 #[test]
 fn scaled_loss_scales_the_gradients() {
-    let s = LossScaler::new(LossScalerConfig {
-        init_scale: 8.0,
-        ..Default::default()
-    })
-    .unwrap();
+    let s = scaler(8.0);
     let w = Var::new(&[3f32], &Device::Cpu).unwrap();
     let loss = w.as_tensor().sqr().unwrap().sum_all().unwrap();
     let store = s.scale_loss(&loss).unwrap().backward().unwrap();

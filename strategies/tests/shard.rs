@@ -60,6 +60,19 @@ fn adamw() -> ParamsAdamW {
     }
 }
 
+/// `f` on each rank of a [`ThreadComm`] group of `world` threads: the
+/// results in rank order.
+fn on_ranks<T: Send>(world: usize, f: impl Fn(ThreadComm) -> T + Sync) -> Vec<T> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadComm::group(world)
+            .into_iter()
+            .map(|comm| s.spawn(move || f(comm)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// Trains on `world` threads at `stage`, with each rank's optimizer on the
 /// host when `offload`; every rank sees its slice of each global batch.
 /// Returns each rank's final parameters (gathered for stage 3) and its
@@ -69,63 +82,48 @@ fn train(
     stage: ZeroStage,
     offload: bool,
 ) -> Vec<(Vec<Tensor>, HashMap<String, Tensor>)> {
-    std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadComm::group(world)
-            .into_iter()
-            .map(|comm| {
-                s.spawn(move || {
-                    let rank = comm.rank();
-                    let params = init_params();
-                    let mut opt = if offload {
-                        ShardedOptimizer::offloaded(
-                            comm,
-                            params.clone(),
-                            adamw(),
-                            stage,
-                            DEFAULT_BUCKET_BYTES,
-                        )
-                    } else {
-                        ShardedOptimizer::new(comm, params.clone(), adamw(), stage)
-                    }
-                    .unwrap();
-                    assert_eq!(opt.is_offloaded(), offload);
-                    // Offloaded, a rank's fp32 weights of record are masters of
-                    // their own (the host's), one per owned parameter.
-                    for (i, p) in params.iter().enumerate() {
-                        let record = opt.weights_of_record(i);
-                        assert_eq!(record.is_some(), opt.owners()[i] == rank);
-                        let separate =
-                            record.is_some_and(|m| m.as_tensor().id() != p.as_tensor().id());
-                        assert_eq!(separate, offload && record.is_some());
-                    }
-                    let rows = GLOBAL_BATCH / world;
-                    for step in 0..STEPS {
-                        opt.gather_params().unwrap();
-                        let (x, y) = batch(step);
-                        let (x, y) = (
-                            x.narrow(0, rank * rows, rows).unwrap(),
-                            y.narrow(0, rank * rows, rows).unwrap(),
-                        );
-                        let store = loss(&params, &x, &y).backward().unwrap();
-                        let grads = collect_grads(&store, &params).unwrap();
-                        drop(store);
-                        opt.release_params().unwrap();
-                        opt.step(grads).unwrap();
-                        assert_eq!(opt.is_released(), stage == ZeroStage::Parameters);
-                    }
-                    opt.gather_params().unwrap();
-                    let state = opt.optimizer().state_tensors().unwrap();
-                    (
-                        params
-                            .iter()
-                            .map(|p| p.as_detached_tensor())
-                            .collect::<Vec<_>>(),
-                        state,
-                    )
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_ranks(world, |comm| {
+        let rank = comm.rank();
+        let params = init_params();
+        let mut opt = if offload {
+            ShardedOptimizer::offloaded(comm, params.clone(), adamw(), stage, DEFAULT_BUCKET_BYTES)
+        } else {
+            ShardedOptimizer::new(comm, params.clone(), adamw(), stage)
+        }
+        .unwrap();
+        assert_eq!(opt.is_offloaded(), offload);
+        // Offloaded, a rank's fp32 weights of record are masters of
+        // their own (the host's), one per owned parameter.
+        for (i, p) in params.iter().enumerate() {
+            let record = opt.weights_of_record(i);
+            assert_eq!(record.is_some(), opt.owners()[i] == rank);
+            let separate = record.is_some_and(|m| m.as_tensor().id() != p.as_tensor().id());
+            assert_eq!(separate, offload && record.is_some());
+        }
+        let rows = GLOBAL_BATCH / world;
+        for step in 0..STEPS {
+            opt.gather_params().unwrap();
+            let (x, y) = batch(step);
+            let (x, y) = (
+                x.narrow(0, rank * rows, rows).unwrap(),
+                y.narrow(0, rank * rows, rows).unwrap(),
+            );
+            let store = loss(&params, &x, &y).backward().unwrap();
+            let grads = collect_grads(&store, &params).unwrap();
+            drop(store);
+            opt.release_params().unwrap();
+            opt.step(grads).unwrap();
+            assert_eq!(opt.is_released(), stage == ZeroStage::Parameters);
+        }
+        opt.gather_params().unwrap();
+        let state = opt.optimizer().state_tensors().unwrap();
+        (
+            params
+                .iter()
+                .map(|p| p.as_detached_tensor())
+                .collect::<Vec<_>>(),
+            state,
+        )
     })
 }
 
@@ -189,37 +187,25 @@ fn greedy_partition_largest_first() {
 
 #[test]
 fn stage3_frees_non_owned_parameters_between_steps() {
-    let finals = std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadComm::group(2)
-            .into_iter()
-            .map(|comm| {
-                s.spawn(move || {
-                    let rank = comm.rank();
-                    let params = init_params();
-                    let opt =
-                        ShardedOptimizer::new(comm, params.clone(), adamw(), ZeroStage::Parameters)
-                            .unwrap();
-                    assert!(opt.is_released());
-                    let x = Tensor::ones((1, 6), candle_core::DType::F32, &Device::Cpu).unwrap();
-                    for (p, &owner) in params.iter().zip(opt.owners()) {
-                        let used = p
-                            .as_tensor()
-                            .broadcast_mul(&x.narrow(1, 0, p.dims()[p.rank() - 1]).unwrap());
-                        // an owned parameter is usable; a freed one gives an error, not a value
-                        assert_eq!(used.is_ok(), owner == rank, "rank {rank}, owner {owner}");
-                    }
-                    let mut opt = opt;
-                    opt.gather_params().unwrap();
-                    params
-                        .iter()
-                        .map(|p| values(p.as_tensor()).unwrap())
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
+    let finals = on_ranks(2, |comm| {
+        let rank = comm.rank();
+        let params = init_params();
+        let opt =
+            ShardedOptimizer::new(comm, params.clone(), adamw(), ZeroStage::Parameters).unwrap();
+        assert!(opt.is_released());
+        let x = Tensor::ones((1, 6), candle_core::DType::F32, &Device::Cpu).unwrap();
+        for (p, &owner) in params.iter().zip(opt.owners()) {
+            let used = p
+                .as_tensor()
+                .broadcast_mul(&x.narrow(1, 0, p.dims()[p.rank() - 1]).unwrap());
+            // an owned parameter is usable; a freed one gives an error, not a value
+            assert_eq!(used.is_ok(), owner == rank, "rank {rank}, owner {owner}");
+        }
+        let mut opt = opt;
+        opt.gather_params().unwrap();
+        params
+            .iter()
+            .map(|p| values(p.as_tensor()).unwrap())
             .collect::<Vec<_>>()
     });
     // gathered parameters are the initial ones on both ranks
@@ -232,36 +218,24 @@ fn stage3_frees_non_owned_parameters_between_steps() {
 
 #[test]
 fn thread_comm_collectives() {
-    let results = std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadComm::group(3)
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let r = c.rank() as f32;
-                    let t = Tensor::new(&[r, 10.0 * r], &Device::Cpu).unwrap();
-                    let all = values(&c.all_reduce_sum(&t).unwrap()).unwrap();
-                    let reduced = c.reduce_sum(&t, 1).unwrap().map(|t| values(&t).unwrap());
-                    let bcast = values(&c.broadcast(&t, 2).unwrap()).unwrap();
-                    let gathered: Vec<_> = c
-                        .all_gather(&t)
-                        .unwrap()
-                        .iter()
-                        .map(|t| values(t).unwrap())
-                        .collect();
-                    let bad_root = c.broadcast(&t, 3).is_err();
-                    let bad_shape = c.broadcast(
-                        &Tensor::zeros(c.rank() + 1, candle_core::DType::F32, &Device::Cpu)
-                            .unwrap(),
-                        0,
-                    );
-                    (all, reduced, bcast, gathered, bad_root, bad_shape.is_err())
-                })
-            })
+    let results = on_ranks(3, |c| {
+        let r = c.rank() as f32;
+        let t = Tensor::new(&[r, 10.0 * r], &Device::Cpu).unwrap();
+        let all = values(&c.all_reduce_sum(&t).unwrap()).unwrap();
+        let reduced = c.reduce_sum(&t, 1).unwrap().map(|t| values(&t).unwrap());
+        let bcast = values(&c.broadcast(&t, 2).unwrap()).unwrap();
+        let gathered: Vec<_> = c
+            .all_gather(&t)
+            .unwrap()
+            .iter()
+            .map(|t| values(t).unwrap())
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+        let bad_root = c.broadcast(&t, 3).is_err();
+        let bad_shape = c.broadcast(
+            &Tensor::zeros(c.rank() + 1, candle_core::DType::F32, &Device::Cpu).unwrap(),
+            0,
+        );
+        (all, reduced, bcast, gathered, bad_root, bad_shape.is_err())
     });
     for (rank, (all, reduced, bcast, gathered, bad_root, bad_shape)) in
         results.into_iter().enumerate()
@@ -277,23 +251,12 @@ fn thread_comm_collectives() {
 
 #[test]
 fn mismatched_ranks_fail_on_every_rank() {
-    let outcomes = std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadComm::group(2)
-            .into_iter()
-            .map(|comm| {
-                s.spawn(move || {
-                    let mut params = init_params();
-                    if comm.rank() == 1 {
-                        params.pop();
-                    }
-                    ShardedOptimizer::new(comm, params, adamw(), ZeroStage::Gradients).is_err()
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+    let outcomes = on_ranks(2, |comm| {
+        let mut params = init_params();
+        if comm.rank() == 1 {
+            params.pop();
+        }
+        ShardedOptimizer::new(comm, params, adamw(), ZeroStage::Gradients).is_err()
     });
     assert_eq!(outcomes, [true, true]);
     assert!(ZeroStage::try_from(4).is_err());
@@ -334,47 +297,35 @@ impl<C: Comm> Comm for Counting<C> {
 /// Collectives of one step at `bucket_bytes`, on 2 ranks at stage 2, and the
 /// parameters after it (rank 0's).
 fn one_step_calls(bucket_bytes: usize) -> (usize, Vec<Vec<f32>>) {
-    let out = std::thread::scope(|s| {
-        let handles: Vec<_> = ThreadComm::group(2)
-            .into_iter()
-            .map(|inner| {
-                s.spawn(move || {
-                    let rank = inner.rank();
-                    let comm = Counting {
-                        inner,
-                        calls: 0.into(),
-                    };
-                    let params = init_params();
-                    let mut opt = ShardedOptimizer::with_buckets(
-                        comm,
-                        params.clone(),
-                        adamw(),
-                        ZeroStage::Gradients,
-                        bucket_bytes,
-                    )
-                    .unwrap();
-                    let (x, y) = batch(0);
-                    let (x, y) = (
-                        x.narrow(0, rank * 4, 4).unwrap(),
-                        y.narrow(0, rank * 4, 4).unwrap(),
-                    );
-                    let grads =
-                        collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap();
-                    let before = opt.comm().calls.load(std::sync::atomic::Ordering::SeqCst);
-                    opt.step(grads).unwrap();
-                    let calls = opt.comm().calls.load(std::sync::atomic::Ordering::SeqCst) - before;
-                    let values: Vec<_> = params
-                        .iter()
-                        .map(|p| values(p.as_tensor()).unwrap())
-                        .collect();
-                    (calls, values)
-                })
-            })
+    let out = on_ranks(2, |inner| {
+        let rank = inner.rank();
+        let comm = Counting {
+            inner,
+            calls: 0.into(),
+        };
+        let params = init_params();
+        let mut opt = ShardedOptimizer::with_buckets(
+            comm,
+            params.clone(),
+            adamw(),
+            ZeroStage::Gradients,
+            bucket_bytes,
+        )
+        .unwrap();
+        let (x, y) = batch(0);
+        let (x, y) = (
+            x.narrow(0, rank * 4, 4).unwrap(),
+            y.narrow(0, rank * 4, 4).unwrap(),
+        );
+        let grads = collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap();
+        let before = opt.comm().calls.load(std::sync::atomic::Ordering::SeqCst);
+        opt.step(grads).unwrap();
+        let calls = opt.comm().calls.load(std::sync::atomic::Ordering::SeqCst) - before;
+        let values: Vec<_> = params
+            .iter()
+            .map(|p| values(p.as_tensor()).unwrap())
             .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap())
-            .collect::<Vec<_>>()
+        (calls, values)
     });
     out.into_iter().next().unwrap()
 }
@@ -406,39 +357,27 @@ fn micro_batches_reduced_one_by_one_leave_each_rank_its_share() {
     let want = collect_grads(&loss(&params, &x, &y).backward().unwrap(), &params).unwrap();
     let (world, micro) = (2, 2);
     for stage in [ZeroStage::Gradients, ZeroStage::Parameters] {
-        let per_rank = std::thread::scope(|s| {
-            let handles: Vec<_> = ThreadComm::group(world)
-                .into_iter()
-                .map(|comm| {
-                    s.spawn(move || {
-                        let rank = comm.rank();
-                        let params = init_params();
-                        let mut opt =
-                            ShardedOptimizer::new(comm, params.clone(), adamw(), stage).unwrap();
-                        opt.gather_params().unwrap();
-                        let rows = GLOBAL_BATCH / world / micro;
-                        let (x, y) = batch(0);
-                        for k in 0..micro {
-                            let at = (rank * micro + k) * rows;
-                            let l = loss(
-                                &params,
-                                &x.narrow(0, at, rows).unwrap(),
-                                &y.narrow(0, at, rows).unwrap(),
-                            );
-                            opt.reduce(collect_grads(&l.backward().unwrap(), &params).unwrap())
-                                .unwrap();
-                        }
-                        let owned: Vec<usize> = (0..params.len())
-                            .filter(|&i| opt.owners()[i] == rank)
-                            .collect();
-                        (owned, opt.take_reduced(1.0 / micro as f64).unwrap())
-                    })
-                })
+        let per_rank = on_ranks(world, |comm| {
+            let rank = comm.rank();
+            let params = init_params();
+            let mut opt = ShardedOptimizer::new(comm, params.clone(), adamw(), stage).unwrap();
+            opt.gather_params().unwrap();
+            let rows = GLOBAL_BATCH / world / micro;
+            let (x, y) = batch(0);
+            for k in 0..micro {
+                let at = (rank * micro + k) * rows;
+                let l = loss(
+                    &params,
+                    &x.narrow(0, at, rows).unwrap(),
+                    &y.narrow(0, at, rows).unwrap(),
+                );
+                opt.reduce(collect_grads(&l.backward().unwrap(), &params).unwrap())
+                    .unwrap();
+            }
+            let owned: Vec<usize> = (0..params.len())
+                .filter(|&i| opt.owners()[i] == rank)
                 .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
+            (owned, opt.take_reduced(1.0 / micro as f64).unwrap())
         });
         let mut seen = 0;
         for (rank, (owned, grads)) in per_rank.iter().enumerate() {

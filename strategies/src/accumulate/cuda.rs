@@ -3,15 +3,14 @@
 //! compiled once per process with NVRTC and loaded through candle's CUDA
 //! device, which keeps one module per device).
 
-use std::sync::OnceLock;
+use std::ops::Deref;
 
-use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-use candle_core::cuda_backend::cudarc::nvrtc::{CompileError, CompileOptions};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::Tensor;
+use candle_core::{CudaDevice, Tensor};
 
 use crate::cuda::{
-    dtype_name, grid_stride_config, with_cuda_mut, with_cuda_mut_src, with_float_slice,
+    dtype_name, grid_stride_config, with_cuda_mut, with_cuda_mut_src, with_float_slice, Ptx,
 };
 use crate::float::contiguous_range;
 
@@ -26,15 +25,23 @@ const WHAT: &str = "gradient accumulation kernel";
 
 /// The PTX of [`SOURCE`], compiled on first use.
 fn ptx() -> candle_core::Result<&'static str> {
-    static PTX: OnceLock<Result<String, CompileError>> = OnceLock::new();
-    let compiled = PTX.get_or_init(|| {
-        let options = CompileOptions {
-            name: Some("oomfix_accumulate.cu".into()),
-            ..Default::default()
-        };
-        crate::cuda::compile(SOURCE, options)
-    });
-    compiled.as_deref().map_err(|e| e.clone()).w()
+    static PTX: Ptx = Ptx::new();
+    crate::cuda::ptx(&PTX, SOURCE, "oomfix_accumulate.cu")
+}
+
+/// The kernel `name` on `dev` and its grid-stride launch over `n`
+/// elements; `None` for no element.
+fn loaded(
+    dev: &CudaDevice,
+    name: &str,
+    n: usize,
+) -> candle_core::Result<Option<(impl Deref<Target = CudaFunction>, LaunchConfig)>> {
+    if n == 0 {
+        return Ok(None);
+    }
+    let func = dev.get_or_load_custom_func(name, MODULE, ptx()?)?;
+    let cfg = grid_stride_config(dev, &func, BLOCK, n)?;
+    Ok(Some((func, cfg)))
 }
 
 /// `acc += g` in place; both contiguous CUDA tensors of equal element count.
@@ -60,17 +67,15 @@ fn elementwise(kernel: &str, acc: &Tensor, g: &Tensor) -> candle_core::Result<()
         if ar.len() != gr.len() {
             candle_core::bail!("{WHAT}: operands differ in length");
         }
-        let n = ar.len();
-        if n == 0 {
+        let Some((func, cfg)) = loaded(&a.device, &name, ar.len())? else {
             return Ok(());
-        }
-        let func = a.device.get_or_load_custom_func(&name, MODULE, ptx()?)?;
-        let cfg = grid_stride_config(&a.device, &func, BLOCK, n)?;
-        let n = n as u64;
+        };
+        let n = ar.len() as u64;
+        let stream = a.device.cuda_stream();
         with_float_slice!(&mut a.slice, as_ => with_float_slice!(&g.slice, gs => {
             let mut av = as_.slice_mut(ar.clone());
             let gv = gs.slice(gr.clone());
-            let mut launch = func.builder();
+            let mut launch = stream.launch_builder(&func);
             launch.arg(&mut av).arg(&gv).arg(&n);
             // SAFETY: the arguments match the kernel's signature (acc, g, n);
             // both views hold n elements of the dtypes the name was built from.
@@ -85,16 +90,14 @@ pub(super) fn scale(acc: &Tensor, s: f32) -> candle_core::Result<()> {
     let name = format!("scale_{}", dtype_name(acc.dtype(), WHAT)?);
     with_cuda_mut(acc, |a, al| {
         let ar = contiguous_range(al)?;
-        let n = ar.len();
-        if n == 0 {
+        let Some((func, cfg)) = loaded(&a.device, &name, ar.len())? else {
             return Ok(());
-        }
-        let func = a.device.get_or_load_custom_func(&name, MODULE, ptx()?)?;
-        let cfg = grid_stride_config(&a.device, &func, BLOCK, n)?;
-        let n = n as u64;
+        };
+        let n = ar.len() as u64;
+        let stream = a.device.cuda_stream();
         with_float_slice!(&mut a.slice, as_ => {
             let mut av = as_.slice_mut(ar.clone());
-            let mut launch = func.builder();
+            let mut launch = stream.launch_builder(&func);
             launch.arg(&mut av).arg(&s).arg(&n);
             // SAFETY: the arguments match the kernel's signature (acc, s, n);
             // the view holds n elements of the dtype the name was built from.

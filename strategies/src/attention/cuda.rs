@@ -128,19 +128,13 @@ fn device_info(dev: &CudaDevice) -> candle_core::Result<&'static DeviceInfo> {
     if let Some(info) = INFO.get() {
         return Ok(info);
     }
+    use CUdevice_attribute as A;
     let ctx = dev.cuda_stream().context().clone();
-    let major = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-        .w()?;
-    let minor = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
-        .w()?;
-    let max_smem = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .w()?;
-    let sms = ctx
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .w()?;
+    let attribute = |a: A| ctx.attribute(a).w();
+    let major = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let max_smem = attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+    let sms = attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     let simt_forced = std::env::var("OOMFIX_FLASH_SIMT").is_ok_and(|v| v == "1");
     let wgmma_off = std::env::var("OOMFIX_FLASH_WGMMA").is_ok_and(|v| v == "0");
     // wgmma needs the architecture-specific target of compute capability 9.0.
@@ -321,22 +315,24 @@ impl Variant {
     }
 }
 
-/// The device's keep flags of a `[b, s_k]` u8 mask (and `true`), or a
-/// one-byte placeholder (and `false`).
-fn keep_slice(
+/// A copy on the device of a contiguous mask of `T` (the key padding flags
+/// `[b, s_k]` u8, the key starts `[b, s_q]` u32) and `true`, or a
+/// one-element placeholder and `false`; `what` names it in errors.
+fn mask_slice<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     dev: &CudaDevice,
-    keep: Option<&Tensor>,
-) -> candle_core::Result<(CudaSlice<u8>, bool)> {
-    let Some(keep) = keep else {
-        return Ok((dev.alloc_zeros::<u8>(1)?, false));
+    mask: Option<&Tensor>,
+    what: &str,
+) -> candle_core::Result<(CudaSlice<T>, bool)> {
+    let Some(mask) = mask else {
+        return Ok((dev.alloc_zeros::<T>(1)?, false));
     };
-    let (storage, layout) = keep.storage_and_layout();
+    let (storage, layout) = mask.storage_and_layout();
     let Storage::Cuda(s) = &*storage else {
-        bail!("flash_attention: the key padding mask is not on the CUDA device");
+        bail!("flash_attention: {what} are not on the CUDA device");
     };
-    let src = s.as_cuda_slice::<u8>()?;
+    let src = s.as_cuda_slice::<T>()?;
     let n = layout.shape().elem_count();
-    let mut dst = dev.alloc_zeros::<u8>(n.max(1))?;
+    let mut dst = dev.alloc_zeros::<T>(n.max(1))?;
     let start = layout.start_offset();
     if n > 0 {
         dev.memcpy_dtod(&src.slice(start..start + n), &mut dst.slice_mut(0..n))?;
@@ -344,27 +340,18 @@ fn keep_slice(
     Ok((dst, true))
 }
 
-/// The device's key starts of a `[b, s_q]` u32 tensor (and `true`), or a
-/// one-element placeholder (and `false`).
-fn start_slice(
+/// The device's copies of `masks` (or placeholders) and the kernels'
+/// parameters.
+fn launch_masks(
     dev: &CudaDevice,
-    start: Option<&Tensor>,
-) -> candle_core::Result<(CudaSlice<u32>, bool)> {
-    let Some(start) = start else {
-        return Ok((dev.alloc_zeros::<u32>(1)?, false));
-    };
-    let (storage, layout) = start.storage_and_layout();
-    let Storage::Cuda(s) = &*storage else {
-        bail!("flash_attention: the key starts are not on the CUDA device");
-    };
-    let src = s.as_cuda_slice::<u32>()?;
-    let n = layout.shape().elem_count();
-    let mut dst = dev.alloc_zeros::<u32>(n.max(1))?;
-    let first = layout.start_offset();
-    if n > 0 {
-        dev.memcpy_dtod(&src.slice(first..first + n), &mut dst.slice_mut(0..n))?;
-    }
-    Ok((dst, true))
+    dims: &Dims,
+    params: &Params,
+    (keep, start): Masks,
+) -> candle_core::Result<(CudaSlice<u8>, CudaSlice<u32>, KernelParams)> {
+    let (keep, has_keep) = mask_slice::<u8>(dev, keep, "the key padding flags")?;
+    let (start, has_start) = mask_slice::<u32>(dev, start, "the key starts")?;
+    let p = kernel_params(dims, params, (has_keep, has_start))?;
+    Ok((keep, start, p))
 }
 
 /// The key padding flags (`[b, s_k]` u8) and key starts (`[b, s_q]` u32) on
@@ -461,19 +448,18 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout) -> candle_core::Result
         .slice(start..start + l.shape().elem_count()))
 }
 
-/// The forward pass: the output and the log-sum-exp of every query row.
+/// The forward pass of `q`, `k` and `v` (storages and layouts): the output
+/// and the log-sum-exp of every query row.
 pub(super) fn forward(
     dims: &Dims,
     params: &Params,
     masks: Masks,
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
+    qkv: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<(CudaStorage, Shape, CudaSlice<f32>)> {
-    match q.dtype() {
-        DType::F32 => forward_t::<f32>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
-        DType::BF16 => forward_t::<bf16>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
-        DType::F16 => forward_t::<f16>(dims, params, masks, (q, ql), (k, kl), (v, vl)),
+    match qkv[0].0.dtype() {
+        DType::F32 => forward_t::<f32>(dims, params, masks, qkv),
+        DType::BF16 => forward_t::<bf16>(dims, params, masks, qkv),
+        DType::F16 => forward_t::<f16>(dims, params, masks, qkv),
         other => bail!("flash_attention: unsupported dtype {other:?}"),
     }
 }
@@ -481,10 +467,8 @@ pub(super) fn forward(
 fn forward_t<T: CudaDType + DeviceRepr>(
     dims: &Dims,
     params: &Params,
-    (keep, start): Masks,
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
+    masks: Masks,
+    [(q, ql), (k, kl), (v, vl)]: [(&CudaStorage, &Layout); 3],
 ) -> candle_core::Result<(CudaStorage, Shape, CudaSlice<f32>)> {
     let dev = &q.device;
     let info = device_info(dev)?;
@@ -496,9 +480,7 @@ fn forward_t<T: CudaDType + DeviceRepr>(
     let mut out = unsafe { dev.alloc::<T>(rows * dims.d) }?;
     let mut lse = unsafe { dev.alloc::<f32>(rows) }?;
     if rows > 0 && dims.d > 0 {
-        let (keep, has_keep) = keep_slice(dev, keep)?;
-        let (start, has_start) = start_slice(dev, start)?;
-        let p = kernel_params(dims, params, (has_keep, has_start))?;
+        let (keep, start, p) = launch_masks(dev, dims, params, masks)?;
         let vec = vectorizable(
             dims.d,
             &[ql.start_offset(), kl.start_offset(), vl.start_offset()],
@@ -565,7 +547,7 @@ pub(super) fn backward(
 fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     dims: &Dims,
     params: &Params,
-    (keep, start): Masks,
+    masks: Masks,
     lse: &CudaSlice<f32>,
     tensors: [&Tensor; 5],
 ) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
@@ -586,9 +568,7 @@ fn backward_t<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             dev.alloc_zeros::<T>(kv_len)?,
         )
     } else {
-        let (keep, has_keep) = keep_slice(&dev, keep)?;
-        let (start, has_start) = start_slice(&dev, start)?;
-        let p = kernel_params(dims, params, (has_keep, has_start))?;
+        let (keep, start, p) = launch_masks(&dev, dims, params, masks)?;
         cuda_storage!(q => qs, ql);
         cuda_storage!(k => ks, kl);
         cuda_storage!(v => vs, vl);

@@ -11,9 +11,11 @@ use candle_core::{Module, Result, Tensor, D};
 use candle_nn::{LayerNormConfig, VarBuilder};
 
 use super::ops::{self, GeluForm, RopeTables, WeightLayout};
+use crate::lora::{FrozenLinear, LoraLinear};
 
 /// `y = x·Wᵀ + b` over the last dimension of `x`, the weight `[out, in]` as in
-/// `candle_nn::Linear` and `torch.nn.Linear`.
+/// `candle_nn::Linear` and `torch.nn.Linear` (or `[in, out]`, `y = x·W + b`,
+/// as GPT-2's `Conv1D` stores it: [`Linear::with_layout`]).
 ///
 /// With a bias, one [`ops::linear`] node (the bias added in place, only the
 /// output kept); without, the matrix product of `x` flattened to two
@@ -22,15 +24,27 @@ use super::ops::{self, GeluForm, RopeTables, WeightLayout};
 pub struct Linear {
     weight: Tensor,
     bias: Option<Tensor>,
+    layout: WeightLayout,
 }
 
 impl Linear {
     /// A layer of `weight` `[out, in]` and an optional `bias` `[out]`.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Linear { weight, bias }
+        Linear::with_layout(weight, bias, WeightLayout::OutIn)
     }
 
-    /// The weight, `[out, in]`.
+    /// A layer of `weight` stored as `layout` says and an optional `bias`
+    /// `[out]`.
+    pub fn with_layout(weight: Tensor, bias: Option<Tensor>, layout: WeightLayout) -> Self {
+        Linear {
+            weight,
+            bias,
+            layout,
+        }
+    }
+
+    /// The weight, `[out, in]` (`[in, out]` when its [`layout`](Self::layout)
+    /// is [`WeightLayout::InOut`]).
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
@@ -39,28 +53,70 @@ impl Linear {
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }
+
+    /// How the weight is stored.
+    pub fn layout(&self) -> WeightLayout {
+        self.layout
+    }
 }
 
 impl Module for Linear {
     /// `x` `[.., in]` → `[.., out]`.
+    ///
+    /// Allocates the output: with a bias, [`ops::linear`] adds it in place.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let Some(bias) = &self.bias {
-            return ops::linear(x, &self.weight, bias, WeightLayout::OutIn);
+            return ops::linear(x, &self.weight, bias, self.layout);
         }
+        let (w, out) = match self.layout {
+            WeightLayout::OutIn => (self.weight.t()?, self.weight.dim(0)?),
+            WeightLayout::InOut => (self.weight.clone(), self.weight.dim(1)?),
+        };
         let d_in = x.dim(D::Minus1)?;
         let mut dims = x.dims().to_vec();
         if let Some(last) = dims.last_mut() {
-            *last = self.weight.dim(0)?;
+            *last = out;
         }
-        x.reshape(((), d_in))?
-            .matmul(&self.weight.t()?)?
-            .reshape(dims)
+        x.reshape(((), d_in))?.matmul(&w)?.reshape(dims)
     }
 }
 
 impl From<candle_nn::Linear> for Linear {
     fn from(l: candle_nn::Linear) -> Self {
         Linear::new(l.weight().clone(), l.bias().cloned())
+    }
+}
+
+/// An affine projection of the last dimension whose weight may be frozen:
+/// trained ([`Linear`]), frozen ([`FrozenLinear`], in a 16-bit dtype or in
+/// NF4), or frozen with a trained low-rank adapter ([`LoraLinear`]).
+///
+/// A frozen projection keeps only its input (its weight converted for the
+/// product and freed, again in backward).
+#[derive(Debug, Clone)]
+pub enum Projection {
+    /// Its weight and bias are trained.
+    Trained(Linear),
+    /// A frozen weight (`[out, in]`) and bias.
+    Frozen(FrozenLinear),
+    /// A frozen weight and bias with a trained LoRA adapter.
+    Adapted(LoraLinear),
+}
+
+impl Module for Projection {
+    /// `x` `[.., in]` → `[.., out]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Projection::Trained(l) => l.forward(x),
+            Projection::Frozen(f) => f.forward(x).map_err(candle_core::Error::wrap),
+            Projection::Adapted(a) => a.forward(x).map_err(candle_core::Error::wrap),
+        }
+    }
+}
+
+impl From<Linear> for Projection {
+    fn from(l: Linear) -> Self {
+        Projection::Trained(l)
     }
 }
 
@@ -82,10 +138,11 @@ pub fn linear_b(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder) -> Re
 }
 
 /// Layer normalisation over the last dimension, `(x − mean)/√(var + eps)·w + b`,
-/// or, built by [`LayerNorm::rms_norm`], RMS normalisation `x/√(mean(x²) + eps)·w`.
+/// or, built by [`LayerNorm::rms_norm`], RMS normalisation `x/√(mean(x²) + eps)·w`
+/// (scaled by `w + offset` where [`RmsNorm::with_offset`] gives one).
 ///
 /// One fused node ([`ops::layer_norm`], [`ops::layer_norm_no_bias`] or
-/// [`ops::rms_norm`]) that computes in f32 and keeps only its output;
+/// [`ops::rms_norm_offset`]) that computes in f32 and keeps only its output;
 /// `candle_nn::LayerNorm`'s fast path on contiguous inputs has no backward.
 /// `w` and `b` are `[h]` in the input's dtype.
 #[derive(Debug, Clone)]
@@ -94,16 +151,16 @@ pub struct LayerNorm {
     bias: Option<Tensor>,
     remove_mean: bool,
     eps: f64,
+    /// Added to the scale in f32 (RMS norm only; Gemma's `1 + w`).
+    offset: f32,
 }
 
 impl LayerNorm {
     /// Layer norm with a scale and a shift.
     pub fn new(weight: Tensor, bias: Tensor, eps: f64) -> Self {
         LayerNorm {
-            weight,
             bias: Some(bias),
-            remove_mean: true,
-            eps,
+            ..LayerNorm::new_no_bias(weight, eps)
         }
     }
 
@@ -114,16 +171,15 @@ impl LayerNorm {
             bias: None,
             remove_mean: true,
             eps,
+            offset: 0.0,
         }
     }
 
     /// RMS norm: no mean removed, a scale only.
     pub fn rms_norm(weight: Tensor, eps: f64) -> Self {
         LayerNorm {
-            weight,
-            bias: None,
             remove_mean: false,
-            eps,
+            ..LayerNorm::new_no_bias(weight, eps)
         }
     }
 
@@ -154,8 +210,10 @@ impl Module for LayerNorm {
         match (self.remove_mean, &self.bias) {
             (true, Some(b)) => ops::layer_norm(x, &self.weight, b, self.eps),
             (true, None) => ops::layer_norm_no_bias(x, &self.weight, self.eps),
-            (false, None) => ops::rms_norm(x, &self.weight, self.eps),
-            (false, Some(b)) => ops::rms_norm(x, &self.weight, self.eps)?.broadcast_add(b),
+            (false, None) => ops::rms_norm_offset(x, &self.weight, self.eps, self.offset),
+            (false, Some(b)) => {
+                ops::rms_norm_offset(x, &self.weight, self.eps, self.offset)?.broadcast_add(b)
+            }
         }
     }
 }
@@ -167,6 +225,7 @@ impl From<candle_nn::LayerNorm> for LayerNorm {
             bias: l.bias().cloned(),
             remove_mean: l.remove_mean(),
             eps: l.eps(),
+            offset: 0.0,
         }
     }
 }
@@ -188,8 +247,10 @@ pub fn layer_norm_no_bias(size: usize, eps: f64, vb: VarBuilder) -> Result<Layer
     candle_nn::layer_norm_no_bias(size, eps, vb).map(LayerNorm::from)
 }
 
-/// RMS normalisation `x/√(mean(x²) + eps)·w` over the last dimension: one
-/// [`ops::rms_norm`] node (`candle_nn::RmsNorm::forward` has no backward).
+/// RMS normalisation `x/√(mean(x²) + eps)·w` over the last dimension, or
+/// scaled by `w + offset` ([`RmsNorm::with_offset`]): one
+/// [`ops::rms_norm_offset`] node (`candle_nn::RmsNorm::forward` has no
+/// backward).
 #[derive(Debug, Clone)]
 pub struct RmsNorm(LayerNorm);
 
@@ -197,6 +258,15 @@ impl RmsNorm {
     /// RMS norm with the scale `weight` `[h]`.
     pub fn new(weight: Tensor, eps: f64) -> Self {
         RmsNorm(LayerNorm::rms_norm(weight, eps))
+    }
+
+    /// RMS norm scaled by `weight + offset` (`[h]`), the sum taken in f32
+    /// (Gemma's norms store `w` with `offset` 1).
+    pub fn with_offset(weight: Tensor, eps: f64, offset: f32) -> Self {
+        RmsNorm(LayerNorm {
+            offset,
+            ..LayerNorm::rms_norm(weight, eps)
+        })
     }
 
     /// The [`LayerNorm`] that computes it.

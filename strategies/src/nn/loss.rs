@@ -31,10 +31,12 @@
 //! ```
 
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
-};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
+
+use crate::custom_op::{CustomOp, Input, Kernel};
 
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -93,7 +95,7 @@ pub(crate) fn row_nll_grad(
     logits.contiguous()?.apply_op3_no_bwd(
         &targets.contiguous()?,
         &grad.to_dtype(DType::F32)?.contiguous()?,
-        &RowNllGrad { classes },
+        &CustomOp(RowNllGrad { classes }),
     )
 }
 
@@ -113,7 +115,7 @@ pub fn row_nll(logits: &Tensor, classes: usize, targets: &Tensor) -> Result<Tens
     }
     logits
         .contiguous()?
-        .apply_op2(&targets.contiguous()?, RowNll { classes })
+        .apply_op2(&targets.contiguous()?, CustomOp(RowNll { classes }))
 }
 
 /// Evaluates `$body` with `$x` bound to the contiguous slice of f32, bf16 or
@@ -156,17 +158,14 @@ struct RowNllGrad {
     classes: usize,
 }
 
-impl CustomOp2 for RowNll {
+impl Kernel<2> for RowNll {
     fn name(&self) -> &'static str {
         "oomfix-cross-entropy"
     }
 
     fn cpu_fwd(
         &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
+        [(s1, l1), (s2, l2)]: [Input<'_, CpuStorage>; 2],
     ) -> Result<(CpuStorage, Shape)> {
         let (n, p) = l1.shape().dims2()?;
         let targets = checked_targets(s2, l2, self.classes)?;
@@ -177,49 +176,34 @@ impl CustomOp2 for RowNll {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        [(s1, l1), (s2, l2)]: [Input<'_, CudaStorage>; 2],
+    ) -> Result<(CudaStorage, Shape)> {
         cuda::nll(s1, l1, s2, l2, self.classes)
     }
 
+    /// The gradient of a mean arrives broadcast (stride 0): [`row_nll_grad`]
+    /// makes it a real `[n]` vector.
     fn bwd(
         &self,
-        logits: &Tensor,
-        targets: &Tensor,
-        _res: &Tensor,
+        [logits, targets]: [&Tensor; 2],
+        _: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        // The gradient of a mean arrives broadcast (stride 0): make it a real [n] vector.
-        let grad = grad.to_dtype(DType::F32)?.contiguous()?;
-        Ok((
-            Some(logits.apply_op3_no_bwd(
-                targets,
-                &grad,
-                &RowNllGrad {
-                    classes: self.classes,
-                },
-            )?),
+    ) -> Result<[Option<Tensor>; 2]> {
+        Ok([
+            Some(row_nll_grad(logits, self.classes, targets, grad)?),
             None,
-        ))
+        ])
     }
 }
 
-impl CustomOp3 for RowNllGrad {
+impl Kernel<3> for RowNllGrad {
     fn name(&self) -> &'static str {
         "oomfix-cross-entropy-backward"
     }
 
     fn cpu_fwd(
         &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
+        [(s1, l1), (s2, l2), (s3, l3)]: [Input<'_, CpuStorage>; 3],
     ) -> Result<(CpuStorage, Shape)> {
         let (n, p) = l1.shape().dims2()?;
         let targets = checked_targets(s2, l2, self.classes)?;
@@ -236,13 +220,8 @@ impl CustomOp3 for RowNllGrad {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        [(s1, l1), (s2, l2), (s3, l3)]: [Input<'_, CudaStorage>; 3],
+    ) -> Result<(CudaStorage, Shape)> {
         cuda::grad(s1, l1, s2, l2, s3, l3, self.classes)
     }
 }
@@ -308,17 +287,8 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let a = a.to_dtype(DType::F32).unwrap();
-        let b = b.to_dtype(DType::F32).unwrap();
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap()
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        crate::compare::max_diff(a, b).unwrap()
     }
 
     #[test]

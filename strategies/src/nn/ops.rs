@@ -30,9 +30,11 @@
 //! ```
 
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType, D,
-};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType, D};
+
+use crate::custom_op::{CustomOp, Input, Kernel};
 use rayon::prelude::*;
 
 /// How a projection's weight is stored, for [`linear`].
@@ -76,7 +78,7 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor
         offset: 0.0,
     };
     x.contiguous()?
-        .apply_op3(&w.contiguous()?, &b.contiguous()?, op)
+        .apply_op3(&w.contiguous()?, &b.contiguous()?, CustomOp(op))
 }
 
 /// [`layer_norm`] without the shift: `(x − mean(x))/√(var(x) + eps)·w` over
@@ -89,7 +91,7 @@ pub fn layer_norm_no_bias(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         eps: eps as f32,
         offset: 0.0,
     };
-    x.contiguous()?.apply_op2(&w.contiguous()?, op)
+    x.contiguous()?.apply_op2(&w.contiguous()?, CustomOp(op))
 }
 
 /// `x/√(mean(x²) + eps)·w` over the last dimension of `x`; `w` is `[h]` in
@@ -109,7 +111,7 @@ pub fn rms_norm_offset(x: &Tensor, w: &Tensor, eps: f64, offset: f32) -> Result<
         eps: eps as f32,
         offset,
     };
-    x.contiguous()?.apply_op2(&w.contiguous()?, op)
+    x.contiguous()?.apply_op2(&w.contiguous()?, CustomOp(op))
 }
 
 /// `x·W + b` over the last dimension of `x` (`[.., in]` → `[.., out]`), with
@@ -117,12 +119,12 @@ pub fn rms_norm_offset(x: &Tensor, w: &Tensor, eps: f64, offset: f32) -> Result<
 /// bias added in place: the graph keeps only the output.
 pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, layout: WeightLayout) -> Result<Tensor> {
     x.contiguous()?
-        .apply_op3(w, &b.contiguous()?, Linear { layout })
+        .apply_op3(w, &b.contiguous()?, CustomOp(Linear { layout }))
 }
 
 /// GELU of `x` (any shape), keeping nothing but its input and output.
 pub fn gelu(x: &Tensor, form: GeluForm) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(Gelu(form))
+    x.contiguous()?.apply_op1(CustomOp(Gelu(form)))
 }
 
 /// `silu(gate)·up` (Llama's MLP), keeping nothing but its inputs and output.
@@ -134,7 +136,8 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
             up.dims()
         );
     }
-    gate.contiguous()?.apply_op2(&up.contiguous()?, Swiglu)
+    gate.contiguous()?
+        .apply_op2(&up.contiguous()?, CustomOp(Swiglu))
 }
 
 /// Rotary position embedding of `x` (`[b, s, n·d]` or `[b, s, n, d]`,
@@ -175,7 +178,7 @@ pub fn rope(x: &Tensor, heads: usize, tables: &RopeTables) -> Result<Tensor> {
         dims: [b, s, heads, d],
         back: false,
     };
-    x.contiguous()?.apply_op1(op)
+    x.contiguous()?.apply_op1(CustomOp(op))
 }
 
 /// The `[positions, d]` f32 cosine and signed-sine tables of [`rope`], or
@@ -399,9 +402,10 @@ impl Norm {
         shift: bool,
     ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let (x, w, dy) = (x.detach(), w.detach(), dy.contiguous()?);
-        let dx = x.apply_op3_no_bwd(&w, &dy, &NormGrad(*self, NormGradPart::Input))?;
+        let grad = |part| CustomOp(NormGrad(*self, part));
+        let dx = x.apply_op3_no_bwd(&w, &dy, &grad(NormGradPart::Input))?;
         let rows = |t: Tensor| t.reshape(((), w.dim(0)?));
-        let scaled = x.apply_op3_no_bwd(&w, &dy, &NormGrad(*self, NormGradPart::Scale))?;
+        let scaled = x.apply_op3_no_bwd(&w, &dy, &grad(NormGradPart::Scale))?;
         let dw = column_sum(&rows(scaled)?)?.to_dtype(w.dtype())?;
         let db = shift
             .then(|| column_sum(&rows(dy.to_dtype(DType::F32)?)?)?.to_dtype(w.dtype()))
@@ -410,51 +414,28 @@ impl Norm {
     }
 }
 
-impl CustomOp3 for Norm {
+impl Kernel<3> for Norm {
     fn name(&self) -> &'static str {
         "oomfix-layer-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((s1, l1), (s2, l2), Some((s3, l3)))
+    fn cpu_fwd(&self, [x, w, b]: [Input<'_, CpuStorage>; 3]) -> Result<(CpuStorage, Shape)> {
+        self.cpu(x, w, Some(b))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::norm(*self, (s1, l1), (s2, l2), Some((s3, l3)))
+    fn cuda_fwd(&self, [x, w, b]: [Input<'_, CudaStorage>; 3]) -> Result<(CudaStorage, Shape)> {
+        cuda::norm(*self, x, w, Some(b))
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _b: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w, _]: [&Tensor; 3], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 3]> {
         let (dx, dw, db) = self.grads(x, w, dy, true)?;
-        Ok((Some(dx), Some(dw), db))
+        Ok([Some(dx), Some(dw), db])
     }
 }
 
 /// A norm without a shift: RMS norm, or layer norm without its bias.
-impl CustomOp2 for Norm {
+impl Kernel<2> for Norm {
     fn name(&self) -> &'static str {
         match self.kind {
             NormKind::Layer => "oomfix-layer-norm-no-bias",
@@ -462,36 +443,18 @@ impl CustomOp2 for Norm {
         }
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((s1, l1), (s2, l2), None)
+    fn cpu_fwd(&self, [x, w]: [Input<'_, CpuStorage>; 2]) -> Result<(CpuStorage, Shape)> {
+        self.cpu(x, w, None)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::norm(*self, (s1, l1), (s2, l2), None)
+    fn cuda_fwd(&self, [x, w]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
+        cuda::norm(*self, x, w, None)
     }
 
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w]: [&Tensor; 2], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 2]> {
         let (dx, dw, _) = self.grads(x, w, dy, false)?;
-        Ok((Some(dx), Some(dw)))
+        Ok([Some(dx), Some(dw)])
     }
 }
 
@@ -552,38 +515,19 @@ fn norm_grad_cpu<T: WithDType>(
     })
 }
 
-impl CustomOp3 for NormGrad {
+impl Kernel<3> for NormGrad {
     fn name(&self) -> &'static str {
         "oomfix-norm-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let out = by_dtype!(
-            s1.dtype(),
-            norm_grad_cpu(self, (s1, l1), (s2, l2), (s3, l3))
-        )?;
-        Ok((out, l1.shape().clone()))
+    fn cpu_fwd(&self, [x, w, dy]: [Input<'_, CpuStorage>; 3]) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(x.0.dtype(), norm_grad_cpu(self, x, w, dy))?;
+        Ok((out, x.1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::norm_grad(self.0, self.1, (s1, l1), (s2, l2), (s3, l3))
+    fn cuda_fwd(&self, [x, w, dy]: [Input<'_, CudaStorage>; 3]) -> Result<(CudaStorage, Shape)> {
+        cuda::norm_grad(self.0, self.1, x, w, dy)
     }
 }
 
@@ -644,50 +588,27 @@ fn add_bias_cpu<T: WithDType>(y: CpuStorage, b: &[T]) -> Result<CpuStorage> {
     Ok(T::to_cpu_storage_owned(y))
 }
 
-impl CustomOp3 for Linear {
+impl Kernel<3> for Linear {
     fn name(&self) -> &'static str {
         "oomfix-linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (y, _, shape) = self.product((s1, l1), (s2, l2), l3)?;
-        let y = by_dtype!(s1.dtype(), add_bias_cpu(y, cpu_slice(s3, l3)?))?;
+    fn cpu_fwd(&self, [x, w, b]: [Input<'_, CpuStorage>; 3]) -> Result<(CpuStorage, Shape)> {
+        let (y, _, shape) = self.product(x, w, b.1)?;
+        let y = by_dtype!(x.0.dtype(), add_bias_cpu(y, cpu_slice(b.0, b.1)?))?;
         Ok((y, shape))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (mut y, n, shape) = self.product((s1, l1), (s2, l2), l3)?;
-        cuda::add_bias(&mut y, n, (s3, l3))?;
+    fn cuda_fwd(&self, [x, w, b]: [Input<'_, CudaStorage>; 3]) -> Result<(CudaStorage, Shape)> {
+        let (mut y, n, shape) = self.product(x, w, b.1)?;
+        cuda::add_bias(&mut y, n, b)?;
         Ok((y, shape))
     }
 
     /// `dx = dy·Wᵀ`, `dW = xᵀ·dy` (`[out, in]` weights: `dyᵀ·x`), `db = Σ_rows dy`,
     /// all from detached tensors so that no gradient carries a graph.
-    fn bwd(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        b: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [x, w, b]: [&Tensor; 3], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 3]> {
         let (x, w) = (x.detach(), w.detach());
         let d_in = x.dim(D::Minus1)?;
         let x2 = x.reshape(((), d_in))?;
@@ -697,7 +618,7 @@ impl CustomOp3 for Linear {
             WeightLayout::OutIn => (dy2.matmul(&w)?, dy2.t()?.matmul(&x2)?),
         };
         let db = column_sum(&dy2)?;
-        Ok((Some(dx.reshape(x.shape())?), Some(dw), Some(db)))
+        Ok([Some(dx.reshape(x.shape())?), Some(dw), Some(db)])
     }
 }
 
@@ -741,68 +662,49 @@ fn gelu_cpu<T: WithDType>(x: &[T], dy: Option<&[T]>, form: GeluForm) -> CpuStora
     T::to_cpu_storage_owned(out)
 }
 
-impl CustomOp1 for Gelu {
+impl Kernel<1> for Gelu {
     fn name(&self) -> &'static str {
         "oomfix-gelu"
     }
 
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = by_dtype!(s.dtype(), gelu_slices(s, l, None, self.0))?;
-        Ok((y, l.shape().clone()))
+    fn cpu_fwd(&self, [x]: [Input<'_, CpuStorage>; 1]) -> Result<(CpuStorage, Shape)> {
+        let y = by_dtype!(x.0.dtype(), gelu_slices(x, None, self.0))?;
+        Ok((y, x.1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::gelu(self.0, (s, l), None)
+    fn cuda_fwd(&self, [x]: [Input<'_, CudaStorage>; 1]) -> Result<(CudaStorage, Shape)> {
+        cuda::gelu(self.0, x, None)
     }
 
-    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(
-            x.detach()
-                .apply_op2_no_bwd(&dy.contiguous()?, &GeluGrad(self.0))?,
-        ))
+    fn bwd(&self, [x]: [&Tensor; 1], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 1]> {
+        let grad = CustomOp(GeluGrad(self.0));
+        Ok([Some(x.detach().apply_op2_no_bwd(&dy.contiguous()?, &grad)?)])
     }
 }
 
 fn gelu_slices<T: WithDType>(
-    s: &CpuStorage,
-    l: &Layout,
-    dy: Option<(&CpuStorage, &Layout)>,
+    x: Input<'_, CpuStorage>,
+    dy: Option<Input<'_, CpuStorage>>,
     form: GeluForm,
 ) -> Result<CpuStorage> {
     let dy = dy.map(|(s, l)| cpu_slice::<T>(s, l)).transpose()?;
-    Ok(gelu_cpu(cpu_slice::<T>(s, l)?, dy, form))
+    Ok(gelu_cpu(cpu_slice::<T>(x.0, x.1)?, dy, form))
 }
 
-impl CustomOp2 for GeluGrad {
+impl Kernel<2> for GeluGrad {
     fn name(&self) -> &'static str {
         "oomfix-gelu-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let dx = by_dtype!(s1.dtype(), gelu_slices(s1, l1, Some((s2, l2)), self.0))?;
-        Ok((dx, l1.shape().clone()))
+    fn cpu_fwd(&self, [x, dy]: [Input<'_, CpuStorage>; 2]) -> Result<(CpuStorage, Shape)> {
+        let dx = by_dtype!(x.0.dtype(), gelu_slices(x, Some(dy), self.0))?;
+        Ok((dx, x.1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::gelu(self.0, (s1, l1), Some((s2, l2)))
+    fn cuda_fwd(&self, [x, dy]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
+        cuda::gelu(self.0, x, Some(dy))
     }
 }
 
@@ -846,77 +748,43 @@ fn swiglu_cpu<T: WithDType>(
     Ok(T::to_cpu_storage_owned(out))
 }
 
-impl CustomOp2 for Swiglu {
+impl Kernel<2> for Swiglu {
     fn name(&self) -> &'static str {
         "oomfix-swiglu"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let y = by_dtype!(s1.dtype(), swiglu_cpu((s1, l1), (s2, l2), None))?;
-        Ok((y, l1.shape().clone()))
+    fn cpu_fwd(&self, [g, u]: [Input<'_, CpuStorage>; 2]) -> Result<(CpuStorage, Shape)> {
+        let y = by_dtype!(g.0.dtype(), swiglu_cpu(g, u, None))?;
+        Ok((y, g.1.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda::swiglu((s1, l1), (s2, l2), None)
+    fn cuda_fwd(&self, [g, u]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
+        cuda::swiglu(g, u, None)
     }
 
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let both = g
-            .detach()
-            .apply_op3_no_bwd(&u.detach(), &dy.contiguous()?, &SwigluGrad)?;
-        Ok((Some(both.get(0)?), Some(both.get(1)?)))
+    fn bwd(&self, [g, u]: [&Tensor; 2], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 2]> {
+        let both =
+            g.detach()
+                .apply_op3_no_bwd(&u.detach(), &dy.contiguous()?, &CustomOp(SwigluGrad))?;
+        Ok([Some(both.get(0)?), Some(both.get(1)?)])
     }
 }
 
-impl CustomOp3 for SwigluGrad {
+impl Kernel<3> for SwigluGrad {
     fn name(&self) -> &'static str {
         "oomfix-swiglu-backward"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let out = by_dtype!(s1.dtype(), swiglu_cpu((s1, l1), (s2, l2), Some((s3, l3))))?;
-        Ok((out, stacked(l1)))
+    fn cpu_fwd(&self, [g, u, dy]: [Input<'_, CpuStorage>; 3]) -> Result<(CpuStorage, Shape)> {
+        let out = by_dtype!(g.0.dtype(), swiglu_cpu(g, u, Some(dy)))?;
+        Ok((out, stacked(g.1)))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = cuda::swiglu((s1, l1), (s2, l2), Some((s3, l3)))?.0;
-        Ok((out, stacked(l1)))
+    fn cuda_fwd(&self, [g, u, dy]: [Input<'_, CudaStorage>; 3]) -> Result<(CudaStorage, Shape)> {
+        let out = cuda::swiglu(g, u, Some(dy))?.0;
+        Ok((out, stacked(g.1)))
     }
 }
 
@@ -974,12 +842,12 @@ fn rope_cpu<T: WithDType>(
     T::to_cpu_storage_owned(y)
 }
 
-impl CustomOp1 for Rope {
+impl Kernel<1> for Rope {
     fn name(&self) -> &'static str {
         "oomfix-rope"
     }
 
-    fn cpu_fwd(&self, st: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, [(st, l)]: [Input<'_, CpuStorage>; 1]) -> Result<(CpuStorage, Shape)> {
         let (cos, sin) = (
             self.tables.cos.storage_and_layout(),
             self.tables.sin.storage_and_layout(),
@@ -998,13 +866,9 @@ impl CustomOp1 for Rope {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        st: &candle_core::CudaStorage,
-        l: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda_fwd(&self, [x]: [Input<'_, CudaStorage>; 1]) -> Result<(CudaStorage, Shape)> {
         let y = cuda::rope(
-            (st, l),
+            x,
             (&self.tables.cos, &self.tables.sin),
             self.dims,
             self.back,
@@ -1013,14 +877,14 @@ impl CustomOp1 for Rope {
         Ok((y, self.out_shape()))
     }
 
-    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, [x]: [&Tensor; 1], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 1]> {
         let back = Rope {
             tables: self.tables.clone(),
             dims: self.dims,
             back: true,
         };
-        let dx = dy.contiguous()?.apply_op1_no_bwd(&back)?;
-        Ok(Some(dx.reshape(x.shape())?))
+        let dx = dy.contiguous()?.apply_op1_no_bwd(&CustomOp(back))?;
+        Ok([Some(dx.reshape(x.shape())?)])
     }
 }
 

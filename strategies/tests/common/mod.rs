@@ -1,8 +1,12 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
 use candle_core::{DType, Device, Result, Shape, Tensor};
 use oomfix_strategies::adamw::ParamsAdamW;
+use oomfix_strategies::compare::rel_diff;
 
 /// Deterministic pseudo-random values in [-1, 1) (a hash of index and seed).
 pub fn det<S: Into<Shape>>(shape: S, seed: u64) -> Tensor {
@@ -20,33 +24,45 @@ pub fn det<S: Into<Shape>>(shape: S, seed: u64) -> Tensor {
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }
 
-/// max |a - b| / max |b|, computed in f64.
-pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.shape(), b.shape());
-    let a = a.to_dtype(DType::F64).unwrap();
-    let b = b.to_dtype(DType::F64).unwrap();
-    let diff = (&a - &b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    let scale = b
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    diff / scale.max(1e-30)
+/// Asserts `rel_diff(a, b) <= tol` with a readable message.
+pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
+    let e = rel_diff(a, b).unwrap();
+    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
 }
 
-/// Asserts `rel_err(a, b) <= tol` with a readable message.
-pub fn assert_close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
-    let e = rel_err(a, b);
-    assert!(e <= tol, "{what}: relative error {e:e} > {tol:e}");
+/// A global allocator that counts live bytes and their high-water mark: a
+/// test binary that measures memory installs it
+/// (`#[global_allocator] static GLOBAL: Counting = Counting;`) and counts
+/// with [`allocated`].
+pub struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
+            PEAK.fetch_max(live, Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(p, layout) };
+        LIVE.fetch_sub(layout.size(), Relaxed);
+    }
+}
+
+/// `f()`, the bytes it leaves allocated (its result still alive) and the
+/// most it had allocated at once, both above the level at entry, as
+/// [`Counting`] counts them.
+pub fn allocated<T>(f: impl FnOnce() -> T) -> (T, usize, usize) {
+    let base = LIVE.load(Relaxed);
+    PEAK.store(base, Relaxed);
+    let out = f();
+    let kept = LIVE.load(Relaxed).saturating_sub(base);
+    (out, kept, PEAK.load(Relaxed) - base)
 }
 
 /// Flattened f32 values.

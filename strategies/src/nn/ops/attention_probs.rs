@@ -16,12 +16,13 @@
 //! This is what PyTorch's eager attention keeps (the softmax's output).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{
-    CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
-};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::{cpu_slice, f, ProbsOptions};
+use crate::custom_op::{CustomOp, Input, Kernel};
 
 /// Groups the backward splits the key heads into (fewer when there are
 /// fewer heads): `dS` is made for one group at a time.
@@ -90,7 +91,7 @@ pub fn attention_probs(
     };
     let probs = Probs { opts, start };
     match keep {
-        None => q.apply_op2(&k, probs),
+        None => q.apply_op2(&k, CustomOp(probs)),
         Some(keep) => {
             if keep.dims() != [b, s_k] {
                 candle_core::bail!(
@@ -102,7 +103,7 @@ pub fn attention_probs(
                 DType::U8 => keep.contiguous()?,
                 _ => keep.ne(0u32)?,
             };
-            q.apply_op3(&k, &keep, probs)
+            q.apply_op3(&k, &keep, CustomOp(probs))
         }
     }
 }
@@ -242,9 +243,9 @@ fn softmax_grad_cpu<T: WithDType>(p: &[T], dp: &[T], n: usize, scale: f32) -> Cp
 impl Probs {
     fn cpu(
         &self,
-        q: (&CpuStorage, &Layout),
-        k: (&CpuStorage, &Layout),
-        keep: Option<(&CpuStorage, &Layout)>,
+        q: Input<'_, CpuStorage>,
+        k: Input<'_, CpuStorage>,
+        keep: Option<Input<'_, CpuStorage>>,
     ) -> Result<(CpuStorage, Shape)> {
         let dims = Dims::new(q.1, k.1)?;
         let scores = dims.scores(q, k)?;
@@ -274,10 +275,10 @@ impl Probs {
     #[cfg(feature = "cuda")]
     fn cuda(
         &self,
-        q: (&candle_core::CudaStorage, &Layout),
-        k: (&candle_core::CudaStorage, &Layout),
-        keep: Option<(&candle_core::CudaStorage, &Layout)>,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        q: Input<'_, CudaStorage>,
+        k: Input<'_, CudaStorage>,
+        keep: Option<Input<'_, CudaStorage>>,
+    ) -> Result<(CudaStorage, Shape)> {
         let dims = Dims::new(q.1, k.1)?;
         let mut scores = dims.scores(q, k)?;
         let start = self.start.as_ref().map(|t| t.storage_and_layout());
@@ -301,9 +302,9 @@ impl Probs {
         let (b, h, s_q, d) = q.dims4()?;
         let (_, kv, s_k, _) = k.dims4()?;
         let (heads, rows) = (b * kv, h / kv * s_q);
-        let grad = ProbsGrad {
+        let grad = CustomOp(ProbsGrad {
             scale: self.opts.scale,
-        };
+        });
         let p = p.detach().reshape((heads, rows, s_k))?;
         let dp = dp.detach().contiguous()?.reshape((heads, rows, s_k))?;
         let q = q.detach().reshape((heads, rows, d))?;
@@ -325,98 +326,55 @@ impl Probs {
     }
 }
 
-impl CustomOp2 for Probs {
+impl Kernel<2> for Probs {
     fn name(&self) -> &'static str {
         "oomfix-attention-probs"
     }
 
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((q, ql), (k, kl), None)
+    fn cpu_fwd(&self, [q, k]: [Input<'_, CpuStorage>; 2]) -> Result<(CpuStorage, Shape)> {
+        self.cpu(q, k, None)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &candle_core::CudaStorage,
-        ql: &Layout,
-        k: &candle_core::CudaStorage,
-        kl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda((q, ql), (k, kl), None)
+    fn cuda_fwd(&self, [q, k]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
+        self.cuda(q, k, None)
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        p: &Tensor,
-        dp: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [q, k]: [&Tensor; 2], p: &Tensor, dp: &Tensor) -> Result<[Option<Tensor>; 2]> {
         let (dq, dk) = self.grads(q, k, p, dp)?;
-        Ok((Some(dq), Some(dk)))
+        Ok([Some(dq), Some(dk)])
     }
 }
 
-impl CustomOp3 for Probs {
+/// With key padding: its flags are the third input.
+impl Kernel<3> for Probs {
     fn name(&self) -> &'static str {
         "oomfix-attention-probs"
     }
 
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-        keep: &CpuStorage,
-        keepl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((q, ql), (k, kl), Some((keep, keepl)))
+    fn cpu_fwd(&self, [q, k, keep]: [Input<'_, CpuStorage>; 3]) -> Result<(CpuStorage, Shape)> {
+        self.cpu(q, k, Some(keep))
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &candle_core::CudaStorage,
-        ql: &Layout,
-        k: &candle_core::CudaStorage,
-        kl: &Layout,
-        keep: &candle_core::CudaStorage,
-        keepl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.cuda((q, ql), (k, kl), Some((keep, keepl)))
+    fn cuda_fwd(&self, [q, k, keep]: [Input<'_, CudaStorage>; 3]) -> Result<(CudaStorage, Shape)> {
+        self.cuda(q, k, Some(keep))
     }
 
-    fn bwd(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        _keep: &Tensor,
-        p: &Tensor,
-        dp: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [q, k, _]: [&Tensor; 3], p: &Tensor, dp: &Tensor) -> Result<[Option<Tensor>; 3]> {
         let (dq, dk) = self.grads(q, k, p, dp)?;
-        Ok((Some(dq), Some(dk), None))
+        Ok([Some(dq), Some(dk), None])
     }
 }
 
-impl CustomOp2 for ProbsGrad {
+impl Kernel<2> for ProbsGrad {
     fn name(&self) -> &'static str {
         "oomfix-attention-probs-backward"
     }
 
     fn cpu_fwd(
         &self,
-        p: &CpuStorage,
-        pl: &Layout,
-        dp: &CpuStorage,
-        dpl: &Layout,
+        [(p, pl), (dp, dpl)]: [Input<'_, CpuStorage>; 2],
     ) -> Result<(CpuStorage, Shape)> {
         let n = pl.dims().last().copied().unwrap_or(1);
         fn run<T: WithDType>(
@@ -437,14 +395,8 @@ impl CustomOp2 for ProbsGrad {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        p: &candle_core::CudaStorage,
-        pl: &Layout,
-        dp: &candle_core::CudaStorage,
-        dpl: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let ds = super::cuda::attention_probs_grad((p, pl), (dp, dpl), self.scale)?;
-        Ok((ds, pl.shape().clone()))
+    fn cuda_fwd(&self, [p, dp]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
+        let ds = super::cuda::attention_probs_grad(p, dp, self.scale)?;
+        Ok((ds, p.1.shape().clone()))
     }
 }

@@ -19,10 +19,13 @@
 //! one and the output head's, made by candle's gradient store.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+use candle_core::{CpuStorage, DType, Layout, Result, Shape, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::{cpu_slice, f};
+use crate::custom_op::{CustomOp, Input, Kernel};
 
 /// Rows `ids` (1-D, u32 or i64) of `table` `[V, h]`: `[ids.len(), h]`. Its
 /// backward gives `table` a gradient and `ids` none.
@@ -43,7 +46,7 @@ pub fn embedding_padded(table: &Tensor, ids: &Tensor, padding_idx: Option<u32>) 
     let padding_idx = padding_idx.filter(|&p| (p as usize) < vocab);
     table
         .contiguous()?
-        .apply_op2(&ids, Embedding { vocab, padding_idx })
+        .apply_op2(&ids, CustomOp(Embedding { vocab, padding_idx }))
 }
 
 /// Forward: `table`, `ids` → the rows.
@@ -58,46 +61,33 @@ struct EmbeddingGrad {
     vocab: usize,
 }
 
-/// The output's shape: one row of `h` per id.
-fn rows_shape(table: &Layout, ids: &Layout) -> Result<Shape> {
-    let (_, h) = table.shape().dims2()?;
-    Ok(Shape::from((ids.shape().elem_count(), h)))
+/// The rows of `table` `ids` selects on either device, and their shape:
+/// one row of `h` per id.
+fn rows<S: BackendStorage>(
+    (table, tl): Input<'_, S>,
+    (ids, il): Input<'_, S>,
+) -> Result<(S, Shape)> {
+    let (_, h) = tl.shape().dims2()?;
+    let shape = Shape::from((il.shape().elem_count(), h));
+    Ok((table.index_select(ids, tl, il, 0)?, shape))
 }
 
-impl CustomOp2 for Embedding {
+impl Kernel<2> for Embedding {
     fn name(&self) -> &'static str {
         "oomfix-embedding"
     }
 
-    fn cpu_fwd(
-        &self,
-        table: &CpuStorage,
-        tl: &Layout,
-        ids: &CpuStorage,
-        il: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        check_ids(cpu_slice::<u32>(ids, il)?, self.vocab)?;
-        Ok((table.index_select(ids, tl, il, 0)?, rows_shape(tl, il)?))
+    fn cpu_fwd(&self, [table, ids]: [Input<'_, CpuStorage>; 2]) -> Result<(CpuStorage, Shape)> {
+        check_ids(cpu_slice::<u32>(ids.0, ids.1)?, self.vocab)?;
+        rows(table, ids)
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        table: &candle_core::CudaStorage,
-        tl: &Layout,
-        ids: &candle_core::CudaStorage,
-        il: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((table.index_select(ids, tl, il, 0)?, rows_shape(tl, il)?))
+    fn cuda_fwd(&self, [table, ids]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
+        rows(table, ids)
     }
 
-    fn bwd(
-        &self,
-        _table: &Tensor,
-        ids: &Tensor,
-        _rows: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, [_, ids]: [&Tensor; 2], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 2]> {
         // The padding id's positions scatter to `vocab`, past the table: both
         // backward kernels skip such ids.
         let ids = match self.padding_idx {
@@ -107,10 +97,8 @@ impl CustomOp2 for Embedding {
             }
             None => ids.clone(),
         };
-        let grad = dy
-            .contiguous()?
-            .apply_op2_no_bwd(&ids, &EmbeddingGrad { vocab: self.vocab })?;
-        Ok((Some(grad), None))
+        let grad = CustomOp(EmbeddingGrad { vocab: self.vocab });
+        Ok([Some(dy.contiguous()?.apply_op2_no_bwd(&ids, &grad)?), None])
     }
 }
 
@@ -165,17 +153,14 @@ fn scatter_cpu<T: WithDType>(dy: &[T], ids: &[u32], vocab: usize, h: usize) -> C
     T::to_cpu_storage_owned(out)
 }
 
-impl CustomOp2 for EmbeddingGrad {
+impl Kernel<2> for EmbeddingGrad {
     fn name(&self) -> &'static str {
         "oomfix-embedding-backward"
     }
 
     fn cpu_fwd(
         &self,
-        dy: &CpuStorage,
-        dl: &Layout,
-        ids: &CpuStorage,
-        il: &Layout,
+        [(dy, dl), (ids, il)]: [Input<'_, CpuStorage>; 2],
     ) -> Result<(CpuStorage, Shape)> {
         // The forward checked the ids; `vocab` marks a padding position.
         let ids = cpu_slice::<u32>(ids, il)?;
@@ -185,15 +170,9 @@ impl CustomOp2 for EmbeddingGrad {
     }
 
     #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        dy: &candle_core::CudaStorage,
-        dl: &Layout,
-        ids: &candle_core::CudaStorage,
-        il: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (_, h) = dl.shape().dims2()?;
-        let out = super::cuda::embedding_grad((dy, dl), (ids, il), self.vocab)?;
+    fn cuda_fwd(&self, [dy, ids]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
+        let (_, h) = dy.1.shape().dims2()?;
+        let out = super::cuda::embedding_grad(dy, ids, self.vocab)?;
         Ok((out, Shape::from((self.vocab, h))))
     }
 }

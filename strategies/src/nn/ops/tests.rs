@@ -4,20 +4,9 @@
 use super::*;
 use candle_core::{Device, Var};
 
-/// Largest |a − b| relative to the largest |b| (both widened to f32).
-pub(crate) fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_dtype(DType::F32).unwrap();
-    assert_eq!(a.dims(), b.dims());
-    let scale = b
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    let diff = (a - &b).unwrap().abs().unwrap().max_all().unwrap();
-    diff.to_scalar::<f32>().unwrap() / scale.max(1e-12)
+/// Largest |a − b| relative to the largest |b| ([`crate::compare::rel_diff`]).
+fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
+    crate::compare::rel_diff(a, b).unwrap() as f32
 }
 
 fn randn(shape: &[usize], std: f32, offset: f32) -> Tensor {
@@ -28,6 +17,17 @@ fn randn(shape: &[usize], std: f32, offset: f32) -> Tensor {
 /// outputs by one random tensor, and compares the outputs and every input's
 /// gradient. The reference runs in f32 on the f32 originals.
 fn check(
+    inputs: &[Tensor],
+    ours: impl Fn(&[Tensor]) -> Tensor,
+    reference: impl Fn(&[Tensor]) -> Tensor,
+) {
+    for (dtype, tol) in CASES {
+        check_in(dtype, tol, inputs, &ours, &reference);
+    }
+}
+
+/// [`check`] in `dtype`, within `tol`.
+fn check_in(
     dtype: DType,
     tol: f32,
     inputs: &[Tensor],
@@ -79,25 +79,6 @@ fn check(
 /// Tolerances: f32 to rounding; 16-bit to a few of their ulps (relative).
 const CASES: [(DType, f32); 3] = [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 4e-3)];
 
-fn composed_layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Tensor {
-    let centred = match b {
-        Some(_) => x
-            .broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap())
-            .unwrap(),
-        None => x.clone(),
-    };
-    let var = centred.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
-    let y = centred
-        .broadcast_div(&(var + eps).unwrap().sqrt().unwrap())
-        .unwrap()
-        .broadcast_mul(w)
-        .unwrap();
-    match b {
-        Some(b) => y.broadcast_add(b).unwrap(),
-        None => y,
-    }
-}
-
 #[test]
 fn layer_norm_matches_the_composed_expression() {
     let inputs = [
@@ -105,43 +86,34 @@ fn layer_norm_matches_the_composed_expression() {
         randn(&[96], 1.0, 1.0),
         randn(&[96], 1.0, 0.0),
     ];
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &inputs,
-            |t| layer_norm(&t[0], &t[1], &t[2], 1e-5).unwrap(),
-            |t| composed_layer_norm(&t[0], &t[1], Some(&t[2]), 1e-5),
-        );
-    }
+    check(
+        &inputs,
+        |t| layer_norm(&t[0], &t[1], &t[2], 1e-5).unwrap(),
+        |t| candle_nn::ops::layer_norm_slow(&t[0], &t[1], &t[2], 1e-5).unwrap(),
+    );
 }
 
 #[test]
 fn layer_norm_without_bias_matches_the_composed_expression() {
     let inputs = [randn(&[3, 5, 80], 2.0, 0.5), randn(&[80], 1.0, 1.0)];
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &inputs,
-            |t| layer_norm_no_bias(&t[0], &t[1], 1e-5).unwrap(),
-            |t| composed_layer_norm(&t[0], &t[1], Some(&t[1].zeros_like().unwrap()), 1e-5),
-        );
-    }
+    check(
+        &inputs,
+        |t| layer_norm_no_bias(&t[0], &t[1], 1e-5).unwrap(),
+        |t| {
+            let zeros = t[1].zeros_like().unwrap();
+            candle_nn::ops::layer_norm_slow(&t[0], &t[1], &zeros, 1e-5).unwrap()
+        },
+    );
 }
 
 #[test]
 fn rms_norm_matches_the_composed_expression() {
     let inputs = [randn(&[4, 7, 64], 1.5, 0.3), randn(&[64], 1.0, 1.0)];
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &inputs,
-            |t| rms_norm(&t[0], &t[1], 1e-6).unwrap(),
-            |t| composed_layer_norm(&t[0], &t[1], None, 1e-6),
-        );
-    }
+    check(
+        &inputs,
+        |t| rms_norm(&t[0], &t[1], 1e-6).unwrap(),
+        |t| candle_nn::ops::rms_norm_slow(&t[0], &t[1], 1e-6).unwrap(),
+    );
 }
 
 #[test]
@@ -153,60 +125,46 @@ fn linear_matches_matmul_plus_bias_in_both_weight_layouts() {
             WeightLayout::InOut => randn(&[24, 40], 0.2, 0.0),
             WeightLayout::OutIn => randn(&[40, 24], 0.2, 0.0),
         };
-        for (dtype, tol) in CASES {
-            check(
-                dtype,
-                tol,
-                &[x.clone(), w.clone(), b.clone()],
-                |t| linear(&t[0], &t[1], &t[2], layout).unwrap(),
-                |t| {
-                    let w = match layout {
-                        WeightLayout::InOut => t[1].clone(),
-                        WeightLayout::OutIn => t[1].t().unwrap(),
-                    };
-                    t[0].broadcast_matmul(&w)
-                        .unwrap()
-                        .broadcast_add(&t[2])
-                        .unwrap()
-                },
-            );
-        }
+        check(
+            &[x.clone(), w.clone(), b.clone()],
+            |t| linear(&t[0], &t[1], &t[2], layout).unwrap(),
+            |t| {
+                let w = match layout {
+                    WeightLayout::InOut => t[1].clone(),
+                    WeightLayout::OutIn => t[1].t().unwrap(),
+                };
+                t[0].broadcast_matmul(&w)
+                    .unwrap()
+                    .broadcast_add(&t[2])
+                    .unwrap()
+            },
+        );
     }
 }
 
 #[test]
 fn gelu_matches_candles_tanh_and_erf_forms() {
     let x = randn(&[3, 50, 33], 2.0, 0.0);
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            std::slice::from_ref(&x),
-            |t| gelu(&t[0], GeluForm::Tanh).unwrap(),
-            |t| t[0].gelu().unwrap(),
-        );
-        check(
-            dtype,
-            tol,
-            std::slice::from_ref(&x),
-            |t| gelu(&t[0], GeluForm::Erf).unwrap(),
-            |t| t[0].gelu_erf().unwrap(),
-        );
-    }
+    check(
+        std::slice::from_ref(&x),
+        |t| gelu(&t[0], GeluForm::Tanh).unwrap(),
+        |t| t[0].gelu().unwrap(),
+    );
+    check(
+        std::slice::from_ref(&x),
+        |t| gelu(&t[0], GeluForm::Erf).unwrap(),
+        |t| t[0].gelu_erf().unwrap(),
+    );
 }
 
 #[test]
 fn swiglu_matches_silu_times_up() {
     let inputs = [randn(&[2, 9, 40], 2.0, 0.0), randn(&[2, 9, 40], 1.0, 0.0)];
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &inputs,
-            |t| swiglu(&t[0], &t[1]).unwrap(),
-            |t| t[0].silu().unwrap().mul(&t[1]).unwrap(),
-        );
-    }
+    check(
+        &inputs,
+        |t| swiglu(&t[0], &t[1]).unwrap(),
+        |t| t[0].silu().unwrap().mul(&t[1]).unwrap(),
+    );
 }
 
 #[test]
@@ -221,23 +179,16 @@ fn rope_matches_candles_rotate_half_with_heads_moved_first() {
         .collect();
     let angles = Tensor::from_vec(angles, (s, d / 2), &Device::Cpu).unwrap();
     let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &[randn(&[b, s, n * d], 1.0, 0.0)],
-            |t| rope(&t[0], n, &tables).unwrap(),
-            |t| {
-                let heads_first = t[0].reshape((b, s, n, d)).unwrap().transpose(1, 2).unwrap();
-                let y = candle_nn::rotary_emb::rope_slow(
-                    &heads_first.contiguous().unwrap(),
-                    &cos,
-                    &sin,
-                );
-                (y.unwrap() * 0.5).unwrap()
-            },
-        );
-    }
+    check(
+        &[randn(&[b, s, n * d], 1.0, 0.0)],
+        |t| rope(&t[0], n, &tables).unwrap(),
+        |t| {
+            let heads_first = t[0].reshape((b, s, n, d)).unwrap().transpose(1, 2).unwrap();
+            let y =
+                candle_nn::rotary_emb::rope_slow(&heads_first.contiguous().unwrap(), &cos, &sin);
+            (y.unwrap() * 0.5).unwrap()
+        },
+    );
     assert!(rope(&randn(&[b, s, n * d + 1], 1.0, 0.0), n, &tables).is_err());
     assert!(rope(&randn(&[b, s + 3, n * d], 1.0, 0.0), n, &tables).is_err());
 }
@@ -256,34 +207,30 @@ fn rope_with_per_token_tables_restarts_each_documents_positions() {
         .collect();
     let positions = Tensor::new(positions, &Device::Cpu).unwrap();
     let per_token = tables.at_positions(&positions).unwrap();
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &[randn(&[b, s, n * d], 1.0, 0.0)],
-            |t| rope(&t[0], n, &per_token).unwrap(),
-            |t| {
-                // Each document by itself, joined along the sequence.
-                let rows: Vec<Tensor> = docs
-                    .iter()
-                    .enumerate()
-                    .map(|(bb, lengths)| {
-                        let mut first = 0;
-                        let parts: Vec<Tensor> = lengths
-                            .iter()
-                            .map(|&l| {
-                                let x = t[0].narrow(0, bb, 1).unwrap().narrow(1, first, l).unwrap();
-                                first += l;
-                                rope(&x, n, &tables).unwrap()
-                            })
-                            .collect();
-                        Tensor::cat(&parts, 2).unwrap()
-                    })
-                    .collect();
-                Tensor::cat(&rows, 0).unwrap()
-            },
-        );
-    }
+    check(
+        &[randn(&[b, s, n * d], 1.0, 0.0)],
+        |t| rope(&t[0], n, &per_token).unwrap(),
+        |t| {
+            // Each document by itself, joined along the sequence.
+            let rows: Vec<Tensor> = docs
+                .iter()
+                .enumerate()
+                .map(|(bb, lengths)| {
+                    let mut first = 0;
+                    let parts: Vec<Tensor> = lengths
+                        .iter()
+                        .map(|&l| {
+                            let x = t[0].narrow(0, bb, 1).unwrap().narrow(1, first, l).unwrap();
+                            first += l;
+                            rope(&x, n, &tables).unwrap()
+                        })
+                        .collect();
+                    Tensor::cat(&parts, 2).unwrap()
+                })
+                .collect();
+            Tensor::cat(&rows, 0).unwrap()
+        },
+    );
     assert!(rope(&randn(&[1, s, n * d], 1.0, 0.0), n, &per_token).is_err());
     assert!(per_token.at_positions(&positions).is_err());
     let beyond = Tensor::new(&[[0u32, 7]], &Device::Cpu).unwrap();
@@ -338,53 +285,40 @@ fn mismatched_parameters_are_errors() {
         1e-5
     )
     .is_err());
-    assert!(linear(
-        &x,
-        &randn(&[7, 3], 1.0, 0.0),
-        &randn(&[3], 1.0, 0.0),
-        WeightLayout::InOut
-    )
-    .is_err());
-    assert!(linear(
-        &x,
-        &randn(&[8, 3], 1.0, 0.0),
-        &randn(&[4], 1.0, 0.0),
-        WeightLayout::InOut
-    )
-    .is_err());
+    // [in, out] weights of the wrong input width, and a bias of the wrong width.
+    let linear_in_out = |w: &[usize], b: &[usize]| {
+        let (w, b) = (randn(w, 1.0, 0.0), randn(b, 1.0, 0.0));
+        linear(&x, &w, &b, WeightLayout::InOut)
+    };
+    assert!(linear_in_out(&[7, 3], &[3]).is_err());
+    assert!(linear_in_out(&[8, 3], &[4]).is_err());
     assert!(swiglu(&x, &randn(&[2, 4], 1.0, 0.0)).is_err());
 }
 
 #[test]
 fn embedding_matches_index_select_with_repeated_ids_and_a_tied_use() {
     let ids = Tensor::new(&[3u32, 0, 3, 5, 3, 1, 0], &Device::Cpu).unwrap();
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &[randn(&[6, 4], 1.0, 0.0)],
-            |t| embedding(&t[0], &ids).unwrap(),
-            |t| t[0].index_select(&ids, 0).unwrap(),
-        );
-        // Tied: the table's gradient also has a product's share.
-        check(
-            dtype,
-            tol,
-            &[randn(&[6, 4], 1.0, 0.0)],
-            |t| {
-                embedding(&t[0], &ids)
-                    .unwrap()
-                    .matmul(&t[0].t().unwrap())
-                    .unwrap()
-            },
-            |t| {
-                t[0].index_select(&ids, 0)
-                    .unwrap()
-                    .matmul(&t[0].t().unwrap())
-                    .unwrap()
-            },
-        );
-    }
+    check(
+        &[randn(&[6, 4], 1.0, 0.0)],
+        |t| embedding(&t[0], &ids).unwrap(),
+        |t| t[0].index_select(&ids, 0).unwrap(),
+    );
+    // Tied: the table's gradient also has a product's share.
+    check(
+        &[randn(&[6, 4], 1.0, 0.0)],
+        |t| {
+            embedding(&t[0], &ids)
+                .unwrap()
+                .matmul(&t[0].t().unwrap())
+                .unwrap()
+        },
+        |t| {
+            t[0].index_select(&ids, 0)
+                .unwrap()
+                .matmul(&t[0].t().unwrap())
+                .unwrap()
+        },
+    );
     let table = randn(&[6, 4], 1.0, 0.0);
     let i64_ids = Tensor::new(&[5i64, 2], &Device::Cpu).unwrap();
     let rows = embedding(&table, &i64_ids).unwrap();
@@ -414,27 +348,21 @@ fn a_padding_id_gets_no_gradient_from_the_lookup_only() {
             + frozen.broadcast_mul(&(1.0 - &keep).unwrap()).unwrap())
         .unwrap()
     };
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &[randn(&[6, 4], 1.0, 0.0)],
-            |t| embedding_padded(&t[0], &ids, Some(3)).unwrap(),
-            |t| reference(&t[0]),
-        );
-        check(
-            dtype,
-            tol,
-            &[randn(&[6, 4], 1.0, 0.0)],
-            |t| {
-                embedding_padded(&t[0], &ids, Some(3))
-                    .unwrap()
-                    .matmul(&t[0].t().unwrap())
-                    .unwrap()
-            },
-            |t| reference(&t[0]).matmul(&t[0].t().unwrap()).unwrap(),
-        );
-    }
+    check(
+        &[randn(&[6, 4], 1.0, 0.0)],
+        |t| embedding_padded(&t[0], &ids, Some(3)).unwrap(),
+        |t| reference(&t[0]),
+    );
+    check(
+        &[randn(&[6, 4], 1.0, 0.0)],
+        |t| {
+            embedding_padded(&t[0], &ids, Some(3))
+                .unwrap()
+                .matmul(&t[0].t().unwrap())
+                .unwrap()
+        },
+        |t| reference(&t[0]).matmul(&t[0].t().unwrap()).unwrap(),
+    );
     // No padding id, or one past the table: the plain lookup's gradient.
     let table = candle_core::Var::from_tensor(&randn(&[6, 4], 1.0, 0.0)).unwrap();
     let grad = |padding| {
@@ -495,30 +423,26 @@ fn attention_probs_match_the_composed_softmax() {
     ];
     let causal = |_: usize, i: usize, j: usize| j <= i + s_k - s_q;
     let padded = |bb: usize, _: usize, j: usize| flags[bb][j] != 0.0;
-    for (dtype, tol) in CASES {
-        for is_causal in [false, true] {
-            let opts = ProbsOptions {
-                scale: 0.35,
-                causal: is_causal,
-            };
-            let pad = !is_causal;
-            check(
-                dtype,
-                tol,
-                &inputs,
-                |t| attention_probs(&t[0], &t[1], pad.then_some(&keep), None, opts).unwrap(),
-                |t| {
-                    let allowed = |bb, i, j| {
-                        if pad {
-                            padded(bb, i, j)
-                        } else {
-                            causal(bb, i, j)
-                        }
-                    };
-                    composed_probs(&t[0], &t[1], 0.35, allowed)
-                },
-            );
-        }
+    for is_causal in [false, true] {
+        let opts = ProbsOptions {
+            scale: 0.35,
+            causal: is_causal,
+        };
+        let pad = !is_causal;
+        check(
+            &inputs,
+            |t| attention_probs(&t[0], &t[1], pad.then_some(&keep), None, opts).unwrap(),
+            |t| {
+                let allowed = |bb, i, j| {
+                    if pad {
+                        padded(bb, i, j)
+                    } else {
+                        causal(bb, i, j)
+                    }
+                };
+                composed_probs(&t[0], &t[1], 0.35, allowed)
+            },
+        );
     }
 }
 
@@ -547,20 +471,16 @@ fn attention_probs_with_key_starts_match_the_composed_softmax() {
         scale: 0.35,
         causal: true,
     };
-    for (dtype, tol) in CASES {
-        check(
-            dtype,
-            tol,
-            &inputs,
-            |t| attention_probs(&t[0], &t[1], Some(&keep), Some(&start), opts).unwrap(),
-            |t| {
-                let allowed = |bb: usize, i: usize, j: usize| {
-                    j <= i && j >= first[bb][i] as usize && flags[bb][j] != 0
-                };
-                composed_probs(&t[0], &t[1], 0.35, allowed)
-            },
-        );
-    }
+    check(
+        &inputs,
+        |t| attention_probs(&t[0], &t[1], Some(&keep), Some(&start), opts).unwrap(),
+        |t| {
+            let allowed = |bb: usize, i: usize, j: usize| {
+                j <= i && j >= first[bb][i] as usize && flags[bb][j] != 0
+            };
+            composed_probs(&t[0], &t[1], 0.35, allowed)
+        },
+    );
     let wrong = Tensor::zeros((b, s - 1), DType::U32, &Device::Cpu).unwrap();
     assert!(attention_probs(&inputs[0], &inputs[1], None, Some(&wrong), opts).is_err());
 }
@@ -579,7 +499,7 @@ fn attention_probs_backward_in_uneven_groups_of_key_heads() {
             scale: 0.5,
             causal: true,
         };
-        check(
+        check_in(
             DType::F32,
             1e-5,
             &inputs,
