@@ -5,7 +5,8 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{block_layers, module_tags, residual, split_heads, tiled, Attend, Tagged};
+use super::block_layers;
+use super::layers::{module_tags, residual, split_heads, tiled, Attend, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{Error, ModelConfig, Result};

@@ -1,7 +1,8 @@
 //! One forward pass of a family, laid out as stem, blocks, head and output
 //! layer, and the LM loss of its logits, whole or in chunks of tokens.
 
-use super::{layers, TokenBatch};
+use super::layers::{self, Tagged};
+use super::TokenBatch;
 use crate::track::tag::{Module, Op, Scope};
 use crate::Result;
 use candle_core::{DType, Tensor};
@@ -10,6 +11,7 @@ use oomfix_strategies::checkpoint;
 use oomfix_strategies::chunked_loss;
 use oomfix_strategies::nn::loss;
 use oomfix_strategies::Execution;
+use std::rc::Rc;
 
 /// A hidden-state map of a [`Forward`]: a block, or the head.
 pub(crate) type Layer<'a> = Box<dyn Fn(&Tensor) -> candle_core::Result<Tensor> + 'a>;
@@ -144,4 +146,28 @@ fn loss_mask(batch: &TokenBatch) -> candle_core::Result<Option<Tensor>> {
         .as_ref()
         .map(|m| m.flatten_all()?.to_dtype(DType::F32))
         .transpose()
+}
+
+/// The blocks of a pass as its layers, each run by `forward` with the
+/// context `ctx` they share.
+pub(crate) fn block_layers<'a, B, C: 'a>(
+    blocks: &'a [B],
+    ctx: C,
+    forward: fn(&B, &Tensor, &C) -> candle_core::Result<Tensor>,
+) -> Vec<Layer<'a>> {
+    let ctx = Rc::new(ctx);
+    blocks
+        .iter()
+        .map(|block| {
+            let ctx = Rc::clone(&ctx);
+            Forward::layer(move |x| forward(block, x, &ctx))
+        })
+        .collect()
+}
+
+/// The head of a causal pass: the final norm, tagged as its module `tag`,
+/// of the last block's output `[b, s, h]`, as the `[b·s, h]` hidden states
+/// the output layer takes.
+pub(crate) fn final_norm<'a>(norm: &'a impl Tagged, tag: Module) -> Layer<'a> {
+    Forward::layer(move |x| norm.forward_in(tag, x)?.reshape(((), x.dim(2)?)))
 }

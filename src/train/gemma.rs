@@ -20,7 +20,8 @@ use oomfix_strategies::nn::ops::{self, GeluForm, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::{Attention, Execution};
 
-use super::layers::{block_layers, module_tags, residual, tiled, Packing, Tagged};
+use super::block_layers;
+use super::layers::{module_tags, residual, tiled, Packing, Tagged};
 use super::llama::{Ends, Heads, Qkv};
 use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};

@@ -5,10 +5,9 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{
-    block_layers, final_norm, module_tags, residual, tiled, Attend, Packing, Tagged,
-};
+use super::layers::{module_tags, residual, tiled, Attend, Packing, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
+use super::{block_layers, final_norm};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 

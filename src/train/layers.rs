@@ -1,8 +1,8 @@
 //! What the trainable families share besides the layers of
 //! [`oomfix_strategies::nn`]: those layers' memory-timeline tags
 //! ([`Tagged`]), a block's residual connections and row-wise part in tiles,
-//! a pass's blocks and final norm, the LM head's logits, the packing of
-//! documents and the attention as the plan chooses it.
+//! the LM head's logits, the packing of documents and the attention as the
+//! plan chooses it.
 //!
 //! Norms, biased projections and the attention probabilities are single graph
 //! nodes with their own backward ([`oomfix_strategies::nn::ops`]; candle's
@@ -12,9 +12,6 @@
 //! allocates; views (reshape of a contiguous tensor, transpose, narrow,
 //! broadcast) allocate nothing.
 
-use std::rc::Rc;
-
-use super::{Forward, Layer};
 use crate::spec::VOCAB_ALIGN;
 use crate::track::tag::{Module, Op, Scope};
 use candle_core::{DType, Device, Result, Tensor};
@@ -80,30 +77,6 @@ pub(crate) fn residual(x: &Tensor, out: &Tensor) -> Result<Tensor> {
 /// interned for the memory timeline's tags.
 pub(crate) fn module_tags<const N: usize>(prefix: &str, names: [&str; N]) -> [Module; N] {
     names.map(|name| Module::intern(&format!("{prefix}.{name}")))
-}
-
-/// The blocks of a pass as its layers, each run by `forward` with the
-/// context `ctx` they share.
-pub(crate) fn block_layers<'a, B, C: 'a>(
-    blocks: &'a [B],
-    ctx: C,
-    forward: fn(&B, &Tensor, &C) -> Result<Tensor>,
-) -> Vec<Layer<'a>> {
-    let ctx = Rc::new(ctx);
-    blocks
-        .iter()
-        .map(|block| {
-            let ctx = Rc::clone(&ctx);
-            Forward::layer(move |x| forward(block, x, &ctx))
-        })
-        .collect()
-}
-
-/// The head of a causal pass: the final norm, tagged as its module `tag`,
-/// of the last block's output `[b, s, h]`, as the `[b·s, h]` hidden states
-/// the output layer takes.
-pub(crate) fn final_norm<'a>(norm: &'a impl Tagged, tag: Module) -> Layer<'a> {
-    Forward::layer(move |x| norm.forward_in(tag, x)?.reshape(((), x.dim(2)?)))
 }
 
 /// The LM head's logits `x·Wᵀ (+ b)`, `x` `[n, h]`, `W` `[V, h]`, `b` `[V]`,

@@ -10,10 +10,9 @@ use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::Execution;
 
-use super::layers::{
-    block_layers, final_norm, module_tags, residual, split_heads, tiled, Attend, Packing, Tagged,
-};
+use super::layers::{module_tags, residual, split_heads, tiled, Attend, Packing, Tagged};
 use super::{batch_dims, rope, Forward, Layer, Output, Params, TokenBatch};
+use super::{block_layers, final_norm};
 use crate::track::tag::{Module, Op, Scope};
 use crate::{ModelConfig, Result};
 

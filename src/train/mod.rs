@@ -59,7 +59,7 @@ mod weights;
 pub use crate::state_file::StateFile;
 pub(crate) use batch::batch_dims;
 pub use batch::{batch_from_windows, synthetic_batch};
-pub(crate) use forward::{Forward, Layer, Output};
+pub(crate) use forward::{block_layers, final_norm, Forward, Layer, Output};
 pub use hub::{build_model, build_model_with, check_supported, HubModel, StepOutput};
 pub use oomfix_strategies::model::TokenBatch;
 pub(crate) use params::Params;
