@@ -129,7 +129,7 @@ struct Fake(Vec<(Setting, usize)>);
 impl Prober for Fake {
     fn probe(&mut self, setting: Setting, micro_batch: usize) -> oomfix::Result<ProbeOutcome> {
         self.0.push((setting, micro_batch));
-        if setting.checkpoint != oomfix::strategies::Checkpointing::None && micro_batch >= 2 {
+        if setting.exec.checkpoint != oomfix::strategies::Checkpointing::None && micro_batch >= 2 {
             return Ok(ProbeOutcome::OutOfMemory);
         }
         Ok(ProbeOutcome::Measured {

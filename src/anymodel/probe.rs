@@ -9,9 +9,7 @@ use crate::track::alloc;
 use crate::{Error, Result};
 use candle_core::{DType, Device, Var};
 use oomfix_strategies::model::{self, MicroBatch, Model};
-use oomfix_strategies::{
-    Attention, Checkpointing, Execution, ModelFacts, Plan, Precision, StateBytes, Strategy,
-};
+use oomfix_strategies::{Execution, ModelFacts, Plan, Precision, StateBytes, Strategy};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,16 +17,12 @@ use std::time::Instant;
 
 /// The part of a plan that changes what a forward and backward pass holds:
 /// one affine fit of memory against the micro-batch per setting.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Setting {
     /// Compute precision.
     pub precision: Precision,
-    /// Activation checkpointing.
-    pub checkpoint: Checkpointing,
-    /// Attention.
-    pub attention: Attention,
-    /// The most bytes a chunk of the LM loss's logits takes (`None`: unchunked).
-    pub loss_chunk_bytes: Option<u64>,
+    /// How the pass runs (the fixes' [`Execution`] of the plan).
+    pub exec: Execution,
 }
 
 impl Setting {
@@ -36,10 +30,22 @@ impl Setting {
     pub fn of(plan: &Plan, exec: &Execution) -> Self {
         Setting {
             precision: plan.precision,
-            checkpoint: exec.checkpoint,
-            attention: exec.attention,
-            loss_chunk_bytes: exec.loss_chunk_bytes,
+            exec: *exec,
         }
+    }
+}
+
+/// The precision and the execution's checkpointing, attention and loss
+/// chunks (what the JSON reports of a setting).
+impl Serialize for Setting {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut out = s.serialize_struct("Setting", 4)?;
+        out.serialize_field("precision", &self.precision)?;
+        out.serialize_field("checkpoint", &self.exec.checkpoint)?;
+        out.serialize_field("attention", &self.exec.attention)?;
+        out.serialize_field("loss_chunk_bytes", &self.exec.loss_chunk_bytes)?;
+        out.end()
     }
 }
 
@@ -48,9 +54,9 @@ impl std::fmt::Display for Setting {
         write!(
             f,
             "{}, checkpoint {}, {} attention",
-            self.precision, self.checkpoint, self.attention
+            self.precision, self.exec.checkpoint, self.exec.attention
         )?;
-        if self.loss_chunk_bytes.is_some() {
+        if self.exec.loss_chunk_bytes.is_some() {
             f.write_str(", chunked loss")?;
         }
         Ok(())
@@ -447,11 +453,8 @@ where
             self.models.insert(setting.precision, (m, vars));
         }
         let (m, vars) = &self.models[&setting.precision];
-        let exec = Execution::default()
-            .checkpoint(setting.checkpoint)
-            .attention(setting.attention)
-            .loss_chunks(setting.loss_chunk_bytes);
-        let batch = MicroBatch::new(micro_batch, self.index, exec).with_seq_len(self.seq_len);
+        let batch =
+            MicroBatch::new(micro_batch, self.index, setting.exec).with_seq_len(self.seq_len);
         self.index += 1;
         let before = start_peak(&self.device)?;
         let start = Instant::now();

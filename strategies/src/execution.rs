@@ -39,6 +39,22 @@ pub struct Execution {
     pub parts: Parts,
 }
 
+/// Executions are compared and hashed field by field, the loss scale by its
+/// bits (a scale is a finite positive number, never NaN): an execution can
+/// key a map of what was measured under it.
+impl Eq for Execution {}
+
+impl std::hash::Hash for Execution {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.checkpoint.hash(state);
+        self.attention.hash(state);
+        self.loss_scale.to_bits().hash(state);
+        self.loss_chunk_bytes.hash(state);
+        self.segment_inputs.hash(state);
+        self.parts.hash(state);
+    }
+}
+
 impl Default for Execution {
     /// Plain autograd, composed attention, no loss scaling, the loss unchunked.
     fn default() -> Self {
@@ -114,7 +130,7 @@ impl Execution {
 
 /// Where [`crate::checkpoint::backward_with`] keeps the checkpointed
 /// segments' inputs between the forward and their recompute.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum SegmentInputs {
     /// On the device that computes.
     #[default]
@@ -129,7 +145,7 @@ pub enum SegmentInputs {
 /// (everything up to and including the attention's residual add) and the
 /// row-wise part (the norm before the MLP and the MLP, whose rows are
 /// independent tokens).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Part {
     /// The norm before attention, the projections, attention and the
     /// residual add.
@@ -142,7 +158,7 @@ pub enum Part {
 /// backward. A fix that changes what a block keeps sets it in its
 /// [`Strategy::execution`] hook; the memory and step-time models read it
 /// from the block's description, and the families' code from here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum PartRun {
     /// Its tensors are kept from the forward for the backward.
     #[default]
@@ -156,7 +172,7 @@ pub enum PartRun {
 }
 
 /// How each part of the blocks runs ([`PartRun`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Parts {
     /// The attention part.
     pub attention: PartRun,
