@@ -70,9 +70,7 @@ impl Block {
             let sum = residual(x, &attn)?;
             self.attn_norm.forward(&sum)?
         };
-        // The tiled part's output is the output module's.
-        let _m = Scope::module(self.tags[2]);
-        tiled(self, &x, mlp_tile, Block::mlp)
+        tiled(self, &x, mlp_tile, self.tags[2], Block::mlp)
     }
 
     /// The row-wise part: the MLP, its residual and the LayerNorm after it,

@@ -21,7 +21,7 @@ use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::{Attention, Execution};
 
 use super::block_layers;
-use super::layers::{module_tags, residual, tiled, Packing, Tagged};
+use super::layers::{module_tags, residual, tiled_residual, Packing, Tagged};
 use super::llama::{Ends, Heads, Qkv};
 use super::{batch_dims, rope, Forward, Params, TokenBatch};
 use crate::track::tag::{Module, Op, Scope};
@@ -122,10 +122,7 @@ impl Block {
             let out = self.post_attention_norm.forward_in(post_attn, &out)?;
             residual(x, &out)?
         };
-        // The tiled part's output and the residual add after it are the MLP's.
-        let _m = Scope::module(self.tags[4]);
-        let out = tiled(self, &x, ctx.mlp_tile, Block::mlp)?;
-        residual(&x, &out)
+        tiled_residual(self, &x, ctx.mlp_tile, self.tags[4], Block::mlp)
     }
 
     /// The row-wise part: the norms around the MLP and the MLP,

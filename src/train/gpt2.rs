@@ -5,7 +5,7 @@ use oomfix_strategies::nn::ops::{self, GeluForm, WeightLayout};
 use oomfix_strategies::nn::{LayerNorm, Projection};
 use oomfix_strategies::Execution;
 
-use super::layers::{module_tags, residual, tiled, Attend, Packing, Tagged};
+use super::layers::{module_tags, residual, tiled_residual, Attend, Packing, Tagged};
 use super::{batch_dims, Forward, Output, Params, TokenBatch};
 use super::{block_layers, final_norm};
 use crate::track::tag::{Module, Op, Scope};
@@ -65,10 +65,7 @@ impl Block {
             let out = self.attn_proj.forward(&attn)?;
             residual(x, &out)?
         };
-        // The tiled part's output and the residual add after it are the MLP's.
-        let _m = Scope::module(self.tags[3]);
-        let mlp = tiled(self, &x, mlp_tile, Block::mlp)?;
-        residual(&x, &mlp)
+        tiled_residual(self, &x, mlp_tile, self.tags[3], Block::mlp)
     }
 
     /// The row-wise part: `mlp_proj(gelu(c_fc(ln_2(x))))`.

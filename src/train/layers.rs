@@ -56,15 +56,32 @@ tagged!(Projection => Matmul, LayerNorm => LayerNorm, RmsNorm => RmsNorm);
 /// `part(block, x)` for `part` a block's row-wise part (each token's output
 /// from its own input only: the MLP and what surrounds it), in tiles of
 /// `tile` tokens when given ([`tiled_mlp::tiled_rows`]), on a copy of the
-/// block (its tensors are shared handles: a copy is cheap).
+/// block (its tensors are shared handles: a copy is cheap). The output
+/// (the tiles' joined outputs and the op's copy) is tagged as `module`'s.
 pub(crate) fn tiled<B: Clone + Send + Sync + 'static>(
     block: &B,
     x: &Tensor,
     tile: Option<usize>,
+    module: Module,
     part: fn(&B, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
+    let _m = Scope::module(module);
     let block = block.clone();
     tiled_mlp::tiled_rows(x, tile, move |x| part(&block, x))
+}
+
+/// `x + tiled(..)`: a block's row-wise part and the residual connection
+/// after it, both tagged as `module`'s.
+pub(crate) fn tiled_residual<B: Clone + Send + Sync + 'static>(
+    block: &B,
+    x: &Tensor,
+    tile: Option<usize>,
+    module: Module,
+    part: fn(&B, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let _m = Scope::module(module);
+    let out = tiled(block, x, tile, module, part)?;
+    residual(x, &out)
 }
 
 /// `x + out`: a block's residual connection, tagged as one.

@@ -10,7 +10,7 @@ use oomfix_strategies::nn::ops::{self, RopeTables, WeightLayout};
 use oomfix_strategies::nn::{Projection, RmsNorm};
 use oomfix_strategies::Execution;
 
-use super::layers::{module_tags, residual, split_heads, tiled, Attend, Packing, Tagged};
+use super::layers::{module_tags, residual, split_heads, tiled_residual, Attend, Packing, Tagged};
 use super::{batch_dims, rope, Forward, Layer, Output, Params, TokenBatch};
 use super::{block_layers, final_norm};
 use crate::track::tag::{Module, Op, Scope};
@@ -262,10 +262,7 @@ impl Block {
                 .forward(&ctx.attend.forward(&q, &k, &v, scale)?)?;
             residual(x, &out)?
         };
-        // The tiled part's output and the residual add after it are the MLP's.
-        let _m = Scope::module(self.tags[3]);
-        let out = tiled(self, &x, ctx.mlp_tile, Block::mlp)?;
-        residual(&x, &out)
+        tiled_residual(self, &x, ctx.mlp_tile, self.tags[3], Block::mlp)
     }
 
     /// The row-wise part: the RMSNorm after attention and the MLP,
