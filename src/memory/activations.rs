@@ -24,6 +24,7 @@
 
 use crate::block::{Block, Dims};
 use crate::spec::{Family, ModelSpec};
+use crate::target::Target;
 use oomfix_strategies::nn::ops::PROBS_BACKWARD_CHUNKS;
 use oomfix_strategies::{Checkpointing, Execution, Part, Plan, Precision};
 
@@ -325,12 +326,16 @@ fn gemma_stray_gradients(d: &Dims, c: u64) -> u64 {
 /// candle-core stores a first gradient without adding it to zeros).
 pub const LOSS_BACKWARD_NV: u64 = 1;
 
-/// `[n,h]` tensors a checkpointed segment's surrogate `(y·grad_y).sum()` adds
-/// while the segment is differentiated, besides `grad_y` and the product: the
-/// sum's broadcast ones made into a tensor, `grad_y`'s stray gradient
-/// (`grad_y` is off the graph but multiplies `y`, so candle makes its gradient
-/// and keeps it in the store), and `y`'s gradient (measured on the CPU).
-pub const SURROGATE_STRAY_NH: u64 = 4;
+/// `[n,h]` tensors alive while a checkpointed segment is differentiated,
+/// besides the segment's own: the upstream gradient `grad_y`, which the
+/// segment's output takes as its gradient as it is
+/// ([`oomfix_strategies::checkpoint`]'s seed), and what the blocks' backward
+/// holds beside the gradient it passes on. Fitted: the CPU accuracy matrix's
+/// checkpointed rows (llama-tiled and gpt2-tiled at 1 × 1024, the 8-block
+/// LoRA Llama at 1 × 2048); the surrogate `(y·grad_y).sum()` the seed
+/// replaced held 6 (its product, ones and `grad_y`'s stray gradient), and
+/// those rows' peaks fell by 2–3 `[n,h]` without it.
+pub const SEGMENT_BACKWARD_NH: u64 = 3;
 
 /// Output-embedding-sized (`[V,h]`) tensors alive at once while the backward
 /// makes the LM head's weight gradient, in the compute dtype.
@@ -392,6 +397,22 @@ fn composed_backward(d: &Dims) -> u64 {
 /// per query head, of k and v `[n,H·d]` ×3.
 fn flash_backward(d: &Dims) -> u64 {
     4 * (6 * d.n * d.q + 2 * d.n * d.kv)
+}
+
+/// Bytes alive at once while the backward crosses one flash attention on a
+/// CUDA device (the tensor-core kernels of `oomfix_strategies::attention`),
+/// on top of what the block keeps: the gradients in the compute dtype, of q
+/// `[n,H·d]` and of k and v `[n,kv]` ×2, the f32 sum of q's gradient over the
+/// key tiles `[n,H·d]`, and where query heads share a key/value head, the f32
+/// sums of k's and v's gradients over the group's split `[n,kv]` ×2 (the
+/// kernel splits a group where the key tiles alone would not fill the
+/// device; counted whenever it can). At 49,640 tokens of Llama-3-8B on an
+/// H100 this is 4.5 `[n,h]` of bf16 against the CPU kernel's 13, and the
+/// measured peaks of the 12–24 GiB long-context runs were 16–30% under an
+/// estimate that used the CPU's set.
+fn cuda_flash_backward(d: &Dims, c: u64) -> u64 {
+    let split = if d.q > d.kv { 2 * 4 * d.n * d.kv } else { 0 };
+    c * (d.n * d.q + 2 * d.n * d.kv) + 4 * d.n * d.q + split
 }
 
 /// [`flash_backward`]'s bytes for `plan` on `spec`: at short sequences this
@@ -584,26 +605,30 @@ fn adapters_backward(d: &Dims, plan: &Plan, c: u64) -> u64 {
 /// tensor per segment. The loss's moment holds those and the head's tensors
 /// (the segment outputs are all still there). At the first segment's
 /// recompute only the stem remains of them; the segment's `k` blocks' tensors
-/// are alive with the upstream gradient `grad_y`, the surrogate's product
-/// `y·grad_y` and the surrogate's own stray (`SURROGATE_STRAY_NH`, 4), and the
+/// are alive with the upstream gradient `grad_y` and what the backward holds
+/// beside it ([`SEGMENT_BACKWARD_NH`], 3), and the
 /// stem's backward runs inside that same recomputed graph.
 ///
 /// The backward's working sets are those of the linked candle-core
-/// ([`Backward::linked`]; [`activation_bytes_for`] takes one).
+/// ([`Backward::linked`]) and the CPU's kernels ([`activation_bytes_for`]
+/// takes both).
 ///
 /// What the pass recomputes and how it computes attention are `exec`'s (the
 /// fixes' execution hooks made it from the plan: [`Execution::for_plan`]);
 /// the micro-batch, sequence length and compute dtype are the plan's.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> Activations {
-    activation_bytes_for(spec, plan, exec, Backward::linked())
+    activation_bytes_for(spec, plan, exec, Backward::linked(), &Target::Cpu)
 }
 
-/// [`activation_bytes`] with the working sets of `backward`.
+/// [`activation_bytes`] with the working sets of `backward` and of the
+/// kernels `target` runs (flash attention's backward differs between the
+/// CPU and CUDA).
 pub fn activation_bytes_for(
     spec: &ModelSpec,
     plan: &Plan,
     exec: &Execution,
     backward: Backward,
+    target: &Target,
 ) -> Activations {
     let stock = backward == Backward::ZerosPlusGradient;
     let cfg = &spec.config;
@@ -645,10 +670,14 @@ pub fn activation_bytes_for(
             stock,
         ),
     };
+    let flash = match target {
+        Target::Cpu => flash_backward(&d),
+        Target::Cuda(_) => cuda_flash_backward(&d, c),
+    };
     let attention_backward = match (d.flash, stock) {
         (false, _) if d.gemma.is_some() => gemma_attention_backward(&d, c),
-        (true, false) => flash_backward(&d),
-        (true, true) => flash_backward(&d) + STOCK_FLASH_BACKWARD_NH * d.n * d.h * c,
+        (true, false) => flash,
+        (true, true) => flash + STOCK_FLASH_BACKWARD_NH * d.n * d.h * c,
         (false, false) => composed_backward(&d) * c,
         (false, true) => {
             let beside = composed_backward(&d) - d.scores() - scores_chunk(&d);
@@ -683,7 +712,7 @@ pub fn activation_bytes_for(
         Checkpointing::Every(k) if k > 0 => {
             let k = (k as u64).min(layers);
             let segment_outputs = layers.div_ceil(k) * d.n * d.h * c;
-            let surrogate = (2 + SURROGATE_STRAY_NH) * d.n * d.h * c;
+            let surrogate = SEGMENT_BACKWARD_NH * d.n * d.h * c;
             let recomputed = stem + k * block + surrogate;
             // Offloaded, the device keeps the last segment's output (the
             // head's input) and, while a later segment is recomputed, its

@@ -20,10 +20,13 @@
 //!    `backward` gives the head's parameter gradients and the gradient of the last
 //!    hidden states. The head's graph and gradient store are then dropped.
 //! 3. From the last segment to the first, the segment is recomputed from its kept
-//!    input and the surrogate `(y * grad_y).sum_all()` is differentiated: its
-//!    gradient with respect to the segment's parameters and input is exactly the
-//!    chain rule with upstream gradient `grad_y` (whatever loss scale `grad_y`
-//!    carries, the surrogate carries too). The input's gradient becomes the next
+//!    input and differentiated from a scalar whose backward hands `y` the
+//!    gradient `grad_y` as it is (a custom op; the same as differentiating
+//!    `(y * grad_y).sum_all()` without its product, ones and the stray
+//!    gradient of `grad_y`, each as large as `y`): its gradient with respect
+//!    to the segment's parameters and input is exactly the chain rule with
+//!    upstream gradient `grad_y` (whatever loss scale `grad_y` carries, the
+//!    segment's gradients carry too). The input's gradient becomes the next
 //!    `grad_y`; parameter gradients are detached and summed across segments; each
 //!    gradient store is dropped before the next segment is recomputed.
 //! 4. The first segment's input is the stem tensor itself, still attached to the
@@ -53,8 +56,9 @@
 
 use std::ops::Range;
 
-use candle_core::{backprop::GradStore, Device, Tensor, Var};
+use candle_core::{backprop::GradStore, CpuStorage, Device, Shape, Tensor, Var};
 
+use crate::custom_op::{CustomOp, Input, Kernel};
 use crate::{
     Checkpointing, Error, Execution, Plan, Result, SearchContext, SegmentInputs, Strategy,
 };
@@ -311,7 +315,7 @@ pub fn backward_with<B: Block>(
         let input = input.restore()?;
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &input)?;
-        let mut store = backward_of(&crate::reduce::sum_all(&y.mul(&grad_y)?)?, vars)?;
+        let mut store = backward_of(&seeded(&y, grad_y.clone())?, vars)?;
         drop(y);
         accumulate(&mut grads, &mut store, vars)?;
         if i > 0 {
@@ -322,6 +326,59 @@ pub fn backward_with<B: Block>(
         hook.gradients(segment.clone(), &mut grads, &mut taken)?;
     }
     Ok(Gradients { loss, grads, taken })
+}
+
+/// A scalar (zero) computed from `y` whose backward gives `y` the gradient
+/// `grad_y`, the tensor itself: the root of a recomputed segment's backward.
+/// Its own gradient is the backward's seed, 1, and is not read.
+fn seeded(y: &Tensor, grad_y: Tensor) -> candle_core::Result<Tensor> {
+    if grad_y.shape() != y.shape() || grad_y.dtype() != y.dtype() {
+        candle_core::bail!(
+            "checkpointing: the gradient {:?} {:?} does not match the output {:?} {:?}",
+            grad_y.shape(),
+            grad_y.dtype(),
+            y.shape(),
+            y.dtype()
+        );
+    }
+    y.apply_op1(CustomOp(Seed(grad_y)))
+}
+
+/// [`seeded`]'s op: the gradient it hands its input.
+struct Seed(Tensor);
+
+impl Kernel<1> for Seed {
+    fn name(&self) -> &'static str {
+        "oomfix-seed-gradient"
+    }
+
+    fn cpu_fwd(
+        &self,
+        [(y, _)]: [Input<'_, CpuStorage>; 1],
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let zero = candle_core::cpu_backend::CpuDevice.zeros_impl(&Shape::from(()), y.dtype())?;
+        Ok((zero, Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        [(y, _)]: [Input<'_, candle_core::CudaStorage>; 1],
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let zero = y.device().zeros_impl(&Shape::from(()), y.dtype())?;
+        Ok((zero, Shape::from(())))
+    }
+
+    fn bwd(
+        &self,
+        _: [&Tensor; 1],
+        _: &Tensor,
+        _: &Tensor,
+    ) -> candle_core::Result<[Option<Tensor>; 1]> {
+        Ok([Some(self.0.clone())])
+    }
 }
 
 /// The plain backward: one graph from the stem to the loss.
