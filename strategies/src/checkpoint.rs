@@ -54,11 +54,14 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::cell::RefCell;
 use std::ops::Range;
+use std::rc::Rc;
 
-use candle_core::{backprop::GradStore, CpuStorage, Device, Shape, Tensor, Var};
+use candle_core::{backprop::GradStore, CpuStorage, Shape, Tensor, Var};
 
 use crate::custom_op::{CustomOp, Input, Kernel};
+use crate::offload::HostBuffer;
 use crate::{
     Checkpointing, Error, Execution, Plan, Result, SearchContext, SegmentInputs, Strategy,
 };
@@ -232,28 +235,51 @@ pub fn backward<B: Block>(
 enum Kept {
     /// On the device, as the forward left it.
     Here(Tensor),
-    /// A host copy, and the device to bring it back to.
-    Host(Tensor, Device),
+    /// On its way to a host buffer, or there.
+    Host(Rc<HostBuffer>),
+}
+
+thread_local! {
+    /// The host buffers of the segments' inputs by segment, kept from one
+    /// step to the next (page-locking a buffer once, not every step).
+    static HOST_INPUTS: RefCell<Vec<Option<Rc<HostBuffer>>>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Kept {
-    fn new(x: Tensor, offload: bool) -> candle_core::Result<Kept> {
-        if offload {
-            // Detached first: a copy of a tracked tensor would keep it (and
-            // its device storage) alive as its backward's input.
-            let host = x.detach().to_device(&Device::Cpu)?;
-            Ok(Kept::Host(host, x.device().clone()))
-        } else {
-            Ok(Kept::Here(x))
+    /// Segment `segment`'s input `x`, offloaded where `offload` says and `x`
+    /// is on a device: copied into the segment's host buffer (made, or
+    /// remade where `x`'s shape changed). On the CPU nothing moves.
+    fn new(x: Tensor, segment: usize, offload: bool) -> candle_core::Result<Kept> {
+        if !offload || x.device().is_cpu() {
+            // A fresh variable at the recompute, as a host copy would be.
+            let x = if offload { x.detach() } else { x };
+            return Ok(Kept::Here(x));
         }
+        let x = x.detach().contiguous()?;
+        let buffer = HOST_INPUTS.with_borrow_mut(|all| {
+            if all.len() <= segment {
+                all.resize(segment + 1, None);
+            }
+            match &all[segment] {
+                Some(b) if b.fits(&x) => Ok(b.clone()),
+                _ => {
+                    let b = Rc::new(HostBuffer::new(&x)?);
+                    all[segment] = Some(b.clone());
+                    Ok::<_, candle_core::Error>(b)
+                }
+            }
+        })?;
+        buffer.store(&x)?;
+        Ok(Kept::Host(buffer))
     }
 
     /// The input on its device: a fresh variable for a host copy, so that
     /// the recompute's backward gives its gradient.
-    fn restore(self) -> candle_core::Result<Tensor> {
+    fn restore(self, offload: bool) -> candle_core::Result<Tensor> {
         match self {
+            Kept::Here(x) if offload => Ok(Var::from_tensor(&x)?.into_inner()),
             Kept::Here(x) => Ok(x),
-            Kept::Host(x, device) => Ok(Var::from_tensor(&x.to_device(&device)?)?.into_inner()),
+            Kept::Host(buffer) => Ok(buffer.load()?.into_inner()),
         }
     }
 }
@@ -267,9 +293,12 @@ impl Kept {
 /// With [`SegmentInputs::OnHost`] every segment's input but the first (the
 /// stem, attached to its graph) is copied to host memory once its segment's
 /// forward has run, and back to the device just before the segment is
-/// recomputed (on the CPU the "copy" shares the input's storage: nothing
-/// moves, but the recompute starts from a fresh variable as on a device).
-/// The gradients are the same bit for bit.
+/// recomputed (on the CPU nothing moves, but the recompute starts from a
+/// fresh variable as on a device). The host buffers are page-locked once
+/// and kept, one per segment, for the thread's later steps while the
+/// inputs keep their shape; the copies are queued on the device's stream,
+/// so the host does not wait for them. The gradients are the same bit for
+/// bit.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_with<B: Block>(
     stem: &Tensor,
@@ -297,7 +326,7 @@ pub fn backward_with<B: Block>(
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &x)?.detach();
         hook.after(segment.clone())?;
-        kept.push(Kept::new(x, offload && i > 0)?);
+        kept.push(Kept::new(x, i, offload && i > 0)?);
         x = Var::from_tensor(&y)?.into_inner();
     }
     // Head: its parameter gradients and the gradient of the last hidden states.
@@ -312,7 +341,7 @@ pub fn backward_with<B: Block>(
     drop(x);
     // Segments, last to first, each recomputed from its input.
     for (i, (segment, input)) in segments.iter().zip(kept).enumerate().rev() {
-        let input = input.restore()?;
+        let input = input.restore(offload && i > 0)?;
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &input)?;
         let mut store = backward_of(&seeded(&y, grad_y.clone())?, vars)?;
@@ -461,24 +490,23 @@ fn input_grad(store: &mut Backward, input: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
-    /// The host copy of a segment's input is out of the graph: a tracked
-    /// copy would hold the device tensor (and its storage) as its
-    /// backward's input, and nothing would leave the device.
+    /// An offloaded segment's input is kept out of the graph (a tracked copy
+    /// would hold the device tensor, and its storage, as its backward's
+    /// input, and nothing would leave the device) and comes back as a fresh
+    /// variable; on the CPU nothing moves.
     #[test]
-    fn a_kept_host_copy_holds_no_graph() {
+    fn an_offloaded_input_holds_no_graph_and_comes_back_a_variable() {
         let x = Var::randn(0f32, 1.0, (2, 3), &Device::Cpu).unwrap();
         assert!(x.as_tensor().track_op());
-        match Kept::new(x.as_tensor().clone(), true).unwrap() {
-            Kept::Host(host, device) => {
-                assert!(!host.track_op());
-                assert!(device.is_cpu());
-            }
-            Kept::Here(_) => panic!("not offloaded"),
+        match Kept::new(x.as_tensor().clone(), 1, true).unwrap() {
+            Kept::Here(kept) => assert!(!kept.track_op()),
+            Kept::Host(_) => panic!("moved on the CPU"),
         }
-        let restored = Kept::new(x.as_tensor().clone(), true)
+        let restored = Kept::new(x.as_tensor().clone(), 1, true)
             .unwrap()
-            .restore()
+            .restore(true)
             .unwrap();
         assert!(restored.is_variable());
         assert_ne!(restored.id(), x.as_tensor().id());

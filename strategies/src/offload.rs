@@ -267,6 +267,61 @@ impl OffloadedAdamW {
     }
 }
 
+/// A host tensor that a device tensor of one shape and dtype waits in, page-
+/// locked where the device is a CUDA one (so that copies in both directions
+/// run at the bus's speed and are queued on the device's stream without
+/// waiting), reused for as long as the tensors it holds keep that shape:
+/// the checkpointed segments' inputs of [`crate::offload_activations`].
+///
+/// Every copy is queued on the device's stream, so a later copy into the
+/// buffer waits for an earlier copy out of it, and a device tensor freed after
+/// [`store`](Self::store) returns is reused only once its copy has run; the
+/// host never reads the buffer.
+#[derive(Debug)]
+pub(crate) struct HostBuffer {
+    /// Declared before `host` so that it is dropped (unlocked) first.
+    #[cfg(feature = "cuda")]
+    _pinned: Option<cuda::Pinned>,
+    host: Tensor,
+    device: Device,
+}
+
+impl HostBuffer {
+    /// A buffer for tensors shaped like `like` (on a CUDA device).
+    pub(crate) fn new(like: &Tensor) -> candle_core::Result<Self> {
+        let host = Tensor::zeros(like.shape(), like.dtype(), &Device::Cpu)?;
+        Ok(HostBuffer {
+            #[cfg(feature = "cuda")]
+            _pinned: match like.device() {
+                Device::Cuda(d) => cuda::Pinned::new(&host, d),
+                _ => None,
+            },
+            host,
+            device: like.device().clone(),
+        })
+    }
+
+    /// Whether `t` fits this buffer: same shape, dtype and device.
+    pub(crate) fn fits(&self, t: &Tensor) -> bool {
+        t.shape() == self.host.shape()
+            && t.dtype() == self.host.dtype()
+            && t.device().same_device(&self.device)
+    }
+
+    /// Queues the copy of `t` (shaped like the buffer) into it.
+    pub(crate) fn store(&self, t: &Tensor) -> candle_core::Result<()> {
+        download(t, &self.host)
+    }
+
+    /// A new variable on the device with the buffer's contents (a queued
+    /// copy: work queued on the device after it sees them).
+    pub(crate) fn load(&self) -> candle_core::Result<Var> {
+        let v = Var::zeros(self.host.shape(), self.host.dtype(), &self.device)?;
+        upload(&self.host, v.as_tensor())?;
+        Ok(v)
+    }
+}
+
 /// Copies gradient `g` (any device) into the host tensor `staged` (same dtype
 /// and element count, contiguous). A strided `g` is made contiguous on its
 /// device first.

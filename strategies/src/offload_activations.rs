@@ -11,9 +11,11 @@
 //! ([`crate::checkpoint::backward_with`] with [`SegmentInputs::OnHost`]), so
 //! the device holds one of them at a time.
 //!
-//! The copies are candle's own device-to-host and host-to-device copies, on
-//! the device's stream: each waits for the work queued before it, and the
-//! compute waits for it (no overlap). Their cost is two transfers of the
+//! The copies go to and from page-locked host buffers (one per segment,
+//! locked once and kept for the later steps), queued on the device's stream:
+//! each waits for the work queued before it and the compute queued after it
+//! waits for it, but the host does not (it queues the next block meanwhile),
+//! and they run at the bus's speed. Their cost is two transfers of the
 //! offloaded inputs over the host bus per micro-batch; the step-time model
 //! counts it as host-bus traffic. The arithmetic is unchanged: the
 //! recompute starts from the same values, so the gradients are those of the
