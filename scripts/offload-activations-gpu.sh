@@ -15,7 +15,8 @@
 # Usage: scripts/offload-activations-gpu.sh CARRY   (CARRY holds
 #   oomfix-cuda.xz from scripts/build-cuda.sh)
 # Environment: BUDGET (default 24GiB), SEQ (default 25129), STEPS (default
-#   3), CAP (seconds one run may take; default 150).
+#   3), CAP (seconds one run may take; default 150), LONGEST (0: skip run 1;
+#   default 1).
 set -uo pipefail
 carry=${1:?carry folder}
 out=${OUT:-/tmp/offload-activations}
@@ -39,7 +40,7 @@ run() {
     timeout "$CAP" /tmp/oomfix "${common[@]}" "$@" >"$out/$name.json" 2>"$out/$name.log"
     echo "$name: exit $?"
 }
-run longest --budget "$BUDGET" --enforce-budget --seq-len longest
+[ "${LONGEST:-1}" = 0 ] || run longest --budget "$BUDGET" --enforce-budget --seq-len longest
 pinned=(--budget "$BUDGET" --seq-len "$SEQ" --precision bf16 --checkpoint every
     --attention flash --loss chunked --optimizer cpu-adamw)
 run device "${pinned[@]}" --activations device
