@@ -108,7 +108,7 @@ fn json(args: &[&str]) -> (i32, Value) {
 fn plan_prints_the_longest_length_and_how_it_was_found() {
     let args = [
         "--budget",
-        "2100MiB",
+        "2090MiB",
         "--device",
         "cpu",
         "--global-batch",

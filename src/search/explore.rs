@@ -7,6 +7,11 @@ use oomfix_strategies::{Plan, SearchContext};
 
 /// How many plans the search estimates at most while looking for the fastest.
 const MAX_EXPLORED: usize = 4096;
+/// The fraction of the step time a more quantized LoRA base must save over
+/// the fastest plan with a less quantized one to be chosen (4 bits, or 8-bit
+/// absmax values, change the model's function; a modelled difference
+/// smaller than this is within the step-time model's error).
+const QUANTIZED_BASE_MIN_GAIN: f64 = 0.05;
 /// How many of the fastest candidates a verifier measures.
 const VERIFIED_CANDIDATES: usize = 3;
 
@@ -70,8 +75,7 @@ impl Run<'_> {
             }
         }
         // Fastest first; equal times (ZeRO 1 and 2 move the same bytes, say)
-        // go to the less quantized LoRA base (4 bits change the model's
-        // function: only when they buy time or the fit), then to the lower
+        // go to the less quantized LoRA base, then to the lower
         // peak, then to the plan's encoding: the same search always chooses
         // the same plan.
         let mut candidates: Vec<(Plan, f64, u64, String)> = self
@@ -88,6 +92,18 @@ impl Run<'_> {
             })
             .collect();
         let base = |p: &Plan| p.lora.map(|l| l.base);
+        // A more quantized base only where it buys the fit or a step
+        // [`QUANTIZED_BASE_MIN_GAIN`] faster than the least quantized base's
+        // fastest within reach of it.
+        let fastest = candidates.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+        let least = candidates
+            .iter()
+            .filter(|c| c.1 <= fastest * (1.0 + QUANTIZED_BASE_MIN_GAIN))
+            .map(|c| base(&c.0))
+            .min();
+        if let Some(least) = least {
+            candidates.retain(|c| base(&c.0) <= least);
+        }
         candidates.sort_by(|a, b| {
             a.1.total_cmp(&b.1)
                 .then_with(|| base(&a.0).cmp(&base(&b.0)))
