@@ -302,13 +302,21 @@ impl Dims {
     }
     /// Bytes of the checkpointed segments' inputs kept in host memory per
     /// micro-batch ([`oomfix_strategies::SegmentInputs::OnHost`]): every
-    /// segment's input but the first's, `[n, h]` in the compute dtype each;
-    /// 0 when they stay on the device.
-    pub fn offloaded_inputs(&self, layers: usize, exec: &Execution, c: u64) -> u64 {
+    /// segment's input but the first's, and the first's too where the stem
+    /// has no graph (`frozen_stem`: its embeddings are frozen, as under
+    /// LoRA), `[n, h]` in the compute dtype each; 0 when they stay on the
+    /// device.
+    pub fn offloaded_inputs(
+        &self,
+        layers: usize,
+        exec: &Execution,
+        c: u64,
+        frozen_stem: bool,
+    ) -> u64 {
         match exec.checkpoint {
             Checkpointing::Every(k) if k > 0 && exec.segment_inputs == SegmentInputs::OnHost => {
                 let segments = layers.div_ceil(k) as u64;
-                segments.saturating_sub(1) * self.n * self.h * c
+                (segments - u64::from(!frozen_stem)) * self.n * self.h * c
             }
             _ => 0,
         }

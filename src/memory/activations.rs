@@ -716,20 +716,28 @@ pub fn activation_bytes_for(
             let recomputed = stem + k * block + surrogate;
             // Offloaded, the device keeps the last segment's output (the
             // head's input) and, while a later segment is recomputed, its
-            // input brought back; else every later segment's input.
+            // input brought back; else every later segment's input. Under
+            // LoRA the stem has no graph and waits on the host too, so a
+            // later segment's recompute holds one input, as the first's does.
             let input = d.n * d.h * c;
-            let host = d.offloaded_inputs(cfg.layers, exec, c);
-            let segment_outputs = segment_outputs - host;
+            let host = d.offloaded_inputs(cfg.layers, exec, c, plan.lora.is_some());
+            let stem_on_host = if host > 0 && plan.lora.is_some() {
+                input
+            } else {
+                0
+            };
+            let segment_outputs = segment_outputs - (host - stem_on_host);
+            let stem_kept = stem - stem_on_host;
             Activations {
-                later_segment_inputs: if host > 0 {
-                    input
-                } else {
-                    segment_outputs - input
+                later_segment_inputs: match (host, stem_on_host) {
+                    (0, _) => segment_outputs - input,
+                    (_, 0) => input,
+                    _ => 0,
                 },
                 host,
-                kept: stem + segment_outputs,
+                kept: stem_kept + segment_outputs,
                 loss: Moment {
-                    activations: stem + segment_outputs + head,
+                    activations: stem_kept + segment_outputs + head,
                     transient: loss_transient,
                 },
                 blocks: Moment {

@@ -220,7 +220,7 @@ pub fn backward<B: Block>(
 ) -> Result<Gradients> {
     let inputs = SegmentInputs::OnDevice;
     backward_with(
-        stem,
+        stem.clone(),
         blocks,
         head,
         vars,
@@ -273,13 +273,15 @@ impl Kept {
         Ok(Kept::Host(buffer))
     }
 
-    /// The input on its device: a fresh variable for a host copy, so that
-    /// the recompute's backward gives its gradient.
-    fn restore(self, offload: bool) -> candle_core::Result<Tensor> {
+    /// The input on its device: where `fresh` (a later segment's input), a
+    /// fresh variable for a detached or host copy, so that the recompute's
+    /// backward gives its gradient; else (the stem) as it was.
+    fn restore(self, fresh: bool) -> candle_core::Result<Tensor> {
         match self {
-            Kept::Here(x) if offload => Ok(Var::from_tensor(&x)?.into_inner()),
+            Kept::Here(x) if fresh && !x.is_variable() => Ok(Var::from_tensor(&x)?.into_inner()),
             Kept::Here(x) => Ok(x),
-            Kept::Host(buffer) => Ok(buffer.load()?.into_inner()),
+            Kept::Host(buffer) if fresh => Ok(buffer.load()?.into_inner()),
+            Kept::Host(buffer) => Ok(buffer.load()?.as_detached_tensor()),
         }
     }
 }
@@ -291,7 +293,8 @@ impl Kept {
 /// before the forward to after the backward (one graph holds every block).
 ///
 /// With [`SegmentInputs::OnHost`] every segment's input but the first (the
-/// stem, attached to its graph) is copied to host memory once its segment's
+/// stem, attached to its graph; where it has none, as with frozen
+/// embeddings, it goes too) is copied to host memory once its segment's
 /// forward has run, and back to the device just before the segment is
 /// recomputed (on the CPU nothing moves, but the recompute starts from a
 /// fresh variable as on a device). The host buffers are page-locked once
@@ -301,7 +304,7 @@ impl Kept {
 /// bit.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_with<B: Block>(
-    stem: &Tensor,
+    stem: Tensor,
     blocks: &[B],
     head: impl FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     vars: &[Var],
@@ -311,22 +314,25 @@ pub fn backward_with<B: Block>(
     hook: &mut dyn SegmentHook,
 ) -> Result<Gradients> {
     let offload = inputs == SegmentInputs::OnHost;
+    // The stem goes to the host with the other inputs where it has no graph
+    // (and so no backward) to keep.
+    let offload_stem = offload && !stem.track_op();
     let segments = policy.segments(blocks.len());
     if segments.is_empty() {
         hook.before(0..blocks.len())?;
-        let mut out = plain(stem, blocks, head, vars, loss_scale)?;
+        let mut out = plain(&stem, blocks, head, vars, loss_scale)?;
         hook.after(0..blocks.len())?;
         hook.gradients(0..blocks.len(), &mut out.grads, &mut out.taken)?;
         return Ok(out);
     }
     // Forward: keep only each segment's input (segment 0: the attached stem).
     let mut kept = Vec::with_capacity(segments.len());
-    let mut x = stem.clone();
+    let mut x = stem;
     for (i, segment) in segments.iter().enumerate() {
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &x)?.detach();
         hook.after(segment.clone())?;
-        kept.push(Kept::new(x, i, offload && i > 0)?);
+        kept.push(Kept::new(x, i, offload && (i > 0 || offload_stem))?);
         x = Var::from_tensor(&y)?.into_inner();
     }
     // Head: its parameter gradients and the gradient of the last hidden states.
@@ -341,7 +347,7 @@ pub fn backward_with<B: Block>(
     drop(x);
     // Segments, last to first, each recomputed from its input.
     for (i, (segment, input)) in segments.iter().zip(kept).enumerate().rev() {
-        let input = input.restore(offload && i > 0)?;
+        let input = input.restore(i > 0)?;
         hook.before(segment.clone())?;
         let y = run(&blocks[segment.clone()], &input)?;
         let mut store = backward_of(&seeded(&y, grad_y.clone())?, vars)?;

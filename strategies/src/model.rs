@@ -428,10 +428,10 @@ pub fn forward_backward_with<M: Model + ?Sized>(
 ) -> Result<Gradients> {
     let exec = &batch.execution;
     let out = match model.forward(batch)? {
-        Forward::Stages(s) => checkpoint::backward_with(
-            &s.stem,
-            &s.blocks,
-            s.head,
+        Forward::Stages(Stages { stem, blocks, head }) => checkpoint::backward_with(
+            stem,
+            &blocks,
+            head,
             vars,
             exec.checkpoint,
             exec.segment_inputs,
