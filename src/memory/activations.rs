@@ -24,7 +24,6 @@
 
 use crate::block::{Block, Dims};
 use crate::spec::{Family, ModelSpec};
-use crate::target::Target;
 use oomfix_strategies::nn::ops::PROBS_BACKWARD_CHUNKS;
 use oomfix_strategies::{Checkpointing, Execution, Part, Plan, Precision};
 
@@ -399,22 +398,6 @@ fn flash_backward(d: &Dims) -> u64 {
     4 * (6 * d.n * d.q + 2 * d.n * d.kv)
 }
 
-/// Bytes alive at once while the backward crosses one flash attention on a
-/// CUDA device (the tensor-core kernels of `oomfix_strategies::attention`),
-/// on top of what the block keeps: the gradients in the compute dtype, of q
-/// `[n,H·d]` and of k and v `[n,kv]` ×2, the f32 sum of q's gradient over the
-/// key tiles `[n,H·d]`, and where query heads share a key/value head, the f32
-/// sums of k's and v's gradients over the group's split `[n,kv]` ×2 (the
-/// kernel splits a group where the key tiles alone would not fill the
-/// device; counted whenever it can). At 49,640 tokens of Llama-3-8B on an
-/// H100 this is 4.5 `[n,h]` of bf16 against the CPU kernel's 13, and the
-/// measured peaks of the 12–24 GiB long-context runs were 16–30% under an
-/// estimate that used the CPU's set.
-fn cuda_flash_backward(d: &Dims, c: u64) -> u64 {
-    let split = if d.q > d.kv { 2 * 4 * d.n * d.kv } else { 0 };
-    c * (d.n * d.q + 2 * d.n * d.kv) + 4 * d.n * d.q + split
-}
-
 /// [`flash_backward`]'s bytes for `plan` on `spec`: at short sequences this
 /// f32 working set is larger than the probabilities flash attention saves.
 #[cfg(test)]
@@ -610,25 +593,21 @@ fn adapters_backward(d: &Dims, plan: &Plan, c: u64) -> u64 {
 /// stem's backward runs inside that same recomputed graph.
 ///
 /// The backward's working sets are those of the linked candle-core
-/// ([`Backward::linked`]) and the CPU's kernels ([`activation_bytes_for`]
-/// takes both).
+/// ([`Backward::linked`]; [`activation_bytes_for`] takes one).
 ///
 /// What the pass recomputes and how it computes attention are `exec`'s (the
 /// fixes' execution hooks made it from the plan: [`Execution::for_plan`]);
 /// the micro-batch, sequence length and compute dtype are the plan's.
 pub fn activation_bytes(spec: &ModelSpec, plan: &Plan, exec: &Execution) -> Activations {
-    activation_bytes_for(spec, plan, exec, Backward::linked(), &Target::Cpu)
+    activation_bytes_for(spec, plan, exec, Backward::linked())
 }
 
-/// [`activation_bytes`] with the working sets of `backward` and of the
-/// kernels `target` runs (flash attention's backward differs between the
-/// CPU and CUDA).
+/// [`activation_bytes`] with the working sets of `backward`.
 pub fn activation_bytes_for(
     spec: &ModelSpec,
     plan: &Plan,
     exec: &Execution,
     backward: Backward,
-    target: &Target,
 ) -> Activations {
     let stock = backward == Backward::ZerosPlusGradient;
     let cfg = &spec.config;
@@ -670,14 +649,10 @@ pub fn activation_bytes_for(
             stock,
         ),
     };
-    let flash = match target {
-        Target::Cpu => flash_backward(&d),
-        Target::Cuda(_) => cuda_flash_backward(&d, c),
-    };
     let attention_backward = match (d.flash, stock) {
         (false, _) if d.gemma.is_some() => gemma_attention_backward(&d, c),
-        (true, false) => flash,
-        (true, true) => flash + STOCK_FLASH_BACKWARD_NH * d.n * d.h * c,
+        (true, false) => flash_backward(&d),
+        (true, true) => flash_backward(&d) + STOCK_FLASH_BACKWARD_NH * d.n * d.h * c,
         (false, false) => composed_backward(&d) * c,
         (false, true) => {
             let beside = composed_backward(&d) - d.scores() - scores_chunk(&d);

@@ -307,7 +307,7 @@ fn estimate(
     let p = facts.parameters;
     let cb = plan.precision.compute_bytes();
     let exec = Execution::for_plan(plan, fixes);
-    let mut act = activation_bytes_for(spec, plan, &exec, backward, target);
+    let mut act = activation_bytes_for(spec, plan, &exec, backward);
     if *target == Target::Cpu {
         widen_cpu_bf16_matmuls(&mut act, spec, plan, &exec);
         add_cpu_head_backward(&mut act, spec, plan, &exec, backward);
