@@ -23,7 +23,9 @@
 # Environment: BUDGETS (default "8GiB 24GiB"; empty: none), STEPS (optimizer steps per
 #   run, the first one a warm-up; default 3), CAP (seconds one run may take;
 #   default 240), PEFT_SEQS (default: none), PEFT_CAP (seconds; default 240),
-#   FULL (a budget; default: none).
+#   FULL (a budget; default: none), SNAPSHOT (1: each budget's run also
+#   writes a memory snapshot of its first step, $budget.pickle, for
+#   pytorch.org/memory_viz).
 set -uo pipefail
 carry=${1:?carry folder}
 out=${OUT:-/tmp/long-context}
@@ -41,9 +43,11 @@ export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/oomfix-jit}
 for budget in $BUDGETS; do
     echo "== $budget"
     start=$(date +%s)
+    snapshot=()
+    [ "${SNAPSHOT:-0}" = 1 ] && snapshot=(--snapshot "$out/$budget.pickle" --snapshot-steps 1)
     timeout "$CAP" /tmp/oomfix train /tmp/l31 --init random --device cuda:0 \
         --budget "$budget" --enforce-budget --lora 32 --base-precision nf4 \
-        --global-batch 1 --seq-len longest --steps "$STEPS" --json --log-format json \
+        --global-batch 1 --seq-len longest --steps "$STEPS" --json --log-format json "${snapshot[@]}" \
         >"$out/$budget.json" 2>"$out/$budget.log"
     rc=$?
     echo "{\"budget\": \"$budget\", \"exit\": $rc, \"wall_seconds\": $(($(date +%s) - start))}" \

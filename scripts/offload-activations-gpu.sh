@@ -29,8 +29,9 @@ mkdir -p "$out"
 xz -dc "$carry/oomfix-cuda.xz" >/tmp/oomfix && chmod +x /tmp/oomfix
 python3 "$here/make-hub-shape.py" llama-3.1-8b /tmp/l31 >/dev/null || exit 3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-# One driver JIT cache for the three processes.
-export NCCL_NVLS_ENABLE=0 CUDA_CACHE_PATH=/tmp/nvcache CUDA_CACHE_MAXSIZE=4294967296
+# One driver JIT cache for the three processes (and for long-context-gpu.sh's
+# in the same call): only the first run compiles the kernels, in its first step.
+export NCCL_NVLS_ENABLE=0 CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/oomfix-jit} CUDA_CACHE_MAXSIZE=4294967296
 common=(train /tmp/l31 --init random --device cuda:0 --lora 32 --base-precision nf4
     --global-batch 1 --steps "$STEPS" --json --log-format json)
 
