@@ -58,10 +58,10 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
 
-use candle_core::{backprop::GradStore, CpuStorage, Shape, Tensor, Var};
+use candle_core::{backprop::GradStore, Tensor, Var};
 
-use crate::custom_op::{CustomOp, Input, Kernel};
 use crate::offload::HostBuffer;
+use crate::seed::seeded;
 use crate::{
     Checkpointing, Error, Execution, Plan, Result, SearchContext, SegmentInputs, Strategy,
 };
@@ -361,59 +361,6 @@ pub fn backward_with<B: Block>(
         hook.gradients(segment.clone(), &mut grads, &mut taken)?;
     }
     Ok(Gradients { loss, grads, taken })
-}
-
-/// A scalar (zero) computed from `y` whose backward gives `y` the gradient
-/// `grad_y`, the tensor itself: the root of a recomputed segment's backward.
-/// Its own gradient is the backward's seed, 1, and is not read.
-fn seeded(y: &Tensor, grad_y: Tensor) -> candle_core::Result<Tensor> {
-    if grad_y.shape() != y.shape() || grad_y.dtype() != y.dtype() {
-        candle_core::bail!(
-            "checkpointing: the gradient {:?} {:?} does not match the output {:?} {:?}",
-            grad_y.shape(),
-            grad_y.dtype(),
-            y.shape(),
-            y.dtype()
-        );
-    }
-    y.apply_op1(CustomOp(Seed(grad_y)))
-}
-
-/// [`seeded`]'s op: the gradient it hands its input.
-struct Seed(Tensor);
-
-impl Kernel<1> for Seed {
-    fn name(&self) -> &'static str {
-        "oomfix-seed-gradient"
-    }
-
-    fn cpu_fwd(
-        &self,
-        [(y, _)]: [Input<'_, CpuStorage>; 1],
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        use candle_core::backend::{BackendDevice, BackendStorage};
-        let zero = candle_core::cpu_backend::CpuDevice.zeros_impl(&Shape::from(()), y.dtype())?;
-        Ok((zero, Shape::from(())))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        [(y, _)]: [Input<'_, candle_core::CudaStorage>; 1],
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::{BackendDevice, BackendStorage};
-        let zero = y.device().zeros_impl(&Shape::from(()), y.dtype())?;
-        Ok((zero, Shape::from(())))
-    }
-
-    fn bwd(
-        &self,
-        _: [&Tensor; 1],
-        _: &Tensor,
-        _: &Tensor,
-    ) -> candle_core::Result<[Option<Tensor>; 1]> {
-        Ok([Some(self.0.clone())])
-    }
 }
 
 /// The plain backward: one graph from the stem to the loss.

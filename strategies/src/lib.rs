@@ -78,6 +78,7 @@ pub mod offload_activations;
 mod plan;
 pub mod precision;
 mod reduce;
+mod seed;
 pub mod shard;
 pub mod tiled_mlp;
 

@@ -322,6 +322,15 @@ impl HostBuffer {
     }
 }
 
+impl Drop for HostBuffer {
+    /// Waits for the copies queued on the device before the host memory is
+    /// unlocked and freed (a buffer is dropped when its segment's input
+    /// changes shape, or with the thread).
+    fn drop(&mut self) {
+        let _ = self.device.synchronize();
+    }
+}
+
 /// Copies gradient `g` (any device) into the host tensor `staged` (same dtype
 /// and element count, contiguous). A strided `g` is made contiguous on its
 /// device first.

@@ -232,7 +232,7 @@ impl Kernel<2> for Tiled {
             let input = Var::from_tensor(&x.narrow(0, start, len)?.detach())?;
             let y = (self.part)(input.as_tensor())?;
             let g = grad.narrow(0, start, len)?;
-            let mut store = crate::reduce::sum_all(&y.mul(&g)?)?.backward()?;
+            let mut store = crate::seed::seeded(&y, g)?.backward()?;
             drop(y);
             keep_tile_gradients(&mut store)?;
             let gx = store
