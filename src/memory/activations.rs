@@ -589,7 +589,7 @@ fn adapters_backward(d: &Dims, plan: &Plan, c: u64) -> u64 {
 /// (the segment outputs are all still there). At the first segment's
 /// recompute only the stem remains of them; the segment's `k` blocks' tensors
 /// are alive with the upstream gradient `grad_y` and what the backward holds
-/// beside it ([`SEGMENT_BACKWARD_NH`], 3), and the
+/// beside it (`SEGMENT_BACKWARD_NH`, 3), and the
 /// stem's backward runs inside that same recomputed graph.
 ///
 /// The backward's working sets are those of the linked candle-core
