@@ -245,6 +245,14 @@ thread_local! {
     static HOST_INPUTS: RefCell<Vec<Option<Rc<HostBuffer>>>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Frees the page-locked host buffers in which this thread's offloaded
+/// segment inputs ([`SegmentInputs::OnHost`]) waited, kept for its later
+/// steps; the next offloaded step makes them again. oomfix's trainer calls
+/// it when dropped.
+pub fn release_host_buffers() {
+    HOST_INPUTS.with_borrow_mut(Vec::clear);
+}
+
 impl Kept {
     /// Segment `segment`'s input `x`, offloaded where `offload` says and `x`
     /// is on a device: copied into the segment's host buffer (made, or
@@ -299,7 +307,8 @@ impl Kept {
 /// recomputed (on the CPU nothing moves, but the recompute starts from a
 /// fresh variable as on a device). The host buffers are page-locked once
 /// and kept, one per segment, for the thread's later steps while the
-/// inputs keep their shape; the copies are queued on the device's stream,
+/// inputs keep their shape ([`release_host_buffers`] frees them); the
+/// copies are queued on the device's stream,
 /// so the host does not wait for them. The gradients are the same bit for
 /// bit.
 #[allow(clippy::too_many_arguments)]

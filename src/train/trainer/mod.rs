@@ -121,6 +121,14 @@ pub struct Trainer {
     merge_lora: bool,
 }
 
+impl Drop for Trainer {
+    /// Frees the host buffers the offloaded activations of this thread's
+    /// steps were kept in.
+    fn drop(&mut self) {
+        oomfix_strategies::checkpoint::release_host_buffers();
+    }
+}
+
 /// The compute dtype of a precision.
 pub use oomfix_strategies::model::dtype_of as compute_dtype;
 
