@@ -25,7 +25,8 @@
 #   default 240), PEFT_SEQS (default: none), PEFT_CAP (seconds; default 240),
 #   FULL (a budget; default: none), SNAPSHOT (1: each budget's run also
 #   writes a memory snapshot of its first step, $budget.pickle, for
-#   pytorch.org/memory_viz).
+#   pytorch.org/memory_viz, and logs the CUDA pool's used and reserved bytes
+#   after each phase of a step, which an enforced budget limits).
 set -uo pipefail
 carry=${1:?carry folder}
 out=${OUT:-/tmp/long-context}
@@ -44,7 +45,8 @@ for budget in $BUDGETS; do
     echo "== $budget"
     start=$(date +%s)
     snapshot=()
-    [ "${SNAPSHOT:-0}" = 1 ] && snapshot=(--snapshot "$out/$budget.pickle" --snapshot-steps 1)
+    [ "${SNAPSHOT:-0}" = 1 ] && snapshot=(--snapshot "$out/$budget.pickle" --snapshot-steps 1) &&
+        export RUST_LOG=info,oomfix::track::cuda=debug
     timeout "$CAP" /tmp/oomfix train /tmp/l31 --init random --device cuda:0 \
         --budget "$budget" --enforce-budget --lora 32 --base-precision nf4 \
         --global-batch 1 --seq-len longest --steps "$STEPS" --json --log-format json "${snapshot[@]}" \
