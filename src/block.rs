@@ -232,6 +232,9 @@ pub(crate) struct Dims {
     pub moe: Option<(u64, u64, u64)>,
     /// Gemma 2 / 3: their terms ([`gemma`]).
     pub gemma: Option<GemmaDims>,
+    /// The stem has no graph: its embeddings are frozen (LoRA), so with the
+    /// segments' inputs on the host its output goes there too.
+    pub frozen_stem: bool,
 }
 
 /// What a Gemma model adds to a Llama-style one's activations.
@@ -298,25 +301,19 @@ impl Dims {
                     },
                 }
             }),
+            frozen_stem: plan.lora.is_some(),
         }
     }
     /// Bytes of the checkpointed segments' inputs kept in host memory per
     /// micro-batch ([`oomfix_strategies::SegmentInputs::OnHost`]): every
     /// segment's input but the first's, and the first's too where the stem
-    /// has no graph (`frozen_stem`: its embeddings are frozen, as under
-    /// LoRA), `[n, h]` in the compute dtype each; 0 when they stay on the
-    /// device.
-    pub fn offloaded_inputs(
-        &self,
-        layers: usize,
-        exec: &Execution,
-        c: u64,
-        frozen_stem: bool,
-    ) -> u64 {
+    /// has no graph ([`frozen_stem`](Self::frozen_stem)), `[n, h]` in the
+    /// compute dtype each; 0 when they stay on the device.
+    pub fn offloaded_inputs(&self, layers: usize, exec: &Execution, c: u64) -> u64 {
         match exec.checkpoint {
             Checkpointing::Every(k) if k > 0 && exec.segment_inputs == SegmentInputs::OnHost => {
                 let segments = layers.div_ceil(k) as u64;
-                (segments - u64::from(!frozen_stem)) * self.n * self.h * c
+                (segments - u64::from(!self.frozen_stem)) * self.n * self.h * c
             }
             _ => 0,
         }

@@ -343,7 +343,6 @@ pub fn step_work(spec: &ModelSpec, plan: &Plan, fixes: &[Arc<dyn Strategy>]) -> 
         c.layers,
         exec,
         plan.precision.compute_bytes(),
-        plan.lora.is_some(),
     ) as f64;
     let host_bus_bytes = stepped * cost.bus_bytes_per_parameter + accum * 2.0 * offloaded;
     let host_parameters = if cost.on_host { stepped } else { 0.0 };

@@ -695,12 +695,8 @@ pub fn activation_bytes_for(
             // LoRA the stem has no graph and waits on the host too, so a
             // later segment's recompute holds one input, as the first's does.
             let input = d.n * d.h * c;
-            let host = d.offloaded_inputs(cfg.layers, exec, c, plan.lora.is_some());
-            let stem_on_host = if host > 0 && plan.lora.is_some() {
-                input
-            } else {
-                0
-            };
+            let host = d.offloaded_inputs(cfg.layers, exec, c);
+            let stem_on_host = if host > 0 && d.frozen_stem { input } else { 0 };
             let segment_outputs = segment_outputs - (host - stem_on_host);
             let stem_kept = stem - stem_on_host;
             Activations {
