@@ -12,7 +12,9 @@ use oomfix::{Estimator, MemoryModel, ModelConfig, ModelSpec, Target};
 /// The largest error allowed, either way: the accuracy target's maximum.
 pub const TOLERANCE: f64 = 0.08;
 
-/// Measurements share the process-wide allocator counters: one at a time.
+/// Measurements share the process-wide allocator counters: one at a time,
+/// and no other test of the same binary allocates while one runs (a planner
+/// running beside a measured step adds its bytes to the measured peak).
 pub static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A small GPT-2: 4 layers of 256, a vocabulary of 4096.

@@ -16,6 +16,7 @@ static ALLOC: CountingAlloc = CountingAlloc;
 /// The start-up probe tells the linked backward apart, and reports say it.
 #[test]
 fn the_probe_reports_stock_candle() {
+    let _one_at_a_time = estimate::LOCK.lock().unwrap_or_else(|e| e.into_inner());
     assert!(!oomfix::strategies::model::first_gradient_stored_as_is());
     assert_eq!(
         oomfix::memory::Backward::linked(),
@@ -71,6 +72,7 @@ fn long_sequence_estimates_within_tolerance() {
 /// would choose, and the `[patch]` line that makes the two the same.
 #[test]
 fn the_library_alone_plans_gpt2_and_says_how_stock_candle_changes_it() {
+    let _one_at_a_time = estimate::LOCK.lock().unwrap_or_else(|e| e.into_inner());
     use oomfix::memory::Backward;
     use oomfix::units::format_bytes;
     let spec = oomfix::ModelSpec::default_model();
