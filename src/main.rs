@@ -24,6 +24,7 @@ use std::process::ExitCode;
 static ALLOC: oomfix::track::CountingAlloc = oomfix::track::CountingAlloc;
 
 fn main() -> ExitCode {
+    cli::started();
     let invocation = match args::parse() {
         Ok(invocation) => invocation,
         Err(ParseStop::Info(help)) => {

@@ -200,6 +200,43 @@ fn train_at_the_longest_length_that_fits() {
     assert_eq!(v["training"]["steps"], 2, "{}", v["training"]);
 }
 
+/// The start-up is reported: the seconds from the process's start to the
+/// first step, of which the model's build is a part, in the JSON, the
+/// `ready to train` event and the text summary.
+#[test]
+fn train_reports_its_start_up() {
+    let run = Run::new();
+    let out = run
+        .oomfix()
+        .args(run.args_with("1GiB", &[]))
+        .args(["--steps", "1", "--json", "--log-format", "json"])
+        .output()
+        .unwrap();
+    common::assert_exit(&out, 0);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let t = &v["training"];
+    let (start, build) = (t["startup_seconds"].as_f64(), t["build_seconds"].as_f64());
+    let (Some(start), Some(build)) = (start, build) else {
+        panic!("{t}")
+    };
+    assert!(build > 0.0 && build < start, "{t}");
+    let ready = common::events(&String::from_utf8_lossy(&out.stderr), "ready to train");
+    assert_eq!(ready.len(), 1);
+    assert_eq!(ready[0]["seconds"].as_f64(), Some(start));
+    let text = run
+        .oomfix()
+        .args(run.args_with("1GiB", &[]))
+        .args(["--steps", "1"])
+        .output()
+        .unwrap();
+    common::assert_exit(&text, 0);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("\nstart   ") && text.contains("s to the first step (the model built in"),
+        "{text}"
+    );
+}
+
 #[test]
 fn save_then_resume_takes_the_same_steps_as_an_uninterrupted_run() {
     let run = Run::new();

@@ -26,6 +26,16 @@ use std::fmt;
 use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+static STARTED: OnceLock<Instant> = OnceLock::new();
+
+/// The process's start, as `main` first marks it: `train` reports its
+/// start-up from there.
+pub fn started() -> Instant {
+    *STARTED.get_or_init(Instant::now)
+}
 
 /// How a command that ran to its end finished.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

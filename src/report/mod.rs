@@ -15,4 +15,4 @@ pub use pickle::snapshot_pickle;
 pub use plot::{timeline_plot, timeline_png, timeline_svg, PlotFormat};
 pub use snapshot::{snapshot, snapshot_value, Frame, Snapshot, TraceEntry};
 pub use table::{inspect_text, search_table};
-pub use train::{train_summary_json, train_summary_text, PoolSummary, TrainSummary};
+pub use train::{train_summary_json, train_summary_text, PoolSummary, Startup, TrainSummary};

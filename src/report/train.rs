@@ -40,6 +40,20 @@ pub struct TrainSummary {
     /// The CUDA pool over the steps `--snapshot` / `--plot` recorded (this
     /// rank's).
     pub recorded_pool: Option<PoolSummary>,
+    /// How long the run took to reach its first step.
+    pub startup: Option<Startup>,
+}
+
+/// A run's start-up: from the process's start to its first step (the
+/// first step's own one-off costs, such as compiling GPU kernels, are in
+/// the step).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Startup {
+    /// Seconds from the process's start to the first step.
+    pub seconds: f64,
+    /// Of those, the seconds the trainer took to build: the model's weights
+    /// read or drawn, quantized and moved to the device.
+    pub build_seconds: f64,
 }
 
 /// The CUDA pool over recorded steps: its peaks and the fragmentation at
@@ -137,6 +151,12 @@ pub fn train_summary_text(s: &TrainSummary) -> String {
         s.seconds,
         s.tokens_per_second()
     );
+    if let Some(start) = &s.startup {
+        out += &format!(
+            "start   {:.1} s to the first step (the model built in {:.1} s)\n",
+            start.seconds, start.build_seconds
+        );
+    }
     if let Some((lr, source)) = &s.lr {
         out += &format!("lr      {lr:e} ({source})\n");
     }
@@ -203,6 +223,8 @@ pub fn train_summary_json(s: &TrainSummary) -> Value {
         "tokens": s.tokens,
         "seconds": s.seconds,
         "tokens_per_second": s.tokens_per_second(),
+        "startup_seconds": s.startup.map(|s| s.seconds),
+        "build_seconds": s.startup.map(|s| s.build_seconds),
         "lr": s.lr.as_ref().map(|l| l.0),
         "lr_source": s.lr.as_ref().map(|l| l.1.as_str()),
         "first_loss": s.first_loss,

@@ -2,7 +2,7 @@
 //! shape with random or pretrained weights, as a [`Model`] the trainer
 //! trains like any model given as code.
 
-use super::weights::{load_tensors, random_tensors};
+use super::weights::Tensors;
 use super::{batch_dims, bert, gemma, gpt2, llama, lora, Forward, Params, TokenBatch};
 use crate::track::alloc::{self, Phase};
 use crate::track::tag::{self, Module, Op, Tag};
@@ -238,8 +238,8 @@ pub fn build_model_with(
         )));
     }
     let tensors = match weights {
-        Some(paths) => load_tensors(config, paths, seed)?,
-        None => random_tensors(config, seed)?,
+        Some(paths) => Tensors::read(config, paths, seed)?,
+        None => Tensors::random(config, seed),
     };
     let params = match lora {
         Some(lora) => Params::frozen(lora::Adapting::new(
@@ -247,8 +247,8 @@ pub fn build_model_with(
         )?),
         None => Params::new(
             tensors
-                .into_iter()
-                .map(|(name, t)| {
+                .map(|made| {
+                    let (name, t) = made?;
                     Ok((
                         name,
                         Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?,

@@ -145,11 +145,11 @@ pub(crate) struct Adapting {
 
 impl Adapting {
     /// The frozen base of `config` from its `tensors` (on the host, any
-    /// float dtype) for `lora`, on `device` in `dtype`; adapters drawn from
-    /// `seed`.
+    /// float dtype; each dropped once moved or quantized) for `lora`, on
+    /// `device` in `dtype`; adapters drawn from `seed`.
     pub(crate) fn new(
         config: &ModelConfig,
-        tensors: Vec<(String, Tensor)>,
+        tensors: impl IntoIterator<Item = Result<(String, Tensor)>>,
         lora: Lora,
         dtype: DType,
         device: &Device,
@@ -163,7 +163,8 @@ impl Adapting {
         }
         let mut projections = HashMap::new();
         let mut others = HashMap::new();
-        for (name, t) in tensors {
+        for made in tensors {
+            let (name, t) = made?;
             let projection = ModelConfig::block_of(&name).is_some() && t.rank() == 2;
             if !projection {
                 // A token embedding only looked up stays on the host.

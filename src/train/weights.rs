@@ -2,6 +2,7 @@
 //! safetensors files, or drawn as transformers initialises new parameters.
 
 use crate::{Error, Family, ModelConfig, Result};
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{Device, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
 use rand_distr::{Distribution, Normal};
@@ -16,100 +17,137 @@ fn hub_name(family: Family, name: &str) -> String {
     crate::architecture::hub_name(family, name)
 }
 
-/// The tensors of `config` read from `paths` (on the CPU, in the file's dtype).
-/// A checkpoint without the objective's head ([`is_objective_head`]) gets
-/// the head initialised from `seed`, with a warning naming its tensors, as
-/// transformers does; any other missing tensor is an input error.
-pub(super) fn load_tensors(
-    config: &ModelConfig,
-    paths: &[PathBuf],
-    seed: u64,
-) -> Result<Vec<(String, Tensor)>> {
-    let first = paths
-        .first()
-        .ok_or_else(|| Error::Usage("no weights file given".into()))?;
-    let wanted = config.tensors();
-    let mut found: HashMap<String, (Tensor, &PathBuf)> = HashMap::new();
-    let mut unused = Vec::new();
-    for path in paths {
-        let tensors = candle_core::safetensors::load(path, &Device::Cpu)
-            .map_err(|e| Error::input(path, format!("cannot read safetensors: {e}")))?;
-        for (file_name, tensor) in tensors {
-            let name = hub_name(config.family, &file_name);
-            if wanted.iter().any(|(w, _)| *w == name) {
-                found.insert(name, (tensor, path));
-            } else if !crate::architecture::may_leave(config.family, &name, config.tied_embeddings)
-            {
-                unused.push(file_name);
-            }
+/// The tensors a model starts from, made one at a time in the order of
+/// [`ModelConfig::tensors`] as the model is built: read from memory-mapped
+/// safetensors files, or drawn ([`Init`]). The host holds the tensor being
+/// made beside the model built so far, never the whole model in f32 (32
+/// GB for an 8B model).
+pub(super) struct Tensors {
+    wanted: std::vec::IntoIter<(String, Vec<usize>)>,
+    /// The files, and by Hub name the file index and the file's own name of
+    /// each wanted tensor found in them.
+    files: Vec<MmapedSafetensors>,
+    found: HashMap<String, (usize, String)>,
+    init: Init,
+}
+
+impl Tensors {
+    /// Random tensors for every tensor of `config`, as transformers
+    /// initialises new parameters.
+    pub(super) fn random(config: &ModelConfig, seed: u64) -> Tensors {
+        Tensors {
+            wanted: config.tensors().into_iter(),
+            files: Vec::new(),
+            found: HashMap::new(),
+            init: Init::new(seed),
         }
     }
 
-    let missing_head: Vec<&str> = wanted
-        .iter()
-        .map(|(name, _)| name.as_str())
-        .filter(|name| !found.contains_key(*name) && is_objective_head(config.family, name))
-        .collect();
-    let init = Init::new(seed);
-    if !missing_head.is_empty() {
-        tracing::warn!(
-            "{} has no {}: the training objective's head is newly initialised \
-             (N(0, 0.02) matrices, zero biases, unit norm scales), as transformers does",
-            first.display(),
-            missing_head.join(", ")
-        );
-    }
-    let tensors = wanted
-        .into_iter()
-        .map(|(name, shape)| {
-            let Some((tensor, path)) = found.remove(&name) else {
-                if is_objective_head(config.family, &name) {
-                    return Ok((name.clone(), init.tensor(&name, &shape)?));
+    /// The tensors of `config` in `paths`, checked before any is read: each
+    /// is there with the shape the model needs, and every tensor of the
+    /// files is one the model uses or may leave out. A checkpoint without
+    /// the objective's head ([`is_objective_head`]) gets the head
+    /// initialised from `seed`, with a warning naming its tensors, as
+    /// transformers does; any other missing tensor is an input error.
+    pub(super) fn read(config: &ModelConfig, paths: &[PathBuf], seed: u64) -> Result<Tensors> {
+        let first = paths
+            .first()
+            .ok_or_else(|| Error::Usage("no weights file given".into()))?;
+        let wanted = config.tensors();
+        let mut files = Vec::with_capacity(paths.len());
+        // By Hub name: the file's index, the file's name for it, its shape.
+        let mut found: HashMap<String, (usize, String, Vec<usize>)> = HashMap::new();
+        let mut unused = Vec::new();
+        for (index, path) in paths.iter().enumerate() {
+            // SAFETY: the mapping is read while the file is not changed, as
+            // every reader of checkpoints in place assumes.
+            let file = unsafe { MmapedSafetensors::new(path) }
+                .map_err(|e| Error::input(path, format!("cannot read safetensors: {e}")))?;
+            for (file_name, view) in file.tensors() {
+                let name = hub_name(config.family, &file_name);
+                if wanted.iter().any(|(w, _)| *w == name) {
+                    found.insert(name, (index, file_name, view.shape().to_vec()));
+                } else if !crate::architecture::may_leave(
+                    config.family,
+                    &name,
+                    config.tied_embeddings,
+                ) {
+                    unused.push(file_name);
                 }
-                let files = if paths.len() == 1 {
-                    String::new()
-                } else {
-                    format!(" (in {} files)", paths.len())
-                };
-                return Err(Error::input(
-                    first,
-                    format!("missing tensor `{name}`{files}"),
-                ));
-            };
-            if tensor.dims() != shape.as_slice() {
-                return Err(Error::input(
-                    path,
-                    format!(
-                        "tensor `{name}` has shape {:?}, the model needs {shape:?}",
-                        tensor.dims()
-                    ),
-                ));
             }
-            Ok((name, tensor))
+            files.push(file);
+        }
+        let mut missing_head = Vec::new();
+        for (name, shape) in &wanted {
+            match found.get(name) {
+                None if is_objective_head(config.family, name) => missing_head.push(name.as_str()),
+                None => {
+                    let files = if paths.len() == 1 {
+                        String::new()
+                    } else {
+                        format!(" (in {} files)", paths.len())
+                    };
+                    return Err(Error::input(
+                        first,
+                        format!("missing tensor `{name}`{files}"),
+                    ));
+                }
+                Some((index, _, got)) if got != shape => {
+                    return Err(Error::input(
+                        &paths[*index],
+                        format!("tensor `{name}` has shape {got:?}, the model needs {shape:?}"),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        if !unused.is_empty() {
+            unused.sort_unstable();
+            return Err(Error::input(
+                first,
+                format!(
+                    "tensors the {} model would not use: {}; a checkpoint is trained whole or not at all",
+                    config.family,
+                    unused.join(", ")
+                ),
+            ));
+        }
+        if !missing_head.is_empty() {
+            tracing::warn!(
+                "{} has no {}: the training objective's head is newly initialised \
+                 (N(0, 0.02) matrices, zero biases, unit norm scales), as transformers does",
+                first.display(),
+                missing_head.join(", ")
+            );
+        }
+        Ok(Tensors {
+            wanted: wanted.into_iter(),
+            files,
+            found: found
+                .into_iter()
+                .map(|(name, (index, file_name, _))| (name, (index, file_name)))
+                .collect(),
+            init: Init::new(seed),
         })
-        .collect::<Result<Vec<_>>>()?;
-    if !unused.is_empty() {
-        unused.sort_unstable();
-        return Err(Error::input(
-            first,
-            format!(
-                "tensors the {} model would not use: {}; a checkpoint is trained whole or not at all",
-                config.family,
-                unused.join(", ")
-            ),
-        ));
     }
-    Ok(tensors)
+
+    /// The next tensor by Hub name, on the CPU (a read one in the file's
+    /// dtype, a drawn one in f32).
+    fn make(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        match self.found.get(name) {
+            Some((index, file_name)) => Ok(self.files[*index].load(file_name, &Device::Cpu)?),
+            None => self.init.tensor(name, shape),
+        }
+    }
 }
 
-/// Random f32 tensors on the CPU for every tensor of `config`.
-pub(super) fn random_tensors(config: &ModelConfig, seed: u64) -> Result<Vec<(String, Tensor)>> {
-    let init = Init::new(seed);
-    config
-        .tensors()
-        .into_iter()
-        .map(|(name, shape)| Ok((name.clone(), init.tensor(&name, &shape)?)))
-        .collect()
+impl Iterator for Tensors {
+    type Item = Result<(String, Tensor)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let (name, shape) = self.wanted.next()?;
+        Some(self.make(&name, &shape).map(|t| (name, t)))
+    }
 }
 
 /// The initialisation of new parameters, as transformers' `_init_weights`

@@ -15,10 +15,31 @@ use candle_core::{
     CpuStorage, CudaDevice, CudaStorage, DType, InplaceOp1, InplaceOp2, Layout, Tensor,
 };
 
-/// Compiles `source` after the 16-bit prelude to PTX.
+/// Compiles `source` after the 16-bit prelude to PTX, or reads the PTX an
+/// earlier run compiled from the same source, options and NVRTC
+/// ([`crate::kernel_cache`]).
 pub(crate) fn compile(source: &str, options: CompileOptions) -> Result<String, CompileError> {
-    nvrtc::compile_ptx_with_opts(format!("{}{source}", crate::CUDA_HALF_PRELUDE), options)
-        .map(|ptx| ptx.to_src())
+    compile_cached(crate::kernel_cache::directory().as_deref(), source, options)
+}
+
+/// [`compile`] with the cache in `dir` (`None`: no cache).
+fn compile_cached(
+    dir: Option<&std::path::Path>,
+    source: &str,
+    options: CompileOptions,
+) -> Result<String, CompileError> {
+    let source = format!("{}{source}", crate::CUDA_HALF_PRELUDE);
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC writes two ints we own.
+    unsafe { nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    let nvrtc = format!("NVRTC {major}.{minor}");
+    let opts = format!("{options:?}");
+    crate::kernel_cache::cached(
+        dir,
+        &[nvrtc.as_bytes(), opts.as_bytes(), source.as_bytes()],
+        |ptx| ptx.contains(".version") && ptx.contains(".target") && ptx.contains(".entry"),
+        || nvrtc::compile_ptx_with_opts(source.clone(), options).map(|ptx| ptx.to_src()),
+    )
 }
 
 /// A kernel source's PTX, compiled on first use and kept in a `static`.
@@ -175,5 +196,40 @@ where
         l2: &Layout,
     ) -> candle_core::Result<()> {
         self.take()?(s1, l1, s2, l2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC's PTX of a kernel is written to the cache once and read back by
+    /// the next compile of the same source and options (NVRTC only: no
+    /// device needed).
+    #[test]
+    fn a_compiled_kernel_is_read_back_from_the_cache() {
+        let tmp = tempfile::tempdir().unwrap();
+        let source = "extern \"C\" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }";
+        let options = || CompileOptions {
+            arch: Some("compute_80"),
+            ..Default::default()
+        };
+        let start = std::time::Instant::now();
+        let made = compile_cached(Some(tmp.path()), source, options()).unwrap();
+        let compiled = start.elapsed();
+        let files: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+        assert_eq!(files.len(), 1);
+        let start = std::time::Instant::now();
+        let read = compile_cached(Some(tmp.path()), source, options()).unwrap();
+        eprintln!("compiled in {compiled:?}, read back in {:?}", start.elapsed());
+        assert_eq!(read, made);
+        assert!(made.contains(".entry twice"), "{made}");
+        // Other options are another kernel.
+        let other = CompileOptions {
+            arch: Some("compute_90"),
+            ..Default::default()
+        };
+        assert_ne!(compile_cached(Some(tmp.path()), source, other).unwrap(), made);
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 2);
     }
 }

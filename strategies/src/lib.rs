@@ -69,6 +69,7 @@ mod execution;
 mod facts;
 mod float;
 mod intern;
+mod kernel_cache;
 pub mod lora;
 pub mod memory;
 pub mod model;

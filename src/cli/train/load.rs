@@ -100,6 +100,9 @@ pub(super) struct Loaded {
     pub recording: Option<RunRecording>,
     /// The learning rate, and where it comes from.
     pub lr: (f64, &'static str),
+    /// Seconds the trainer took to build (the model's weights read or drawn,
+    /// quantized and moved to the device).
+    pub build_seconds: f64,
 }
 
 /// Builds the model and the trainer of the chosen plan (this rank's, in a
@@ -151,6 +154,7 @@ pub(super) fn trainer(
         .wanted()
         .then(|| RunRecording::start_on(&setup.device))
         .transpose()?;
+    let building = std::time::Instant::now();
     let mut trainer = match &setup.joined {
         Some(j) => Trainer::new_sharded(
             &spec.config,
@@ -161,6 +165,7 @@ pub(super) fn trainer(
         )?,
         None => Trainer::new(&spec.config, chosen, &setup.device, &options)?,
     };
+    let build_seconds = building.elapsed().as_secs_f64();
     if let Some(path) = &o.resume {
         let saved_plan = trainer.resume(path, &mut inputs.data)?;
         if rank == 0 {
@@ -185,6 +190,7 @@ pub(super) fn trainer(
         trainer,
         recording,
         lr: (lr, lr_source),
+        build_seconds,
     })
 }
 

@@ -11,7 +11,7 @@ use crate::cli::signals::StopSignals;
 use crate::cli::timeline::write_timeline;
 use crate::cli::Failure;
 use oomfix::measure::RunRecording;
-use oomfix::report::{PoolSummary, TrainSummary};
+use oomfix::report::{PoolSummary, Startup, TrainSummary};
 use oomfix::train::data::DataSource;
 use oomfix::train::Trainer;
 
@@ -42,6 +42,7 @@ pub(super) fn train(
         mut trainer,
         recording,
         lr: (lr, lr_source),
+        build_seconds,
     } = loaded;
     let mut recording = recording
         .map(|r| -> Result<StepRecording, Failure> {
@@ -82,6 +83,15 @@ pub(super) fn train(
         evaluate(&mut trainer, &mut inputs.eval_data, &mut summary)?;
         evaluated_at = Some(trainer.steps());
     }
+    summary.startup = Some(Startup {
+        seconds: crate::cli::started().elapsed().as_secs_f64(),
+        build_seconds,
+    });
+    tracing::info!(
+        seconds = summary.startup.map(|s| s.seconds),
+        build_seconds,
+        "ready to train"
+    );
     // Every rank stops at the same step boundary: a signal any rank received stops all.
     let mut stopped = false;
     while trainer.steps() < o.steps && !stopped {

@@ -45,9 +45,19 @@ impl FrozenWeight {
             let weight = weight.to_dtype(dtype)?.to_device(device)?;
             return Ok(FrozenWeight::Dense(weight.detach()));
         }
-        let values: Vec<f32> = weight.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let values = weight
+            .to_dtype(DType::F32)?
+            .to_device(&Device::Cpu)?
+            .contiguous()?;
+        // The host's f32 values read in place (a copy of an 8B model's
+        // weights in f32 is 32 GB).
+        let (storage, layout) = values.storage_and_layout();
+        let candle_core::Storage::Cpu(storage) = &*storage else {
+            unreachable!("a tensor moved to the CPU has CPU storage")
+        };
+        let range = layout.start_offset()..layout.start_offset() + values.elem_count();
         Ok(FrozenWeight::Nf4(Nf4Weight::quantize(
-            &values,
+            &storage.as_slice::<f32>()?[range],
             weight.dims2()?,
             base == BasePrecision::Nf4Double,
             device,

@@ -110,10 +110,23 @@ pub fn quantize(values: &[f32]) -> Nf4 {
             *absmax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
             let scale = 1.0 / *absmax;
             let zero = index_of(0.0 * scale);
-            for (byte, pair) in codes.iter_mut().zip(block.chunks(2)) {
-                let high = index_of(pair[0] * scale);
-                let low = pair.get(1).map_or(zero, |v| index_of(v * scale));
-                *byte = (high << 4) | low;
+            // index_of over the block, one midpoint at a time across all its
+            // values (a loop the compiler vectorizes).
+            let n = block.len();
+            let mut scaled = [0f32; BLOCK];
+            scaled[..n]
+                .iter_mut()
+                .zip(block)
+                .for_each(|(x, v)| *x = v * scale);
+            let mut index = [0u8; BLOCK];
+            for &t in thresholds() {
+                index[..n]
+                    .iter_mut()
+                    .zip(&scaled[..n])
+                    .for_each(|(i, &x)| *i += u8::from(x > t));
+            }
+            for (byte, pair) in codes.iter_mut().zip(index[..n].chunks(2)) {
+                *byte = (pair[0] << 4) | pair.get(1).copied().unwrap_or(zero);
             }
         });
     Nf4 {
