@@ -217,6 +217,7 @@ fn run(
         "estimate_bytes": estimate.peak,
         "estimate_pool_bytes": estimate.allocated_peak().saturating_sub(estimate.runtime),
         "estimate_phase": estimate.peak_phase.to_string(),
+        "modelled_ms": 1e3 * MemoryModel.step_time(&spec, &plan, &Target::Cuda(0)).total,
     });
     trim(cuda)?;
     eprintln!("oomfix: {model} {plan}");

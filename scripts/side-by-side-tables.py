@@ -112,6 +112,16 @@ def mfu(r, card):
 def ms(r):
     return cell(r, "step_ms", "{:.1f}".format)
 
+def modelled(r):
+    """oomfix's step-time model for the row's plan, and its ratio to the
+    measured step."""
+    if r is None or "modelled_ms" not in r:
+        return "", ""
+    got = f'{r["modelled_ms"]:.1f}'
+    if r.get("status") != "ok":
+        return got, ""
+    return got, f'{r["modelled_ms"] / r["step_ms"]:.2f}'
+
 if compiled_rows:
     card = next((r["device"] for r in compiled_rows if r.get("device")), "unknown GPU")
     eager = {(key(r)[:-1], r["attn"]): r for r in torch_rows}
@@ -122,19 +132,21 @@ if compiled_rows:
           "(6 N + 12 L h s per token, N the matrix-product parameters; a checkpointed block's recomputation "
           "not counted) per second over the dense datasheet peak (bf16 989.4 TFLOP/s, fp32 66.9 TFLOP/s "
           "for the fp32 row; the offloaded row's weights are bf16). compile s: torch.compile's first step "
-          "less a steady-state step.\n")
-    print("| model | b×s | precision | ckpt | oomfix ms | eager ms | compile ms | oomfix GiB | eager GiB "
-          "| compile GiB | time ÷ eager | time ÷ compile | memory ÷ compile | MFU oomfix | MFU eager "
-          "| MFU compile | compile s |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "less a steady-state step. modelled: oomfix's step-time model for the plan (one set of CUDA rates, fitted on an H200) "
+          "(model ÷ oomfix: the goal is within 10%).\n")
+    print("| model | b×s | precision | ckpt | oomfix ms | modelled ms | eager ms | compile ms | oomfix GiB "
+          "| eager GiB | compile GiB | time ÷ eager | time ÷ compile | memory ÷ compile | model ÷ oomfix "
+          "| MFU oomfix | MFU eager | MFU compile | compile s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in compiled_rows:
         e = eager.get((key(c)[:-1], c["attn"]))
         o = match({**c, "compile": False})
         comp_s = f'{c["compile_s"]:.0f}' if c.get("status") == "ok" and "compile_s" in c else ""
-        print(f'| {plan(c)} | {ms(o)} | {ms(e)} | {ms(c)} | {cell(o, "peak_alloc_bytes", gib)} '
+        model_ms, model_ratio = modelled(o)
+        print(f'| {plan(c)} | {ms(o)} | {model_ms} | {ms(e)} | {ms(c)} | {cell(o, "peak_alloc_bytes", gib)} '
               f'| {cell(e, "peak_alloc_bytes", gib)} | {cell(c, "peak_alloc_bytes", gib)} '
               f'| {ratio(o, e, "step_ms")} | {ratio(o, c, "step_ms")} | {ratio(o, c, "peak_alloc_bytes")} '
-              f'| {mfu(o, card)} | {mfu(e, card)} | {mfu(c, card)} | {comp_s} |')
+              f'| {model_ratio} | {mfu(o, card)} | {mfu(e, card)} | {mfu(c, card)} | {comp_s} |')
     print()
 if norm_rows:
     print("## oomfix: the global gradient norm of one step (bf16 gradients of the model's shapes)\n")
