@@ -26,7 +26,7 @@ pub(super) struct Tensors {
     wanted: std::vec::IntoIter<(String, Vec<usize>)>,
     /// The files, and by Hub name the file index and the file's own name of
     /// each wanted tensor found in them.
-    files: Vec<MmapedSafetensors>,
+    files: Vec<(PathBuf, MmapedSafetensors)>,
     found: HashMap<String, (usize, String)>,
     init: Init,
 }
@@ -75,7 +75,7 @@ impl Tensors {
                     unused.push(file_name);
                 }
             }
-            files.push(file);
+            files.push((path.clone(), file));
         }
         let mut missing_head = Vec::new();
         for (name, shape) in &wanted {
@@ -135,7 +135,12 @@ impl Tensors {
     /// dtype, a drawn one in f32).
     fn make(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         match self.found.get(name) {
-            Some((index, file_name)) => Ok(self.files[*index].load(file_name, &Device::Cpu)?),
+            Some((index, file_name)) => {
+                let (path, file) = &self.files[*index];
+                file.load(file_name, &Device::Cpu).map_err(|e| {
+                    Error::input(path, format!("cannot read tensor `{file_name}`: {e}"))
+                })
+            }
             None => self.init.tensor(name, shape),
         }
     }

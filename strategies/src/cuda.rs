@@ -221,7 +221,10 @@ mod tests {
         assert_eq!(files.len(), 1);
         let start = std::time::Instant::now();
         let read = compile_cached(Some(tmp.path()), source, options()).unwrap();
-        eprintln!("compiled in {compiled:?}, read back in {:?}", start.elapsed());
+        eprintln!(
+            "compiled in {compiled:?}, read back in {:?}",
+            start.elapsed()
+        );
         assert_eq!(read, made);
         assert!(made.contains(".entry twice"), "{made}");
         // Other options are another kernel.
@@ -229,7 +232,10 @@ mod tests {
             arch: Some("compute_90"),
             ..Default::default()
         };
-        assert_ne!(compile_cached(Some(tmp.path()), source, other).unwrap(), made);
+        assert_ne!(
+            compile_cached(Some(tmp.path()), source, other).unwrap(),
+            made
+        );
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 2);
     }
 }

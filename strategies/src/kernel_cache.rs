@@ -71,10 +71,7 @@ fn key(parts: &[&[u8]]) -> String {
         hash.update((part.len() as u64).to_le_bytes());
         hash.update(part);
     }
-    hash.finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hash.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn write(dir: &Path, path: &Path, text: &str) -> std::io::Result<()> {
