@@ -13,12 +13,18 @@
 //!    bf16), one `PERF-gqa` row. Each shape also gets a `LOSS` (`LOSS-gqa`)
 //!    row: the step's loss and its backward alone (`o` a variable of the
 //!    output's shape, no attention), which the benchmark subtracts on both
-//!    sides to compare the attention itself.
+//!    sides to compare the attention itself. Llama-3.1-8B's shape (batch 1,
+//!    32 query heads on 8 of 128) at `LONG_SEQS` tokens (default
+//!    8192,32768): `PERF-long` rows, and `MEM-long` rows with what its
+//!    backward adds to the pool's used bytes, the upstream gradient arriving
+//!    with the heads merged as in a model, in `[s, 4096]` bf16 tensors (the
+//!    memory model's unit at long context).
 //!
 //! Usage: `gpu_attention [--check-only | --perf-only]`. Exits 1 when a check
 //! fails. `HEAD_DIM=128` times another head dimension (heads × head dim stays
 //! 768; the heading says which); `PERF_DTYPES=bf16` (or `f32`) times one dtype
-//! of the two, `PERF_SEQS=2048,gqa` some lengths (`gqa`: TinyLlama's shape).
+//! of the two, `PERF_SEQS=2048,gqa` some lengths (`gqa`: TinyLlama's shape,
+//! `long`: Llama-3.1-8B's).
 //! Build with `scripts/build-cuda.sh --features cuda --example gpu_attention`;
 //! `scripts/bench-attention-gpu.sh` runs it next to PyTorch's SDPA
 //! (docs/attention-gpu.md).
@@ -488,13 +494,66 @@ fn timings(device: &Device) -> Result<()> {
             println!("LOSS {name} {s} {loss:.3}");
         }
     }
-    if !picked("PERF_SEQS", "gqa") {
-        return Ok(());
+    if picked("PERF_SEQS", "gqa") {
+        // TinyLlama-1.1B's attention: batch 4, 32 query heads on 4 key/value heads.
+        let (fwd, fwd_bwd, peak) = time_shape(device, DType::BF16, (4, 32, 4, 2048, 64))?;
+        println!("PERF-gqa bf16 2048 {fwd:.3} {fwd_bwd:.3} {peak:.0}");
+        let loss = time_loss(device, DType::BF16, (4, 32, 2048, 64))?;
+        println!("LOSS-gqa bf16 2048 {loss:.3}");
     }
-    // TinyLlama-1.1B's attention: batch 4, 32 query heads on 4 key/value heads.
-    let (fwd, fwd_bwd, peak) = time_shape(device, DType::BF16, (4, 32, 4, 2048, 64))?;
-    println!("PERF-gqa bf16 2048 {fwd:.3} {fwd_bwd:.3} {peak:.0}");
-    let loss = time_loss(device, DType::BF16, (4, 32, 2048, 64))?;
-    println!("LOSS-gqa bf16 2048 {loss:.3}");
+    if picked("PERF_SEQS", "long") {
+        let seqs = std::env::var("LONG_SEQS").unwrap_or_else(|_| "8192,32768".into());
+        println!(
+            "\n## Llama-3.1-8B's attention (1 × 32 heads on 8 of 128, causal, bf16); MEM-long: \
+             the backward's bytes above what was live when it started, in [s, 4096] bf16 tensors\n"
+        );
+        for s in seqs.split(',') {
+            let s: usize = s.trim().parse().context("LONG_SEQS")?;
+            let (fwd, fwd_bwd, peak) = time_shape(device, DType::BF16, (1, 32, 8, s, 128))?;
+            println!("PERF-long bf16 {s} {fwd:.3} {fwd_bwd:.3} {peak:.0}");
+            let (before, above) = backward_working_set(device, (1, 32, 8, s, 128))?;
+            let unit = (s * 4096 * 2) as f64;
+            println!(
+                "MEM-long bf16 {s} live_at_backward {:.2} backward_above {:.2}",
+                before as f64 / unit,
+                above as f64 / unit
+            );
+        }
+    }
     Ok(())
+}
+
+/// What one causal bf16 attention's backward adds on the pool's used bytes
+/// (its peak above the bytes live when it starts: the upstream gradients,
+/// the kernel's copies and sums, the input gradients), and the bytes live
+/// then, for `(batch, heads, kv_heads, seq, head_dim)`. The upstream
+/// gradient arrives as the model's does: the heads merged, `[b, s, H·d]`,
+/// and split again (a strided view).
+fn backward_working_set(
+    device: &Device,
+    (b, h, kv, s, d): (usize, usize, usize, usize, usize),
+) -> Result<(u64, u64)> {
+    let mk = |heads: usize| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 1.0, (b, heads, s, d), device)?.to_dtype(DType::BF16)?)
+    };
+    let (q, k, v) = (
+        Var::from_tensor(&mk(h)?)?,
+        Var::from_tensor(&mk(kv)?)?,
+        Var::from_tensor(&mk(kv)?)?,
+    );
+    let w = Tensor::randn(0f32, 1.0, (b, s, h * d), device)?.to_dtype(DType::BF16)?;
+    let opts = AttentionOptions {
+        causal: true,
+        ..Default::default()
+    };
+    let cuda = device.as_cuda_device()?;
+    let o = flash_attention(&q, &k, &v, &opts)?;
+    let merged = o.transpose(1, 2)?.reshape((b, s, h * d))?;
+    let loss = (&merged * &w)?.sum_keepdim((1, 2))?.sum_all()?;
+    let before = PoolStats::read(cuda)?.used;
+    reset_peaks(cuda)?;
+    let grads = loss.backward()?;
+    let high = PoolStats::read(cuda)?.used_high;
+    drop(grads);
+    Ok((before, high.saturating_sub(before)))
 }
