@@ -10,6 +10,28 @@ pub struct Progress {
     steps: u64,
 }
 
+/// A spinner with `message` while something long runs before the first
+/// step (the model's build), on a terminal that is not carrying JSON logs;
+/// cleared when dropped. Elsewhere nothing: the `ready to train` event
+/// tells when it ended.
+pub fn spinner(message: String) -> Option<Spinner> {
+    use std::io::IsTerminal;
+    (std::io::stderr().is_terminal() && !logging::stderr_json()).then(|| {
+        let bar = indicatif::ProgressBar::new_spinner().with_message(message);
+        bar.enable_steady_tick(std::time::Duration::from_millis(120));
+        Spinner(bar)
+    })
+}
+
+/// A spinner shown until dropped ([`spinner`]).
+pub struct Spinner(indicatif::ProgressBar);
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
 impl Progress {
     /// Progress towards `steps`, `done` already. A bar when stderr is a
     /// terminal that is not carrying JSON logs.

@@ -155,6 +155,10 @@ pub(super) fn trainer(
         .then(|| RunRecording::start_on(&setup.device))
         .transpose()?;
     let building = std::time::Instant::now();
+    let _spinner = (rank == 0).then(|| {
+        let values = oomfix::units::group_digits(spec.parameters());
+        crate::cli::progress::spinner(format!("building the model ({values} parameters)"))
+    });
     let mut trainer = match &setup.joined {
         Some(j) => Trainer::new_sharded(
             &spec.config,
