@@ -24,10 +24,10 @@ fn hub_name(family: Family, name: &str) -> String {
 /// GB for an 8B model).
 pub(super) struct Tensors {
     wanted: std::vec::IntoIter<(String, Vec<usize>)>,
-    /// The files, and by Hub name the file index and the file's own name of
-    /// each wanted tensor found in them.
+    /// The files, and by Hub name the file index, the file's own name and
+    /// the shape of each wanted tensor found in them.
     files: Vec<(PathBuf, MmapedSafetensors)>,
-    found: HashMap<String, (usize, String)>,
+    found: HashMap<String, (usize, String, Vec<usize>)>,
     init: Init,
 }
 
@@ -55,8 +55,7 @@ impl Tensors {
             .ok_or_else(|| Error::Usage("no weights file given".into()))?;
         let wanted = config.tensors();
         let mut files = Vec::with_capacity(paths.len());
-        // By Hub name: the file's index, the file's name for it, its shape.
-        let mut found: HashMap<String, (usize, String, Vec<usize>)> = HashMap::new();
+        let mut found = HashMap::new();
         let mut unused = Vec::new();
         for (index, path) in paths.iter().enumerate() {
             // SAFETY: the mapping is read while the file is not changed, as
@@ -123,10 +122,7 @@ impl Tensors {
         Ok(Tensors {
             wanted: wanted.into_iter(),
             files,
-            found: found
-                .into_iter()
-                .map(|(name, (index, file_name, _))| (name, (index, file_name)))
-                .collect(),
+            found,
             init: Init::new(seed),
         })
     }
@@ -135,7 +131,7 @@ impl Tensors {
     /// dtype, a drawn one in f32).
     fn make(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         match self.found.get(name) {
-            Some((index, file_name)) => {
+            Some((index, file_name, _)) => {
                 let (path, file) = &self.files[*index];
                 file.load(file_name, &Device::Cpu).map_err(|e| {
                     Error::input(path, format!("cannot read tensor `{file_name}`: {e}"))
