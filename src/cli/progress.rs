@@ -15,12 +15,18 @@ pub struct Progress {
 /// cleared when dropped. Elsewhere nothing: the `ready to train` event
 /// tells when it ended.
 pub fn spinner(message: String) -> Option<Spinner> {
-    use std::io::IsTerminal;
-    (std::io::stderr().is_terminal() && !logging::stderr_json()).then(|| {
+    shows_bars().then(|| {
         let bar = indicatif::ProgressBar::new_spinner().with_message(message);
         bar.enable_steady_tick(std::time::Duration::from_millis(120));
         Spinner(bar)
     })
+}
+
+/// Whether stderr is a terminal that is not carrying JSON logs: where bars
+/// and spinners show.
+fn shows_bars() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && !logging::stderr_json()
 }
 
 /// A spinner shown until dropped ([`spinner`]).
@@ -36,9 +42,7 @@ impl Progress {
     /// Progress towards `steps`, `done` already. A bar when stderr is a
     /// terminal that is not carrying JSON logs.
     pub fn new(steps: u64, done: u64) -> Progress {
-        use std::io::IsTerminal;
-        let json_on_stderr = logging::stderr_json();
-        let bar = (std::io::stderr().is_terminal() && !json_on_stderr).then(|| {
+        let bar = shows_bars().then(|| {
             let bar = indicatif::ProgressBar::new(steps).with_position(done);
             let style = indicatif::ProgressStyle::with_template(
                 "{bar:30} step {pos}/{len} {elapsed_precise}  {msg}",

@@ -586,22 +586,10 @@ fn the_stock_backward_holds_more_at_every_moment() {
                 attention,
                 ..Plan::baseline(2, 256)
             };
-            let patched = activation_bytes_for(
-                &spec,
-                &plan,
-                &builtin_execution(&plan),
-                Backward::FirstGradientAsIs,
-            );
-            let stock = activation_bytes_for(
-                &spec,
-                &plan,
-                &builtin_execution(&plan),
-                Backward::ZerosPlusGradient,
-            );
-            assert_eq!(
-                patched,
-                activation_bytes(&spec, &plan, &builtin_execution(&plan))
-            );
+            let exec = builtin_execution(&plan);
+            let patched = activation_bytes_for(&spec, &plan, &exec, Backward::FirstGradientAsIs);
+            let stock = activation_bytes_for(&spec, &plan, &exec, Backward::ZerosPlusGradient);
+            assert_eq!(patched, activation_bytes(&spec, &plan, &exec));
             assert_eq!(stock.kept, patched.kept);
             assert!(stock.loss.transient > patched.loss.transient);
             assert!(stock.blocks.transient > patched.blocks.transient, "{plan}");

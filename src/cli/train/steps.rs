@@ -83,15 +83,12 @@ pub(super) fn train(
         evaluate(&mut trainer, &mut inputs.eval_data, &mut summary)?;
         evaluated_at = Some(trainer.steps());
     }
-    summary.startup = Some(Startup {
+    let startup = Startup {
         seconds: crate::cli::started().elapsed().as_secs_f64(),
         build_seconds,
-    });
-    tracing::info!(
-        seconds = summary.startup.map(|s| s.seconds),
-        build_seconds,
-        "ready to train"
-    );
+    };
+    tracing::info!(seconds = startup.seconds, build_seconds, "ready to train");
+    summary.startup = Some(startup);
     // Every rank stops at the same step boundary: a signal any rank received stops all.
     let mut stopped = false;
     while trainer.steps() < o.steps && !stopped {
