@@ -408,6 +408,28 @@ fn time<F: FnMut() -> Result<()>>(
     Ok(ms[reps / 2])
 }
 
+/// Random q `[b, heads, s, d]` and k, v `[b, kv_heads, s, d]` variables in
+/// `dtype`, for `(batch, heads, kv_heads, seq, head_dim)`.
+fn random_qkv(
+    device: &Device,
+    dtype: DType,
+    (b, h, kv, s, d): (usize, usize, usize, usize, usize),
+) -> Result<(Var, Var, Var)> {
+    let mk = |heads: usize| -> Result<Var> {
+        let t = Tensor::randn(0f32, 1.0, (b, heads, s, d), device)?.to_dtype(dtype)?;
+        Ok(Var::from_tensor(&t)?)
+    };
+    Ok((mk(h)?, mk(kv)?, mk(kv)?))
+}
+
+/// Causal attention's options.
+fn causal() -> AttentionOptions {
+    AttentionOptions {
+        causal: true,
+        ..Default::default()
+    }
+}
+
 /// Forward ms, forward+backward ms and the pool's peak (MiB) of causal
 /// attention over `(batch, heads, kv_heads, seq, head_dim)`.
 fn time_shape(
@@ -415,19 +437,9 @@ fn time_shape(
     dtype: DType,
     (b, h, kv, s, d): (usize, usize, usize, usize, usize),
 ) -> Result<(f64, f64, f64)> {
-    let mk = |heads: usize| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 1.0, (b, heads, s, d), device)?.to_dtype(dtype)?)
-    };
-    let (q, k, v, w) = (
-        Var::from_tensor(&mk(h)?)?,
-        Var::from_tensor(&mk(kv)?)?,
-        Var::from_tensor(&mk(kv)?)?,
-        mk(h)?,
-    );
-    let opts = AttentionOptions {
-        causal: true,
-        ..Default::default()
-    };
+    let (q, k, v) = random_qkv(device, dtype, (b, h, kv, s, d))?;
+    let w = Tensor::randn(0f32, 1.0, (b, h, s, d), device)?.to_dtype(dtype)?;
+    let opts = causal();
     let fwd = time(device, 3, 10, || {
         flash_attention(&q, &k, &v, &opts)?;
         Ok(())
@@ -533,21 +545,10 @@ fn backward_working_set(
     device: &Device,
     (b, h, kv, s, d): (usize, usize, usize, usize, usize),
 ) -> Result<(u64, u64)> {
-    let mk = |heads: usize| -> Result<Tensor> {
-        Ok(Tensor::randn(0f32, 1.0, (b, heads, s, d), device)?.to_dtype(DType::BF16)?)
-    };
-    let (q, k, v) = (
-        Var::from_tensor(&mk(h)?)?,
-        Var::from_tensor(&mk(kv)?)?,
-        Var::from_tensor(&mk(kv)?)?,
-    );
+    let (q, k, v) = random_qkv(device, DType::BF16, (b, h, kv, s, d))?;
     let w = Tensor::randn(0f32, 1.0, (b, s, h * d), device)?.to_dtype(DType::BF16)?;
-    let opts = AttentionOptions {
-        causal: true,
-        ..Default::default()
-    };
     let cuda = device.as_cuda_device()?;
-    let o = flash_attention(&q, &k, &v, &opts)?;
+    let o = flash_attention(&q, &k, &v, &causal())?;
     let merged = o.transpose(1, 2)?.reshape((b, s, h * d))?;
     let loss = (&merged * &w)?.sum_keepdim((1, 2))?.sum_all()?;
     let before = PoolStats::read(cuda)?.used;
