@@ -121,6 +121,30 @@ pub fn trim(device: &CudaDevice) -> candle_core::Result<()> {
     unsafe { mem_pool::trim_to(pool, 0) }.w()
 }
 
+/// Lets the device's pool keep the memory it has taken from the driver
+/// across synchronisations (release threshold: unlimited), as PyTorch's
+/// caching allocator keeps its segments; [`trim`] still returns it on request.
+///
+/// With CUDA's default threshold of zero, every synchronisation of a step
+/// (the loss, the gradient norm, the peak counters) hands all unused pool
+/// memory back, and the next phase maps it again: after the backward, the
+/// activations' gigabytes. The trainer sets this once when it is built on a
+/// CUDA device.
+pub fn keep_reserve(device: &CudaDevice) -> candle_core::Result<()> {
+    let pool = default_pool(device)?;
+    let mut unlimited = u64::MAX;
+    // SAFETY: the pool is the device's default pool; the release threshold
+    // takes a cuuint64_t.
+    unsafe {
+        mem_pool::set_attribute(
+            pool,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut unlimited as *mut u64).cast(),
+        )
+    }
+    .w()
+}
+
 /// Whether this build can record CUDA allocations ([`start_recording`]): it
 /// links the vendored candle-core, whose memory hook
 /// (`candle_core::cuda_backend::hook`) tells of every storage and pool

@@ -29,6 +29,17 @@ pub(crate) fn reset_device_peak(device: &Device) -> Result<()> {
     Ok(())
 }
 
+/// On CUDA, lets the device's pool keep its memory between the step's
+/// synchronisations ([`cuda::keep_reserve`]); nothing elsewhere.
+pub(crate) fn keep_device_reserve(device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(cuda) = device {
+        cuda::keep_reserve(cuda)?;
+    }
+    let _ = device;
+    Ok(())
+}
+
 /// Bytes live now: the heap's, or on CUDA the memory pool's.
 pub(crate) fn live_bytes(device: &Device) -> Result<u64> {
     #[cfg(feature = "cuda")]

@@ -230,6 +230,7 @@ impl Trainer {
             ));
         }
         check_fixes(model.capabilities(), &plan, device, &options.fixes)?;
+        track::keep_device_reserve(device)?;
         let vars = model.vars();
         if vars.is_empty() {
             return Err(Error::Usage("the model has no variables to train".into()));
