@@ -17,9 +17,9 @@ use crate::lora::{FrozenLinear, LoraLinear};
 /// `candle_nn::Linear` and `torch.nn.Linear` (or `[in, out]`, `y = x·W + b`,
 /// as GPT-2's `Conv1D` stores it: [`Linear::with_layout`]).
 ///
-/// With a bias, one [`ops::linear`] node (the bias added in place, only the
-/// output kept); without, the matrix product of `x` flattened to two
-/// dimensions, so that the weight's gradient is one product.
+/// One node either way: [`ops::linear`] with a bias (added in place, only
+/// the output kept), [`ops::project`] without; the weight's gradient is one
+/// product, made in the weight's layout.
 #[derive(Debug, Clone)]
 pub struct Linear {
     weight: Tensor,
@@ -65,19 +65,10 @@ impl Module for Linear {
     ///
     /// Allocates the output: with a bias, [`ops::linear`] adds it in place.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Some(bias) = &self.bias {
-            return ops::linear(x, &self.weight, bias, self.layout);
+        match &self.bias {
+            Some(bias) => ops::linear(x, &self.weight, bias, self.layout),
+            None => ops::project(x, &self.weight, self.layout),
         }
-        let (w, out) = match self.layout {
-            WeightLayout::OutIn => (self.weight.t()?, self.weight.dim(0)?),
-            WeightLayout::InOut => (self.weight.clone(), self.weight.dim(1)?),
-        };
-        let d_in = x.dim(D::Minus1)?;
-        let mut dims = x.dims().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = out;
-        }
-        x.reshape(((), d_in))?.matmul(&w)?.reshape(dims)
     }
 }
 

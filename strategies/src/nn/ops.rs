@@ -122,6 +122,14 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, layout: WeightLayout) -> Resul
         .apply_op3(w, &b.contiguous()?, CustomOp(Linear { layout }))
 }
 
+/// `x·W` over the last dimension of `x` (`[.., in]` → `[.., out]`), with `W`
+/// stored as `layout` says and no bias: one node whose backward makes the
+/// weight's gradient in the weight's own layout (`dyᵀ·x` for `[out, in]`),
+/// where `x.matmul(&w.t())` makes it transposed and copies it back.
+pub fn project(x: &Tensor, w: &Tensor, layout: WeightLayout) -> Result<Tensor> {
+    x.contiguous()?.apply_op2(w, CustomOp(Project { layout }))
+}
+
 /// GELU of `x` (any shape), keeping nothing but its input and output.
 pub fn gelu(x: &Tensor, form: GeluForm) -> Result<Tensor> {
     x.contiguous()?.apply_op1(CustomOp(Gelu(form)))
@@ -556,16 +564,16 @@ impl Linear {
     }
 
     /// The matrix product `x·W` on either device, after checking the bias's
-    /// layout `b`: the `[n, out]` storage, `n`, and the output's shape (`x`'s
-    /// with the last dimension `out`).
+    /// layout `b` (if any): the `[n, out]` storage, `n`, and the output's
+    /// shape (`x`'s with the last dimension `out`).
     fn product<S: BackendStorage>(
         &self,
         (x, xl): (&S, &Layout),
         (w, wl): (&S, &Layout),
-        b: &Layout,
+        b: Option<&Layout>,
     ) -> Result<(S, usize, Shape)> {
         let (n, d_in, out, rhs) = self.dims(xl, wl)?;
-        if b.shape().dims() != [out] {
+        if let Some(b) = b.filter(|b| b.shape().dims() != [out]) {
             candle_core::bail!("linear: the bias must be [{out}], got {:?}", b.dims());
         }
         let lhs = Layout::contiguous_with_offset((n, d_in), xl.start_offset());
@@ -594,31 +602,73 @@ impl Kernel<3> for Linear {
     }
 
     fn cpu_fwd(&self, [x, w, b]: [Input<'_, CpuStorage>; 3]) -> Result<(CpuStorage, Shape)> {
-        let (y, _, shape) = self.product(x, w, b.1)?;
+        let (y, _, shape) = self.product(x, w, Some(b.1))?;
         let y = by_dtype!(x.0.dtype(), add_bias_cpu(y, cpu_slice(b.0, b.1)?))?;
         Ok((y, shape))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, [x, w, b]: [Input<'_, CudaStorage>; 3]) -> Result<(CudaStorage, Shape)> {
-        let (mut y, n, shape) = self.product(x, w, b.1)?;
+        let (mut y, n, shape) = self.product(x, w, Some(b.1))?;
         cuda::add_bias(&mut y, n, b)?;
         Ok((y, shape))
     }
 
     /// `dx = dy·Wᵀ`, `dW = xᵀ·dy` (`[out, in]` weights: `dyᵀ·x`), `db = Σ_rows dy`,
     /// all from detached tensors so that no gradient carries a graph.
-    fn bwd(&self, [x, w, b]: [&Tensor; 3], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 3]> {
+    fn bwd(&self, [x, w, _]: [&Tensor; 3], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 3]> {
+        let (dx, dw, dy2) = self.grads(x, w, dy)?;
+        Ok([Some(dx), Some(dw), Some(column_sum(&dy2)?)])
+    }
+}
+
+impl Linear {
+    /// `x`'s gradient, `W`'s in its own layout, and `dy` as `[n, out]`.
+    fn grads(&self, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (x, w) = (x.detach(), w.detach());
         let d_in = x.dim(D::Minus1)?;
         let x2 = x.reshape(((), d_in))?;
-        let dy2 = dy.reshape(((), b.dim(0)?))?;
+        let dy2 = dy.reshape(((), dy.dim(D::Minus1)?))?;
         let (dx, dw) = match self.layout {
             WeightLayout::InOut => (dy2.matmul(&w.t()?)?, x2.t()?.matmul(&dy2)?),
             WeightLayout::OutIn => (dy2.matmul(&w)?, dy2.t()?.matmul(&x2)?),
         };
-        let db = column_sum(&dy2)?;
-        Ok([Some(dx.reshape(x.shape())?), Some(dw), Some(db)])
+        Ok((dx.reshape(x.shape())?, dw, dy2))
+    }
+}
+
+/// `x·W` without a bias ([`project`]): [`Linear`]'s product and gradients.
+struct Project {
+    layout: WeightLayout,
+}
+
+impl Project {
+    fn linear(&self) -> Linear {
+        Linear {
+            layout: self.layout,
+        }
+    }
+}
+
+impl Kernel<2> for Project {
+    fn name(&self) -> &'static str {
+        "oomfix-project"
+    }
+
+    fn cpu_fwd(&self, [x, w]: [Input<'_, CpuStorage>; 2]) -> Result<(CpuStorage, Shape)> {
+        let (y, _, shape) = self.linear().product(x, w, None)?;
+        Ok((y, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, [x, w]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
+        let (y, _, shape) = self.linear().product(x, w, None)?;
+        Ok((y, shape))
+    }
+
+    fn bwd(&self, [x, w]: [&Tensor; 2], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 2]> {
+        let (dx, dw, _) = self.linear().grads(x, w, dy)?;
+        Ok([Some(dx), Some(dw)])
     }
 }
 

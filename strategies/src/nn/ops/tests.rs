@@ -143,6 +143,25 @@ fn linear_matches_matmul_plus_bias_in_both_weight_layouts() {
 }
 
 #[test]
+fn project_matches_matmul_in_both_weight_layouts() {
+    let x = randn(&[2, 5, 24], 1.0, 0.0);
+    for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+        let w = match layout {
+            WeightLayout::InOut => randn(&[24, 40], 0.2, 0.0),
+            WeightLayout::OutIn => randn(&[40, 24], 0.2, 0.0),
+        };
+        check(
+            &[x.clone(), w],
+            |t| project(&t[0], &t[1], layout).unwrap(),
+            |t| match layout {
+                WeightLayout::InOut => t[0].broadcast_matmul(&t[1]).unwrap(),
+                WeightLayout::OutIn => t[0].broadcast_matmul(&t[1].t().unwrap()).unwrap(),
+            },
+        );
+    }
+}
+
+#[test]
 fn gelu_matches_candles_tanh_and_erf_forms() {
     let x = randn(&[3, 50, 33], 2.0, 0.0);
     check(
