@@ -194,3 +194,27 @@ fn a_model_given_as_code_takes_no_weights_files_and_makes_its_own_batches() {
     assert!(!out.exists());
     assert!(t.step(&mut DataSource::ModelMade).unwrap().loss.is_finite());
 }
+
+/// On a CUDA device the trainer lets the pool keep what it has taken across
+/// the step's synchronisations, so that each phase does not map its memory
+/// again. Skipped where no device is.
+#[cfg(feature = "cuda")]
+#[test]
+fn a_trainer_on_cuda_lets_the_pool_keep_its_reserve() {
+    use oomfix::track::cuda::release_threshold;
+    let Ok(device) = Device::new_cuda(0) else {
+        eprintln!("no CUDA device: skipped");
+        return;
+    };
+    let cuda = device.as_cuda_device().unwrap();
+    let mut t = Trainer::of_model(
+        recorder(Seen::default(), 0..0),
+        Plan::baseline(2, 1),
+        &device,
+        &TrainOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(release_threshold(cuda).unwrap(), u64::MAX);
+    t.step(&mut DataSource::ModelMade).unwrap();
+    assert_eq!(release_threshold(cuda).unwrap(), u64::MAX);
+}

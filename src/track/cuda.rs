@@ -145,6 +145,15 @@ pub fn keep_reserve(device: &CudaDevice) -> candle_core::Result<()> {
     .w()
 }
 
+/// The device pool's release threshold: the bytes it keeps from the driver
+/// across synchronisations ([`keep_reserve`] makes it `u64::MAX`).
+pub fn release_threshold(device: &CudaDevice) -> candle_core::Result<u64> {
+    get(
+        default_pool(device)?,
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+    )
+}
+
 /// Whether this build can record CUDA allocations ([`start_recording`]): it
 /// links the vendored candle-core, whose memory hook
 /// (`candle_core::cuda_backend::hook`) tells of every storage and pool
@@ -333,7 +342,7 @@ fn default_pool(device: &CudaDevice) -> candle_core::Result<CUmemoryPool> {
 
 fn get(pool: CUmemoryPool, attr: CUmemPool_attribute) -> candle_core::Result<u64> {
     let mut value: u64 = 0;
-    // SAFETY: the four byte-count attributes read here are cuuint64_t.
+    // SAFETY: the byte-count attributes read here are cuuint64_t.
     unsafe { mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }.w()?;
     Ok(value)
 }
