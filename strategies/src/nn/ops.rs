@@ -127,7 +127,7 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor, layout: WeightLayout) -> Resul
 /// weight's gradient in the weight's own layout (`dyᵀ·x` for `[out, in]`),
 /// where `x.matmul(&w.t())` makes it transposed and copies it back.
 pub fn project(x: &Tensor, w: &Tensor, layout: WeightLayout) -> Result<Tensor> {
-    x.contiguous()?.apply_op2(w, CustomOp(Project { layout }))
+    x.contiguous()?.apply_op2(w, CustomOp(Linear { layout }))
 }
 
 /// GELU of `x` (any shape), keeping nothing but its input and output.
@@ -539,7 +539,8 @@ impl Kernel<3> for NormGrad {
     }
 }
 
-/// `x·W + b`: one matrix product, then the bias added in place.
+/// `x·W + b`: one matrix product, then the bias added in place (three
+/// inputs: [`linear`]); without a bias, the product alone (two: [`project`]).
 struct Linear {
     layout: WeightLayout,
 }
@@ -584,6 +585,21 @@ impl Linear {
         }
         Ok((y, n, Shape::from(dims)))
     }
+
+    /// `x`'s gradient, `W`'s in its own layout (`dx = dy·Wᵀ`, `dW = xᵀ·dy`;
+    /// `[out, in]` weights: `dyᵀ·x`), and `dy` as `[n, out]`, all from
+    /// detached tensors so that no gradient carries a graph.
+    fn grads(&self, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (x, w) = (x.detach(), w.detach());
+        let d_in = x.dim(D::Minus1)?;
+        let x2 = x.reshape(((), d_in))?;
+        let dy2 = dy.reshape(((), dy.dim(D::Minus1)?))?;
+        let (dx, dw) = match self.layout {
+            WeightLayout::InOut => (dy2.matmul(&w.t()?)?, x2.t()?.matmul(&dy2)?),
+            WeightLayout::OutIn => (dy2.matmul(&w)?, dy2.t()?.matmul(&x2)?),
+        };
+        Ok((dx.reshape(x.shape())?, dw, dy2))
+    }
 }
 
 fn add_bias_cpu<T: WithDType>(y: CpuStorage, b: &[T]) -> Result<CpuStorage> {
@@ -614,60 +630,32 @@ impl Kernel<3> for Linear {
         Ok((y, shape))
     }
 
-    /// `dx = dy·Wᵀ`, `dW = xᵀ·dy` (`[out, in]` weights: `dyᵀ·x`), `db = Σ_rows dy`,
-    /// all from detached tensors so that no gradient carries a graph.
+    /// `dx`, `dW` ([`Linear::grads`]) and `db = Σ_rows dy`.
     fn bwd(&self, [x, w, _]: [&Tensor; 3], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 3]> {
         let (dx, dw, dy2) = self.grads(x, w, dy)?;
         Ok([Some(dx), Some(dw), Some(column_sum(&dy2)?)])
     }
 }
 
-impl Linear {
-    /// `x`'s gradient, `W`'s in its own layout, and `dy` as `[n, out]`.
-    fn grads(&self, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let (x, w) = (x.detach(), w.detach());
-        let d_in = x.dim(D::Minus1)?;
-        let x2 = x.reshape(((), d_in))?;
-        let dy2 = dy.reshape(((), dy.dim(D::Minus1)?))?;
-        let (dx, dw) = match self.layout {
-            WeightLayout::InOut => (dy2.matmul(&w.t()?)?, x2.t()?.matmul(&dy2)?),
-            WeightLayout::OutIn => (dy2.matmul(&w)?, dy2.t()?.matmul(&x2)?),
-        };
-        Ok((dx.reshape(x.shape())?, dw, dy2))
-    }
-}
-
-/// `x·W` without a bias ([`project`]): [`Linear`]'s product and gradients.
-struct Project {
-    layout: WeightLayout,
-}
-
-impl Project {
-    fn linear(&self) -> Linear {
-        Linear {
-            layout: self.layout,
-        }
-    }
-}
-
-impl Kernel<2> for Project {
+/// `x·W` without a bias ([`project`]).
+impl Kernel<2> for Linear {
     fn name(&self) -> &'static str {
         "oomfix-project"
     }
 
     fn cpu_fwd(&self, [x, w]: [Input<'_, CpuStorage>; 2]) -> Result<(CpuStorage, Shape)> {
-        let (y, _, shape) = self.linear().product(x, w, None)?;
+        let (y, _, shape) = self.product(x, w, None)?;
         Ok((y, shape))
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, [x, w]: [Input<'_, CudaStorage>; 2]) -> Result<(CudaStorage, Shape)> {
-        let (y, _, shape) = self.linear().product(x, w, None)?;
+        let (y, _, shape) = self.product(x, w, None)?;
         Ok((y, shape))
     }
 
     fn bwd(&self, [x, w]: [&Tensor; 2], _: &Tensor, dy: &Tensor) -> Result<[Option<Tensor>; 2]> {
-        let (dx, dw, _) = self.linear().grads(x, w, dy)?;
+        let (dx, dw, _) = self.grads(x, w, dy)?;
         Ok([Some(dx), Some(dw)])
     }
 }
