@@ -22,8 +22,8 @@ pub(crate) const CUDA_POOL_GRANULARITY: u64 = 2 << 20;
 /// them (`track::cuda::keep_reserve`), which moved the reserved peaks of
 /// the speed guard's four bf16 rows by at most 0.15 GiB (docs/speed.md). A
 /// device that must hold the plan needs this much above the live bytes
-/// ([`Target::pool_slack_bytes`]): per block of the model, its backward's gradients and activation
-/// gradients freed among requests of other sizes ...
+/// ([`Target::pool_slack_bytes`]): per block of the model, its backward's
+/// gradients and activation gradients freed among requests of other sizes ...
 pub(crate) const CUDA_POOL_SLACK_PER_BLOCK: u64 = 12 << 20;
 
 /// ... with checkpointing, every segment's recomputed internals freed before
