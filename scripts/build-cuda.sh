@@ -12,16 +12,22 @@
 #      machine's library folders;
 #   5. strip the binary and write an xz-compressed copy to carry over.
 #
-# Usage: scripts/build-cuda.sh [--features LIST] [--example NAME] [--compute-cap N] [--cache DIR]
+# Usage: scripts/build-cuda.sh [--features LIST] [--example NAME | --test NAME] [--compute-cap N] [--cache DIR]
 #   --features LIST    cargo features (default: cuda,nccl; e.g. `cuda`)
 #   --example NAME     build the example NAME instead of the `oomfix` binary
+#   --test NAME        build the integration test tests/NAME.rs instead (its
+#                      CUDA tests run where a device is; run the unpacked
+#                      binary with the test names to run, as `cargo test`
+#                      would; tests that read the repository's files need
+#                      it at the path they were built in)
 #   --compute-cap N    GPU compute capability, 90 = H100/H200 (default: 90)
 #   --cache DIR        toolkit cache (default: $OOMFIX_CUDA_CACHE or
 #                      ~/.cache/oomfix-cuda)
 #
 # Outputs: target-cuda/release/oomfix, target-cuda/oomfix-cuda (stripped),
 # target-cuda/oomfix-cuda.xz (to copy; `xz -d` it on the GPU machine); for an
-# example, target-cuda/release/examples/NAME, target-cuda/NAME-cuda(.xz).
+# example, target-cuda/release/examples/NAME, target-cuda/NAME-cuda(.xz); for a
+# test, target-cuda/NAME-test-cuda(.xz).
 set -euo pipefail
 
 # shellcheck source=scripts/cuda-env.sh
@@ -38,6 +44,7 @@ GLIBC_LIMIT=2.39
 
 FEATURES=cuda,nccl
 EXAMPLE=
+TEST=
 COMPUTE_CAP=90
 CACHE=${OOMFIX_CUDA_CACHE:-$HOME/.cache/oomfix-cuda}
 
@@ -47,6 +54,7 @@ while (($#)); do
     case $1 in
         --features) FEATURES=${2:?--features needs a value}; shift 2 ;;
         --example) EXAMPLE=${2:?--example needs a value}; shift 2 ;;
+        --test) TEST=${2:?--test needs a value}; shift 2 ;;
         --compute-cap) COMPUTE_CAP=${2:?--compute-cap needs a value}; shift 2 ;;
         --cache) CACHE=${2:?--cache needs a value}; shift 2 ;;
         -h | --help) usage; exit 0 ;;
@@ -55,8 +63,12 @@ while (($#)); do
 done
 [[ $COMPUTE_CAP =~ ^[0-9]+$ ]] || die "--compute-cap must be a number such as 90, got '$COMPUTE_CAP'"
 [[ -z $EXAMPLE || $EXAMPLE =~ ^[A-Za-z0-9_-]+$ ]] || die "--example must be an example's name, got '$EXAMPLE'"
+[[ -z $TEST || $TEST =~ ^[A-Za-z0-9_-]+$ ]] || die "--test must be a test's name, got '$TEST'"
+[[ -z $TEST || -z $EXAMPLE ]] || die "--example and --test build one thing each: give one"
 # What cargo builds, where it lands, and the name of the packaged copy.
-if [[ -n $EXAMPLE ]]; then
+if [[ -n $TEST ]]; then
+    TARGET_ARGS=(--test "$TEST") BUILT= PACKAGED=target-cuda/$TEST-test-cuda
+elif [[ -n $EXAMPLE ]]; then
     TARGET_ARGS=(--example "$EXAMPLE") BUILT=target-cuda/release/examples/$EXAMPLE PACKAGED=target-cuda/$EXAMPLE-cuda
 else
     TARGET_ARGS=(--bin oomfix) BUILT=target-cuda/release/oomfix PACKAGED=target-cuda/oomfix-cuda
@@ -80,7 +92,19 @@ cargo_build() {
     say "nvcc: $(nvcc --version | sed -n 's/^Cuda compilation tools, //p')"
     say "cargo build --release --features $FEATURES --target-dir target-cuda ${TARGET_ARGS[*]} (CUDA_COMPUTE_CAP=$COMPUTE_CAP)"
     start=$SECONDS
-    cargo build --release --features "$FEATURES" --target-dir target-cuda "${TARGET_ARGS[@]}"
+    if [[ -n $TEST ]]; then
+        # The test binary's path is in cargo's report of what it built.
+        BUILT=$(cargo test --release --no-run --features "$FEATURES" --target-dir target-cuda \
+            "${TARGET_ARGS[@]}" --message-format=json |
+            python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["executable"])')
+        [[ -n $BUILT ]] || die "cargo built no test binary for --test $TEST"
+    else
+        cargo build --release --features "$FEATURES" --target-dir target-cuda "${TARGET_ARGS[@]}"
+    fi
     say "cargo build took $((SECONDS - start)) s"
 }
 
